@@ -1,0 +1,272 @@
+use std::collections::BTreeMap;
+use std::sync::Arc;
+
+use actix::{Actor, Addr, Context};
+use uuid::Uuid;
+
+use crate::{Envelope, Error, HandlerId, Message};
+
+/// What one attempt at one delivery knows about its message.
+#[derive(Debug)]
+pub(crate) struct Scope {
+    pub(crate) message_id: Uuid,
+    pub(crate) message_type: String,
+    pub(crate) attempt: u32,
+    pub(crate) correlation_id: Option<Uuid>,
+    pub(crate) causation_id: Option<Uuid>,
+    pub(crate) deduplication_id: Option<String>,
+    pub(crate) headers: BTreeMap<String, String>,
+    pub(crate) max_envelope_size: usize,
+}
+
+impl Scope {
+    pub(crate) fn new(envelope: &Envelope, attempt: u32, max_envelope_size: usize) -> Self {
+        Self {
+            message_id: envelope.id,
+            message_type: envelope.message_type.clone(),
+            attempt,
+            correlation_id: envelope.correlation_id,
+            causation_id: envelope.causation_id,
+            deduplication_id: envelope.deduplication_id.clone(),
+            headers: envelope.headers.clone(),
+            max_envelope_size,
+        }
+    }
+}
+
+/// The actor scoped to one attempt at one delivery: it holds the message's identity and
+/// collects the messages its handlers cascade, which leave only if the attempt succeeds.
+#[derive(Debug)]
+pub struct ContextActor {
+    scope: Arc<Scope>,
+    cascaded: Vec<Envelope>,
+}
+
+impl ContextActor {
+    pub(crate) fn new(scope: Arc<Scope>) -> Self {
+        Self { scope, cascaded: Vec::new() }
+    }
+
+    /// A handle on this actor for one handler.
+    pub(crate) fn handle_for(addr: Addr<Self>, scope: Arc<Scope>, handler: HandlerId) -> MessageContext {
+        MessageContext { scope: Some(Attached { scope, actor: addr, handler }) }
+    }
+}
+
+impl Actor for ContextActor {
+    type Context = Context<Self>;
+}
+
+/// A cascaded message, kept until the attempt settles.
+pub(crate) struct Cascade(pub(crate) Envelope);
+
+impl actix::Message for Cascade {
+    type Result = ();
+}
+
+impl actix::Handler<Cascade> for ContextActor {
+    type Result = ();
+
+    fn handle(&mut self, Cascade(envelope): Cascade, _: &mut Context<Self>) {
+        self.cascaded.push(envelope);
+    }
+}
+
+/// Hands over the cascaded messages of a successful attempt.
+pub(crate) struct TakeCascaded;
+
+impl actix::Message for TakeCascaded {
+    type Result = Vec<Envelope>;
+}
+
+impl actix::Handler<TakeCascaded> for ContextActor {
+    type Result = actix::MessageResult<TakeCascaded>;
+
+    fn handle(&mut self, _: TakeCascaded, _: &mut Context<Self>) -> Self::Result {
+        tracing::trace!(
+            message_id = %self.scope.message_id,
+            cascaded = self.cascaded.len(),
+            "attempt succeeded; releasing cascaded messages"
+        );
+        actix::MessageResult(std::mem::take(&mut self.cascaded))
+    }
+}
+
+#[derive(Clone, Debug)]
+struct Attached {
+    scope: Arc<Scope>,
+    actor: Addr<ContextActor>,
+    handler: HandlerId,
+}
+
+/// What a handler knows about the message it handles, and how it cascades new messages.
+///
+/// Inside a consumer, [`message_id`](Self::message_id) is `Some`: the envelope id, the same on
+/// every retry and redelivery, from which handlers derive deterministic row ids. A context made
+/// with [`MessageContext::detached`] (a controller, a job) has no message: `message_id` is
+/// `None` and publishing fails with [`Error::Detached`].
+#[derive(Clone, Debug)]
+pub struct MessageContext {
+    scope: Option<Attached>,
+}
+
+static NO_HEADERS: BTreeMap<String, String> = BTreeMap::new();
+
+impl MessageContext {
+    /// A context outside any delivery.
+    pub fn detached() -> Self {
+        Self { scope: None }
+    }
+
+    fn scope(&self) -> Option<&Scope> {
+        self.scope.as_ref().map(|a| &*a.scope)
+    }
+
+    /// The id of the message being handled; `None` outside a consumer.
+    pub fn message_id(&self) -> Option<Uuid> {
+        self.scope().map(|s| s.message_id)
+    }
+
+    /// The type name of the message being handled.
+    pub fn message_type(&self) -> Option<&str> {
+        self.scope().map(|s| s.message_type.as_str())
+    }
+
+    /// The attempt number, 1 for the first; 0 outside a consumer.
+    pub fn attempt(&self) -> u32 {
+        self.scope().map_or(0, |s| s.attempt)
+    }
+
+    /// The conversation's correlation id.
+    pub fn correlation_id(&self) -> Option<Uuid> {
+        self.scope().and_then(|s| s.correlation_id)
+    }
+
+    /// The id of the message that caused this one.
+    pub fn causation_id(&self) -> Option<Uuid> {
+        self.scope().and_then(|s| s.causation_id)
+    }
+
+    /// The message's logical deduplication id.
+    pub fn deduplication_id(&self) -> Option<&str> {
+        self.scope().and_then(|s| s.deduplication_id.as_deref())
+    }
+
+    /// The message's headers (empty outside a consumer).
+    pub fn headers(&self) -> &BTreeMap<String, String> {
+        self.scope().map_or(&NO_HEADERS, |s| &s.headers)
+    }
+
+    /// The handler this context was given to.
+    pub fn handler(&self) -> Option<&HandlerId> {
+        self.scope.as_ref().map(|a| &a.handler)
+    }
+
+    /// Cascades `message`: it is published only if every handler of this attempt succeeds, and
+    /// carries this message's id as its causation id. Returns the new envelope's id.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Detached`] outside a consumer or once the attempt is over,
+    /// [`Error::Serialize`] and [`Error::TooLarge`] for a message that cannot be sent.
+    ///
+    /// # Cancel safety
+    ///
+    /// If cancelled, the message may or may not have been cascaded.
+    pub async fn publish<M: Message>(&self, message: &M) -> Result<Uuid, Error> {
+        self.publish_with(message, SendOptions::default()).await
+    }
+
+    /// [`publish`](Self::publish) with a deduplication id, headers or correlation id.
+    ///
+    /// # Errors
+    ///
+    /// As [`publish`](Self::publish).
+    ///
+    /// # Cancel safety
+    ///
+    /// As [`publish`](Self::publish).
+    pub async fn publish_with<M: Message>(
+        &self,
+        message: &M,
+        options: SendOptions,
+    ) -> Result<Uuid, Error> {
+        let attached = self.scope.as_ref().ok_or(Error::Detached)?;
+        let scope = &attached.scope;
+        let mut envelope = Envelope::for_message(message)?;
+        envelope.correlation_id = scope.correlation_id.or(Some(scope.message_id));
+        envelope.causation_id = Some(scope.message_id);
+        options.apply(&mut envelope);
+        let size = envelope.size();
+        if size > scope.max_envelope_size {
+            return Err(Error::TooLarge {
+                envelope: Box::new(envelope),
+                size,
+                limit: scope.max_envelope_size,
+            });
+        }
+        let id = envelope.id;
+        attached.actor.send(Cascade(envelope)).await.map_err(|_| Error::Detached)?;
+        Ok(id)
+    }
+}
+
+/// Per-send settings: deduplication id, headers, correlation id.
+///
+/// ```
+/// use reprise_actors::SendOptions;
+///
+/// let options = SendOptions::new()
+///     .deduplication_id("rebuild|2026-11-30T03:00:00Z")
+///     .header("tenant", "acme");
+/// # let _ = options;
+/// ```
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct SendOptions {
+    /// The intent's id; an explicit one always wins over derived ones.
+    pub deduplication_id: Option<String>,
+    /// Headers to add.
+    pub headers: BTreeMap<String, String>,
+    /// The conversation to join, instead of a new one (or the causing message's).
+    pub correlation_id: Option<Uuid>,
+}
+
+impl SendOptions {
+    /// No options.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Sets the deduplication id.
+    #[must_use]
+    pub fn deduplication_id(mut self, id: impl Into<String>) -> Self {
+        self.deduplication_id = Some(id.into());
+        self
+    }
+
+    /// Adds a header.
+    #[must_use]
+    pub fn header(mut self, name: impl Into<String>, value: impl Into<String>) -> Self {
+        self.headers.insert(name.into(), value.into());
+        self
+    }
+
+    /// Sets the correlation id.
+    #[must_use]
+    pub fn correlation_id(mut self, id: Uuid) -> Self {
+        self.correlation_id = Some(id);
+        self
+    }
+
+    /// Writes these options into `envelope`.
+    pub fn apply(self, envelope: &mut Envelope) {
+        if let Some(id) = self.deduplication_id {
+            envelope.deduplication_id = Some(id);
+        }
+        if let Some(id) = self.correlation_id {
+            envelope.correlation_id = Some(id);
+        }
+        envelope.headers.extend(self.headers);
+    }
+}

@@ -1,0 +1,85 @@
+use std::fmt;
+
+use chrono::{DateTime, Utc};
+use serde::{Deserialize, Serialize};
+
+use crate::{AggregateError, Envelope};
+
+/// Why a message was dead-lettered.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[non_exhaustive]
+pub enum DeadLetterReason {
+    /// Every attempt the retry policy allows failed.
+    RetriesExhausted,
+    /// A handler reported a failure that no retry can fix.
+    Permanent,
+    /// The payload does not deserialize into the registered message type.
+    MalformedPayload(String),
+    /// No handler is registered for the message type.
+    NoHandler(String),
+    /// The envelope is larger than the runtime accepts.
+    TooLarge {
+        /// The envelope's size in bytes.
+        size: usize,
+        /// The configured limit in bytes.
+        limit: usize,
+    },
+}
+
+impl fmt::Display for DeadLetterReason {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Self::RetriesExhausted => f.write_str("retries exhausted"),
+            Self::Permanent => f.write_str("permanent failure"),
+            Self::MalformedPayload(error) => write!(f, "malformed payload: {error}"),
+            Self::NoHandler(message_type) => write!(f, "no handler for {message_type}"),
+            Self::TooLarge { size, limit } => {
+                write!(f, "envelope too large: {size} bytes over a limit of {limit}")
+            }
+        }
+    }
+}
+
+/// A message the runtime gave up on, with everything needed to understand and replay it.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[non_exhaustive]
+pub struct DeadLetter {
+    /// The envelope as it was received (its id is the dead letter's id).
+    pub envelope: Envelope,
+    /// Why it was dead-lettered.
+    pub reason: DeadLetterReason,
+    /// The aggregate error of every failed attempt, oldest first (empty for bad input).
+    pub failures: Vec<AggregateError>,
+    /// How many attempts ran.
+    pub attempts: u32,
+    /// When the first attempt failed (or the input was rejected).
+    pub first_failure_at: DateTime<Utc>,
+    /// When the last attempt failed.
+    pub last_failure_at: DateTime<Utc>,
+}
+
+impl DeadLetter {
+    /// A dead letter for input rejected before any handler ran.
+    pub fn rejected(envelope: Envelope, reason: DeadLetterReason, at: DateTime<Utc>) -> Self {
+        Self {
+            envelope,
+            reason,
+            failures: Vec::new(),
+            attempts: 0,
+            first_failure_at: at,
+            last_failure_at: at,
+        }
+    }
+
+    /// A dead letter for a message whose handlers failed.
+    pub fn failed(
+        envelope: Envelope,
+        reason: DeadLetterReason,
+        failures: Vec<AggregateError>,
+        first_failure_at: DateTime<Utc>,
+        last_failure_at: DateTime<Utc>,
+    ) -> Self {
+        let attempts = failures.last().map_or(0, |f| f.attempt);
+        Self { envelope, reason, failures, attempts, first_failure_at, last_failure_at }
+    }
+}

@@ -1,0 +1,154 @@
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+use actix::{Actor, Addr, ArbiterHandle};
+use tokio::sync::{Semaphore, oneshot};
+
+use crate::ports::{Clock, DeadLetterStore, Inbox, Receipt};
+use crate::report::DiscardReason;
+use crate::stats::Counter;
+use crate::tracker::Tracker;
+use crate::{DeliveryReport, DeliverySupervisor, Envelope, Error, Registry, Stats, TimerActor};
+
+/// What to do with a message of a type no handler handles.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum UnknownMessageTypes {
+    /// Dead-letter it with the reason `no handler for TYPE` (the default).
+    #[default]
+    DeadLetter,
+    /// Discard it and log a warning.
+    Discard,
+}
+
+/// Everything the engine's actors share.
+pub(crate) struct Shared {
+    pub(crate) registry: Arc<Registry>,
+    pub(crate) inbox: Arc<dyn Inbox>,
+    pub(crate) dead_letters: Arc<dyn DeadLetterStore>,
+    pub(crate) clock: Arc<dyn Clock>,
+    pub(crate) timer: Addr<TimerActor>,
+    pub(crate) tracker: Tracker,
+    pub(crate) stats: Arc<Stats>,
+    pub(crate) permits: Arc<Semaphore>,
+    pub(crate) arbiters: Vec<ArbiterHandle>,
+    pub(crate) next_arbiter: AtomicUsize,
+    pub(crate) max_envelope_size: usize,
+    pub(crate) unknown_message_types: UnknownMessageTypes,
+}
+
+/// The entry point of received envelopes: it asks the inbox, waits for capacity, and starts a
+/// [`DeliverySupervisor`] on one of the engine's arbiters.
+#[derive(Clone)]
+pub struct Dispatcher {
+    pub(crate) shared: Arc<Shared>,
+}
+
+impl std::fmt::Debug for Dispatcher {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Dispatcher").finish_non_exhaustive()
+    }
+}
+
+impl Dispatcher {
+    /// Delivers a received envelope. Returns once the envelope is accepted (recorded by the
+    /// inbox and handed to a supervisor) or discarded as a duplicate, not when it is handled;
+    /// `reply`, if given, receives the report when the delivery settles.
+    ///
+    /// Waits while the configured number of deliveries is already in flight.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::ShuttingDown`] once a shutdown began, and [`Error::Store`] when the inbox
+    /// cannot record the envelope; in both cases the envelope was not accepted and must not be
+    /// acknowledged to its transport.
+    ///
+    /// # Cancel safety
+    ///
+    /// Not cancel safe: cancelled after the inbox recorded the envelope, the envelope is known
+    /// but not handled until it is redelivered after the inbox forgets it.
+    pub async fn dispatch(
+        &self,
+        envelope: Envelope,
+        reply: Option<oneshot::Sender<DeliveryReport>>,
+    ) -> Result<(), Error> {
+        let Some(seq) = self.shared.tracker.admit(envelope.id, true) else {
+            return Err(Error::ShuttingDown(Box::new(envelope)));
+        };
+        self.run(seq, envelope, reply).await
+    }
+
+    /// Delivers the messages cascaded by a successful delivery, in the background.
+    pub(crate) fn forward(&self, envelopes: Vec<Envelope>) {
+        if envelopes.is_empty() {
+            return;
+        }
+        // Admitted now, before the parent settles, so a draining shutdown waits for them too.
+        let admitted: Vec<(u64, Envelope)> = envelopes
+            .into_iter()
+            .filter_map(|e| self.shared.tracker.admit(e.id, false).map(|seq| (seq, e)))
+            .collect();
+        let this = self.clone();
+        actix::spawn(async move {
+            for (seq, envelope) in admitted {
+                let id = envelope.id;
+                if let Err(error) = this.run(seq, envelope, None).await {
+                    tracing::error!(message_id = %id, %error, "cascaded message could not be delivered");
+                }
+            }
+        });
+    }
+
+    async fn run(
+        &self,
+        seq: u64,
+        envelope: Envelope,
+        reply: Option<oneshot::Sender<DeliveryReport>>,
+    ) -> Result<(), Error> {
+        let shared = &self.shared;
+        shared.stats.bump(Counter::Received);
+        let result = async {
+            let permit = Arc::clone(&shared.permits)
+                .acquire_owned()
+                .await
+                .map_err(|_| Error::ShuttingDown(Box::new(envelope.clone())))?;
+            let receipt = shared.inbox.receive(&envelope).await?;
+            Ok::<_, Error>((permit, receipt))
+        }
+        .await;
+        let (permit, receipt) = match result {
+            Ok(accepted) => accepted,
+            Err(error) => {
+                shared.tracker.finish(seq);
+                return Err(error);
+            }
+        };
+        if receipt == Receipt::Duplicate {
+            shared.stats.bump(Counter::Deduplicated);
+            tracing::info!(
+                messaging.message.id = %envelope.id,
+                reprise.message_type = %envelope.message_type,
+                "duplicate envelope discarded"
+            );
+            if let Some(reply) = reply {
+                let _ = reply.send(DeliveryReport::discarded(&envelope, DiscardReason::DuplicateEnvelope));
+            }
+            shared.tracker.finish(seq);
+            return Ok(());
+        }
+        let index = shared.next_arbiter.fetch_add(1, Ordering::Relaxed) % shared.arbiters.len();
+        let supervisor = DeliverySupervisor::new(self.clone(), seq, envelope, permit, reply);
+        DeliverySupervisor::start_in_arbiter(&shared.arbiters[index], move |_| supervisor);
+        Ok(())
+    }
+
+    /// The engine's counters.
+    pub fn stats(&self) -> &Arc<Stats> {
+        &self.shared.stats
+    }
+
+    /// The routes this engine serves.
+    pub fn registry(&self) -> &Arc<Registry> {
+        &self.shared.registry
+    }
+}

@@ -1,0 +1,182 @@
+use std::sync::Arc;
+use std::sync::atomic::AtomicUsize;
+use std::time::Duration;
+
+use actix::{Actor, Arbiter, System};
+use tokio::sync::{Semaphore, oneshot};
+use uuid::Uuid;
+
+use crate::dispatcher::{Shared, UnknownMessageTypes};
+use crate::ports::{Clock, DeadLetterStore, Inbox};
+use crate::tracker::{PendingRetry, Tracker};
+use crate::{Dispatcher, Error, Registry, Stats, TimerActor};
+
+/// How the engine runs.
+#[derive(Clone, Debug)]
+#[non_exhaustive]
+pub struct EngineConfig {
+    /// Worker arbiters (threads) that run deliveries; 0 runs everything on the engine's own
+    /// thread.
+    pub workers: usize,
+    /// Deliveries accepted and not yet settled, beyond which dispatch waits.
+    pub max_in_flight: usize,
+    /// Largest envelope accepted, in bytes.
+    pub max_envelope_size: usize,
+    /// What happens to messages no handler handles.
+    pub unknown_message_types: UnknownMessageTypes,
+    /// Run on a paused tokio clock that jumps to the next timer whenever the engine is idle.
+    #[cfg(feature = "testing")]
+    pub virtual_time: bool,
+}
+
+impl Default for EngineConfig {
+    fn default() -> Self {
+        Self {
+            workers: std::thread::available_parallelism().map_or(2, |n| n.get()),
+            max_in_flight: 1024,
+            max_envelope_size: 1024 * 1024,
+            unknown_message_types: UnknownMessageTypes::default(),
+            #[cfg(feature = "testing")]
+            virtual_time: false,
+        }
+    }
+}
+
+/// What a shutdown left undone, handed back rather than dropped.
+#[derive(Debug, Default)]
+#[non_exhaustive]
+pub struct ShutdownReport {
+    /// Deliveries that were waiting for a cooldown.
+    pub pending_retries: Vec<PendingRetry>,
+    /// Deliveries still running when the drain timed out.
+    pub still_running: Vec<Uuid>,
+}
+
+impl ShutdownReport {
+    /// Whether everything accepted was settled.
+    pub fn is_clean(&self) -> bool {
+        self.pending_retries.is_empty() && self.still_running.is_empty()
+    }
+}
+
+/// The actor system: a thread running actix with its worker arbiters and the timer.
+#[derive(Debug)]
+pub struct Engine {
+    dispatcher: Dispatcher,
+    system: System,
+    stopped: Option<oneshot::Receiver<()>>,
+}
+
+/// The engine's dependencies.
+pub struct EngineParts {
+    /// Handlers and policies.
+    pub registry: Registry,
+    /// Envelope-id deduplication.
+    pub inbox: Arc<dyn Inbox>,
+    /// Where given-up messages go.
+    pub dead_letters: Arc<dyn DeadLetterStore>,
+    /// Wall-clock time.
+    pub clock: Arc<dyn Clock>,
+}
+
+impl Engine {
+    /// Starts the engine's threads.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Startup`] if a thread or tokio runtime cannot be created.
+    pub fn start(config: EngineConfig, parts: EngineParts) -> Result<Self, Error> {
+        let mut builder = tokio::runtime::Builder::new_current_thread();
+        builder.enable_all();
+        #[cfg(feature = "testing")]
+        if config.virtual_time {
+            builder.start_paused(true);
+        }
+        let runtime = builder.build().map_err(|e| Error::Startup(e.to_string()))?;
+        let (ready_tx, ready_rx) = std::sync::mpsc::channel();
+        let (stopped_tx, stopped_rx) = oneshot::channel();
+        std::thread::Builder::new()
+            .name("reprise-engine".into())
+            .spawn(move || {
+                let runner = System::with_tokio_rt(move || runtime);
+                let workers: Vec<Arbiter> = (0..config.workers).map(|_| Arbiter::new()).collect();
+                let started = runner.block_on(async {
+                    let timer = TimerActor.start();
+                    let arbiters = if workers.is_empty() {
+                        vec![Arbiter::current()]
+                    } else {
+                        workers.iter().map(Arbiter::handle).collect()
+                    };
+                    let shared = Shared {
+                        registry: Arc::new(parts.registry),
+                        inbox: parts.inbox,
+                        dead_letters: parts.dead_letters,
+                        clock: parts.clock,
+                        timer,
+                        tracker: Tracker::default(),
+                        stats: Arc::new(Stats::default()),
+                        permits: Arc::new(Semaphore::new(config.max_in_flight.max(1))),
+                        arbiters,
+                        next_arbiter: AtomicUsize::new(0),
+                        max_envelope_size: config.max_envelope_size,
+                        unknown_message_types: config.unknown_message_types,
+                    };
+                    (Dispatcher { shared: Arc::new(shared) }, System::current())
+                });
+                if ready_tx.send(started).is_ok() {
+                    let _ = runner.run();
+                }
+                for worker in workers {
+                    worker.stop();
+                    let _ = worker.join();
+                }
+                let _ = stopped_tx.send(());
+            })
+            .map_err(|e| Error::Startup(e.to_string()))?;
+        let (dispatcher, system) =
+            ready_rx.recv().map_err(|_| Error::Startup("the engine thread died while starting".into()))?;
+        Ok(Self { dispatcher, system, stopped: Some(stopped_rx) })
+    }
+
+    /// Where received envelopes go.
+    pub fn dispatcher(&self) -> &Dispatcher {
+        &self.dispatcher
+    }
+
+    /// Refuses new envelopes, waits up to `drain` for active deliveries to settle (their
+    /// cascaded messages included), hands back those cooling down, and stops the threads.
+    ///
+    /// # Cancel safety
+    ///
+    /// Not cancel safe: once called, the engine refuses new work even if the future is dropped.
+    pub async fn shutdown(mut self, drain: Duration) -> ShutdownReport {
+        let tracker = &self.dispatcher.shared.tracker;
+        tracker.close();
+        let drained = tokio::time::timeout(drain, tracker.drained()).await.is_ok();
+        let report = ShutdownReport {
+            pending_retries: tracker.take_cooling(),
+            still_running: if drained { Vec::new() } else { tracker.still_active() },
+        };
+        for pending in &report.pending_retries {
+            tracing::warn!(
+                messaging.message.id = %pending.envelope.id,
+                attempts = pending.envelope.attempts,
+                due_at = %pending.due_at,
+                "shutdown: retry still waiting, handed back in the shutdown report"
+            );
+        }
+        self.system.stop();
+        if let Some(stopped) = self.stopped.take() {
+            let _ = stopped.await;
+        }
+        report
+    }
+}
+
+impl Drop for Engine {
+    fn drop(&mut self) {
+        if self.stopped.is_some() {
+            self.system.stop();
+        }
+    }
+}

@@ -1,0 +1,44 @@
+use uuid::Uuid;
+
+use crate::Envelope;
+
+/// Errors of the engine and of the ports it calls.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum Error {
+    /// A store (inbox, dead letters) failed; the operation did not take effect.
+    #[error("store failed: {0}")]
+    Store(#[source] Box<dyn std::error::Error + Send + Sync>),
+    /// The engine is shutting down or stopped; the envelope was not accepted.
+    #[error("the runtime is shutting down; envelope {} was not accepted", .0.id)]
+    ShuttingDown(Box<Envelope>),
+    /// A context operation needs a delivery, and this context is detached from one.
+    #[error("this message context is detached from any delivery")]
+    Detached,
+    /// The message could not be serialized.
+    #[error("message could not be serialized: {0}")]
+    Serialize(#[from] serde_json::Error),
+    /// The envelope is over the size limit and was not sent.
+    #[error("envelope {} of type {} is {size} bytes, over the limit of {limit}", .envelope.id, .envelope.message_type)]
+    TooLarge {
+        /// The rejected envelope, handed back.
+        envelope: Box<Envelope>,
+        /// Its size in bytes.
+        size: usize,
+        /// The configured limit.
+        limit: usize,
+    },
+    /// No dead letter has this id.
+    #[error("no dead letter with id {0}")]
+    DeadLetterNotFound(Uuid),
+    /// The engine's threads could not be started.
+    #[error("the engine could not start: {0}")]
+    Startup(String),
+}
+
+impl Error {
+    /// Wraps a storage backend's error.
+    pub fn store(error: impl Into<Box<dyn std::error::Error + Send + Sync>>) -> Self {
+        Self::Store(error.into())
+    }
+}

@@ -1,0 +1,45 @@
+//! The actors of [reprise](https://docs.rs/reprise) and the vocabulary they speak.
+//!
+//! Applications depend on `reprise`, which re-exports what they need; this crate holds every
+//! actix actor ([`DeliverySupervisor`], [`HandlerActor`], [`ContextActor`], [`TimerActor`]),
+//! the types they exchange, and the [ports](ports) through which they reach storage and the
+//! clock. It knows no database, broker or socket.
+
+mod aggregate;
+mod context;
+mod dead_letter;
+mod dispatcher;
+mod engine;
+mod envelope;
+mod error;
+mod handler;
+mod handler_actor;
+mod message;
+mod module;
+pub mod ports;
+mod registry;
+mod report;
+mod retry;
+mod stats;
+mod supervisor;
+mod timer;
+mod tracker;
+
+pub use aggregate::AggregateError;
+pub use context::{ContextActor, MessageContext, SendOptions};
+pub use dead_letter::{DeadLetter, DeadLetterReason};
+pub use dispatcher::{Dispatcher, UnknownMessageTypes};
+pub use engine::{Engine, EngineConfig, EngineParts, ShutdownReport};
+pub use envelope::Envelope;
+pub use error::Error;
+pub use handler::{Disposition, FailureKind, Handler, HandlerError, HandlerFailure};
+pub use handler_actor::HandlerActor;
+pub use message::Message;
+pub use module::{Decoded, HandlerEntry, HandlerId, Invoke, Module};
+pub use registry::{Registry, RegistryError, Route};
+pub use report::{DeliveryReport, DiscardReason, Outcome};
+pub use retry::{RetryDecision, RetryPolicy};
+pub use stats::{Stats, StatsSnapshot};
+pub use supervisor::DeliverySupervisor;
+pub use timer::TimerActor;
+pub use tracker::PendingRetry;

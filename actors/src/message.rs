@@ -1,0 +1,27 @@
+use serde::Serialize;
+use serde::de::DeserializeOwned;
+
+/// An integration event or command that modules exchange.
+///
+/// The type name is the contract between publisher and consumer: it travels in every
+/// envelope and selects the handlers, so it must stay stable across releases even when the
+/// Rust type is renamed or moved.
+///
+/// ```
+/// use reprise_actors::Message;
+/// use serde::{Deserialize, Serialize};
+///
+/// #[derive(Serialize, Deserialize)]
+/// struct MemberRemoved {
+///     organization_id: u64,
+///     member_id: u64,
+/// }
+///
+/// impl Message for MemberRemoved {
+///     const TYPE: &'static str = "organization.member_removed";
+/// }
+/// ```
+pub trait Message: Serialize + DeserializeOwned + Send + Sync + 'static {
+    /// The stable type name, e.g. `organization.member_removed`.
+    const TYPE: &'static str;
+}

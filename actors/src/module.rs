@@ -1,0 +1,176 @@
+use std::any::Any;
+use std::sync::Arc;
+use std::time::Duration;
+
+use futures::FutureExt;
+use futures::future::BoxFuture;
+
+use crate::{Handler, HandlerError, Message, MessageContext, RetryPolicy};
+
+/// A decoded message, shared by every handler of one delivery.
+pub type Decoded = Arc<dyn Any + Send + Sync>;
+
+/// A type-erased handler call: what a [`HandlerActor`](crate::HandlerActor) runs.
+pub type Invoke =
+    Arc<dyn Fn(Decoded, MessageContext) -> BoxFuture<'static, Result<(), HandlerError>> + Send + Sync>;
+
+/// Turns a payload into a [`Decoded`] message of the registered type.
+pub(crate) type Decode = fn(&[u8]) -> Result<Decoded, serde_json::Error>;
+
+/// Names a handler: the module that registered it and its name there.
+#[derive(Clone, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct HandlerId {
+    /// The module's name.
+    pub module: Arc<str>,
+    /// The handler's name within the module.
+    pub name: Arc<str>,
+}
+
+impl std::fmt::Display for HandlerId {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}/{}", self.module, self.name)
+    }
+}
+
+/// One handler of one message type, ready to be run by the engine.
+#[derive(Clone)]
+pub struct HandlerEntry {
+    /// Who this handler is.
+    pub id: HandlerId,
+    /// The message type it handles.
+    pub message_type: &'static str,
+    /// Runs the handler.
+    pub invoke: Invoke,
+    /// The module's retry policy, if it set one.
+    pub module_policy: Option<RetryPolicy>,
+    /// The module's handler timeout, if it set one.
+    pub module_timeout: Option<Duration>,
+    pub(crate) decode: Decode,
+}
+
+impl std::fmt::Debug for HandlerEntry {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("HandlerEntry")
+            .field("id", &self.id)
+            .field("message_type", &self.message_type)
+            .finish_non_exhaustive()
+    }
+}
+
+/// A group of handlers owned by one part of the application (a module of the monolith).
+///
+/// Several modules may handle the same message type; every one of their handlers runs for
+/// every delivery of it.
+///
+/// ```
+/// use reprise_actors::{Handler, HandlerError, Message, MessageContext, Module, RetryPolicy};
+/// # use serde::{Deserialize, Serialize};
+/// # #[derive(Serialize, Deserialize)] struct MemberRemoved { member_id: u64 }
+/// # impl Message for MemberRemoved { const TYPE: &'static str = "organization.member_removed"; }
+/// # struct QueueDeliveries;
+/// # impl Handler<MemberRemoved> for QueueDeliveries {
+/// #     async fn handle(&self, _: &MemberRemoved, _: &MessageContext) -> Result<(), HandlerError> { Ok(()) }
+/// # }
+///
+/// let webhooks = Module::new("webhooks")
+///     .retry_policy(RetryPolicy { retry_limit: 3, ..RetryPolicy::default() })
+///     .handle::<MemberRemoved, _>(QueueDeliveries);
+/// assert_eq!(webhooks.handlers().len(), 1);
+/// ```
+#[derive(Debug)]
+pub struct Module {
+    name: Arc<str>,
+    policy: Option<RetryPolicy>,
+    timeout: Option<Duration>,
+    handlers: Vec<HandlerEntry>,
+}
+
+impl Module {
+    /// An empty module called `name`.
+    pub fn new(name: impl Into<Arc<str>>) -> Self {
+        Self { name: name.into(), policy: None, timeout: None, handlers: Vec::new() }
+    }
+
+    /// The module's name.
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// The retry policy for failures of this module's handlers (unless the message type has
+    /// its own).
+    #[must_use]
+    pub fn retry_policy(mut self, policy: RetryPolicy) -> Self {
+        self.policy = Some(policy);
+        for entry in &mut self.handlers {
+            entry.module_policy = Some(policy);
+        }
+        self
+    }
+
+    /// How long each of this module's handlers may run before it counts as failed.
+    #[must_use]
+    pub fn handler_timeout(mut self, timeout: Duration) -> Self {
+        self.timeout = Some(timeout);
+        for entry in &mut self.handlers {
+            entry.module_timeout = Some(timeout);
+        }
+        self
+    }
+
+    /// Registers `handler` for messages of type `M`, named after its Rust type.
+    #[must_use]
+    pub fn handle<M: Message, H: Handler<M>>(self, handler: H) -> Self {
+        let name = short_type_name::<H>();
+        self.handle_named::<M, H>(name, handler)
+    }
+
+    /// Registers `handler` for messages of type `M` under an explicit name.
+    #[must_use]
+    pub fn handle_named<M: Message, H: Handler<M>>(
+        mut self,
+        name: impl Into<Arc<str>>,
+        handler: H,
+    ) -> Self {
+        let handler = Arc::new(handler);
+        let invoke: Invoke = Arc::new(move |decoded: Decoded, context: MessageContext| {
+            let handler = Arc::clone(&handler);
+            async move {
+                let message = decoded
+                    .downcast_ref::<M>()
+                    .ok_or_else(|| HandlerError::permanent("decoded message has the wrong type"))?;
+                handler.handle(message, &context).await
+            }
+            .boxed()
+        });
+        self.handlers.push(HandlerEntry {
+            id: HandlerId { module: Arc::clone(&self.name), name: name.into() },
+            message_type: M::TYPE,
+            invoke,
+            module_policy: self.policy,
+            module_timeout: self.timeout,
+            decode: decode::<M>,
+        });
+        self
+    }
+
+    /// The registered handlers, in registration order.
+    pub fn handlers(&self) -> &[HandlerEntry] {
+        &self.handlers
+    }
+
+    /// Takes the registered handlers out of the module.
+    pub fn into_handlers(self) -> Vec<HandlerEntry> {
+        self.handlers
+    }
+}
+
+fn decode<M: Message>(payload: &[u8]) -> Result<Decoded, serde_json::Error> {
+    Ok(Arc::new(serde_json::from_slice::<M>(payload)?))
+}
+
+fn short_type_name<T>() -> String {
+    let full = std::any::type_name::<T>();
+    // Generic parameters would make names long and unstable; keep the outer path's last segment.
+    let outer = full.split('<').next().unwrap_or(full);
+    outer.rsplit("::").next().unwrap_or(outer).to_owned()
+}

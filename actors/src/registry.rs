@@ -1,0 +1,150 @@
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+use crate::module::Decode;
+use crate::{AggregateError, Decoded, HandlerEntry, HandlerId, Invoke, Module, RetryPolicy};
+
+/// Every handler of one message type, and how to decode its payload.
+#[derive(Debug)]
+pub struct Route {
+    message_type: &'static str,
+    decode: Decode,
+    handlers: Vec<HandlerEntry>,
+    policy: Option<RetryPolicy>,
+}
+
+impl Route {
+    /// The message type this route serves.
+    pub fn message_type(&self) -> &'static str {
+        self.message_type
+    }
+
+    /// Its handlers, in registration order.
+    pub fn handlers(&self) -> &[HandlerEntry] {
+        &self.handlers
+    }
+
+    /// Decodes a payload once for all handlers.
+    ///
+    /// # Errors
+    ///
+    /// The deserializer's error when the payload is not a valid message of this type.
+    pub fn decode(&self, payload: &[u8]) -> Result<Decoded, serde_json::Error> {
+        (self.decode)(payload)
+    }
+}
+
+/// Which handlers run for which message type, and with which retry policy and timeout.
+#[derive(Debug)]
+pub struct Registry {
+    routes: HashMap<&'static str, Arc<Route>>,
+    default_policy: RetryPolicy,
+    handler_timeout: Duration,
+}
+
+/// A registration that cannot be accepted.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum RegistryError {
+    /// Two handlers of one module share a name for the same message type.
+    #[error("handler {0} is registered twice for {1}")]
+    DuplicateHandler(HandlerId, &'static str),
+    /// A retry policy was set for a message type no handler handles.
+    #[error("a retry policy was set for {0}, which no handler handles")]
+    PolicyWithoutHandler(String),
+}
+
+impl Registry {
+    /// Builds the routes from `modules`, with per message type policies.
+    ///
+    /// # Errors
+    ///
+    /// [`RegistryError`] for a duplicate handler name or a policy without a handler.
+    pub fn new(
+        modules: Vec<Module>,
+        default_policy: RetryPolicy,
+        type_policies: HashMap<String, RetryPolicy>,
+        handler_timeout: Duration,
+    ) -> Result<Self, RegistryError> {
+        let mut routes: HashMap<&'static str, Route> = HashMap::new();
+        for entry in modules.into_iter().flat_map(Module::into_handlers) {
+            let route = routes.entry(entry.message_type).or_insert_with(|| Route {
+                message_type: entry.message_type,
+                decode: entry.decode,
+                handlers: Vec::new(),
+                policy: None,
+            });
+            if route.handlers.iter().any(|h| h.id == entry.id) {
+                return Err(RegistryError::DuplicateHandler(entry.id, entry.message_type));
+            }
+            route.handlers.push(entry);
+        }
+        for (message_type, policy) in type_policies {
+            let route = routes
+                .get_mut(message_type.as_str())
+                .ok_or(RegistryError::PolicyWithoutHandler(message_type))?;
+            route.policy = Some(policy);
+        }
+        let routes = routes.into_iter().map(|(k, v)| (k, Arc::new(v))).collect();
+        Ok(Self { routes, default_policy, handler_timeout })
+    }
+
+    /// The route of `message_type`, if any handler handles it.
+    pub fn route(&self, message_type: &str) -> Option<&Arc<Route>> {
+        self.routes.get(message_type)
+    }
+
+    /// Whether any handler handles `message_type`.
+    pub fn handles(&self, message_type: &str) -> bool {
+        self.routes.contains_key(message_type)
+    }
+
+    /// How long `entry` may run before it counts as timed out.
+    pub fn timeout_of(&self, entry: &HandlerEntry) -> Duration {
+        entry.module_timeout.unwrap_or(self.handler_timeout)
+    }
+
+    /// The policy that decides what follows `failure` on `route`.
+    ///
+    /// The message type's own policy wins. Otherwise the modules whose handlers failed decide,
+    /// and when they disagree the most patient one (highest retry limit) applies, so no module
+    /// gets fewer attempts than it asked for.
+    pub fn policy_for(&self, route: &Route, failure: &AggregateError) -> RetryPolicy {
+        if let Some(policy) = route.policy {
+            return policy;
+        }
+        failure
+            .failures
+            .iter()
+            .filter_map(|f| {
+                route
+                    .handlers
+                    .iter()
+                    .find(|h| *h.id.module == *f.module && *h.id.name == *f.handler)
+            })
+            .map(|h| h.module_policy.unwrap_or(self.default_policy))
+            .max_by_key(|p| p.retry_limit)
+            .unwrap_or(self.default_policy)
+    }
+
+    /// Replaces the invocation of one handler (the test harness injects faults this way).
+    ///
+    /// Returns false when no such handler is registered.
+    pub fn wrap_handler(&mut self, id: &HandlerId, wrap: impl Fn(Invoke) -> Invoke) -> bool {
+        let mut found = false;
+        for route in self.routes.values_mut() {
+            let Some(route) = Arc::get_mut(route) else { continue };
+            for entry in route.handlers.iter_mut().filter(|h| h.id == *id) {
+                entry.invoke = wrap(Arc::clone(&entry.invoke));
+                found = true;
+            }
+        }
+        found
+    }
+
+    /// Every registered handler.
+    pub fn handler_ids(&self) -> impl Iterator<Item = &HandlerId> {
+        self.routes.values().flat_map(|r| r.handlers.iter().map(|h| &h.id))
+    }
+}

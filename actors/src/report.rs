@@ -1,0 +1,72 @@
+use std::time::Duration;
+
+use uuid::Uuid;
+
+use crate::{AggregateError, DeadLetterReason, Envelope};
+
+/// How a delivery ended.
+#[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Outcome {
+    /// Every handler succeeded.
+    Handled,
+    /// The runtime gave up; the message is in the dead letters.
+    DeadLettered(DeadLetterReason),
+    /// The envelope was not handled: a duplicate, or a type configured to be discarded.
+    Discarded(DiscardReason),
+}
+
+/// Why an envelope was discarded without being handled.
+#[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum DiscardReason {
+    /// The inbox already knew the envelope id.
+    DuplicateEnvelope,
+    /// No handler handles the type, and the runtime is set to discard such messages.
+    NoHandler,
+}
+
+/// The account of one settled delivery.
+#[derive(Clone, Debug)]
+#[non_exhaustive]
+pub struct DeliveryReport {
+    /// The envelope's id.
+    pub envelope_id: Uuid,
+    /// Its message type.
+    pub message_type: String,
+    /// How it ended.
+    pub outcome: Outcome,
+    /// How many attempts ran.
+    pub attempts: u32,
+    /// The aggregate error of every failed attempt, oldest first.
+    pub failures: Vec<AggregateError>,
+    /// When each attempt started, measured from the delivery's start on the engine's clock
+    /// (virtual under the test harness, so cooldowns can be checked exactly).
+    pub attempt_offsets: Vec<Duration>,
+    /// The messages its handlers cascaded (sent only when it was handled).
+    pub cascaded: Vec<Envelope>,
+}
+
+impl DeliveryReport {
+    pub(crate) fn discarded(envelope: &Envelope, reason: DiscardReason) -> Self {
+        Self {
+            envelope_id: envelope.id,
+            message_type: envelope.message_type.clone(),
+            outcome: Outcome::Discarded(reason),
+            attempts: 0,
+            failures: Vec::new(),
+            attempt_offsets: Vec::new(),
+            cascaded: Vec::new(),
+        }
+    }
+
+    /// Whether every handler succeeded.
+    pub fn is_handled(&self) -> bool {
+        self.outcome == Outcome::Handled
+    }
+
+    /// The pauses between consecutive attempts.
+    pub fn cooldowns(&self) -> Vec<Duration> {
+        self.attempt_offsets.windows(2).map(|w| w[1] - w[0]).collect()
+    }
+}

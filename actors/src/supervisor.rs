@@ -1,0 +1,328 @@
+use std::future::Future;
+use std::sync::Arc;
+use std::time::Duration;
+
+use actix::{Actor, ActorContext, ActorFutureExt, AsyncContext, Context, WrapFuture};
+use chrono::{DateTime, Utc};
+use tokio::sync::{OwnedSemaphorePermit, oneshot};
+use tokio::time::Instant;
+use tracing::field::Empty;
+
+use crate::context::{Scope, TakeCascaded};
+use crate::dispatcher::UnknownMessageTypes;
+use crate::handler_actor::HandlerFinished;
+use crate::report::DiscardReason;
+use crate::stats::Counter;
+use crate::timer::{RetryDue, Schedule};
+use crate::tracker::PendingRetry;
+use crate::{
+    AggregateError, ContextActor, DeadLetter, DeadLetterReason, Decoded, DeliveryReport,
+    Dispatcher, Envelope, Error, HandlerActor, HandlerFailure, Outcome, RetryDecision, Route,
+};
+
+/// Owns one delivery from acceptance to settlement: runs every handler on each attempt,
+/// aggregates their failures, asks the [`TimerActor`](crate::TimerActor) for the cooldown
+/// before a retry, and dead-letters what the policy gives up on.
+pub struct DeliverySupervisor {
+    dispatcher: Dispatcher,
+    seq: u64,
+    envelope: Envelope,
+    route: Option<Arc<Route>>,
+    message: Option<Decoded>,
+    results: Vec<Option<HandlerFailure>>,
+    pending: usize,
+    failures: Vec<AggregateError>,
+    first_failure_at: Option<DateTime<Utc>>,
+    started_at: Instant,
+    attempt_offsets: Vec<Duration>,
+    context: Option<actix::Addr<ContextActor>>,
+    reply: Option<oneshot::Sender<DeliveryReport>>,
+    permit: Option<OwnedSemaphorePermit>,
+    span: tracing::Span,
+}
+
+impl std::fmt::Debug for DeliverySupervisor {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("DeliverySupervisor")
+            .field("message_id", &self.envelope.id)
+            .field("attempts", &self.envelope.attempts)
+            .finish_non_exhaustive()
+    }
+}
+
+impl DeliverySupervisor {
+    pub(crate) fn new(
+        dispatcher: Dispatcher,
+        seq: u64,
+        envelope: Envelope,
+        permit: OwnedSemaphorePermit,
+        reply: Option<oneshot::Sender<DeliveryReport>>,
+    ) -> Self {
+        let span = tracing::info_span!(
+            parent: None,
+            "reprise.delivery",
+            messaging.system = "reprise",
+            messaging.operation.type = "process",
+            messaging.message.id = %envelope.id,
+            messaging.message.conversation_id = envelope.correlation_id.map(tracing::field::display),
+            reprise.message_type = %envelope.message_type,
+            reprise.deduplication_id = envelope.deduplication_id.as_deref(),
+            reprise.attempt = Empty,
+        );
+        Self {
+            dispatcher,
+            seq,
+            envelope,
+            route: None,
+            message: None,
+            results: Vec::new(),
+            pending: 0,
+            failures: Vec::new(),
+            first_failure_at: None,
+            started_at: Instant::now(),
+            attempt_offsets: Vec::new(),
+            context: None,
+            reply: None,
+            permit: Some(permit),
+            span,
+        }
+        .with_reply(reply)
+    }
+
+    fn with_reply(mut self, reply: Option<oneshot::Sender<DeliveryReport>>) -> Self {
+        self.reply = reply;
+        self
+    }
+
+    fn now(&self) -> DateTime<Utc> {
+        self.dispatcher.shared.clock.now()
+    }
+
+    fn start_attempt(&mut self, ctx: &mut Context<Self>) {
+        let (Some(route), Some(message)) = (self.route.clone(), self.message.clone()) else {
+            return;
+        };
+        let shared = Arc::clone(&self.dispatcher.shared);
+        self.envelope.attempts += 1;
+        let attempt = self.envelope.attempts;
+        shared.stats.bump(Counter::Attempts);
+        self.attempt_offsets.push(self.started_at.elapsed());
+        self.span.record("reprise.attempt", attempt);
+
+        let scope = Arc::new(Scope::new(&self.envelope, attempt, shared.max_envelope_size));
+        let context = ContextActor::new(Arc::clone(&scope)).start();
+        self.context = Some(context.clone());
+        self.results = vec![None; route.handlers().len()];
+        self.pending = route.handlers().len();
+        let me = ctx.address().recipient();
+        for (index, entry) in route.handlers().iter().enumerate() {
+            let span = tracing::info_span!(
+                parent: &self.span,
+                "reprise.handler",
+                reprise.module = %entry.id.module,
+                reprise.handler = %entry.id.name,
+                reprise.attempt = attempt,
+            );
+            let handle = ContextActor::handle_for(context.clone(), Arc::clone(&scope), entry.id.clone());
+            HandlerActor::new(
+                entry.clone(),
+                index,
+                message.clone(),
+                handle,
+                shared.registry.timeout_of(entry),
+                me.clone(),
+                span,
+            )
+            .start();
+        }
+    }
+
+    fn finish_attempt(&mut self, ctx: &mut Context<Self>) {
+        let failures: Vec<HandlerFailure> = self.results.iter_mut().filter_map(Option::take).collect();
+        let context = self.context.take();
+        if failures.is_empty() {
+            self.succeed(context, ctx);
+            return;
+        }
+        let failure = AggregateError {
+            message_type: self.envelope.message_type.clone(),
+            message_id: self.envelope.id,
+            attempt: self.envelope.attempts,
+            failures,
+        };
+        self.span.in_scope(|| tracing::warn!(error = %failure, "attempt failed"));
+        let now = self.now();
+        self.first_failure_at.get_or_insert(now);
+        let shared = Arc::clone(&self.dispatcher.shared);
+        let Some(route) = self.route.clone() else { return };
+        let policy = shared.registry.policy_for(&route, &failure);
+        let decision = policy.decide(failure.attempt, &failure);
+        self.failures.push(failure);
+        match decision {
+            RetryDecision::RetryIn(delay) => {
+                shared.stats.bump(Counter::Retried);
+                let due_at = now + chrono::Duration::from_std(delay).unwrap_or(chrono::TimeDelta::MAX);
+                self.span.in_scope(|| tracing::info!(?delay, "retry scheduled"));
+                shared.tracker.cooling(
+                    self.seq,
+                    PendingRetry { envelope: self.envelope.clone(), due_at, failures: self.failures.clone() },
+                );
+                shared.timer.do_send(Schedule { delay, target: ctx.address().recipient() });
+            }
+            RetryDecision::DeadLetter { exhausted } => {
+                let reason = if exhausted { DeadLetterReason::RetriesExhausted } else { DeadLetterReason::Permanent };
+                let dead_letter = DeadLetter::failed(
+                    self.envelope.clone(),
+                    reason,
+                    self.failures.clone(),
+                    self.first_failure_at.unwrap_or(now),
+                    now,
+                );
+                self.dead_letter(dead_letter, ctx);
+            }
+        }
+    }
+
+    fn succeed(&mut self, context: Option<actix::Addr<ContextActor>>, ctx: &mut Context<Self>) {
+        let shared = Arc::clone(&self.dispatcher.shared);
+        let id = self.envelope.id;
+        let work = async move {
+            let cascaded = match context {
+                Some(context) => context.send(TakeCascaded).await.unwrap_or_default(),
+                None => Vec::new(),
+            };
+            persist("mark handled", id, || shared.inbox.mark_handled(id)).await;
+            cascaded
+        };
+        ctx.spawn(work.into_actor(self).map(|cascaded, actor, ctx| {
+            actor.dispatcher.shared.stats.bump(Counter::Handled);
+            actor.span.in_scope(|| tracing::info!(cascaded = cascaded.len(), "delivery handled"));
+            actor.dispatcher.forward(cascaded.clone());
+            actor.settle(Outcome::Handled, cascaded, ctx);
+        }));
+    }
+
+    fn dead_letter(&mut self, dead_letter: DeadLetter, ctx: &mut Context<Self>) {
+        let shared = Arc::clone(&self.dispatcher.shared);
+        let id = self.envelope.id;
+        let reason = dead_letter.reason.clone();
+        self.span.in_scope(|| tracing::error!(%reason, "message dead-lettered"));
+        let work = async move {
+            persist("dead letter", id, || shared.dead_letters.put(dead_letter.clone())).await;
+            // Settled: a redelivery within the retention is discarded; a replay forgets it first.
+            persist("mark handled", id, || shared.inbox.mark_handled(id)).await;
+        };
+        ctx.spawn(work.into_actor(self).map(move |(), actor, ctx| {
+            actor.dispatcher.shared.stats.bump(Counter::DeadLettered);
+            actor.settle(Outcome::DeadLettered(reason), Vec::new(), ctx);
+        }));
+    }
+
+    fn settle(&mut self, outcome: Outcome, cascaded: Vec<Envelope>, ctx: &mut Context<Self>) {
+        if let Some(reply) = self.reply.take() {
+            let _ = reply.send(DeliveryReport {
+                envelope_id: self.envelope.id,
+                message_type: self.envelope.message_type.clone(),
+                outcome,
+                attempts: self.envelope.attempts,
+                failures: std::mem::take(&mut self.failures),
+                attempt_offsets: std::mem::take(&mut self.attempt_offsets),
+                cascaded,
+            });
+        }
+        self.permit.take();
+        self.dispatcher.shared.tracker.finish(self.seq);
+        ctx.stop();
+    }
+}
+
+/// Retries a store write until it succeeds: a settled delivery must be recorded, and giving up
+/// would lose it. Backs off to 30 s between attempts and logs every failure.
+async fn persist<F, Fut>(what: &'static str, id: uuid::Uuid, mut write: F)
+where
+    F: FnMut() -> Fut,
+    Fut: Future<Output = Result<(), Error>>,
+{
+    let mut pause = Duration::from_millis(50);
+    loop {
+        match write().await {
+            Ok(()) => return,
+            Err(error) => {
+                tracing::error!(message_id = %id, %error, ?pause, "{what} failed; retrying");
+                tokio::time::sleep(pause).await;
+                pause = (pause * 2).min(Duration::from_secs(30));
+            }
+        }
+    }
+}
+
+impl Actor for DeliverySupervisor {
+    type Context = Context<Self>;
+
+    fn started(&mut self, ctx: &mut Context<Self>) {
+        // Read on the engine's own clock (virtual under the harness), not the dispatching
+        // caller's.
+        self.started_at = Instant::now();
+        let shared = Arc::clone(&self.dispatcher.shared);
+        let size = self.envelope.size();
+        let rejected = if size > shared.max_envelope_size {
+            Some(DeadLetterReason::TooLarge { size, limit: shared.max_envelope_size })
+        } else {
+            match shared.registry.route(&self.envelope.message_type) {
+                None if shared.unknown_message_types == UnknownMessageTypes::Discard => {
+                    self.span.in_scope(|| tracing::warn!("no handler for this message type; discarded"));
+                    shared.stats.bump(Counter::Discarded);
+                    let id = self.envelope.id;
+                    let work = async move { persist("mark handled", id, || shared.inbox.mark_handled(id)).await };
+                    ctx.spawn(work.into_actor(self).map(|(), actor, ctx| {
+                        actor.settle(Outcome::Discarded(DiscardReason::NoHandler), Vec::new(), ctx);
+                    }));
+                    return;
+                }
+                None => Some(DeadLetterReason::NoHandler(self.envelope.message_type.clone())),
+                Some(route) => match route.decode(&self.envelope.payload) {
+                    Ok(message) => {
+                        self.route = Some(Arc::clone(route));
+                        self.message = Some(message);
+                        None
+                    }
+                    Err(error) => Some(DeadLetterReason::MalformedPayload(error.to_string())),
+                },
+            }
+        };
+        match rejected {
+            None => self.start_attempt(ctx),
+            Some(reason) => {
+                let dead_letter = DeadLetter::rejected(self.envelope.clone(), reason, self.now());
+                self.dead_letter(dead_letter, ctx);
+            }
+        }
+    }
+}
+
+impl actix::Handler<HandlerFinished> for DeliverySupervisor {
+    type Result = ();
+
+    fn handle(&mut self, finished: HandlerFinished, ctx: &mut Context<Self>) {
+        if let Some(slot) = self.results.get_mut(finished.index) {
+            *slot = finished.failure;
+        }
+        self.pending = self.pending.saturating_sub(1);
+        if self.pending == 0 {
+            self.finish_attempt(ctx);
+        }
+    }
+}
+
+impl actix::Handler<RetryDue> for DeliverySupervisor {
+    type Result = ();
+
+    fn handle(&mut self, _: RetryDue, ctx: &mut Context<Self>) {
+        if self.dispatcher.shared.tracker.resume(self.seq) {
+            self.start_attempt(ctx);
+        } else {
+            // Handed back by a shutdown while cooling down: the report owns it now.
+            ctx.stop();
+        }
+    }
+}

@@ -1,0 +1,35 @@
+use reprise_actors::{Envelope, HandlerId, RegistryError};
+use uuid::Uuid;
+
+/// Errors of the reprise runtime.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum Error {
+    /// The engine refused or failed an operation (shutting down, store failure, too large…).
+    #[error(transparent)]
+    Engine(#[from] reprise_actors::Error),
+    /// The handler registrations are inconsistent.
+    #[error("invalid registration: {0}")]
+    Registry(#[from] RegistryError),
+    /// `send` needs a handler for the message type, and none is registered.
+    #[error("no handler is registered for {}; envelope {} was not sent", .0.message_type, .0.id)]
+    NoRoute(Box<Envelope>),
+    /// A handler was named (to inject a fault, say) that no module registered.
+    #[error("no handler {0} is registered")]
+    UnknownHandler(HandlerId),
+    /// No dead letter has this id.
+    #[error("no dead letter with id {0}")]
+    DeadLetterNotFound(Uuid),
+    /// A tracked delivery did not settle within the wait allowed.
+    #[error("delivery of envelope {envelope_id} did not settle within {waited:?}")]
+    NotSettled {
+        /// The envelope waited for.
+        envelope_id: Uuid,
+        /// How long the caller waited.
+        waited: std::time::Duration,
+    },
+    /// A tracked delivery ended without settling: the runtime shut down first and handed the
+    /// envelope back in its shutdown report.
+    #[error("delivery of envelope {0} was abandoned by a shutdown before it settled")]
+    Abandoned(Uuid),
+}

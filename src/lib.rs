@@ -1,0 +1,22 @@
+#![doc = include_str!("../README.md")]
+#![cfg_attr(docsrs, feature(doc_cfg))]
+
+pub mod ids;
+pub mod prelude;
+mod error;
+mod runtime;
+pub mod store;
+#[cfg(feature = "testing")]
+#[cfg_attr(docsrs, doc(cfg(feature = "testing")))]
+pub mod testing;
+pub mod transport;
+
+pub use error::Error;
+pub use reprise_actors::ports;
+pub use reprise_actors::{
+    AggregateError, DeadLetter, DeadLetterReason, DeliveryReport, DiscardReason, Disposition,
+    Envelope, FailureKind, Handler, HandlerError, HandlerFailure, HandlerId, Message,
+    MessageContext, Module, Outcome, PendingRetry, RetryPolicy, SendOptions, ShutdownReport,
+    StatsSnapshot, UnknownMessageTypes,
+};
+pub use runtime::{DeadLetters, Runtime, RuntimeBuilder};

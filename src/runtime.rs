@@ -1,0 +1,203 @@
+//! The runtime: handlers registered by modules, the engine that runs them, and the ways in.
+
+mod builder;
+mod dead_letters;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+pub use builder::RuntimeBuilder;
+pub use dead_letters::DeadLetters;
+use reprise_actors::ports::{DeadLetterStore, Inbox};
+use reprise_actors::{
+    DeliveryReport, Engine, Envelope, Message, SendOptions, ShutdownReport, StatsSnapshot,
+};
+use tokio::sync::oneshot;
+use uuid::Uuid;
+
+use crate::Error;
+use crate::transport::InProcess;
+
+/// A running reprise runtime.
+///
+/// Built with [`Runtime::builder`]; it owns the engine's threads until [`Runtime::shutdown`]
+/// (or drop, which stops them without draining).
+///
+/// ```
+/// use reprise::prelude::*;
+/// # use serde::{Deserialize, Serialize};
+/// # #[derive(Serialize, Deserialize)] struct MemberRemoved { member_id: u64 }
+/// # impl Message for MemberRemoved { const TYPE: &'static str = "organization.member_removed"; }
+/// struct RevokeAccess;
+///
+/// impl Handler<MemberRemoved> for RevokeAccess {
+///     async fn handle(&self, _: &MemberRemoved, _: &MessageContext) -> Result<(), HandlerError> {
+///         Ok(())
+///     }
+/// }
+///
+/// # #[tokio::main(flavor = "current_thread")]
+/// # async fn main() -> Result<(), reprise::Error> {
+/// let runtime = Runtime::builder()
+///     .module(Module::new("workspaces").handle::<MemberRemoved, _>(RevokeAccess))
+///     .build()?;
+/// runtime.publish(&MemberRemoved { member_id: 7 }).await?;
+/// let report = runtime.shutdown().await;
+/// assert!(report.is_clean());
+/// # Ok(())
+/// # }
+/// ```
+pub struct Runtime {
+    engine: Engine,
+    transport: InProcess,
+    inbox: Arc<dyn Inbox>,
+    dead_letters: Arc<dyn DeadLetterStore>,
+    max_envelope_size: usize,
+    drain_timeout: Duration,
+}
+
+impl std::fmt::Debug for Runtime {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Runtime").field("stats", &self.stats()).finish_non_exhaustive()
+    }
+}
+
+impl Runtime {
+    /// Starts configuring a runtime.
+    pub fn builder() -> RuntimeBuilder {
+        RuntimeBuilder::default()
+    }
+
+    /// Publishes `message` to every handler of its type. Returns the envelope id once the
+    /// message is accepted (not handled).
+    ///
+    /// Waits while the runtime's bound of deliveries in flight is reached.
+    ///
+    /// # Errors
+    ///
+    /// A serialization failure, an envelope over the size limit (handed back), or a runtime
+    /// that is shutting down.
+    ///
+    /// # Cancel safety
+    ///
+    /// Not cancel safe: cancelled while accepting, the message may or may not be delivered.
+    pub async fn publish<M: Message>(&self, message: &M) -> Result<Uuid, Error> {
+        self.publish_with(message, SendOptions::default()).await
+    }
+
+    /// [`publish`](Self::publish) with a deduplication id, headers or correlation id.
+    ///
+    /// # Errors
+    ///
+    /// As [`publish`](Self::publish).
+    ///
+    /// # Cancel safety
+    ///
+    /// As [`publish`](Self::publish).
+    pub async fn publish_with<M: Message>(
+        &self,
+        message: &M,
+        options: SendOptions,
+    ) -> Result<Uuid, Error> {
+        let envelope = self.envelope(message, options)?;
+        let id = envelope.id;
+        self.transport.send(envelope, None).await?;
+        Ok(id)
+    }
+
+    /// Like [`publish`](Self::publish), but fails at the call site when no handler is
+    /// registered for the type, instead of dead-lettering at receive.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::NoRoute`] with the envelope, and the errors of [`publish`](Self::publish).
+    ///
+    /// # Cancel safety
+    ///
+    /// As [`publish`](Self::publish).
+    pub async fn send<M: Message>(&self, message: &M) -> Result<Uuid, Error> {
+        let envelope = self.envelope(message, SendOptions::default())?;
+        if !self.engine.dispatcher().registry().handles(M::TYPE) {
+            return Err(Error::NoRoute(Box::new(envelope)));
+        }
+        let id = envelope.id;
+        self.transport.send(envelope, None).await?;
+        Ok(id)
+    }
+
+    /// Hands a received envelope to the engine, as a transport's listener does: the inbox
+    /// discards it if its id is already known, otherwise every handler of its type runs.
+    ///
+    /// # Errors
+    ///
+    /// The runtime is shutting down or the inbox cannot record the envelope: it was not
+    /// accepted, and a transport must not acknowledge it.
+    ///
+    /// # Cancel safety
+    ///
+    /// Not cancel safe, as [`publish`](Self::publish).
+    pub async fn receive(&self, envelope: Envelope) -> Result<(), Error> {
+        self.transport.send(envelope, None).await
+    }
+
+    /// [`receive`](Self::receive), returning a channel that yields the report once the
+    /// delivery settles (handled, dead-lettered or discarded).
+    ///
+    /// # Errors
+    ///
+    /// As [`receive`](Self::receive).
+    ///
+    /// # Cancel safety
+    ///
+    /// Not cancel safe, as [`publish`](Self::publish).
+    pub async fn receive_tracked(
+        &self,
+        envelope: Envelope,
+    ) -> Result<oneshot::Receiver<DeliveryReport>, Error> {
+        let (reply, report) = oneshot::channel();
+        self.transport.send(envelope, Some(reply)).await?;
+        Ok(report)
+    }
+
+    /// The envelope `message` would travel in.
+    ///
+    /// # Errors
+    ///
+    /// A serialization failure, or an envelope over the size limit (handed back).
+    pub fn envelope<M: Message>(&self, message: &M, options: SendOptions) -> Result<Envelope, Error> {
+        let mut envelope = Envelope::for_message(message).map_err(reprise_actors::Error::from)?;
+        options.apply(&mut envelope);
+        let size = envelope.size();
+        if size > self.max_envelope_size {
+            return Err(reprise_actors::Error::TooLarge {
+                envelope: Box::new(envelope),
+                size,
+                limit: self.max_envelope_size,
+            }
+            .into());
+        }
+        Ok(envelope)
+    }
+
+    /// The dead letters: list, inspect, replay, purge.
+    pub fn dead_letters(&self) -> DeadLetters<'_> {
+        DeadLetters::new(self)
+    }
+
+    /// What the engine did so far.
+    pub fn stats(&self) -> StatsSnapshot {
+        self.engine.dispatcher().stats().snapshot()
+    }
+
+    /// Stops accepting messages, lets deliveries in flight finish (up to the drain timeout),
+    /// and stops the engine. Retries still waiting for their cooldown are not dropped: they
+    /// are logged and handed back in the report, envelopes included.
+    ///
+    /// # Cancel safety
+    ///
+    /// Not cancel safe: once called, the runtime refuses new messages.
+    pub async fn shutdown(self) -> ShutdownReport {
+        let drain = self.drain_timeout;
+        self.engine.shutdown(drain).await
+    }
+}

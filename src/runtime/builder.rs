@@ -1,0 +1,206 @@
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+use reprise_actors::ports::{Clock, DeadLetterStore, Inbox, SystemClock};
+use reprise_actors::{
+    Engine, EngineConfig, EngineParts, Message, Module, Registry, RetryPolicy, UnknownMessageTypes,
+};
+
+use crate::store::{MemoryDeadLetters, MemoryInbox};
+use crate::transport::InProcess;
+use crate::{Error, Runtime};
+
+/// Configures a [`Runtime`]. Every setting has the default the design documents.
+pub struct RuntimeBuilder {
+    modules: Vec<Module>,
+    retry_policy: RetryPolicy,
+    message_policies: HashMap<String, RetryPolicy>,
+    handler_timeout: Duration,
+    engine: EngineConfig,
+    drain_timeout: Duration,
+    keep_after_handling: Duration,
+    inbox: Option<Arc<dyn Inbox>>,
+    dead_letters: Option<Arc<dyn DeadLetterStore>>,
+    clock: Arc<dyn Clock>,
+}
+
+impl Default for RuntimeBuilder {
+    fn default() -> Self {
+        Self {
+            modules: Vec::new(),
+            retry_policy: RetryPolicy::default(),
+            message_policies: HashMap::new(),
+            handler_timeout: Duration::from_secs(30),
+            engine: EngineConfig::default(),
+            drain_timeout: Duration::from_secs(30),
+            keep_after_handling: Duration::from_secs(5 * 60),
+            inbox: None,
+            dead_letters: None,
+            clock: Arc::new(SystemClock),
+        }
+    }
+}
+
+impl std::fmt::Debug for RuntimeBuilder {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RuntimeBuilder")
+            .field("modules", &self.modules)
+            .field("retry_policy", &self.retry_policy)
+            .field("handler_timeout", &self.handler_timeout)
+            .field("engine", &self.engine)
+            .finish_non_exhaustive()
+    }
+}
+
+impl RuntimeBuilder {
+    /// Registers a module and its handlers.
+    #[must_use]
+    pub fn module(mut self, module: Module) -> Self {
+        self.modules.push(module);
+        self
+    }
+
+    /// The runtime-wide retry policy (default: 5 retries, 1 s, 6 s, 16 s, 36 s, 60 s).
+    #[must_use]
+    pub fn retry_policy(mut self, policy: RetryPolicy) -> Self {
+        self.retry_policy = policy;
+        self
+    }
+
+    /// The retry policy of one message type; it wins over module and runtime policies.
+    #[must_use]
+    pub fn message_retry_policy<M: Message>(mut self, policy: RetryPolicy) -> Self {
+        self.message_policies.insert(M::TYPE.to_owned(), policy);
+        self
+    }
+
+    /// How long a handler may run before it counts as failed (default 30 s).
+    #[must_use]
+    pub fn handler_timeout(mut self, timeout: Duration) -> Self {
+        self.handler_timeout = timeout;
+        self
+    }
+
+    /// Worker threads running deliveries (default: one per core).
+    #[must_use]
+    pub fn workers(mut self, workers: usize) -> Self {
+        self.engine.workers = workers;
+        self
+    }
+
+    /// Deliveries accepted and not settled (cooling down included) beyond which publishing
+    /// waits (default 1024).
+    #[must_use]
+    pub fn max_in_flight(mut self, max: usize) -> Self {
+        self.engine.max_in_flight = max;
+        self
+    }
+
+    /// Largest envelope accepted, in bytes (default 1 MiB): larger ones are refused at publish
+    /// and dead-lettered at receive.
+    #[must_use]
+    pub fn max_envelope_size(mut self, bytes: usize) -> Self {
+        self.engine.max_envelope_size = bytes;
+        self
+    }
+
+    /// What happens to messages no handler handles (default: dead-letter).
+    #[must_use]
+    pub fn unknown_message_types(mut self, policy: UnknownMessageTypes) -> Self {
+        self.engine.unknown_message_types = policy;
+        self
+    }
+
+    /// How long a shutdown waits for deliveries in flight (default 30 s).
+    #[must_use]
+    pub fn drain_timeout(mut self, timeout: Duration) -> Self {
+        self.drain_timeout = timeout;
+        self
+    }
+
+    /// How long handled envelope ids are remembered to discard redeliveries (default 5 min).
+    #[must_use]
+    pub fn keep_after_handling(mut self, keep: Duration) -> Self {
+        self.keep_after_handling = keep;
+        self
+    }
+
+    /// The inbox to deduplicate envelope ids with (default: in memory).
+    #[must_use]
+    pub fn inbox(mut self, inbox: Arc<dyn Inbox>) -> Self {
+        self.inbox = Some(inbox);
+        self
+    }
+
+    /// Where dead letters are kept (default: in memory).
+    #[must_use]
+    pub fn dead_letter_store(mut self, store: Arc<dyn DeadLetterStore>) -> Self {
+        self.dead_letters = Some(store);
+        self
+    }
+
+    /// The wall clock used for timestamps and retention (default: the system's).
+    #[must_use]
+    pub fn clock(mut self, clock: Arc<dyn Clock>) -> Self {
+        self.clock = clock;
+        self
+    }
+
+    #[cfg(feature = "testing")]
+    pub(crate) fn virtual_time(mut self) -> Self {
+        self.engine.virtual_time = true;
+        self.engine.workers = 0;
+        self
+    }
+
+    /// The handler registry this builder would run, to adjust before starting.
+    pub(crate) fn into_parts(self) -> Result<(Registry, Self), Error> {
+        let mut this = self;
+        let modules = std::mem::take(&mut this.modules);
+        let registry = Registry::new(
+            modules,
+            this.retry_policy,
+            std::mem::take(&mut this.message_policies),
+            this.handler_timeout,
+        )?;
+        Ok((registry, this))
+    }
+
+    /// Starts the runtime's threads.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Registry`] for inconsistent registrations (a handler registered twice, a
+    /// policy for a type nobody handles), and [`Error::Engine`] if threads cannot start.
+    pub fn build(self) -> Result<Runtime, Error> {
+        let (registry, this) = self.into_parts()?;
+        this.start(registry)
+    }
+
+    pub(crate) fn start(self, registry: Registry) -> Result<Runtime, Error> {
+        let inbox = self.inbox.unwrap_or_else(|| {
+            Arc::new(MemoryInbox::new(self.keep_after_handling, Arc::clone(&self.clock)))
+        });
+        let dead_letters = self.dead_letters.unwrap_or_else(|| Arc::new(MemoryDeadLetters::default()));
+        let max_envelope_size = self.engine.max_envelope_size;
+        let engine = Engine::start(
+            self.engine,
+            EngineParts {
+                registry,
+                inbox: Arc::clone(&inbox),
+                dead_letters: Arc::clone(&dead_letters),
+                clock: self.clock,
+            },
+        )?;
+        let transport = InProcess::new(engine.dispatcher().clone());
+        Ok(Runtime {
+            engine,
+            transport,
+            inbox,
+            dead_letters,
+            max_envelope_size,
+            drain_timeout: self.drain_timeout,
+        })
+    }
+}

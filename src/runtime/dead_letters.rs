@@ -1,0 +1,73 @@
+use reprise_actors::DeadLetter;
+use uuid::Uuid;
+
+use crate::{Error, Runtime};
+
+/// The runtime's dead letters: messages it gave up on, kept to be inspected and replayed.
+#[derive(Debug)]
+pub struct DeadLetters<'a> {
+    runtime: &'a Runtime,
+}
+
+impl<'a> DeadLetters<'a> {
+    pub(super) fn new(runtime: &'a Runtime) -> Self {
+        Self { runtime }
+    }
+
+    /// Every dead letter, oldest failure first.
+    ///
+    /// # Errors
+    ///
+    /// The store's failure.
+    pub async fn list(&self) -> Result<Vec<DeadLetter>, Error> {
+        Ok(self.runtime.dead_letters.list().await?)
+    }
+
+    /// The dead letter of envelope `id`.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::DeadLetterNotFound`], or the store's failure.
+    pub async fn inspect(&self, id: Uuid) -> Result<DeadLetter, Error> {
+        self.runtime.dead_letters.get(id).await?.ok_or(Error::DeadLetterNotFound(id))
+    }
+
+    /// Sends the dead letter's envelope back to the inbox with the same envelope id and a
+    /// fresh attempt count, and removes it from the dead letters.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::DeadLetterNotFound`], or a failure to redeliver, in which case the dead
+    /// letter is put back: nothing is lost.
+    ///
+    /// # Cancel safety
+    ///
+    /// Not cancel safe: cancelled midway, the dead letter may be gone and the envelope not yet
+    /// redelivered.
+    pub async fn replay(&self, id: Uuid) -> Result<(), Error> {
+        let store = &self.runtime.dead_letters;
+        let dead_letter = store.remove(id).await?.ok_or(Error::DeadLetterNotFound(id))?;
+        let mut envelope = dead_letter.envelope.clone();
+        envelope.attempts = 0;
+        let redelivered = async {
+            self.runtime.inbox.forget(id).await?;
+            self.runtime.receive(envelope).await
+        }
+        .await;
+        if let Err(error) = redelivered {
+            store.put(dead_letter).await?;
+            return Err(error);
+        }
+        tracing::info!(messaging.message.id = %id, "dead letter replayed");
+        Ok(())
+    }
+
+    /// Removes every dead letter; returns how many there were.
+    ///
+    /// # Errors
+    ///
+    /// The store's failure.
+    pub async fn purge(&self) -> Result<u64, Error> {
+        Ok(self.runtime.dead_letters.purge().await?)
+    }
+}

@@ -1,0 +1,129 @@
+use std::collections::{HashMap, VecDeque};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Duration;
+
+use async_trait::async_trait;
+use chrono::{DateTime, Utc};
+use reprise_actors::ports::{Clock, DeadLetterStore, Inbox, Receipt};
+use reprise_actors::{DeadLetter, Envelope, Error};
+use uuid::Uuid;
+
+fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
+    // Every critical section below leaves the data consistent, so a panic elsewhere while
+    // holding the lock does not make it unusable.
+    mutex.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
+/// An inbox in memory: deduplicates envelope ids within one process, for as long as it lives.
+pub struct MemoryInbox {
+    keep_after_handling: chrono::Duration,
+    clock: Arc<dyn Clock>,
+    state: Mutex<InboxState>,
+}
+
+impl std::fmt::Debug for MemoryInbox {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("MemoryInbox")
+            .field("keep_after_handling", &self.keep_after_handling)
+            .finish_non_exhaustive()
+    }
+}
+
+#[derive(Debug, Default)]
+struct InboxState {
+    /// `None` while incoming; the handling time once settled.
+    known: HashMap<Uuid, Option<DateTime<Utc>>>,
+    /// Settled ids in the order they settled, so expiry never scans the whole map.
+    settled: VecDeque<(DateTime<Utc>, Uuid)>,
+}
+
+impl MemoryInbox {
+    /// An inbox that remembers handled envelopes for `keep_after_handling`.
+    pub fn new(keep_after_handling: Duration, clock: Arc<dyn Clock>) -> Self {
+        Self {
+            keep_after_handling: chrono::Duration::from_std(keep_after_handling)
+                .unwrap_or(chrono::TimeDelta::MAX),
+            clock,
+            state: Mutex::default(),
+        }
+    }
+
+    fn expire(&self, state: &mut InboxState, now: DateTime<Utc>) {
+        while let Some(&(at, id)) = state.settled.front() {
+            if at.checked_add_signed(self.keep_after_handling).is_some_and(|until| until > now) {
+                break;
+            }
+            state.settled.pop_front();
+            // Only forget it if it was not received again and re-settled since.
+            if state.known.get(&id) == Some(&Some(at)) {
+                state.known.remove(&id);
+            }
+        }
+    }
+}
+
+#[async_trait]
+impl Inbox for MemoryInbox {
+    async fn receive(&self, envelope: &Envelope) -> Result<Receipt, Error> {
+        let now = self.clock.now();
+        let mut state = lock(&self.state);
+        self.expire(&mut state, now);
+        if state.known.contains_key(&envelope.id) {
+            return Ok(Receipt::Duplicate);
+        }
+        state.known.insert(envelope.id, None);
+        Ok(Receipt::New)
+    }
+
+    async fn mark_handled(&self, id: Uuid) -> Result<(), Error> {
+        let now = self.clock.now();
+        let mut state = lock(&self.state);
+        state.known.insert(id, Some(now));
+        state.settled.push_back((now, id));
+        Ok(())
+    }
+
+    async fn forget(&self, id: Uuid) -> Result<(), Error> {
+        lock(&self.state).known.remove(&id);
+        Ok(())
+    }
+}
+
+/// Dead letters in memory, lost with the process; the durable stores keep them.
+#[derive(Debug, Default)]
+pub struct MemoryDeadLetters {
+    letters: Mutex<Vec<DeadLetter>>,
+}
+
+#[async_trait]
+impl DeadLetterStore for MemoryDeadLetters {
+    async fn put(&self, dead_letter: DeadLetter) -> Result<(), Error> {
+        let mut letters = lock(&self.letters);
+        letters.retain(|l| l.envelope.id != dead_letter.envelope.id);
+        letters.push(dead_letter);
+        Ok(())
+    }
+
+    async fn list(&self) -> Result<Vec<DeadLetter>, Error> {
+        let mut letters = lock(&self.letters).clone();
+        letters.sort_by_key(|l| l.first_failure_at);
+        Ok(letters)
+    }
+
+    async fn get(&self, id: Uuid) -> Result<Option<DeadLetter>, Error> {
+        Ok(lock(&self.letters).iter().find(|l| l.envelope.id == id).cloned())
+    }
+
+    async fn remove(&self, id: Uuid) -> Result<Option<DeadLetter>, Error> {
+        let mut letters = lock(&self.letters);
+        let index = letters.iter().position(|l| l.envelope.id == id);
+        Ok(index.map(|i| letters.remove(i)))
+    }
+
+    async fn purge(&self) -> Result<u64, Error> {
+        let mut letters = lock(&self.letters);
+        let count = letters.len() as u64;
+        letters.clear();
+        Ok(count)
+    }
+}

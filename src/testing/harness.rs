@@ -1,0 +1,179 @@
+use std::time::Duration;
+
+use reprise_actors::{
+    DeliveryReport, Envelope, HandlerId, Message, Module, RetryPolicy, SendOptions, ShutdownReport,
+};
+use tokio::sync::oneshot;
+
+use crate::testing::Fault;
+use crate::{Error, Runtime, RuntimeBuilder};
+
+/// Configures a [`TestHarness`].
+#[derive(Debug)]
+pub struct TestHarnessBuilder {
+    runtime: RuntimeBuilder,
+    faults: Vec<(HandlerId, Fault)>,
+    settle_timeout: Duration,
+}
+
+impl TestHarnessBuilder {
+    /// Registers a module.
+    #[must_use]
+    pub fn module(mut self, module: Module) -> Self {
+        self.runtime = self.runtime.module(module);
+        self
+    }
+
+    /// The runtime-wide retry policy.
+    #[must_use]
+    pub fn retry_policy(mut self, policy: RetryPolicy) -> Self {
+        self.runtime = self.runtime.retry_policy(policy);
+        self
+    }
+
+    /// The per-handler timeout.
+    #[must_use]
+    pub fn handler_timeout(mut self, timeout: Duration) -> Self {
+        self.runtime = self.runtime.handler_timeout(timeout);
+        self
+    }
+
+    /// Any other runtime setting.
+    #[must_use]
+    pub fn configure(mut self, configure: impl FnOnce(RuntimeBuilder) -> RuntimeBuilder) -> Self {
+        self.runtime = configure(self.runtime);
+        self
+    }
+
+    /// Injects `fault` in front of the handler `name` of `module`.
+    #[must_use]
+    pub fn fault(mut self, module: &str, name: &str, fault: Fault) -> Self {
+        let id = HandlerId { module: module.into(), name: name.into() };
+        self.faults.push((id, fault));
+        self
+    }
+
+    /// How long, in real time, tracked calls wait for a delivery to settle (default 10 s).
+    /// Virtual time makes cooldowns instant, so this only bounds a stuck test.
+    #[must_use]
+    pub fn settle_timeout(mut self, timeout: Duration) -> Self {
+        self.settle_timeout = timeout;
+        self
+    }
+
+    /// Starts the runtime on virtual time.
+    ///
+    /// # Errors
+    ///
+    /// The runtime's build errors, and [`Error::Registry`] when a fault names a handler that
+    /// is not registered.
+    pub fn build(self) -> Result<TestHarness, Error> {
+        let (mut registry, runtime) = self.runtime.virtual_time().into_parts()?;
+        for (id, fault) in self.faults {
+            if !registry.wrap_handler(&id, |inner| fault.clone().wrap(inner)) {
+                return Err(Error::UnknownHandler(id));
+            }
+        }
+        Ok(TestHarness { runtime: runtime.start(registry)?, settle_timeout: self.settle_timeout })
+    }
+}
+
+/// A runtime on virtual time with faults injected, and calls that wait for deliveries to
+/// settle and report them.
+#[derive(Debug)]
+pub struct TestHarness {
+    runtime: Runtime,
+    settle_timeout: Duration,
+}
+
+impl TestHarness {
+    /// Starts configuring a harness.
+    pub fn builder() -> TestHarnessBuilder {
+        TestHarnessBuilder {
+            runtime: Runtime::builder(),
+            faults: Vec::new(),
+            settle_timeout: Duration::from_secs(10),
+        }
+    }
+
+    /// The runtime under test.
+    pub fn runtime(&self) -> &Runtime {
+        &self.runtime
+    }
+
+    /// Publishes `message` and waits until its delivery settles.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::NotSettled`] past the settle timeout, and the errors of
+    /// [`Runtime::publish`].
+    pub async fn publish<M: Message>(&self, message: &M) -> Result<DeliveryReport, Error> {
+        self.publish_with(message, SendOptions::default()).await
+    }
+
+    /// [`publish`](Self::publish) with send options.
+    ///
+    /// # Errors
+    ///
+    /// As [`publish`](Self::publish).
+    pub async fn publish_with<M: Message>(
+        &self,
+        message: &M,
+        options: SendOptions,
+    ) -> Result<DeliveryReport, Error> {
+        let envelope = self.runtime.envelope(message, options)?;
+        self.deliver(envelope).await
+    }
+
+    /// Delivers a prepared envelope (malformed, oversized, a copy of an earlier one…) and
+    /// waits until it settles.
+    ///
+    /// # Errors
+    ///
+    /// As [`publish`](Self::publish).
+    pub async fn deliver(&self, envelope: Envelope) -> Result<DeliveryReport, Error> {
+        let id = envelope.id;
+        let report = self.runtime.receive_tracked(envelope).await?;
+        self.settled(id, report).await
+    }
+
+    /// Delivers the same envelope `copies` times at once, as a broker that redelivers while
+    /// the first delivery is still running, and waits for every copy to settle.
+    ///
+    /// # Errors
+    ///
+    /// As [`publish`](Self::publish).
+    pub async fn deliver_concurrently(
+        &self,
+        envelope: Envelope,
+        copies: usize,
+    ) -> Result<Vec<DeliveryReport>, Error> {
+        let id = envelope.id;
+        let accepted = futures::future::join_all(
+            (0..copies).map(|_| self.runtime.receive_tracked(envelope.clone())),
+        )
+        .await;
+        let mut reports = Vec::with_capacity(copies);
+        for receiver in accepted {
+            reports.push(self.settled(id, receiver?).await?);
+        }
+        Ok(reports)
+    }
+
+    async fn settled(
+        &self,
+        envelope_id: uuid::Uuid,
+        report: oneshot::Receiver<DeliveryReport>,
+    ) -> Result<DeliveryReport, Error> {
+        match tokio::time::timeout(self.settle_timeout, report).await {
+            Ok(Ok(report)) => Ok(report),
+            Ok(Err(_)) => Err(Error::Abandoned(envelope_id)),
+            Err(_) => Err(Error::NotSettled { envelope_id, waited: self.settle_timeout }),
+        }
+    }
+
+    /// Shuts the runtime down; see [`Runtime::shutdown`].
+    pub async fn shutdown(self) -> ShutdownReport {
+        self.runtime.shutdown().await
+    }
+}

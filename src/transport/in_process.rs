@@ -1,0 +1,37 @@
+use reprise_actors::{DeliveryReport, Dispatcher, Envelope};
+use tokio::sync::oneshot;
+
+use crate::Error;
+
+/// Delivers envelopes to the engine of the same process, with no broker in between.
+///
+/// It has the same contract as a broker listener: an envelope counts as sent once the engine
+/// accepted it (the inbox recorded it), never before.
+#[derive(Clone, Debug)]
+pub struct InProcess {
+    dispatcher: Dispatcher,
+}
+
+impl InProcess {
+    pub(crate) fn new(dispatcher: Dispatcher) -> Self {
+        Self { dispatcher }
+    }
+
+    /// Sends `envelope` to the local engine; `reply` gets the report once it settles.
+    ///
+    /// # Errors
+    ///
+    /// The engine's refusal (shutting down, inbox failure), with the envelope handed back
+    /// where the error has it.
+    ///
+    /// # Cancel safety
+    ///
+    /// Not cancel safe: see [`Dispatcher::dispatch`].
+    pub async fn send(
+        &self,
+        envelope: Envelope,
+        reply: Option<oneshot::Sender<DeliveryReport>>,
+    ) -> Result<(), Error> {
+        Ok(self.dispatcher.dispatch(envelope, reply).await?)
+    }
+}

@@ -1,0 +1,90 @@
+//! A failing delivery is retried as a whole on the policy's cooldowns, then dead-lettered.
+
+#[path = "support/messages.rs"]
+mod support;
+
+use std::time::Duration;
+
+use reprise::prelude::*;
+use reprise::testing::{Fault, Recorder, TestHarness};
+use reprise::{DeadLetterReason, FailureKind, Outcome};
+use support::{Counter, MemberRemoved, member_removed};
+
+fn secs(list: &[u64]) -> Vec<Duration> {
+    list.iter().map(|s| Duration::from_secs(*s)).collect()
+}
+
+#[tokio::test]
+async fn failing_handler_is_retried_on_the_default_cooldowns_then_dead_lettered() {
+    let other = Counter::default();
+    let harness = TestHarness::builder()
+        .module(Module::new("workspaces").handle_named::<MemberRemoved, _>("revoke", Counter::default()))
+        .module(Module::new("webhooks").handle_named::<MemberRemoved, _>("queue", other.clone()))
+        .fault("workspaces", "revoke", Fault::always_fail())
+        .build()
+        .unwrap();
+
+    let report = harness.publish(&member_removed()).await.unwrap();
+
+    assert_eq!(report.outcome, Outcome::DeadLettered(DeadLetterReason::RetriesExhausted));
+    assert_eq!(report.attempts, 6, "retry_limit 5 means at most 6 attempts");
+    assert_eq!(report.cooldowns(), secs(&[1, 6, 16, 36, 60]));
+    assert_eq!(report.failures.len(), 6);
+    // Every attempt reran every handler: the healthy one ran six times.
+    assert_eq!(other.count(), 6);
+    let first = &report.failures[0];
+    assert_eq!(first.failures.len(), 1);
+    assert_eq!(&*first.failures[0].module, "workspaces");
+    assert_eq!(
+        first.to_string(),
+        format!("1 handler(s) failed for event organization.member_removed with MessageId {}.", report.envelope_id)
+    );
+
+    let dead = harness.runtime().dead_letters().inspect(report.envelope_id).await.unwrap();
+    assert_eq!(dead.attempts, 6);
+    assert_eq!(dead.failures.len(), 6);
+    assert_eq!(dead.reason, DeadLetterReason::RetriesExhausted);
+    assert!(dead.first_failure_at <= dead.last_failure_at);
+}
+
+#[tokio::test]
+async fn a_handler_failing_once_succeeds_on_the_retry_after_one_second() {
+    let calls = Recorder::<MemberRemoved>::new();
+    let harness = TestHarness::builder()
+        .module(Module::new("workspaces").handle_named::<MemberRemoved, _>("revoke", calls.clone()))
+        .fault("workspaces", "revoke", Fault::fail_times(1))
+        .build()
+        .unwrap();
+
+    let report = harness.publish(&member_removed()).await.unwrap();
+
+    assert!(report.is_handled());
+    assert_eq!(report.attempts, 2);
+    assert_eq!(report.cooldowns(), secs(&[1]));
+    let calls = calls.calls();
+    assert_eq!(calls.len(), 1);
+    assert_eq!(calls[0].attempt, 2);
+    assert_eq!(calls[0].message_id, Some(report.envelope_id));
+}
+
+#[tokio::test]
+async fn all_failures_of_an_attempt_are_aggregated_in_registration_order() {
+    let harness = TestHarness::builder()
+        .module(Module::new("a").handle_named::<MemberRemoved, _>("one", Counter::default()))
+        .module(Module::new("b").handle_named::<MemberRemoved, _>("two", Counter::default()))
+        .module(Module::new("c").handle_named::<MemberRemoved, _>("three", Counter::default()))
+        .fault("a", "one", Fault::fail_times(1))
+        .fault("c", "three", Fault::panic_times(1))
+        .build()
+        .unwrap();
+
+    let report = harness.publish(&member_removed()).await.unwrap();
+
+    assert!(report.is_handled());
+    let failed = &report.failures[0];
+    assert_eq!(failed.to_string().split(' ').next(), Some("2"));
+    let names: Vec<&str> = failed.failures.iter().map(|f| &*f.handler).collect();
+    assert_eq!(names, ["one", "three"]);
+    assert_eq!(failed.failures[0].kind, FailureKind::Error);
+    assert_eq!(failed.failures[1].kind, FailureKind::Panicked);
+}
