@@ -12,6 +12,7 @@ pub mod testing;
 pub mod transport;
 
 pub use error::Error;
+pub use reprise_actors::Error as EngineError;
 pub use reprise_actors::ports;
 pub use reprise_actors::{
     AggregateError, DeadLetter, DeadLetterReason, DeliveryReport, DiscardReason, Disposition,

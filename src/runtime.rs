@@ -184,6 +184,15 @@ impl Runtime {
         DeadLetters::new(self)
     }
 
+    /// Waits until every accepted delivery has settled or is waiting for a cooldown.
+    ///
+    /// # Cancel safety
+    ///
+    /// Cancel safe: it only observes.
+    pub async fn idle(&self) {
+        self.engine.dispatcher().idle().await;
+    }
+
     /// What the engine did so far.
     pub fn stats(&self) -> StatsSnapshot {
         self.engine.dispatcher().stats().snapshot()
@@ -193,10 +202,12 @@ impl Runtime {
     /// and stops the engine. Retries still waiting for their cooldown are not dropped: they
     /// are logged and handed back in the report, envelopes included.
     ///
+    /// Once it returned, calling it again does nothing and reports nothing.
+    ///
     /// # Cancel safety
     ///
-    /// Not cancel safe: once called, the runtime refuses new messages.
-    pub async fn shutdown(self) -> ShutdownReport {
+    /// Not cancel safe: once polled, the runtime refuses new messages.
+    pub async fn shutdown(&self) -> ShutdownReport {
         let drain = self.drain_timeout;
         self.engine.shutdown(drain).await
     }

@@ -142,6 +142,16 @@ impl Dispatcher {
         Ok(())
     }
 
+    /// Waits until no delivery is active: every accepted envelope has settled or is waiting
+    /// for a cooldown.
+    ///
+    /// # Cancel safety
+    ///
+    /// Cancel safe: it only observes.
+    pub async fn idle(&self) {
+        self.shared.tracker.drained().await;
+    }
+
     /// The engine's counters.
     pub fn stats(&self) -> &Arc<Stats> {
         &self.shared.stats

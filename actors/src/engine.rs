@@ -64,7 +64,7 @@ impl ShutdownReport {
 pub struct Engine {
     dispatcher: Dispatcher,
     system: System,
-    stopped: Option<oneshot::Receiver<()>>,
+    stopped: tokio::sync::Mutex<Option<oneshot::Receiver<()>>>,
 }
 
 /// The engine's dependencies.
@@ -135,7 +135,7 @@ impl Engine {
             .map_err(|e| Error::Startup(e.to_string()))?;
         let (dispatcher, system) =
             ready_rx.recv().map_err(|_| Error::Startup("the engine thread died while starting".into()))?;
-        Ok(Self { dispatcher, system, stopped: Some(stopped_rx) })
+        Ok(Self { dispatcher, system, stopped: tokio::sync::Mutex::new(Some(stopped_rx)) })
     }
 
     /// Where received envelopes go.
@@ -146,12 +146,16 @@ impl Engine {
     /// Refuses new envelopes, waits up to `drain` for active deliveries to settle (their
     /// cascaded messages included), hands back those cooling down, and stops the threads.
     ///
+    /// Calling it again once it returned does nothing and reports nothing.
+    ///
     /// # Cancel safety
     ///
-    /// Not cancel safe: once called, the engine refuses new work even if the future is dropped.
-    pub async fn shutdown(mut self, drain: Duration) -> ShutdownReport {
+    /// Not cancel safe: once polled, the engine refuses new work even if the future is dropped.
+    pub async fn shutdown(&self, drain: Duration) -> ShutdownReport {
         let tracker = &self.dispatcher.shared.tracker;
         tracker.close();
+        let mut stopped = self.stopped.lock().await;
+        let Some(stopped) = stopped.take() else { return ShutdownReport::default() };
         let drained = tokio::time::timeout(drain, tracker.drained()).await.is_ok();
         let report = ShutdownReport {
             pending_retries: tracker.take_cooling(),
@@ -166,16 +170,15 @@ impl Engine {
             );
         }
         self.system.stop();
-        if let Some(stopped) = self.stopped.take() {
-            let _ = stopped.await;
-        }
+        let _ = stopped.await;
         report
     }
 }
 
 impl Drop for Engine {
     fn drop(&mut self) {
-        if self.stopped.is_some() {
+        // Dropped without a shutdown: stop the threads without draining.
+        if self.stopped.get_mut().is_some() {
             self.system.stop();
         }
     }

@@ -172,8 +172,20 @@ impl TestHarness {
         }
     }
 
+    /// Waits until every accepted delivery (cascaded messages included) has settled or is
+    /// waiting for a cooldown.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::NotSettled`] (with a nil envelope id) past the settle timeout.
+    pub async fn idle(&self) -> Result<(), Error> {
+        tokio::time::timeout(self.settle_timeout, self.runtime.idle())
+            .await
+            .map_err(|_| Error::NotSettled { envelope_id: uuid::Uuid::nil(), waited: self.settle_timeout })
+    }
+
     /// Shuts the runtime down; see [`Runtime::shutdown`].
-    pub async fn shutdown(self) -> ShutdownReport {
+    pub async fn shutdown(&self) -> ShutdownReport {
         self.runtime.shutdown().await
     }
 }

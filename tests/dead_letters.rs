@@ -1,0 +1,97 @@
+//! Dead letters: list, inspect, replay with the same envelope id and a fresh count, purge.
+
+#[path = "support/messages.rs"]
+mod support;
+
+use reprise::prelude::*;
+use reprise::testing::{Fault, Recorder, TestHarness};
+use reprise::{DeadLetterReason, Error, Outcome};
+use support::{MemberRemoved, member_removed};
+use uuid::Uuid;
+
+fn harness(calls: &Recorder<MemberRemoved>) -> TestHarness {
+    TestHarness::builder()
+        .retry_policy(RetryPolicy { retry_limit: 2, ..RetryPolicy::default() })
+        .module(Module::new("workspaces").handle_named::<MemberRemoved, _>("revoke", calls.clone()))
+        // Three failures exhaust the policy; the fourth call, a replay, gets through.
+        .fault("workspaces", "revoke", Fault::fail_times(3))
+        .build()
+        .unwrap()
+}
+
+#[tokio::test]
+async fn dead_letters_can_be_listed_and_inspected() {
+    let harness = harness(&Recorder::new());
+    let report = harness.publish(&member_removed()).await.unwrap();
+    assert_eq!(report.outcome, Outcome::DeadLettered(DeadLetterReason::RetriesExhausted));
+
+    let list = harness.runtime().dead_letters().list().await.unwrap();
+    assert_eq!(list.len(), 1);
+    let dead = harness.runtime().dead_letters().inspect(report.envelope_id).await.unwrap();
+    assert_eq!(dead, list[0]);
+    assert_eq!(dead.envelope.id, report.envelope_id);
+    assert_eq!(dead.attempts, 3);
+    assert_eq!(dead.failures.iter().map(|f| f.attempt).collect::<Vec<_>>(), [1, 2, 3]);
+    assert_eq!(dead.failures, report.failures);
+}
+
+#[tokio::test]
+async fn a_replay_keeps_the_envelope_id_and_starts_a_fresh_attempt_count() {
+    let calls = Recorder::new();
+    let harness = harness(&calls);
+    let report = harness.publish(&member_removed()).await.unwrap();
+    let id = report.envelope_id;
+
+    harness.runtime().dead_letters().replay(id).await.unwrap();
+    harness.idle().await.unwrap();
+
+    let calls = calls.calls();
+    assert_eq!(calls.len(), 1);
+    assert_eq!(calls[0].message_id, Some(id), "same envelope id");
+    assert_eq!(calls[0].attempt, 1, "fresh attempt count");
+    assert!(harness.runtime().dead_letters().list().await.unwrap().is_empty());
+    assert_eq!(harness.runtime().stats().handled, 1);
+}
+
+#[tokio::test]
+async fn a_redelivery_of_a_dead_lettered_envelope_is_discarded_but_a_replay_is_not() {
+    let calls = Recorder::new();
+    let harness = harness(&calls);
+    let report = harness.publish(&member_removed()).await.unwrap();
+    let dead = harness.runtime().dead_letters().inspect(report.envelope_id).await.unwrap();
+
+    let redelivered = harness.deliver(dead.envelope.clone()).await.unwrap();
+
+    assert!(matches!(redelivered.outcome, Outcome::Discarded(_)));
+    assert_eq!(calls.count(), 0);
+}
+
+#[tokio::test]
+async fn replaying_or_inspecting_an_unknown_id_is_a_typed_error() {
+    let harness = harness(&Recorder::new());
+    let id = Uuid::new_v4();
+    assert!(matches!(harness.runtime().dead_letters().replay(id).await, Err(Error::DeadLetterNotFound(x)) if x == id));
+    assert!(matches!(harness.runtime().dead_letters().inspect(id).await, Err(Error::DeadLetterNotFound(x)) if x == id));
+}
+
+#[tokio::test]
+async fn purge_removes_every_dead_letter_and_counts_them() {
+    let harness = harness(&Recorder::new());
+    harness.publish(&member_removed()).await.unwrap();
+    harness.publish(&member_removed()).await.unwrap();
+    assert_eq!(harness.runtime().dead_letters().purge().await.unwrap(), 2);
+    assert!(harness.runtime().dead_letters().list().await.unwrap().is_empty());
+    assert_eq!(harness.runtime().dead_letters().purge().await.unwrap(), 0);
+}
+
+#[tokio::test]
+async fn a_failed_replay_puts_the_dead_letter_back() {
+    let harness = harness(&Recorder::new());
+    let report = harness.publish(&member_removed()).await.unwrap();
+    harness.shutdown().await;
+
+    let error = harness.runtime().dead_letters().replay(report.envelope_id).await.unwrap_err();
+
+    assert!(matches!(error, Error::Engine(reprise::EngineError::ShuttingDown(_))), "{error}");
+    assert!(harness.runtime().dead_letters().inspect(report.envelope_id).await.is_ok());
+}

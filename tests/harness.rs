@@ -1,0 +1,190 @@
+//! The test harness's own capabilities: virtual time, injected faults, duplicate deliveries,
+//! tracked publishing.
+
+#[path = "support/messages.rs"]
+mod support;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use reprise::prelude::*;
+use reprise::testing::{Fault, Recorder, TestHarness};
+use reprise::ports::DeadLetterStore;
+use reprise::{DeadLetter, DeadLetterReason, DiscardReason, EngineError, Error, FailureKind, Outcome};
+use uuid::Uuid;
+use support::{Counter, MemberRemoved, member_removed};
+
+#[tokio::test]
+async fn virtual_time_passes_a_sixty_second_cooldown_exactly() {
+    let harness = TestHarness::builder()
+        .retry_policy(RetryPolicy {
+            retry_limit: 1,
+            min_retry_interval: Duration::from_secs(60),
+            ..RetryPolicy::default()
+        })
+        .module(Module::new("m").handle_named::<MemberRemoved, _>("h", Recorder::new()))
+        .fault("m", "h", Fault::fail_times(1))
+        .settle_timeout(Duration::from_secs(5))
+        .build()
+        .unwrap();
+    // The settle timeout is real time (5 s): this settles only because the 60 s are virtual.
+    let report = harness.publish(&member_removed()).await.unwrap();
+    assert!(report.is_handled());
+    assert_eq!(report.attempt_offsets, [Duration::ZERO, Duration::from_secs(60)]);
+}
+
+#[tokio::test]
+async fn a_panicking_handler_fails_alone_and_the_runtime_keeps_going() {
+    let sibling = Counter::default();
+    let harness = TestHarness::builder()
+        .module(Module::new("m").handle_named::<MemberRemoved, _>("panics", Counter::default()))
+        .module(Module::new("n").handle_named::<MemberRemoved, _>("fine", sibling.clone()))
+        .fault("m", "panics", Fault::always_panic())
+        .retry_policy(RetryPolicy::no_retries())
+        .build()
+        .unwrap();
+
+    let first = harness.publish(&member_removed()).await.unwrap();
+    let second = harness.publish(&member_removed()).await.unwrap();
+
+    for report in [&first, &second] {
+        assert_eq!(report.outcome, Outcome::DeadLettered(DeadLetterReason::RetriesExhausted));
+        let failure = &report.failures[0].failures[0];
+        assert_eq!(failure.kind, FailureKind::Panicked);
+        assert!(failure.error.contains("injected panic"), "{}", failure.error);
+    }
+    assert_eq!(sibling.count(), 2, "the sibling handler ran for both messages");
+}
+
+#[tokio::test]
+async fn a_hanging_handler_times_out_at_its_timeout() {
+    let harness = TestHarness::builder()
+        .handler_timeout(Duration::from_secs(30))
+        .module(Module::new("m").handle_named::<MemberRemoved, _>("h", Recorder::new()))
+        .module(
+            Module::new("slow")
+                .handler_timeout(Duration::from_secs(120))
+                .handle_named::<MemberRemoved, _>("h", Recorder::new()),
+        )
+        .fault("m", "h", Fault::hang_times(1))
+        .fault("slow", "h", Fault::hang_times(1))
+        .build()
+        .unwrap();
+
+    let report = harness.publish(&member_removed()).await.unwrap();
+
+    assert!(report.is_handled());
+    let kinds: Vec<FailureKind> = report.failures[0].failures.iter().map(|f| f.kind).collect();
+    assert_eq!(
+        kinds,
+        [FailureKind::TimedOut(Duration::from_secs(30)), FailureKind::TimedOut(Duration::from_secs(120))]
+    );
+    // The attempt lasted as long as its slowest handler's timeout, then cooled down 1 s.
+    assert_eq!(report.attempt_offsets[1], Duration::from_secs(121));
+}
+
+#[tokio::test]
+async fn a_fault_can_strike_only_matching_messages() {
+    let calls = Recorder::<MemberRemoved>::new();
+    let harness = TestHarness::builder()
+        .module(Module::new("m").handle_named::<MemberRemoved, _>("h", calls.clone()))
+        .fault("m", "h", Fault::always_fail().only_when(|m: &MemberRemoved| m.member_id == 13))
+        .retry_policy(RetryPolicy::no_retries())
+        .build()
+        .unwrap();
+
+    let unlucky = harness.publish(&MemberRemoved { organization_id: 1, member_id: 13 }).await.unwrap();
+    let lucky = harness.publish(&MemberRemoved { organization_id: 1, member_id: 14 }).await.unwrap();
+
+    assert!(matches!(unlucky.outcome, Outcome::DeadLettered(_)));
+    assert!(lucky.is_handled());
+    assert_eq!(calls.calls().iter().map(|c| c.message.member_id).collect::<Vec<_>>(), [14]);
+}
+
+#[tokio::test]
+async fn counted_faults_count_per_message() {
+    let harness = TestHarness::builder()
+        .module(Module::new("m").handle_named::<MemberRemoved, _>("h", Recorder::new()))
+        .fault("m", "h", Fault::fail_times(2))
+        .build()
+        .unwrap();
+    for _ in 0..2 {
+        let report = harness.publish(&member_removed()).await.unwrap();
+        assert_eq!(report.attempts, 3);
+    }
+}
+
+#[tokio::test]
+async fn the_same_envelope_delivered_twice_is_handled_once() {
+    let counter = Counter::default();
+    let harness = TestHarness::builder()
+        .module(Module::new("m").handle_named::<MemberRemoved, _>("h", counter.clone()))
+        .build()
+        .unwrap();
+    let envelope = Envelope::for_message(&member_removed()).unwrap();
+
+    let first = harness.deliver(envelope.clone()).await.unwrap();
+    let second = harness.deliver(envelope).await.unwrap();
+
+    assert!(first.is_handled());
+    assert_eq!(second.outcome, Outcome::Discarded(DiscardReason::DuplicateEnvelope));
+    assert_eq!(counter.count(), 1);
+    assert_eq!(harness.runtime().stats().deduplicated, 1);
+}
+
+#[tokio::test]
+async fn the_same_envelope_delivered_concurrently_is_handled_once() {
+    let counter = Counter::default();
+    let harness = TestHarness::builder()
+        .module(Module::new("m").handle_named::<MemberRemoved, _>("h", counter.clone()))
+        .fault("m", "h", Fault::fail_times(1))
+        .build()
+        .unwrap();
+    let envelope = Envelope::for_message(&member_removed()).unwrap();
+
+    let reports = harness.deliver_concurrently(envelope, 4).await.unwrap();
+
+    let handled = reports.iter().filter(|r| r.is_handled()).count();
+    let discarded = reports
+        .iter()
+        .filter(|r| r.outcome == Outcome::Discarded(DiscardReason::DuplicateEnvelope))
+        .count();
+    assert_eq!((handled, discarded), (1, 3));
+    assert_eq!(counter.count(), 1);
+}
+
+#[tokio::test]
+async fn a_delivery_that_cannot_settle_in_time_is_reported_not_awaited_forever() {
+    // The dead letter store never answers, so the dead-lettered delivery never settles; no
+    // timer is pending, so virtual time cannot move it along either.
+    let harness = TestHarness::builder()
+        .module(Module::new("m").handle_named::<MemberRemoved, _>("h", Counter::default()))
+        .fault("m", "h", Fault::fail_permanently())
+        .configure(|runtime| runtime.dead_letter_store(Arc::new(SilentStore)))
+        .settle_timeout(Duration::from_millis(200))
+        .build()
+        .unwrap();
+    let error = harness.publish(&member_removed()).await.unwrap_err();
+    assert!(matches!(error, Error::NotSettled { .. }), "{error}");
+}
+
+struct SilentStore;
+
+#[async_trait::async_trait]
+impl DeadLetterStore for SilentStore {
+    async fn put(&self, _: DeadLetter) -> Result<(), EngineError> {
+        std::future::pending().await
+    }
+    async fn list(&self) -> Result<Vec<DeadLetter>, EngineError> {
+        std::future::pending().await
+    }
+    async fn get(&self, _: Uuid) -> Result<Option<DeadLetter>, EngineError> {
+        std::future::pending().await
+    }
+    async fn remove(&self, _: Uuid) -> Result<Option<DeadLetter>, EngineError> {
+        std::future::pending().await
+    }
+    async fn purge(&self) -> Result<u64, EngineError> {
+        std::future::pending().await
+    }
+}

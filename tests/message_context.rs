@@ -1,0 +1,180 @@
+//! What a handler learns from its `MessageContext`, and how cascaded messages leave.
+
+#[path = "support/messages.rs"]
+mod support;
+
+use std::sync::{Arc, Mutex};
+
+use reprise::prelude::*;
+use reprise::testing::{Fault, Recorder, TestHarness};
+use reprise::{EngineError, Outcome};
+use support::{MemberRemoved, WebhookQueued, member_removed};
+use uuid::Uuid;
+
+#[derive(Clone, Debug, Default, PartialEq)]
+struct Seen {
+    message_id: Option<Uuid>,
+    message_type: Option<String>,
+    attempt: u32,
+    correlation_id: Option<Uuid>,
+    causation_id: Option<Uuid>,
+    deduplication_id: Option<String>,
+    tenant: Option<String>,
+    handler: Option<String>,
+}
+
+#[derive(Clone, Default)]
+struct Observe(Arc<Mutex<Vec<Seen>>>);
+
+impl Handler<MemberRemoved> for Observe {
+    async fn handle(&self, _: &MemberRemoved, context: &MessageContext) -> Result<(), HandlerError> {
+        self.0.lock().unwrap().push(Seen {
+            message_id: context.message_id(),
+            message_type: context.message_type().map(str::to_owned),
+            attempt: context.attempt(),
+            correlation_id: context.correlation_id(),
+            causation_id: context.causation_id(),
+            deduplication_id: context.deduplication_id().map(str::to_owned),
+            tenant: context.headers().get("tenant").cloned(),
+            handler: context.handler().map(ToString::to_string),
+        });
+        Ok(())
+    }
+}
+
+#[tokio::test]
+async fn a_consumer_sees_the_same_message_id_on_every_attempt() {
+    let seen = Observe::default();
+    let harness = TestHarness::builder()
+        .module(Module::new("audit").handle_named::<MemberRemoved, _>("record", seen.clone()))
+        .fault("audit", "record", Fault::fail_times(2))
+        .build()
+        .unwrap();
+    let correlation = Uuid::new_v4();
+    let options = SendOptions::new()
+        .deduplication_id("remove-7")
+        .header("tenant", "acme")
+        .correlation_id(correlation);
+
+    // The fault strikes in front of the handler, which therefore first runs on attempt 3.
+    let report = harness.publish_with(&member_removed(), options).await.unwrap();
+
+    assert!(report.is_handled());
+    let seen = seen.0.lock().unwrap().clone();
+    assert_eq!(seen.len(), 1);
+    assert_eq!(
+        seen[0],
+        Seen {
+            message_id: Some(report.envelope_id),
+            message_type: Some("organization.member_removed".into()),
+            attempt: 3,
+            correlation_id: Some(correlation),
+            causation_id: None,
+            deduplication_id: Some("remove-7".into()),
+            tenant: Some("acme".into()),
+            handler: Some("audit/record".into()),
+        }
+    );
+}
+
+#[tokio::test]
+async fn every_attempt_reruns_every_handler_with_the_same_message_id() {
+    let seen = Observe::default();
+    let harness = TestHarness::builder()
+        .module(Module::new("audit").handle_named::<MemberRemoved, _>("record", seen.clone()))
+        .module(Module::new("workspaces").handle_named::<MemberRemoved, _>("revoke", Recorder::new()))
+        .fault("workspaces", "revoke", Fault::fail_times(2))
+        .build()
+        .unwrap();
+    let report = harness.publish(&member_removed()).await.unwrap();
+    let seen = seen.0.lock().unwrap().clone();
+    let attempts: Vec<u32> = seen.iter().map(|s| s.attempt).collect();
+    assert_eq!(attempts, [1, 2, 3]);
+    assert!(seen.iter().all(|s| s.message_id == Some(report.envelope_id)));
+}
+
+#[test]
+fn a_detached_context_has_no_message() {
+    let context = MessageContext::detached();
+    assert_eq!(context.message_id(), None);
+    assert_eq!(context.attempt(), 0);
+    assert!(context.headers().is_empty());
+    assert_eq!(context.deduplication_id(), None);
+    // Outside a consumer, ids fall back to random ones.
+    assert_ne!(
+        ids::derive_or_random(context.message_id(), "k"),
+        ids::derive_or_random(context.message_id(), "k")
+    );
+}
+
+#[tokio::test]
+async fn a_detached_context_cannot_cascade() {
+    let error = MessageContext::detached()
+        .publish(&WebhookQueued { delivery_id: "x".into() })
+        .await
+        .unwrap_err();
+    assert!(matches!(error, EngineError::Detached), "{error}");
+}
+
+/// Cascades one `WebhookQueued` per attempt, and fails the first attempt after cascading.
+struct QueueAndMaybeFail;
+
+impl Handler<MemberRemoved> for QueueAndMaybeFail {
+    async fn handle(&self, _: &MemberRemoved, context: &MessageContext) -> Result<(), HandlerError> {
+        let delivery_id = format!("attempt-{}", context.attempt());
+        context.publish(&WebhookQueued { delivery_id }).await?;
+        if context.attempt() == 1 {
+            return Err("the database hiccuped after queueing".into());
+        }
+        Ok(())
+    }
+}
+
+#[tokio::test]
+async fn cascaded_messages_leave_only_when_the_delivery_succeeds() {
+    let downstream = Recorder::<WebhookQueued>::new();
+    let harness = TestHarness::builder()
+        .module(Module::new("webhooks").handle_named::<MemberRemoved, _>("queue", QueueAndMaybeFail))
+        .module(Module::new("sender").handle_named::<WebhookQueued, _>("send", downstream.clone()))
+        .build()
+        .unwrap();
+
+    let report = harness.publish(&member_removed()).await.unwrap();
+
+    assert!(report.is_handled());
+    assert_eq!(report.attempts, 2);
+    // Only the successful attempt's message was cascaded; the failed attempt's was dropped.
+    assert_eq!(report.cascaded.len(), 1);
+    let cascaded = &report.cascaded[0];
+    assert_eq!(cascaded.message_type, "webhooks.delivery_queued");
+    assert_eq!(cascaded.causation_id, Some(report.envelope_id));
+    assert_eq!(cascaded.correlation_id, Some(report.envelope_id));
+
+    // The cascaded message is delivered to its own handlers.
+    harness.idle().await.unwrap();
+    let calls = downstream.calls();
+    assert_eq!(calls.len(), 1);
+    assert_eq!(calls[0].message.delivery_id, "attempt-2");
+    assert_eq!(calls[0].message_id, Some(cascaded.id));
+}
+
+#[tokio::test]
+async fn cascaded_messages_of_a_dead_lettered_delivery_never_leave() {
+    let downstream = Recorder::<WebhookQueued>::new();
+    let harness = TestHarness::builder()
+        .retry_policy(RetryPolicy { retry_limit: 1, ..RetryPolicy::default() })
+        .module(Module::new("webhooks").handle_named::<MemberRemoved, _>("queue", QueueAndMaybeFail))
+        .module(Module::new("billing").handle_named::<MemberRemoved, _>("charge", Recorder::new()))
+        .module(Module::new("sender").handle_named::<WebhookQueued, _>("send", downstream.clone()))
+        .fault("billing", "charge", Fault::always_fail())
+        .build()
+        .unwrap();
+
+    let report = harness.publish(&member_removed()).await.unwrap();
+
+    assert!(matches!(report.outcome, Outcome::DeadLettered(_)));
+    assert!(report.cascaded.is_empty());
+    let report = harness.shutdown().await;
+    assert!(report.is_clean());
+    assert_eq!(downstream.count(), 0);
+}
