@@ -184,7 +184,8 @@ impl Runtime {
         DeadLetters::new(self)
     }
 
-    /// Waits until every accepted delivery has settled or is waiting for a cooldown.
+    /// Waits until every accepted delivery has settled (handled, dead-lettered or discarded),
+    /// retries included.
     ///
     /// # Cancel safety
     ///

@@ -142,14 +142,13 @@ impl Dispatcher {
         Ok(())
     }
 
-    /// Waits until no delivery is active: every accepted envelope has settled or is waiting
-    /// for a cooldown.
+    /// Waits until every accepted envelope has settled, retries included.
     ///
     /// # Cancel safety
     ///
     /// Cancel safe: it only observes.
     pub async fn idle(&self) {
-        self.shared.tracker.drained().await;
+        self.shared.tracker.settled().await;
     }
 
     /// The engine's counters.

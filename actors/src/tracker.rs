@@ -85,7 +85,8 @@ impl Tracker {
         self.lock().closing = true;
     }
 
-    fn active(&self) -> Vec<Uuid> {
+    /// Ids of the deliveries still active.
+    pub(crate) fn still_active(&self) -> Vec<Uuid> {
         self.lock()
             .live
             .values()
@@ -96,26 +97,34 @@ impl Tracker {
             .collect()
     }
 
-    /// Waits until no delivery is active (cooling ones may remain).
-    ///
-    /// # Cancel safety
-    ///
-    /// Cancel safe: it only observes.
-    pub(crate) async fn drained(&self) {
+    async fn wait_until(&self, done: impl Fn(&State) -> bool) {
         loop {
             let notified = self.changed.notified();
             tokio::pin!(notified);
             notified.as_mut().enable();
-            if self.active().is_empty() {
+            if done(&self.lock()) {
                 return;
             }
             notified.await;
         }
     }
 
-    /// Ids of the deliveries still active.
-    pub(crate) fn still_active(&self) -> Vec<Uuid> {
-        self.active()
+    /// Waits until no delivery is active (cooling ones may remain).
+    ///
+    /// # Cancel safety
+    ///
+    /// Cancel safe: it only observes.
+    pub(crate) async fn drained(&self) {
+        self.wait_until(|state| !state.live.values().any(|l| matches!(l, Live::Active(_)))).await;
+    }
+
+    /// Waits until every accepted delivery has settled, cooling ones included.
+    ///
+    /// # Cancel safety
+    ///
+    /// Cancel safe: it only observes.
+    pub(crate) async fn settled(&self) {
+        self.wait_until(|state| state.live.is_empty()).await;
     }
 
     /// Takes back every delivery waiting for a cooldown.

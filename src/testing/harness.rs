@@ -172,8 +172,8 @@ impl TestHarness {
         }
     }
 
-    /// Waits until every accepted delivery (cascaded messages included) has settled or is
-    /// waiting for a cooldown.
+    /// Waits until every accepted delivery (cascaded messages and retries included) has
+    /// settled.
     ///
     /// # Errors
     ///

@@ -1,0 +1,45 @@
+//! Publishing waits once the bound of deliveries in flight is reached, instead of queueing
+//! without limit.
+
+#[path = "support/messages.rs"]
+mod support;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use reprise::prelude::*;
+use support::{MemberRemoved, member_removed};
+use tokio::sync::Semaphore;
+
+/// Waits for one permit per call.
+struct Gated(Arc<Semaphore>);
+
+impl Handler<MemberRemoved> for Gated {
+    async fn handle(&self, _: &MemberRemoved, _: &MessageContext) -> Result<(), HandlerError> {
+        self.0.acquire().await?.forget();
+        Ok(())
+    }
+}
+
+#[tokio::test]
+async fn publish_waits_while_the_in_flight_bound_is_reached() {
+    let gate = Arc::new(Semaphore::new(0));
+    let runtime = Runtime::builder()
+        .max_in_flight(2)
+        .module(Module::new("m").handle_named::<MemberRemoved, _>("gated", Gated(Arc::clone(&gate))))
+        .build()
+        .unwrap();
+    runtime.publish(&member_removed()).await.unwrap();
+    runtime.publish(&member_removed()).await.unwrap();
+
+    let message = member_removed();
+    let mut third = Box::pin(runtime.publish(&message));
+    assert!(futures::poll!(&mut third).is_pending(), "two deliveries hold both slots");
+
+    gate.add_permits(1);
+    tokio::time::timeout(Duration::from_secs(5), &mut third).await.unwrap().unwrap();
+    gate.add_permits(2);
+    tokio::time::timeout(Duration::from_secs(5), runtime.idle()).await.unwrap();
+    assert_eq!(runtime.stats().handled, 3);
+    assert!(runtime.shutdown().await.is_clean());
+}

@@ -1,0 +1,121 @@
+//! Graceful shutdown drains deliveries in flight and hands back retries still waiting.
+
+#[path = "support/messages.rs"]
+mod support;
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
+
+use reprise::prelude::*;
+use reprise::{EngineError, Error};
+use support::{MemberRemoved, member_removed};
+use tokio::sync::{Notify, oneshot};
+
+/// Signals when it starts, then waits for the gate before finishing.
+struct Gated {
+    started: std::sync::Mutex<Option<oneshot::Sender<()>>>,
+    gate: Arc<Notify>,
+    finished: Arc<AtomicBool>,
+}
+
+impl Handler<MemberRemoved> for Gated {
+    async fn handle(&self, _: &MemberRemoved, _: &MessageContext) -> Result<(), HandlerError> {
+        if let Some(started) = self.started.lock().unwrap().take() {
+            let _ = started.send(());
+        }
+        self.gate.notified().await;
+        self.finished.store(true, Ordering::SeqCst);
+        Ok(())
+    }
+}
+
+#[tokio::test]
+async fn shutdown_waits_for_running_deliveries_and_refuses_new_ones() {
+    let (started_tx, started_rx) = oneshot::channel();
+    let gate = Arc::new(Notify::new());
+    let finished = Arc::new(AtomicBool::new(false));
+    let handler = Gated {
+        started: std::sync::Mutex::new(Some(started_tx)),
+        gate: Arc::clone(&gate),
+        finished: Arc::clone(&finished),
+    };
+    let runtime = Runtime::builder()
+        .module(Module::new("m").handle_named::<MemberRemoved, _>("gated", handler))
+        .build()
+        .unwrap();
+    runtime.publish(&member_removed()).await.unwrap();
+    tokio::time::timeout(Duration::from_secs(5), started_rx).await.unwrap().unwrap();
+
+    // join! polls the shutdown first: from then on the runtime refuses new messages, while
+    // the running delivery is let through the gate and finishes.
+    let (report, refused) = tokio::join!(runtime.shutdown(), async {
+        let refused = runtime.publish(&member_removed()).await;
+        gate.notify_one();
+        refused
+    });
+
+    assert!(report.is_clean(), "{report:?}");
+    assert!(finished.load(Ordering::SeqCst), "the running delivery finished before the engine stopped");
+    let Err(Error::Engine(EngineError::ShuttingDown(envelope))) = refused else {
+        panic!("expected ShuttingDown, got {refused:?}");
+    };
+    assert_eq!(envelope.message_type, "organization.member_removed");
+    assert_eq!(runtime.stats().handled, 1);
+}
+
+#[tokio::test]
+async fn retries_waiting_for_their_cooldown_are_handed_back_not_dropped() {
+    let runtime = Runtime::builder()
+        .retry_policy(RetryPolicy {
+            min_retry_interval: Duration::from_secs(3600),
+            max_retry_interval: Duration::from_secs(3600),
+            ..RetryPolicy::default()
+        })
+        .module(Module::new("m").handle_named::<MemberRemoved, _>("h", AlwaysFails))
+        .build()
+        .unwrap();
+    let id = runtime.publish(&member_removed()).await.unwrap();
+
+    // The drain lets the first attempt run and fail; the retry it schedules is handed back.
+    let report = runtime.shutdown().await;
+
+    assert_eq!(report.pending_retries.len(), 1);
+    let pending = &report.pending_retries[0];
+    assert_eq!(pending.envelope.id, id);
+    assert_eq!(pending.envelope.attempts, 1);
+    assert_eq!(pending.failures.len(), 1);
+    assert!(pending.due_at > chrono::Utc::now() + chrono::Duration::minutes(59));
+    assert!(report.still_running.is_empty());
+}
+
+#[tokio::test]
+async fn a_delivery_still_running_after_the_drain_timeout_is_reported() {
+    let gate = Arc::new(Notify::new());
+    let (started_tx, started_rx) = oneshot::channel();
+    let handler = Gated {
+        started: std::sync::Mutex::new(Some(started_tx)),
+        gate,
+        finished: Arc::default(),
+    };
+    let runtime = Runtime::builder()
+        .drain_timeout(Duration::from_millis(50))
+        .module(Module::new("m").handle_named::<MemberRemoved, _>("gated", handler))
+        .build()
+        .unwrap();
+    let id = runtime.publish(&member_removed()).await.unwrap();
+    tokio::time::timeout(Duration::from_secs(5), started_rx).await.unwrap().unwrap();
+
+    let report = runtime.shutdown().await;
+
+    assert_eq!(report.still_running, [id]);
+    assert!(runtime.shutdown().await.is_clean(), "a second shutdown has nothing left to report");
+}
+
+struct AlwaysFails;
+
+impl Handler<MemberRemoved> for AlwaysFails {
+    async fn handle(&self, _: &MemberRemoved, _: &MessageContext) -> Result<(), HandlerError> {
+        Err("the downstream service is down".into())
+    }
+}
