@@ -178,3 +178,65 @@ async fn cascaded_messages_of_a_dead_lettered_delivery_never_leave() {
     assert!(report.is_clean());
     assert_eq!(downstream.count(), 0);
 }
+
+/// Cascades one message on its first run only, as an idempotent handler that finds its work
+/// already done on a retry does.
+#[derive(Default)]
+struct CascadeOnce(std::sync::atomic::AtomicBool);
+
+impl Handler<MemberRemoved> for CascadeOnce {
+    async fn handle(&self, _: &MemberRemoved, context: &MessageContext) -> Result<(), HandlerError> {
+        if !self.0.swap(true, std::sync::atomic::Ordering::SeqCst) {
+            context.publish(&WebhookQueued { delivery_id: "first-run".into() }).await?;
+        }
+        Ok(())
+    }
+}
+
+/// Cascades the same message on every attempt, as a naive handler does.
+struct CascadeAlways;
+
+impl Handler<MemberRemoved> for CascadeAlways {
+    async fn handle(&self, _: &MemberRemoved, context: &MessageContext) -> Result<(), HandlerError> {
+        context.publish(&WebhookQueued { delivery_id: "every-run".into() }).await?;
+        Ok(())
+    }
+}
+
+#[tokio::test]
+async fn what_a_succeeding_handler_cascaded_survives_a_sibling_failure() {
+    let downstream = Recorder::<WebhookQueued>::new();
+    let harness = TestHarness::builder()
+        .module(Module::new("webhooks").handle_named::<MemberRemoved, _>("once", CascadeOnce::default()))
+        .module(Module::new("naive").handle_named::<MemberRemoved, _>("always", CascadeAlways))
+        .module(Module::new("workspaces").handle_named::<MemberRemoved, _>("revoke", Recorder::new()))
+        .module(Module::new("sender").handle_named::<WebhookQueued, _>("send", downstream.clone()))
+        .fault("workspaces", "revoke", Fault::fail_times(2))
+        .build()
+        .unwrap();
+
+    let report = harness.publish(&member_removed()).await.unwrap();
+    harness.idle().await.unwrap();
+
+    assert_eq!(report.attempts, 3);
+    let mut sent: Vec<String> = downstream.calls().into_iter().map(|c| c.message.delivery_id).collect();
+    sent.sort();
+    // The first run's cascade was not lost when the retry cascaded nothing, and the naive
+    // handler's three identical cascades (same deterministic id) were sent once.
+    assert_eq!(sent, ["every-run", "first-run"]);
+    assert_eq!(report.cascaded.len(), 2);
+}
+
+#[tokio::test]
+async fn cascaded_ids_are_deterministic_across_attempts() {
+    let harness = TestHarness::builder()
+        .module(Module::new("naive").handle_named::<MemberRemoved, _>("always", CascadeAlways))
+        .module(Module::new("workspaces").handle_named::<MemberRemoved, _>("revoke", Recorder::new()))
+        .fault("workspaces", "revoke", Fault::fail_times(1))
+        .build()
+        .unwrap();
+    let envelope = Envelope::for_message(&member_removed()).unwrap();
+    let report = harness.deliver(envelope.clone()).await.unwrap();
+    let expected = uuid::Uuid::new_v5(&envelope.id, b"reprise.cascade:naive/always:0");
+    assert_eq!(report.cascaded.iter().map(|e| e.id).collect::<Vec<_>>(), [expected]);
+}

@@ -35,11 +35,15 @@ impl Scope {
 }
 
 /// The actor scoped to one attempt at one delivery: it holds the message's identity and
-/// collects the messages its handlers cascade, which leave only if the attempt succeeds.
+/// collects the messages its handlers cascade, for the supervisor to release or drop.
+///
+/// Cascaded envelopes get deterministic ids (UUID v5 of the message id, the handler and the
+/// cascade's rank within the handler's attempt), so a handler that cascades the same messages
+/// again on a retry produces the same envelopes, which are sent once.
 #[derive(Debug)]
 pub struct ContextActor {
     scope: Arc<Scope>,
-    cascaded: Vec<Envelope>,
+    cascaded: Vec<(HandlerId, Envelope)>,
 }
 
 impl ContextActor {
@@ -57,26 +61,31 @@ impl Actor for ContextActor {
     type Context = Context<Self>;
 }
 
-/// A cascaded message, kept until the attempt settles.
-pub(crate) struct Cascade(pub(crate) Envelope);
+/// A cascaded message, kept until the attempt settles; answers with its envelope id.
+pub(crate) struct Cascade(pub(crate) HandlerId, pub(crate) Envelope);
 
 impl actix::Message for Cascade {
-    type Result = ();
+    type Result = Uuid;
 }
 
 impl actix::Handler<Cascade> for ContextActor {
-    type Result = ();
+    type Result = actix::MessageResult<Cascade>;
 
-    fn handle(&mut self, Cascade(envelope): Cascade, _: &mut Context<Self>) {
-        self.cascaded.push(envelope);
+    fn handle(&mut self, Cascade(handler, mut envelope): Cascade, _: &mut Context<Self>) -> Self::Result {
+        let rank = self.cascaded.iter().filter(|(h, _)| *h == handler).count();
+        let name = format!("reprise.cascade:{}/{}:{rank}", handler.module, handler.name);
+        envelope.id = Uuid::new_v5(&self.scope.message_id, name.as_bytes());
+        let id = envelope.id;
+        self.cascaded.push((handler, envelope));
+        actix::MessageResult(id)
     }
 }
 
-/// Hands over the cascaded messages of a successful attempt.
+/// Hands over the messages cascaded during the attempt, with the handler that cascaded each.
 pub(crate) struct TakeCascaded;
 
 impl actix::Message for TakeCascaded {
-    type Result = Vec<Envelope>;
+    type Result = Vec<(HandlerId, Envelope)>;
 }
 
 impl actix::Handler<TakeCascaded> for ContextActor {
@@ -162,8 +171,14 @@ impl MessageContext {
         self.scope.as_ref().map(|a| &a.handler)
     }
 
-    /// Cascades `message`: it is published only if every handler of this attempt succeeds, and
-    /// carries this message's id as its causation id. Returns the new envelope's id.
+    /// Cascades `message`: it is published once the whole delivery succeeds, and carries this
+    /// message's id as its causation id. Returns the new envelope's id.
+    ///
+    /// What a handler cascades in an attempt where *it* succeeded is kept even if a sibling
+    /// handler failed that attempt, since its effects are done; what it cascades in an attempt
+    /// where it failed is dropped. Cascaded ids are deterministic per handler and rank, so the
+    /// same message cascaded again on a retry is sent once, and a handler that finds its work
+    /// already done on a retry may cascade nothing without losing what it cascaded before.
     ///
     /// # Errors
     ///
@@ -205,9 +220,8 @@ impl MessageContext {
                 limit: scope.max_envelope_size,
             });
         }
-        let id = envelope.id;
-        attached.actor.send(Cascade(envelope)).await.map_err(|_| Error::Detached)?;
-        Ok(id)
+        let handler = attached.handler.clone();
+        attached.actor.send(Cascade(handler, envelope)).await.map_err(|_| Error::Detached)
     }
 }
 

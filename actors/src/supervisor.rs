@@ -17,7 +17,8 @@ use crate::timer::{RetryDue, Schedule};
 use crate::tracker::PendingRetry;
 use crate::{
     AggregateError, ContextActor, DeadLetter, DeadLetterReason, Decoded, DeliveryReport,
-    Dispatcher, Envelope, Error, HandlerActor, HandlerFailure, Outcome, RetryDecision, Route,
+    Dispatcher, Envelope, Error, HandlerActor, HandlerFailure, HandlerId, Outcome, RetryDecision,
+    Route,
 };
 
 /// Owns one delivery from acceptance to settlement: runs every handler on each attempt,
@@ -36,6 +37,9 @@ pub struct DeliverySupervisor {
     started_at: Instant,
     attempt_offsets: Vec<Duration>,
     context: Option<actix::Addr<ContextActor>>,
+    /// Messages cascaded by handlers in attempts where they succeeded, sent once the whole
+    /// delivery succeeds.
+    cascaded: Vec<Envelope>,
     reply: Option<oneshot::Sender<DeliveryReport>>,
     permit: Option<OwnedSemaphorePermit>,
     span: tracing::Span,
@@ -82,6 +86,7 @@ impl DeliverySupervisor {
             started_at: Instant::now(),
             attempt_offsets: Vec::new(),
             context: None,
+            cascaded: Vec::new(),
             reply: None,
             permit: Some(permit),
             span,
@@ -138,10 +143,26 @@ impl DeliverySupervisor {
     }
 
     fn finish_attempt(&mut self, ctx: &mut Context<Self>) {
+        let Some(context) = self.context.take() else { return };
+        let take = async move { context.send(TakeCascaded).await.unwrap_or_default() };
+        ctx.spawn(take.into_actor(self).map(|cascaded, actor, ctx| actor.conclude_attempt(cascaded, ctx)));
+    }
+
+    fn conclude_attempt(&mut self, cascaded: Vec<(HandlerId, Envelope)>, ctx: &mut Context<Self>) {
         let failures: Vec<HandlerFailure> = self.results.iter_mut().filter_map(Option::take).collect();
-        let context = self.context.take();
+        for (handler, envelope) in cascaded {
+            let failed = failures.iter().any(|f| *f.module == *handler.module && *f.handler == *handler.name);
+            if failed {
+                continue;
+            }
+            // The same id cascaded again on a retry is the same message: keep one, the latest.
+            match self.cascaded.iter_mut().find(|kept| kept.id == envelope.id) {
+                Some(kept) => *kept = envelope,
+                None => self.cascaded.push(envelope),
+            }
+        }
         if failures.is_empty() {
-            self.succeed(context, ctx);
+            self.succeed(ctx);
             return;
         }
         let failure = AggregateError {
@@ -183,18 +204,12 @@ impl DeliverySupervisor {
         }
     }
 
-    fn succeed(&mut self, context: Option<actix::Addr<ContextActor>>, ctx: &mut Context<Self>) {
+    fn succeed(&mut self, ctx: &mut Context<Self>) {
         let shared = Arc::clone(&self.dispatcher.shared);
         let id = self.envelope.id;
-        let work = async move {
-            let cascaded = match context {
-                Some(context) => context.send(TakeCascaded).await.unwrap_or_default(),
-                None => Vec::new(),
-            };
-            persist("mark handled", id, || shared.inbox.mark_handled(id)).await;
-            cascaded
-        };
-        ctx.spawn(work.into_actor(self).map(|cascaded, actor, ctx| {
+        let work = async move { persist("mark handled", id, || shared.inbox.mark_handled(id)).await };
+        ctx.spawn(work.into_actor(self).map(|(), actor, ctx| {
+            let cascaded = std::mem::take(&mut actor.cascaded);
             actor.dispatcher.shared.stats.bump(Counter::Handled);
             actor.span.in_scope(|| tracing::info!(cascaded = cascaded.len(), "delivery handled"));
             actor.dispatcher.forward(cascaded.clone());

@@ -1,0 +1,59 @@
+//! The audit module: one entry per consumed fact, keyed on the message id.
+
+use reprise::prelude::*;
+use sqlx::{Row, SqlitePool};
+
+use crate::events::MemberRemoved;
+
+pub(crate) async fn migrate(pool: &SqlitePool) -> Result<(), sqlx::Error> {
+    sqlx::query(
+        "CREATE TABLE IF NOT EXISTS audit_entries (
+             id INTEGER PRIMARY KEY AUTOINCREMENT,
+             source_message_id TEXT NOT NULL,
+             organization_id INTEGER NOT NULL,
+             description TEXT NOT NULL)",
+    )
+    .execute(pool)
+    .await?;
+    sqlx::query(
+        "CREATE UNIQUE INDEX IF NOT EXISTS audit_entries_source
+             ON audit_entries (source_message_id, organization_id)",
+    )
+    .execute(pool)
+    .await?;
+    Ok(())
+}
+
+pub(crate) async fn count(pool: &SqlitePool) -> Result<i64, sqlx::Error> {
+    sqlx::query("SELECT count(*) FROM audit_entries").fetch_one(pool).await?.try_get(0)
+}
+
+pub(crate) struct RecordEntry {
+    pool: SqlitePool,
+}
+
+impl RecordEntry {
+    pub(crate) fn new(pool: SqlitePool) -> Self {
+        Self { pool }
+    }
+}
+
+impl Handler<MemberRemoved> for RecordEntry {
+    async fn handle(&self, event: &MemberRemoved, context: &MessageContext) -> Result<(), HandlerError> {
+        // An audit entry only ever comes from a consumed message: a missing id is a bug.
+        let message_id = context.message_id().ok_or_else(|| {
+            HandlerError::permanent("an audit entry is only recorded from a consumed message, and this one has no message id")
+        })?;
+        // The unique index, not a prior SELECT, decides: a second attempt inserts nothing.
+        sqlx::query(
+            "INSERT INTO audit_entries (source_message_id, organization_id, description)
+             VALUES (?, ?, ?) ON CONFLICT (source_message_id, organization_id) DO NOTHING",
+        )
+        .bind(message_id.simple().to_string())
+        .bind(event.organization_id)
+        .bind(format!("member {} removed", event.member_id))
+        .execute(&self.pool)
+        .await?;
+        Ok(())
+    }
+}

@@ -1,0 +1,133 @@
+//! The main job: a modular monolith whose modules react to `organization.member_removed`.
+//!
+//! - `organizations` publishes the event;
+//! - `workspaces` revokes access, and is made to fail once, so the whole delivery is retried;
+//! - `webhooks` queues one delivery row per subscribed webhook, with ids derived from the
+//!   message id, so the retry finds its rows and queues nothing twice;
+//! - `audit` records one entry per message under a unique index, and refuses to record one
+//!   without a message id.
+//!
+//! Run it with `cargo run --example modular_monolith` (add `-- --database PATH` to choose the
+//! SQLite file; the default is `reprise.db`).
+
+mod audit;
+mod events;
+mod organizations;
+mod webhooks;
+mod workspaces;
+
+use std::str::FromStr;
+use std::time::Duration;
+
+use reprise::prelude::*;
+use reprise::{DiscardReason, Outcome};
+use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePoolOptions};
+
+use crate::events::{MemberRemoved, WebhookDeliveryRequested};
+
+#[tokio::main]
+async fn main() -> Result<(), Box<dyn std::error::Error>> {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| "warn,reprise_actors=error".into()),
+        )
+        .init();
+
+    let path = database_path();
+    let options = SqliteConnectOptions::from_str(&format!("sqlite://{path}"))?
+        .create_if_missing(true)
+        .journal_mode(SqliteJournalMode::Wal)
+        .busy_timeout(Duration::from_secs(5));
+    let pool = SqlitePoolOptions::new().max_connections(4).connect_with(options).await?;
+    webhooks::migrate(&pool).await?;
+    audit::migrate(&pool).await?;
+    let organization_id = organizations::seed(&pool).await?;
+
+    let webhooks = webhooks::QueueDeliveries::new(pool.clone());
+    let sender = webhooks::SendDelivery::default();
+    let revoke = workspaces::RevokeAccess::failing_once();
+    let runtime = Runtime::builder()
+        .module(Module::new("workspaces").handle::<MemberRemoved, _>(revoke.clone()))
+        .module(
+            Module::new("webhooks")
+                .handle::<MemberRemoved, _>(webhooks.clone())
+                .handle::<WebhookDeliveryRequested, _>(sender.clone()),
+        )
+        .module(Module::new("audit").handle::<MemberRemoved, _>(audit::RecordEntry::new(pool.clone())))
+        .build()?;
+
+    let rows_before = webhooks::count(&pool).await?;
+    let audit_before = audit::count(&pool).await?;
+    let organizations = organizations::Organizations::new(&runtime);
+    let mut first = None;
+    for member_id in 1..=3 {
+        let envelope = organizations.remove_member(organization_id, member_id).await?;
+        first.get_or_insert(envelope);
+    }
+    runtime.idle().await;
+
+    // The broker redelivers the first event (say its ack was lost): the inbox discards it.
+    let redelivery = runtime
+        .receive_tracked(first.expect("three events were published"))
+        .await?
+        .await?;
+    let redelivery_discarded =
+        redelivery.outcome == Outcome::Discarded(DiscardReason::DuplicateEnvelope);
+    runtime.idle().await;
+
+    // Outside a consumer there is no message id: the audit refuses to invent one.
+    let detached = audit::RecordEntry::new(pool.clone())
+        .handle(&MemberRemoved { organization_id, member_id: 99 }, &MessageContext::detached())
+        .await;
+
+    let stats = runtime.stats();
+    let rows = webhooks::count(&pool).await? - rows_before;
+    let audit_rows = audit::count(&pool).await? - audit_before;
+    let subscribed = webhooks::subscribed(&pool, organization_id).await?;
+    let report = runtime.shutdown().await;
+
+    println!("reprise — modular monolith on {path}");
+    println!("  events published            {}", organizations.published());
+    println!("  deliveries handled          {} (events and the webhook sends they cascaded)", stats.handled);
+    println!("  attempts                    {}", stats.attempts);
+    println!("  retries                     {}", stats.retried);
+    println!("  dead letters                {}", stats.dead_lettered);
+    println!("  redeliveries discarded      {}", stats.deduplicated);
+    println!("  workspaces handler failures {}", revoke.failures());
+    println!("  webhooks handler runs       {}", webhooks.runs());
+    println!("  webhook rows written        {rows} ({} events x {subscribed} webhooks)", organizations.published());
+    println!("  webhook rows found existing {}", webhooks.skipped());
+    println!("  webhook sends requested     {}", sender.sent());
+    println!("  audit entries written       {audit_rows}");
+    println!(
+        "  audit without a message id  {}",
+        detached.err().map_or_else(|| "accepted (wrong!)".into(), |e| format!("refused: {e}"))
+    );
+
+    let expected_rows = organizations.published() * subscribed;
+    let verdict = rows == expected_rows
+        && sender.sent() == expected_rows
+        && audit_rows == organizations.published()
+        && redelivery_discarded
+        && stats.retried >= 1
+        && report.is_clean();
+    if verdict {
+        println!("OK: the retry reran every handler and wrote no duplicate");
+        Ok(())
+    } else {
+        Err(format!("duplicates or losses: {rows} rows, {} sends, {audit_rows} audit entries", sender.sent()).into())
+    }
+}
+
+fn database_path() -> String {
+    let mut args = std::env::args().skip(1);
+    while let Some(arg) = args.next() {
+        if arg == "--database" {
+            if let Some(path) = args.next() {
+                return path;
+            }
+        }
+    }
+    "reprise.db".to_owned()
+}

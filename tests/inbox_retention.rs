@@ -1,0 +1,66 @@
+//! The in-memory inbox discards a redelivered envelope for `keep_after_handling`, then
+//! forgets it.
+
+#[path = "support/messages.rs"]
+mod support;
+
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use chrono::{DateTime, Utc};
+use reprise::ports::{Clock, Inbox, Receipt};
+use reprise::prelude::*;
+use reprise::store::MemoryInbox;
+use reprise::testing::TestHarness;
+use reprise::{DiscardReason, Outcome};
+use support::{Counter, MemberRemoved, member_removed};
+
+#[derive(Clone)]
+struct ManualClock(Arc<Mutex<DateTime<Utc>>>);
+
+impl ManualClock {
+    fn advance(&self, by: Duration) {
+        *self.0.lock().unwrap() += chrono::Duration::from_std(by).unwrap();
+    }
+}
+
+impl Clock for ManualClock {
+    fn now(&self) -> DateTime<Utc> {
+        *self.0.lock().unwrap()
+    }
+}
+
+#[tokio::test]
+async fn a_redelivery_is_discarded_within_the_retention_and_handled_after_it() {
+    let clock = ManualClock(Arc::new(Mutex::new(Utc::now())));
+    let counter = Counter::default();
+    let harness = TestHarness::builder()
+        .module(Module::new("m").handle_named::<MemberRemoved, _>("h", counter.clone()))
+        .configure(|runtime| runtime.clock(Arc::new(clock.clone())))
+        .build()
+        .unwrap();
+    let envelope = Envelope::for_message(&member_removed()).unwrap();
+
+    assert!(harness.deliver(envelope.clone()).await.unwrap().is_handled());
+    clock.advance(Duration::from_secs(4 * 60 + 59));
+    let within = harness.deliver(envelope.clone()).await.unwrap();
+    clock.advance(Duration::from_secs(2));
+    let after = harness.deliver(envelope).await.unwrap();
+
+    assert_eq!(within.outcome, Outcome::Discarded(DiscardReason::DuplicateEnvelope));
+    assert!(after.is_handled(), "the default retention is 5 minutes");
+    assert_eq!(counter.count(), 2);
+}
+
+#[tokio::test]
+async fn an_envelope_still_incoming_is_never_expired() {
+    let clock = ManualClock(Arc::new(Mutex::new(Utc::now())));
+    let inbox = MemoryInbox::new(Duration::from_secs(1), Arc::new(clock.clone()));
+    let envelope = Envelope::for_message(&member_removed()).unwrap();
+    assert_eq!(inbox.receive(&envelope).await.unwrap(), Receipt::New);
+    clock.advance(Duration::from_secs(3600));
+    assert_eq!(inbox.receive(&envelope).await.unwrap(), Receipt::Duplicate);
+    inbox.mark_handled(envelope.id).await.unwrap();
+    clock.advance(Duration::from_secs(2));
+    assert_eq!(inbox.receive(&envelope).await.unwrap(), Receipt::New);
+}
