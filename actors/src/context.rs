@@ -1,7 +1,7 @@
 use std::collections::BTreeMap;
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 
-use actix::{Actor, Addr, Context};
+use actix::{Actor, Addr, ArbiterHandle, Context};
 use uuid::Uuid;
 
 use crate::{Envelope, Error, HandlerId, Message};
@@ -17,10 +17,19 @@ pub(crate) struct Scope {
     pub(crate) deduplication_id: Option<String>,
     pub(crate) headers: BTreeMap<String, String>,
     pub(crate) max_envelope_size: usize,
+    /// The supervisor's arbiter, where the context actor runs.
+    arbiter: ArbiterHandle,
+    /// Started on the first cascade: most attempts cascade nothing and need no actor.
+    actor: OnceLock<Addr<ContextActor>>,
 }
 
 impl Scope {
-    pub(crate) fn new(envelope: &Envelope, attempt: u32, max_envelope_size: usize) -> Self {
+    pub(crate) fn new(
+        envelope: &Envelope,
+        attempt: u32,
+        max_envelope_size: usize,
+        arbiter: ArbiterHandle,
+    ) -> Self {
         Self {
             message_id: envelope.id,
             message_type: envelope.message_type.clone(),
@@ -30,30 +39,46 @@ impl Scope {
             deduplication_id: envelope.deduplication_id.clone(),
             headers: envelope.headers.clone(),
             max_envelope_size,
+            arbiter,
+            actor: OnceLock::new(),
         }
+    }
+
+    /// The context actor, if a handler cascaded anything this attempt.
+    pub(crate) fn actor(&self) -> Option<&Addr<ContextActor>> {
+        self.actor.get()
+    }
+
+    fn actor_or_start(&self) -> &Addr<ContextActor> {
+        let message_id = self.message_id;
+        self.actor.get_or_init(|| {
+            ContextActor::start_in_arbiter(&self.arbiter, move |_| ContextActor::new(message_id))
+        })
     }
 }
 
-/// The actor scoped to one attempt at one delivery: it holds the message's identity and
-/// collects the messages its handlers cascade, for the supervisor to release or drop.
+/// The actor scoped to one attempt at one delivery: it holds the message's id and collects
+/// the messages its handlers cascade, for the supervisor to release or drop. It is started on
+/// the supervisor's arbiter by the attempt's first cascade, so attempts that cascade nothing
+/// cost no actor.
 ///
 /// Cascaded envelopes get deterministic ids (UUID v5 of the message id, the handler and the
 /// cascade's rank within the handler's attempt), so a handler that cascades the same messages
 /// again on a retry produces the same envelopes, which are sent once.
 #[derive(Debug)]
 pub struct ContextActor {
-    scope: Arc<Scope>,
+    message_id: Uuid,
     cascaded: Vec<(HandlerId, Envelope)>,
 }
 
 impl ContextActor {
-    pub(crate) fn new(scope: Arc<Scope>) -> Self {
-        Self { scope, cascaded: Vec::new() }
+    fn new(message_id: Uuid) -> Self {
+        Self { message_id, cascaded: Vec::new() }
     }
 
-    /// A handle on this actor for one handler.
-    pub(crate) fn handle_for(addr: Addr<Self>, scope: Arc<Scope>, handler: HandlerId) -> MessageContext {
-        MessageContext { scope: Some(Attached { scope, actor: addr, handler }) }
+    /// A context for one handler of the attempt `scope` describes.
+    pub(crate) fn handle_for(scope: Arc<Scope>, handler: HandlerId) -> MessageContext {
+        MessageContext { scope: Some(Attached { scope, handler }) }
     }
 }
 
@@ -74,7 +99,7 @@ impl actix::Handler<Cascade> for ContextActor {
     fn handle(&mut self, Cascade(handler, mut envelope): Cascade, _: &mut Context<Self>) -> Self::Result {
         let rank = self.cascaded.iter().filter(|(h, _)| *h == handler).count();
         let name = format!("reprise.cascade:{}/{}:{rank}", handler.module, handler.name);
-        envelope.id = Uuid::new_v5(&self.scope.message_id, name.as_bytes());
+        envelope.id = Uuid::new_v5(&self.message_id, name.as_bytes());
         let id = envelope.id;
         self.cascaded.push((handler, envelope));
         actix::MessageResult(id)
@@ -93,7 +118,7 @@ impl actix::Handler<TakeCascaded> for ContextActor {
 
     fn handle(&mut self, _: TakeCascaded, _: &mut Context<Self>) -> Self::Result {
         tracing::trace!(
-            message_id = %self.scope.message_id,
+            message_id = %self.message_id,
             cascaded = self.cascaded.len(),
             "attempt succeeded; releasing cascaded messages"
         );
@@ -104,7 +129,6 @@ impl actix::Handler<TakeCascaded> for ContextActor {
 #[derive(Clone, Debug)]
 struct Attached {
     scope: Arc<Scope>,
-    actor: Addr<ContextActor>,
     handler: HandlerId,
 }
 
@@ -221,7 +245,7 @@ impl MessageContext {
             });
         }
         let handler = attached.handler.clone();
-        attached.actor.send(Cascade(handler, envelope)).await.map_err(|_| Error::Detached)
+        scope.actor_or_start().send(Cascade(handler, envelope)).await.map_err(|_| Error::Detached)
     }
 }
 

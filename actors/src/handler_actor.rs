@@ -1,11 +1,13 @@
 use std::panic::AssertUnwindSafe;
 use std::time::Duration;
 
-use actix::{Actor, ActorContext, ActorFutureExt, AsyncContext, Context, Recipient, WrapFuture};
+use actix::{Actor, ActorContext, ActorFutureExt, Addr, AsyncContext, Context, WrapFuture};
 use futures::FutureExt;
 use tracing::Instrument;
 
-use crate::{Decoded, Disposition, FailureKind, HandlerEntry, HandlerFailure, MessageContext};
+use crate::{
+    Decoded, DeliverySupervisor, Disposition, FailureKind, HandlerEntry, HandlerFailure, MessageContext,
+};
 
 /// Runs one handler once, for one attempt, and reports to its supervisor.
 ///
@@ -18,7 +20,7 @@ pub struct HandlerActor {
     message: Decoded,
     context: MessageContext,
     timeout: Duration,
-    supervisor: Recipient<HandlerFinished>,
+    supervisor: Addr<DeliverySupervisor>,
     span: tracing::Span,
 }
 
@@ -29,7 +31,7 @@ impl HandlerActor {
         message: Decoded,
         context: MessageContext,
         timeout: Duration,
-        supervisor: Recipient<HandlerFinished>,
+        supervisor: Addr<DeliverySupervisor>,
         span: tracing::Span,
     ) -> Self {
         Self { entry, index, message, context, timeout, supervisor, span }

@@ -1,15 +1,29 @@
 use std::sync::atomic::{AtomicU64, Ordering};
 
+/// A counter on its own cache line: the publishing thread and every worker bump counters, and
+/// sharing a line would make them wait on each other.
+#[derive(Debug, Default)]
+#[repr(align(64))]
+struct Cell(AtomicU64);
+
+impl std::ops::Deref for Cell {
+    type Target = AtomicU64;
+
+    fn deref(&self) -> &AtomicU64 {
+        &self.0
+    }
+}
+
 /// Counters of what the engine did since it started.
 #[derive(Debug, Default)]
 pub struct Stats {
-    received: AtomicU64,
-    attempts: AtomicU64,
-    handled: AtomicU64,
-    retried: AtomicU64,
-    dead_lettered: AtomicU64,
-    deduplicated: AtomicU64,
-    discarded: AtomicU64,
+    received: Cell,
+    attempts: Cell,
+    handled: Cell,
+    retried: Cell,
+    dead_lettered: Cell,
+    deduplicated: Cell,
+    discarded: Cell,
 }
 
 /// A copy of the counters at one moment.
@@ -59,7 +73,7 @@ impl Stats {
 
     /// Reads every counter.
     pub fn snapshot(&self) -> StatsSnapshot {
-        let read = |c: &AtomicU64| c.load(Ordering::Relaxed);
+        let read = |c: &Cell| c.load(Ordering::Relaxed);
         StatsSnapshot {
             received: read(&self.received),
             attempts: read(&self.attempts),

@@ -36,7 +36,7 @@ pub struct DeliverySupervisor {
     first_failure_at: Option<DateTime<Utc>>,
     started_at: Instant,
     attempt_offsets: Vec<Duration>,
-    context: Option<actix::Addr<ContextActor>>,
+    scope: Option<Arc<Scope>>,
     /// Messages cascaded by handlers in attempts where they succeeded, sent once the whole
     /// delivery succeeds.
     cascaded: Vec<Envelope>,
@@ -85,7 +85,7 @@ impl DeliverySupervisor {
             first_failure_at: None,
             started_at: Instant::now(),
             attempt_offsets: Vec::new(),
-            context: None,
+            scope: None,
             cascaded: Vec::new(),
             reply: None,
             permit: Some(permit),
@@ -114,12 +114,16 @@ impl DeliverySupervisor {
         self.attempt_offsets.push(self.started_at.elapsed());
         self.span.record("reprise.attempt", attempt);
 
-        let scope = Arc::new(Scope::new(&self.envelope, attempt, shared.max_envelope_size));
-        let context = ContextActor::new(Arc::clone(&scope)).start();
-        self.context = Some(context.clone());
+        let scope = Arc::new(Scope::new(
+            &self.envelope,
+            attempt,
+            shared.max_envelope_size,
+            actix::Arbiter::current(),
+        ));
+        self.scope = Some(Arc::clone(&scope));
         self.results = vec![None; route.handlers().len()];
         self.pending = route.handlers().len();
-        let me = ctx.address().recipient();
+        let me = ctx.address();
         for (index, entry) in route.handlers().iter().enumerate() {
             let span = tracing::info_span!(
                 parent: &self.span,
@@ -128,7 +132,7 @@ impl DeliverySupervisor {
                 reprise.handler = %entry.id.name,
                 reprise.attempt = attempt,
             );
-            let handle = ContextActor::handle_for(context.clone(), Arc::clone(&scope), entry.id.clone());
+            let handle = ContextActor::handle_for(Arc::clone(&scope), entry.id.clone());
             HandlerActor::new(
                 entry.clone(),
                 index,
@@ -143,7 +147,11 @@ impl DeliverySupervisor {
     }
 
     fn finish_attempt(&mut self, ctx: &mut Context<Self>) {
-        let Some(context) = self.context.take() else { return };
+        let Some(scope) = self.scope.take() else { return };
+        let Some(context) = scope.actor().cloned() else {
+            self.conclude_attempt(Vec::new(), ctx);
+            return;
+        };
         let take = async move { context.send(TakeCascaded).await.unwrap_or_default() };
         ctx.spawn(take.into_actor(self).map(|cascaded, actor, ctx| actor.conclude_attempt(cascaded, ctx)));
     }

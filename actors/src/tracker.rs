@@ -1,4 +1,5 @@
 use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Mutex, MutexGuard};
 
 use chrono::{DateTime, Utc};
@@ -23,86 +24,104 @@ pub struct PendingRetry {
 enum Live {
     /// Accepted, waiting for capacity or running its handlers.
     Active(Uuid),
-    Cooling(PendingRetry),
+    Cooling(Box<PendingRetry>),
 }
 
-#[derive(Debug, Default)]
-struct State {
-    closing: bool,
-    next: u64,
-    live: HashMap<u64, Live>,
-}
+/// Deliveries are spread over shards so that the publishing thread and the workers rarely
+/// wait for the same lock.
+const SHARDS: usize = 16;
 
 /// Knows every delivery the engine accepted and has not settled, so a shutdown can drain the
 /// active ones and hand back those cooling down.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub(crate) struct Tracker {
-    state: Mutex<State>,
+    closing: AtomicBool,
+    next: AtomicU64,
+    active: AtomicUsize,
+    live: AtomicUsize,
+    shards: [Mutex<HashMap<u64, Live>>; SHARDS],
     changed: Notify,
 }
 
+impl Default for Tracker {
+    fn default() -> Self {
+        Self {
+            closing: AtomicBool::new(false),
+            next: AtomicU64::new(0),
+            active: AtomicUsize::new(0),
+            live: AtomicUsize::new(0),
+            shards: std::array::from_fn(|_| Mutex::default()),
+            changed: Notify::new(),
+        }
+    }
+}
+
 impl Tracker {
-    fn lock(&self) -> MutexGuard<'_, State> {
+    fn shard(&self, seq: u64) -> MutexGuard<'_, HashMap<u64, Live>> {
         // A poisoned lock only means another thread panicked while holding it; the map itself
         // is always left consistent, so keep going rather than take the runtime down.
-        self.state.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+        self.shards[seq as usize % SHARDS].lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    fn leave(counter: &AtomicUsize, changed: &Notify) {
+        if counter.fetch_sub(1, Ordering::AcqRel) == 1 {
+            changed.notify_waiters();
+        }
     }
 
     /// Accepts a delivery; refuses new external work once closing. Cascaded messages of
     /// deliveries being drained are still accepted, since they are part of that work.
     pub(crate) fn admit(&self, id: Uuid, external: bool) -> Option<u64> {
-        let mut state = self.lock();
-        if state.closing && external {
+        if external && self.closing.load(Ordering::Acquire) {
             return None;
         }
-        state.next += 1;
-        let seq = state.next;
-        state.live.insert(seq, Live::Active(id));
+        let seq = self.next.fetch_add(1, Ordering::Relaxed);
+        self.live.fetch_add(1, Ordering::AcqRel);
+        self.active.fetch_add(1, Ordering::AcqRel);
+        self.shard(seq).insert(seq, Live::Active(id));
         Some(seq)
     }
 
     pub(crate) fn cooling(&self, seq: u64, pending: PendingRetry) {
-        self.lock().live.insert(seq, Live::Cooling(pending));
-        self.changed.notify_waiters();
+        let previous = self.shard(seq).insert(seq, Live::Cooling(Box::new(pending)));
+        if matches!(previous, Some(Live::Active(_))) {
+            Self::leave(&self.active, &self.changed);
+        }
     }
 
     /// Marks a cooled-down delivery active again; false if a shutdown took it back meanwhile.
     pub(crate) fn resume(&self, seq: u64) -> bool {
-        let mut state = self.lock();
-        let Some(live) = state.live.get_mut(&seq) else { return false };
+        let mut shard = self.shard(seq);
+        let Some(live) = shard.get_mut(&seq) else { return false };
         if let Live::Cooling(pending) = &*live {
             *live = Live::Active(pending.envelope.id);
+            self.active.fetch_add(1, Ordering::AcqRel);
         }
         true
     }
 
     pub(crate) fn finish(&self, seq: u64) {
-        self.lock().live.remove(&seq);
-        self.changed.notify_waiters();
+        let removed = self.shard(seq).remove(&seq);
+        match removed {
+            Some(Live::Active(_)) => {
+                Self::leave(&self.active, &self.changed);
+                Self::leave(&self.live, &self.changed);
+            }
+            Some(Live::Cooling(_)) => Self::leave(&self.live, &self.changed),
+            None => {}
+        }
     }
 
     pub(crate) fn close(&self) {
-        self.lock().closing = true;
+        self.closing.store(true, Ordering::Release);
     }
 
-    /// Ids of the deliveries still active.
-    pub(crate) fn still_active(&self) -> Vec<Uuid> {
-        self.lock()
-            .live
-            .values()
-            .filter_map(|l| match l {
-                Live::Active(id) => Some(*id),
-                Live::Cooling(_) => None,
-            })
-            .collect()
-    }
-
-    async fn wait_until(&self, done: impl Fn(&State) -> bool) {
+    async fn wait_until_zero(&self, counter: &AtomicUsize) {
         loop {
             let notified = self.changed.notified();
             tokio::pin!(notified);
             notified.as_mut().enable();
-            if done(&self.lock()) {
+            if counter.load(Ordering::Acquire) == 0 {
                 return;
             }
             notified.await;
@@ -115,7 +134,7 @@ impl Tracker {
     ///
     /// Cancel safe: it only observes.
     pub(crate) async fn drained(&self) {
-        self.wait_until(|state| !state.live.values().any(|l| matches!(l, Live::Active(_)))).await;
+        self.wait_until_zero(&self.active).await;
     }
 
     /// Waits until every accepted delivery has settled, cooling ones included.
@@ -124,25 +143,38 @@ impl Tracker {
     ///
     /// Cancel safe: it only observes.
     pub(crate) async fn settled(&self) {
-        self.wait_until(|state| state.live.is_empty()).await;
+        self.wait_until_zero(&self.live).await;
+    }
+
+    /// Ids of the deliveries still active.
+    pub(crate) fn still_active(&self) -> Vec<Uuid> {
+        (0..SHARDS as u64)
+            .flat_map(|shard| {
+                self.shard(shard)
+                    .values()
+                    .filter_map(|l| match l {
+                        Live::Active(id) => Some(*id),
+                        Live::Cooling(_) => None,
+                    })
+                    .collect::<Vec<_>>()
+            })
+            .collect()
     }
 
     /// Takes back every delivery waiting for a cooldown.
     pub(crate) fn take_cooling(&self) -> Vec<PendingRetry> {
-        let mut state = self.lock();
-        let seqs: Vec<u64> = state
-            .live
-            .iter()
-            .filter(|(_, l)| matches!(l, Live::Cooling(_)))
-            .map(|(seq, _)| *seq)
-            .collect();
-        let mut pending: Vec<PendingRetry> = seqs
-            .into_iter()
-            .filter_map(|seq| match state.live.remove(&seq) {
-                Some(Live::Cooling(p)) => Some(p),
-                _ => None,
-            })
-            .collect();
+        let mut pending = Vec::new();
+        for shard in 0..SHARDS as u64 {
+            let mut shard = self.shard(shard);
+            let cooling: Vec<u64> =
+                shard.iter().filter(|(_, l)| matches!(l, Live::Cooling(_))).map(|(seq, _)| *seq).collect();
+            for seq in cooling {
+                if let Some(Live::Cooling(p)) = shard.remove(&seq) {
+                    pending.push(*p);
+                    Self::leave(&self.live, &self.changed);
+                }
+            }
+        }
         pending.sort_by_key(|p| p.due_at);
         pending
     }

@@ -14,11 +14,15 @@ fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
     mutex.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
 }
 
+/// Envelope ids are spread over shards so that publishers and workers rarely wait for the
+/// same lock.
+const SHARDS: usize = 16;
+
 /// An inbox in memory: deduplicates envelope ids within one process, for as long as it lives.
 pub struct MemoryInbox {
     keep_after_handling: chrono::Duration,
     clock: Arc<dyn Clock>,
-    state: Mutex<InboxState>,
+    shards: [Mutex<InboxState>; SHARDS],
 }
 
 impl std::fmt::Debug for MemoryInbox {
@@ -44,8 +48,12 @@ impl MemoryInbox {
             keep_after_handling: chrono::Duration::from_std(keep_after_handling)
                 .unwrap_or(chrono::TimeDelta::MAX),
             clock,
-            state: Mutex::default(),
+            shards: std::array::from_fn(|_| Mutex::default()),
         }
+    }
+
+    fn shard(&self, id: Uuid) -> MutexGuard<'_, InboxState> {
+        lock(&self.shards[id.as_u128() as usize % SHARDS])
     }
 
     fn expire(&self, state: &mut InboxState, now: DateTime<Utc>) {
@@ -66,7 +74,7 @@ impl MemoryInbox {
 impl Inbox for MemoryInbox {
     async fn receive(&self, envelope: &Envelope) -> Result<Receipt, Error> {
         let now = self.clock.now();
-        let mut state = lock(&self.state);
+        let mut state = self.shard(envelope.id);
         self.expire(&mut state, now);
         if state.known.contains_key(&envelope.id) {
             return Ok(Receipt::Duplicate);
@@ -77,14 +85,14 @@ impl Inbox for MemoryInbox {
 
     async fn mark_handled(&self, id: Uuid) -> Result<(), Error> {
         let now = self.clock.now();
-        let mut state = lock(&self.state);
+        let mut state = self.shard(id);
         state.known.insert(id, Some(now));
         state.settled.push_back((now, id));
         Ok(())
     }
 
     async fn forget(&self, id: Uuid) -> Result<(), Error> {
-        lock(&self.state).known.remove(&id);
+        self.shard(id).known.remove(&id);
         Ok(())
     }
 }
