@@ -220,10 +220,11 @@ fn rate(deliveries: u64, elapsed: Duration) -> f64 {
 fn main() {
     let args: Vec<String> = std::env::args().skip(1).collect();
     let deliveries: u64 = args.iter().find_map(|a| a.parse().ok()).unwrap_or(100_000);
-    // `-- reprise` measures the runtime alone, for a profiler.
-    if args.iter().any(|a| a == "reprise") {
-        let elapsed = reprise_run(deliveries);
-        println!("reprise {:.0} deliveries/s", rate(deliveries, elapsed));
+    // `-- reprise` (or `actix`, `tokio`) measures one contender alone, for a profiler.
+    let alone: [(&str, fn(u64) -> Duration); 3] =
+        [("reprise", reprise_run), ("actix", actix_run), ("tokio", tokio_run)];
+    if let Some((name, run)) = alone.iter().find(|(name, _)| args.iter().any(|a| a == name)) {
+        println!("{name} {:.0} deliveries/s", rate(deliveries, run(deliveries)));
         return;
     }
     // Warm up allocators and thread pools once, then measure each contender.

@@ -4,13 +4,13 @@ use std::sync::{Arc, OnceLock};
 use actix::{Actor, Addr, ArbiterHandle, Context};
 use uuid::Uuid;
 
-use crate::{Envelope, Error, HandlerId, Message};
+use crate::{Envelope, Error, HandlerId, Message, Route};
 
 /// What one attempt at one delivery knows about its message.
 #[derive(Debug)]
 pub(crate) struct Scope {
     pub(crate) message_id: Uuid,
-    pub(crate) message_type: String,
+    pub(crate) message_type: std::borrow::Cow<'static, str>,
     pub(crate) attempt: u32,
     pub(crate) correlation_id: Option<Uuid>,
     pub(crate) causation_id: Option<Uuid>,
@@ -76,9 +76,9 @@ impl ContextActor {
         Self { message_id, cascaded: Vec::new() }
     }
 
-    /// A context for one handler of the attempt `scope` describes.
-    pub(crate) fn handle_for(scope: Arc<Scope>, handler: HandlerId) -> MessageContext {
-        MessageContext { scope: Some(Attached { scope, handler }) }
+    /// A context for the handler at `handler` in `route`, for the attempt `scope` describes.
+    pub(crate) fn handle_for(scope: Arc<Scope>, route: Arc<Route>, handler: usize) -> MessageContext {
+        MessageContext { scope: Some(Attached { scope, route, handler }) }
     }
 }
 
@@ -129,7 +129,8 @@ impl actix::Handler<TakeCascaded> for ContextActor {
 #[derive(Clone, Debug)]
 struct Attached {
     scope: Arc<Scope>,
-    handler: HandlerId,
+    route: Arc<Route>,
+    handler: usize,
 }
 
 /// What a handler knows about the message it handles, and how it cascades new messages.
@@ -162,7 +163,7 @@ impl MessageContext {
 
     /// The type name of the message being handled.
     pub fn message_type(&self) -> Option<&str> {
-        self.scope().map(|s| s.message_type.as_str())
+        self.scope().map(|s| &*s.message_type)
     }
 
     /// The attempt number, 1 for the first; 0 outside a consumer.
@@ -192,7 +193,7 @@ impl MessageContext {
 
     /// The handler this context was given to.
     pub fn handler(&self) -> Option<&HandlerId> {
-        self.scope.as_ref().map(|a| &a.handler)
+        self.scope.as_ref().map(|a| &a.route.handlers()[a.handler].id)
     }
 
     /// Cascades `message`: it is published once the whole delivery succeeds, and carries this
@@ -244,7 +245,7 @@ impl MessageContext {
                 limit: scope.max_envelope_size,
             });
         }
-        let handler = attached.handler.clone();
+        let handler = attached.route.handlers()[attached.handler].id.clone();
         scope.actor_or_start().send(Cascade(handler, envelope)).await.map_err(|_| Error::Detached)
     }
 }

@@ -1,3 +1,4 @@
+use std::borrow::Cow;
 use std::collections::BTreeMap;
 
 use chrono::{DateTime, Utc};
@@ -15,8 +16,9 @@ use crate::Message;
 pub struct Envelope {
     /// Identity of this envelope, the same on every redelivery and retry.
     pub id: Uuid,
-    /// The message's stable type name ([`Message::TYPE`]).
-    pub message_type: String,
+    /// The message's stable type name ([`Message::TYPE`]); borrowed when it is a Rust
+    /// type's own, so publishing allocates nothing for it.
+    pub message_type: Cow<'static, str>,
     /// The serialized message (JSON).
     pub payload: Vec<u8>,
     /// Free-form headers.
@@ -37,7 +39,7 @@ pub struct Envelope {
 
 impl Envelope {
     /// An envelope with a fresh random id around an already serialized payload.
-    pub fn new(message_type: impl Into<String>, payload: Vec<u8>) -> Self {
+    pub fn new(message_type: impl Into<Cow<'static, str>>, payload: Vec<u8>) -> Self {
         let id = Uuid::new_v4();
         Self {
             id,

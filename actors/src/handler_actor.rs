@@ -1,4 +1,5 @@
 use std::panic::AssertUnwindSafe;
+use std::sync::Arc;
 use std::time::Duration;
 
 use actix::{Actor, ActorContext, ActorFutureExt, Addr, AsyncContext, Context, WrapFuture};
@@ -6,7 +7,8 @@ use futures::FutureExt;
 use tracing::Instrument;
 
 use crate::{
-    Decoded, DeliverySupervisor, Disposition, FailureKind, HandlerEntry, HandlerFailure, MessageContext,
+    Decoded, DeliverySupervisor, Disposition, FailureKind, HandlerError, HandlerFailure,
+    MessageContext, Route,
 };
 
 /// Runs one handler once, for one attempt, and reports to its supervisor.
@@ -15,7 +17,7 @@ use crate::{
 /// future is wrapped in `catch_unwind` (actix would otherwise lose the arbiter) and in a
 /// timeout that drops it.
 pub struct HandlerActor {
-    entry: HandlerEntry,
+    route: Arc<Route>,
     index: usize,
     message: Decoded,
     context: MessageContext,
@@ -26,7 +28,7 @@ pub struct HandlerActor {
 
 impl HandlerActor {
     pub(crate) fn new(
-        entry: HandlerEntry,
+        route: Arc<Route>,
         index: usize,
         message: Decoded,
         context: MessageContext,
@@ -34,13 +36,43 @@ impl HandlerActor {
         supervisor: Addr<DeliverySupervisor>,
         span: tracing::Span,
     ) -> Self {
-        Self { entry, index, message, context, timeout, supervisor, span }
+        Self { route, index, message, context, timeout, supervisor, span }
+    }
+
+    fn report(&self, result: HandlerResult) {
+        let failure = match result {
+            Ok(Ok(Ok(()))) => None,
+            Ok(Ok(Err(error))) => {
+                let kind = match error.disposition() {
+                    Disposition::Permanent => FailureKind::Permanent,
+                    Disposition::RetryAfter(delay) => FailureKind::RetryAfter(delay),
+                    _ => FailureKind::Error,
+                };
+                Some((kind, error.to_string()))
+            }
+            Ok(Err(panic)) => Some((FailureKind::Panicked, panic_text(&*panic))),
+            Err(_) => Some((
+                FailureKind::TimedOut(self.timeout),
+                format!("did not finish within {:?}", self.timeout),
+            )),
+        };
+        let failure = failure.map(|(kind, error)| {
+            self.span.in_scope(|| tracing::warn!(%error, ?kind, "handler failed"));
+            let id = &self.route.handlers()[self.index].id;
+            HandlerFailure { module: id.module.to_string(), handler: id.name.to_string(), error, kind }
+        });
+        self.supervisor.do_send(HandlerFinished { index: self.index, failure });
     }
 }
 
+type HandlerResult =
+    Result<Result<Result<(), HandlerError>, Box<dyn std::any::Any + Send>>, tokio::time::error::Elapsed>;
+
 impl std::fmt::Debug for HandlerActor {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("HandlerActor").field("handler", &self.entry.id).finish_non_exhaustive()
+        f.debug_struct("HandlerActor")
+            .field("handler", &self.route.handlers()[self.index].id)
+            .finish_non_exhaustive()
     }
 }
 
@@ -59,37 +91,21 @@ impl Actor for HandlerActor {
     type Context = Context<Self>;
 
     fn started(&mut self, ctx: &mut Context<Self>) {
-        let call = (self.entry.invoke)(self.message.clone(), self.context.clone());
-        let timeout = self.timeout;
-        let guarded = tokio::time::timeout(timeout, AssertUnwindSafe(call).catch_unwind())
-            .instrument(self.span.clone());
-        ctx.spawn(guarded.into_actor(self).map(move |result, actor, ctx| {
-            let failure = match result {
-                Ok(Ok(Ok(()))) => None,
-                Ok(Ok(Err(error))) => {
-                    let kind = match error.disposition() {
-                        Disposition::Permanent => FailureKind::Permanent,
-                        Disposition::RetryAfter(delay) => FailureKind::RetryAfter(delay),
-                        _ => FailureKind::Error,
-                    };
-                    Some((kind, error.to_string()))
-                }
-                Ok(Err(panic)) => Some((FailureKind::Panicked, panic_text(&*panic))),
-                Err(_) => Some((
-                    FailureKind::TimedOut(timeout),
-                    format!("did not finish within {timeout:?}"),
-                )),
-            };
-            let failure = failure.map(|(kind, error)| {
-                actor.span.in_scope(|| tracing::warn!(%error, ?kind, "handler failed"));
-                HandlerFailure {
-                    module: actor.entry.id.module.to_string(),
-                    handler: actor.entry.id.name.to_string(),
-                    error,
-                    kind,
-                }
-            });
-            actor.supervisor.do_send(HandlerFinished { index: actor.index, failure });
+        let invoke = &self.route.handlers()[self.index].invoke;
+        let call = invoke(self.message.clone(), self.context.clone());
+        let mut guarded = Box::pin(
+            tokio::time::timeout(self.timeout, AssertUnwindSafe(call).catch_unwind())
+                .instrument(self.span.clone()),
+        );
+        // Many handlers finish without waiting on anything: report those at once rather
+        // than through the actor's future machinery.
+        if let Some(result) = guarded.as_mut().now_or_never() {
+            self.report(result);
+            ctx.stop();
+            return;
+        }
+        ctx.spawn(guarded.into_actor(self).map(|result, actor, ctx| {
+            actor.report(result);
             ctx.stop();
         }));
     }

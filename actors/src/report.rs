@@ -40,8 +40,9 @@ pub struct DeliveryReport {
     pub attempts: u32,
     /// The aggregate error of every failed attempt, oldest first.
     pub failures: Vec<AggregateError>,
-    /// When each attempt started, measured from the delivery's start on the engine's clock
-    /// (virtual under the test harness, so cooldowns can be checked exactly).
+    /// When each attempt started, measured from the first attempt's start on the engine's
+    /// clock (virtual under the test harness, so cooldowns can be checked exactly); the first
+    /// entry is therefore zero.
     pub attempt_offsets: Vec<Duration>,
     /// The messages its handlers cascaded (sent only when it was handled).
     pub cascaded: Vec<Envelope>,
@@ -51,7 +52,7 @@ impl DeliveryReport {
     pub(crate) fn discarded(envelope: &Envelope, reason: DiscardReason) -> Self {
         Self {
             envelope_id: envelope.id,
-            message_type: envelope.message_type.clone(),
+            message_type: envelope.message_type.to_string(),
             outcome: Outcome::Discarded(reason),
             attempts: 0,
             failures: Vec::new(),

@@ -3,6 +3,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use actix::{Actor, ActorContext, ActorFutureExt, AsyncContext, Context, WrapFuture};
+use futures::FutureExt;
 use chrono::{DateTime, Utc};
 use tokio::sync::{OwnedSemaphorePermit, oneshot};
 use tokio::time::Instant;
@@ -30,12 +31,14 @@ pub struct DeliverySupervisor {
     envelope: Envelope,
     route: Option<Arc<Route>>,
     message: Option<Decoded>,
-    results: Vec<Option<HandlerFailure>>,
+    /// This attempt's failures with their handler's index (empty, unallocated, on success).
+    results: Vec<(usize, HandlerFailure)>,
     pending: usize,
     failures: Vec<AggregateError>,
     first_failure_at: Option<DateTime<Utc>>,
     started_at: Instant,
-    attempt_offsets: Vec<Duration>,
+    /// When each retry started, from the first attempt's start.
+    retry_offsets: Vec<Duration>,
     scope: Option<Arc<Scope>>,
     /// Messages cascaded by handlers in attempts where they succeeded, sent once the whole
     /// delivery succeeds.
@@ -84,7 +87,7 @@ impl DeliverySupervisor {
             failures: Vec::new(),
             first_failure_at: None,
             started_at: Instant::now(),
-            attempt_offsets: Vec::new(),
+            retry_offsets: Vec::new(),
             scope: None,
             cascaded: Vec::new(),
             reply: None,
@@ -111,7 +114,9 @@ impl DeliverySupervisor {
         self.envelope.attempts += 1;
         let attempt = self.envelope.attempts;
         shared.stats.bump(Counter::Attempts);
-        self.attempt_offsets.push(self.started_at.elapsed());
+        if attempt > 1 {
+            self.retry_offsets.push(self.started_at.elapsed());
+        }
         self.span.record("reprise.attempt", attempt);
 
         let scope = Arc::new(Scope::new(
@@ -121,7 +126,6 @@ impl DeliverySupervisor {
             actix::Arbiter::current(),
         ));
         self.scope = Some(Arc::clone(&scope));
-        self.results = vec![None; route.handlers().len()];
         self.pending = route.handlers().len();
         let me = ctx.address();
         for (index, entry) in route.handlers().iter().enumerate() {
@@ -132,9 +136,9 @@ impl DeliverySupervisor {
                 reprise.handler = %entry.id.name,
                 reprise.attempt = attempt,
             );
-            let handle = ContextActor::handle_for(Arc::clone(&scope), entry.id.clone());
+            let handle = ContextActor::handle_for(Arc::clone(&scope), Arc::clone(&route), index);
             HandlerActor::new(
-                entry.clone(),
+                Arc::clone(&route),
                 index,
                 message.clone(),
                 handle,
@@ -157,7 +161,9 @@ impl DeliverySupervisor {
     }
 
     fn conclude_attempt(&mut self, cascaded: Vec<(HandlerId, Envelope)>, ctx: &mut Context<Self>) {
-        let failures: Vec<HandlerFailure> = self.results.iter_mut().filter_map(Option::take).collect();
+        let mut results = std::mem::take(&mut self.results);
+        results.sort_by_key(|(index, _)| *index);
+        let failures: Vec<HandlerFailure> = results.into_iter().map(|(_, failure)| failure).collect();
         for (handler, envelope) in cascaded {
             let failed = failures.iter().any(|f| *f.module == *handler.module && *f.handler == *handler.name);
             if failed {
@@ -174,7 +180,7 @@ impl DeliverySupervisor {
             return;
         }
         let failure = AggregateError {
-            message_type: self.envelope.message_type.clone(),
+            message_type: self.envelope.message_type.to_string(),
             message_id: self.envelope.id,
             attempt: self.envelope.attempts,
             failures,
@@ -215,14 +221,22 @@ impl DeliverySupervisor {
     fn succeed(&mut self, ctx: &mut Context<Self>) {
         let shared = Arc::clone(&self.dispatcher.shared);
         let id = self.envelope.id;
-        let work = async move { persist("mark handled", id, || shared.inbox.mark_handled(id)).await };
-        ctx.spawn(work.into_actor(self).map(|(), actor, ctx| {
-            let cascaded = std::mem::take(&mut actor.cascaded);
-            actor.dispatcher.shared.stats.bump(Counter::Handled);
-            actor.span.in_scope(|| tracing::info!(cascaded = cascaded.len(), "delivery handled"));
-            actor.dispatcher.forward(cascaded.clone());
-            actor.settle(Outcome::Handled, cascaded, ctx);
-        }));
+        let mut work =
+            Box::pin(async move { persist("mark handled", id, || shared.inbox.mark_handled(id)).await });
+        // An in-memory inbox answers at once; only a store that waits needs the actor future.
+        if work.as_mut().now_or_never().is_some() {
+            self.handled(ctx);
+            return;
+        }
+        ctx.spawn(work.into_actor(self).map(|(), actor, ctx| actor.handled(ctx)));
+    }
+
+    fn handled(&mut self, ctx: &mut Context<Self>) {
+        let cascaded = std::mem::take(&mut self.cascaded);
+        self.dispatcher.shared.stats.bump(Counter::Handled);
+        self.span.in_scope(|| tracing::info!(cascaded = cascaded.len(), "delivery handled"));
+        self.dispatcher.forward(cascaded.clone());
+        self.settle(Outcome::Handled, cascaded, ctx);
     }
 
     fn dead_letter(&mut self, dead_letter: DeadLetter, ctx: &mut Context<Self>) {
@@ -245,11 +259,15 @@ impl DeliverySupervisor {
         if let Some(reply) = self.reply.take() {
             let _ = reply.send(DeliveryReport {
                 envelope_id: self.envelope.id,
-                message_type: self.envelope.message_type.clone(),
+                message_type: self.envelope.message_type.to_string(),
                 outcome,
                 attempts: self.envelope.attempts,
                 failures: std::mem::take(&mut self.failures),
-                attempt_offsets: std::mem::take(&mut self.attempt_offsets),
+                attempt_offsets: if self.envelope.attempts == 0 {
+                    Vec::new()
+                } else {
+                    std::iter::once(Duration::ZERO).chain(self.retry_offsets.drain(..)).collect()
+                },
                 cascaded,
             });
         }
@@ -302,7 +320,7 @@ impl Actor for DeliverySupervisor {
                     }));
                     return;
                 }
-                None => Some(DeadLetterReason::NoHandler(self.envelope.message_type.clone())),
+                None => Some(DeadLetterReason::NoHandler(self.envelope.message_type.to_string())),
                 Some(route) => match route.decode(&self.envelope.payload) {
                     Ok(message) => {
                         self.route = Some(Arc::clone(route));
@@ -327,8 +345,8 @@ impl actix::Handler<HandlerFinished> for DeliverySupervisor {
     type Result = ();
 
     fn handle(&mut self, finished: HandlerFinished, ctx: &mut Context<Self>) {
-        if let Some(slot) = self.results.get_mut(finished.index) {
-            *slot = finished.failure;
+        if let Some(failure) = finished.failure {
+            self.results.push((finished.index, failure));
         }
         self.pending = self.pending.saturating_sub(1);
         if self.pending == 0 {

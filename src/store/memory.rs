@@ -56,7 +56,11 @@ impl MemoryInbox {
         lock(&self.shards[id.as_u128() as usize % SHARDS])
     }
 
-    fn expire(&self, state: &mut InboxState, now: DateTime<Utc>) {
+    fn expire(&self, state: &mut InboxState) {
+        if state.settled.is_empty() {
+            return;
+        }
+        let now = self.clock.now();
         while let Some(&(at, id)) = state.settled.front() {
             if at.checked_add_signed(self.keep_after_handling).is_some_and(|until| until > now) {
                 break;
@@ -73,9 +77,8 @@ impl MemoryInbox {
 #[async_trait]
 impl Inbox for MemoryInbox {
     async fn receive(&self, envelope: &Envelope) -> Result<Receipt, Error> {
-        let now = self.clock.now();
         let mut state = self.shard(envelope.id);
-        self.expire(&mut state, now);
+        self.expire(&mut state);
         if state.known.contains_key(&envelope.id) {
             return Ok(Receipt::Duplicate);
         }
