@@ -2,7 +2,9 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
 use actix::{Actor, Addr, ArbiterHandle};
-use tokio::sync::{Semaphore, oneshot};
+use tokio::sync::oneshot;
+
+use crate::capacity::Capacity;
 
 use crate::ports::{Clock, DeadLetterStore, Inbox, Receipt};
 use crate::report::DiscardReason;
@@ -30,7 +32,7 @@ pub(crate) struct Shared {
     pub(crate) timer: Addr<TimerActor>,
     pub(crate) tracker: Tracker,
     pub(crate) stats: Arc<Stats>,
-    pub(crate) permits: Arc<Semaphore>,
+    pub(crate) capacity: Arc<Capacity>,
     pub(crate) arbiters: Vec<ArbiterHandle>,
     pub(crate) next_arbiter: AtomicUsize,
     pub(crate) max_envelope_size: usize,
@@ -108,10 +110,7 @@ impl Dispatcher {
         let shared = &self.shared;
         shared.stats.bump(Counter::Received);
         let result = async {
-            let permit = Arc::clone(&shared.permits)
-                .acquire_owned()
-                .await
-                .map_err(|_| Error::ShuttingDown(Box::new(envelope.clone())))?;
+            let permit = shared.capacity.acquire().await;
             let receipt = shared.inbox.receive(&envelope).await?;
             Ok::<_, Error>((permit, receipt))
         }

@@ -3,7 +3,9 @@ use std::sync::atomic::AtomicUsize;
 use std::time::Duration;
 
 use actix::{Actor, Arbiter, System};
-use tokio::sync::{Semaphore, oneshot};
+use tokio::sync::oneshot;
+
+use crate::capacity::Capacity;
 use uuid::Uuid;
 
 use crate::dispatcher::{Shared, UnknownMessageTypes};
@@ -115,7 +117,7 @@ impl Engine {
                         timer,
                         tracker: Tracker::default(),
                         stats: Arc::new(Stats::default()),
-                        permits: Arc::new(Semaphore::new(config.max_in_flight.max(1))),
+                        capacity: Capacity::new(config.max_in_flight),
                         arbiters,
                         next_arbiter: AtomicUsize::new(0),
                         max_envelope_size: config.max_envelope_size,

@@ -57,7 +57,7 @@ impl HandlerActor {
             )),
         };
         let failure = failure.map(|(kind, error)| {
-            self.span.in_scope(|| tracing::warn!(%error, ?kind, "handler failed"));
+            tracing::warn!(parent: &self.span, %error, ?kind, "handler failed");
             let id = &self.route.handlers()[self.index].id;
             HandlerFailure { module: id.module.to_string(), handler: id.name.to_string(), error, kind }
         });
@@ -92,18 +92,32 @@ impl Actor for HandlerActor {
 
     fn started(&mut self, ctx: &mut Context<Self>) {
         let invoke = &self.route.handlers()[self.index].invoke;
-        let call = invoke(self.message.clone(), self.context.clone());
-        let mut guarded = Box::pin(
-            tokio::time::timeout(self.timeout, AssertUnwindSafe(call).catch_unwind())
-                .instrument(self.span.clone()),
-        );
-        // Many handlers finish without waiting on anything: report those at once rather
-        // than through the actor's future machinery.
-        if let Some(result) = guarded.as_mut().now_or_never() {
-            self.report(result);
-            ctx.stop();
-            return;
+        let mut call = invoke(self.message.clone(), self.context.clone());
+        // Many handlers finish without waiting on anything: poll once here, and arm the
+        // timeout and the actor's future machinery only for those that have to wait.
+        let first = {
+            let _entered = self.span.enter();
+            std::panic::catch_unwind(AssertUnwindSafe(|| call.as_mut().now_or_never()))
+        };
+        match first {
+            Ok(Some(result)) => {
+                self.report(Ok(Ok(result)));
+                ctx.stop();
+                return;
+            }
+            Err(panic) => {
+                self.report(Ok(Err(panic)));
+                ctx.stop();
+                return;
+            }
+            Ok(None) => {}
         }
+        let guarded = tokio::time::timeout(self.timeout, AssertUnwindSafe(call).catch_unwind());
+        let guarded: futures::future::BoxFuture<'static, HandlerResult> = if self.span.is_disabled() {
+            Box::pin(guarded)
+        } else {
+            Box::pin(guarded.instrument(self.span.clone()))
+        };
         ctx.spawn(guarded.into_actor(self).map(|result, actor, ctx| {
             actor.report(result);
             ctx.stop();

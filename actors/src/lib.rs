@@ -6,6 +6,7 @@
 //! clock. It knows no database, broker or socket.
 
 mod aggregate;
+mod capacity;
 mod context;
 mod dead_letter;
 mod dispatcher;

@@ -5,7 +5,9 @@ use std::time::Duration;
 use actix::{Actor, ActorContext, ActorFutureExt, AsyncContext, Context, WrapFuture};
 use futures::FutureExt;
 use chrono::{DateTime, Utc};
-use tokio::sync::{OwnedSemaphorePermit, oneshot};
+use tokio::sync::oneshot;
+
+use crate::capacity::Slot;
 use tokio::time::Instant;
 use tracing::field::Empty;
 
@@ -44,7 +46,7 @@ pub struct DeliverySupervisor {
     /// delivery succeeds.
     cascaded: Vec<Envelope>,
     reply: Option<oneshot::Sender<DeliveryReport>>,
-    permit: Option<OwnedSemaphorePermit>,
+    permit: Option<Slot>,
     span: tracing::Span,
 }
 
@@ -62,7 +64,7 @@ impl DeliverySupervisor {
         dispatcher: Dispatcher,
         seq: u64,
         envelope: Envelope,
-        permit: OwnedSemaphorePermit,
+        permit: Slot,
         reply: Option<oneshot::Sender<DeliveryReport>>,
     ) -> Self {
         let span = tracing::info_span!(
@@ -117,7 +119,9 @@ impl DeliverySupervisor {
         if attempt > 1 {
             self.retry_offsets.push(self.started_at.elapsed());
         }
-        self.span.record("reprise.attempt", attempt);
+        if !self.span.is_disabled() {
+            self.span.record("reprise.attempt", attempt);
+        }
 
         let scope = Arc::new(Scope::new(
             &self.envelope,
@@ -185,7 +189,7 @@ impl DeliverySupervisor {
             attempt: self.envelope.attempts,
             failures,
         };
-        self.span.in_scope(|| tracing::warn!(error = %failure, "attempt failed"));
+        tracing::warn!(parent: &self.span, error = %failure, "attempt failed");
         let now = self.now();
         self.first_failure_at.get_or_insert(now);
         let shared = Arc::clone(&self.dispatcher.shared);
@@ -197,7 +201,7 @@ impl DeliverySupervisor {
             RetryDecision::RetryIn(delay) => {
                 shared.stats.bump(Counter::Retried);
                 let due_at = now + chrono::Duration::from_std(delay).unwrap_or(chrono::TimeDelta::MAX);
-                self.span.in_scope(|| tracing::info!(?delay, "retry scheduled"));
+                tracing::info!(parent: &self.span, ?delay, "retry scheduled");
                 shared.tracker.cooling(
                     self.seq,
                     PendingRetry { envelope: self.envelope.clone(), due_at, failures: self.failures.clone() },
@@ -234,7 +238,7 @@ impl DeliverySupervisor {
     fn handled(&mut self, ctx: &mut Context<Self>) {
         let cascaded = std::mem::take(&mut self.cascaded);
         self.dispatcher.shared.stats.bump(Counter::Handled);
-        self.span.in_scope(|| tracing::info!(cascaded = cascaded.len(), "delivery handled"));
+        tracing::info!(parent: &self.span, cascaded = cascaded.len(), "delivery handled");
         self.dispatcher.forward(cascaded.clone());
         self.settle(Outcome::Handled, cascaded, ctx);
     }
@@ -243,7 +247,7 @@ impl DeliverySupervisor {
         let shared = Arc::clone(&self.dispatcher.shared);
         let id = self.envelope.id;
         let reason = dead_letter.reason.clone();
-        self.span.in_scope(|| tracing::error!(%reason, "message dead-lettered"));
+        tracing::error!(parent: &self.span, %reason, "message dead-lettered");
         let work = async move {
             persist("dead letter", id, || shared.dead_letters.put(dead_letter.clone())).await;
             // Settled: a redelivery within the retention is discarded; a replay forgets it first.
@@ -311,7 +315,7 @@ impl Actor for DeliverySupervisor {
         } else {
             match shared.registry.route(&self.envelope.message_type) {
                 None if shared.unknown_message_types == UnknownMessageTypes::Discard => {
-                    self.span.in_scope(|| tracing::warn!("no handler for this message type; discarded"));
+                    tracing::warn!(parent: &self.span, "no handler for this message type; discarded");
                     shared.stats.bump(Counter::Discarded);
                     let id = self.envelope.id;
                     let work = async move { persist("mark handled", id, || shared.inbox.mark_handled(id)).await };

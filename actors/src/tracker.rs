@@ -39,7 +39,7 @@ pub(crate) struct Tracker {
     next: AtomicU64,
     active: AtomicUsize,
     live: AtomicUsize,
-    shards: [Mutex<HashMap<u64, Live>>; SHARDS],
+    shards: [Mutex<HashMap<u64, Live, foldhash::fast::RandomState>>; SHARDS],
     changed: Notify,
 }
 
@@ -57,7 +57,7 @@ impl Default for Tracker {
 }
 
 impl Tracker {
-    fn shard(&self, seq: u64) -> MutexGuard<'_, HashMap<u64, Live>> {
+    fn shard(&self, seq: u64) -> MutexGuard<'_, HashMap<u64, Live, foldhash::fast::RandomState>> {
         // A poisoned lock only means another thread panicked while holding it; the map itself
         // is always left consistent, so keep going rather than take the runtime down.
         self.shards[seq as usize % SHARDS].lock().unwrap_or_else(std::sync::PoisonError::into_inner)

@@ -36,7 +36,7 @@ impl std::fmt::Debug for MemoryInbox {
 #[derive(Debug, Default)]
 struct InboxState {
     /// `None` while incoming; the handling time once settled.
-    known: HashMap<Uuid, Option<DateTime<Utc>>>,
+    known: HashMap<Uuid, Option<DateTime<Utc>>, foldhash::fast::RandomState>,
     /// Settled ids in the order they settled, so expiry never scans the whole map.
     settled: VecDeque<(DateTime<Utc>, Uuid)>,
 }
