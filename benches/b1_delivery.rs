@@ -217,29 +217,42 @@ fn rate(deliveries: u64, elapsed: Duration) -> f64 {
     deliveries as f64 / elapsed.as_secs_f64()
 }
 
+fn median(mut rates: Vec<f64>) -> f64 {
+    rates.sort_by(f64::total_cmp);
+    rates[rates.len() / 2]
+}
+
 fn main() {
-    let args: Vec<String> = std::env::args().skip(1).collect();
+    let args: Vec<String> = std::env::args().skip(1).filter(|a| a != "--bench").collect();
     let deliveries: u64 = args.iter().find_map(|a| a.parse().ok()).unwrap_or(100_000);
+    let contenders: [(&str, fn(u64) -> Duration); 3] =
+        [("reprise", reprise_run), ("actix skeleton", actix_run), ("tokio mpsc+oneshot", tokio_run)];
     // `-- reprise` (or `actix`, `tokio`) measures one contender alone, for a profiler.
-    let alone: [(&str, fn(u64) -> Duration); 3] =
-        [("reprise", reprise_run), ("actix", actix_run), ("tokio", tokio_run)];
-    if let Some((name, run)) = alone.iter().find(|(name, _)| args.iter().any(|a| a == name)) {
+    if let Some((name, run)) =
+        contenders.iter().find(|(name, _)| args.iter().any(|a| name.starts_with(a.as_str())))
+    {
         println!("{name} {:.0} deliveries/s", rate(deliveries, run(deliveries)));
         return;
     }
-    // Warm up allocators and thread pools once, then measure each contender.
-    reprise_run(deliveries / 10);
-    actix_run(deliveries / 10);
-    tokio_run(deliveries / 10);
-
-    let reprise = rate(deliveries, reprise_run(deliveries));
-    let actix = rate(deliveries, actix_run(deliveries));
-    let tokio = rate(deliveries, tokio_run(deliveries));
-
-    println!("B1: {deliveries} deliveries, 3 no-op handlers each, {WORKERS} workers, {IN_FLIGHT} in flight");
-    println!("  reprise              {reprise:>12.0} deliveries/s");
-    println!("  actix skeleton       {actix:>12.0} deliveries/s");
-    println!("  tokio mpsc+oneshot   {tokio:>12.0} deliveries/s");
-    println!("  reprise / actix skeleton = {:.2} (goal >= 0.60)", reprise / actix);
-    println!("  reprise / tokio          = {:.2}", reprise / tokio);
+    // Two cores shared by several threads make single runs noisy: interleave rounds of every
+    // contender and compare medians.
+    const ROUNDS: usize = 5;
+    for (_, run) in &contenders {
+        run(deliveries / 10);
+    }
+    let mut rates = vec![Vec::new(); contenders.len()];
+    for _ in 0..ROUNDS {
+        for (i, (_, run)) in contenders.iter().enumerate() {
+            rates[i].push(rate(deliveries, run(deliveries)));
+        }
+    }
+    let medians: Vec<f64> = rates.into_iter().map(median).collect();
+    println!(
+        "B1: {deliveries} deliveries, 3 no-op handlers each, {WORKERS} workers, {IN_FLIGHT} in flight, median of {ROUNDS} rounds"
+    );
+    for ((name, _), median) in contenders.iter().zip(&medians) {
+        println!("  {name:<20} {median:>12.0} deliveries/s");
+    }
+    println!("  reprise / actix skeleton = {:.2} (goal >= 0.60)", medians[0] / medians[1]);
+    println!("  reprise / tokio          = {:.2}", medians[0] / medians[2]);
 }

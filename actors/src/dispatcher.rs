@@ -25,18 +25,27 @@ pub enum UnknownMessageTypes {
 
 /// Everything the engine's actors share.
 pub(crate) struct Shared {
-    pub(crate) registry: Arc<Registry>,
+    /// What each worker reaches without touching reference counts other workers touch,
+    /// indexed like `arbiters`.
+    pub(crate) workers: Vec<Arc<Worker>>,
     pub(crate) inbox: Arc<dyn Inbox>,
-    pub(crate) dead_letters: Arc<dyn DeadLetterStore>,
     pub(crate) clock: Arc<dyn Clock>,
     pub(crate) timer: Addr<TimerActor>,
     pub(crate) tracker: Tracker,
+    /// One set of counters per worker, then one for dispatching.
     pub(crate) stats: Arc<Stats>,
     pub(crate) capacity: Arc<Capacity>,
     pub(crate) arbiters: Vec<ArbiterHandle>,
     pub(crate) next_arbiter: AtomicUsize,
     pub(crate) max_envelope_size: usize,
     pub(crate) unknown_message_types: UnknownMessageTypes,
+}
+
+/// One worker's own handles on the routes and the stores.
+pub(crate) struct Worker {
+    pub(crate) registry: Registry,
+    pub(crate) inbox: Arc<dyn Inbox>,
+    pub(crate) dead_letters: Arc<dyn DeadLetterStore>,
 }
 
 /// The entry point of received envelopes: it asks the inbox, waits for capacity, and starts a
@@ -74,10 +83,10 @@ impl Dispatcher {
         envelope: Envelope,
         reply: Option<oneshot::Sender<DeliveryReport>>,
     ) -> Result<(), Error> {
-        let Some(seq) = self.shared.tracker.admit(envelope.id, true) else {
+        if !self.shared.tracker.admit(true) {
             return Err(Error::ShuttingDown(Box::new(envelope)));
-        };
-        self.run(seq, envelope, reply).await
+        }
+        self.run(envelope, reply).await
     }
 
     /// Delivers the messages cascaded by a successful delivery, in the background.
@@ -86,15 +95,14 @@ impl Dispatcher {
             return;
         }
         // Admitted now, before the parent settles, so a draining shutdown waits for them too.
-        let admitted: Vec<(u64, Envelope)> = envelopes
-            .into_iter()
-            .filter_map(|e| self.shared.tracker.admit(e.id, false).map(|seq| (seq, e)))
-            .collect();
+        for _ in &envelopes {
+            self.shared.tracker.admit(false);
+        }
         let this = self.clone();
         actix::spawn(async move {
-            for (seq, envelope) in admitted {
+            for envelope in envelopes {
                 let id = envelope.id;
-                if let Err(error) = this.run(seq, envelope, None).await {
+                if let Err(error) = this.run(envelope, None).await {
                     tracing::error!(message_id = %id, %error, "cascaded message could not be delivered");
                 }
             }
@@ -103,27 +111,30 @@ impl Dispatcher {
 
     async fn run(
         &self,
-        seq: u64,
         envelope: Envelope,
         reply: Option<oneshot::Sender<DeliveryReport>>,
     ) -> Result<(), Error> {
         let shared = &self.shared;
-        shared.stats.bump(Counter::Received);
+        let counters = shared.stats.writer(shared.arbiters.len());
+        counters.bump(Counter::Received);
         let result = async {
             let permit = shared.capacity.acquire().await;
-            let receipt = shared.inbox.receive(&envelope).await?;
+            let receipt = match shared.inbox.receive_now(&envelope) {
+                Some(receipt) => receipt?,
+                None => shared.inbox.receive(&envelope).await?,
+            };
             Ok::<_, Error>((permit, receipt))
         }
         .await;
         let (permit, receipt) = match result {
             Ok(accepted) => accepted,
             Err(error) => {
-                shared.tracker.finish(seq);
+                shared.tracker.release();
                 return Err(error);
             }
         };
         if receipt == Receipt::Duplicate {
-            shared.stats.bump(Counter::Deduplicated);
+            counters.bump(Counter::Deduplicated);
             tracing::info!(
                 messaging.message.id = %envelope.id,
                 reprise.message_type = %envelope.message_type,
@@ -132,12 +143,12 @@ impl Dispatcher {
             if let Some(reply) = reply {
                 let _ = reply.send(DeliveryReport::discarded(&envelope, DiscardReason::DuplicateEnvelope));
             }
-            shared.tracker.finish(seq);
+            shared.tracker.release();
             return Ok(());
         }
-        let index = shared.next_arbiter.fetch_add(1, Ordering::Relaxed) % shared.arbiters.len();
-        let supervisor = DeliverySupervisor::new(self.clone(), seq, envelope, permit, reply);
-        DeliverySupervisor::start_in_arbiter(&shared.arbiters[index], move |_| supervisor);
+        let worker = shared.next_arbiter.fetch_add(1, Ordering::Relaxed) % shared.arbiters.len();
+        let supervisor = DeliverySupervisor::new(self.clone(), worker, envelope, permit, reply);
+        DeliverySupervisor::start_in_arbiter(&shared.arbiters[worker], move |_| supervisor);
         Ok(())
     }
 
@@ -156,7 +167,7 @@ impl Dispatcher {
     }
 
     /// The routes this engine serves.
-    pub fn registry(&self) -> &Arc<Registry> {
-        &self.shared.registry
+    pub fn registry(&self) -> &Registry {
+        &self.shared.workers[0].registry
     }
 }

@@ -8,7 +8,7 @@ use tokio::sync::oneshot;
 use crate::capacity::Capacity;
 use uuid::Uuid;
 
-use crate::dispatcher::{Shared, UnknownMessageTypes};
+use crate::dispatcher::{Shared, UnknownMessageTypes, Worker};
 use crate::ports::{Clock, DeadLetterStore, Inbox};
 use crate::tracker::{PendingRetry, Tracker};
 use crate::{Dispatcher, Error, Registry, Stats, TimerActor};
@@ -109,14 +109,23 @@ impl Engine {
                     } else {
                         workers.iter().map(Arbiter::handle).collect()
                     };
+                    let workers = arbiters
+                        .iter()
+                        .map(|_| {
+                            Arc::new(Worker {
+                                registry: parts.registry.replicate(),
+                                inbox: Arc::clone(&parts.inbox),
+                                dead_letters: Arc::clone(&parts.dead_letters),
+                            })
+                        })
+                        .collect();
                     let shared = Shared {
-                        registry: Arc::new(parts.registry),
+                        workers,
                         inbox: parts.inbox,
-                        dead_letters: parts.dead_letters,
                         clock: parts.clock,
                         timer,
-                        tracker: Tracker::default(),
-                        stats: Arc::new(Stats::default()),
+                        tracker: Tracker::new(arbiters.len()),
+                        stats: Arc::new(Stats::new(arbiters.len() + 1)),
                         capacity: Capacity::new(config.max_in_flight),
                         arbiters,
                         next_arbiter: AtomicUsize::new(0),

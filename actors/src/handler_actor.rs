@@ -92,7 +92,8 @@ impl Actor for HandlerActor {
 
     fn started(&mut self, ctx: &mut Context<Self>) {
         let invoke = &self.route.handlers()[self.index].invoke;
-        let mut call = invoke(self.message.clone(), self.context.clone());
+        let mut call =
+            invoke(Arc::clone(&self.route), self.index, self.message.clone(), self.context.clone());
         // Many handlers finish without waiting on anything: poll once here, and arm the
         // timeout and the actor's future machinery only for those that have to wait.
         let first = {

@@ -5,14 +5,21 @@ use std::time::Duration;
 use futures::FutureExt;
 use futures::future::BoxFuture;
 
-use crate::{Handler, HandlerError, Message, MessageContext, RetryPolicy};
+use crate::{Handler, HandlerError, Message, MessageContext, RetryPolicy, Route};
 
 /// A decoded message, shared by every handler of one delivery.
 pub type Decoded = Arc<dyn Any + Send + Sync>;
 
-/// A type-erased handler call: what a [`HandlerActor`](crate::HandlerActor) runs.
-pub type Invoke =
-    Arc<dyn Fn(Decoded, MessageContext) -> BoxFuture<'static, Result<(), HandlerError>> + Send + Sync>;
+/// A type-erased handler call: what a [`HandlerActor`](crate::HandlerActor) runs for the
+/// handler at `index` in the route, with the decoded message and its context.
+///
+/// The call reaches its handler through the route rather than through a handle of its own,
+/// so that running a handler touches no reference count shared between worker threads.
+pub type Invoke = Arc<
+    dyn Fn(Arc<Route>, usize, Decoded, MessageContext) -> BoxFuture<'static, Result<(), HandlerError>>
+        + Send
+        + Sync,
+>;
 
 /// Turns a payload into a [`Decoded`] message of the registered type.
 pub(crate) type Decode = fn(&[u8]) -> Result<Decoded, serde_json::Error>;
@@ -41,6 +48,8 @@ pub struct HandlerEntry {
     pub message_type: &'static str,
     /// Runs the handler.
     pub invoke: Invoke,
+    /// The handler itself, as registered.
+    pub(crate) handler: Arc<dyn Any + Send + Sync>,
     /// The module's retry policy, if it set one.
     pub module_policy: Option<RetryPolicy>,
     /// The module's handler timeout, if it set one.
@@ -131,10 +140,12 @@ impl Module {
         name: impl Into<Arc<str>>,
         handler: H,
     ) -> Self {
-        let handler = Arc::new(handler);
-        let invoke: Invoke = Arc::new(move |decoded: Decoded, context: MessageContext| {
-            let handler = Arc::clone(&handler);
+        let invoke: Invoke = Arc::new(|route: Arc<Route>, index, decoded: Decoded, context| {
             async move {
+                let handler = route.handlers()[index]
+                    .handler
+                    .downcast_ref::<H>()
+                    .ok_or_else(|| HandlerError::permanent("registered handler has the wrong type"))?;
                 let message = decoded
                     .downcast_ref::<M>()
                     .ok_or_else(|| HandlerError::permanent("decoded message has the wrong type"))?;
@@ -146,6 +157,7 @@ impl Module {
             id: HandlerId { module: Arc::clone(&self.name), name: name.into() },
             message_type: M::TYPE,
             invoke,
+            handler: Arc::new(handler),
             module_policy: self.policy,
             module_timeout: self.timeout,
             decode: decode::<M>,

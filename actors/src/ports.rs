@@ -41,6 +41,20 @@ pub trait Inbox: Send + Sync + 'static {
     ///
     /// [`Error::Store`] when the store cannot record it.
     async fn forget(&self, id: Uuid) -> Result<(), Error>;
+
+    /// [`receive`](Inbox::receive) for stores that answer without waiting (in memory): `None`
+    /// means "ask the async method". The engine tries it first to spare a future per envelope.
+    fn receive_now(&self, envelope: &Envelope) -> Option<Result<Receipt, Error>> {
+        let _ = envelope;
+        None
+    }
+
+    /// [`mark_handled`](Inbox::mark_handled) for stores that answer without waiting; `None`
+    /// means "ask the async method".
+    fn mark_handled_now(&self, id: Uuid) -> Option<Result<(), Error>> {
+        let _ = id;
+        None
+    }
 }
 
 /// Keeps messages the runtime gave up on.

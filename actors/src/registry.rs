@@ -6,7 +6,7 @@ use crate::module::Decode;
 use crate::{AggregateError, Decoded, HandlerEntry, HandlerId, Invoke, Module, RetryPolicy};
 
 /// Every handler of one message type, and how to decode its payload.
-#[derive(Debug)]
+#[derive(Clone, Debug)]
 pub struct Route {
     message_type: &'static str,
     decode: Decode,
@@ -141,6 +141,16 @@ impl Registry {
             }
         }
         found
+    }
+
+    /// A copy for one worker thread: the same handlers behind routes of its own, so that the
+    /// reference counts a delivery touches are not shared with other workers.
+    pub(crate) fn replicate(&self) -> Self {
+        Self {
+            routes: self.routes.iter().map(|(k, v)| (*k, Arc::new(Route::clone(v)))).collect(),
+            default_policy: self.default_policy,
+            handler_timeout: self.handler_timeout,
+        }
     }
 
     /// Every registered handler.

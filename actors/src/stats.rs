@@ -1,22 +1,14 @@
 use std::sync::atomic::{AtomicU64, Ordering};
 
-/// A counter on its own cache line: the publishing thread and every worker bump counters, and
-/// sharing a line would make them wait on each other.
+/// A counter on its own cache line.
 #[derive(Debug, Default)]
 #[repr(align(64))]
 struct Cell(AtomicU64);
 
-impl std::ops::Deref for Cell {
-    type Target = AtomicU64;
-
-    fn deref(&self) -> &AtomicU64 {
-        &self.0
-    }
-}
-
-/// Counters of what the engine did since it started.
+/// One writer's counters. Each worker thread, and the dispatching side, has its own set, so
+/// that counting never makes two threads fight over a cache line.
 #[derive(Debug, Default)]
-pub struct Stats {
+pub(crate) struct Counters {
     received: Cell,
     attempts: Cell,
     handled: Cell,
@@ -24,6 +16,12 @@ pub struct Stats {
     dead_lettered: Cell,
     deduplicated: Cell,
     discarded: Cell,
+}
+
+/// Counters of what the engine did since it started.
+#[derive(Debug)]
+pub struct Stats {
+    writers: Box<[Counters]>,
 }
 
 /// A copy of the counters at one moment.
@@ -57,7 +55,7 @@ pub(crate) enum Counter {
     Discarded,
 }
 
-impl Stats {
+impl Counters {
     pub(crate) fn bump(&self, counter: Counter) {
         let cell = match counter {
             Counter::Received => &self.received,
@@ -68,20 +66,35 @@ impl Stats {
             Counter::Deduplicated => &self.deduplicated,
             Counter::Discarded => &self.discarded,
         };
-        cell.fetch_add(1, Ordering::Relaxed);
+        // Only this writer's thread adds to it: a plain load and store would do, but
+        // cascaded messages are dispatched from workers too, so keep it atomic.
+        cell.0.fetch_add(1, Ordering::Relaxed);
+    }
+}
+
+impl Stats {
+    pub(crate) fn new(writers: usize) -> Self {
+        Self { writers: (0..writers.max(1)).map(|_| Counters::default()).collect() }
     }
 
-    /// Reads every counter.
+    /// The counters of writer `index`.
+    pub(crate) fn writer(&self, index: usize) -> &Counters {
+        &self.writers[index % self.writers.len()]
+    }
+
+    /// Adds up every writer's counters.
     pub fn snapshot(&self) -> StatsSnapshot {
-        let read = |c: &Cell| c.load(Ordering::Relaxed);
-        StatsSnapshot {
-            received: read(&self.received),
-            attempts: read(&self.attempts),
-            handled: read(&self.handled),
-            retried: read(&self.retried),
-            dead_lettered: read(&self.dead_lettered),
-            deduplicated: read(&self.deduplicated),
-            discarded: read(&self.discarded),
+        let mut total = StatsSnapshot::default();
+        for w in self.writers.iter() {
+            let read = |c: &Cell| c.0.load(Ordering::Relaxed);
+            total.received += read(&w.received);
+            total.attempts += read(&w.attempts);
+            total.handled += read(&w.handled);
+            total.retried += read(&w.retried);
+            total.dead_lettered += read(&w.dead_lettered);
+            total.deduplicated += read(&w.deduplicated);
+            total.discarded += read(&w.discarded);
         }
+        total
     }
 }

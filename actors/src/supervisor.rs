@@ -3,7 +3,6 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use actix::{Actor, ActorContext, ActorFutureExt, AsyncContext, Context, WrapFuture};
-use futures::FutureExt;
 use chrono::{DateTime, Utc};
 use tokio::sync::oneshot;
 
@@ -17,7 +16,7 @@ use crate::handler_actor::HandlerFinished;
 use crate::report::DiscardReason;
 use crate::stats::Counter;
 use crate::timer::{RetryDue, Schedule};
-use crate::tracker::PendingRetry;
+use crate::tracker::{PendingRetry, Ticket};
 use crate::{
     AggregateError, ContextActor, DeadLetter, DeadLetterReason, Decoded, DeliveryReport,
     Dispatcher, Envelope, Error, HandlerActor, HandlerFailure, HandlerId, Outcome, RetryDecision,
@@ -29,7 +28,10 @@ use crate::{
 /// before a retry, and dead-letters what the policy gives up on.
 pub struct DeliverySupervisor {
     dispatcher: Dispatcher,
-    seq: u64,
+    /// The worker (arbiter) this delivery runs on.
+    worker: usize,
+    /// Set once the supervisor runs on its worker.
+    ticket: Option<Ticket>,
     envelope: Envelope,
     route: Option<Arc<Route>>,
     message: Option<Decoded>,
@@ -62,7 +64,7 @@ impl std::fmt::Debug for DeliverySupervisor {
 impl DeliverySupervisor {
     pub(crate) fn new(
         dispatcher: Dispatcher,
-        seq: u64,
+        worker: usize,
         envelope: Envelope,
         permit: Slot,
         reply: Option<oneshot::Sender<DeliveryReport>>,
@@ -80,7 +82,8 @@ impl DeliverySupervisor {
         );
         Self {
             dispatcher,
-            seq,
+            worker,
+            ticket: None,
             envelope,
             route: None,
             message: None,
@@ -112,10 +115,10 @@ impl DeliverySupervisor {
         let (Some(route), Some(message)) = (self.route.clone(), self.message.clone()) else {
             return;
         };
-        let shared = Arc::clone(&self.dispatcher.shared);
+        let shared = &*self.dispatcher.shared;
         self.envelope.attempts += 1;
         let attempt = self.envelope.attempts;
-        shared.stats.bump(Counter::Attempts);
+        shared.stats.writer(self.worker).bump(Counter::Attempts);
         if attempt > 1 {
             self.retry_offsets.push(self.started_at.elapsed());
         }
@@ -146,7 +149,7 @@ impl DeliverySupervisor {
                 index,
                 message.clone(),
                 handle,
-                shared.registry.timeout_of(entry),
+                shared.workers[self.worker].registry.timeout_of(entry),
                 me.clone(),
                 span,
             )
@@ -192,20 +195,21 @@ impl DeliverySupervisor {
         tracing::warn!(parent: &self.span, error = %failure, "attempt failed");
         let now = self.now();
         self.first_failure_at.get_or_insert(now);
-        let shared = Arc::clone(&self.dispatcher.shared);
+        let shared = &*self.dispatcher.shared;
         let Some(route) = self.route.clone() else { return };
-        let policy = shared.registry.policy_for(&route, &failure);
+        let policy = shared.workers[self.worker].registry.policy_for(&route, &failure);
         let decision = policy.decide(failure.attempt, &failure);
         self.failures.push(failure);
         match decision {
             RetryDecision::RetryIn(delay) => {
-                shared.stats.bump(Counter::Retried);
+                shared.stats.writer(self.worker).bump(Counter::Retried);
                 let due_at = now + chrono::Duration::from_std(delay).unwrap_or(chrono::TimeDelta::MAX);
                 tracing::info!(parent: &self.span, ?delay, "retry scheduled");
-                shared.tracker.cooling(
-                    self.seq,
-                    PendingRetry { envelope: self.envelope.clone(), due_at, failures: self.failures.clone() },
-                );
+                if let Some(ticket) = self.ticket {
+                    let pending =
+                        PendingRetry { envelope: self.envelope.clone(), due_at, failures: self.failures.clone() };
+                    shared.tracker.cooling(ticket, pending);
+                }
                 shared.timer.do_send(Schedule { delay, target: ctx.address().recipient() });
             }
             RetryDecision::DeadLetter { exhausted } => {
@@ -223,38 +227,38 @@ impl DeliverySupervisor {
     }
 
     fn succeed(&mut self, ctx: &mut Context<Self>) {
-        let shared = Arc::clone(&self.dispatcher.shared);
+        let worker = &self.dispatcher.shared.workers[self.worker];
         let id = self.envelope.id;
-        let mut work =
-            Box::pin(async move { persist("mark handled", id, || shared.inbox.mark_handled(id)).await });
         // An in-memory inbox answers at once; only a store that waits needs the actor future.
-        if work.as_mut().now_or_never().is_some() {
+        if let Some(Ok(())) = worker.inbox.mark_handled_now(id) {
             self.handled(ctx);
             return;
         }
+        let worker = Arc::clone(worker);
+        let work = async move { persist("mark handled", id, || worker.inbox.mark_handled(id)).await };
         ctx.spawn(work.into_actor(self).map(|(), actor, ctx| actor.handled(ctx)));
     }
 
     fn handled(&mut self, ctx: &mut Context<Self>) {
         let cascaded = std::mem::take(&mut self.cascaded);
-        self.dispatcher.shared.stats.bump(Counter::Handled);
+        self.dispatcher.shared.stats.writer(self.worker).bump(Counter::Handled);
         tracing::info!(parent: &self.span, cascaded = cascaded.len(), "delivery handled");
         self.dispatcher.forward(cascaded.clone());
         self.settle(Outcome::Handled, cascaded, ctx);
     }
 
     fn dead_letter(&mut self, dead_letter: DeadLetter, ctx: &mut Context<Self>) {
-        let shared = Arc::clone(&self.dispatcher.shared);
+        let worker = Arc::clone(&self.dispatcher.shared.workers[self.worker]);
         let id = self.envelope.id;
         let reason = dead_letter.reason.clone();
         tracing::error!(parent: &self.span, %reason, "message dead-lettered");
         let work = async move {
-            persist("dead letter", id, || shared.dead_letters.put(dead_letter.clone())).await;
+            persist("dead letter", id, || worker.dead_letters.put(dead_letter.clone())).await;
             // Settled: a redelivery within the retention is discarded; a replay forgets it first.
-            persist("mark handled", id, || shared.inbox.mark_handled(id)).await;
+            persist("mark handled", id, || worker.inbox.mark_handled(id)).await;
         };
         ctx.spawn(work.into_actor(self).map(move |(), actor, ctx| {
-            actor.dispatcher.shared.stats.bump(Counter::DeadLettered);
+            actor.dispatcher.shared.stats.writer(actor.worker).bump(Counter::DeadLettered);
             actor.settle(Outcome::DeadLettered(reason), Vec::new(), ctx);
         }));
     }
@@ -276,7 +280,10 @@ impl DeliverySupervisor {
             });
         }
         self.permit.take();
-        self.dispatcher.shared.tracker.finish(self.seq);
+        match self.ticket {
+            Some(ticket) => self.dispatcher.shared.tracker.finish(ticket),
+            None => self.dispatcher.shared.tracker.release(),
+        }
         ctx.stop();
     }
 }
@@ -308,17 +315,19 @@ impl Actor for DeliverySupervisor {
         // Read on the engine's own clock (virtual under the harness), not the dispatching
         // caller's.
         self.started_at = Instant::now();
-        let shared = Arc::clone(&self.dispatcher.shared);
+        let shared = &*self.dispatcher.shared;
+        self.ticket = Some(shared.tracker.supervise(self.worker, self.envelope.id));
         let size = self.envelope.size();
         let rejected = if size > shared.max_envelope_size {
             Some(DeadLetterReason::TooLarge { size, limit: shared.max_envelope_size })
         } else {
-            match shared.registry.route(&self.envelope.message_type) {
+            match shared.workers[self.worker].registry.route(&self.envelope.message_type) {
                 None if shared.unknown_message_types == UnknownMessageTypes::Discard => {
                     tracing::warn!(parent: &self.span, "no handler for this message type; discarded");
-                    shared.stats.bump(Counter::Discarded);
+                    shared.stats.writer(self.worker).bump(Counter::Discarded);
                     let id = self.envelope.id;
-                    let work = async move { persist("mark handled", id, || shared.inbox.mark_handled(id)).await };
+                    let worker = Arc::clone(&shared.workers[self.worker]);
+                    let work = async move { persist("mark handled", id, || worker.inbox.mark_handled(id)).await };
                     ctx.spawn(work.into_actor(self).map(|(), actor, ctx| {
                         actor.settle(Outcome::Discarded(DiscardReason::NoHandler), Vec::new(), ctx);
                     }));
@@ -363,7 +372,7 @@ impl actix::Handler<RetryDue> for DeliverySupervisor {
     type Result = ();
 
     fn handle(&mut self, _: RetryDue, ctx: &mut Context<Self>) {
-        if self.dispatcher.shared.tracker.resume(self.seq) {
+        if self.ticket.is_some_and(|ticket| self.dispatcher.shared.tracker.resume(ticket)) {
             self.start_attempt(ctx);
         } else {
             // Handed back by a shutdown while cooling down: the report owns it now.

@@ -1,5 +1,5 @@
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Mutex, MutexGuard};
 
 use chrono::{DateTime, Utc};
@@ -22,92 +22,114 @@ pub struct PendingRetry {
 
 #[derive(Debug)]
 enum Live {
-    /// Accepted, waiting for capacity or running its handlers.
+    /// Running its handlers.
     Active(Uuid),
     Cooling(Box<PendingRetry>),
 }
 
-/// Deliveries are spread over shards so that the publishing thread and the workers rarely
-/// wait for the same lock.
-const SHARDS: usize = 16;
+/// The deliveries one worker supervises. Only that worker's thread touches it while the
+/// engine runs, so its lock is never contended on the hot path.
+#[derive(Debug, Default)]
+struct Supervised {
+    next: u64,
+    live: HashMap<u64, Live, foldhash::fast::RandomState>,
+}
 
-/// Knows every delivery the engine accepted and has not settled, so a shutdown can drain the
+/// One unsettled delivery in [`Tracker::counts`]; active ones add 1 as well.
+const LIVE: u64 = 1 << 32;
+const ACTIVE: u64 = LIVE - 1;
+
+/// Which delivery a worker supervises.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Ticket {
+    worker: usize,
+    seq: u64,
+}
+
+/// Counts every delivery the engine accepted and has not settled, so a shutdown can drain the
 /// active ones and hand back those cooling down.
 #[derive(Debug)]
 pub(crate) struct Tracker {
     closing: AtomicBool,
-    next: AtomicU64,
-    active: AtomicUsize,
-    live: AtomicUsize,
-    shards: [Mutex<HashMap<u64, Live, foldhash::fast::RandomState>>; SHARDS],
+    /// Deliveries not settled (high 32 bits) and, among them, those active (low 32 bits), in
+    /// one word so that admitting or settling a delivery is a single atomic operation.
+    counts: AtomicU64,
+    workers: Box<[Mutex<Supervised>]>,
     changed: Notify,
 }
 
-impl Default for Tracker {
-    fn default() -> Self {
+impl Tracker {
+    pub(crate) fn new(workers: usize) -> Self {
         Self {
             closing: AtomicBool::new(false),
-            next: AtomicU64::new(0),
-            active: AtomicUsize::new(0),
-            live: AtomicUsize::new(0),
-            shards: std::array::from_fn(|_| Mutex::default()),
+            counts: AtomicU64::new(0),
+            workers: (0..workers.max(1)).map(|_| Mutex::default()).collect(),
             changed: Notify::new(),
         }
     }
-}
 
-impl Tracker {
-    fn shard(&self, seq: u64) -> MutexGuard<'_, HashMap<u64, Live, foldhash::fast::RandomState>> {
+    fn worker(&self, worker: usize) -> MutexGuard<'_, Supervised> {
         // A poisoned lock only means another thread panicked while holding it; the map itself
         // is always left consistent, so keep going rather than take the runtime down.
-        self.shards[seq as usize % SHARDS].lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+        self.workers[worker % self.workers.len()].lock().unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 
-    fn leave(counter: &AtomicUsize, changed: &Notify) {
-        if counter.fetch_sub(1, Ordering::AcqRel) == 1 {
-            changed.notify_waiters();
+    /// Subtracts `delta` from the packed counts, waking waiters when either count hits zero.
+    fn leave(&self, delta: u64) {
+        let before = self.counts.fetch_sub(delta, Ordering::AcqRel);
+        let after = before - delta;
+        if (after & ACTIVE == 0 && before & ACTIVE != 0) || (after >> 32 == 0 && before >> 32 != 0) {
+            self.changed.notify_waiters();
         }
     }
 
-    /// Accepts a delivery; refuses new external work once closing. Cascaded messages of
+    /// Counts a delivery in; refuses new external work once closing. Cascaded messages of
     /// deliveries being drained are still accepted, since they are part of that work.
-    pub(crate) fn admit(&self, id: Uuid, external: bool) -> Option<u64> {
+    pub(crate) fn admit(&self, external: bool) -> bool {
         if external && self.closing.load(Ordering::Acquire) {
-            return None;
+            return false;
         }
-        let seq = self.next.fetch_add(1, Ordering::Relaxed);
-        self.live.fetch_add(1, Ordering::AcqRel);
-        self.active.fetch_add(1, Ordering::AcqRel);
-        self.shard(seq).insert(seq, Live::Active(id));
-        Some(seq)
+        self.counts.fetch_add(LIVE + 1, Ordering::AcqRel);
+        true
     }
 
-    pub(crate) fn cooling(&self, seq: u64, pending: PendingRetry) {
-        let previous = self.shard(seq).insert(seq, Live::Cooling(Box::new(pending)));
+    /// Counts out an admitted delivery that never reached a supervisor.
+    pub(crate) fn release(&self) {
+        self.leave(LIVE + 1);
+    }
+
+    /// Records that `worker` supervises the admitted delivery of envelope `id`.
+    pub(crate) fn supervise(&self, worker: usize, id: Uuid) -> Ticket {
+        let mut supervised = self.worker(worker);
+        supervised.next += 1;
+        let seq = supervised.next;
+        supervised.live.insert(seq, Live::Active(id));
+        Ticket { worker, seq }
+    }
+
+    pub(crate) fn cooling(&self, ticket: Ticket, pending: PendingRetry) {
+        let previous = self.worker(ticket.worker).live.insert(ticket.seq, Live::Cooling(Box::new(pending)));
         if matches!(previous, Some(Live::Active(_))) {
-            Self::leave(&self.active, &self.changed);
+            self.leave(1);
         }
     }
 
     /// Marks a cooled-down delivery active again; false if a shutdown took it back meanwhile.
-    pub(crate) fn resume(&self, seq: u64) -> bool {
-        let mut shard = self.shard(seq);
-        let Some(live) = shard.get_mut(&seq) else { return false };
+    pub(crate) fn resume(&self, ticket: Ticket) -> bool {
+        let mut supervised = self.worker(ticket.worker);
+        let Some(live) = supervised.live.get_mut(&ticket.seq) else { return false };
         if let Live::Cooling(pending) = &*live {
             *live = Live::Active(pending.envelope.id);
-            self.active.fetch_add(1, Ordering::AcqRel);
+            self.counts.fetch_add(1, Ordering::AcqRel);
         }
         true
     }
 
-    pub(crate) fn finish(&self, seq: u64) {
-        let removed = self.shard(seq).remove(&seq);
+    pub(crate) fn finish(&self, ticket: Ticket) {
+        let removed = self.worker(ticket.worker).live.remove(&ticket.seq);
         match removed {
-            Some(Live::Active(_)) => {
-                Self::leave(&self.active, &self.changed);
-                Self::leave(&self.live, &self.changed);
-            }
-            Some(Live::Cooling(_)) => Self::leave(&self.live, &self.changed),
+            Some(Live::Active(_)) => self.leave(LIVE + 1),
+            Some(Live::Cooling(_)) => self.leave(LIVE),
             None => {}
         }
     }
@@ -116,12 +138,12 @@ impl Tracker {
         self.closing.store(true, Ordering::Release);
     }
 
-    async fn wait_until_zero(&self, counter: &AtomicUsize) {
+    async fn wait_until_zero(&self, mask: u64) {
         loop {
             let notified = self.changed.notified();
             tokio::pin!(notified);
             notified.as_mut().enable();
-            if counter.load(Ordering::Acquire) == 0 {
+            if self.counts.load(Ordering::Acquire) & mask == 0 {
                 return;
             }
             notified.await;
@@ -134,7 +156,7 @@ impl Tracker {
     ///
     /// Cancel safe: it only observes.
     pub(crate) async fn drained(&self) {
-        self.wait_until_zero(&self.active).await;
+        self.wait_until_zero(ACTIVE).await;
     }
 
     /// Waits until every accepted delivery has settled, cooling ones included.
@@ -143,14 +165,15 @@ impl Tracker {
     ///
     /// Cancel safe: it only observes.
     pub(crate) async fn settled(&self) {
-        self.wait_until_zero(&self.live).await;
+        self.wait_until_zero(!0).await;
     }
 
-    /// Ids of the deliveries still active.
+    /// Ids of the deliveries whose handlers are still running.
     pub(crate) fn still_active(&self) -> Vec<Uuid> {
-        (0..SHARDS as u64)
-            .flat_map(|shard| {
-                self.shard(shard)
+        (0..self.workers.len())
+            .flat_map(|worker| {
+                self.worker(worker)
+                    .live
                     .values()
                     .filter_map(|l| match l {
                         Live::Active(id) => Some(*id),
@@ -164,14 +187,18 @@ impl Tracker {
     /// Takes back every delivery waiting for a cooldown.
     pub(crate) fn take_cooling(&self) -> Vec<PendingRetry> {
         let mut pending = Vec::new();
-        for shard in 0..SHARDS as u64 {
-            let mut shard = self.shard(shard);
-            let cooling: Vec<u64> =
-                shard.iter().filter(|(_, l)| matches!(l, Live::Cooling(_))).map(|(seq, _)| *seq).collect();
+        for worker in 0..self.workers.len() {
+            let mut supervised = self.worker(worker);
+            let cooling: Vec<u64> = supervised
+                .live
+                .iter()
+                .filter(|(_, l)| matches!(l, Live::Cooling(_)))
+                .map(|(seq, _)| *seq)
+                .collect();
             for seq in cooling {
-                if let Some(Live::Cooling(p)) = shard.remove(&seq) {
+                if let Some(Live::Cooling(p)) = supervised.live.remove(&seq) {
                     pending.push(*p);
-                    Self::leave(&self.live, &self.changed);
+                    self.leave(LIVE);
                 }
             }
         }

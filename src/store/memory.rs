@@ -56,6 +56,23 @@ impl MemoryInbox {
         lock(&self.shards[id.as_u128() as usize % SHARDS])
     }
 
+    fn record(&self, id: Uuid) -> Receipt {
+        let mut state = self.shard(id);
+        self.expire(&mut state);
+        if state.known.contains_key(&id) {
+            return Receipt::Duplicate;
+        }
+        state.known.insert(id, None);
+        Receipt::New
+    }
+
+    fn settle(&self, id: Uuid) {
+        let now = self.clock.now();
+        let mut state = self.shard(id);
+        state.known.insert(id, Some(now));
+        state.settled.push_back((now, id));
+    }
+
     fn expire(&self, state: &mut InboxState) {
         if state.settled.is_empty() {
             return;
@@ -77,21 +94,21 @@ impl MemoryInbox {
 #[async_trait]
 impl Inbox for MemoryInbox {
     async fn receive(&self, envelope: &Envelope) -> Result<Receipt, Error> {
-        let mut state = self.shard(envelope.id);
-        self.expire(&mut state);
-        if state.known.contains_key(&envelope.id) {
-            return Ok(Receipt::Duplicate);
-        }
-        state.known.insert(envelope.id, None);
-        Ok(Receipt::New)
+        Ok(self.record(envelope.id))
     }
 
     async fn mark_handled(&self, id: Uuid) -> Result<(), Error> {
-        let now = self.clock.now();
-        let mut state = self.shard(id);
-        state.known.insert(id, Some(now));
-        state.settled.push_back((now, id));
+        self.settle(id);
         Ok(())
+    }
+
+    fn receive_now(&self, envelope: &Envelope) -> Option<Result<Receipt, Error>> {
+        Some(Ok(self.record(envelope.id)))
+    }
+
+    fn mark_handled_now(&self, id: Uuid) -> Option<Result<(), Error>> {
+        self.settle(id);
+        Some(Ok(()))
     }
 
     async fn forget(&self, id: Uuid) -> Result<(), Error> {

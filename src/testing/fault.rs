@@ -107,7 +107,7 @@ impl Fault {
 
     pub(crate) fn wrap(self, inner: Invoke) -> Invoke {
         let fault = Arc::new(self);
-        Arc::new(move |decoded: Decoded, context: MessageContext| {
+        Arc::new(move |route, index, decoded: Decoded, context: MessageContext| {
             let fault = Arc::clone(&fault);
             let inner = Arc::clone(&inner);
             async move {
@@ -124,7 +124,7 @@ impl Fault {
                         Effect::Hang => futures::future::pending::<()>().await,
                     }
                 }
-                inner(decoded, context).await
+                inner(route, index, decoded, context).await
             }
             .boxed()
         })
