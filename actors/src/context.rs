@@ -1,9 +1,10 @@
 use std::collections::BTreeMap;
 use std::sync::{Arc, OnceLock};
 
-use actix::{Actor, Addr, ArbiterHandle, Context};
+use actix::{Actor, Addr, Context};
 use uuid::Uuid;
 
+use crate::dispatcher::Worker;
 use crate::{Envelope, Error, HandlerId, Message, Route};
 
 /// What one attempt at one delivery knows about its message.
@@ -17,8 +18,8 @@ pub(crate) struct Scope {
     pub(crate) deduplication_id: Option<String>,
     pub(crate) headers: BTreeMap<String, String>,
     pub(crate) max_envelope_size: usize,
-    /// The supervisor's arbiter, where the context actor runs.
-    arbiter: ArbiterHandle,
+    /// The supervisor's worker, on whose arbiter the context actor runs.
+    worker: Arc<Worker>,
     /// Started on the first cascade: most attempts cascade nothing and need no actor.
     actor: OnceLock<Addr<ContextActor>>,
 }
@@ -28,7 +29,7 @@ impl Scope {
         envelope: &Envelope,
         attempt: u32,
         max_envelope_size: usize,
-        arbiter: ArbiterHandle,
+        worker: Arc<Worker>,
     ) -> Self {
         Self {
             message_id: envelope.id,
@@ -39,7 +40,7 @@ impl Scope {
             deduplication_id: envelope.deduplication_id.clone(),
             headers: envelope.headers.clone(),
             max_envelope_size,
-            arbiter,
+            worker,
             actor: OnceLock::new(),
         }
     }
@@ -52,7 +53,7 @@ impl Scope {
     fn actor_or_start(&self) -> &Addr<ContextActor> {
         let message_id = self.message_id;
         self.actor.get_or_init(|| {
-            ContextActor::start_in_arbiter(&self.arbiter, move |_| ContextActor::new(message_id))
+            ContextActor::start_in_arbiter(&self.worker.arbiter, move |_| ContextActor::new(message_id))
         })
     }
 }

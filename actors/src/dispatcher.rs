@@ -43,9 +43,16 @@ pub(crate) struct Shared {
 
 /// One worker's own handles on the routes and the stores.
 pub(crate) struct Worker {
+    pub(crate) arbiter: ArbiterHandle,
     pub(crate) registry: Registry,
     pub(crate) inbox: Arc<dyn Inbox>,
     pub(crate) dead_letters: Arc<dyn DeadLetterStore>,
+}
+
+impl std::fmt::Debug for Worker {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Worker").field("registry", &self.registry).finish_non_exhaustive()
+    }
 }
 
 /// The entry point of received envelopes: it asks the inbox, waits for capacity, and starts a
@@ -147,8 +154,11 @@ impl Dispatcher {
             return Ok(());
         }
         let worker = shared.next_arbiter.fetch_add(1, Ordering::Relaxed) % shared.arbiters.len();
-        let supervisor = DeliverySupervisor::new(self.clone(), worker, envelope, permit, reply);
-        DeliverySupervisor::start_in_arbiter(&shared.arbiters[worker], move |_| supervisor);
+        let dispatcher = self.clone();
+        // Built on its worker: only the parts travel, not the whole supervisor.
+        DeliverySupervisor::start_in_arbiter(&shared.arbiters[worker], move |_| {
+            DeliverySupervisor::new(dispatcher, worker, envelope, permit, reply)
+        });
         Ok(())
     }
 

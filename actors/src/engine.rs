@@ -111,8 +111,9 @@ impl Engine {
                     };
                     let workers = arbiters
                         .iter()
-                        .map(|_| {
+                        .map(|arbiter| {
                             Arc::new(Worker {
+                                arbiter: arbiter.clone(),
                                 registry: parts.registry.replicate(),
                                 inbox: Arc::clone(&parts.inbox),
                                 dead_letters: Arc::clone(&parts.dead_letters),

@@ -130,19 +130,24 @@ impl DeliverySupervisor {
             &self.envelope,
             attempt,
             shared.max_envelope_size,
-            actix::Arbiter::current(),
+            Arc::clone(&shared.workers[self.worker]),
         ));
         self.scope = Some(Arc::clone(&scope));
         self.pending = route.handlers().len();
         let me = ctx.address();
         for (index, entry) in route.handlers().iter().enumerate() {
-            let span = tracing::info_span!(
-                parent: &self.span,
-                "reprise.handler",
-                reprise.module = %entry.id.module,
-                reprise.handler = %entry.id.name,
-                reprise.attempt = attempt,
-            );
+            // Nobody listens to the delivery's span, so nobody would listen to its children.
+            let span = if self.span.is_disabled() {
+                tracing::Span::none()
+            } else {
+                tracing::info_span!(
+                    parent: &self.span,
+                    "reprise.handler",
+                    reprise.module = %entry.id.module,
+                    reprise.handler = %entry.id.name,
+                    reprise.attempt = attempt,
+                )
+            };
             let handle = ContextActor::handle_for(Arc::clone(&scope), Arc::clone(&route), index);
             HandlerActor::new(
                 Arc::clone(&route),
