@@ -69,17 +69,23 @@ impl DeliverySupervisor {
         permit: Slot,
         reply: Option<oneshot::Sender<DeliveryReport>>,
     ) -> Self {
-        let span = tracing::info_span!(
-            parent: None,
-            "reprise.delivery",
-            messaging.system = "reprise",
-            messaging.operation.type = "process",
-            messaging.message.id = %envelope.id,
-            messaging.message.conversation_id = envelope.correlation_id.map(tracing::field::display),
-            reprise.message_type = %envelope.message_type,
-            reprise.deduplication_id = envelope.deduplication_id.as_deref(),
-            reprise.attempt = Empty,
-        );
+        // Without a subscriber that wants INFO, even a disabled span costs a little per
+        // delivery; skip building it.
+        let span = if tracing::level_enabled!(tracing::Level::INFO) {
+            tracing::info_span!(
+                parent: None,
+                "reprise.delivery",
+                messaging.system = "reprise",
+                messaging.operation.type = "process",
+                messaging.message.id = %envelope.id,
+                messaging.message.conversation_id = envelope.correlation_id.map(tracing::field::display),
+                reprise.message_type = %envelope.message_type,
+                reprise.deduplication_id = envelope.deduplication_id.as_deref(),
+                reprise.attempt = Empty,
+            )
+        } else {
+            tracing::Span::none()
+        };
         Self {
             dispatcher,
             worker,

@@ -1,4 +1,3 @@
-use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Mutex, MutexGuard};
 
@@ -27,12 +26,54 @@ enum Live {
     Cooling(Box<PendingRetry>),
 }
 
-/// The deliveries one worker supervises. Only that worker's thread touches it while the
-/// engine runs, so its lock is never contended on the hot path.
+/// The deliveries one worker supervises, in slots reused as deliveries settle. Only that
+/// worker's thread touches it while the engine runs, so its lock is never contended on the
+/// hot path.
 #[derive(Debug, Default)]
 struct Supervised {
-    next: u64,
-    live: HashMap<u64, Live, foldhash::fast::RandomState>,
+    /// Each occupied slot carries the generation it was taken in, so a ticket of a settled
+    /// delivery never reaches the delivery that reused its slot.
+    slots: Vec<Option<(u64, Live)>>,
+    free: Vec<usize>,
+    generation: u64,
+}
+
+impl Supervised {
+    fn insert(&mut self, live: Live) -> (usize, u64) {
+        self.generation += 1;
+        let entry = Some((self.generation, live));
+        let slot = match self.free.pop() {
+            Some(slot) => {
+                self.slots[slot] = entry;
+                slot
+            }
+            None => {
+                self.slots.push(entry);
+                self.slots.len() - 1
+            }
+        };
+        (slot, self.generation)
+    }
+
+    fn get_mut(&mut self, ticket: Ticket) -> Option<&mut Live> {
+        match self.slots.get_mut(ticket.slot) {
+            Some(Some((generation, live))) if *generation == ticket.generation => Some(live),
+            _ => None,
+        }
+    }
+
+    fn remove(&mut self, ticket: Ticket) -> Option<Live> {
+        self.get_mut(ticket)?;
+        let (_, live) = self.slots[ticket.slot].take()?;
+        self.free.push(ticket.slot);
+        Some(live)
+    }
+
+    fn live(&self, worker: usize) -> impl Iterator<Item = (Ticket, &Live)> {
+        self.slots.iter().enumerate().filter_map(move |(slot, entry)| {
+            entry.as_ref().map(|(generation, live)| (Ticket { worker, slot, generation: *generation }, live))
+        })
+    }
 }
 
 /// One unsettled delivery in [`Tracker::counts`]; active ones add 1 as well.
@@ -43,7 +84,8 @@ const ACTIVE: u64 = LIVE - 1;
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct Ticket {
     worker: usize,
-    seq: u64,
+    slot: usize,
+    generation: u64,
 }
 
 /// Counts every delivery the engine accepted and has not settled, so a shutdown can drain the
@@ -100,16 +142,14 @@ impl Tracker {
 
     /// Records that `worker` supervises the admitted delivery of envelope `id`.
     pub(crate) fn supervise(&self, worker: usize, id: Uuid) -> Ticket {
-        let mut supervised = self.worker(worker);
-        supervised.next += 1;
-        let seq = supervised.next;
-        supervised.live.insert(seq, Live::Active(id));
-        Ticket { worker, seq }
+        let (slot, generation) = self.worker(worker).insert(Live::Active(id));
+        Ticket { worker, slot, generation }
     }
 
     pub(crate) fn cooling(&self, ticket: Ticket, pending: PendingRetry) {
-        let previous = self.worker(ticket.worker).live.insert(ticket.seq, Live::Cooling(Box::new(pending)));
-        if matches!(previous, Some(Live::Active(_))) {
+        let mut supervised = self.worker(ticket.worker);
+        let Some(live) = supervised.get_mut(ticket) else { return };
+        if matches!(std::mem::replace(live, Live::Cooling(Box::new(pending))), Live::Active(_)) {
             self.leave(1);
         }
     }
@@ -117,7 +157,7 @@ impl Tracker {
     /// Marks a cooled-down delivery active again; false if a shutdown took it back meanwhile.
     pub(crate) fn resume(&self, ticket: Ticket) -> bool {
         let mut supervised = self.worker(ticket.worker);
-        let Some(live) = supervised.live.get_mut(&ticket.seq) else { return false };
+        let Some(live) = supervised.get_mut(ticket) else { return false };
         if let Live::Cooling(pending) = &*live {
             *live = Live::Active(pending.envelope.id);
             self.counts.fetch_add(1, Ordering::AcqRel);
@@ -126,7 +166,7 @@ impl Tracker {
     }
 
     pub(crate) fn finish(&self, ticket: Ticket) {
-        let removed = self.worker(ticket.worker).live.remove(&ticket.seq);
+        let removed = self.worker(ticket.worker).remove(ticket);
         match removed {
             Some(Live::Active(_)) => self.leave(LIVE + 1),
             Some(Live::Cooling(_)) => self.leave(LIVE),
@@ -173,9 +213,8 @@ impl Tracker {
         (0..self.workers.len())
             .flat_map(|worker| {
                 self.worker(worker)
-                    .live
-                    .values()
-                    .filter_map(|l| match l {
+                    .live(worker)
+                    .filter_map(|(_, l)| match l {
                         Live::Active(id) => Some(*id),
                         Live::Cooling(_) => None,
                     })
@@ -189,14 +228,13 @@ impl Tracker {
         let mut pending = Vec::new();
         for worker in 0..self.workers.len() {
             let mut supervised = self.worker(worker);
-            let cooling: Vec<u64> = supervised
-                .live
-                .iter()
+            let cooling: Vec<Ticket> = supervised
+                .live(worker)
                 .filter(|(_, l)| matches!(l, Live::Cooling(_)))
-                .map(|(seq, _)| *seq)
+                .map(|(ticket, _)| ticket)
                 .collect();
-            for seq in cooling {
-                if let Some(Live::Cooling(p)) = supervised.live.remove(&seq) {
+            for ticket in cooling {
+                if let Some(Live::Cooling(p)) = supervised.remove(ticket) {
                     pending.push(*p);
                     self.leave(LIVE);
                 }

@@ -1,3 +1,4 @@
+use std::collections::hash_map::Entry;
 use std::collections::{HashMap, VecDeque};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
@@ -59,11 +60,13 @@ impl MemoryInbox {
     fn record(&self, id: Uuid) -> Receipt {
         let mut state = self.shard(id);
         self.expire(&mut state);
-        if state.known.contains_key(&id) {
-            return Receipt::Duplicate;
+        match state.known.entry(id) {
+            Entry::Occupied(_) => Receipt::Duplicate,
+            Entry::Vacant(vacant) => {
+                vacant.insert(None);
+                Receipt::New
+            }
         }
-        state.known.insert(id, None);
-        Receipt::New
     }
 
     fn settle(&self, id: Uuid) {
