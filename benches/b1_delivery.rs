@@ -41,7 +41,10 @@ impl reprise::Handler<Ping> for Noop {
 }
 
 fn reprise_run(deliveries: u64) -> Duration {
-    let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
     rt.block_on(async {
         let runtime = Runtime::builder()
             .workers(WORKERS)
@@ -90,7 +93,10 @@ impl Actor for SkeletonSupervisor {
 
     fn started(&mut self, ctx: &mut Context<Self>) {
         for _ in 0..3 {
-            SkeletonHandler { supervisor: ctx.address().recipient() }.start();
+            SkeletonHandler {
+                supervisor: ctx.address().recipient(),
+            }
+            .start();
         }
     }
 }
@@ -143,9 +149,8 @@ fn actix_run(deliveries: u64) -> Duration {
             for n in 0..deliveries as usize {
                 finish.permits.acquire().await.unwrap().forget();
                 let finish = Arc::clone(&finish);
-                SkeletonSupervisor::start_in_arbiter(&handles[n % WORKERS], move |_| SkeletonSupervisor {
-                    pending: 3,
-                    finish,
+                SkeletonSupervisor::start_in_arbiter(&handles[n % WORKERS], move |_| {
+                    SkeletonSupervisor { pending: 3, finish }
                 });
             }
             finish.all_done.notified().await;
@@ -213,6 +218,9 @@ fn tokio_run(deliveries: u64) -> Duration {
     })
 }
 
+/// Runs that many deliveries and says how long they took.
+type Contender = fn(u64) -> Duration;
+
 fn rate(deliveries: u64, elapsed: Duration) -> f64 {
     deliveries as f64 / elapsed.as_secs_f64()
 }
@@ -223,15 +231,25 @@ fn median(mut rates: Vec<f64>) -> f64 {
 }
 
 fn main() {
-    let args: Vec<String> = std::env::args().skip(1).filter(|a| a != "--bench").collect();
+    let args: Vec<String> = std::env::args()
+        .skip(1)
+        .filter(|a| a != "--bench")
+        .collect();
     let deliveries: u64 = args.iter().find_map(|a| a.parse().ok()).unwrap_or(100_000);
-    let contenders: [(&str, fn(u64) -> Duration); 3] =
-        [("reprise", reprise_run), ("actix skeleton", actix_run), ("tokio mpsc+oneshot", tokio_run)];
+    let contenders: [(&str, Contender); 3] = [
+        ("reprise", reprise_run),
+        ("actix skeleton", actix_run),
+        ("tokio mpsc+oneshot", tokio_run),
+    ];
     // `-- reprise` (or `actix`, `tokio`) measures one contender alone, for a profiler.
-    if let Some((name, run)) =
-        contenders.iter().find(|(name, _)| args.iter().any(|a| name.starts_with(a.as_str())))
+    if let Some((name, run)) = contenders
+        .iter()
+        .find(|(name, _)| args.iter().any(|a| name.starts_with(a.as_str())))
     {
-        println!("{name} {:.0} deliveries/s", rate(deliveries, run(deliveries)));
+        println!(
+            "{name} {:.0} deliveries/s",
+            rate(deliveries, run(deliveries))
+        );
         return;
     }
     // Two cores shared by several threads make single runs noisy: interleave rounds of every
@@ -253,6 +271,12 @@ fn main() {
     for ((name, _), median) in contenders.iter().zip(&medians) {
         println!("  {name:<20} {median:>12.0} deliveries/s");
     }
-    println!("  reprise / actix skeleton = {:.2} (goal >= 0.60)", medians[0] / medians[1]);
-    println!("  reprise / tokio          = {:.2}", medians[0] / medians[2]);
+    println!(
+        "  reprise / actix skeleton = {:.2} (goal >= 0.60)",
+        medians[0] / medians[1]
+    );
+    println!(
+        "  reprise / tokio          = {:.2}",
+        medians[0] / medians[2]
+    );
 }

@@ -1,9 +1,9 @@
 #![doc = include_str!("../README.md")]
 #![cfg_attr(docsrs, feature(doc_cfg))]
 
+mod error;
 pub mod ids;
 pub mod prelude;
-mod error;
 mod runtime;
 pub mod store;
 #[cfg(feature = "testing")]

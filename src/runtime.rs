@@ -58,7 +58,9 @@ pub struct Runtime {
 
 impl std::fmt::Debug for Runtime {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Runtime").field("stats", &self.stats()).finish_non_exhaustive()
+        f.debug_struct("Runtime")
+            .field("stats", &self.stats())
+            .finish_non_exhaustive()
     }
 }
 
@@ -164,7 +166,11 @@ impl Runtime {
     /// # Errors
     ///
     /// A serialization failure, or an envelope over the size limit (handed back).
-    pub fn envelope<M: Message>(&self, message: &M, options: SendOptions) -> Result<Envelope, Error> {
+    pub fn envelope<M: Message>(
+        &self,
+        message: &M,
+        options: SendOptions,
+    ) -> Result<Envelope, Error> {
         let mut envelope = Envelope::for_message(message).map_err(reprise_actors::Error::from)?;
         options.apply(&mut envelope);
         let size = envelope.size();

@@ -26,7 +26,9 @@ async fn publish_waits_while_the_in_flight_bound_is_reached() {
     let gate = Arc::new(Semaphore::new(0));
     let runtime = Runtime::builder()
         .max_in_flight(2)
-        .module(Module::new("m").handle_named::<MemberRemoved, _>("gated", Gated(Arc::clone(&gate))))
+        .module(
+            Module::new("m").handle_named::<MemberRemoved, _>("gated", Gated(Arc::clone(&gate))),
+        )
         .build()
         .unwrap();
     runtime.publish(&member_removed()).await.unwrap();
@@ -34,12 +36,20 @@ async fn publish_waits_while_the_in_flight_bound_is_reached() {
 
     let message = member_removed();
     let mut third = Box::pin(runtime.publish(&message));
-    assert!(futures::poll!(&mut third).is_pending(), "two deliveries hold both slots");
+    assert!(
+        futures::poll!(&mut third).is_pending(),
+        "two deliveries hold both slots"
+    );
 
     gate.add_permits(1);
-    tokio::time::timeout(Duration::from_secs(5), &mut third).await.unwrap().unwrap();
+    tokio::time::timeout(Duration::from_secs(5), &mut third)
+        .await
+        .unwrap()
+        .unwrap();
     gate.add_permits(2);
-    tokio::time::timeout(Duration::from_secs(5), runtime.idle()).await.unwrap();
+    tokio::time::timeout(Duration::from_secs(5), runtime.idle())
+        .await
+        .unwrap();
     assert_eq!(runtime.stats().handled, 3);
     assert!(runtime.shutdown().await.is_clean());
 }

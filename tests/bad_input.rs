@@ -10,7 +10,9 @@ use support::{Counter, MemberRemoved, member_removed};
 
 fn harness_with(counter: &Counter) -> TestHarness {
     TestHarness::builder()
-        .module(Module::new("workspaces").handle_named::<MemberRemoved, _>("revoke", counter.clone()))
+        .module(
+            Module::new("workspaces").handle_named::<MemberRemoved, _>("revoke", counter.clone()),
+        )
         .configure(|runtime| runtime.max_envelope_size(256))
         .build()
         .unwrap()
@@ -20,17 +22,28 @@ fn harness_with(counter: &Counter) -> TestHarness {
 async fn a_payload_that_does_not_deserialize_is_dead_lettered_without_retries() {
     let counter = Counter::default();
     let harness = harness_with(&counter);
-    let envelope = Envelope::new("organization.member_removed", br#"{"organization_id":"one"}"#.to_vec());
+    let envelope = Envelope::new(
+        "organization.member_removed",
+        br#"{"organization_id":"one"}"#.to_vec(),
+    );
 
     let report = harness.deliver(envelope.clone()).await.unwrap();
 
     let Outcome::DeadLettered(DeadLetterReason::MalformedPayload(reason)) = &report.outcome else {
-        panic!("expected a malformed payload dead letter, got {:?}", report.outcome);
+        panic!(
+            "expected a malformed payload dead letter, got {:?}",
+            report.outcome
+        );
     };
     assert!(reason.contains("invalid type"), "{reason}");
     assert_eq!(report.attempts, 0);
     assert_eq!(counter.count(), 0);
-    let dead = harness.runtime().dead_letters().inspect(envelope.id).await.unwrap();
+    let dead = harness
+        .runtime()
+        .dead_letters()
+        .inspect(envelope.id)
+        .await
+        .unwrap();
     assert_eq!(dead.envelope, envelope, "the envelope is kept as received");
     assert!(dead.reason.to_string().starts_with("malformed payload: "));
 }
@@ -46,8 +59,16 @@ async fn an_unknown_message_type_is_dead_lettered_with_the_type_in_the_reason() 
         report.outcome,
         Outcome::DeadLettered(DeadLetterReason::NoHandler("billing.invoice_paid".into()))
     );
-    let dead = harness.runtime().dead_letters().inspect(envelope.id).await.unwrap();
-    assert_eq!(dead.reason.to_string(), "no handler for billing.invoice_paid");
+    let dead = harness
+        .runtime()
+        .dead_letters()
+        .inspect(envelope.id)
+        .await
+        .unwrap();
+    assert_eq!(
+        dead.reason.to_string(),
+        "no handler for billing.invoice_paid"
+    );
 }
 
 #[tokio::test]
@@ -56,9 +77,20 @@ async fn an_unknown_message_type_can_be_discarded_instead() {
         .configure(|runtime| runtime.unknown_message_types(UnknownMessageTypes::Discard))
         .build()
         .unwrap();
-    let report = harness.deliver(Envelope::new("billing.invoice_paid", b"{}".to_vec())).await.unwrap();
+    let report = harness
+        .deliver(Envelope::new("billing.invoice_paid", b"{}".to_vec()))
+        .await
+        .unwrap();
     assert_eq!(report.outcome, Outcome::Discarded(DiscardReason::NoHandler));
-    assert!(harness.runtime().dead_letters().list().await.unwrap().is_empty());
+    assert!(
+        harness
+            .runtime()
+            .dead_letters()
+            .list()
+            .await
+            .unwrap()
+            .is_empty()
+    );
     assert_eq!(harness.runtime().stats().discarded, 1);
 }
 
@@ -68,9 +100,18 @@ async fn an_oversized_message_is_refused_at_publish_and_handed_back() {
     let harness = harness_with(&counter);
     let big = SendOptions::new().header("padding", "x".repeat(300));
 
-    let error = harness.runtime().publish_with(&member_removed(), big).await.unwrap_err();
+    let error = harness
+        .runtime()
+        .publish_with(&member_removed(), big)
+        .await
+        .unwrap_err();
 
-    let Error::Engine(EngineError::TooLarge { envelope, size, limit }) = error else {
+    let Error::Engine(EngineError::TooLarge {
+        envelope,
+        size,
+        limit,
+    }) = error
+    else {
         panic!("expected TooLarge, got {error}");
     };
     assert_eq!(limit, 256);
@@ -100,7 +141,9 @@ async fn an_oversized_envelope_is_dead_lettered_at_receive() {
 async fn send_refuses_a_type_without_handler_at_the_call_site() {
     let harness = TestHarness::builder().build().unwrap();
     let error = harness.runtime().send(&member_removed()).await.unwrap_err();
-    let Error::NoRoute(envelope) = error else { panic!("expected NoRoute, got {error}") };
+    let Error::NoRoute(envelope) = error else {
+        panic!("expected NoRoute, got {error}")
+    };
     assert_eq!(envelope.message_type, "organization.member_removed");
 }
 
@@ -115,7 +158,9 @@ fn registering_a_handler_twice_or_a_policy_for_no_handler_is_refused() {
         .build();
     assert!(matches!(twice, Err(Error::Registry(_))));
 
-    let orphan = Runtime::builder().message_retry_policy::<MemberRemoved>(RetryPolicy::default()).build();
+    let orphan = Runtime::builder()
+        .message_retry_policy::<MemberRemoved>(RetryPolicy::default())
+        .build();
     assert!(matches!(orphan, Err(Error::Registry(_))));
 }
 

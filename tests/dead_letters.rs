@@ -11,7 +11,10 @@ use uuid::Uuid;
 
 fn harness(calls: &Recorder<MemberRemoved>) -> TestHarness {
     TestHarness::builder()
-        .retry_policy(RetryPolicy { retry_limit: 2, ..RetryPolicy::default() })
+        .retry_policy(RetryPolicy {
+            retry_limit: 2,
+            ..RetryPolicy::default()
+        })
         .module(Module::new("workspaces").handle_named::<MemberRemoved, _>("revoke", calls.clone()))
         // Three failures exhaust the policy; the fourth call, a replay, gets through.
         .fault("workspaces", "revoke", Fault::fail_times(3))
@@ -23,15 +26,26 @@ fn harness(calls: &Recorder<MemberRemoved>) -> TestHarness {
 async fn dead_letters_can_be_listed_and_inspected() {
     let harness = harness(&Recorder::new());
     let report = harness.publish(&member_removed()).await.unwrap();
-    assert_eq!(report.outcome, Outcome::DeadLettered(DeadLetterReason::RetriesExhausted));
+    assert_eq!(
+        report.outcome,
+        Outcome::DeadLettered(DeadLetterReason::RetriesExhausted)
+    );
 
     let list = harness.runtime().dead_letters().list().await.unwrap();
     assert_eq!(list.len(), 1);
-    let dead = harness.runtime().dead_letters().inspect(report.envelope_id).await.unwrap();
+    let dead = harness
+        .runtime()
+        .dead_letters()
+        .inspect(report.envelope_id)
+        .await
+        .unwrap();
     assert_eq!(dead, list[0]);
     assert_eq!(dead.envelope.id, report.envelope_id);
     assert_eq!(dead.attempts, 3);
-    assert_eq!(dead.failures.iter().map(|f| f.attempt).collect::<Vec<_>>(), [1, 2, 3]);
+    assert_eq!(
+        dead.failures.iter().map(|f| f.attempt).collect::<Vec<_>>(),
+        [1, 2, 3]
+    );
     assert_eq!(dead.failures, report.failures);
 }
 
@@ -49,7 +63,15 @@ async fn a_replay_keeps_the_envelope_id_and_starts_a_fresh_attempt_count() {
     assert_eq!(calls.len(), 1);
     assert_eq!(calls[0].message_id, Some(id), "same envelope id");
     assert_eq!(calls[0].attempt, 1, "fresh attempt count");
-    assert!(harness.runtime().dead_letters().list().await.unwrap().is_empty());
+    assert!(
+        harness
+            .runtime()
+            .dead_letters()
+            .list()
+            .await
+            .unwrap()
+            .is_empty()
+    );
     assert_eq!(harness.runtime().stats().handled, 1);
 }
 
@@ -58,7 +80,12 @@ async fn a_redelivery_of_a_dead_lettered_envelope_is_discarded_but_a_replay_is_n
     let calls = Recorder::new();
     let harness = harness(&calls);
     let report = harness.publish(&member_removed()).await.unwrap();
-    let dead = harness.runtime().dead_letters().inspect(report.envelope_id).await.unwrap();
+    let dead = harness
+        .runtime()
+        .dead_letters()
+        .inspect(report.envelope_id)
+        .await
+        .unwrap();
 
     let redelivered = harness.deliver(dead.envelope.clone()).await.unwrap();
 
@@ -70,8 +97,12 @@ async fn a_redelivery_of_a_dead_lettered_envelope_is_discarded_but_a_replay_is_n
 async fn replaying_or_inspecting_an_unknown_id_is_a_typed_error() {
     let harness = harness(&Recorder::new());
     let id = Uuid::new_v4();
-    assert!(matches!(harness.runtime().dead_letters().replay(id).await, Err(Error::DeadLetterNotFound(x)) if x == id));
-    assert!(matches!(harness.runtime().dead_letters().inspect(id).await, Err(Error::DeadLetterNotFound(x)) if x == id));
+    assert!(
+        matches!(harness.runtime().dead_letters().replay(id).await, Err(Error::DeadLetterNotFound(x)) if x == id)
+    );
+    assert!(
+        matches!(harness.runtime().dead_letters().inspect(id).await, Err(Error::DeadLetterNotFound(x)) if x == id)
+    );
 }
 
 #[tokio::test]
@@ -80,7 +111,15 @@ async fn purge_removes_every_dead_letter_and_counts_them() {
     harness.publish(&member_removed()).await.unwrap();
     harness.publish(&member_removed()).await.unwrap();
     assert_eq!(harness.runtime().dead_letters().purge().await.unwrap(), 2);
-    assert!(harness.runtime().dead_letters().list().await.unwrap().is_empty());
+    assert!(
+        harness
+            .runtime()
+            .dead_letters()
+            .list()
+            .await
+            .unwrap()
+            .is_empty()
+    );
     assert_eq!(harness.runtime().dead_letters().purge().await.unwrap(), 0);
 }
 
@@ -90,8 +129,23 @@ async fn a_failed_replay_puts_the_dead_letter_back() {
     let report = harness.publish(&member_removed()).await.unwrap();
     harness.shutdown().await;
 
-    let error = harness.runtime().dead_letters().replay(report.envelope_id).await.unwrap_err();
+    let error = harness
+        .runtime()
+        .dead_letters()
+        .replay(report.envelope_id)
+        .await
+        .unwrap_err();
 
-    assert!(matches!(error, Error::Engine(reprise::EngineError::ShuttingDown(_))), "{error}");
-    assert!(harness.runtime().dead_letters().inspect(report.envelope_id).await.is_ok());
+    assert!(
+        matches!(error, Error::Engine(reprise::EngineError::ShuttingDown(_))),
+        "{error}"
+    );
+    assert!(
+        harness
+            .runtime()
+            .dead_letters()
+            .inspect(report.envelope_id)
+            .await
+            .is_ok()
+    );
 }

@@ -19,14 +19,38 @@ fn id(text: &str) -> Uuid {
 #[test]
 fn derive_matches_vectors_computed_outside_rust() {
     let vectors = [
-        ("0f8fad5b-d9cb-469f-a165-70867728950e", "42", "7b17695fedeb468ac621b60044fac70d"),
-        ("0f8fad5b-d9cb-469f-a165-70867728950e", "43", "cf3657bd887c8805b1778f0854d5ae19"),
-        ("7c9e6679-7425-40de-944b-e07fc1f90ae7", "webhook-1", "9c9d8a0d27bc83de8849ceace8bfc6c7"),
-        ("00000000-0000-0000-0000-000000000000", "", "bc6f0855f8557d125b8959653c770fe1"),
-        ("7c9e6679-7425-40de-944b-e07fc1f90ae7", "modül/ключ/鍵", "e2d42ebd272d9dd20a30921c9a9b0820"),
+        (
+            "0f8fad5b-d9cb-469f-a165-70867728950e",
+            "42",
+            "7b17695fedeb468ac621b60044fac70d",
+        ),
+        (
+            "0f8fad5b-d9cb-469f-a165-70867728950e",
+            "43",
+            "cf3657bd887c8805b1778f0854d5ae19",
+        ),
+        (
+            "7c9e6679-7425-40de-944b-e07fc1f90ae7",
+            "webhook-1",
+            "9c9d8a0d27bc83de8849ceace8bfc6c7",
+        ),
+        (
+            "00000000-0000-0000-0000-000000000000",
+            "",
+            "bc6f0855f8557d125b8959653c770fe1",
+        ),
+        (
+            "7c9e6679-7425-40de-944b-e07fc1f90ae7",
+            "modül/ключ/鍵",
+            "e2d42ebd272d9dd20a30921c9a9b0820",
+        ),
     ];
     for (message_id, key, expected) in vectors {
-        assert_eq!(ids::derive(id(message_id), key), expected, "{message_id} / {key:?}");
+        assert_eq!(
+            ids::derive(id(message_id), key),
+            expected,
+            "{message_id} / {key:?}"
+        );
     }
 }
 
@@ -47,13 +71,19 @@ fn derived_ids_are_stable_distinct_and_shaped_like_net_n_format() {
     assert_ne!(a, ids::derive(message, "webhook-2"));
     assert_ne!(a, ids::derive(Uuid::new_v4(), "webhook-1"));
     assert_eq!(a.len(), 32);
-    assert!(a.chars().all(|c| c.is_ascii_hexdigit() && !c.is_ascii_uppercase()));
+    assert!(
+        a.chars()
+            .all(|c| c.is_ascii_hexdigit() && !c.is_ascii_uppercase())
+    );
 }
 
 #[test]
 fn derive_or_random_is_deterministic_only_with_a_message() {
     let message = id("0f8fad5b-d9cb-469f-a165-70867728950e");
-    assert_eq!(ids::derive_or_random(Some(message), "42"), "7b17695fedeb468ac621b60044fac70d");
+    assert_eq!(
+        ids::derive_or_random(Some(message), "42"),
+        "7b17695fedeb468ac621b60044fac70d"
+    );
     let first = ids::derive_or_random(None, "42");
     let second = ids::derive_or_random(None, "42");
     assert_ne!(first, second);

@@ -7,12 +7,14 @@ mod support;
 use std::sync::Arc;
 use std::time::Duration;
 
+use reprise::ports::DeadLetterStore;
 use reprise::prelude::*;
 use reprise::testing::{Fault, Recorder, TestHarness};
-use reprise::ports::DeadLetterStore;
-use reprise::{DeadLetter, DeadLetterReason, DiscardReason, EngineError, Error, FailureKind, Outcome};
-use uuid::Uuid;
+use reprise::{
+    DeadLetter, DeadLetterReason, DiscardReason, EngineError, Error, FailureKind, Outcome,
+};
 use support::{Counter, MemberRemoved, member_removed};
+use uuid::Uuid;
 
 #[tokio::test]
 async fn virtual_time_passes_a_sixty_second_cooldown_exactly() {
@@ -30,7 +32,10 @@ async fn virtual_time_passes_a_sixty_second_cooldown_exactly() {
     // The settle timeout is real time (5 s): this settles only because the 60 s are virtual.
     let report = harness.publish(&member_removed()).await.unwrap();
     assert!(report.is_handled());
-    assert_eq!(report.attempt_offsets, [Duration::ZERO, Duration::from_secs(60)]);
+    assert_eq!(
+        report.attempt_offsets,
+        [Duration::ZERO, Duration::from_secs(60)]
+    );
 }
 
 #[tokio::test]
@@ -48,12 +53,23 @@ async fn a_panicking_handler_fails_alone_and_the_runtime_keeps_going() {
     let second = harness.publish(&member_removed()).await.unwrap();
 
     for report in [&first, &second] {
-        assert_eq!(report.outcome, Outcome::DeadLettered(DeadLetterReason::RetriesExhausted));
+        assert_eq!(
+            report.outcome,
+            Outcome::DeadLettered(DeadLetterReason::RetriesExhausted)
+        );
         let failure = &report.failures[0].failures[0];
         assert_eq!(failure.kind, FailureKind::Panicked);
-        assert!(failure.error.contains("injected panic"), "{}", failure.error);
+        assert!(
+            failure.error.contains("injected panic"),
+            "{}",
+            failure.error
+        );
     }
-    assert_eq!(sibling.count(), 2, "the sibling handler ran for both messages");
+    assert_eq!(
+        sibling.count(),
+        2,
+        "the sibling handler ran for both messages"
+    );
 }
 
 #[tokio::test]
@@ -77,7 +93,10 @@ async fn a_hanging_handler_times_out_at_its_timeout() {
     let kinds: Vec<FailureKind> = report.failures[0].failures.iter().map(|f| f.kind).collect();
     assert_eq!(
         kinds,
-        [FailureKind::TimedOut(Duration::from_secs(30)), FailureKind::TimedOut(Duration::from_secs(120))]
+        [
+            FailureKind::TimedOut(Duration::from_secs(30)),
+            FailureKind::TimedOut(Duration::from_secs(120))
+        ]
     );
     // The attempt lasted as long as its slowest handler's timeout, then cooled down 1 s.
     assert_eq!(report.attempt_offsets[1], Duration::from_secs(121));
@@ -88,17 +107,40 @@ async fn a_fault_can_strike_only_matching_messages() {
     let calls = Recorder::<MemberRemoved>::new();
     let harness = TestHarness::builder()
         .module(Module::new("m").handle_named::<MemberRemoved, _>("h", calls.clone()))
-        .fault("m", "h", Fault::always_fail().only_when(|m: &MemberRemoved| m.member_id == 13))
+        .fault(
+            "m",
+            "h",
+            Fault::always_fail().only_when(|m: &MemberRemoved| m.member_id == 13),
+        )
         .retry_policy(RetryPolicy::no_retries())
         .build()
         .unwrap();
 
-    let unlucky = harness.publish(&MemberRemoved { organization_id: 1, member_id: 13 }).await.unwrap();
-    let lucky = harness.publish(&MemberRemoved { organization_id: 1, member_id: 14 }).await.unwrap();
+    let unlucky = harness
+        .publish(&MemberRemoved {
+            organization_id: 1,
+            member_id: 13,
+        })
+        .await
+        .unwrap();
+    let lucky = harness
+        .publish(&MemberRemoved {
+            organization_id: 1,
+            member_id: 14,
+        })
+        .await
+        .unwrap();
 
     assert!(matches!(unlucky.outcome, Outcome::DeadLettered(_)));
     assert!(lucky.is_handled());
-    assert_eq!(calls.calls().iter().map(|c| c.message.member_id).collect::<Vec<_>>(), [14]);
+    assert_eq!(
+        calls
+            .calls()
+            .iter()
+            .map(|c| c.message.member_id)
+            .collect::<Vec<_>>(),
+        [14]
+    );
 }
 
 #[tokio::test]
@@ -127,7 +169,10 @@ async fn the_same_envelope_delivered_twice_is_handled_once() {
     let second = harness.deliver(envelope).await.unwrap();
 
     assert!(first.is_handled());
-    assert_eq!(second.outcome, Outcome::Discarded(DiscardReason::DuplicateEnvelope));
+    assert_eq!(
+        second.outcome,
+        Outcome::Discarded(DiscardReason::DuplicateEnvelope)
+    );
     assert_eq!(counter.count(), 1);
     assert_eq!(harness.runtime().stats().deduplicated, 1);
 }

@@ -41,13 +41,22 @@ async fn a_redelivery_is_discarded_within_the_retention_and_handled_after_it() {
         .unwrap();
     let envelope = Envelope::for_message(&member_removed()).unwrap();
 
-    assert!(harness.deliver(envelope.clone()).await.unwrap().is_handled());
+    assert!(
+        harness
+            .deliver(envelope.clone())
+            .await
+            .unwrap()
+            .is_handled()
+    );
     clock.advance(Duration::from_secs(4 * 60 + 59));
     let within = harness.deliver(envelope.clone()).await.unwrap();
     clock.advance(Duration::from_secs(2));
     let after = harness.deliver(envelope).await.unwrap();
 
-    assert_eq!(within.outcome, Outcome::Discarded(DiscardReason::DuplicateEnvelope));
+    assert_eq!(
+        within.outcome,
+        Outcome::Discarded(DiscardReason::DuplicateEnvelope)
+    );
     assert!(after.is_handled(), "the default retention is 5 minutes");
     assert_eq!(counter.count(), 2);
 }

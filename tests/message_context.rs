@@ -27,7 +27,11 @@ struct Seen {
 struct Observe(Arc<Mutex<Vec<Seen>>>);
 
 impl Handler<MemberRemoved> for Observe {
-    async fn handle(&self, _: &MemberRemoved, context: &MessageContext) -> Result<(), HandlerError> {
+    async fn handle(
+        &self,
+        _: &MemberRemoved,
+        context: &MessageContext,
+    ) -> Result<(), HandlerError> {
         self.0.lock().unwrap().push(Seen {
             message_id: context.message_id(),
             message_type: context.message_type().map(str::to_owned),
@@ -57,7 +61,10 @@ async fn a_consumer_sees_the_same_message_id_on_every_attempt() {
         .correlation_id(correlation);
 
     // The fault strikes in front of the handler, which therefore first runs on attempt 3.
-    let report = harness.publish_with(&member_removed(), options).await.unwrap();
+    let report = harness
+        .publish_with(&member_removed(), options)
+        .await
+        .unwrap();
 
     assert!(report.is_handled());
     let seen = seen.0.lock().unwrap().clone();
@@ -82,7 +89,9 @@ async fn every_attempt_reruns_every_handler_with_the_same_message_id() {
     let seen = Observe::default();
     let harness = TestHarness::builder()
         .module(Module::new("audit").handle_named::<MemberRemoved, _>("record", seen.clone()))
-        .module(Module::new("workspaces").handle_named::<MemberRemoved, _>("revoke", Recorder::new()))
+        .module(
+            Module::new("workspaces").handle_named::<MemberRemoved, _>("revoke", Recorder::new()),
+        )
         .fault("workspaces", "revoke", Fault::fail_times(2))
         .build()
         .unwrap();
@@ -90,7 +99,10 @@ async fn every_attempt_reruns_every_handler_with_the_same_message_id() {
     let seen = seen.0.lock().unwrap().clone();
     let attempts: Vec<u32> = seen.iter().map(|s| s.attempt).collect();
     assert_eq!(attempts, [1, 2, 3]);
-    assert!(seen.iter().all(|s| s.message_id == Some(report.envelope_id)));
+    assert!(
+        seen.iter()
+            .all(|s| s.message_id == Some(report.envelope_id))
+    );
 }
 
 #[test]
@@ -110,7 +122,9 @@ fn a_detached_context_has_no_message() {
 #[tokio::test]
 async fn a_detached_context_cannot_cascade() {
     let error = MessageContext::detached()
-        .publish(&WebhookQueued { delivery_id: "x".into() })
+        .publish(&WebhookQueued {
+            delivery_id: "x".into(),
+        })
         .await
         .unwrap_err();
     assert!(matches!(error, EngineError::Detached), "{error}");
@@ -120,7 +134,11 @@ async fn a_detached_context_cannot_cascade() {
 struct QueueAndMaybeFail;
 
 impl Handler<MemberRemoved> for QueueAndMaybeFail {
-    async fn handle(&self, _: &MemberRemoved, context: &MessageContext) -> Result<(), HandlerError> {
+    async fn handle(
+        &self,
+        _: &MemberRemoved,
+        context: &MessageContext,
+    ) -> Result<(), HandlerError> {
         let delivery_id = format!("attempt-{}", context.attempt());
         context.publish(&WebhookQueued { delivery_id }).await?;
         if context.attempt() == 1 {
@@ -134,7 +152,9 @@ impl Handler<MemberRemoved> for QueueAndMaybeFail {
 async fn cascaded_messages_leave_only_when_the_delivery_succeeds() {
     let downstream = Recorder::<WebhookQueued>::new();
     let harness = TestHarness::builder()
-        .module(Module::new("webhooks").handle_named::<MemberRemoved, _>("queue", QueueAndMaybeFail))
+        .module(
+            Module::new("webhooks").handle_named::<MemberRemoved, _>("queue", QueueAndMaybeFail),
+        )
         .module(Module::new("sender").handle_named::<WebhookQueued, _>("send", downstream.clone()))
         .build()
         .unwrap();
@@ -162,8 +182,13 @@ async fn cascaded_messages_leave_only_when_the_delivery_succeeds() {
 async fn cascaded_messages_of_a_dead_lettered_delivery_never_leave() {
     let downstream = Recorder::<WebhookQueued>::new();
     let harness = TestHarness::builder()
-        .retry_policy(RetryPolicy { retry_limit: 1, ..RetryPolicy::default() })
-        .module(Module::new("webhooks").handle_named::<MemberRemoved, _>("queue", QueueAndMaybeFail))
+        .retry_policy(RetryPolicy {
+            retry_limit: 1,
+            ..RetryPolicy::default()
+        })
+        .module(
+            Module::new("webhooks").handle_named::<MemberRemoved, _>("queue", QueueAndMaybeFail),
+        )
         .module(Module::new("billing").handle_named::<MemberRemoved, _>("charge", Recorder::new()))
         .module(Module::new("sender").handle_named::<WebhookQueued, _>("send", downstream.clone()))
         .fault("billing", "charge", Fault::always_fail())
@@ -185,9 +210,17 @@ async fn cascaded_messages_of_a_dead_lettered_delivery_never_leave() {
 struct CascadeOnce(std::sync::atomic::AtomicBool);
 
 impl Handler<MemberRemoved> for CascadeOnce {
-    async fn handle(&self, _: &MemberRemoved, context: &MessageContext) -> Result<(), HandlerError> {
+    async fn handle(
+        &self,
+        _: &MemberRemoved,
+        context: &MessageContext,
+    ) -> Result<(), HandlerError> {
         if !self.0.swap(true, std::sync::atomic::Ordering::SeqCst) {
-            context.publish(&WebhookQueued { delivery_id: "first-run".into() }).await?;
+            context
+                .publish(&WebhookQueued {
+                    delivery_id: "first-run".into(),
+                })
+                .await?;
         }
         Ok(())
     }
@@ -197,8 +230,16 @@ impl Handler<MemberRemoved> for CascadeOnce {
 struct CascadeAlways;
 
 impl Handler<MemberRemoved> for CascadeAlways {
-    async fn handle(&self, _: &MemberRemoved, context: &MessageContext) -> Result<(), HandlerError> {
-        context.publish(&WebhookQueued { delivery_id: "every-run".into() }).await?;
+    async fn handle(
+        &self,
+        _: &MemberRemoved,
+        context: &MessageContext,
+    ) -> Result<(), HandlerError> {
+        context
+            .publish(&WebhookQueued {
+                delivery_id: "every-run".into(),
+            })
+            .await?;
         Ok(())
     }
 }
@@ -207,9 +248,14 @@ impl Handler<MemberRemoved> for CascadeAlways {
 async fn what_a_succeeding_handler_cascaded_survives_a_sibling_failure() {
     let downstream = Recorder::<WebhookQueued>::new();
     let harness = TestHarness::builder()
-        .module(Module::new("webhooks").handle_named::<MemberRemoved, _>("once", CascadeOnce::default()))
+        .module(
+            Module::new("webhooks")
+                .handle_named::<MemberRemoved, _>("once", CascadeOnce::default()),
+        )
         .module(Module::new("naive").handle_named::<MemberRemoved, _>("always", CascadeAlways))
-        .module(Module::new("workspaces").handle_named::<MemberRemoved, _>("revoke", Recorder::new()))
+        .module(
+            Module::new("workspaces").handle_named::<MemberRemoved, _>("revoke", Recorder::new()),
+        )
         .module(Module::new("sender").handle_named::<WebhookQueued, _>("send", downstream.clone()))
         .fault("workspaces", "revoke", Fault::fail_times(2))
         .build()
@@ -219,7 +265,11 @@ async fn what_a_succeeding_handler_cascaded_survives_a_sibling_failure() {
     harness.idle().await.unwrap();
 
     assert_eq!(report.attempts, 3);
-    let mut sent: Vec<String> = downstream.calls().into_iter().map(|c| c.message.delivery_id).collect();
+    let mut sent: Vec<String> = downstream
+        .calls()
+        .into_iter()
+        .map(|c| c.message.delivery_id)
+        .collect();
     sent.sort();
     // The first run's cascade was not lost when the retry cascaded nothing, and the naive
     // handler's three identical cascades (same deterministic id) were sent once.
@@ -231,12 +281,17 @@ async fn what_a_succeeding_handler_cascaded_survives_a_sibling_failure() {
 async fn cascaded_ids_are_deterministic_across_attempts() {
     let harness = TestHarness::builder()
         .module(Module::new("naive").handle_named::<MemberRemoved, _>("always", CascadeAlways))
-        .module(Module::new("workspaces").handle_named::<MemberRemoved, _>("revoke", Recorder::new()))
+        .module(
+            Module::new("workspaces").handle_named::<MemberRemoved, _>("revoke", Recorder::new()),
+        )
         .fault("workspaces", "revoke", Fault::fail_times(1))
         .build()
         .unwrap();
     let envelope = Envelope::for_message(&member_removed()).unwrap();
     let report = harness.deliver(envelope.clone()).await.unwrap();
     let expected = uuid::Uuid::new_v5(&envelope.id, b"reprise.cascade:naive/always:0");
-    assert_eq!(report.cascaded.iter().map(|e| e.id).collect::<Vec<_>>(), [expected]);
+    assert_eq!(
+        report.cascaded.iter().map(|e| e.id).collect::<Vec<_>>(),
+        [expected]
+    );
 }

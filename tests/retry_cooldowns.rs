@@ -18,7 +18,10 @@ fn secs(list: &[u64]) -> Vec<Duration> {
 async fn failing_handler_is_retried_on_the_default_cooldowns_then_dead_lettered() {
     let other = Counter::default();
     let harness = TestHarness::builder()
-        .module(Module::new("workspaces").handle_named::<MemberRemoved, _>("revoke", Counter::default()))
+        .module(
+            Module::new("workspaces")
+                .handle_named::<MemberRemoved, _>("revoke", Counter::default()),
+        )
         .module(Module::new("webhooks").handle_named::<MemberRemoved, _>("queue", other.clone()))
         .fault("workspaces", "revoke", Fault::always_fail())
         .build()
@@ -26,7 +29,10 @@ async fn failing_handler_is_retried_on_the_default_cooldowns_then_dead_lettered(
 
     let report = harness.publish(&member_removed()).await.unwrap();
 
-    assert_eq!(report.outcome, Outcome::DeadLettered(DeadLetterReason::RetriesExhausted));
+    assert_eq!(
+        report.outcome,
+        Outcome::DeadLettered(DeadLetterReason::RetriesExhausted)
+    );
     assert_eq!(report.attempts, 6, "retry_limit 5 means at most 6 attempts");
     assert_eq!(report.cooldowns(), secs(&[1, 6, 16, 36, 60]));
     assert_eq!(report.failures.len(), 6);
@@ -37,10 +43,18 @@ async fn failing_handler_is_retried_on_the_default_cooldowns_then_dead_lettered(
     assert_eq!(&*first.failures[0].module, "workspaces");
     assert_eq!(
         first.to_string(),
-        format!("1 handler(s) failed for event organization.member_removed with MessageId {}.", report.envelope_id)
+        format!(
+            "1 handler(s) failed for event organization.member_removed with MessageId {}.",
+            report.envelope_id
+        )
     );
 
-    let dead = harness.runtime().dead_letters().inspect(report.envelope_id).await.unwrap();
+    let dead = harness
+        .runtime()
+        .dead_letters()
+        .inspect(report.envelope_id)
+        .await
+        .unwrap();
     assert_eq!(dead.attempts, 6);
     assert_eq!(dead.failures.len(), 6);
     assert_eq!(dead.reason, DeadLetterReason::RetriesExhausted);

@@ -49,15 +49,31 @@ fn intervals_never_overflow() {
     assert_eq!(intervals.len(), 200);
     assert!(intervals.windows(2).all(|w| w[0] <= w[1]));
     assert_eq!(*intervals.last().unwrap(), Duration::MAX);
-    assert_eq!(RetryPolicy::default().interval(u32::MAX), Duration::from_secs(60));
-    assert!(RetryPolicy { retry_limit: 0, ..RetryPolicy::default() }.intervals().is_empty());
+    assert_eq!(
+        RetryPolicy::default().interval(u32::MAX),
+        Duration::from_secs(60)
+    );
+    assert!(
+        RetryPolicy {
+            retry_limit: 0,
+            ..RetryPolicy::default()
+        }
+        .intervals()
+        .is_empty()
+    );
 }
 
 #[tokio::test]
 async fn runtime_policy_applies_to_every_module() {
     let harness = TestHarness::builder()
-        .retry_policy(RetryPolicy { retry_limit: 2, ..RetryPolicy::default() })
-        .module(Module::new("workspaces").handle_named::<MemberRemoved, _>("revoke", Counter::default()))
+        .retry_policy(RetryPolicy {
+            retry_limit: 2,
+            ..RetryPolicy::default()
+        })
+        .module(
+            Module::new("workspaces")
+                .handle_named::<MemberRemoved, _>("revoke", Counter::default()),
+        )
         .fault("workspaces", "revoke", Fault::always_fail())
         .build()
         .unwrap();
@@ -69,10 +85,16 @@ async fn runtime_policy_applies_to_every_module() {
 #[tokio::test]
 async fn module_policy_overrides_the_runtime_policy() {
     let harness = TestHarness::builder()
-        .retry_policy(RetryPolicy { retry_limit: 5, ..RetryPolicy::default() })
+        .retry_policy(RetryPolicy {
+            retry_limit: 5,
+            ..RetryPolicy::default()
+        })
         .module(
             Module::new("workspaces")
-                .retry_policy(RetryPolicy { retry_limit: 1, ..RetryPolicy::default() })
+                .retry_policy(RetryPolicy {
+                    retry_limit: 1,
+                    ..RetryPolicy::default()
+                })
                 .handle_named::<MemberRemoved, _>("revoke", Counter::default()),
         )
         .fault("workspaces", "revoke", Fault::always_fail())
@@ -115,7 +137,10 @@ async fn when_modules_disagree_the_most_patient_failing_module_decides() {
         )
         .module(
             Module::new("patient")
-                .retry_policy(RetryPolicy { retry_limit: 2, ..RetryPolicy::default() })
+                .retry_policy(RetryPolicy {
+                    retry_limit: 2,
+                    ..RetryPolicy::default()
+                })
                 .handle_named::<MemberRemoved, _>("h", Counter::default()),
         )
         .fault("impatient", "h", Fault::always_fail())
@@ -130,13 +155,18 @@ async fn when_modules_disagree_the_most_patient_failing_module_decides() {
 async fn permanent_failure_dead_letters_without_retry() {
     let healthy = Counter::default();
     let harness = TestHarness::builder()
-        .module(Module::new("billing").handle_named::<MemberRemoved, _>("charge", Counter::default()))
+        .module(
+            Module::new("billing").handle_named::<MemberRemoved, _>("charge", Counter::default()),
+        )
         .module(Module::new("webhooks").handle_named::<MemberRemoved, _>("queue", healthy.clone()))
         .fault("billing", "charge", Fault::fail_permanently())
         .build()
         .unwrap();
     let report = harness.publish(&member_removed()).await.unwrap();
-    assert_eq!(report.outcome, Outcome::DeadLettered(DeadLetterReason::Permanent));
+    assert_eq!(
+        report.outcome,
+        Outcome::DeadLettered(DeadLetterReason::Permanent)
+    );
     assert_eq!(report.attempts, 1);
     assert_eq!(healthy.count(), 1, "the other handlers still ran");
 }
@@ -144,9 +174,16 @@ async fn permanent_failure_dead_letters_without_retry() {
 struct RateLimited;
 
 impl Handler<WebhookQueued> for RateLimited {
-    async fn handle(&self, _: &WebhookQueued, context: &MessageContext) -> Result<(), HandlerError> {
+    async fn handle(
+        &self,
+        _: &WebhookQueued,
+        context: &MessageContext,
+    ) -> Result<(), HandlerError> {
         if context.attempt() == 1 {
-            return Err(HandlerError::retry_after(Duration::from_secs(90), "429 Too Many Requests"));
+            return Err(HandlerError::retry_after(
+                Duration::from_secs(90),
+                "429 Too Many Requests",
+            ));
         }
         Ok(())
     }
@@ -158,7 +195,12 @@ async fn retry_after_waits_at_least_as_long_as_the_handler_asked() {
         .module(Module::new("webhooks").handle::<WebhookQueued, _>(RateLimited))
         .build()
         .unwrap();
-    let report = harness.publish(&WebhookQueued { delivery_id: "d1".into() }).await.unwrap();
+    let report = harness
+        .publish(&WebhookQueued {
+            delivery_id: "d1".into(),
+        })
+        .await
+        .unwrap();
     assert!(report.is_handled());
     assert_eq!(report.cooldowns(), secs(&[90]));
 }

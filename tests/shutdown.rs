@@ -45,7 +45,10 @@ async fn shutdown_waits_for_running_deliveries_and_refuses_new_ones() {
         .build()
         .unwrap();
     runtime.publish(&member_removed()).await.unwrap();
-    tokio::time::timeout(Duration::from_secs(5), started_rx).await.unwrap().unwrap();
+    tokio::time::timeout(Duration::from_secs(5), started_rx)
+        .await
+        .unwrap()
+        .unwrap();
 
     // join! polls the shutdown first: from then on the runtime refuses new messages, while
     // the running delivery is let through the gate and finishes.
@@ -56,7 +59,10 @@ async fn shutdown_waits_for_running_deliveries_and_refuses_new_ones() {
     });
 
     assert!(report.is_clean(), "{report:?}");
-    assert!(finished.load(Ordering::SeqCst), "the running delivery finished before the engine stopped");
+    assert!(
+        finished.load(Ordering::SeqCst),
+        "the running delivery finished before the engine stopped"
+    );
     let Err(Error::Engine(EngineError::ShuttingDown(envelope))) = refused else {
         panic!("expected ShuttingDown, got {refused:?}");
     };
@@ -104,12 +110,18 @@ async fn a_delivery_still_running_after_the_drain_timeout_is_reported() {
         .build()
         .unwrap();
     let id = runtime.publish(&member_removed()).await.unwrap();
-    tokio::time::timeout(Duration::from_secs(5), started_rx).await.unwrap().unwrap();
+    tokio::time::timeout(Duration::from_secs(5), started_rx)
+        .await
+        .unwrap()
+        .unwrap();
 
     let report = runtime.shutdown().await;
 
     assert_eq!(report.still_running, [id]);
-    assert!(runtime.shutdown().await.is_clean(), "a second shutdown has nothing left to report");
+    assert!(
+        runtime.shutdown().await.is_clean(),
+        "a second shutdown has nothing left to report"
+    );
 }
 
 struct AlwaysFails;

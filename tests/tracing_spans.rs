@@ -39,7 +39,10 @@ impl<S: tracing::Subscriber + for<'a> LookupSpan<'a>> tracing_subscriber::Layer<
     fn on_new_span(&self, attrs: &Attributes<'_>, id: &Id, ctx: Context<'_, S>) {
         let mut data = SpanData {
             name: attrs.metadata().name().to_owned(),
-            parent: ctx.span_scope(id).and_then(|mut s| s.nth(1)).map(|p| p.id().into_u64()),
+            parent: ctx
+                .span_scope(id)
+                .and_then(|mut s| s.nth(1))
+                .map(|p| p.id().into_u64()),
             ..SpanData::default()
         };
         if let Some(parent) = attrs.parent() {
@@ -63,10 +66,13 @@ async fn each_delivery_has_a_root_span_and_each_handler_a_child_span() {
     let capture = Capture::default();
     // The engine runs on its own threads, so the subscriber must be global; this file holds
     // this one test so that nothing else installs one.
-    tracing::subscriber::set_global_default(tracing_subscriber::registry().with(capture.clone())).unwrap();
+    tracing::subscriber::set_global_default(tracing_subscriber::registry().with(capture.clone()))
+        .unwrap();
 
     let harness = TestHarness::builder()
-        .module(Module::new("workspaces").handle_named::<MemberRemoved, _>("revoke", Recorder::new()))
+        .module(
+            Module::new("workspaces").handle_named::<MemberRemoved, _>("revoke", Recorder::new()),
+        )
         .module(Module::new("webhooks").handle_named::<MemberRemoved, _>("queue", Recorder::new()))
         .fault("webhooks", "queue", Fault::fail_times(1))
         .build()
@@ -78,19 +84,35 @@ async fn each_delivery_has_a_root_span_and_each_handler_a_child_span() {
     let id = report.envelope_id.to_string();
     let roots: Vec<(&u64, &SpanData)> = spans
         .iter()
-        .filter(|(_, s)| s.name == "reprise.delivery" && s.fields.get("messaging.message.id") == Some(&id))
+        .filter(|(_, s)| {
+            s.name == "reprise.delivery" && s.fields.get("messaging.message.id") == Some(&id)
+        })
         .collect();
-    assert_eq!(roots.len(), 1, "one root span for the delivery, across its attempts");
+    assert_eq!(
+        roots.len(),
+        1,
+        "one root span for the delivery, across its attempts"
+    );
     let (root_id, root) = roots[0];
     assert_eq!(root.parent, None);
-    assert_eq!(root.fields["reprise.message_type"], "organization.member_removed");
-    assert_eq!(root.fields["reprise.attempt"], "2", "the root span records the current attempt");
+    assert_eq!(
+        root.fields["reprise.message_type"],
+        "organization.member_removed"
+    );
+    assert_eq!(
+        root.fields["reprise.attempt"], "2",
+        "the root span records the current attempt"
+    );
 
     let mut handlers: Vec<(String, String, String)> = spans
         .values()
         .filter(|s| s.name == "reprise.handler" && s.parent == Some(*root_id))
         .map(|s| {
-            (s.fields["reprise.module"].clone(), s.fields["reprise.handler"].clone(), s.fields["reprise.attempt"].clone())
+            (
+                s.fields["reprise.module"].clone(),
+                s.fields["reprise.handler"].clone(),
+                s.fields["reprise.attempt"].clone(),
+            )
         })
         .collect();
     handlers.sort();

@@ -16,9 +16,13 @@ use support::{Counter, MemberRemoved};
 struct Threads(Arc<Mutex<HashSet<ThreadId>>>);
 
 impl Handler<MemberRemoved> for Threads {
-    async fn handle(&self, message: &MemberRemoved, context: &MessageContext) -> Result<(), HandlerError> {
+    async fn handle(
+        &self,
+        message: &MemberRemoved,
+        context: &MessageContext,
+    ) -> Result<(), HandlerError> {
         self.0.lock().unwrap().insert(std::thread::current().id());
-        if message.member_id % 10 == 0 && context.attempt() == 1 {
+        if message.member_id.is_multiple_of(10) && context.attempt() == 1 {
             panic!("member {} makes this handler panic once", message.member_id);
         }
         Ok(())
@@ -43,9 +47,17 @@ async fn deliveries_use_every_worker_and_survive_panics() {
         .unwrap();
 
     for member_id in 1..=200 {
-        runtime.publish(&MemberRemoved { organization_id: 1, member_id }).await.unwrap();
+        runtime
+            .publish(&MemberRemoved {
+                organization_id: 1,
+                member_id,
+            })
+            .await
+            .unwrap();
     }
-    tokio::time::timeout(Duration::from_secs(30), runtime.idle()).await.unwrap();
+    tokio::time::timeout(Duration::from_secs(30), runtime.idle())
+        .await
+        .unwrap();
 
     let stats = runtime.stats();
     assert_eq!(stats.handled, 200);
@@ -53,6 +65,10 @@ async fn deliveries_use_every_worker_and_survive_panics() {
     assert_eq!(stats.dead_lettered, 0);
     // Each retry reruns every handler: 200 first attempts + 20 retries.
     assert_eq!((a.count(), b.count()), (220, 220));
-    assert_eq!(threads.0.lock().unwrap().len(), 2, "both workers ran handlers");
+    assert_eq!(
+        threads.0.lock().unwrap().len(),
+        2,
+        "both workers ran handlers"
+    );
     assert!(runtime.shutdown().await.is_clean());
 }

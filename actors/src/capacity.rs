@@ -40,7 +40,12 @@ impl Capacity {
             if current < self.max {
                 if self
                     .in_flight
-                    .compare_exchange_weak(current, current + 1, Ordering::AcqRel, Ordering::Acquire)
+                    .compare_exchange_weak(
+                        current,
+                        current + 1,
+                        Ordering::AcqRel,
+                        Ordering::Acquire,
+                    )
                     .is_ok()
                 {
                     return Slot(Arc::clone(self));

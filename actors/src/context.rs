@@ -53,7 +53,9 @@ impl Scope {
     fn actor_or_start(&self) -> &Addr<ContextActor> {
         let message_id = self.message_id;
         self.actor.get_or_init(|| {
-            ContextActor::start_in_arbiter(&self.worker.arbiter, move |_| ContextActor::new(message_id))
+            ContextActor::start_in_arbiter(&self.worker.arbiter, move |_| {
+                ContextActor::new(message_id)
+            })
         })
     }
 }
@@ -74,12 +76,25 @@ pub struct ContextActor {
 
 impl ContextActor {
     fn new(message_id: Uuid) -> Self {
-        Self { message_id, cascaded: Vec::new() }
+        Self {
+            message_id,
+            cascaded: Vec::new(),
+        }
     }
 
     /// A context for the handler at `handler` in `route`, for the attempt `scope` describes.
-    pub(crate) fn handle_for(scope: Arc<Scope>, route: Arc<Route>, handler: usize) -> MessageContext {
-        MessageContext { scope: Some(Attached { scope, route, handler }) }
+    pub(crate) fn handle_for(
+        scope: Arc<Scope>,
+        route: Arc<Route>,
+        handler: usize,
+    ) -> MessageContext {
+        MessageContext {
+            scope: Some(Attached {
+                scope,
+                route,
+                handler,
+            }),
+        }
     }
 }
 
@@ -97,7 +112,11 @@ impl actix::Message for Cascade {
 impl actix::Handler<Cascade> for ContextActor {
     type Result = actix::MessageResult<Cascade>;
 
-    fn handle(&mut self, Cascade(handler, mut envelope): Cascade, _: &mut Context<Self>) -> Self::Result {
+    fn handle(
+        &mut self,
+        Cascade(handler, mut envelope): Cascade,
+        _: &mut Context<Self>,
+    ) -> Self::Result {
         let rank = self.cascaded.iter().filter(|(h, _)| *h == handler).count();
         let name = format!("reprise.cascade:{}/{}:{rank}", handler.module, handler.name);
         envelope.id = Uuid::new_v5(&self.message_id, name.as_bytes());
@@ -194,7 +213,9 @@ impl MessageContext {
 
     /// The handler this context was given to.
     pub fn handler(&self) -> Option<&HandlerId> {
-        self.scope.as_ref().map(|a| &a.route.handlers()[a.handler].id)
+        self.scope
+            .as_ref()
+            .map(|a| &a.route.handlers()[a.handler].id)
     }
 
     /// Cascades `message`: it is published once the whole delivery succeeds, and carries this
@@ -247,7 +268,11 @@ impl MessageContext {
             });
         }
         let handler = attached.route.handlers()[attached.handler].id.clone();
-        scope.actor_or_start().send(Cascade(handler, envelope)).await.map_err(|_| Error::Detached)
+        scope
+            .actor_or_start()
+            .send(Cascade(handler, envelope))
+            .await
+            .map_err(|_| Error::Detached)
     }
 }
 

@@ -34,7 +34,10 @@ impl fmt::Display for DeadLetterReason {
             Self::MalformedPayload(error) => write!(f, "malformed payload: {error}"),
             Self::NoHandler(message_type) => write!(f, "no handler for {message_type}"),
             Self::TooLarge { size, limit } => {
-                write!(f, "envelope too large: {size} bytes over a limit of {limit}")
+                write!(
+                    f,
+                    "envelope too large: {size} bytes over a limit of {limit}"
+                )
             }
         }
     }
@@ -80,6 +83,13 @@ impl DeadLetter {
         last_failure_at: DateTime<Utc>,
     ) -> Self {
         let attempts = failures.last().map_or(0, |f| f.attempt);
-        Self { envelope, reason, failures, attempts, first_failure_at, last_failure_at }
+        Self {
+            envelope,
+            reason,
+            failures,
+            attempts,
+            first_failure_at,
+            last_failure_at,
+        }
     }
 }

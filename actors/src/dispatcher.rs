@@ -51,7 +51,9 @@ pub(crate) struct Worker {
 
 impl std::fmt::Debug for Worker {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Worker").field("registry", &self.registry).finish_non_exhaustive()
+        f.debug_struct("Worker")
+            .field("registry", &self.registry)
+            .finish_non_exhaustive()
     }
 }
 
@@ -148,7 +150,10 @@ impl Dispatcher {
                 "duplicate envelope discarded"
             );
             if let Some(reply) = reply {
-                let _ = reply.send(DeliveryReport::discarded(&envelope, DiscardReason::DuplicateEnvelope));
+                let _ = reply.send(DeliveryReport::discarded(
+                    &envelope,
+                    DiscardReason::DuplicateEnvelope,
+                ));
             }
             shared.tracker.release();
             return Ok(());

@@ -133,7 +133,12 @@ impl Engine {
                         max_envelope_size: config.max_envelope_size,
                         unknown_message_types: config.unknown_message_types,
                     };
-                    (Dispatcher { shared: Arc::new(shared) }, System::current())
+                    (
+                        Dispatcher {
+                            shared: Arc::new(shared),
+                        },
+                        System::current(),
+                    )
                 });
                 if ready_tx.send(started).is_ok() {
                     let _ = runner.run();
@@ -145,9 +150,14 @@ impl Engine {
                 let _ = stopped_tx.send(());
             })
             .map_err(|e| Error::Startup(e.to_string()))?;
-        let (dispatcher, system) =
-            ready_rx.recv().map_err(|_| Error::Startup("the engine thread died while starting".into()))?;
-        Ok(Self { dispatcher, system, stopped: tokio::sync::Mutex::new(Some(stopped_rx)) })
+        let (dispatcher, system) = ready_rx
+            .recv()
+            .map_err(|_| Error::Startup("the engine thread died while starting".into()))?;
+        Ok(Self {
+            dispatcher,
+            system,
+            stopped: tokio::sync::Mutex::new(Some(stopped_rx)),
+        })
     }
 
     /// Where received envelopes go.
@@ -167,11 +177,17 @@ impl Engine {
         let tracker = &self.dispatcher.shared.tracker;
         tracker.close();
         let mut stopped = self.stopped.lock().await;
-        let Some(stopped) = stopped.take() else { return ShutdownReport::default() };
+        let Some(stopped) = stopped.take() else {
+            return ShutdownReport::default();
+        };
         let drained = tokio::time::timeout(drain, tracker.drained()).await.is_ok();
         let report = ShutdownReport {
             pending_retries: tracker.take_cooling(),
-            still_running: if drained { Vec::new() } else { tracker.still_active() },
+            still_running: if drained {
+                Vec::new()
+            } else {
+                tracker.still_active()
+            },
         };
         for pending in &report.pending_retries {
             tracing::warn!(

@@ -70,17 +70,26 @@ pub struct HandlerError {
 impl HandlerError {
     /// A failure that the retry policy retries.
     pub fn retry(error: impl Into<Box<dyn StdError + Send + Sync>>) -> Self {
-        Self { disposition: Disposition::Retry, source: error.into() }
+        Self {
+            disposition: Disposition::Retry,
+            source: error.into(),
+        }
     }
 
     /// A failure that no retry can fix: the message is dead-lettered at once.
     pub fn permanent(error: impl Into<Box<dyn StdError + Send + Sync>>) -> Self {
-        Self { disposition: Disposition::Permanent, source: error.into() }
+        Self {
+            disposition: Disposition::Permanent,
+            source: error.into(),
+        }
     }
 
     /// A failure to retry no sooner than `delay` (for example a rate limit's `Retry-After`).
     pub fn retry_after(delay: Duration, error: impl Into<Box<dyn StdError + Send + Sync>>) -> Self {
-        Self { disposition: Disposition::RetryAfter(delay), source: error.into() }
+        Self {
+            disposition: Disposition::RetryAfter(delay),
+            source: error.into(),
+        }
     }
 
     /// How the handler wants this failure treated.

@@ -36,7 +36,15 @@ impl HandlerActor {
         supervisor: Addr<DeliverySupervisor>,
         span: tracing::Span,
     ) -> Self {
-        Self { route, index, message, context, timeout, supervisor, span }
+        Self {
+            route,
+            index,
+            message,
+            context,
+            timeout,
+            supervisor,
+            span,
+        }
     }
 
     fn report(&self, result: HandlerResult) {
@@ -59,14 +67,24 @@ impl HandlerActor {
         let failure = failure.map(|(kind, error)| {
             tracing::warn!(parent: &self.span, %error, ?kind, "handler failed");
             let id = &self.route.handlers()[self.index].id;
-            HandlerFailure { module: id.module.to_string(), handler: id.name.to_string(), error, kind }
+            HandlerFailure {
+                module: id.module.to_string(),
+                handler: id.name.to_string(),
+                error,
+                kind,
+            }
         });
-        self.supervisor.do_send(HandlerFinished { index: self.index, failure });
+        self.supervisor.do_send(HandlerFinished {
+            index: self.index,
+            failure,
+        });
     }
 }
 
-type HandlerResult =
-    Result<Result<Result<(), HandlerError>, Box<dyn std::any::Any + Send>>, tokio::time::error::Elapsed>;
+type HandlerResult = Result<
+    Result<Result<(), HandlerError>, Box<dyn std::any::Any + Send>>,
+    tokio::time::error::Elapsed,
+>;
 
 impl std::fmt::Debug for HandlerActor {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -92,8 +110,12 @@ impl Actor for HandlerActor {
 
     fn started(&mut self, ctx: &mut Context<Self>) {
         let invoke = &self.route.handlers()[self.index].invoke;
-        let mut call =
-            invoke(Arc::clone(&self.route), self.index, self.message.clone(), self.context.clone());
+        let mut call = invoke(
+            Arc::clone(&self.route),
+            self.index,
+            self.message.clone(),
+            self.context.clone(),
+        );
         // Many handlers finish without waiting on anything: poll once here, and arm the
         // timeout and the actor's future machinery only for those that have to wait.
         let first = {
@@ -114,7 +136,8 @@ impl Actor for HandlerActor {
             Ok(None) => {}
         }
         let guarded = tokio::time::timeout(self.timeout, AssertUnwindSafe(call).catch_unwind());
-        let guarded: futures::future::BoxFuture<'static, HandlerResult> = if self.span.is_disabled() {
+        let guarded: futures::future::BoxFuture<'static, HandlerResult> = if self.span.is_disabled()
+        {
             Box::pin(guarded)
         } else {
             Box::pin(guarded.instrument(self.span.clone()))

@@ -16,7 +16,12 @@ pub type Decoded = Arc<dyn Any + Send + Sync>;
 /// The call reaches its handler through the route rather than through a handle of its own,
 /// so that running a handler touches no reference count shared between worker threads.
 pub type Invoke = Arc<
-    dyn Fn(Arc<Route>, usize, Decoded, MessageContext) -> BoxFuture<'static, Result<(), HandlerError>>
+    dyn Fn(
+            Arc<Route>,
+            usize,
+            Decoded,
+            MessageContext,
+        ) -> BoxFuture<'static, Result<(), HandlerError>>
         + Send
         + Sync,
 >;
@@ -97,7 +102,12 @@ pub struct Module {
 impl Module {
     /// An empty module called `name`.
     pub fn new(name: impl Into<Arc<str>>) -> Self {
-        Self { name: name.into(), policy: None, timeout: None, handlers: Vec::new() }
+        Self {
+            name: name.into(),
+            policy: None,
+            timeout: None,
+            handlers: Vec::new(),
+        }
     }
 
     /// The module's name.
@@ -145,7 +155,9 @@ impl Module {
                 let handler = route.handlers()[index]
                     .handler
                     .downcast_ref::<H>()
-                    .ok_or_else(|| HandlerError::permanent("registered handler has the wrong type"))?;
+                    .ok_or_else(|| {
+                        HandlerError::permanent("registered handler has the wrong type")
+                    })?;
                 let message = decoded
                     .downcast_ref::<M>()
                     .ok_or_else(|| HandlerError::permanent("decoded message has the wrong type"))?;
@@ -154,7 +166,10 @@ impl Module {
             .boxed()
         });
         self.handlers.push(HandlerEntry {
-            id: HandlerId { module: Arc::clone(&self.name), name: name.into() },
+            id: HandlerId {
+                module: Arc::clone(&self.name),
+                name: name.into(),
+            },
             message_type: M::TYPE,
             invoke,
             handler: Arc::new(handler),

@@ -76,7 +76,10 @@ impl Registry {
                 policy: None,
             });
             if route.handlers.iter().any(|h| h.id == entry.id) {
-                return Err(RegistryError::DuplicateHandler(entry.id, entry.message_type));
+                return Err(RegistryError::DuplicateHandler(
+                    entry.id,
+                    entry.message_type,
+                ));
             }
             route.handlers.push(entry);
         }
@@ -87,7 +90,11 @@ impl Registry {
             route.policy = Some(policy);
         }
         let routes = routes.into_iter().map(|(k, v)| (k, Arc::new(v))).collect();
-        Ok(Self { routes, default_policy, handler_timeout })
+        Ok(Self {
+            routes,
+            default_policy,
+            handler_timeout,
+        })
     }
 
     /// The route of `message_type`, if any handler handles it.
@@ -134,7 +141,9 @@ impl Registry {
     pub fn wrap_handler(&mut self, id: &HandlerId, wrap: impl Fn(Invoke) -> Invoke) -> bool {
         let mut found = false;
         for route in self.routes.values_mut() {
-            let Some(route) = Arc::get_mut(route) else { continue };
+            let Some(route) = Arc::get_mut(route) else {
+                continue;
+            };
             for entry in route.handlers.iter_mut().filter(|h| h.id == *id) {
                 entry.invoke = wrap(Arc::clone(&entry.invoke));
                 found = true;
@@ -147,7 +156,11 @@ impl Registry {
     /// reference counts a delivery touches are not shared with other workers.
     pub(crate) fn replicate(&self) -> Self {
         Self {
-            routes: self.routes.iter().map(|(k, v)| (*k, Arc::new(Route::clone(v)))).collect(),
+            routes: self
+                .routes
+                .iter()
+                .map(|(k, v)| (*k, Arc::new(Route::clone(v))))
+                .collect(),
             default_policy: self.default_policy,
             handler_timeout: self.handler_timeout,
         }
@@ -155,6 +168,8 @@ impl Registry {
 
     /// Every registered handler.
     pub fn handler_ids(&self) -> impl Iterator<Item = &HandlerId> {
-        self.routes.values().flat_map(|r| r.handlers.iter().map(|h| &h.id))
+        self.routes
+            .values()
+            .flat_map(|r| r.handlers.iter().map(|h| &h.id))
     }
 }

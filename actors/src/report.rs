@@ -68,6 +68,9 @@ impl DeliveryReport {
 
     /// The pauses between consecutive attempts.
     pub fn cooldowns(&self) -> Vec<Duration> {
-        self.attempt_offsets.windows(2).map(|w| w[1] - w[0]).collect()
+        self.attempt_offsets
+            .windows(2)
+            .map(|w| w[1] - w[0])
+            .collect()
     }
 }

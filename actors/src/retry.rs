@@ -42,7 +42,10 @@ impl Default for RetryPolicy {
 impl RetryPolicy {
     /// A policy that never retries: the first failure dead-letters.
     pub fn no_retries() -> Self {
-        Self { retry_limit: 0, ..Self::default() }
+        Self {
+            retry_limit: 0,
+            ..Self::default()
+        }
     }
 
     /// The pause before retry `k` (0-based); saturates at `max_retry_interval` instead of
@@ -52,7 +55,9 @@ impl RetryPolicy {
             .checked_shl(k)
             .and_then(|power| self.retry_interval_delta.checked_mul(power - 1))
             .and_then(|growth| self.min_retry_interval.checked_add(growth));
-        growth.map_or(self.max_retry_interval, |pause| pause.min(self.max_retry_interval))
+        growth.map_or(self.max_retry_interval, |pause| {
+            pause.min(self.max_retry_interval)
+        })
     }
 
     /// Every pause, in order: one per retry.

@@ -74,7 +74,9 @@ impl Counters {
 
 impl Stats {
     pub(crate) fn new(writers: usize) -> Self {
-        Self { writers: (0..writers.max(1)).map(|_| Counters::default()).collect() }
+        Self {
+            writers: (0..writers.max(1)).map(|_| Counters::default()).collect(),
+        }
     }
 
     /// The counters of writer `index`.

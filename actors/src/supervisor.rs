@@ -169,21 +169,29 @@ impl DeliverySupervisor {
     }
 
     fn finish_attempt(&mut self, ctx: &mut Context<Self>) {
-        let Some(scope) = self.scope.take() else { return };
+        let Some(scope) = self.scope.take() else {
+            return;
+        };
         let Some(context) = scope.actor().cloned() else {
             self.conclude_attempt(Vec::new(), ctx);
             return;
         };
         let take = async move { context.send(TakeCascaded).await.unwrap_or_default() };
-        ctx.spawn(take.into_actor(self).map(|cascaded, actor, ctx| actor.conclude_attempt(cascaded, ctx)));
+        ctx.spawn(
+            take.into_actor(self)
+                .map(|cascaded, actor, ctx| actor.conclude_attempt(cascaded, ctx)),
+        );
     }
 
     fn conclude_attempt(&mut self, cascaded: Vec<(HandlerId, Envelope)>, ctx: &mut Context<Self>) {
         let mut results = std::mem::take(&mut self.results);
         results.sort_by_key(|(index, _)| *index);
-        let failures: Vec<HandlerFailure> = results.into_iter().map(|(_, failure)| failure).collect();
+        let failures: Vec<HandlerFailure> =
+            results.into_iter().map(|(_, failure)| failure).collect();
         for (handler, envelope) in cascaded {
-            let failed = failures.iter().any(|f| *f.module == *handler.module && *f.handler == *handler.name);
+            let failed = failures
+                .iter()
+                .any(|f| *f.module == *handler.module && *f.handler == *handler.name);
             if failed {
                 continue;
             }
@@ -207,24 +215,39 @@ impl DeliverySupervisor {
         let now = self.now();
         self.first_failure_at.get_or_insert(now);
         let shared = &*self.dispatcher.shared;
-        let Some(route) = self.route.clone() else { return };
-        let policy = shared.workers[self.worker].registry.policy_for(&route, &failure);
+        let Some(route) = self.route.clone() else {
+            return;
+        };
+        let policy = shared.workers[self.worker]
+            .registry
+            .policy_for(&route, &failure);
         let decision = policy.decide(failure.attempt, &failure);
         self.failures.push(failure);
         match decision {
             RetryDecision::RetryIn(delay) => {
                 shared.stats.writer(self.worker).bump(Counter::Retried);
-                let due_at = now + chrono::Duration::from_std(delay).unwrap_or(chrono::TimeDelta::MAX);
+                let due_at =
+                    now + chrono::Duration::from_std(delay).unwrap_or(chrono::TimeDelta::MAX);
                 tracing::info!(parent: &self.span, ?delay, "retry scheduled");
                 if let Some(ticket) = self.ticket {
-                    let pending =
-                        PendingRetry { envelope: self.envelope.clone(), due_at, failures: self.failures.clone() };
+                    let pending = PendingRetry {
+                        envelope: self.envelope.clone(),
+                        due_at,
+                        failures: self.failures.clone(),
+                    };
                     shared.tracker.cooling(ticket, pending);
                 }
-                shared.timer.do_send(Schedule { delay, target: ctx.address().recipient() });
+                shared.timer.do_send(Schedule {
+                    delay,
+                    target: ctx.address().recipient(),
+                });
             }
             RetryDecision::DeadLetter { exhausted } => {
-                let reason = if exhausted { DeadLetterReason::RetriesExhausted } else { DeadLetterReason::Permanent };
+                let reason = if exhausted {
+                    DeadLetterReason::RetriesExhausted
+                } else {
+                    DeadLetterReason::Permanent
+                };
                 let dead_letter = DeadLetter::failed(
                     self.envelope.clone(),
                     reason,
@@ -246,13 +269,21 @@ impl DeliverySupervisor {
             return;
         }
         let worker = Arc::clone(worker);
-        let work = async move { persist("mark handled", id, || worker.inbox.mark_handled(id)).await };
-        ctx.spawn(work.into_actor(self).map(|(), actor, ctx| actor.handled(ctx)));
+        let work =
+            async move { persist("mark handled", id, || worker.inbox.mark_handled(id)).await };
+        ctx.spawn(
+            work.into_actor(self)
+                .map(|(), actor, ctx| actor.handled(ctx)),
+        );
     }
 
     fn handled(&mut self, ctx: &mut Context<Self>) {
         let cascaded = std::mem::take(&mut self.cascaded);
-        self.dispatcher.shared.stats.writer(self.worker).bump(Counter::Handled);
+        self.dispatcher
+            .shared
+            .stats
+            .writer(self.worker)
+            .bump(Counter::Handled);
         tracing::info!(parent: &self.span, cascaded = cascaded.len(), "delivery handled");
         self.dispatcher.forward(cascaded.clone());
         self.settle(Outcome::Handled, cascaded, ctx);
@@ -264,12 +295,20 @@ impl DeliverySupervisor {
         let reason = dead_letter.reason.clone();
         tracing::error!(parent: &self.span, %reason, "message dead-lettered");
         let work = async move {
-            persist("dead letter", id, || worker.dead_letters.put(dead_letter.clone())).await;
+            persist("dead letter", id, || {
+                worker.dead_letters.put(dead_letter.clone())
+            })
+            .await;
             // Settled: a redelivery within the retention is discarded; a replay forgets it first.
             persist("mark handled", id, || worker.inbox.mark_handled(id)).await;
         };
         ctx.spawn(work.into_actor(self).map(move |(), actor, ctx| {
-            actor.dispatcher.shared.stats.writer(actor.worker).bump(Counter::DeadLettered);
+            actor
+                .dispatcher
+                .shared
+                .stats
+                .writer(actor.worker)
+                .bump(Counter::DeadLettered);
             actor.settle(Outcome::DeadLettered(reason), Vec::new(), ctx);
         }));
     }
@@ -285,7 +324,9 @@ impl DeliverySupervisor {
                 attempt_offsets: if self.envelope.attempts == 0 {
                     Vec::new()
                 } else {
-                    std::iter::once(Duration::ZERO).chain(self.retry_offsets.drain(..)).collect()
+                    std::iter::once(Duration::ZERO)
+                        .chain(self.retry_offsets.drain(..))
+                        .collect()
                 },
                 cascaded,
             });
@@ -330,21 +371,35 @@ impl Actor for DeliverySupervisor {
         self.ticket = Some(shared.tracker.supervise(self.worker, self.envelope.id));
         let size = self.envelope.size();
         let rejected = if size > shared.max_envelope_size {
-            Some(DeadLetterReason::TooLarge { size, limit: shared.max_envelope_size })
+            Some(DeadLetterReason::TooLarge {
+                size,
+                limit: shared.max_envelope_size,
+            })
         } else {
-            match shared.workers[self.worker].registry.route(&self.envelope.message_type) {
+            match shared.workers[self.worker]
+                .registry
+                .route(&self.envelope.message_type)
+            {
                 None if shared.unknown_message_types == UnknownMessageTypes::Discard => {
                     tracing::warn!(parent: &self.span, "no handler for this message type; discarded");
                     shared.stats.writer(self.worker).bump(Counter::Discarded);
                     let id = self.envelope.id;
                     let worker = Arc::clone(&shared.workers[self.worker]);
-                    let work = async move { persist("mark handled", id, || worker.inbox.mark_handled(id)).await };
+                    let work = async move {
+                        persist("mark handled", id, || worker.inbox.mark_handled(id)).await
+                    };
                     ctx.spawn(work.into_actor(self).map(|(), actor, ctx| {
-                        actor.settle(Outcome::Discarded(DiscardReason::NoHandler), Vec::new(), ctx);
+                        actor.settle(
+                            Outcome::Discarded(DiscardReason::NoHandler),
+                            Vec::new(),
+                            ctx,
+                        );
                     }));
                     return;
                 }
-                None => Some(DeadLetterReason::NoHandler(self.envelope.message_type.to_string())),
+                None => Some(DeadLetterReason::NoHandler(
+                    self.envelope.message_type.to_string(),
+                )),
                 Some(route) => match route.decode(&self.envelope.payload) {
                     Ok(message) => {
                         self.route = Some(Arc::clone(route));
@@ -383,7 +438,10 @@ impl actix::Handler<RetryDue> for DeliverySupervisor {
     type Result = ();
 
     fn handle(&mut self, _: RetryDue, ctx: &mut Context<Self>) {
-        if self.ticket.is_some_and(|ticket| self.dispatcher.shared.tracker.resume(ticket)) {
+        if self
+            .ticket
+            .is_some_and(|ticket| self.dispatcher.shared.tracker.resume(ticket))
+        {
             self.start_attempt(ctx);
         } else {
             // Handed back by a shutdown while cooling down: the report owns it now.

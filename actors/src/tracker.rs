@@ -70,9 +70,21 @@ impl Supervised {
     }
 
     fn live(&self, worker: usize) -> impl Iterator<Item = (Ticket, &Live)> {
-        self.slots.iter().enumerate().filter_map(move |(slot, entry)| {
-            entry.as_ref().map(|(generation, live)| (Ticket { worker, slot, generation: *generation }, live))
-        })
+        self.slots
+            .iter()
+            .enumerate()
+            .filter_map(move |(slot, entry)| {
+                entry.as_ref().map(|(generation, live)| {
+                    (
+                        Ticket {
+                            worker,
+                            slot,
+                            generation: *generation,
+                        },
+                        live,
+                    )
+                })
+            })
     }
 }
 
@@ -113,14 +125,17 @@ impl Tracker {
     fn worker(&self, worker: usize) -> MutexGuard<'_, Supervised> {
         // A poisoned lock only means another thread panicked while holding it; the map itself
         // is always left consistent, so keep going rather than take the runtime down.
-        self.workers[worker % self.workers.len()].lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+        self.workers[worker % self.workers.len()]
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 
     /// Subtracts `delta` from the packed counts, waking waiters when either count hits zero.
     fn leave(&self, delta: u64) {
         let before = self.counts.fetch_sub(delta, Ordering::AcqRel);
         let after = before - delta;
-        if (after & ACTIVE == 0 && before & ACTIVE != 0) || (after >> 32 == 0 && before >> 32 != 0) {
+        if (after & ACTIVE == 0 && before & ACTIVE != 0) || (after >> 32 == 0 && before >> 32 != 0)
+        {
             self.changed.notify_waiters();
         }
     }
@@ -143,13 +158,22 @@ impl Tracker {
     /// Records that `worker` supervises the admitted delivery of envelope `id`.
     pub(crate) fn supervise(&self, worker: usize, id: Uuid) -> Ticket {
         let (slot, generation) = self.worker(worker).insert(Live::Active(id));
-        Ticket { worker, slot, generation }
+        Ticket {
+            worker,
+            slot,
+            generation,
+        }
     }
 
     pub(crate) fn cooling(&self, ticket: Ticket, pending: PendingRetry) {
         let mut supervised = self.worker(ticket.worker);
-        let Some(live) = supervised.get_mut(ticket) else { return };
-        if matches!(std::mem::replace(live, Live::Cooling(Box::new(pending))), Live::Active(_)) {
+        let Some(live) = supervised.get_mut(ticket) else {
+            return;
+        };
+        if matches!(
+            std::mem::replace(live, Live::Cooling(Box::new(pending))),
+            Live::Active(_)
+        ) {
             self.leave(1);
         }
     }
@@ -157,7 +181,9 @@ impl Tracker {
     /// Marks a cooled-down delivery active again; false if a shutdown took it back meanwhile.
     pub(crate) fn resume(&self, ticket: Ticket) -> bool {
         let mut supervised = self.worker(ticket.worker);
-        let Some(live) = supervised.get_mut(ticket) else { return false };
+        let Some(live) = supervised.get_mut(ticket) else {
+            return false;
+        };
         if let Live::Cooling(pending) = &*live {
             *live = Live::Active(pending.envelope.id);
             self.counts.fetch_add(1, Ordering::AcqRel);

@@ -25,7 +25,10 @@ pub(crate) async fn migrate(pool: &SqlitePool) -> Result<(), sqlx::Error> {
 }
 
 pub(crate) async fn count(pool: &SqlitePool) -> Result<i64, sqlx::Error> {
-    sqlx::query("SELECT count(*) FROM audit_entries").fetch_one(pool).await?.try_get(0)
+    sqlx::query("SELECT count(*) FROM audit_entries")
+        .fetch_one(pool)
+        .await?
+        .try_get(0)
 }
 
 pub(crate) struct RecordEntry {
@@ -39,7 +42,11 @@ impl RecordEntry {
 }
 
 impl Handler<MemberRemoved> for RecordEntry {
-    async fn handle(&self, event: &MemberRemoved, context: &MessageContext) -> Result<(), HandlerError> {
+    async fn handle(
+        &self,
+        event: &MemberRemoved,
+        context: &MessageContext,
+    ) -> Result<(), HandlerError> {
         // An audit entry only ever comes from a consumed message: a missing id is a bug.
         let message_id = context.message_id().ok_or_else(|| {
             HandlerError::permanent("an audit entry is only recorded from a consumed message, and this one has no message id")

@@ -39,7 +39,10 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         .create_if_missing(true)
         .journal_mode(SqliteJournalMode::Wal)
         .busy_timeout(Duration::from_secs(5));
-    let pool = SqlitePoolOptions::new().max_connections(4).connect_with(options).await?;
+    let pool = SqlitePoolOptions::new()
+        .max_connections(4)
+        .connect_with(options)
+        .await?;
     webhooks::migrate(&pool).await?;
     audit::migrate(&pool).await?;
     let organization_id = organizations::seed(&pool).await?;
@@ -54,7 +57,9 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
                 .handle::<MemberRemoved, _>(webhooks.clone())
                 .handle::<WebhookDeliveryRequested, _>(sender.clone()),
         )
-        .module(Module::new("audit").handle::<MemberRemoved, _>(audit::RecordEntry::new(pool.clone())))
+        .module(
+            Module::new("audit").handle::<MemberRemoved, _>(audit::RecordEntry::new(pool.clone())),
+        )
         .build()?;
 
     let rows_before = webhooks::count(&pool).await?;
@@ -62,7 +67,9 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let organizations = organizations::Organizations::new(&runtime);
     let mut first = None;
     for member_id in 1..=3 {
-        let envelope = organizations.remove_member(organization_id, member_id).await?;
+        let envelope = organizations
+            .remove_member(organization_id, member_id)
+            .await?;
         first.get_or_insert(envelope);
     }
     runtime.idle().await;
@@ -78,7 +85,13 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
 
     // Outside a consumer there is no message id: the audit refuses to invent one.
     let detached = audit::RecordEntry::new(pool.clone())
-        .handle(&MemberRemoved { organization_id, member_id: 99 }, &MessageContext::detached())
+        .handle(
+            &MemberRemoved {
+                organization_id,
+                member_id: 99,
+            },
+            &MessageContext::detached(),
+        )
         .await;
 
     let stats = runtime.stats();
@@ -88,21 +101,32 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let report = runtime.shutdown().await;
 
     println!("reprise — modular monolith on {path}");
-    println!("  events published            {}", organizations.published());
-    println!("  deliveries handled          {} (events and the webhook sends they cascaded)", stats.handled);
+    println!(
+        "  events published            {}",
+        organizations.published()
+    );
+    println!(
+        "  deliveries handled          {} (events and the webhook sends they cascaded)",
+        stats.handled
+    );
     println!("  attempts                    {}", stats.attempts);
     println!("  retries                     {}", stats.retried);
     println!("  dead letters                {}", stats.dead_lettered);
     println!("  redeliveries discarded      {}", stats.deduplicated);
     println!("  workspaces handler failures {}", revoke.failures());
     println!("  webhooks handler runs       {}", webhooks.runs());
-    println!("  webhook rows written        {rows} ({} events x {subscribed} webhooks)", organizations.published());
+    println!(
+        "  webhook rows written        {rows} ({} events x {subscribed} webhooks)",
+        organizations.published()
+    );
     println!("  webhook rows found existing {}", webhooks.skipped());
     println!("  webhook sends requested     {}", sender.sent());
     println!("  audit entries written       {audit_rows}");
     println!(
         "  audit without a message id  {}",
-        detached.err().map_or_else(|| "accepted (wrong!)".into(), |e| format!("refused: {e}"))
+        detached
+            .err()
+            .map_or_else(|| "accepted (wrong!)".into(), |e| format!("refused: {e}"))
     );
 
     let expected_rows = organizations.published() * subscribed;
@@ -116,17 +140,21 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         println!("OK: the retry reran every handler and wrote no duplicate");
         Ok(())
     } else {
-        Err(format!("duplicates or losses: {rows} rows, {} sends, {audit_rows} audit entries", sender.sent()).into())
+        Err(format!(
+            "duplicates or losses: {rows} rows, {} sends, {audit_rows} audit entries",
+            sender.sent()
+        )
+        .into())
     }
 }
 
 fn database_path() -> String {
     let mut args = std::env::args().skip(1);
     while let Some(arg) = args.next() {
-        if arg == "--database" {
-            if let Some(path) = args.next() {
-                return path;
-            }
+        if arg == "--database"
+            && let Some(path) = args.next()
+        {
+            return path;
         }
     }
     "reprise.db".to_owned()

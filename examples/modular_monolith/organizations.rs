@@ -14,7 +14,10 @@ pub(crate) struct Organizations<'a> {
 
 impl<'a> Organizations<'a> {
     pub(crate) fn new(runtime: &'a Runtime) -> Self {
-        Self { runtime, published: AtomicUsize::new(0) }
+        Self {
+            runtime,
+            published: AtomicUsize::new(0),
+        }
     }
 
     /// Removes a member and announces it; returns the envelope, as a broker would carry it.
@@ -23,7 +26,10 @@ impl<'a> Organizations<'a> {
         organization_id: i64,
         member_id: i64,
     ) -> Result<Envelope, reprise::Error> {
-        let event = MemberRemoved { organization_id, member_id };
+        let event = MemberRemoved {
+            organization_id,
+            member_id,
+        };
         let envelope = self.runtime.envelope(&event, SendOptions::new())?;
         self.runtime.receive(envelope.clone()).await?;
         self.published.fetch_add(1, Ordering::Relaxed);
@@ -38,7 +44,11 @@ impl<'a> Organizations<'a> {
 /// Creates the example organization with three subscribed webhooks; returns its id.
 pub(crate) async fn seed(pool: &SqlitePool) -> Result<i64, sqlx::Error> {
     let organization_id = 1;
-    for url in ["https://hooks.example/a", "https://hooks.example/b", "https://hooks.example/c"] {
+    for url in [
+        "https://hooks.example/a",
+        "https://hooks.example/b",
+        "https://hooks.example/c",
+    ] {
         sqlx::query("INSERT OR IGNORE INTO webhooks (organization_id, url) VALUES (?, ?)")
             .bind(organization_id)
             .bind(url)

@@ -32,10 +32,16 @@ pub(crate) async fn migrate(pool: &SqlitePool) -> Result<(), sqlx::Error> {
 }
 
 pub(crate) async fn count(pool: &SqlitePool) -> Result<i64, sqlx::Error> {
-    sqlx::query("SELECT count(*) FROM webhook_deliveries").fetch_one(pool).await?.try_get(0)
+    sqlx::query("SELECT count(*) FROM webhook_deliveries")
+        .fetch_one(pool)
+        .await?
+        .try_get(0)
 }
 
-pub(crate) async fn subscribed(pool: &SqlitePool, organization_id: i64) -> Result<i64, sqlx::Error> {
+pub(crate) async fn subscribed(
+    pool: &SqlitePool,
+    organization_id: i64,
+) -> Result<i64, sqlx::Error> {
     sqlx::query("SELECT count(*) FROM webhooks WHERE organization_id = ?")
         .bind(organization_id)
         .fetch_one(pool)
@@ -52,7 +58,11 @@ pub(crate) struct QueueDeliveries {
 
 impl QueueDeliveries {
     pub(crate) fn new(pool: SqlitePool) -> Self {
-        Self { pool, runs: Arc::default(), skipped: Arc::default() }
+        Self {
+            pool,
+            runs: Arc::default(),
+            skipped: Arc::default(),
+        }
     }
 
     pub(crate) fn runs(&self) -> usize {
@@ -65,23 +75,34 @@ impl QueueDeliveries {
 }
 
 impl Handler<MemberRemoved> for QueueDeliveries {
-    async fn handle(&self, event: &MemberRemoved, context: &MessageContext) -> Result<(), HandlerError> {
+    async fn handle(
+        &self,
+        event: &MemberRemoved,
+        context: &MessageContext,
+    ) -> Result<(), HandlerError> {
         self.runs.fetch_add(1, Ordering::Relaxed);
-        let webhooks: Vec<i64> = sqlx::query("SELECT id FROM webhooks WHERE organization_id = ? ORDER BY id")
-            .bind(event.organization_id)
-            .fetch_all(&self.pool)
-            .await?
-            .iter()
-            .map(|row| row.try_get(0))
-            .collect::<Result<_, _>>()?;
+        let webhooks: Vec<i64> =
+            sqlx::query("SELECT id FROM webhooks WHERE organization_id = ? ORDER BY id")
+                .bind(event.organization_id)
+                .fetch_all(&self.pool)
+                .await?
+                .iter()
+                .map(|row| row.try_get(0))
+                .collect::<Result<_, _>>()?;
         // One message fans out to several webhooks: the pair (message, webhook) names the row.
         let candidates: Vec<(i64, String)> = webhooks
             .into_iter()
-            .map(|webhook| (webhook, ids::derive_or_random(context.message_id(), &webhook.to_string())))
+            .map(|webhook| {
+                (
+                    webhook,
+                    ids::derive_or_random(context.message_id(), &webhook.to_string()),
+                )
+            })
             .collect();
 
         // One round trip, whatever the number of webhooks.
-        let wanted = serde_json::to_string(&candidates.iter().map(|(_, id)| id).collect::<Vec<_>>())?;
+        let wanted =
+            serde_json::to_string(&candidates.iter().map(|(_, id)| id).collect::<Vec<_>>())?;
         let existing: Vec<String> = sqlx::query(
             "SELECT id FROM webhook_deliveries WHERE id IN (SELECT value FROM json_each(?))",
         )
@@ -91,7 +112,10 @@ impl Handler<MemberRemoved> for QueueDeliveries {
         .iter()
         .map(|row| row.try_get(0))
         .collect::<Result<_, _>>()?;
-        let new: Vec<&(i64, String)> = candidates.iter().filter(|(_, id)| !existing.contains(id)).collect();
+        let new: Vec<&(i64, String)> = candidates
+            .iter()
+            .filter(|(_, id)| !existing.contains(id))
+            .collect();
         self.skipped.fetch_add(existing.len(), Ordering::Relaxed);
         if new.is_empty() {
             // A retry of work already done: no commit, no publish.
@@ -115,7 +139,11 @@ impl Handler<MemberRemoved> for QueueDeliveries {
         // Commit before publishing.
         tx.commit().await?;
         for (_, id) in new {
-            context.publish(&WebhookDeliveryRequested { delivery_id: id.clone() }).await?;
+            context
+                .publish(&WebhookDeliveryRequested {
+                    delivery_id: id.clone(),
+                })
+                .await?;
         }
         Ok(())
     }
@@ -134,7 +162,11 @@ impl SendDelivery {
 }
 
 impl Handler<WebhookDeliveryRequested> for SendDelivery {
-    async fn handle(&self, _: &WebhookDeliveryRequested, _: &MessageContext) -> Result<(), HandlerError> {
+    async fn handle(
+        &self,
+        _: &WebhookDeliveryRequested,
+        _: &MessageContext,
+    ) -> Result<(), HandlerError> {
         self.sent.fetch_add(1, Ordering::Relaxed);
         Ok(())
     }

@@ -16,7 +16,10 @@ pub(crate) struct RevokeAccess {
 
 impl RevokeAccess {
     pub(crate) fn failing_once() -> Self {
-        Self { calls: Arc::default(), failures: Arc::default() }
+        Self {
+            calls: Arc::default(),
+            failures: Arc::default(),
+        }
     }
 
     pub(crate) fn failures(&self) -> usize {

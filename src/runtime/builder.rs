@@ -180,9 +180,14 @@ impl RuntimeBuilder {
 
     pub(crate) fn start(self, registry: Registry) -> Result<Runtime, Error> {
         let inbox = self.inbox.unwrap_or_else(|| {
-            Arc::new(MemoryInbox::new(self.keep_after_handling, Arc::clone(&self.clock)))
+            Arc::new(MemoryInbox::new(
+                self.keep_after_handling,
+                Arc::clone(&self.clock),
+            ))
         });
-        let dead_letters = self.dead_letters.unwrap_or_else(|| Arc::new(MemoryDeadLetters::default()));
+        let dead_letters = self
+            .dead_letters
+            .unwrap_or_else(|| Arc::new(MemoryDeadLetters::default()));
         let max_envelope_size = self.engine.max_envelope_size;
         let engine = Engine::start(
             self.engine,

@@ -29,7 +29,11 @@ impl<'a> DeadLetters<'a> {
     ///
     /// [`Error::DeadLetterNotFound`], or the store's failure.
     pub async fn inspect(&self, id: Uuid) -> Result<DeadLetter, Error> {
-        self.runtime.dead_letters.get(id).await?.ok_or(Error::DeadLetterNotFound(id))
+        self.runtime
+            .dead_letters
+            .get(id)
+            .await?
+            .ok_or(Error::DeadLetterNotFound(id))
     }
 
     /// Sends the dead letter's envelope back to the inbox with the same envelope id and a
@@ -46,7 +50,10 @@ impl<'a> DeadLetters<'a> {
     /// redelivered.
     pub async fn replay(&self, id: Uuid) -> Result<(), Error> {
         let store = &self.runtime.dead_letters;
-        let dead_letter = store.remove(id).await?.ok_or(Error::DeadLetterNotFound(id))?;
+        let dead_letter = store
+            .remove(id)
+            .await?
+            .ok_or(Error::DeadLetterNotFound(id))?;
         let mut envelope = dead_letter.envelope.clone();
         envelope.attempts = 0;
         let redelivered = async {

@@ -12,7 +12,9 @@ use uuid::Uuid;
 fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
     // Every critical section below leaves the data consistent, so a panic elsewhere while
     // holding the lock does not make it unusable.
-    mutex.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+    mutex
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
 }
 
 /// Envelope ids are spread over shards so that publishers and workers rarely wait for the
@@ -82,7 +84,10 @@ impl MemoryInbox {
         }
         let now = self.clock.now();
         while let Some(&(at, id)) = state.settled.front() {
-            if at.checked_add_signed(self.keep_after_handling).is_some_and(|until| until > now) {
+            if at
+                .checked_add_signed(self.keep_after_handling)
+                .is_some_and(|until| until > now)
+            {
                 break;
             }
             state.settled.pop_front();
@@ -142,7 +147,10 @@ impl DeadLetterStore for MemoryDeadLetters {
     }
 
     async fn get(&self, id: Uuid) -> Result<Option<DeadLetter>, Error> {
-        Ok(lock(&self.letters).iter().find(|l| l.envelope.id == id).cloned())
+        Ok(lock(&self.letters)
+            .iter()
+            .find(|l| l.envelope.id == id)
+            .cloned())
     }
 
     async fn remove(&self, id: Uuid) -> Result<Option<DeadLetter>, Error> {

@@ -39,7 +39,12 @@ impl std::fmt::Debug for Fault {
 
 impl Fault {
     fn new(effect: Effect, times: Option<u32>) -> Self {
-        Self { effect, times, only_when: None, struck: Arc::default() }
+        Self {
+            effect,
+            times,
+            only_when: None,
+            struck: Arc::default(),
+        }
     }
 
     /// Fails the first `n` attempts of each message with a retryable error.
@@ -91,11 +96,18 @@ impl Fault {
     }
 
     fn strikes(&self, decoded: &Decoded, message_id: Option<Uuid>) -> bool {
-        if self.only_when.as_ref().is_some_and(|matches| !matches(decoded)) {
+        if self
+            .only_when
+            .as_ref()
+            .is_some_and(|matches| !matches(decoded))
+        {
             return false;
         }
         let Some(limit) = self.times else { return true };
-        let mut struck = self.struck.lock().unwrap_or_else(std::sync::PoisonError::into_inner);
+        let mut struck = self
+            .struck
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
         let count = struck.entry(message_id).or_insert(0);
         if *count < limit {
             *count += 1;
@@ -107,26 +119,30 @@ impl Fault {
 
     pub(crate) fn wrap(self, inner: Invoke) -> Invoke {
         let fault = Arc::new(self);
-        Arc::new(move |route, index, decoded: Decoded, context: MessageContext| {
-            let fault = Arc::clone(&fault);
-            let inner = Arc::clone(&inner);
-            async move {
-                if fault.strikes(&decoded, context.message_id()) {
-                    let attempt = context.attempt();
-                    match fault.effect {
-                        Effect::Fail => {
-                            return Err(HandlerError::retry(format!("injected failure (attempt {attempt})")));
+        Arc::new(
+            move |route, index, decoded: Decoded, context: MessageContext| {
+                let fault = Arc::clone(&fault);
+                let inner = Arc::clone(&inner);
+                async move {
+                    if fault.strikes(&decoded, context.message_id()) {
+                        let attempt = context.attempt();
+                        match fault.effect {
+                            Effect::Fail => {
+                                return Err(HandlerError::retry(format!(
+                                    "injected failure (attempt {attempt})"
+                                )));
+                            }
+                            Effect::FailPermanently => {
+                                return Err(HandlerError::permanent("injected permanent failure"));
+                            }
+                            Effect::Panic => panic!("injected panic (attempt {attempt})"),
+                            Effect::Hang => futures::future::pending::<()>().await,
                         }
-                        Effect::FailPermanently => {
-                            return Err(HandlerError::permanent("injected permanent failure"));
-                        }
-                        Effect::Panic => panic!("injected panic (attempt {attempt})"),
-                        Effect::Hang => futures::future::pending::<()>().await,
                     }
+                    inner(route, index, decoded, context).await
                 }
-                inner(route, index, decoded, context).await
-            }
-            .boxed()
-        })
+                .boxed()
+            },
+        )
     }
 }

@@ -48,7 +48,10 @@ impl TestHarnessBuilder {
     /// Injects `fault` in front of the handler `name` of `module`.
     #[must_use]
     pub fn fault(mut self, module: &str, name: &str, fault: Fault) -> Self {
-        let id = HandlerId { module: module.into(), name: name.into() };
+        let id = HandlerId {
+            module: module.into(),
+            name: name.into(),
+        };
         self.faults.push((id, fault));
         self
     }
@@ -74,7 +77,10 @@ impl TestHarnessBuilder {
                 return Err(Error::UnknownHandler(id));
             }
         }
-        Ok(TestHarness { runtime: runtime.start(registry)?, settle_timeout: self.settle_timeout })
+        Ok(TestHarness {
+            runtime: runtime.start(registry)?,
+            settle_timeout: self.settle_timeout,
+        })
     }
 }
 
@@ -168,7 +174,10 @@ impl TestHarness {
         match tokio::time::timeout(self.settle_timeout, report).await {
             Ok(Ok(report)) => Ok(report),
             Ok(Err(_)) => Err(Error::Abandoned(envelope_id)),
-            Err(_) => Err(Error::NotSettled { envelope_id, waited: self.settle_timeout }),
+            Err(_) => Err(Error::NotSettled {
+                envelope_id,
+                waited: self.settle_timeout,
+            }),
         }
     }
 
@@ -181,7 +190,10 @@ impl TestHarness {
     pub async fn idle(&self) -> Result<(), Error> {
         tokio::time::timeout(self.settle_timeout, self.runtime.idle())
             .await
-            .map_err(|_| Error::NotSettled { envelope_id: uuid::Uuid::nil(), waited: self.settle_timeout })
+            .map_err(|_| Error::NotSettled {
+                envelope_id: uuid::Uuid::nil(),
+                waited: self.settle_timeout,
+            })
     }
 
     /// Shuts the runtime down; see [`Runtime::shutdown`].

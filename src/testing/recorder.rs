@@ -24,19 +24,25 @@ pub struct Recorder<M> {
 
 impl<M> Clone for Recorder<M> {
     fn clone(&self) -> Self {
-        Self { calls: Arc::clone(&self.calls) }
+        Self {
+            calls: Arc::clone(&self.calls),
+        }
     }
 }
 
 impl<M> std::fmt::Debug for Recorder<M> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Recorder").field("calls", &self.count()).finish()
+        f.debug_struct("Recorder")
+            .field("calls", &self.count())
+            .finish()
     }
 }
 
 impl<M> Default for Recorder<M> {
     fn default() -> Self {
-        Self { calls: Arc::default() }
+        Self {
+            calls: Arc::default(),
+        }
     }
 }
 
@@ -47,7 +53,9 @@ impl<M> Recorder<M> {
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, Vec<Call<M>>> {
-        self.calls.lock().unwrap_or_else(std::sync::PoisonError::into_inner)
+        self.calls
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 
     /// How many calls it saw.

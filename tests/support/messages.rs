@@ -27,7 +27,10 @@ impl Message for WebhookQueued {
 }
 
 pub fn member_removed() -> MemberRemoved {
-    MemberRemoved { organization_id: 1, member_id: 7 }
+    MemberRemoved {
+        organization_id: 1,
+        member_id: 7,
+    }
 }
 
 /// Counts its calls and succeeds.
