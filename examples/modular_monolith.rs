@@ -10,10 +10,16 @@
 //! Run it with `cargo run --example modular_monolith` (add `-- --database PATH` to choose the
 //! SQLite file; the default is `reprise.db`).
 
+// The modules of the monolith, one file each, in `examples/modular_monolith/`.
+#[path = "modular_monolith/audit.rs"]
 mod audit;
+#[path = "modular_monolith/events.rs"]
 mod events;
+#[path = "modular_monolith/organizations.rs"]
 mod organizations;
+#[path = "modular_monolith/webhooks.rs"]
 mod webhooks;
+#[path = "modular_monolith/workspaces.rs"]
 mod workspaces;
 
 use std::str::FromStr;
