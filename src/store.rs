@@ -1,5 +1,18 @@
-//! Storage adapters behind the engine's ports.
+//! Storage adapters behind the engine's ports: in memory, SQLite (the embedded default) and
+//! PostgreSQL (for fleets).
 
 mod memory;
+#[cfg(feature = "postgres")]
+mod postgres;
+#[cfg(any(feature = "sqlite", feature = "postgres"))]
+pub(crate) mod sql;
+#[cfg(feature = "sqlite")]
+mod sqlite;
 
 pub use memory::{MemoryDeadLetters, MemoryInbox};
+#[cfg(feature = "postgres")]
+#[cfg_attr(docsrs, doc(cfg(feature = "postgres")))]
+pub use postgres::PostgresStore;
+#[cfg(feature = "sqlite")]
+#[cfg_attr(docsrs, doc(cfg(feature = "sqlite")))]
+pub use sqlite::SqliteStore;

@@ -1,5 +1,6 @@
 use std::fmt;
 
+use chrono::{DateTime, Utc};
 use serde::{Deserialize, Serialize};
 use uuid::Uuid;
 
@@ -19,6 +20,8 @@ pub struct AggregateError {
     pub attempt: u32,
     /// One entry per failed handler, in registration order.
     pub failures: Vec<HandlerFailure>,
+    /// When the attempt ended.
+    pub failed_at: DateTime<Utc>,
 }
 
 impl AggregateError {

@@ -6,7 +6,7 @@ use tokio::sync::oneshot;
 
 use crate::capacity::Capacity;
 
-use crate::ports::{Clock, DeadLetterStore, Inbox, Receipt};
+use crate::ports::{Clock, DeadLetterStore, Inbox, Receipt, Resumable};
 use crate::report::DiscardReason;
 use crate::stats::Counter;
 use crate::tracker::Tracker;
@@ -165,6 +165,22 @@ impl Dispatcher {
             DeliverySupervisor::new(dispatcher, worker, envelope, permit, reply)
         });
         Ok(())
+    }
+
+    /// Resumes a delivery a durable inbox handed back, on one of the workers.
+    pub(crate) fn resume(&self, resumable: Resumable) {
+        self.shared.tracker.admit(false);
+        let this = self.clone();
+        actix::spawn(async move {
+            let permit = this.shared.capacity.acquire().await;
+            let shared = &this.shared;
+            let worker =
+                shared.next_arbiter.fetch_add(1, Ordering::Relaxed) % shared.arbiters.len();
+            let dispatcher = this.clone();
+            DeliverySupervisor::start_in_arbiter(&shared.arbiters[worker], move |_| {
+                DeliverySupervisor::resumed(dispatcher, worker, resumable, permit)
+            });
+        });
     }
 
     /// Waits until every accepted envelope has settled, retries included.

@@ -11,7 +11,7 @@ use uuid::Uuid;
 use crate::dispatcher::{Shared, UnknownMessageTypes, Worker};
 use crate::ports::{Clock, DeadLetterStore, Inbox};
 use crate::tracker::{PendingRetry, Tracker};
-use crate::{Dispatcher, Error, Registry, Stats, TimerActor};
+use crate::{CleanupActor, Dispatcher, Error, RecoveryActor, Registry, Stats, TimerActor};
 
 /// How the engine runs.
 #[derive(Clone, Debug)]
@@ -26,9 +26,39 @@ pub struct EngineConfig {
     pub max_envelope_size: usize,
     /// What happens to messages no handler handles.
     pub unknown_message_types: UnknownMessageTypes,
+    /// Recovery and cleanup, for a durable inbox (`None` for one in memory).
+    pub durability: Option<Durability>,
     /// Run on a paused tokio clock that jumps to the next timer whenever the engine is idle.
     #[cfg(feature = "testing")]
     pub virtual_time: bool,
+}
+
+/// How the engine looks after a durable inbox.
+#[derive(Clone, Debug)]
+#[non_exhaustive]
+pub struct Durability {
+    /// How often the node heartbeats and looks for deliveries to recover (default 10 s).
+    pub recovery_interval: Duration,
+    /// Deliveries claimed per recovery query (default 100).
+    pub recovery_batch: usize,
+    /// How long handled envelopes are kept to discard redeliveries (default 5 min).
+    pub keep_after_handling: Duration,
+    /// How often expired handled envelopes are removed (default 1 min).
+    pub cleanup_interval: Duration,
+    /// Envelopes removed per cleanup statement (default 1000).
+    pub cleanup_batch: usize,
+}
+
+impl Default for Durability {
+    fn default() -> Self {
+        Self {
+            recovery_interval: Duration::from_secs(10),
+            recovery_batch: 100,
+            keep_after_handling: Duration::from_secs(5 * 60),
+            cleanup_interval: Duration::from_secs(60),
+            cleanup_batch: 1000,
+        }
+    }
 }
 
 impl Default for EngineConfig {
@@ -38,6 +68,7 @@ impl Default for EngineConfig {
             max_in_flight: 1024,
             max_envelope_size: 1024 * 1024,
             unknown_message_types: UnknownMessageTypes::default(),
+            durability: None,
             #[cfg(feature = "testing")]
             virtual_time: false,
         }
@@ -133,12 +164,26 @@ impl Engine {
                         max_envelope_size: config.max_envelope_size,
                         unknown_message_types: config.unknown_message_types,
                     };
-                    (
-                        Dispatcher {
-                            shared: Arc::new(shared),
-                        },
-                        System::current(),
-                    )
+                    let dispatcher = Dispatcher {
+                        shared: Arc::new(shared),
+                    };
+                    if let Some(durability) = &config.durability {
+                        RecoveryActor::new(
+                            dispatcher.clone(),
+                            durability.recovery_interval,
+                            durability.recovery_batch,
+                        )
+                        .start();
+                        CleanupActor::new(
+                            Arc::clone(&dispatcher.shared.inbox),
+                            Arc::clone(&dispatcher.shared.clock),
+                            durability.keep_after_handling,
+                            durability.cleanup_interval,
+                            durability.cleanup_batch,
+                        )
+                        .start();
+                    }
+                    (dispatcher, System::current())
                 });
                 if ready_tx.send(started).is_ok() {
                     let _ = runner.run();
@@ -196,6 +241,10 @@ impl Engine {
                 due_at = %pending.due_at,
                 "shutdown: retry still waiting, handed back in the shutdown report"
             );
+        }
+        // Hand this node's unsettled deliveries (the retries above) to whoever starts next.
+        if let Err(error) = self.dispatcher.shared.inbox.release().await {
+            tracing::warn!(%error, "could not release unsettled deliveries; they resume once this node's heartbeat expires");
         }
         self.system.stop();
         let _ = stopped.await;

@@ -7,6 +7,7 @@
 
 mod aggregate;
 mod capacity;
+mod cleanup;
 mod context;
 mod dead_letter;
 mod dispatcher;
@@ -18,6 +19,7 @@ mod handler_actor;
 mod message;
 mod module;
 pub mod ports;
+mod recovery;
 mod registry;
 mod report;
 mod retry;
@@ -27,16 +29,18 @@ mod timer;
 mod tracker;
 
 pub use aggregate::AggregateError;
+pub use cleanup::CleanupActor;
 pub use context::{ContextActor, MessageContext, SendOptions};
 pub use dead_letter::{DeadLetter, DeadLetterReason};
 pub use dispatcher::{Dispatcher, UnknownMessageTypes};
-pub use engine::{Engine, EngineConfig, EngineParts, ShutdownReport};
+pub use engine::{Durability, Engine, EngineConfig, EngineParts, ShutdownReport};
 pub use envelope::Envelope;
 pub use error::Error;
 pub use handler::{Disposition, FailureKind, Handler, HandlerError, HandlerFailure};
 pub use handler_actor::HandlerActor;
 pub use message::Message;
 pub use module::{Decoded, HandlerEntry, HandlerId, Invoke, Module};
+pub use recovery::RecoveryActor;
 pub use registry::{Registry, RegistryError, Route};
 pub use report::{DeliveryReport, DiscardReason, Outcome};
 pub use retry::{RetryDecision, RetryPolicy};

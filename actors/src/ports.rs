@@ -6,7 +6,7 @@ use async_trait::async_trait;
 use chrono::{DateTime, Utc};
 use uuid::Uuid;
 
-use crate::{DeadLetter, Envelope, Error};
+use crate::{AggregateError, DeadLetter, Envelope, Error};
 
 /// What the inbox says of a received envelope.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -18,15 +18,121 @@ pub enum Receipt {
     Duplicate,
 }
 
+/// A delivery a durable inbox hands back after a restart: resume it where it stopped.
+#[derive(Clone, Debug)]
+#[non_exhaustive]
+pub struct Resumable {
+    /// The envelope; `attempts` counts the attempts already started.
+    pub envelope: Envelope,
+    /// When its next attempt is due (`None`: now).
+    pub due_at: Option<DateTime<Utc>>,
+    /// The aggregate error of every failed attempt so far.
+    pub failures: Vec<AggregateError>,
+}
+
+impl Resumable {
+    /// A delivery to resume.
+    pub fn new(
+        envelope: Envelope,
+        due_at: Option<DateTime<Utc>>,
+        failures: Vec<AggregateError>,
+    ) -> Self {
+        Self {
+            envelope,
+            due_at,
+            failures,
+        }
+    }
+}
+
 /// Remembers envelope ids so that a redelivered envelope is discarded, not handled again.
+///
+/// The required methods are all an in-memory inbox needs. A durable inbox also persists the
+/// state of each delivery (the provided methods), so that a restart resumes it.
 #[async_trait]
 pub trait Inbox: Send + Sync + 'static {
     /// Records `envelope` as incoming, or reports that its id is already known.
+    ///
+    /// The engine starts the first attempt right after, so a durable inbox records that attempt
+    /// as started (`attempts + 1`): a crash from here on counts it.
     ///
     /// # Errors
     ///
     /// [`Error::Store`] when the store cannot answer; the envelope must then not be acked.
     async fn receive(&self, envelope: &Envelope) -> Result<Receipt, Error>;
+
+    /// Records that attempt `attempt` of envelope `id` starts, so a crash during it counts it.
+    /// The first attempt is recorded by [`receive`](Inbox::receive).
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Store`] when it cannot be recorded.
+    async fn begin_attempt(&self, id: Uuid, attempt: u32) -> Result<(), Error> {
+        let _ = (id, attempt);
+        Ok(())
+    }
+
+    /// Records a failed attempt and when the next one is due, so a restart during the cooldown
+    /// resumes at the right time with the right count.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Store`] when it cannot be recorded.
+    async fn schedule_retry(
+        &self,
+        envelope: &Envelope,
+        due_at: DateTime<Utc>,
+        failures: &[AggregateError],
+    ) -> Result<(), Error> {
+        let _ = (envelope, due_at, failures);
+        Ok(())
+    }
+
+    /// Claims for this node up to `limit` deliveries left unsettled by a runtime that stopped —
+    /// released at a graceful shutdown, or owned by a node whose heartbeat expired — so they
+    /// resume here.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Store`] when the store cannot answer.
+    async fn recover(&self, limit: usize) -> Result<Vec<Resumable>, Error> {
+        let _ = limit;
+        Ok(Vec::new())
+    }
+
+    /// Records that this node is alive; other nodes recover the deliveries of a node that
+    /// stops doing so.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Store`] when it cannot be recorded.
+    async fn heartbeat(&self) -> Result<(), Error> {
+        Ok(())
+    }
+
+    /// Gives up this node's unsettled deliveries (at a graceful shutdown), so the next runtime
+    /// on the store resumes them at once instead of waiting for the heartbeat to expire.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Store`] when it cannot be recorded.
+    async fn release(&self) -> Result<(), Error> {
+        Ok(())
+    }
+
+    /// Deletes at most `limit` envelopes handled before `before`; returns how many it deleted.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Store`] when the store cannot answer.
+    async fn delete_handled_before(
+        &self,
+        before: DateTime<Utc>,
+        limit: usize,
+    ) -> Result<u64, Error> {
+        let _ = (before, limit);
+        Ok(0)
+    }
 
     /// Marks the envelope handled; it is remembered for the retention, then forgotten.
     ///

@@ -13,14 +13,15 @@ use tracing::field::Empty;
 use crate::context::{Scope, TakeCascaded};
 use crate::dispatcher::UnknownMessageTypes;
 use crate::handler_actor::HandlerFinished;
+use crate::ports::Resumable;
 use crate::report::DiscardReason;
 use crate::stats::Counter;
 use crate::timer::{RetryDue, Schedule};
 use crate::tracker::{PendingRetry, Ticket};
 use crate::{
     AggregateError, ContextActor, DeadLetter, DeadLetterReason, Decoded, DeliveryReport,
-    Dispatcher, Envelope, Error, HandlerActor, HandlerFailure, HandlerId, Outcome, RetryDecision,
-    Route,
+    Dispatcher, Envelope, Error, FailureKind, HandlerActor, HandlerFailure, HandlerId, Outcome,
+    RetryDecision, Route,
 };
 
 /// Owns one delivery from acceptance to settlement: runs every handler on each attempt,
@@ -32,6 +33,8 @@ pub struct DeliverySupervisor {
     worker: usize,
     /// Set once the supervisor runs on its worker.
     ticket: Option<Ticket>,
+    /// How a delivery recovered from a durable inbox picks up again.
+    resume: Option<Resume>,
     envelope: Envelope,
     route: Option<Arc<Route>>,
     message: Option<Decoded>,
@@ -90,6 +93,7 @@ impl DeliverySupervisor {
             dispatcher,
             worker,
             ticket: None,
+            resume: None,
             envelope,
             route: None,
             message: None,
@@ -108,6 +112,32 @@ impl DeliverySupervisor {
         .with_reply(reply)
     }
 
+    /// A supervisor for a delivery a durable inbox handed back after a restart.
+    pub(crate) fn resumed(
+        dispatcher: Dispatcher,
+        worker: usize,
+        resumable: Resumable,
+        permit: Slot,
+    ) -> Self {
+        let Resumable {
+            envelope,
+            due_at,
+            failures,
+            ..
+        } = resumable;
+        let resume = match due_at {
+            Some(at) => Resume::Due(at),
+            // An attempt was started and never recorded as failed: it ran when the runtime stopped.
+            None if envelope.attempts as usize > failures.len() => Resume::Interrupted,
+            None => Resume::Due(dispatcher.shared.clock.now()),
+        };
+        let mut supervisor = Self::new(dispatcher, worker, envelope, permit, None);
+        supervisor.first_failure_at = failures.first().map(|f| f.failed_at);
+        supervisor.failures = failures;
+        supervisor.resume = Some(resume);
+        supervisor
+    }
+
     fn with_reply(mut self, reply: Option<oneshot::Sender<DeliveryReport>>) -> Self {
         self.reply = reply;
         self
@@ -117,12 +147,35 @@ impl DeliverySupervisor {
         self.dispatcher.shared.clock.now()
     }
 
+    /// Starts the next attempt; a retry is first recorded as started, so that a crash while
+    /// it runs counts it (the inbox records the first attempt when it receives the envelope).
     fn start_attempt(&mut self, ctx: &mut Context<Self>) {
+        self.envelope.attempts += 1;
+        let attempt = self.envelope.attempts;
+        if attempt == 1 {
+            self.run_attempt(ctx);
+            return;
+        }
+        let worker = Arc::clone(&self.dispatcher.shared.workers[self.worker]);
+        let id = self.envelope.id;
+        let begin = async move {
+            persist("record attempt", id, || {
+                worker.inbox.begin_attempt(id, attempt)
+            })
+            .await
+        };
+        ctx.spawn(
+            begin
+                .into_actor(self)
+                .map(|(), actor, ctx| actor.run_attempt(ctx)),
+        );
+    }
+
+    fn run_attempt(&mut self, ctx: &mut Context<Self>) {
         let (Some(route), Some(message)) = (self.route.clone(), self.message.clone()) else {
             return;
         };
         let shared = &*self.dispatcher.shared;
-        self.envelope.attempts += 1;
         let attempt = self.envelope.attempts;
         shared.stats.writer(self.worker).bump(Counter::Attempts);
         if attempt > 1 {
@@ -210,9 +263,15 @@ impl DeliverySupervisor {
             message_id: self.envelope.id,
             attempt: self.envelope.attempts,
             failures,
+            failed_at: self.now(),
         };
+        self.attempt_failed(failure, ctx);
+    }
+
+    /// Decides what follows a failed attempt: a cooldown and a retry, or the dead letters.
+    fn attempt_failed(&mut self, failure: AggregateError, ctx: &mut Context<Self>) {
         tracing::warn!(parent: &self.span, error = %failure, "attempt failed");
-        let now = self.now();
+        let now = failure.failed_at;
         self.first_failure_at.get_or_insert(now);
         let shared = &*self.dispatcher.shared;
         let Some(route) = self.route.clone() else {
@@ -226,21 +285,22 @@ impl DeliverySupervisor {
         match decision {
             RetryDecision::RetryIn(delay) => {
                 shared.stats.writer(self.worker).bump(Counter::Retried);
-                let due_at =
-                    now + chrono::Duration::from_std(delay).unwrap_or(chrono::TimeDelta::MAX);
+                let due_at = later(now, delay);
                 tracing::info!(parent: &self.span, ?delay, "retry scheduled");
-                if let Some(ticket) = self.ticket {
-                    let pending = PendingRetry {
-                        envelope: self.envelope.clone(),
-                        due_at,
-                        failures: self.failures.clone(),
-                    };
-                    shared.tracker.cooling(ticket, pending);
-                }
-                shared.timer.do_send(Schedule {
-                    delay,
-                    target: ctx.address().recipient(),
-                });
+                let worker = Arc::clone(&shared.workers[self.worker]);
+                let (envelope, failures) = (self.envelope.clone(), self.failures.clone());
+                let record = async move {
+                    let id = envelope.id;
+                    persist("record retry", id, || {
+                        worker.inbox.schedule_retry(&envelope, due_at, &failures)
+                    })
+                    .await;
+                };
+                ctx.spawn(
+                    record
+                        .into_actor(self)
+                        .map(move |(), actor, ctx| actor.cool_down(due_at, delay, ctx)),
+                );
             }
             RetryDecision::DeadLetter { exhausted } => {
                 let reason = if exhausted {
@@ -258,6 +318,23 @@ impl DeliverySupervisor {
                 self.dead_letter(dead_letter, ctx);
             }
         }
+    }
+
+    /// Waits on the timer actor until the next attempt is due.
+    fn cool_down(&mut self, due_at: DateTime<Utc>, delay: Duration, ctx: &mut Context<Self>) {
+        let shared = &*self.dispatcher.shared;
+        if let Some(ticket) = self.ticket {
+            let pending = PendingRetry {
+                envelope: self.envelope.clone(),
+                due_at,
+                failures: self.failures.clone(),
+            };
+            shared.tracker.cooling(ticket, pending);
+        }
+        shared.timer.do_send(Schedule {
+            delay,
+            target: ctx.address().recipient(),
+        });
     }
 
     fn succeed(&mut self, ctx: &mut Context<Self>) {
@@ -340,6 +417,23 @@ impl DeliverySupervisor {
     }
 }
 
+/// `delay` after `now`, saturating instead of overflowing the calendar.
+fn later(now: DateTime<Utc>, delay: Duration) -> DateTime<Utc> {
+    chrono::Duration::from_std(delay)
+        .ok()
+        .and_then(|delay| now.checked_add_signed(delay))
+        .unwrap_or(DateTime::<Utc>::MAX_UTC)
+}
+
+/// How a recovered delivery picks up again.
+#[derive(Debug, Clone, Copy)]
+enum Resume {
+    /// It was cooling down: the next attempt is due then.
+    Due(DateTime<Utc>),
+    /// An attempt was running when the runtime stopped: that attempt counts as failed.
+    Interrupted,
+}
+
 /// Retries a store write until it succeeds: a settled delivery must be recorded, and giving up
 /// would lose it. Backs off to 30 s between attempts and logs every failure.
 async fn persist<F, Fut>(what: &'static str, id: uuid::Uuid, mut write: F)
@@ -411,7 +505,28 @@ impl Actor for DeliverySupervisor {
             }
         };
         match rejected {
-            None => self.start_attempt(ctx),
+            None => match self.resume.take() {
+                None => self.start_attempt(ctx),
+                Some(Resume::Due(due_at)) => {
+                    let delay = (due_at - self.now()).to_std().unwrap_or_default();
+                    self.cool_down(due_at, delay, ctx);
+                }
+                Some(Resume::Interrupted) => {
+                    let failure = AggregateError {
+                        message_type: self.envelope.message_type.to_string(),
+                        message_id: self.envelope.id,
+                        attempt: self.envelope.attempts,
+                        failures: vec![HandlerFailure {
+                            module: "reprise".into(),
+                            handler: "runtime".into(),
+                            error: "the runtime stopped while this attempt ran".into(),
+                            kind: FailureKind::Error,
+                        }],
+                        failed_at: self.now(),
+                    };
+                    self.attempt_failed(failure, ctx);
+                }
+            },
             Some(reason) => {
                 let dead_letter = DeadLetter::rejected(self.envelope.clone(), reason, self.now());
                 self.dead_letter(dead_letter, ctx);

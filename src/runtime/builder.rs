@@ -4,7 +4,8 @@ use std::time::Duration;
 
 use reprise_actors::ports::{Clock, DeadLetterStore, Inbox, SystemClock};
 use reprise_actors::{
-    Engine, EngineConfig, EngineParts, Message, Module, Registry, RetryPolicy, UnknownMessageTypes,
+    Durability, Engine, EngineConfig, EngineParts, Message, Module, Registry, RetryPolicy,
+    UnknownMessageTypes,
 };
 
 use crate::store::{MemoryDeadLetters, MemoryInbox};
@@ -123,6 +124,7 @@ impl RuntimeBuilder {
     #[must_use]
     pub fn keep_after_handling(mut self, keep: Duration) -> Self {
         self.keep_after_handling = keep;
+        self.sync_retention();
         self
     }
 
@@ -131,6 +133,50 @@ impl RuntimeBuilder {
     pub fn inbox(mut self, inbox: Arc<dyn Inbox>) -> Self {
         self.inbox = Some(inbox);
         self
+    }
+
+    /// A durable store for the inbox and the dead letters (a
+    /// [`SqliteStore`](crate::store::SqliteStore) or
+    /// [`PostgresStore`](crate::store::PostgresStore)): envelopes are persisted before they
+    /// count as received, retries survive restarts, handled envelopes are cleaned up after
+    /// their retention, and the deliveries of a node that stops are resumed.
+    #[must_use]
+    pub fn store<S: Inbox + DeadLetterStore>(mut self, store: S) -> Self {
+        let store = Arc::new(store);
+        self.inbox = Some(Arc::clone(&store) as Arc<dyn Inbox>);
+        self.dead_letters = Some(store);
+        self.engine
+            .durability
+            .get_or_insert_with(Durability::default);
+        self.sync_retention();
+        self
+    }
+
+    /// How often a durable store's node heartbeats and looks for deliveries to resume
+    /// (default 10 s).
+    #[must_use]
+    pub fn recovery_interval(mut self, interval: Duration) -> Self {
+        self.engine
+            .durability
+            .get_or_insert_with(Durability::default)
+            .recovery_interval = interval;
+        self
+    }
+
+    /// How often a durable store's expired handled envelopes are removed (default 1 min).
+    #[must_use]
+    pub fn cleanup_interval(mut self, interval: Duration) -> Self {
+        self.engine
+            .durability
+            .get_or_insert_with(Durability::default)
+            .cleanup_interval = interval;
+        self
+    }
+
+    fn sync_retention(&mut self) {
+        if let Some(durability) = &mut self.engine.durability {
+            durability.keep_after_handling = self.keep_after_handling;
+        }
     }
 
     /// Where dead letters are kept (default: in memory).

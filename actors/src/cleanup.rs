@@ -1,0 +1,95 @@
+use std::sync::Arc;
+use std::time::Duration;
+
+use actix::{Actor, ActorFutureExt, AsyncContext, Context, WrapFuture};
+
+use crate::ports::{Clock, Inbox};
+
+/// Removes handled envelopes once their retention is over, in bounded batches, on its own
+/// timer, and logs how many it removed.
+pub struct CleanupActor {
+    inbox: Arc<dyn Inbox>,
+    clock: Arc<dyn Clock>,
+    keep_after_handling: Duration,
+    interval: Duration,
+    batch: usize,
+    busy: bool,
+}
+
+impl std::fmt::Debug for CleanupActor {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CleanupActor")
+            .field("keep_after_handling", &self.keep_after_handling)
+            .field("interval", &self.interval)
+            .field("batch", &self.batch)
+            .finish_non_exhaustive()
+    }
+}
+
+impl CleanupActor {
+    pub(crate) fn new(
+        inbox: Arc<dyn Inbox>,
+        clock: Arc<dyn Clock>,
+        keep_after_handling: Duration,
+        interval: Duration,
+        batch: usize,
+    ) -> Self {
+        Self {
+            inbox,
+            clock,
+            keep_after_handling,
+            interval,
+            batch: batch.max(1),
+            busy: false,
+        }
+    }
+
+    fn tick(&mut self, ctx: &mut Context<Self>) {
+        if self.busy {
+            return;
+        }
+        self.busy = true;
+        let inbox = Arc::clone(&self.inbox);
+        let keep =
+            chrono::Duration::from_std(self.keep_after_handling).unwrap_or(chrono::TimeDelta::MAX);
+        let before = self
+            .clock
+            .now()
+            .checked_sub_signed(keep)
+            .unwrap_or(chrono::DateTime::<chrono::Utc>::MIN_UTC);
+        let batch = self.batch;
+        let round = async move {
+            let mut removed = 0u64;
+            loop {
+                match inbox.delete_handled_before(before, batch).await {
+                    Ok(count) => {
+                        removed += count;
+                        if count < batch as u64 {
+                            break;
+                        }
+                    }
+                    Err(error) => {
+                        tracing::warn!(%error, "inbox cleanup failed; retrying on the next round");
+                        break;
+                    }
+                }
+            }
+            if removed > 0 {
+                tracing::info!(removed, "removed handled envelopes past their retention");
+            }
+        };
+        ctx.spawn(
+            round
+                .into_actor(self)
+                .map(|(), actor, _| actor.busy = false),
+        );
+    }
+}
+
+impl Actor for CleanupActor {
+    type Context = Context<Self>;
+
+    fn started(&mut self, ctx: &mut Context<Self>) {
+        ctx.run_interval(self.interval, Self::tick);
+    }
+}

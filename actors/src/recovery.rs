@@ -1,0 +1,81 @@
+use std::time::Duration;
+
+use actix::{Actor, ActorFutureExt, AsyncContext, Context, WrapFuture};
+
+use crate::Dispatcher;
+
+/// Keeps this node's heartbeat, and resumes the deliveries a stopped runtime left unsettled in
+/// a durable inbox: at start, then on its own timer (to take over from nodes that died).
+#[derive(Debug)]
+pub struct RecoveryActor {
+    dispatcher: Dispatcher,
+    interval: Duration,
+    batch: usize,
+    busy: bool,
+}
+
+impl RecoveryActor {
+    pub(crate) fn new(dispatcher: Dispatcher, interval: Duration, batch: usize) -> Self {
+        Self {
+            dispatcher,
+            interval,
+            batch: batch.max(1),
+            busy: false,
+        }
+    }
+
+    fn tick(&mut self, ctx: &mut Context<Self>) {
+        // A slow store must not stack up rounds.
+        if self.busy {
+            return;
+        }
+        self.busy = true;
+        let dispatcher = self.dispatcher.clone();
+        let batch = self.batch;
+        let round = async move {
+            let inbox = &dispatcher.shared.inbox;
+            if let Err(error) = inbox.heartbeat().await {
+                tracing::warn!(%error, "heartbeat failed; retrying on the next round");
+            }
+            let mut resumed = 0usize;
+            loop {
+                match inbox.recover(batch).await {
+                    Ok(deliveries) => {
+                        let count = deliveries.len();
+                        resumed += count;
+                        for delivery in deliveries {
+                            dispatcher.resume(delivery);
+                        }
+                        if count < batch {
+                            break;
+                        }
+                    }
+                    Err(error) => {
+                        tracing::warn!(%error, "recovery failed; retrying on the next round");
+                        break;
+                    }
+                }
+            }
+            if resumed > 0 {
+                tracing::info!(
+                    resumed,
+                    "resumed deliveries left unsettled by a stopped runtime"
+                );
+            }
+        };
+        ctx.spawn(
+            round
+                .into_actor(self)
+                .map(|(), actor, _| actor.busy = false),
+        );
+    }
+}
+
+impl Actor for RecoveryActor {
+    type Context = Context<Self>;
+
+    fn started(&mut self, ctx: &mut Context<Self>) {
+        self.tick(ctx);
+        ctx.run_interval(self.interval, Self::tick);
+    }
+}

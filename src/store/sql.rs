@@ -1,0 +1,561 @@
+//! What the SQLite and PostgreSQL stores share: the SQL (one dialect, `$N` parameters, which
+//! both accept), the portable column types (ids as text, times as milliseconds, JSON as text),
+//! and the conversions between rows and the engine's types.
+//!
+//! The two stores are stamped from one definition by [`sql_store!`](crate::store::sql_store):
+//! their code differs only in the sqlx types, the claim statement and how a write transaction
+//! starts.
+
+use std::collections::BTreeMap;
+
+use chrono::{DateTime, Utc};
+use reprise_actors::{AggregateError, DeadLetterReason, Envelope, Error};
+use uuid::Uuid;
+
+pub(crate) const RECEIVE: &str = "INSERT INTO reprise_inbox \
+    (id, message_type, payload, headers, deduplication_id, correlation_id, causation_id, sent_at, \
+     scheduled_for, status, attempts, owner, received_at) \
+    VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, 'incoming', $10, $11, $12) \
+    ON CONFLICT (id) DO NOTHING";
+
+pub(crate) const BEGIN_ATTEMPT: &str = "UPDATE reprise_inbox \
+    SET status = 'incoming', attempts = $2, execute_at = NULL WHERE id = $1";
+
+pub(crate) const SCHEDULE_RETRY: &str = "UPDATE reprise_inbox \
+    SET status = 'scheduled', attempts = $2, execute_at = $3, failures = $4 WHERE id = $1";
+
+pub(crate) const MARK_HANDLED: &str = "UPDATE reprise_inbox \
+    SET status = 'handled', handled_at = $2, owner = NULL WHERE id = $1";
+
+pub(crate) const FORGET: &str = "DELETE FROM reprise_inbox WHERE id = $1";
+
+pub(crate) const HEARTBEAT: &str = "INSERT INTO reprise_nodes (id, heartbeat_at) VALUES ($1, $2) \
+    ON CONFLICT (id) DO UPDATE SET heartbeat_at = excluded.heartbeat_at";
+
+pub(crate) const RELEASE: &str = "UPDATE reprise_inbox SET owner = NULL \
+    WHERE owner = $1 AND status IN ('incoming', 'scheduled')";
+
+pub(crate) const FORGET_NODE: &str = "DELETE FROM reprise_nodes WHERE id = $1";
+
+pub(crate) const DELETE_HANDLED: &str = "DELETE FROM reprise_inbox WHERE id IN \
+    (SELECT id FROM reprise_inbox WHERE status = 'handled' AND handled_at < $1 LIMIT $2)";
+
+pub(crate) const PUT_DEAD_LETTER: &str = "INSERT INTO reprise_dead_letters \
+    (id, message_type, payload, headers, deduplication_id, correlation_id, causation_id, sent_at, \
+     scheduled_for, reason, failures, attempts, first_failure_at, last_failure_at) \
+    VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14) \
+    ON CONFLICT (id) DO UPDATE SET reason = excluded.reason, failures = excluded.failures, \
+    attempts = excluded.attempts, first_failure_at = excluded.first_failure_at, \
+    last_failure_at = excluded.last_failure_at";
+
+pub(crate) const LIST_DEAD_LETTERS: &str = "SELECT id, message_type, payload, headers, \
+    deduplication_id, correlation_id, causation_id, sent_at, scheduled_for, reason, failures, \
+    attempts, first_failure_at, last_failure_at \
+    FROM reprise_dead_letters ORDER BY first_failure_at, id";
+
+pub(crate) const GET_DEAD_LETTER: &str = "SELECT id, message_type, payload, headers, \
+    deduplication_id, correlation_id, causation_id, sent_at, scheduled_for, reason, failures, \
+    attempts, first_failure_at, last_failure_at \
+    FROM reprise_dead_letters WHERE id = $1";
+
+pub(crate) const REMOVE_DEAD_LETTER: &str = "DELETE FROM reprise_dead_letters WHERE id = $1 \
+    RETURNING id, message_type, payload, headers, deduplication_id, correlation_id, causation_id, \
+    sent_at, scheduled_for, reason, failures, attempts, first_failure_at, last_failure_at";
+
+pub(crate) const PURGE_DEAD_LETTERS: &str = "DELETE FROM reprise_dead_letters";
+
+pub(crate) const MIGRATIONS_TABLE: &str = "CREATE TABLE IF NOT EXISTS reprise_migrations (\
+    version BIGINT PRIMARY KEY NOT NULL, description TEXT NOT NULL, applied_at BIGINT NOT NULL)";
+
+pub(crate) const APPLIED_MIGRATION: &str =
+    "SELECT count(*) FROM reprise_migrations WHERE version = $1";
+
+pub(crate) const RECORD_MIGRATION: &str =
+    "INSERT INTO reprise_migrations (version, description, applied_at) VALUES ($1, $2, $3)";
+
+/// One embedded schema change.
+#[derive(Debug)]
+pub(crate) struct Migration {
+    pub(crate) version: i64,
+    pub(crate) description: &'static str,
+    pub(crate) sql: &'static str,
+}
+
+pub(crate) fn millis(at: DateTime<Utc>) -> i64 {
+    at.timestamp_millis()
+}
+
+pub(crate) fn time(millis: i64) -> Result<DateTime<Utc>, Error> {
+    DateTime::from_timestamp_millis(millis)
+        .ok_or_else(|| Error::store(format!("stored time {millis} ms is out of range")))
+}
+
+pub(crate) fn id_text(id: Uuid) -> String {
+    id.simple().to_string()
+}
+
+pub(crate) fn parse_id(text: &str) -> Result<Uuid, Error> {
+    Uuid::parse_str(text)
+        .map_err(|e| Error::store(format!("stored id {text:?} is not a uuid: {e}")))
+}
+
+fn parse_optional_id(text: Option<String>) -> Result<Option<Uuid>, Error> {
+    text.as_deref().map(parse_id).transpose()
+}
+
+pub(crate) fn json<T: serde::Serialize>(value: &T) -> Result<String, Error> {
+    serde_json::to_string(value).map_err(Error::store)
+}
+
+pub(crate) fn from_json<T: serde::de::DeserializeOwned>(text: &str) -> Result<T, Error> {
+    serde_json::from_str(text).map_err(Error::store)
+}
+
+/// An envelope's columns, as stored.
+pub(crate) struct EnvelopeColumns {
+    pub(crate) id: String,
+    pub(crate) message_type: String,
+    pub(crate) payload: Vec<u8>,
+    pub(crate) headers: String,
+    pub(crate) deduplication_id: Option<String>,
+    pub(crate) correlation_id: Option<String>,
+    pub(crate) causation_id: Option<String>,
+    pub(crate) sent_at: i64,
+    pub(crate) scheduled_for: Option<i64>,
+}
+
+impl EnvelopeColumns {
+    pub(crate) fn of(envelope: &Envelope) -> Result<Self, Error> {
+        Ok(Self {
+            id: id_text(envelope.id),
+            message_type: envelope.message_type.to_string(),
+            payload: envelope.payload.clone(),
+            headers: json(&envelope.headers)?,
+            deduplication_id: envelope.deduplication_id.clone(),
+            correlation_id: envelope.correlation_id.map(id_text),
+            causation_id: envelope.causation_id.map(id_text),
+            sent_at: millis(envelope.sent_at),
+            scheduled_for: envelope.scheduled_for.map(millis),
+        })
+    }
+
+    pub(crate) fn into_envelope(self, attempts: u32) -> Result<Envelope, Error> {
+        let mut envelope = Envelope::new(self.message_type, self.payload);
+        envelope.id = parse_id(&self.id)?;
+        envelope.headers = from_json::<BTreeMap<String, String>>(&self.headers)?;
+        envelope.deduplication_id = self.deduplication_id;
+        envelope.correlation_id = parse_optional_id(self.correlation_id)?;
+        envelope.causation_id = parse_optional_id(self.causation_id)?;
+        envelope.attempts = attempts;
+        envelope.sent_at = time(self.sent_at)?;
+        envelope.scheduled_for = self.scheduled_for.map(time).transpose()?;
+        Ok(envelope)
+    }
+}
+
+pub(crate) fn failures_from(text: Option<&str>) -> Result<Vec<AggregateError>, Error> {
+    text.map(from_json)
+        .transpose()
+        .map(Option::unwrap_or_default)
+}
+
+pub(crate) fn reason_json(reason: &DeadLetterReason) -> Result<String, Error> {
+    json(reason)
+}
+
+pub(crate) fn attempts(stored: i32) -> u32 {
+    u32::try_from(stored).unwrap_or(0)
+}
+
+pub(crate) fn stored_attempts(attempts: u32) -> i32 {
+    i32::try_from(attempts).unwrap_or(i32::MAX)
+}
+
+/// Stamps a store over one sqlx database from the shared SQL.
+///
+/// `$claim` is the statement that claims unsettled rows for this node (it differs in how it
+/// locks), `$begin` the statement that opens a write transaction.
+macro_rules! sql_store {
+    (
+        $(#[$meta:meta])*
+        $store:ident, $db:ty, $pool:ty, claim = $claim:expr, begin = $begin:expr,
+        migrations = $migrations:expr, lock_migrations = $lock:expr
+    ) => {
+        $(#[$meta])*
+        #[derive(Clone)]
+        pub struct $store {
+            pool: $pool,
+            node: std::sync::Arc<str>,
+            node_timeout: std::time::Duration,
+            clock: std::sync::Arc<dyn reprise_actors::ports::Clock>,
+        }
+
+        impl std::fmt::Debug for $store {
+            fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                f.debug_struct(stringify!($store))
+                    .field("node", &self.node)
+                    .field("node_timeout", &self.node_timeout)
+                    .finish_non_exhaustive()
+            }
+        }
+
+        impl $store {
+            /// A store over `pool`, whose schema is created (or brought up to date) first.
+            ///
+            /// # Errors
+            ///
+            /// The database's error when the schema cannot be applied.
+            pub async fn with_pool(pool: $pool) -> Result<Self, reprise_actors::Error> {
+                let store = Self {
+                    pool,
+                    node: std::sync::Arc::from(format!("node-{}", uuid::Uuid::new_v4().simple())),
+                    node_timeout: std::time::Duration::from_secs(30),
+                    clock: std::sync::Arc::new(reprise_actors::ports::SystemClock),
+                };
+                store.migrate().await?;
+                Ok(store)
+            }
+
+            /// This node's name in the store (default: random per process). Give each node of
+            /// a fleet its own; a node restarted under the same name resumes its own deliveries
+            /// at once.
+            #[must_use]
+            pub fn node_id(mut self, node: impl Into<std::sync::Arc<str>>) -> Self {
+                self.node = node.into();
+                self
+            }
+
+            /// How long a node may miss heartbeats before other nodes take over its unsettled
+            /// deliveries (default 30 s).
+            #[must_use]
+            pub fn node_timeout(mut self, timeout: std::time::Duration) -> Self {
+                self.node_timeout = timeout;
+                self
+            }
+
+            /// The wall clock used for stored times (default: the system's).
+            #[must_use]
+            pub fn clock(mut self, clock: std::sync::Arc<dyn reprise_actors::ports::Clock>) -> Self {
+                self.clock = clock;
+                self
+            }
+
+            /// This node's name.
+            pub fn node(&self) -> &str {
+                &self.node
+            }
+
+            /// The connection pool, for the application's own queries.
+            pub fn pool(&self) -> &$pool {
+                &self.pool
+            }
+
+            async fn migrate(&self) -> Result<(), reprise_actors::Error> {
+                use $crate::store::sql::*;
+                let store_error = reprise_actors::Error::store;
+                let mut tx = self.pool.begin_with($begin).await.map_err(store_error)?;
+                for lock in $lock {
+                    sqlx::query(lock).execute(&mut *tx).await.map_err(store_error)?;
+                }
+                sqlx::query(MIGRATIONS_TABLE).execute(&mut *tx).await.map_err(store_error)?;
+                for migration in $migrations {
+                    let applied: i64 = sqlx::query_scalar(APPLIED_MIGRATION)
+                        .bind(migration.version)
+                        .fetch_one(&mut *tx)
+                        .await
+                        .map_err(store_error)?;
+                    if applied > 0 {
+                        continue;
+                    }
+                    sqlx::raw_sql(migration.sql).execute(&mut *tx).await.map_err(store_error)?;
+                    sqlx::query(RECORD_MIGRATION)
+                        .bind(migration.version)
+                        .bind(migration.description)
+                        .bind(millis(self.clock.now()))
+                        .execute(&mut *tx)
+                        .await
+                        .map_err(store_error)?;
+                }
+                tx.commit().await.map_err(store_error)
+            }
+
+            fn unsettled(row: &<$db as sqlx::Database>::Row) -> Result<reprise_actors::ports::Resumable, reprise_actors::Error> {
+                use sqlx::Row;
+                use $crate::store::sql::*;
+                let get = |e: sqlx::Error| reprise_actors::Error::store(e);
+                let columns = EnvelopeColumns {
+                    id: row.try_get(0).map_err(get)?,
+                    message_type: row.try_get(1).map_err(get)?,
+                    payload: row.try_get(2).map_err(get)?,
+                    headers: row.try_get(3).map_err(get)?,
+                    deduplication_id: row.try_get(4).map_err(get)?,
+                    correlation_id: row.try_get(5).map_err(get)?,
+                    causation_id: row.try_get(6).map_err(get)?,
+                    sent_at: row.try_get(7).map_err(get)?,
+                    scheduled_for: row.try_get(8).map_err(get)?,
+                };
+                let stored_attempts: i32 = row.try_get(9).map_err(get)?;
+                let execute_at: Option<i64> = row.try_get(10).map_err(get)?;
+                let failures: Option<String> = row.try_get(11).map_err(get)?;
+                Ok(reprise_actors::ports::Resumable::new(
+                    columns.into_envelope(attempts(stored_attempts))?,
+                    execute_at.map(time).transpose()?,
+                    failures_from(failures.as_deref())?,
+                ))
+            }
+
+            fn dead_letter(row: &<$db as sqlx::Database>::Row) -> Result<reprise_actors::DeadLetter, reprise_actors::Error> {
+                use sqlx::Row;
+                use $crate::store::sql::*;
+                let get = |e: sqlx::Error| reprise_actors::Error::store(e);
+                let columns = EnvelopeColumns {
+                    id: row.try_get(0).map_err(get)?,
+                    message_type: row.try_get(1).map_err(get)?,
+                    payload: row.try_get(2).map_err(get)?,
+                    headers: row.try_get(3).map_err(get)?,
+                    deduplication_id: row.try_get(4).map_err(get)?,
+                    correlation_id: row.try_get(5).map_err(get)?,
+                    causation_id: row.try_get(6).map_err(get)?,
+                    sent_at: row.try_get(7).map_err(get)?,
+                    scheduled_for: row.try_get(8).map_err(get)?,
+                };
+                let reason: String = row.try_get(9).map_err(get)?;
+                let failures: String = row.try_get(10).map_err(get)?;
+                let stored_attempts: i32 = row.try_get(11).map_err(get)?;
+                let first: i64 = row.try_get(12).map_err(get)?;
+                let last: i64 = row.try_get(13).map_err(get)?;
+                let mut letter = reprise_actors::DeadLetter::failed(
+                    columns.into_envelope(0)?,
+                    from_json(&reason)?,
+                    from_json(&failures)?,
+                    time(first)?,
+                    time(last)?,
+                );
+                letter.attempts = attempts(stored_attempts);
+                Ok(letter)
+            }
+        }
+
+        #[async_trait::async_trait]
+        impl reprise_actors::ports::Inbox for $store {
+            async fn receive(
+                &self,
+                envelope: &reprise_actors::Envelope,
+            ) -> Result<reprise_actors::ports::Receipt, reprise_actors::Error> {
+                use $crate::store::sql::*;
+                let c = EnvelopeColumns::of(envelope)?;
+                let inserted = sqlx::query(RECEIVE)
+                    .bind(c.id)
+                    .bind(c.message_type)
+                    .bind(c.payload)
+                    .bind(c.headers)
+                    .bind(c.deduplication_id)
+                    .bind(c.correlation_id)
+                    .bind(c.causation_id)
+                    .bind(c.sent_at)
+                    .bind(c.scheduled_for)
+                    .bind(stored_attempts(envelope.attempts.saturating_add(1)))
+                    .bind(&*self.node)
+                    .bind(millis(self.clock.now()))
+                    .execute(&self.pool)
+                    .await
+                    .map_err(reprise_actors::Error::store)?
+                    .rows_affected();
+                Ok(if inserted == 1 {
+                    reprise_actors::ports::Receipt::New
+                } else {
+                    reprise_actors::ports::Receipt::Duplicate
+                })
+            }
+
+            async fn begin_attempt(&self, id: uuid::Uuid, attempt: u32) -> Result<(), reprise_actors::Error> {
+                use $crate::store::sql::*;
+                sqlx::query(BEGIN_ATTEMPT)
+                    .bind(id_text(id))
+                    .bind(stored_attempts(attempt))
+                    .execute(&self.pool)
+                    .await
+                    .map_err(reprise_actors::Error::store)?;
+                Ok(())
+            }
+
+            async fn schedule_retry(
+                &self,
+                envelope: &reprise_actors::Envelope,
+                due_at: chrono::DateTime<chrono::Utc>,
+                failures: &[reprise_actors::AggregateError],
+            ) -> Result<(), reprise_actors::Error> {
+                use $crate::store::sql::*;
+                sqlx::query(SCHEDULE_RETRY)
+                    .bind(id_text(envelope.id))
+                    .bind(stored_attempts(envelope.attempts))
+                    .bind(millis(due_at))
+                    .bind(json(&failures)?)
+                    .execute(&self.pool)
+                    .await
+                    .map_err(reprise_actors::Error::store)?;
+                Ok(())
+            }
+
+            async fn mark_handled(&self, id: uuid::Uuid) -> Result<(), reprise_actors::Error> {
+                use $crate::store::sql::*;
+                sqlx::query(MARK_HANDLED)
+                    .bind(id_text(id))
+                    .bind(millis(self.clock.now()))
+                    .execute(&self.pool)
+                    .await
+                    .map_err(reprise_actors::Error::store)?;
+                Ok(())
+            }
+
+            async fn forget(&self, id: uuid::Uuid) -> Result<(), reprise_actors::Error> {
+                use $crate::store::sql::*;
+                sqlx::query(FORGET)
+                    .bind(id_text(id))
+                    .execute(&self.pool)
+                    .await
+                    .map_err(reprise_actors::Error::store)?;
+                Ok(())
+            }
+
+            async fn recover(
+                &self,
+                limit: usize,
+            ) -> Result<Vec<reprise_actors::ports::Resumable>, reprise_actors::Error> {
+                use $crate::store::sql::*;
+                let timeout = chrono::Duration::from_std(self.node_timeout).unwrap_or(chrono::TimeDelta::MAX);
+                let alive_since = self.clock.now().checked_sub_signed(timeout).unwrap_or(chrono::DateTime::<chrono::Utc>::MIN_UTC);
+                let mut tx = self.pool.begin_with($begin).await.map_err(reprise_actors::Error::store)?;
+                let rows = sqlx::query($claim)
+                    .bind(&*self.node)
+                    .bind(millis(alive_since))
+                    .bind(i64::try_from(limit).unwrap_or(i64::MAX))
+                    .fetch_all(&mut *tx)
+                    .await
+                    .map_err(reprise_actors::Error::store)?;
+                tx.commit().await.map_err(reprise_actors::Error::store)?;
+                rows.iter().map(Self::unsettled).collect()
+            }
+
+            async fn heartbeat(&self) -> Result<(), reprise_actors::Error> {
+                use $crate::store::sql::*;
+                sqlx::query(HEARTBEAT)
+                    .bind(&*self.node)
+                    .bind(millis(self.clock.now()))
+                    .execute(&self.pool)
+                    .await
+                    .map_err(reprise_actors::Error::store)?;
+                Ok(())
+            }
+
+            async fn release(&self) -> Result<(), reprise_actors::Error> {
+                use $crate::store::sql::*;
+                let mut tx = self.pool.begin_with($begin).await.map_err(reprise_actors::Error::store)?;
+                sqlx::query(RELEASE).bind(&*self.node).execute(&mut *tx).await.map_err(reprise_actors::Error::store)?;
+                sqlx::query(FORGET_NODE).bind(&*self.node).execute(&mut *tx).await.map_err(reprise_actors::Error::store)?;
+                tx.commit().await.map_err(reprise_actors::Error::store)
+            }
+
+            async fn delete_handled_before(
+                &self,
+                before: chrono::DateTime<chrono::Utc>,
+                limit: usize,
+            ) -> Result<u64, reprise_actors::Error> {
+                use $crate::store::sql::*;
+                Ok(sqlx::query(DELETE_HANDLED)
+                    .bind(millis(before))
+                    .bind(i64::try_from(limit).unwrap_or(i64::MAX))
+                    .execute(&self.pool)
+                    .await
+                    .map_err(reprise_actors::Error::store)?
+                    .rows_affected())
+            }
+        }
+
+        #[async_trait::async_trait]
+        impl reprise_actors::ports::DeadLetterStore for $store {
+            async fn put(&self, letter: reprise_actors::DeadLetter) -> Result<(), reprise_actors::Error> {
+                use $crate::store::sql::*;
+                let c = EnvelopeColumns::of(&letter.envelope)?;
+                sqlx::query(PUT_DEAD_LETTER)
+                    .bind(c.id)
+                    .bind(c.message_type)
+                    .bind(c.payload)
+                    .bind(c.headers)
+                    .bind(c.deduplication_id)
+                    .bind(c.correlation_id)
+                    .bind(c.causation_id)
+                    .bind(c.sent_at)
+                    .bind(c.scheduled_for)
+                    .bind(reason_json(&letter.reason)?)
+                    .bind(json(&letter.failures)?)
+                    .bind(stored_attempts(letter.attempts))
+                    .bind(millis(letter.first_failure_at))
+                    .bind(millis(letter.last_failure_at))
+                    .execute(&self.pool)
+                    .await
+                    .map_err(reprise_actors::Error::store)?;
+                Ok(())
+            }
+
+            async fn list(&self) -> Result<Vec<reprise_actors::DeadLetter>, reprise_actors::Error> {
+                use $crate::store::sql::*;
+                let rows = sqlx::query(LIST_DEAD_LETTERS)
+                    .fetch_all(&self.pool)
+                    .await
+                    .map_err(reprise_actors::Error::store)?;
+                rows.iter().map(Self::dead_letter).collect()
+            }
+
+            async fn get(&self, id: uuid::Uuid) -> Result<Option<reprise_actors::DeadLetter>, reprise_actors::Error> {
+                use $crate::store::sql::*;
+                let row = sqlx::query(GET_DEAD_LETTER)
+                    .bind(id_text(id))
+                    .fetch_optional(&self.pool)
+                    .await
+                    .map_err(reprise_actors::Error::store)?;
+                row.as_ref().map(Self::dead_letter).transpose()
+            }
+
+            async fn remove(&self, id: uuid::Uuid) -> Result<Option<reprise_actors::DeadLetter>, reprise_actors::Error> {
+                use $crate::store::sql::*;
+                let row = sqlx::query(REMOVE_DEAD_LETTER)
+                    .bind(id_text(id))
+                    .fetch_optional(&self.pool)
+                    .await
+                    .map_err(reprise_actors::Error::store)?;
+                row.as_ref().map(Self::dead_letter).transpose()
+            }
+
+            async fn purge(&self) -> Result<u64, reprise_actors::Error> {
+                use $crate::store::sql::*;
+                Ok(sqlx::query(PURGE_DEAD_LETTERS)
+                    .execute(&self.pool)
+                    .await
+                    .map_err(reprise_actors::Error::store)?
+                    .rows_affected())
+            }
+        }
+    };
+}
+
+pub(crate) use sql_store;
+
+/// Claims unsettled rows with plain `UPDATE … RETURNING`; the caller's `BEGIN IMMEDIATE`
+/// already holds SQLite's single write lock.
+#[cfg(feature = "sqlite")]
+pub(crate) const CLAIM_SQLITE: &str = "UPDATE reprise_inbox SET owner = $1 WHERE id IN (\
+    SELECT id FROM reprise_inbox WHERE status IN ('incoming', 'scheduled') \
+    AND (owner IS NULL OR owner NOT IN (SELECT id FROM reprise_nodes WHERE heartbeat_at >= $2)) \
+    ORDER BY received_at LIMIT $3) \
+    RETURNING id, message_type, payload, headers, deduplication_id, correlation_id, causation_id, \
+    sent_at, scheduled_for, attempts, execute_at, failures";
+
+/// Claims unsettled rows, skipping those another node is claiming at this moment.
+#[cfg(feature = "postgres")]
+pub(crate) const CLAIM_POSTGRES: &str = "UPDATE reprise_inbox SET owner = $1 WHERE id IN (\
+    SELECT id FROM reprise_inbox WHERE status IN ('incoming', 'scheduled') \
+    AND (owner IS NULL OR owner NOT IN (SELECT id FROM reprise_nodes WHERE heartbeat_at >= $2)) \
+    ORDER BY received_at LIMIT $3 FOR UPDATE SKIP LOCKED) \
+    RETURNING id, message_type, payload, headers, deduplication_id, correlation_id, causation_id, \
+    sent_at, scheduled_for, attempts, execute_at, failures";

@@ -1,0 +1,62 @@
+use std::str::FromStr;
+use std::time::Duration;
+
+use reprise_actors::Error;
+use sqlx::sqlite::{
+    SqliteConnectOptions, SqliteJournalMode, SqlitePool, SqlitePoolOptions, SqliteSynchronous,
+};
+
+use crate::store::sql::{Migration, sql_store};
+
+const MIGRATIONS: &[Migration] = &[Migration {
+    version: 1,
+    description: "inbox, dead letters, nodes",
+    sql: include_str!("../../migrations/sqlite/0001_inbox.sql"),
+}];
+
+sql_store!(
+    /// The durable inbox and dead letters in a SQLite file: the embedded default.
+    ///
+    /// WAL journal, `synchronous = FULL` (a handled envelope survives a power cut), and
+    /// `BEGIN IMMEDIATE` for write transactions.
+    #[cfg_attr(docsrs, doc(cfg(feature = "sqlite")))]
+    SqliteStore, sqlx::Sqlite, SqlitePool,
+    claim = CLAIM_SQLITE,
+    begin = "BEGIN IMMEDIATE",
+    migrations = MIGRATIONS,
+    lock_migrations = [] as [&'static str; 0]
+);
+
+impl SqliteStore {
+    /// Opens (creating if needed) the SQLite database at `path` — a file path, or a
+    /// `sqlite:` URL — and brings its schema up to date.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Store`] when the file cannot be opened or the schema applied.
+    pub async fn open(path: &str) -> Result<Self, Error> {
+        let url = if path.starts_with("sqlite:") {
+            path.to_owned()
+        } else {
+            format!("sqlite://{path}")
+        };
+        let memory = url.contains(":memory:");
+        let options = SqliteConnectOptions::from_str(&url)
+            .map_err(Error::store)?
+            .create_if_missing(true)
+            .journal_mode(if memory {
+                SqliteJournalMode::Memory
+            } else {
+                SqliteJournalMode::Wal
+            })
+            .synchronous(SqliteSynchronous::Full)
+            .busy_timeout(Duration::from_secs(10));
+        // An in-memory database exists once per connection: keep exactly one.
+        let pool = SqlitePoolOptions::new()
+            .max_connections(if memory { 1 } else { 4 })
+            .connect_with(options)
+            .await
+            .map_err(Error::store)?;
+        Self::with_pool(pool).await
+    }
+}

@@ -1,0 +1,134 @@
+//! The durable inbox on a real SQLite file and a real PostgreSQL server: envelopes persisted
+//! before they count as received, duplicates discarded across restarts, dead letters kept.
+#![cfg(all(feature = "sqlite", feature = "postgres"))]
+
+#[path = "support/messages.rs"]
+mod support;
+#[path = "support/stores.rs"]
+mod support_stores;
+
+use std::time::Duration;
+
+use reprise::prelude::*;
+use reprise::testing::Recorder;
+use reprise::{DeadLetterReason, DiscardReason, Outcome};
+use support::{MemberRemoved, member_removed};
+
+const WAIT: Duration = Duration::from_secs(20);
+
+async fn settled(
+    report: tokio::sync::oneshot::Receiver<reprise::DeliveryReport>,
+) -> reprise::DeliveryReport {
+    tokio::time::timeout(WAIT, report)
+        .await
+        .expect("settles in time")
+        .expect("a report")
+}
+
+on_both_backends!(
+    a_redelivery_is_discarded_even_after_a_restart_sqlite,
+    a_redelivery_is_discarded_even_after_a_restart_postgres,
+    |db| {
+        let calls = Recorder::<MemberRemoved>::new();
+        let envelope = Envelope::for_message(&member_removed()).unwrap();
+
+        let first = db
+            .store(Runtime::builder(), "node-a", Duration::from_secs(30))
+            .await
+            .module(Module::new("m").handle_named::<MemberRemoved, _>("h", calls.clone()))
+            .build()
+            .unwrap();
+        let report = settled(first.receive_tracked(envelope.clone()).await.unwrap()).await;
+        assert!(report.is_handled());
+        let again = settled(first.receive_tracked(envelope.clone()).await.unwrap()).await;
+        assert_eq!(
+            again.outcome,
+            Outcome::Discarded(DiscardReason::DuplicateEnvelope)
+        );
+        assert!(first.shutdown().await.is_clean());
+
+        // A new runtime on the same database still knows the envelope.
+        let second = db
+            .store(Runtime::builder(), "node-a", Duration::from_secs(30))
+            .await
+            .module(Module::new("m").handle_named::<MemberRemoved, _>("h", calls.clone()))
+            .build()
+            .unwrap();
+        let after_restart = settled(second.receive_tracked(envelope).await.unwrap()).await;
+        assert_eq!(
+            after_restart.outcome,
+            Outcome::Discarded(DiscardReason::DuplicateEnvelope)
+        );
+        assert_eq!(calls.count(), 1);
+        second.shutdown().await;
+    }
+);
+
+struct AlwaysFails;
+
+impl Handler<MemberRemoved> for AlwaysFails {
+    async fn handle(&self, _: &MemberRemoved, _: &MessageContext) -> Result<(), HandlerError> {
+        Err("the downstream service is down".into())
+    }
+}
+
+on_both_backends!(
+    dead_letters_survive_a_restart_and_can_be_replayed_sqlite,
+    dead_letters_survive_a_restart_and_can_be_replayed_postgres,
+    |db| {
+        let quick = RetryPolicy {
+            retry_limit: 1,
+            min_retry_interval: Duration::from_millis(10),
+            ..RetryPolicy::default()
+        };
+        let first = db
+            .store(Runtime::builder(), "node-a", Duration::from_secs(30))
+            .await
+            .retry_policy(quick)
+            .module(Module::new("billing").handle_named::<MemberRemoved, _>("charge", AlwaysFails))
+            .build()
+            .unwrap();
+        let envelope = Envelope::for_message(&member_removed()).unwrap();
+        let report = settled(first.receive_tracked(envelope.clone()).await.unwrap()).await;
+        assert_eq!(
+            report.outcome,
+            Outcome::DeadLettered(DeadLetterReason::RetriesExhausted)
+        );
+        first.shutdown().await;
+
+        let calls = Recorder::<MemberRemoved>::new();
+        let second = db
+            .store(Runtime::builder(), "node-b", Duration::from_secs(30))
+            .await
+            .module(
+                Module::new("billing").handle_named::<MemberRemoved, _>("charge", calls.clone()),
+            )
+            .build()
+            .unwrap();
+        let letters = second.dead_letters().list().await.unwrap();
+        assert_eq!(letters.len(), 1);
+        let letter = &letters[0];
+        assert_eq!(letter.envelope.id, envelope.id);
+        assert_eq!(letter.envelope.payload, envelope.payload);
+        assert_eq!(letter.reason, DeadLetterReason::RetriesExhausted);
+        assert_eq!(letter.attempts, 2);
+        assert_eq!(letter.failures.len(), 2);
+        assert_eq!(
+            letter.failures[0].failures[0].error,
+            "the downstream service is down"
+        );
+        assert!(letter.first_failure_at <= letter.last_failure_at);
+
+        second.dead_letters().replay(envelope.id).await.unwrap();
+        tokio::time::timeout(WAIT, second.idle()).await.unwrap();
+        let calls = calls.calls();
+        assert_eq!(calls.len(), 1);
+        assert_eq!(
+            (calls[0].message_id, calls[0].attempt),
+            (Some(envelope.id), 1)
+        );
+        assert!(second.dead_letters().list().await.unwrap().is_empty());
+        assert_eq!(second.dead_letters().purge().await.unwrap(), 0);
+        second.shutdown().await;
+    }
+);

@@ -1,0 +1,145 @@
+//! A fresh database per test: a new SQLite file, or a new PostgreSQL database on the real
+//! server (`REPRISE_TEST_POSTGRES`, default `postgres://postgres@127.0.0.1:5432/postgres`).
+#![allow(dead_code, unreachable_pub)]
+
+use std::path::PathBuf;
+
+use reprise::store::{PostgresStore, SqliteStore};
+use sqlx::Connection;
+use uuid::Uuid;
+
+/// Which backend a test runs on.
+#[derive(Clone, Copy, Debug)]
+pub enum Backend {
+    Sqlite,
+    Postgres,
+}
+
+/// A database that exists for one test; dropped with it.
+#[derive(Debug)]
+pub struct TestDatabase {
+    pub backend: Backend,
+    pub url: String,
+    sqlite_file: Option<PathBuf>,
+    postgres_name: Option<String>,
+}
+
+fn admin_url() -> String {
+    std::env::var("REPRISE_TEST_POSTGRES")
+        .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/postgres".to_owned())
+}
+
+impl TestDatabase {
+    pub async fn new(backend: Backend) -> Self {
+        let name = format!("reprise_test_{}", Uuid::new_v4().simple());
+        match backend {
+            Backend::Sqlite => {
+                let file = std::env::temp_dir().join(format!("{name}.db"));
+                Self {
+                    backend,
+                    url: file.display().to_string(),
+                    sqlite_file: Some(file),
+                    postgres_name: None,
+                }
+            }
+            Backend::Postgres => {
+                let admin = admin_url();
+                let mut connection = sqlx::PgConnection::connect(&admin)
+                    .await
+                    .expect("PostgreSQL must be running for the tests (.ci/run starts it)");
+                sqlx::query(sqlx::AssertSqlSafe(format!("CREATE DATABASE {name}")))
+                    .execute(&mut connection)
+                    .await
+                    .expect("create the test database");
+                let (base, _) = admin.rsplit_once('/').expect("a database url");
+                Self {
+                    backend,
+                    url: format!("{base}/{name}"),
+                    sqlite_file: None,
+                    postgres_name: Some(name),
+                }
+            }
+        }
+    }
+
+    pub async fn sqlite(&self) -> SqliteStore {
+        SqliteStore::open(&self.url)
+            .await
+            .expect("open the SQLite store")
+    }
+
+    pub async fn postgres(&self) -> PostgresStore {
+        PostgresStore::connect(&self.url)
+            .await
+            .expect("connect the PostgreSQL store")
+    }
+}
+
+impl Drop for TestDatabase {
+    fn drop(&mut self) {
+        if let Some(file) = &self.sqlite_file {
+            for suffix in ["", "-wal", "-shm"] {
+                let _ = std::fs::remove_file(format!("{}{suffix}", file.display()));
+            }
+        }
+        if let Some(name) = self.postgres_name.take() {
+            // Drop runs outside any runtime guarantee: use a thread with its own.
+            let _ = std::thread::spawn(move || {
+                let runtime = tokio::runtime::Builder::new_current_thread()
+                    .enable_all()
+                    .build()
+                    .ok()?;
+                runtime.block_on(async {
+                    let mut connection = sqlx::PgConnection::connect(&admin_url()).await.ok()?;
+                    sqlx::query(sqlx::AssertSqlSafe(format!(
+                        "DROP DATABASE IF EXISTS {name} WITH (FORCE)"
+                    )))
+                    .execute(&mut connection)
+                    .await
+                    .ok()
+                })
+            })
+            .join();
+        }
+    }
+}
+
+/// Runs `$body` once per backend, with `$db` the fresh database.
+#[macro_export]
+macro_rules! on_both_backends {
+    ($sqlite:ident, $postgres:ident, |$db:ident| $body:expr) => {
+        #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+        async fn $sqlite() {
+            let $db = support_stores::TestDatabase::new(support_stores::Backend::Sqlite).await;
+            $body
+        }
+
+        #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+        async fn $postgres() {
+            let $db = support_stores::TestDatabase::new(support_stores::Backend::Postgres).await;
+            $body
+        }
+    };
+}
+
+impl TestDatabase {
+    /// `builder` with this database's store, under the node name `node`.
+    pub async fn store(
+        &self,
+        builder: reprise::RuntimeBuilder,
+        node: &str,
+        node_timeout: std::time::Duration,
+    ) -> reprise::RuntimeBuilder {
+        match self.backend {
+            Backend::Sqlite => {
+                builder.store(self.sqlite().await.node_id(node).node_timeout(node_timeout))
+            }
+            Backend::Postgres => builder.store(
+                self.postgres()
+                    .await
+                    .node_id(node)
+                    .node_timeout(node_timeout),
+            ),
+        }
+    }
+}
