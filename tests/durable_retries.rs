@@ -27,9 +27,12 @@ impl Handler<MemberRemoved> for AlwaysFails {
     }
 }
 
+/// An attempt number and when it ran.
+type Call = (u32, chrono::DateTime<Utc>);
+
 /// Records when it was called, so a test can tell whether a retry ran early.
 #[derive(Clone, Default)]
-struct Timed(Arc<std::sync::Mutex<Vec<(u32, chrono::DateTime<Utc>)>>>);
+struct Timed(Arc<std::sync::Mutex<Vec<Call>>>);
 
 impl Handler<MemberRemoved> for Timed {
     async fn handle(
