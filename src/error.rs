@@ -1,4 +1,4 @@
-use reprise_actors::{Envelope, HandlerId, RegistryError};
+use reprise_actors::{HandlerId, RegistryError};
 use uuid::Uuid;
 
 /// Errors of the reprise runtime.
@@ -11,9 +11,6 @@ pub enum Error {
     /// The handler registrations are inconsistent.
     #[error("invalid registration: {0}")]
     Registry(#[from] RegistryError),
-    /// `send` needs a handler for the message type, and none is registered.
-    #[error("no handler is registered for {}; envelope {} was not sent", .0.message_type, .0.id)]
-    NoRoute(Box<Envelope>),
     /// A handler was named (to inject a fault, say) that no module registered.
     #[error("no handler {0} is registered")]
     UnknownHandler(HandlerId),

@@ -112,7 +112,8 @@ impl Runtime {
     ///
     /// # Errors
     ///
-    /// [`Error::NoRoute`] with the envelope, and the errors of [`publish`](Self::publish).
+    /// [`EngineError::NoRoute`](crate::EngineError::NoRoute) with the envelope, and the errors
+    /// of [`publish`](Self::publish).
     ///
     /// # Cancel safety
     ///
@@ -120,7 +121,7 @@ impl Runtime {
     pub async fn send<M: Message>(&self, message: &M) -> Result<Uuid, Error> {
         let envelope = self.envelope(message, SendOptions::default())?;
         if !self.engine.dispatcher().registry().handles(M::TYPE) {
-            return Err(Error::NoRoute(Box::new(envelope)));
+            return Err(reprise_actors::Error::NoRoute(Box::new(envelope)).into());
         }
         let id = envelope.id;
         self.transport.send(envelope, None).await?;

@@ -53,3 +53,28 @@ async fn publish_waits_while_the_in_flight_bound_is_reached() {
     assert_eq!(runtime.stats().handled, 3);
     assert!(runtime.shutdown().await.is_clean());
 }
+
+#[tokio::test]
+async fn a_publish_cancelled_while_waiting_leaves_nothing_behind() {
+    let gate = Arc::new(Semaphore::new(0));
+    let runtime = Runtime::builder()
+        .max_in_flight(1)
+        .module(
+            Module::new("m").handle_named::<MemberRemoved, _>("gated", Gated(Arc::clone(&gate))),
+        )
+        .build()
+        .unwrap();
+    runtime.publish(&member_removed()).await.unwrap();
+    let message = member_removed();
+    {
+        let mut waiting = Box::pin(runtime.publish(&message));
+        assert!(futures::poll!(&mut waiting).is_pending());
+        // Dropped here: the caller gave up waiting for capacity.
+    }
+    gate.add_permits(1);
+    tokio::time::timeout(Duration::from_secs(5), runtime.idle())
+        .await
+        .expect("the cancelled publish is not counted as in flight");
+    assert_eq!(runtime.stats().handled, 1);
+    assert!(runtime.shutdown().await.is_clean());
+}

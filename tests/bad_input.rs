@@ -141,7 +141,7 @@ async fn an_oversized_envelope_is_dead_lettered_at_receive() {
 async fn send_refuses_a_type_without_handler_at_the_call_site() {
     let harness = TestHarness::builder().build().unwrap();
     let error = harness.runtime().send(&member_removed()).await.unwrap_err();
-    let Error::NoRoute(envelope) = error else {
+    let Error::Engine(EngineError::NoRoute(envelope)) = error else {
         panic!("expected NoRoute, got {error}")
     };
     assert_eq!(envelope.message_type, "organization.member_removed");
@@ -162,6 +162,31 @@ fn registering_a_handler_twice_or_a_policy_for_no_handler_is_refused() {
         .message_retry_policy::<MemberRemoved>(RetryPolicy::default())
         .build();
     assert!(matches!(orphan, Err(Error::Registry(_))));
+}
+
+#[derive(Clone, Debug, serde::Serialize, serde::Deserialize)]
+struct SameNameOtherShape {
+    member: String,
+}
+
+impl Message for SameNameOtherShape {
+    const TYPE: &'static str = "organization.member_removed";
+}
+
+#[test]
+fn two_rust_types_for_one_message_type_are_refused() {
+    let result = Runtime::builder()
+        .module(Module::new("a").handle_named::<MemberRemoved, _>("h", Counter::default()))
+        .module(Module::new("b").handle_named::<SameNameOtherShape, _>("h", Counter::default()))
+        .build();
+    let Err(Error::Registry(error)) = result else {
+        panic!("expected a registry error");
+    };
+    let text = error.to_string();
+    assert!(
+        text.contains("MemberRemoved") && text.contains("SameNameOtherShape"),
+        "{text}"
+    );
 }
 
 #[test]

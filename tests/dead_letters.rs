@@ -91,6 +91,15 @@ async fn a_redelivery_of_a_dead_lettered_envelope_is_discarded_but_a_replay_is_n
 
     assert!(matches!(redelivered.outcome, Outcome::Discarded(_)));
     assert_eq!(calls.count(), 0);
+
+    harness
+        .runtime()
+        .dead_letters()
+        .replay(dead.envelope.id)
+        .await
+        .unwrap();
+    harness.idle().await.unwrap();
+    assert_eq!(calls.count(), 1, "the replay was handled");
 }
 
 #[tokio::test]

@@ -103,6 +103,22 @@ async fn a_hanging_handler_times_out_at_its_timeout() {
 }
 
 #[tokio::test]
+async fn the_default_handler_timeout_is_thirty_seconds() {
+    let harness = TestHarness::builder()
+        .module(Module::new("m").handle_named::<MemberRemoved, _>("h", Recorder::new()))
+        .fault("m", "h", Fault::hang_times(1))
+        .build()
+        .unwrap();
+    let report = harness.publish(&member_removed()).await.unwrap();
+    assert!(report.is_handled());
+    assert_eq!(
+        report.failures[0].failures[0].kind,
+        FailureKind::TimedOut(Duration::from_secs(30))
+    );
+    assert_eq!(report.attempt_offsets[1], Duration::from_secs(31));
+}
+
+#[tokio::test]
 async fn a_fault_can_strike_only_matching_messages() {
     let calls = Recorder::<MemberRemoved>::new();
     let harness = TestHarness::builder()

@@ -47,7 +47,7 @@ impl Handler<MemberRemoved> for Observe {
 }
 
 #[tokio::test]
-async fn a_consumer_sees_the_same_message_id_on_every_attempt() {
+async fn a_consumer_sees_its_message_identity_in_the_context() {
     let seen = Observe::default();
     let harness = TestHarness::builder()
         .module(Module::new("audit").handle_named::<MemberRemoved, _>("record", seen.clone()))
@@ -277,21 +277,115 @@ async fn what_a_succeeding_handler_cascaded_survives_a_sibling_failure() {
     assert_eq!(report.cascaded.len(), 2);
 }
 
+/// Cascades a message naming the attempt, and succeeds.
+struct CascadeByAttempt;
+
+impl Handler<MemberRemoved> for CascadeByAttempt {
+    async fn handle(
+        &self,
+        _: &MemberRemoved,
+        context: &MessageContext,
+    ) -> Result<(), HandlerError> {
+        let delivery_id = format!("attempt-{}", context.attempt());
+        context.publish(&WebhookQueued { delivery_id }).await?;
+        Ok(())
+    }
+}
+
 #[tokio::test]
-async fn cascaded_ids_are_deterministic_across_attempts() {
+async fn different_messages_cascaded_on_different_attempts_are_all_kept() {
     let harness = TestHarness::builder()
-        .module(Module::new("naive").handle_named::<MemberRemoved, _>("always", CascadeAlways))
+        .module(Module::new("webhooks").handle_named::<MemberRemoved, _>("queue", CascadeByAttempt))
         .module(
             Module::new("workspaces").handle_named::<MemberRemoved, _>("revoke", Recorder::new()),
         )
         .fault("workspaces", "revoke", Fault::fail_times(1))
         .build()
         .unwrap();
-    let envelope = Envelope::for_message(&member_removed()).unwrap();
-    let report = harness.deliver(envelope.clone()).await.unwrap();
-    let expected = uuid::Uuid::new_v5(&envelope.id, b"reprise.cascade:naive/always:0");
-    assert_eq!(
-        report.cascaded.iter().map(|e| e.id).collect::<Vec<_>>(),
-        [expected]
+    let report = harness.publish(&member_removed()).await.unwrap();
+    let mut sent: Vec<String> = report
+        .cascaded
+        .iter()
+        .map(|e| {
+            serde_json::from_slice::<WebhookQueued>(&e.payload)
+                .unwrap()
+                .delivery_id
+        })
+        .collect();
+    sent.sort();
+    assert_eq!(sent, ["attempt-1", "attempt-2"]);
+    assert_ne!(report.cascaded[0].id, report.cascaded[1].id);
+}
+
+/// Keeps its context, to publish after the attempt is over.
+#[derive(Clone, Default)]
+struct KeepContext(Arc<Mutex<Option<MessageContext>>>);
+
+impl Handler<MemberRemoved> for KeepContext {
+    async fn handle(
+        &self,
+        _: &MemberRemoved,
+        context: &MessageContext,
+    ) -> Result<(), HandlerError> {
+        *self.0.lock().unwrap() = Some(context.clone());
+        Ok(())
+    }
+}
+
+#[tokio::test]
+async fn cascading_after_the_attempt_is_over_fails_instead_of_vanishing() {
+    let kept = KeepContext::default();
+    let harness = TestHarness::builder()
+        .module(Module::new("m").handle_named::<MemberRemoved, _>("h", kept.clone()))
+        .build()
+        .unwrap();
+    assert!(
+        harness
+            .publish(&member_removed())
+            .await
+            .unwrap()
+            .is_handled()
     );
+    let context = kept.0.lock().unwrap().clone().expect("the handler ran");
+    let late = context
+        .publish(&WebhookQueued {
+            delivery_id: "late".into(),
+        })
+        .await;
+    assert!(matches!(late, Err(EngineError::Detached)), "{late:?}");
+}
+
+#[tokio::test]
+async fn send_refuses_a_type_this_runtime_does_not_handle() {
+    let harness = TestHarness::builder()
+        .module(Module::new("m").handle_named::<MemberRemoved, _>("h", SendUnrouted))
+        .build()
+        .unwrap();
+    let report = harness.publish(&member_removed()).await.unwrap();
+    assert!(report.is_handled(), "{:?}", report.failures);
+}
+
+/// Sends a type nobody handles and checks the refusal.
+struct SendUnrouted;
+
+impl Handler<MemberRemoved> for SendUnrouted {
+    async fn handle(
+        &self,
+        _: &MemberRemoved,
+        context: &MessageContext,
+    ) -> Result<(), HandlerError> {
+        match context
+            .send(&WebhookQueued {
+                delivery_id: "x".into(),
+            })
+            .await
+        {
+            Err(EngineError::NoRoute(envelope))
+                if envelope.message_type == "webhooks.delivery_queued" =>
+            {
+                Ok(())
+            }
+            other => Err(format!("expected NoRoute, got {other:?}").into()),
+        }
+    }
 }

@@ -84,10 +84,11 @@ async fn a_handler_failing_once_succeeds_on_the_retry_after_one_second() {
 #[tokio::test]
 async fn all_failures_of_an_attempt_are_aggregated_in_registration_order() {
     let harness = TestHarness::builder()
-        .module(Module::new("a").handle_named::<MemberRemoved, _>("one", Counter::default()))
+        // The first handler finishes last, so the order of the aggregate cannot come from the
+        // order in which the handlers finished.
+        .module(Module::new("a").handle_named::<MemberRemoved, _>("one", Slow))
         .module(Module::new("b").handle_named::<MemberRemoved, _>("two", Counter::default()))
         .module(Module::new("c").handle_named::<MemberRemoved, _>("three", Counter::default()))
-        .fault("a", "one", Fault::fail_times(1))
         .fault("c", "three", Fault::panic_times(1))
         .build()
         .unwrap();
@@ -101,4 +102,23 @@ async fn all_failures_of_an_attempt_are_aggregated_in_registration_order() {
     assert_eq!(names, ["one", "three"]);
     assert_eq!(failed.failures[0].kind, FailureKind::Error);
     assert_eq!(failed.failures[1].kind, FailureKind::Panicked);
+}
+
+/// Lets other work run a few times, then fails on the first attempt.
+struct Slow;
+
+impl Handler<MemberRemoved> for Slow {
+    async fn handle(
+        &self,
+        _: &MemberRemoved,
+        context: &MessageContext,
+    ) -> Result<(), HandlerError> {
+        for _ in 0..8 {
+            tokio::task::yield_now().await;
+        }
+        if context.attempt() == 1 {
+            return Err("slow and failing".into());
+        }
+        Ok(())
+    }
 }

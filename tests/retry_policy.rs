@@ -74,12 +74,24 @@ async fn runtime_policy_applies_to_every_module() {
             Module::new("workspaces")
                 .handle_named::<MemberRemoved, _>("revoke", Counter::default()),
         )
+        .module(
+            Module::new("billing").handle_named::<WebhookQueued, _>("charge", Counter::default()),
+        )
         .fault("workspaces", "revoke", Fault::always_fail())
+        .fault("billing", "charge", Fault::always_fail())
         .build()
         .unwrap();
-    let report = harness.publish(&member_removed()).await.unwrap();
-    assert_eq!(report.attempts, 3);
-    assert_eq!(report.cooldowns(), secs(&[1, 6]));
+    let member = harness.publish(&member_removed()).await.unwrap();
+    let webhook = harness
+        .publish(&WebhookQueued {
+            delivery_id: "d".into(),
+        })
+        .await
+        .unwrap();
+    for report in [member, webhook] {
+        assert_eq!(report.attempts, 3);
+        assert_eq!(report.cooldowns(), secs(&[1, 6]));
+    }
 }
 
 #[tokio::test]

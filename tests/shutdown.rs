@@ -131,3 +131,28 @@ impl Handler<MemberRemoved> for AlwaysFails {
         Err("the downstream service is down".into())
     }
 }
+
+/// Asks to be retried in a practically infinite time.
+struct RetryNever;
+
+impl Handler<MemberRemoved> for RetryNever {
+    async fn handle(&self, _: &MemberRemoved, _: &MessageContext) -> Result<(), HandlerError> {
+        Err(HandlerError::retry_after(Duration::MAX, "come back never"))
+    }
+}
+
+#[tokio::test]
+async fn a_retry_after_beyond_the_calendar_saturates_instead_of_panicking() {
+    let runtime = Runtime::builder()
+        .module(Module::new("m").handle_named::<MemberRemoved, _>("h", RetryNever))
+        .build()
+        .unwrap();
+    let id = runtime.publish(&member_removed()).await.unwrap();
+    let report = runtime.shutdown().await;
+    assert_eq!(report.pending_retries.len(), 1);
+    assert_eq!(report.pending_retries[0].envelope.id, id);
+    assert_eq!(
+        report.pending_retries[0].due_at,
+        chrono::DateTime::<chrono::Utc>::MAX_UTC
+    );
+}

@@ -1,7 +1,7 @@
 use std::collections::BTreeMap;
 use std::sync::{Arc, OnceLock};
 
-use actix::{Actor, Addr, Context};
+use actix::{Actor, ActorContext, Addr, Context};
 use uuid::Uuid;
 
 use crate::dispatcher::Worker;
@@ -22,6 +22,8 @@ pub(crate) struct Scope {
     worker: Arc<Worker>,
     /// Started on the first cascade: most attempts cascade nothing and need no actor.
     actor: OnceLock<Addr<ContextActor>>,
+    /// Set when the attempt is over; cascading then fails.
+    closed: std::sync::atomic::AtomicBool,
 }
 
 impl Scope {
@@ -42,11 +44,15 @@ impl Scope {
             max_envelope_size,
             worker,
             actor: OnceLock::new(),
+            closed: std::sync::atomic::AtomicBool::new(false),
         }
     }
 
-    /// The context actor, if a handler cascaded anything this attempt.
-    pub(crate) fn actor(&self) -> Option<&Addr<ContextActor>> {
+    /// Ends the attempt: no more cascades. Returns the context actor, if a handler cascaded
+    /// anything, to collect them from.
+    pub(crate) fn close(&self) -> Option<&Addr<ContextActor>> {
+        self.closed
+            .store(true, std::sync::atomic::Ordering::Release);
         self.actor.get()
     }
 
@@ -65,9 +71,10 @@ impl Scope {
 /// the supervisor's arbiter by the attempt's first cascade, so attempts that cascade nothing
 /// cost no actor.
 ///
-/// Cascaded envelopes get deterministic ids (UUID v5 of the message id, the handler and the
-/// cascade's rank within the handler's attempt), so a handler that cascades the same messages
-/// again on a retry produces the same envelopes, which are sent once.
+/// Cascaded envelopes get deterministic ids: a UUID v5 of the message id, the handler, the
+/// cascaded message's type and payload, and how many identical ones the handler cascaded
+/// before in the attempt. A handler that cascades the same message again on a retry produces
+/// the same envelope, sent once; a different message gets a different id, and both are sent.
 #[derive(Debug)]
 pub struct ContextActor {
     message_id: Uuid,
@@ -117,9 +124,19 @@ impl actix::Handler<Cascade> for ContextActor {
         Cascade(handler, mut envelope): Cascade,
         _: &mut Context<Self>,
     ) -> Self::Result {
-        let rank = self.cascaded.iter().filter(|(h, _)| *h == handler).count();
-        let name = format!("reprise.cascade:{}/{}:{rank}", handler.module, handler.name);
-        envelope.id = Uuid::new_v5(&self.message_id, name.as_bytes());
+        let same = |(h, e): &&(HandlerId, Envelope)| {
+            *h == handler
+                && e.message_type == envelope.message_type
+                && e.payload == envelope.payload
+        };
+        let occurrence = self.cascaded.iter().filter(same).count();
+        let mut name = format!(
+            "reprise.cascade:{}/{}:{}:{occurrence}:",
+            handler.module, handler.name, envelope.message_type
+        )
+        .into_bytes();
+        name.extend_from_slice(&envelope.payload);
+        envelope.id = Uuid::new_v5(&self.message_id, &name);
         let id = envelope.id;
         self.cascaded.push((handler, envelope));
         actix::MessageResult(id)
@@ -136,12 +153,14 @@ impl actix::Message for TakeCascaded {
 impl actix::Handler<TakeCascaded> for ContextActor {
     type Result = actix::MessageResult<TakeCascaded>;
 
-    fn handle(&mut self, _: TakeCascaded, _: &mut Context<Self>) -> Self::Result {
+    fn handle(&mut self, _: TakeCascaded, ctx: &mut Context<Self>) -> Self::Result {
         tracing::trace!(
             message_id = %self.message_id,
             cascaded = self.cascaded.len(),
-            "attempt succeeded; releasing cascaded messages"
+            "attempt over; handing over its cascaded messages"
         );
+        // The attempt is over: a late cascade must fail rather than vanish.
+        ctx.stop();
         actix::MessageResult(std::mem::take(&mut self.cascaded))
     }
 }
@@ -223,7 +242,7 @@ impl MessageContext {
     ///
     /// What a handler cascades in an attempt where *it* succeeded is kept even if a sibling
     /// handler failed that attempt, since its effects are done; what it cascades in an attempt
-    /// where it failed is dropped. Cascaded ids are deterministic per handler and rank, so the
+    /// where it failed is dropped. Cascaded ids are deterministic (see [`ContextActor`]), so the
     /// same message cascaded again on a retry is sent once, and a handler that finds its work
     /// already done on a retry may cascade nothing without losing what it cascaded before.
     ///
@@ -237,6 +256,25 @@ impl MessageContext {
     /// If cancelled, the message may or may not have been cascaded.
     pub async fn publish<M: Message>(&self, message: &M) -> Result<Uuid, Error> {
         self.publish_with(message, SendOptions::default()).await
+    }
+
+    /// Like [`publish`](Self::publish), but fails at once when no handler of this runtime
+    /// handles the type, instead of the message being dead-lettered at receive.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::NoRoute`] with the envelope, and the errors of [`publish`](Self::publish).
+    ///
+    /// # Cancel safety
+    ///
+    /// As [`publish`](Self::publish).
+    pub async fn send<M: Message>(&self, message: &M) -> Result<Uuid, Error> {
+        if let Some(attached) = &self.scope
+            && !attached.scope.worker.registry.handles(M::TYPE)
+        {
+            return Err(Error::NoRoute(Box::new(Envelope::for_message(message)?)));
+        }
+        self.publish(message).await
     }
 
     /// [`publish`](Self::publish) with a deduplication id, headers or correlation id.
@@ -255,6 +293,9 @@ impl MessageContext {
     ) -> Result<Uuid, Error> {
         let attached = self.scope.as_ref().ok_or(Error::Detached)?;
         let scope = &attached.scope;
+        if scope.closed.load(std::sync::atomic::Ordering::Acquire) {
+            return Err(Error::Detached);
+        }
         let mut envelope = Envelope::for_message(message)?;
         envelope.correlation_id = scope.correlation_id.or(Some(scope.message_id));
         envelope.causation_id = Some(scope.message_id);

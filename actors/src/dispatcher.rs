@@ -41,6 +41,17 @@ pub(crate) struct Shared {
     pub(crate) unknown_message_types: UnknownMessageTypes,
 }
 
+/// A delivery counted in by the tracker and not yet handed to a supervisor. Dropped — the
+/// dispatch failed, found a duplicate, or was cancelled — it is counted out again, so a
+/// shutdown or `idle` never waits for it.
+struct Admission<'a>(&'a Tracker);
+
+impl Drop for Admission<'_> {
+    fn drop(&mut self) {
+        self.0.release();
+    }
+}
+
 /// One worker's own handles on the routes and the stores.
 pub(crate) struct Worker {
     pub(crate) arbiter: ArbiterHandle,
@@ -85,8 +96,10 @@ impl Dispatcher {
     ///
     /// # Cancel safety
     ///
-    /// Not cancel safe: cancelled after the inbox recorded the envelope, the envelope is known
-    /// but not handled until it is redelivered after the inbox forgets it.
+    /// Cancelled while waiting for capacity, nothing happened. Cancelled while the inbox
+    /// records the envelope, the envelope may be recorded but not handled: a durable inbox
+    /// resumes it after a restart (or once this node's heartbeat expires), the in-memory one
+    /// never does.
     pub async fn dispatch(
         &self,
         envelope: Envelope,
@@ -95,7 +108,8 @@ impl Dispatcher {
         if !self.shared.tracker.admit(true) {
             return Err(Error::ShuttingDown(Box::new(envelope)));
         }
-        self.run(envelope, reply).await
+        self.run(Admission(&self.shared.tracker), envelope, reply)
+            .await
     }
 
     /// Delivers the messages cascaded by a successful delivery, in the background.
@@ -111,7 +125,8 @@ impl Dispatcher {
         actix::spawn(async move {
             for envelope in envelopes {
                 let id = envelope.id;
-                if let Err(error) = this.run(envelope, None).await {
+                let admission = Admission(&this.shared.tracker);
+                if let Err(error) = this.run(admission, envelope, None).await {
                     tracing::error!(message_id = %id, %error, "cascaded message could not be delivered");
                 }
             }
@@ -120,6 +135,7 @@ impl Dispatcher {
 
     async fn run(
         &self,
+        admission: Admission<'_>,
         envelope: Envelope,
         reply: Option<oneshot::Sender<DeliveryReport>>,
     ) -> Result<(), Error> {
@@ -135,13 +151,7 @@ impl Dispatcher {
             Ok::<_, Error>((permit, receipt))
         }
         .await;
-        let (permit, receipt) = match result {
-            Ok(accepted) => accepted,
-            Err(error) => {
-                shared.tracker.release();
-                return Err(error);
-            }
-        };
+        let (permit, receipt) = result?;
         if receipt == Receipt::Duplicate {
             counters.bump(Counter::Deduplicated);
             tracing::info!(
@@ -155,9 +165,10 @@ impl Dispatcher {
                     DiscardReason::DuplicateEnvelope,
                 ));
             }
-            shared.tracker.release();
             return Ok(());
         }
+        // From here the supervisor accounts for the delivery.
+        std::mem::forget(admission);
         let worker = shared.next_arbiter.fetch_add(1, Ordering::Relaxed) % shared.arbiters.len();
         let dispatcher = self.clone();
         // Built on its worker: only the parts travel, not the whole supervisor.

@@ -1,5 +1,3 @@
-use uuid::Uuid;
-
 use crate::Envelope;
 
 /// Errors of the engine and of the ports it calls.
@@ -28,9 +26,10 @@ pub enum Error {
         /// The configured limit.
         limit: usize,
     },
-    /// No dead letter has this id.
-    #[error("no dead letter with id {0}")]
-    DeadLetterNotFound(Uuid),
+    /// `send` needs a handler for the message type, and none is registered; the envelope is
+    /// handed back.
+    #[error("no handler is registered for {}; envelope {} was not sent", .0.message_type, .0.id)]
+    NoRoute(Box<Envelope>),
     /// The engine's threads could not be started.
     #[error("the engine could not start: {0}")]
     Startup(String),

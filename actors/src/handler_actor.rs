@@ -54,7 +54,7 @@ impl HandlerActor {
                 let kind = match error.disposition() {
                     Disposition::Permanent => FailureKind::Permanent,
                     Disposition::RetryAfter(delay) => FailureKind::RetryAfter(delay),
-                    _ => FailureKind::Error,
+                    Disposition::Retry => FailureKind::Error,
                 };
                 Some((kind, error.to_string()))
             }

@@ -60,6 +60,8 @@ pub struct HandlerEntry {
     /// The module's handler timeout, if it set one.
     pub module_timeout: Option<Duration>,
     pub(crate) decode: Decode,
+    /// The Rust type the payload decodes into.
+    pub(crate) rust_type: (std::any::TypeId, &'static str),
 }
 
 impl std::fmt::Debug for HandlerEntry {
@@ -176,6 +178,7 @@ impl Module {
             module_policy: self.policy,
             module_timeout: self.timeout,
             decode: decode::<M>,
+            rust_type: (std::any::TypeId::of::<M>(), std::any::type_name::<M>()),
         });
         self
     }

@@ -50,6 +50,19 @@ pub enum RegistryError {
     /// Two handlers of one module share a name for the same message type.
     #[error("handler {0} is registered twice for {1}")]
     DuplicateHandler(HandlerId, &'static str),
+    /// Two handlers of one message type name expect different Rust types: one payload cannot
+    /// decode into both.
+    #[error(
+        "{message_type} is handled as {first} and as {second}; one type name needs one Rust type"
+    )]
+    ConflictingTypes {
+        /// The message type name.
+        message_type: &'static str,
+        /// The Rust type of the first handler registered.
+        first: &'static str,
+        /// The Rust type of the conflicting handler.
+        second: &'static str,
+    },
     /// A retry policy was set for a message type no handler handles.
     #[error("a retry policy was set for {0}, which no handler handles")]
     PolicyWithoutHandler(String),
@@ -75,6 +88,15 @@ impl Registry {
                 handlers: Vec::new(),
                 policy: None,
             });
+            if let Some(first) = route.handlers.first()
+                && first.rust_type.0 != entry.rust_type.0
+            {
+                return Err(RegistryError::ConflictingTypes {
+                    message_type: entry.message_type,
+                    first: first.rust_type.1,
+                    second: entry.rust_type.1,
+                });
+            }
             if route.handlers.iter().any(|h| h.id == entry.id) {
                 return Err(RegistryError::DuplicateHandler(
                     entry.id,
@@ -166,10 +188,8 @@ impl Registry {
         }
     }
 
-    /// Every registered handler.
-    pub fn handler_ids(&self) -> impl Iterator<Item = &HandlerId> {
-        self.routes
-            .values()
-            .flat_map(|r| r.handlers.iter().map(|h| &h.id))
+    /// The runtime-wide retry policy.
+    pub fn default_policy(&self) -> RetryPolicy {
+        self.default_policy
     }
 }

@@ -105,11 +105,10 @@ impl DeliverySupervisor {
             retry_offsets: Vec::new(),
             scope: None,
             cascaded: Vec::new(),
-            reply: None,
+            reply,
             permit: Some(permit),
             span,
         }
-        .with_reply(reply)
     }
 
     /// A supervisor for a delivery a durable inbox handed back after a restart.
@@ -136,11 +135,6 @@ impl DeliverySupervisor {
         supervisor.failures = failures;
         supervisor.resume = Some(resume);
         supervisor
-    }
-
-    fn with_reply(mut self, reply: Option<oneshot::Sender<DeliveryReport>>) -> Self {
-        self.reply = reply;
-        self
     }
 
     fn now(&self) -> DateTime<Utc> {
@@ -225,7 +219,7 @@ impl DeliverySupervisor {
         let Some(scope) = self.scope.take() else {
             return;
         };
-        let Some(context) = scope.actor().cloned() else {
+        let Some(context) = scope.close().cloned() else {
             self.conclude_attempt(Vec::new(), ctx);
             return;
         };
@@ -274,12 +268,11 @@ impl DeliverySupervisor {
         let now = failure.failed_at;
         self.first_failure_at.get_or_insert(now);
         let shared = &*self.dispatcher.shared;
-        let Some(route) = self.route.clone() else {
-            return;
+        let registry = &shared.workers[self.worker].registry;
+        let policy = match &self.route {
+            Some(route) => registry.policy_for(route, &failure),
+            None => registry.default_policy(),
         };
-        let policy = shared.workers[self.worker]
-            .registry
-            .policy_for(&route, &failure);
         let decision = policy.decide(failure.attempt, &failure);
         self.failures.push(failure);
         match decision {

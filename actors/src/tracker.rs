@@ -178,8 +178,12 @@ impl Tracker {
         }
     }
 
-    /// Marks a cooled-down delivery active again; false if a shutdown took it back meanwhile.
+    /// Marks a cooled-down delivery active again; false once a shutdown began (the shutdown
+    /// report hands it back) or took it back already.
     pub(crate) fn resume(&self, ticket: Ticket) -> bool {
+        if self.closing.load(Ordering::Acquire) {
+            return false;
+        }
         let mut supervised = self.worker(ticket.worker);
         let Some(live) = supervised.get_mut(ticket) else {
             return false;
