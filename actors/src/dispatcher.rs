@@ -25,9 +25,6 @@ pub enum UnknownMessageTypes {
 
 /// Everything the engine's actors share.
 pub(crate) struct Shared {
-    /// What each worker reaches without touching reference counts other workers touch,
-    /// indexed like `arbiters`.
-    pub(crate) workers: Vec<Arc<Worker>>,
     pub(crate) inbox: Arc<dyn Inbox>,
     pub(crate) clock: Arc<dyn Clock>,
     pub(crate) timer: Addr<TimerActor>,
@@ -35,8 +32,7 @@ pub(crate) struct Shared {
     /// One set of counters per worker, then one for dispatching.
     pub(crate) stats: Arc<Stats>,
     pub(crate) capacity: Arc<Capacity>,
-    pub(crate) arbiters: Vec<ArbiterHandle>,
-    pub(crate) next_arbiter: AtomicUsize,
+    pub(crate) next_worker: AtomicUsize,
     pub(crate) max_envelope_size: usize,
     pub(crate) unknown_message_types: UnknownMessageTypes,
 }
@@ -52,8 +48,14 @@ impl Drop for Admission<'_> {
     }
 }
 
-/// One worker's own handles on the routes and the stores.
+/// One worker thread (an arbiter) and its own handles on the routes and the stores.
+///
+/// A delivery's supervisor holds its worker, not the engine: the reference counts it touches
+/// are then only touched by that worker and by whoever dispatches to it, never by the other
+/// workers.
 pub(crate) struct Worker {
+    pub(crate) index: usize,
+    pub(crate) shared: Arc<Shared>,
     pub(crate) arbiter: ArbiterHandle,
     pub(crate) registry: Registry,
     pub(crate) inbox: Arc<dyn Inbox>,
@@ -63,16 +65,80 @@ pub(crate) struct Worker {
 impl std::fmt::Debug for Worker {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Worker")
+            .field("index", &self.index)
             .field("registry", &self.registry)
             .finish_non_exhaustive()
     }
 }
 
+impl Worker {
+    /// Asks the inbox, waits for capacity, and starts a supervisor on this worker.
+    async fn deliver(
+        self: &Arc<Self>,
+        admission: Admission<'_>,
+        envelope: Envelope,
+        reply: Option<oneshot::Sender<DeliveryReport>>,
+    ) -> Result<(), Error> {
+        let shared = &self.shared;
+        let counters = shared.stats.dispatching();
+        counters.bump(Counter::Received);
+        let permit = shared.capacity.acquire().await;
+        let receipt = match self.inbox.receive_now(&envelope) {
+            Some(receipt) => receipt?,
+            None => self.inbox.receive(&envelope).await?,
+        };
+        if receipt == Receipt::Duplicate {
+            counters.bump(Counter::Deduplicated);
+            tracing::info!(
+                messaging.message.id = %envelope.id,
+                reprise.message_type = %envelope.message_type,
+                "duplicate envelope discarded"
+            );
+            if let Some(reply) = reply {
+                let report = DeliveryReport::discarded(&envelope, DiscardReason::DuplicateEnvelope);
+                let _ = reply.send(report);
+            }
+            return Ok(());
+        }
+        // From here the supervisor accounts for the delivery.
+        std::mem::forget(admission);
+        let worker = Arc::clone(self);
+        // Built on its worker: only the parts travel, not the whole supervisor.
+        DeliverySupervisor::start_in_arbiter(&self.arbiter, move |_| {
+            DeliverySupervisor::new(worker, envelope, permit, reply)
+        });
+        Ok(())
+    }
+
+    /// Delivers the messages cascaded by a successful delivery, on this worker, in the
+    /// background.
+    pub(crate) fn forward(self: &Arc<Self>, envelopes: Vec<Envelope>) {
+        if envelopes.is_empty() {
+            return;
+        }
+        // Admitted now, before the parent settles, so a draining shutdown waits for them too.
+        for _ in &envelopes {
+            self.shared.tracker.admit(false);
+        }
+        let worker = Arc::clone(self);
+        actix::spawn(async move {
+            for envelope in envelopes {
+                let id = envelope.id;
+                let admission = Admission(&worker.shared.tracker);
+                if let Err(error) = worker.deliver(admission, envelope, None).await {
+                    tracing::error!(message_id = %id, %error, "cascaded message could not be delivered");
+                }
+            }
+        });
+    }
+}
+
 /// The entry point of received envelopes: it asks the inbox, waits for capacity, and starts a
-/// [`DeliverySupervisor`] on one of the engine's arbiters.
+/// [`DeliverySupervisor`] on one of the engine's workers.
 #[derive(Clone)]
 pub struct Dispatcher {
     pub(crate) shared: Arc<Shared>,
+    pub(crate) workers: Arc<[Arc<Worker>]>,
 }
 
 impl std::fmt::Debug for Dispatcher {
@@ -82,6 +148,11 @@ impl std::fmt::Debug for Dispatcher {
 }
 
 impl Dispatcher {
+    fn next_worker(&self) -> &Arc<Worker> {
+        let index = self.shared.next_worker.fetch_add(1, Ordering::Relaxed);
+        &self.workers[index % self.workers.len()]
+    }
+
     /// Delivers a received envelope. Returns once the envelope is accepted (recorded by the
     /// inbox and handed to a supervisor) or discarded as a duplicate, not when it is handled;
     /// `reply`, if given, receives the report when the delivery settles.
@@ -108,88 +179,19 @@ impl Dispatcher {
         if !self.shared.tracker.admit(true) {
             return Err(Error::ShuttingDown(Box::new(envelope)));
         }
-        self.run(Admission(&self.shared.tracker), envelope, reply)
-            .await
-    }
-
-    /// Delivers the messages cascaded by a successful delivery, in the background.
-    pub(crate) fn forward(&self, envelopes: Vec<Envelope>) {
-        if envelopes.is_empty() {
-            return;
-        }
-        // Admitted now, before the parent settles, so a draining shutdown waits for them too.
-        for _ in &envelopes {
-            self.shared.tracker.admit(false);
-        }
-        let this = self.clone();
-        actix::spawn(async move {
-            for envelope in envelopes {
-                let id = envelope.id;
-                let admission = Admission(&this.shared.tracker);
-                if let Err(error) = this.run(admission, envelope, None).await {
-                    tracing::error!(message_id = %id, %error, "cascaded message could not be delivered");
-                }
-            }
-        });
-    }
-
-    async fn run(
-        &self,
-        admission: Admission<'_>,
-        envelope: Envelope,
-        reply: Option<oneshot::Sender<DeliveryReport>>,
-    ) -> Result<(), Error> {
-        let shared = &self.shared;
-        let counters = shared.stats.writer(shared.arbiters.len());
-        counters.bump(Counter::Received);
-        let result = async {
-            let permit = shared.capacity.acquire().await;
-            let receipt = match shared.inbox.receive_now(&envelope) {
-                Some(receipt) => receipt?,
-                None => shared.inbox.receive(&envelope).await?,
-            };
-            Ok::<_, Error>((permit, receipt))
-        }
-        .await;
-        let (permit, receipt) = result?;
-        if receipt == Receipt::Duplicate {
-            counters.bump(Counter::Deduplicated);
-            tracing::info!(
-                messaging.message.id = %envelope.id,
-                reprise.message_type = %envelope.message_type,
-                "duplicate envelope discarded"
-            );
-            if let Some(reply) = reply {
-                let _ = reply.send(DeliveryReport::discarded(
-                    &envelope,
-                    DiscardReason::DuplicateEnvelope,
-                ));
-            }
-            return Ok(());
-        }
-        // From here the supervisor accounts for the delivery.
-        std::mem::forget(admission);
-        let worker = shared.next_arbiter.fetch_add(1, Ordering::Relaxed) % shared.arbiters.len();
-        let dispatcher = self.clone();
-        // Built on its worker: only the parts travel, not the whole supervisor.
-        DeliverySupervisor::start_in_arbiter(&shared.arbiters[worker], move |_| {
-            DeliverySupervisor::new(dispatcher, worker, envelope, permit, reply)
-        });
-        Ok(())
+        let admission = Admission(&self.shared.tracker);
+        self.next_worker().deliver(admission, envelope, reply).await
     }
 
     /// Resumes a delivery a durable inbox handed back, on one of the workers.
     pub(crate) fn resume(&self, resumable: Resumable) {
         self.shared.tracker.admit(false);
-        let this = self.clone();
+        let worker = Arc::clone(self.next_worker());
         actix::spawn(async move {
-            let permit = this.shared.capacity.acquire().await;
-            let shared = &this.shared;
-            let worker =
-                shared.next_arbiter.fetch_add(1, Ordering::Relaxed) % shared.arbiters.len();
-            let dispatcher = this.clone();
-            DeliverySupervisor::start_in_arbiter(&shared.arbiters[worker], move |_| {
-                DeliverySupervisor::resumed(dispatcher, worker, resumable, permit)
+            let permit = worker.shared.capacity.acquire().await;
+            let on = worker.arbiter.clone();
+            DeliverySupervisor::start_in_arbiter(&on, move |_| {
+                DeliverySupervisor::resumed(worker, resumable, permit)
             });
         });
     }
@@ -210,6 +212,6 @@ impl Dispatcher {
 
     /// The routes this engine serves.
     pub fn registry(&self) -> &Registry {
-        &self.shared.workers[0].registry
+        &self.workers[0].registry
     }
 }

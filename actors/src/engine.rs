@@ -140,33 +140,32 @@ impl Engine {
                     } else {
                         workers.iter().map(Arbiter::handle).collect()
                     };
+                    let shared = Arc::new(Shared {
+                        inbox: Arc::clone(&parts.inbox),
+                        clock: parts.clock,
+                        timer,
+                        tracker: Tracker::new(arbiters.len()),
+                        stats: Arc::new(Stats::new(arbiters.len() + 1)),
+                        capacity: Capacity::new(config.max_in_flight),
+                        next_worker: AtomicUsize::new(0),
+                        max_envelope_size: config.max_envelope_size,
+                        unknown_message_types: config.unknown_message_types,
+                    });
                     let workers = arbiters
-                        .iter()
-                        .map(|arbiter| {
+                        .into_iter()
+                        .enumerate()
+                        .map(|(index, arbiter)| {
                             Arc::new(Worker {
-                                arbiter: arbiter.clone(),
+                                index,
+                                shared: Arc::clone(&shared),
+                                arbiter,
                                 registry: parts.registry.replicate(),
                                 inbox: Arc::clone(&parts.inbox),
                                 dead_letters: Arc::clone(&parts.dead_letters),
                             })
                         })
                         .collect();
-                    let shared = Shared {
-                        workers,
-                        inbox: parts.inbox,
-                        clock: parts.clock,
-                        timer,
-                        tracker: Tracker::new(arbiters.len()),
-                        stats: Arc::new(Stats::new(arbiters.len() + 1)),
-                        capacity: Capacity::new(config.max_in_flight),
-                        arbiters,
-                        next_arbiter: AtomicUsize::new(0),
-                        max_envelope_size: config.max_envelope_size,
-                        unknown_message_types: config.unknown_message_types,
-                    };
-                    let dispatcher = Dispatcher {
-                        shared: Arc::new(shared),
-                    };
+                    let dispatcher = Dispatcher { shared, workers };
                     if let Some(durability) = &config.durability {
                         RecoveryActor::new(
                             dispatcher.clone(),

@@ -66,8 +66,7 @@ impl Counters {
             Counter::Deduplicated => &self.deduplicated,
             Counter::Discarded => &self.discarded,
         };
-        // Only this writer's thread adds to it: a plain load and store would do, but
-        // cascaded messages are dispatched from workers too, so keep it atomic.
+        // Atomic: the dispatching counters are bumped by every publishing thread.
         cell.0.fetch_add(1, Ordering::Relaxed);
     }
 }
@@ -82,6 +81,11 @@ impl Stats {
     /// The counters of writer `index`.
     pub(crate) fn writer(&self, index: usize) -> &Counters {
         &self.writers[index % self.writers.len()]
+    }
+
+    /// The counters of the dispatching side (the last writer).
+    pub(crate) fn dispatching(&self) -> &Counters {
+        &self.writers[self.writers.len() - 1]
     }
 
     /// Adds up every writer's counters.

@@ -11,7 +11,7 @@ use tokio::time::Instant;
 use tracing::field::Empty;
 
 use crate::context::{Scope, TakeCascaded};
-use crate::dispatcher::UnknownMessageTypes;
+use crate::dispatcher::{UnknownMessageTypes, Worker};
 use crate::handler_actor::HandlerFinished;
 use crate::ports::Resumable;
 use crate::report::DiscardReason;
@@ -19,18 +19,16 @@ use crate::stats::Counter;
 use crate::timer::{RetryDue, Schedule};
 use crate::tracker::{PendingRetry, Ticket};
 use crate::{
-    AggregateError, ContextActor, DeadLetter, DeadLetterReason, Decoded, DeliveryReport,
-    Dispatcher, Envelope, Error, FailureKind, HandlerActor, HandlerFailure, HandlerId, Outcome,
-    RetryDecision, Route,
+    AggregateError, ContextActor, DeadLetter, DeadLetterReason, Decoded, DeliveryReport, Envelope,
+    Error, FailureKind, HandlerActor, HandlerFailure, HandlerId, Outcome, RetryDecision, Route,
 };
 
 /// Owns one delivery from acceptance to settlement: runs every handler on each attempt,
 /// aggregates their failures, asks the [`TimerActor`](crate::TimerActor) for the cooldown
 /// before a retry, and dead-letters what the policy gives up on.
 pub struct DeliverySupervisor {
-    dispatcher: Dispatcher,
     /// The worker (arbiter) this delivery runs on.
-    worker: usize,
+    worker: Arc<Worker>,
     /// Set once the supervisor runs on its worker.
     ticket: Option<Ticket>,
     /// How a delivery recovered from a durable inbox picks up again.
@@ -66,8 +64,7 @@ impl std::fmt::Debug for DeliverySupervisor {
 
 impl DeliverySupervisor {
     pub(crate) fn new(
-        dispatcher: Dispatcher,
-        worker: usize,
+        worker: Arc<Worker>,
         envelope: Envelope,
         permit: Slot,
         reply: Option<oneshot::Sender<DeliveryReport>>,
@@ -90,7 +87,6 @@ impl DeliverySupervisor {
             tracing::Span::none()
         };
         Self {
-            dispatcher,
             worker,
             ticket: None,
             resume: None,
@@ -112,12 +108,7 @@ impl DeliverySupervisor {
     }
 
     /// A supervisor for a delivery a durable inbox handed back after a restart.
-    pub(crate) fn resumed(
-        dispatcher: Dispatcher,
-        worker: usize,
-        resumable: Resumable,
-        permit: Slot,
-    ) -> Self {
+    pub(crate) fn resumed(worker: Arc<Worker>, resumable: Resumable, permit: Slot) -> Self {
         let Resumable {
             envelope,
             due_at,
@@ -128,9 +119,9 @@ impl DeliverySupervisor {
             Some(at) => Resume::Due(at),
             // An attempt was started and never recorded as failed: it ran when the runtime stopped.
             None if envelope.attempts as usize > failures.len() => Resume::Interrupted,
-            None => Resume::Due(dispatcher.shared.clock.now()),
+            None => Resume::Due(worker.shared.clock.now()),
         };
-        let mut supervisor = Self::new(dispatcher, worker, envelope, permit, None);
+        let mut supervisor = Self::new(worker, envelope, permit, None);
         supervisor.first_failure_at = failures.first().map(|f| f.failed_at);
         supervisor.failures = failures;
         supervisor.resume = Some(resume);
@@ -138,7 +129,7 @@ impl DeliverySupervisor {
     }
 
     fn now(&self) -> DateTime<Utc> {
-        self.dispatcher.shared.clock.now()
+        self.worker.shared.clock.now()
     }
 
     /// Starts the next attempt; a retry is first recorded as started, so that a crash while
@@ -150,7 +141,7 @@ impl DeliverySupervisor {
             self.run_attempt(ctx);
             return;
         }
-        let worker = Arc::clone(&self.dispatcher.shared.workers[self.worker]);
+        let worker = Arc::clone(&self.worker);
         let id = self.envelope.id;
         let begin = async move {
             persist("record attempt", id, || {
@@ -169,9 +160,12 @@ impl DeliverySupervisor {
         let (Some(route), Some(message)) = (self.route.clone(), self.message.clone()) else {
             return;
         };
-        let shared = &*self.dispatcher.shared;
+        let shared = &*self.worker.shared;
         let attempt = self.envelope.attempts;
-        shared.stats.writer(self.worker).bump(Counter::Attempts);
+        shared
+            .stats
+            .writer(self.worker.index)
+            .bump(Counter::Attempts);
         if attempt > 1 {
             self.retry_offsets.push(self.started_at.elapsed());
         }
@@ -183,7 +177,7 @@ impl DeliverySupervisor {
             &self.envelope,
             attempt,
             shared.max_envelope_size,
-            Arc::clone(&shared.workers[self.worker]),
+            Arc::clone(&self.worker),
         ));
         self.scope = Some(Arc::clone(&scope));
         self.pending = route.handlers().len();
@@ -207,7 +201,7 @@ impl DeliverySupervisor {
                 index,
                 message.clone(),
                 handle,
-                shared.workers[self.worker].registry.timeout_of(entry),
+                self.worker.registry.timeout_of(entry),
                 me.clone(),
                 span,
             )
@@ -267,8 +261,8 @@ impl DeliverySupervisor {
         tracing::warn!(parent: &self.span, error = %failure, "attempt failed");
         let now = failure.failed_at;
         self.first_failure_at.get_or_insert(now);
-        let shared = &*self.dispatcher.shared;
-        let registry = &shared.workers[self.worker].registry;
+        let shared = &*self.worker.shared;
+        let registry = &self.worker.registry;
         let policy = match &self.route {
             Some(route) => registry.policy_for(route, &failure),
             None => registry.default_policy(),
@@ -277,10 +271,13 @@ impl DeliverySupervisor {
         self.failures.push(failure);
         match decision {
             RetryDecision::RetryIn(delay) => {
-                shared.stats.writer(self.worker).bump(Counter::Retried);
+                shared
+                    .stats
+                    .writer(self.worker.index)
+                    .bump(Counter::Retried);
                 let due_at = later(now, delay);
                 tracing::info!(parent: &self.span, ?delay, "retry scheduled");
-                let worker = Arc::clone(&shared.workers[self.worker]);
+                let worker = Arc::clone(&self.worker);
                 let (envelope, failures) = (self.envelope.clone(), self.failures.clone());
                 let record = async move {
                     let id = envelope.id;
@@ -315,7 +312,7 @@ impl DeliverySupervisor {
 
     /// Waits on the timer actor until the next attempt is due.
     fn cool_down(&mut self, due_at: DateTime<Utc>, delay: Duration, ctx: &mut Context<Self>) {
-        let shared = &*self.dispatcher.shared;
+        let shared = &*self.worker.shared;
         if let Some(ticket) = self.ticket {
             let pending = PendingRetry {
                 envelope: self.envelope.clone(),
@@ -331,7 +328,7 @@ impl DeliverySupervisor {
     }
 
     fn succeed(&mut self, ctx: &mut Context<Self>) {
-        let worker = &self.dispatcher.shared.workers[self.worker];
+        let worker = &self.worker;
         let id = self.envelope.id;
         // An in-memory inbox answers at once; only a store that waits needs the actor future.
         if let Some(Ok(())) = worker.inbox.mark_handled_now(id) {
@@ -349,18 +346,18 @@ impl DeliverySupervisor {
 
     fn handled(&mut self, ctx: &mut Context<Self>) {
         let cascaded = std::mem::take(&mut self.cascaded);
-        self.dispatcher
+        self.worker
             .shared
             .stats
-            .writer(self.worker)
+            .writer(self.worker.index)
             .bump(Counter::Handled);
         tracing::info!(parent: &self.span, cascaded = cascaded.len(), "delivery handled");
-        self.dispatcher.forward(cascaded.clone());
+        self.worker.forward(cascaded.clone());
         self.settle(Outcome::Handled, cascaded, ctx);
     }
 
     fn dead_letter(&mut self, dead_letter: DeadLetter, ctx: &mut Context<Self>) {
-        let worker = Arc::clone(&self.dispatcher.shared.workers[self.worker]);
+        let worker = Arc::clone(&self.worker);
         let id = self.envelope.id;
         let reason = dead_letter.reason.clone();
         tracing::error!(parent: &self.span, %reason, "message dead-lettered");
@@ -374,10 +371,10 @@ impl DeliverySupervisor {
         };
         ctx.spawn(work.into_actor(self).map(move |(), actor, ctx| {
             actor
-                .dispatcher
+                .worker
                 .shared
                 .stats
-                .writer(actor.worker)
+                .writer(actor.worker.index)
                 .bump(Counter::DeadLettered);
             actor.settle(Outcome::DeadLettered(reason), Vec::new(), ctx);
         }));
@@ -403,8 +400,8 @@ impl DeliverySupervisor {
         }
         self.permit.take();
         match self.ticket {
-            Some(ticket) => self.dispatcher.shared.tracker.finish(ticket),
-            None => self.dispatcher.shared.tracker.release(),
+            Some(ticket) => self.worker.shared.tracker.finish(ticket),
+            None => self.worker.shared.tracker.release(),
         }
         ctx.stop();
     }
@@ -454,8 +451,12 @@ impl Actor for DeliverySupervisor {
         // Read on the engine's own clock (virtual under the harness), not the dispatching
         // caller's.
         self.started_at = Instant::now();
-        let shared = &*self.dispatcher.shared;
-        self.ticket = Some(shared.tracker.supervise(self.worker, self.envelope.id));
+        let shared = &*self.worker.shared;
+        self.ticket = Some(
+            shared
+                .tracker
+                .supervise(self.worker.index, self.envelope.id),
+        );
         let size = self.envelope.size();
         let rejected = if size > shared.max_envelope_size {
             Some(DeadLetterReason::TooLarge {
@@ -463,15 +464,15 @@ impl Actor for DeliverySupervisor {
                 limit: shared.max_envelope_size,
             })
         } else {
-            match shared.workers[self.worker]
-                .registry
-                .route(&self.envelope.message_type)
-            {
+            match self.worker.registry.route(&self.envelope.message_type) {
                 None if shared.unknown_message_types == UnknownMessageTypes::Discard => {
                     tracing::warn!(parent: &self.span, "no handler for this message type; discarded");
-                    shared.stats.writer(self.worker).bump(Counter::Discarded);
+                    shared
+                        .stats
+                        .writer(self.worker.index)
+                        .bump(Counter::Discarded);
                     let id = self.envelope.id;
-                    let worker = Arc::clone(&shared.workers[self.worker]);
+                    let worker = Arc::clone(&self.worker);
                     let work = async move {
                         persist("mark handled", id, || worker.inbox.mark_handled(id)).await
                     };
@@ -548,7 +549,7 @@ impl actix::Handler<RetryDue> for DeliverySupervisor {
     fn handle(&mut self, _: RetryDue, ctx: &mut Context<Self>) {
         if self
             .ticket
-            .is_some_and(|ticket| self.dispatcher.shared.tracker.resume(ticket))
+            .is_some_and(|ticket| self.worker.shared.tracker.resume(ticket))
         {
             self.start_attempt(ctx);
         } else {
