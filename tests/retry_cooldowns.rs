@@ -3,16 +3,10 @@
 #[path = "support/messages.rs"]
 mod support;
 
-use std::time::Duration;
-
 use reprise::prelude::*;
 use reprise::testing::{Fault, Recorder, TestHarness};
 use reprise::{DeadLetterReason, FailureKind, Outcome};
-use support::{Counter, MemberRemoved, member_removed};
-
-fn secs(list: &[u64]) -> Vec<Duration> {
-    list.iter().map(|s| Duration::from_secs(*s)).collect()
-}
+use support::{Counter, MemberRemoved, member_removed, secs};
 
 #[tokio::test]
 async fn failing_handler_is_retried_on_the_default_cooldowns_then_dead_lettered() {

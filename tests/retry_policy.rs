@@ -8,11 +8,7 @@ use std::time::Duration;
 use reprise::prelude::*;
 use reprise::testing::{Fault, TestHarness};
 use reprise::{DeadLetterReason, Outcome};
-use support::{Counter, MemberRemoved, WebhookQueued, member_removed};
-
-fn secs(list: &[u64]) -> Vec<Duration> {
-    list.iter().map(|s| Duration::from_secs(*s)).collect()
-}
+use support::{Counter, MemberRemoved, WebhookQueued, member_removed, secs};
 
 #[test]
 fn default_policy_has_the_documented_values_and_intervals() {

@@ -47,7 +47,7 @@ impl fmt::Display for DeadLetterReason {
 #[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
 #[non_exhaustive]
 pub struct DeadLetter {
-    /// The envelope as it was received (its id is the dead letter's id).
+    /// The envelope (its id is the dead letter's id), its attempt count as it last ran.
     pub envelope: Envelope,
     /// Why it was dead-lettered.
     pub reason: DeadLetterReason,

@@ -136,7 +136,7 @@ impl Handler<MemberRemoved> for QueueDeliveries {
                 .execute(&mut *tx)
                 .await?;
         }
-        // Commit before publishing.
+        // Commit before announcing: a message must never point at rows that were rolled back.
         tx.commit().await?;
         for (_, id) in new {
             context

@@ -19,6 +19,10 @@ impl<'a> DeadLetters<'a> {
     /// # Errors
     ///
     /// The store's failure.
+    ///
+    /// # Cancel safety
+    ///
+    /// Cancel safe: it only reads.
     pub async fn list(&self) -> Result<Vec<DeadLetter>, Error> {
         Ok(self.runtime.dead_letters.list().await?)
     }
@@ -28,6 +32,10 @@ impl<'a> DeadLetters<'a> {
     /// # Errors
     ///
     /// [`Error::DeadLetterNotFound`], or the store's failure.
+    ///
+    /// # Cancel safety
+    ///
+    /// Cancel safe: it only reads.
     pub async fn inspect(&self, id: Uuid) -> Result<DeadLetter, Error> {
         self.runtime
             .dead_letters
@@ -74,6 +82,10 @@ impl<'a> DeadLetters<'a> {
     /// # Errors
     ///
     /// The store's failure.
+    ///
+    /// # Cancel safety
+    ///
+    /// Cancelled, some or all dead letters may be gone.
     pub async fn purge(&self) -> Result<u64, Error> {
         Ok(self.runtime.dead_letters.purge().await?)
     }

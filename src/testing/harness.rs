@@ -113,6 +113,10 @@ impl TestHarness {
     ///
     /// [`Error::NotSettled`] past the settle timeout, and the errors of
     /// [`Runtime::publish`].
+    ///
+    /// # Cancel safety
+    ///
+    /// Not cancel safe: the message may be delivered without its report being awaited.
     pub async fn publish<M: Message>(&self, message: &M) -> Result<DeliveryReport, Error> {
         self.publish_with(message, SendOptions::default()).await
     }
@@ -120,6 +124,10 @@ impl TestHarness {
     /// [`publish`](Self::publish) with send options.
     ///
     /// # Errors
+    ///
+    /// As [`publish`](Self::publish).
+    ///
+    /// # Cancel safety
     ///
     /// As [`publish`](Self::publish).
     pub async fn publish_with<M: Message>(
@@ -137,16 +145,25 @@ impl TestHarness {
     /// # Errors
     ///
     /// As [`publish`](Self::publish).
+    ///
+    /// # Cancel safety
+    ///
+    /// As [`publish`](Self::publish).
     pub async fn deliver(&self, envelope: Envelope) -> Result<DeliveryReport, Error> {
         let id = envelope.id;
         let report = self.runtime.receive_tracked(envelope).await?;
         self.settled(id, report).await
     }
 
-    /// Delivers the same envelope `copies` times at once, as a broker that redelivers while
-    /// the first delivery is still running, and waits for every copy to settle.
+    /// Delivers the same envelope `copies` times, each copy accepted before any settles — a
+    /// broker redelivering while the first delivery still runs — and waits for every copy to
+    /// settle.
     ///
     /// # Errors
+    ///
+    /// As [`publish`](Self::publish).
+    ///
+    /// # Cancel safety
     ///
     /// As [`publish`](Self::publish).
     pub async fn deliver_concurrently(
@@ -187,6 +204,10 @@ impl TestHarness {
     /// # Errors
     ///
     /// [`Error::NotSettled`] (with a nil envelope id) past the settle timeout.
+    ///
+    /// # Cancel safety
+    ///
+    /// Cancel safe: it only observes.
     pub async fn idle(&self) -> Result<(), Error> {
         tokio::time::timeout(self.settle_timeout, self.runtime.idle())
             .await
@@ -197,6 +218,10 @@ impl TestHarness {
     }
 
     /// Shuts the runtime down; see [`Runtime::shutdown`].
+    ///
+    /// # Cancel safety
+    ///
+    /// As [`Runtime::shutdown`].
     pub async fn shutdown(&self) -> ShutdownReport {
         self.runtime.shutdown().await
     }

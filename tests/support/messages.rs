@@ -49,3 +49,10 @@ impl<M: Message> Handler<M> for Counter {
         Ok(())
     }
 }
+
+/// Whole seconds, for comparing cooldowns.
+pub fn secs(list: &[u64]) -> Vec<std::time::Duration> {
+    list.iter()
+        .map(|s| std::time::Duration::from_secs(*s))
+        .collect()
+}
