@@ -61,6 +61,21 @@ pub trait Inbox: Send + Sync + 'static {
     /// [`Error::Store`] when the store cannot answer; the envelope must then not be acked.
     async fn receive(&self, envelope: &Envelope) -> Result<Receipt, Error>;
 
+    /// Records `envelope` as incoming for any node to run — unowned, with no attempt started —
+    /// or reports that its id is already known. Tools use it to hand work to running nodes
+    /// (a dead letter replayed from the command line).
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Store`] when the store cannot record it, or cannot hand work to other nodes at
+    /// all (an inbox in memory).
+    async fn enqueue(&self, envelope: &Envelope) -> Result<Receipt, Error> {
+        let _ = envelope;
+        Err(Error::store(
+            "this inbox cannot hand envelopes to other nodes",
+        ))
+    }
+
     /// Records that attempt `attempt` of envelope `id` starts, so a crash during it counts it.
     /// The first attempt is recorded by [`receive`](Inbox::receive).
     ///

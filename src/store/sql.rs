@@ -18,6 +18,12 @@ pub(crate) const RECEIVE: &str = "INSERT INTO reprise_inbox \
     VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, 'incoming', $10, $11, $12) \
     ON CONFLICT (id) DO NOTHING";
 
+pub(crate) const ENQUEUE: &str = "INSERT INTO reprise_inbox \
+    (id, message_type, payload, headers, deduplication_id, correlation_id, causation_id, sent_at, \
+     scheduled_for, status, attempts, owner, received_at) \
+    VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, 'incoming', $10, NULL, $11) \
+    ON CONFLICT (id) DO NOTHING";
+
 pub(crate) const BEGIN_ATTEMPT: &str = "UPDATE reprise_inbox \
     SET status = 'incoming', attempts = $2, execute_at = NULL WHERE id = $1";
 
@@ -356,6 +362,35 @@ macro_rules! sql_store {
                     .bind(c.scheduled_for)
                     .bind(stored_attempts(envelope.attempts.saturating_add(1)))
                     .bind(&*self.node)
+                    .bind(millis(self.clock.now()))
+                    .execute(&self.pool)
+                    .await
+                    .map_err(reprise_actors::Error::store)?
+                    .rows_affected();
+                Ok(if inserted == 1 {
+                    reprise_actors::ports::Receipt::New
+                } else {
+                    reprise_actors::ports::Receipt::Duplicate
+                })
+            }
+
+            async fn enqueue(
+                &self,
+                envelope: &reprise_actors::Envelope,
+            ) -> Result<reprise_actors::ports::Receipt, reprise_actors::Error> {
+                use $crate::store::sql::*;
+                let c = EnvelopeColumns::of(envelope)?;
+                let inserted = sqlx::query(ENQUEUE)
+                    .bind(c.id)
+                    .bind(c.message_type)
+                    .bind(c.payload)
+                    .bind(c.headers)
+                    .bind(c.deduplication_id)
+                    .bind(c.correlation_id)
+                    .bind(c.causation_id)
+                    .bind(c.sent_at)
+                    .bind(c.scheduled_for)
+                    .bind(stored_attempts(envelope.attempts))
                     .bind(millis(self.clock.now()))
                     .execute(&self.pool)
                     .await

@@ -1,0 +1,133 @@
+//! The `reprise` command-line tool against real SQLite files and a real PostgreSQL server.
+#![cfg(all(feature = "cli", feature = "testing"))]
+
+#[path = "support/messages.rs"]
+mod support;
+#[path = "support/stores.rs"]
+mod support_stores;
+
+use std::time::Duration;
+
+use reprise::prelude::*;
+use reprise::testing::Recorder;
+use support::{MemberRemoved, member_removed};
+
+const WAIT: Duration = Duration::from_secs(20);
+
+struct AlwaysFails;
+
+impl Handler<MemberRemoved> for AlwaysFails {
+    async fn handle(&self, _: &MemberRemoved, _: &MessageContext) -> Result<(), HandlerError> {
+        Err("the downstream service is down".into())
+    }
+}
+
+/// Runs the tool; returns its standard output, or panics with its standard error.
+async fn reprise(args: &[&str]) -> String {
+    let args: Vec<String> = args.iter().map(|a| (*a).to_owned()).collect();
+    let output = tokio::task::spawn_blocking(move || {
+        std::process::Command::new(env!("CARGO_BIN_EXE_reprise"))
+            .args(&args)
+            .output()
+    })
+    .await
+    .unwrap()
+    .expect("the tool runs");
+    assert!(
+        output.status.success(),
+        "{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    String::from_utf8(output.stdout).unwrap()
+}
+
+on_both_backends!(
+    dead_letters_are_listed_shown_replayed_and_purged_sqlite,
+    dead_letters_are_listed_shown_replayed_and_purged_postgres,
+    |db| {
+        let failing = db
+            .store(Runtime::builder(), "node-a", Duration::from_secs(30))
+            .await
+            .retry_policy(RetryPolicy::no_retries())
+            .module(Module::new("billing").handle_named::<MemberRemoved, _>("charge", AlwaysFails))
+            .build()
+            .unwrap();
+        let id = failing.publish(&member_removed()).await.unwrap();
+        tokio::time::timeout(WAIT, failing.idle()).await.unwrap();
+        failing.shutdown().await;
+        let url = db.url.clone();
+
+        let listed = reprise(&["dead-letters", "list", "--database", &url]).await;
+        assert!(listed.contains(&id.simple().to_string()), "{listed}");
+        assert!(listed.contains("retries exhausted"), "{listed}");
+
+        let json: serde_json::Value = serde_json::from_str(
+            &reprise(&["dead-letters", "list", "--database", &url, "--json"]).await,
+        )
+        .unwrap();
+        assert_eq!(json.as_array().unwrap().len(), 1);
+        assert_eq!(json[0]["id"], id.to_string());
+        assert_eq!(json[0]["attempts"], 1);
+
+        let shown = reprise(&["dead-letters", "show", &id.to_string(), "--database", &url]).await;
+        assert!(
+            shown.contains("billing/charge failed: the downstream service is down"),
+            "{shown}"
+        );
+        assert!(shown.contains("\"member_id\":7"), "{shown}");
+
+        reprise(&[
+            "dead-letters",
+            "replay",
+            &id.to_string(),
+            "--database",
+            &url,
+        ])
+        .await;
+        let purged = reprise(&["dead-letters", "purge", "--database", &url, "--json"]).await;
+        assert_eq!(
+            serde_json::from_str::<serde_json::Value>(&purged).unwrap()["purged"],
+            0
+        );
+
+        // A running node picks the replayed envelope up: same id, fresh attempt count.
+        let calls = Recorder::<MemberRemoved>::new();
+        let node = db
+            .store(Runtime::builder(), "node-b", Duration::from_secs(30))
+            .await
+            .recovery_interval(Duration::from_millis(100))
+            .module(
+                Module::new("billing").handle_named::<MemberRemoved, _>("charge", calls.clone()),
+            )
+            .build()
+            .unwrap();
+        tokio::time::timeout(WAIT, async {
+            while calls.count() == 0 {
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+        })
+        .await
+        .expect("the replayed envelope was handled");
+        let calls = calls.calls();
+        assert_eq!((calls[0].message_id, calls[0].attempt), (Some(id), 1));
+        node.shutdown().await;
+    }
+);
+
+#[tokio::test]
+async fn an_unknown_id_is_a_clear_error() {
+    let db = support_stores::TestDatabase::new(support_stores::Backend::Sqlite).await;
+    let _ = db.sqlite().await;
+    let output = std::process::Command::new(env!("CARGO_BIN_EXE_reprise"))
+        .args([
+            "dead-letters",
+            "show",
+            &uuid::Uuid::new_v4().to_string(),
+            "--database",
+            &db.url,
+        ])
+        .output()
+        .unwrap();
+    assert!(!output.status.success());
+    assert!(String::from_utf8_lossy(&output.stderr).contains("no dead letter with id"));
+}
