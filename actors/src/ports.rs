@@ -115,6 +115,18 @@ pub trait Inbox: Send + Sync + 'static {
         Ok(Vec::new())
     }
 
+    /// Gives up this node's deliveries received before `started_at`: a previous run under
+    /// the same node name left them, and [`recover`](Inbox::recover) then resumes them at
+    /// once. Deliveries this run received are not touched.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Store`] when it cannot be recorded.
+    async fn release_before(&self, started_at: DateTime<Utc>) -> Result<(), Error> {
+        let _ = started_at;
+        Ok(())
+    }
+
     /// Records that this node is alive; other nodes recover the deliveries of a node that
     /// stops doing so.
     ///

@@ -12,15 +12,20 @@ pub struct RecoveryActor {
     interval: Duration,
     batch: usize,
     busy: bool,
+    /// When this run started, until its first round took back what a previous run under the
+    /// same node name left unsettled.
+    started_at: Option<chrono::DateTime<chrono::Utc>>,
 }
 
 impl RecoveryActor {
     pub(crate) fn new(dispatcher: Dispatcher, interval: Duration, batch: usize) -> Self {
+        let started_at = Some(dispatcher.shared.clock.now());
         Self {
             dispatcher,
             interval,
             batch: batch.max(1),
             busy: false,
+            started_at,
         }
     }
 
@@ -32,8 +37,14 @@ impl RecoveryActor {
         self.busy = true;
         let dispatcher = self.dispatcher.clone();
         let batch = self.batch;
+        let started_at = self.started_at.take();
         let round = async move {
             let inbox = &dispatcher.shared.inbox;
+            if let Some(started_at) = started_at
+                && let Err(error) = inbox.release_before(started_at).await
+            {
+                tracing::warn!(%error, "could not take back an earlier run's deliveries");
+            }
             if let Err(error) = inbox.heartbeat().await {
                 tracing::warn!(%error, "heartbeat failed; retrying on the next round");
             }

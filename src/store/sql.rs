@@ -41,6 +41,9 @@ pub(crate) const HEARTBEAT: &str = "INSERT INTO reprise_nodes (id, heartbeat_at)
 pub(crate) const RELEASE: &str = "UPDATE reprise_inbox SET owner = NULL \
     WHERE owner = $1 AND status IN ('incoming', 'scheduled')";
 
+pub(crate) const RELEASE_BEFORE: &str = "UPDATE reprise_inbox SET owner = NULL \
+    WHERE owner = $1 AND status IN ('incoming', 'scheduled') AND received_at < $2";
+
 pub(crate) const FORGET_NODE: &str = "DELETE FROM reprise_nodes WHERE id = $1";
 
 pub(crate) const DELETE_HANDLED: &str = "DELETE FROM reprise_inbox WHERE id IN \
@@ -470,6 +473,20 @@ macro_rules! sql_store {
                     .map_err(reprise_actors::Error::store)?;
                 tx.commit().await.map_err(reprise_actors::Error::store)?;
                 rows.iter().map(Self::unsettled).collect()
+            }
+
+            async fn release_before(
+                &self,
+                started_at: chrono::DateTime<chrono::Utc>,
+            ) -> Result<(), reprise_actors::Error> {
+                use $crate::store::sql::*;
+                sqlx::query(RELEASE_BEFORE)
+                    .bind(&*self.node)
+                    .bind(millis(started_at))
+                    .execute(&self.pool)
+                    .await
+                    .map_err(reprise_actors::Error::store)?;
+                Ok(())
             }
 
             async fn heartbeat(&self) -> Result<(), reprise_actors::Error> {

@@ -143,3 +143,26 @@ impl TestDatabase {
         }
     }
 }
+
+impl TestDatabase {
+    /// Rows in the inbox table, read with a connection of its own.
+    pub async fn inbox_rows(&self) -> i64 {
+        let sql = "SELECT count(*) FROM reprise_inbox";
+        match self.backend {
+            Backend::Sqlite => {
+                let store = self.sqlite().await;
+                sqlx::query_scalar(sql)
+                    .fetch_one(store.pool())
+                    .await
+                    .unwrap()
+            }
+            Backend::Postgres => {
+                let store = self.postgres().await;
+                sqlx::query_scalar(sql)
+                    .fetch_one(store.pool())
+                    .await
+                    .unwrap()
+            }
+        }
+    }
+}

@@ -1,0 +1,203 @@
+//! The durable local queue: published messages survive a crash and a restart; handled ones are
+//! cleaned up after their retention; several nodes share one database without handling an
+//! envelope twice; a connection killed under the runtime does not stop it.
+#![cfg(all(feature = "sqlite", feature = "postgres", feature = "testing"))]
+
+#[path = "support/messages.rs"]
+mod support;
+#[path = "support/stores.rs"]
+mod support_stores;
+
+use std::collections::HashSet;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::Duration;
+
+use reprise::prelude::*;
+use reprise::testing::Recorder;
+use support::{MemberRemoved, member_removed};
+use tokio::sync::Notify;
+
+const WAIT: Duration = Duration::from_secs(20);
+
+async fn until(mut done: impl FnMut() -> bool) {
+    tokio::time::timeout(WAIT, async {
+        while !done() {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    })
+    .await
+    .expect("reached in time");
+}
+
+/// Counts its starts, then never finishes.
+#[derive(Clone, Default)]
+struct Stuck(Arc<AtomicUsize>, Arc<Notify>);
+
+impl Handler<MemberRemoved> for Stuck {
+    async fn handle(&self, _: &MemberRemoved, _: &MessageContext) -> Result<(), HandlerError> {
+        self.0.fetch_add(1, Ordering::SeqCst);
+        self.1.notified().await;
+        Ok(())
+    }
+}
+
+on_both_backends!(
+    published_messages_survive_a_crash_and_resume_under_the_same_node_sqlite,
+    published_messages_survive_a_crash_and_resume_under_the_same_node_postgres,
+    |db| {
+        let stuck = Stuck::default();
+        let crashed = db
+            .store(Runtime::builder(), "local", Duration::from_secs(30))
+            .await
+            .module(Module::new("m").handle_named::<MemberRemoved, _>("h", stuck.clone()))
+            .build()
+            .unwrap();
+        let mut ids = HashSet::new();
+        for _ in 0..3 {
+            ids.insert(crashed.publish(&member_removed()).await.unwrap());
+        }
+        until(|| stuck.0.load(Ordering::SeqCst) == 3).await;
+        drop(crashed);
+
+        // Same node name: the restart takes its own deliveries back at once, without waiting for
+        // a heartbeat to expire (30 s here).
+        let calls = Recorder::<MemberRemoved>::new();
+        let restarted = db
+            .store(Runtime::builder(), "local", Duration::from_secs(30))
+            .await
+            .retry_policy(RetryPolicy {
+                min_retry_interval: Duration::from_millis(10),
+                ..RetryPolicy::default()
+            })
+            .module(Module::new("m").handle_named::<MemberRemoved, _>("h", calls.clone()))
+            .build()
+            .unwrap();
+        until(|| calls.count() == 3).await;
+        let handled: HashSet<_> = calls.calls().iter().filter_map(|c| c.message_id).collect();
+        assert_eq!(handled, ids);
+        assert!(
+            calls.calls().iter().all(|c| c.attempt == 2),
+            "the interrupted attempt counted"
+        );
+        restarted.shutdown().await;
+    }
+);
+
+on_both_backends!(
+    handled_envelopes_are_removed_after_their_retention_sqlite,
+    handled_envelopes_are_removed_after_their_retention_postgres,
+    |db| {
+        let runtime = db
+            .store(Runtime::builder(), "local", Duration::from_secs(30))
+            .await
+            .keep_after_handling(Duration::from_millis(200))
+            .cleanup_interval(Duration::from_millis(100))
+            .module(Module::new("m").handle_named::<MemberRemoved, _>("h", Recorder::new()))
+            .build()
+            .unwrap();
+        for _ in 0..5 {
+            runtime.publish(&member_removed()).await.unwrap();
+        }
+        tokio::time::timeout(WAIT, runtime.idle()).await.unwrap();
+        assert_eq!(db.inbox_rows().await, 5, "kept for the retention");
+        tokio::time::timeout(WAIT, async {
+            while db.inbox_rows().await > 0 {
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+        })
+        .await
+        .expect("the cleanup actor removed them");
+        runtime.shutdown().await;
+    }
+);
+
+on_both_backends!(
+    the_same_envelopes_on_two_nodes_at_once_are_each_handled_once_sqlite,
+    the_same_envelopes_on_two_nodes_at_once_are_each_handled_once_postgres,
+    |db| {
+        let calls = Recorder::<MemberRemoved>::new();
+        let node = |name: &'static str| {
+            let calls = calls.clone();
+            let db = &db;
+            async move {
+                db.store(Runtime::builder(), name, Duration::from_secs(30))
+                    .await
+                    .module(Module::new("m").handle_named::<MemberRemoved, _>("h", calls))
+                    .build()
+                    .unwrap()
+            }
+        };
+        let (a, b) = (node("node-a").await, node("node-b").await);
+        let envelopes: Vec<Envelope> = (0..40)
+            .map(|_| Envelope::for_message(&member_removed()).unwrap())
+            .collect();
+        let (left, right) = tokio::join!(
+            async {
+                for envelope in &envelopes {
+                    a.receive(envelope.clone()).await.unwrap();
+                }
+            },
+            async {
+                for envelope in envelopes.iter().rev() {
+                    b.receive(envelope.clone()).await.unwrap();
+                }
+            }
+        );
+        let _ = (left, right);
+        tokio::time::timeout(WAIT, async { tokio::join!(a.idle(), b.idle()) })
+            .await
+            .unwrap();
+        let handled: Vec<_> = calls.calls().iter().filter_map(|c| c.message_id).collect();
+        let unique: HashSet<_> = handled.iter().copied().collect();
+        assert_eq!(
+            handled.len(),
+            40,
+            "each envelope handled exactly once across both nodes"
+        );
+        assert_eq!(unique.len(), 40);
+        assert_eq!(a.stats().deduplicated + b.stats().deduplicated, 40);
+        a.shutdown().await;
+        b.shutdown().await;
+    }
+);
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn killed_connections_do_not_stop_the_runtime() {
+    let db = support_stores::TestDatabase::new(support_stores::Backend::Postgres).await;
+    let calls = Recorder::<MemberRemoved>::new();
+    let runtime = db
+        .store(Runtime::builder(), "local", Duration::from_secs(30))
+        .await
+        .module(Module::new("m").handle_named::<MemberRemoved, _>("h", calls.clone()))
+        .build()
+        .unwrap();
+    runtime.publish(&member_removed()).await.unwrap();
+    tokio::time::timeout(WAIT, runtime.idle()).await.unwrap();
+
+    // Kill every connection the runtime holds, as a failover or an operator would.
+    let admin = db.postgres().await;
+    let name = db.url.rsplit('/').next().unwrap().to_owned();
+    let killed: i64 = sqlx::query_scalar(sqlx::AssertSqlSafe(format!(
+        "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity \
+         WHERE datname = '{name}' AND pid <> pg_backend_pid()"
+    )))
+    .fetch_one(admin.pool())
+    .await
+    .unwrap();
+    assert!(
+        killed > 0,
+        "the runtime's connections were found and killed"
+    );
+
+    // The next messages are persisted and handled on fresh connections.
+    for _ in 0..3 {
+        tokio::time::timeout(WAIT, runtime.publish(&member_removed()))
+            .await
+            .unwrap()
+            .unwrap();
+    }
+    tokio::time::timeout(WAIT, runtime.idle()).await.unwrap();
+    assert_eq!(calls.count(), 4);
+    runtime.shutdown().await;
+}
