@@ -17,7 +17,7 @@ pub use reprise_actors::ports;
 pub use reprise_actors::{
     AggregateError, DeadLetter, DeadLetterReason, DeliveryReport, DiscardReason, Disposition,
     Envelope, FailureKind, Handler, HandlerError, HandlerFailure, HandlerId, Message,
-    MessageContext, Module, Outcome, PendingRetry, RetryPolicy, SendOptions, ShutdownReport,
-    StatsSnapshot, UnknownMessageTypes,
+    MessageContext, Module, Outcome, PendingRetry, RetryPolicy, RetryScope, SendOptions,
+    ShutdownReport, StatsSnapshot, UnknownMessageTypes,
 };
 pub use runtime::{DeadLetters, Runtime, RuntimeBuilder};

@@ -10,7 +10,9 @@ use crate::ports::{Clock, DeadLetterStore, Inbox, Receipt, Resumable};
 use crate::report::DiscardReason;
 use crate::stats::Counter;
 use crate::tracker::Tracker;
-use crate::{DeliveryReport, DeliverySupervisor, Envelope, Error, Registry, Stats, TimerActor};
+use crate::{
+    DeliveryReport, DeliverySupervisor, Envelope, Error, Registry, RetryScope, Stats, TimerActor,
+};
 
 /// What to do with a message of a type no handler handles.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
@@ -35,6 +37,7 @@ pub(crate) struct Shared {
     pub(crate) next_worker: AtomicUsize,
     pub(crate) max_envelope_size: usize,
     pub(crate) unknown_message_types: UnknownMessageTypes,
+    pub(crate) retry_scope: RetryScope,
 }
 
 /// A delivery counted in by the tracker and not yet handed to a supervisor. Dropped — the

@@ -11,7 +11,9 @@ use uuid::Uuid;
 use crate::dispatcher::{Shared, UnknownMessageTypes, Worker};
 use crate::ports::{Clock, DeadLetterStore, Inbox};
 use crate::tracker::{PendingRetry, Tracker};
-use crate::{CleanupActor, Dispatcher, Error, RecoveryActor, Registry, Stats, TimerActor};
+use crate::{
+    CleanupActor, Dispatcher, Error, RecoveryActor, Registry, RetryScope, Stats, TimerActor,
+};
 
 /// How the engine runs.
 #[derive(Clone, Debug)]
@@ -26,6 +28,8 @@ pub struct EngineConfig {
     pub max_envelope_size: usize,
     /// What happens to messages no handler handles.
     pub unknown_message_types: UnknownMessageTypes,
+    /// Which handlers a retry runs again (default: all of them).
+    pub retry_scope: RetryScope,
     /// Recovery and cleanup, for a durable inbox (`None` for one in memory).
     pub durability: Option<Durability>,
     /// Run on a paused tokio clock that jumps to the next timer whenever the engine is idle.
@@ -68,6 +72,7 @@ impl Default for EngineConfig {
             max_in_flight: 1024,
             max_envelope_size: 1024 * 1024,
             unknown_message_types: UnknownMessageTypes::default(),
+            retry_scope: RetryScope::default(),
             durability: None,
             #[cfg(feature = "testing")]
             virtual_time: false,
@@ -150,6 +155,7 @@ impl Engine {
                         next_worker: AtomicUsize::new(0),
                         max_envelope_size: config.max_envelope_size,
                         unknown_message_types: config.unknown_message_types,
+                        retry_scope: config.retry_scope,
                     });
                     let workers = arbiters
                         .into_iter()

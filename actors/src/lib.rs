@@ -43,7 +43,7 @@ pub use module::{Decoded, HandlerEntry, HandlerId, Invoke, Module};
 pub use recovery::RecoveryActor;
 pub use registry::{Registry, RegistryError, Route};
 pub use report::{DeliveryReport, DiscardReason, Outcome};
-pub use retry::{RetryDecision, RetryPolicy};
+pub use retry::{RetryDecision, RetryPolicy, RetryScope};
 pub use stats::{Stats, StatsSnapshot};
 pub use supervisor::DeliverySupervisor;
 pub use timer::TimerActor;

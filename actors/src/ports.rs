@@ -28,6 +28,9 @@ pub struct Resumable {
     pub due_at: Option<DateTime<Utc>>,
     /// The aggregate error of every failed attempt so far.
     pub failures: Vec<AggregateError>,
+    /// The handlers that already succeeded (`module/name`), which
+    /// [`RetryScope::FailedHandlers`](crate::RetryScope::FailedHandlers) does not run again.
+    pub succeeded: Vec<String>,
 }
 
 impl Resumable {
@@ -36,11 +39,13 @@ impl Resumable {
         envelope: Envelope,
         due_at: Option<DateTime<Utc>>,
         failures: Vec<AggregateError>,
+        succeeded: Vec<String>,
     ) -> Self {
         Self {
             envelope,
             due_at,
             failures,
+            succeeded,
         }
     }
 }
@@ -93,13 +98,16 @@ pub trait Inbox: Send + Sync + 'static {
     /// # Errors
     ///
     /// [`Error::Store`] when it cannot be recorded.
+    ///
+    /// `succeeded` lists the handlers (`module/name`) that succeeded so far.
     async fn schedule_retry(
         &self,
         envelope: &Envelope,
         due_at: DateTime<Utc>,
         failures: &[AggregateError],
+        succeeded: &[String],
     ) -> Result<(), Error> {
-        let _ = (envelope, due_at, failures);
+        let _ = (envelope, due_at, failures, succeeded);
         Ok(())
     }
 

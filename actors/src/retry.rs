@@ -92,6 +92,20 @@ impl RetryPolicy {
     }
 }
 
+/// Which handlers a retry runs again.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum RetryScope {
+    /// Every handler of the message, as Wolverine, MassTransit and NServiceBus do: handlers
+    /// must tolerate having run already (the default).
+    #[default]
+    AllHandlers,
+    /// Only the handlers that failed. Each handler's success is recorded with the envelope
+    /// (durably, with a durable store), so a handler that succeeded is not run again, even
+    /// after a restart.
+    FailedHandlers,
+}
+
 /// What follows a failed attempt.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 #[non_exhaustive]

@@ -10,6 +10,7 @@ use crate::capacity::Slot;
 use tokio::time::Instant;
 use tracing::field::Empty;
 
+use crate::RetryScope;
 use crate::context::{Scope, TakeCascaded};
 use crate::dispatcher::{UnknownMessageTypes, Worker};
 use crate::handler_actor::HandlerFinished;
@@ -38,6 +39,10 @@ pub struct DeliverySupervisor {
     message: Option<Decoded>,
     /// This attempt's failures with their handler's index (empty, unallocated, on success).
     results: Vec<(usize, HandlerFailure)>,
+    /// With [`RetryScope::FailedHandlers`]: which handlers (by index) already succeeded.
+    succeeded: Vec<bool>,
+    /// Handlers a durable inbox says succeeded before a restart (`module/name`).
+    succeeded_before: Vec<String>,
     pending: usize,
     failures: Vec<AggregateError>,
     first_failure_at: Option<DateTime<Utc>>,
@@ -94,6 +99,8 @@ impl DeliverySupervisor {
             route: None,
             message: None,
             results: Vec::new(),
+            succeeded: Vec::new(),
+            succeeded_before: Vec::new(),
             pending: 0,
             failures: Vec::new(),
             first_failure_at: None,
@@ -113,6 +120,7 @@ impl DeliverySupervisor {
             envelope,
             due_at,
             failures,
+            succeeded: resumable_succeeded,
             ..
         } = resumable;
         let resume = match due_at {
@@ -124,6 +132,7 @@ impl DeliverySupervisor {
         let mut supervisor = Self::new(worker, envelope, permit, None);
         supervisor.first_failure_at = failures.first().map(|f| f.failed_at);
         supervisor.failures = failures;
+        supervisor.succeeded_before = resumable_succeeded;
         supervisor.resume = Some(resume);
         supervisor
     }
@@ -180,9 +189,14 @@ impl DeliverySupervisor {
             Arc::clone(&self.worker),
         ));
         self.scope = Some(Arc::clone(&scope));
-        self.pending = route.handlers().len();
+        let succeeded = std::mem::take(&mut self.succeeded);
+        let already = |index: usize| succeeded.get(index).copied().unwrap_or(false);
+        self.pending = (0..route.handlers().len()).filter(|i| !already(*i)).count();
         let me = ctx.address();
         for (index, entry) in route.handlers().iter().enumerate() {
+            if already(index) {
+                continue;
+            }
             // Nobody listens to the delivery's span, so nobody would listen to its children.
             let span = if self.span.is_disabled() {
                 tracing::Span::none()
@@ -207,6 +221,7 @@ impl DeliverySupervisor {
             )
             .start();
         }
+        self.succeeded = succeeded;
     }
 
     fn finish_attempt(&mut self, ctx: &mut Context<Self>) {
@@ -227,6 +242,10 @@ impl DeliverySupervisor {
     fn conclude_attempt(&mut self, cascaded: Vec<(HandlerId, Envelope)>, ctx: &mut Context<Self>) {
         let mut results = std::mem::take(&mut self.results);
         results.sort_by_key(|(index, _)| *index);
+        // Every handler that ran this attempt and is not among the failures succeeded.
+        for (index, done) in self.succeeded.iter_mut().enumerate() {
+            *done = *done || !results.iter().any(|(failed, _)| *failed == index);
+        }
         let failures: Vec<HandlerFailure> =
             results.into_iter().map(|(_, failure)| failure).collect();
         for (handler, envelope) in cascaded {
@@ -279,10 +298,13 @@ impl DeliverySupervisor {
                 tracing::info!(parent: &self.span, ?delay, "retry scheduled");
                 let worker = Arc::clone(&self.worker);
                 let (envelope, failures) = (self.envelope.clone(), self.failures.clone());
+                let succeeded = self.succeeded_handlers();
                 let record = async move {
                     let id = envelope.id;
                     persist("record retry", id, || {
-                        worker.inbox.schedule_retry(&envelope, due_at, &failures)
+                        worker
+                            .inbox
+                            .schedule_retry(&envelope, due_at, &failures, &succeeded)
                     })
                     .await;
                 };
@@ -308,6 +330,21 @@ impl DeliverySupervisor {
                 self.dead_letter(dead_letter, ctx);
             }
         }
+    }
+
+    /// The handlers (`module/name`) that succeeded so far, under
+    /// [`RetryScope::FailedHandlers`].
+    fn succeeded_handlers(&self) -> Vec<String> {
+        let Some(route) = &self.route else {
+            return Vec::new();
+        };
+        route
+            .handlers()
+            .iter()
+            .zip(&self.succeeded)
+            .filter(|(_, done)| **done)
+            .map(|(h, _)| h.id.to_string())
+            .collect()
     }
 
     /// Waits on the timer actor until the next attempt is due.
@@ -490,6 +527,13 @@ impl Actor for DeliverySupervisor {
                 )),
                 Some(route) => match route.decode(&self.envelope.payload) {
                     Ok(message) => {
+                        if shared.retry_scope == RetryScope::FailedHandlers {
+                            self.succeeded = route
+                                .handlers()
+                                .iter()
+                                .map(|h| self.succeeded_before.contains(&h.id.to_string()))
+                                .collect();
+                        }
                         self.route = Some(Arc::clone(route));
                         self.message = Some(message);
                         None

@@ -5,7 +5,7 @@ use std::time::Duration;
 use reprise_actors::ports::{Clock, DeadLetterStore, Inbox, SystemClock};
 use reprise_actors::{
     Durability, Engine, EngineConfig, EngineParts, Message, Module, Registry, RetryPolicy,
-    UnknownMessageTypes,
+    RetryScope, UnknownMessageTypes,
 };
 
 use crate::store::{MemoryDeadLetters, MemoryInbox};
@@ -73,6 +73,14 @@ impl RuntimeBuilder {
     #[must_use]
     pub fn message_retry_policy<M: Message>(mut self, policy: RetryPolicy) -> Self {
         self.message_policies.insert(M::TYPE.to_owned(), policy);
+        self
+    }
+
+    /// Which handlers a retry runs again: all of them (the default, as the reference
+    /// frameworks do), or only those that failed.
+    #[must_use]
+    pub fn retry_scope(mut self, scope: RetryScope) -> Self {
+        self.engine.retry_scope = scope;
         self
     }
 

@@ -3,11 +3,18 @@ use sqlx::postgres::{PgPool, PgPoolOptions};
 
 use crate::store::sql::{Migration, sql_store};
 
-const MIGRATIONS: &[Migration] = &[Migration {
-    version: 1,
-    description: "inbox, dead letters, nodes",
-    sql: include_str!("../../migrations/postgres/0001_inbox.sql"),
-}];
+const MIGRATIONS: &[Migration] = &[
+    Migration {
+        version: 1,
+        description: "inbox, dead letters, nodes",
+        sql: include_str!("../../migrations/postgres/0001_inbox.sql"),
+    },
+    Migration {
+        version: 2,
+        description: "handlers that succeeded",
+        sql: include_str!("../../migrations/postgres/0002_handler_successes.sql"),
+    },
+];
 
 sql_store!(
     /// The durable inbox and dead letters in PostgreSQL, for fleets: several nodes share one

@@ -28,7 +28,8 @@ pub(crate) const BEGIN_ATTEMPT: &str = "UPDATE reprise_inbox \
     SET status = 'incoming', attempts = $2, execute_at = NULL WHERE id = $1";
 
 pub(crate) const SCHEDULE_RETRY: &str = "UPDATE reprise_inbox \
-    SET status = 'scheduled', attempts = $2, execute_at = $3, failures = $4 WHERE id = $1";
+    SET status = 'scheduled', attempts = $2, execute_at = $3, failures = $4, succeeded = $5 \
+    WHERE id = $1";
 
 pub(crate) const MARK_HANDLED: &str = "UPDATE reprise_inbox \
     SET status = 'handled', handled_at = $2, owner = NULL WHERE id = $1";
@@ -306,10 +307,12 @@ macro_rules! sql_store {
                 let stored_attempts: i32 = row.try_get(9).map_err(get)?;
                 let execute_at: Option<i64> = row.try_get(10).map_err(get)?;
                 let failures: Option<String> = row.try_get(11).map_err(get)?;
+                let succeeded: Option<String> = row.try_get(12).map_err(get)?;
                 Ok(reprise_actors::ports::Resumable::new(
                     columns.into_envelope(attempts(stored_attempts))?,
                     execute_at.map(time).transpose()?,
                     failures_from(failures.as_deref())?,
+                    succeeded.as_deref().map(from_json).transpose()?.unwrap_or_default(),
                 ))
             }
 
@@ -422,6 +425,7 @@ macro_rules! sql_store {
                 envelope: &reprise_actors::Envelope,
                 due_at: chrono::DateTime<chrono::Utc>,
                 failures: &[reprise_actors::AggregateError],
+                succeeded: &[String],
             ) -> Result<(), reprise_actors::Error> {
                 use $crate::store::sql::*;
                 sqlx::query(SCHEDULE_RETRY)
@@ -429,6 +433,7 @@ macro_rules! sql_store {
                     .bind(stored_attempts(envelope.attempts))
                     .bind(millis(due_at))
                     .bind(json(&failures)?)
+                    .bind(json(&succeeded)?)
                     .execute(&self.pool)
                     .await
                     .map_err(reprise_actors::Error::store)?;
@@ -601,7 +606,7 @@ pub(crate) const CLAIM_SQLITE: &str = "UPDATE reprise_inbox SET owner = $1 WHERE
     AND (owner IS NULL OR owner NOT IN (SELECT id FROM reprise_nodes WHERE heartbeat_at >= $2)) \
     ORDER BY received_at LIMIT $3) \
     RETURNING id, message_type, payload, headers, deduplication_id, correlation_id, causation_id, \
-    sent_at, scheduled_for, attempts, execute_at, failures";
+    sent_at, scheduled_for, attempts, execute_at, failures, succeeded";
 
 /// Claims unsettled rows, skipping those another node is claiming at this moment.
 #[cfg(feature = "postgres")]
@@ -610,4 +615,4 @@ pub(crate) const CLAIM_POSTGRES: &str = "UPDATE reprise_inbox SET owner = $1 WHE
     AND (owner IS NULL OR owner NOT IN (SELECT id FROM reprise_nodes WHERE heartbeat_at >= $2)) \
     ORDER BY received_at LIMIT $3 FOR UPDATE SKIP LOCKED) \
     RETURNING id, message_type, payload, headers, deduplication_id, correlation_id, causation_id, \
-    sent_at, scheduled_for, attempts, execute_at, failures";
+    sent_at, scheduled_for, attempts, execute_at, failures, succeeded";

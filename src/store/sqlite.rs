@@ -8,11 +8,18 @@ use sqlx::sqlite::{
 
 use crate::store::sql::{Migration, sql_store};
 
-const MIGRATIONS: &[Migration] = &[Migration {
-    version: 1,
-    description: "inbox, dead letters, nodes",
-    sql: include_str!("../../migrations/sqlite/0001_inbox.sql"),
-}];
+const MIGRATIONS: &[Migration] = &[
+    Migration {
+        version: 1,
+        description: "inbox, dead letters, nodes",
+        sql: include_str!("../../migrations/sqlite/0001_inbox.sql"),
+    },
+    Migration {
+        version: 2,
+        description: "handlers that succeeded",
+        sql: include_str!("../../migrations/sqlite/0002_handler_successes.sql"),
+    },
+];
 
 sql_store!(
     /// The durable inbox and dead letters in a SQLite file: the embedded default.
