@@ -1,0 +1,211 @@
+//! B2 and B3: durable deliveries per second, one handler doing one INSERT keyed on a
+//! deterministic id, on SQLite (B2) and PostgreSQL (B3), against a raw sqlx loop running the
+//! same SQL (persist the envelope, the handler's insert, mark it handled) with the same
+//! durability settings (SQLite WAL with `synchronous = FULL`; PostgreSQL defaults), in one run.
+//!
+//! Run with `cargo bench --bench b2_durable --features postgres` (PostgreSQL at
+//! `REPRISE_BENCH_POSTGRES`, default `postgres://postgres@127.0.0.1:5432/postgres`; a scratch
+//! database is created and dropped). Goal: at least 0.5 of the raw loop on each.
+
+use std::time::{Duration, Instant};
+
+use reprise::ids;
+use reprise::RuntimeBuilder;
+use reprise::prelude::*;
+use reprise::store::{PostgresStore, SqliteStore};
+use serde::{Deserialize, Serialize};
+use sqlx::{Connection, Executor};
+
+#[derive(Serialize, Deserialize)]
+struct Ping {
+    n: u64,
+}
+
+impl reprise::Message for Ping {
+    const TYPE: &'static str = "bench.ping";
+}
+
+const TABLE: &str =
+    "CREATE TABLE IF NOT EXISTS bench_rows (id TEXT PRIMARY KEY, n BIGINT NOT NULL)";
+const INSERT_ROW: &str =
+    "INSERT INTO bench_rows (id, n) VALUES ($1, $2) ON CONFLICT (id) DO NOTHING";
+
+/// The one handler: one INSERT with a deterministic id.
+struct InsertRow<P>(P);
+
+macro_rules! insert_row_handler {
+    ($pool:ty) => {
+        impl Handler<Ping> for InsertRow<$pool> {
+            async fn handle(
+                &self,
+                ping: &Ping,
+                context: &MessageContext,
+            ) -> Result<(), HandlerError> {
+                let id = ids::derive_or_random(context.message_id(), "row");
+                sqlx::query(INSERT_ROW)
+                    .bind(id)
+                    .bind(ping.n as i64)
+                    .execute(&self.0)
+                    .await?;
+                Ok(())
+            }
+        }
+    };
+}
+insert_row_handler!(sqlx::SqlitePool);
+insert_row_handler!(sqlx::PgPool);
+
+async fn through_reprise<H: Handler<Ping>>(
+    store_builder: RuntimeBuilder,
+    handler: H,
+    deliveries: u64,
+) -> Duration {
+    let runtime = store_builder
+        .module(Module::new("bench").handle_named::<Ping, _>("insert", handler))
+        .build()
+        .unwrap();
+    let start = Instant::now();
+    for n in 0..deliveries {
+        runtime.publish(&Ping { n }).await.unwrap();
+    }
+    runtime.idle().await;
+    let elapsed = start.elapsed();
+    assert_eq!(runtime.stats().handled, deliveries);
+    runtime.shutdown().await;
+    elapsed
+}
+
+const RAW_RECEIVE: &str = "INSERT INTO reprise_inbox (id, message_type, payload, headers, sent_at, status, attempts, owner, received_at) \
+    VALUES ($1, 'bench.ping', $2, '{}', $3, 'incoming', 1, 'raw', $3) ON CONFLICT (id) DO NOTHING";
+const RAW_HANDLED: &str =
+    "UPDATE reprise_inbox SET status = 'handled', handled_at = $2, owner = NULL WHERE id = $1";
+
+macro_rules! raw_loop {
+    ($name:ident, $pool:ty) => {
+        /// The same three statements per message, in a plain loop.
+        async fn $name(pool: &$pool, deliveries: u64) -> Duration {
+            let start = Instant::now();
+            for n in 0..deliveries {
+                let id = uuid::Uuid::new_v4();
+                let payload = serde_json::to_vec(&Ping { n }).unwrap();
+                let now = chrono::Utc::now().timestamp_millis();
+                sqlx::query(RAW_RECEIVE)
+                    .bind(id.simple().to_string())
+                    .bind(payload)
+                    .bind(now)
+                    .execute(pool)
+                    .await
+                    .unwrap();
+                let row = ids::derive(id, "row");
+                sqlx::query(INSERT_ROW)
+                    .bind(row)
+                    .bind(n as i64)
+                    .execute(pool)
+                    .await
+                    .unwrap();
+                sqlx::query(RAW_HANDLED)
+                    .bind(id.simple().to_string())
+                    .bind(now)
+                    .execute(pool)
+                    .await
+                    .unwrap();
+            }
+            start.elapsed()
+        }
+    };
+}
+raw_loop!(raw_sqlite, sqlx::SqlitePool);
+raw_loop!(raw_postgres, sqlx::PgPool);
+
+fn rate(deliveries: u64, elapsed: Duration) -> f64 {
+    deliveries as f64 / elapsed.as_secs_f64()
+}
+
+async fn sqlite(deliveries: u64) -> (f64, f64) {
+    let dir = std::env::temp_dir();
+    let path = |name: &str| {
+        dir.join(format!(
+            "reprise-b2-{name}-{}.db",
+            uuid::Uuid::new_v4().simple()
+        ))
+        .display()
+        .to_string()
+    };
+    let (ours, raw) = (path("reprise"), path("raw"));
+
+    let store = SqliteStore::open(&ours).await.unwrap();
+    let pool = store.pool().clone();
+    pool.execute(TABLE).await.unwrap();
+    let reprise =
+        through_reprise(Runtime::builder().store(store), InsertRow(pool), deliveries).await;
+
+    let store = SqliteStore::open(&raw).await.unwrap();
+    let pool = store.pool().clone();
+    pool.execute(TABLE).await.unwrap();
+    let baseline = raw_sqlite(&pool, deliveries).await;
+
+    for file in [ours, raw] {
+        for suffix in ["", "-wal", "-shm"] {
+            let _ = std::fs::remove_file(format!("{file}{suffix}"));
+        }
+    }
+    (rate(deliveries, reprise), rate(deliveries, baseline))
+}
+
+async fn postgres(deliveries: u64) -> (f64, f64) {
+    let admin = std::env::var("REPRISE_BENCH_POSTGRES")
+        .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/postgres".into());
+    let (base, _) = admin.rsplit_once('/').unwrap();
+    let mut measured = Vec::new();
+    for which in ["reprise", "raw"] {
+        let name = format!("reprise_b3_{which}_{}", uuid::Uuid::new_v4().simple());
+        let mut connection = sqlx::PgConnection::connect(&admin).await.unwrap();
+        sqlx::query(sqlx::AssertSqlSafe(format!("CREATE DATABASE {name}")))
+            .execute(&mut connection)
+            .await
+            .unwrap();
+        let store = PostgresStore::connect(&format!("{base}/{name}"))
+            .await
+            .unwrap();
+        let pool = store.pool().clone();
+        pool.execute(TABLE).await.unwrap();
+        let elapsed = if which == "reprise" {
+            through_reprise(
+                Runtime::builder().store(store),
+                InsertRow(pool.clone()),
+                deliveries,
+            )
+            .await
+        } else {
+            raw_postgres(&pool, deliveries).await
+        };
+        pool.close().await;
+        sqlx::query(sqlx::AssertSqlSafe(format!(
+            "DROP DATABASE {name} WITH (FORCE)"
+        )))
+        .execute(&mut connection)
+        .await
+        .unwrap();
+        measured.push(rate(deliveries, elapsed));
+    }
+    (measured[0], measured[1])
+}
+
+#[tokio::main]
+async fn main() {
+    let deliveries: u64 = std::env::args()
+        .skip(1)
+        .find_map(|a| a.parse().ok())
+        .unwrap_or(2000);
+    let (sqlite_ours, sqlite_raw) = sqlite(deliveries).await;
+    let (pg_ours, pg_raw) = postgres(deliveries).await;
+    println!("B2/B3: {deliveries} durable deliveries, one INSERT each");
+    println!(
+        "  B2 SQLite      reprise {sqlite_ours:>9.0}/s   raw sqlx loop {sqlite_raw:>9.0}/s   ratio {:.2} (goal >= 0.50)",
+        sqlite_ours / sqlite_raw
+    );
+    println!(
+        "  B3 PostgreSQL  reprise {pg_ours:>9.0}/s   raw sqlx loop {pg_raw:>9.0}/s   ratio {:.2} (goal >= 0.50)",
+        pg_ours / pg_raw
+    );
+}
