@@ -9,8 +9,8 @@
 
 use std::time::{Duration, Instant};
 
-use reprise::ids;
 use reprise::RuntimeBuilder;
+use reprise::ids;
 use reprise::prelude::*;
 use reprise::store::{PostgresStore, SqliteStore};
 use serde::{Deserialize, Serialize};

@@ -169,3 +169,81 @@ on_both_backends!(
         survivor.shutdown().await;
     }
 );
+
+on_both_backends!(
+    a_runtime_dropped_during_a_cooldown_resumes_it_when_restarted_sqlite,
+    a_runtime_dropped_during_a_cooldown_resumes_it_when_restarted_postgres,
+    |db| {
+        let policy = RetryPolicy {
+            min_retry_interval: Duration::from_millis(1200),
+            max_retry_interval: Duration::from_millis(1200),
+            ..RetryPolicy::default()
+        };
+        let (failed, failed_rx) = oneshot::channel();
+        let dropped = db
+            .store(Runtime::builder(), "local", Duration::from_secs(30))
+            .await
+            .retry_policy(policy)
+            .module(Module::new("webhooks").handle_named::<MemberRemoved, _>(
+                "queue",
+                FailOnce(std::sync::Mutex::new(Some(failed))),
+            ))
+            .build()
+            .unwrap();
+        let published_at = Utc::now();
+        let id = dropped.publish(&member_removed()).await.unwrap();
+        tokio::time::timeout(WAIT, failed_rx)
+            .await
+            .unwrap()
+            .unwrap();
+        // Once the retry is recorded in the store, vanish without a shutdown.
+        tokio::time::timeout(WAIT, async {
+            while db.inbox_status(id).await.as_deref() != Some("scheduled") {
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+        })
+        .await
+        .expect("the retry was recorded");
+        drop(dropped);
+
+        let calls = Timed::default();
+        let restarted = db
+            .store(Runtime::builder(), "local", Duration::from_secs(30))
+            .await
+            .retry_policy(policy)
+            .module(
+                Module::new("webhooks").handle_named::<MemberRemoved, _>("queue", calls.clone()),
+            )
+            .build()
+            .unwrap();
+        tokio::time::timeout(WAIT, async {
+            while calls.0.lock().unwrap().is_empty() {
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+        })
+        .await
+        .expect("the retry resumed after the restart");
+        let (attempt, at) = calls.0.lock().unwrap()[0];
+        assert_eq!(attempt, 2);
+        assert!(
+            at >= published_at + chrono::Duration::milliseconds(1200),
+            "resumed before its cooldown ended"
+        );
+        restarted.shutdown().await;
+    }
+);
+
+/// Fails its first call and says so.
+struct FailOnce(std::sync::Mutex<Option<oneshot::Sender<()>>>);
+
+impl Handler<MemberRemoved> for FailOnce {
+    async fn handle(&self, _: &MemberRemoved, _: &MessageContext) -> Result<(), HandlerError> {
+        match self.0.lock().unwrap().take() {
+            Some(failed) => {
+                let _ = failed.send(());
+                Err("first call fails".into())
+            }
+            None => Ok(()),
+        }
+    }
+}

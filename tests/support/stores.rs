@@ -166,3 +166,29 @@ impl TestDatabase {
         }
     }
 }
+
+impl TestDatabase {
+    /// The inbox status of envelope `id` (`incoming`, `scheduled`, `handled`), if it is there.
+    pub async fn inbox_status(&self, id: Uuid) -> Option<String> {
+        let sql = "SELECT status FROM reprise_inbox WHERE id = $1";
+        let id = id.simple().to_string();
+        match self.backend {
+            Backend::Sqlite => {
+                let store = self.sqlite().await;
+                sqlx::query_scalar(sql)
+                    .bind(id)
+                    .fetch_optional(store.pool())
+                    .await
+                    .unwrap()
+            }
+            Backend::Postgres => {
+                let store = self.postgres().await;
+                sqlx::query_scalar(sql)
+                    .bind(id)
+                    .fetch_optional(store.pool())
+                    .await
+                    .unwrap()
+            }
+        }
+    }
+}
