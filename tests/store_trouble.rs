@@ -1,0 +1,137 @@
+//! Store trouble against the real PostgreSQL server, reached through a proxy the test can cut:
+//! while the database is unreachable nothing is accepted that is not persisted, the engine's
+//! own writes wait and retry with backoff, and handling resumes by itself when it comes back.
+#![cfg(all(feature = "sqlite", feature = "postgres", feature = "testing"))]
+
+#[path = "support/messages.rs"]
+mod support;
+#[path = "support/stores.rs"]
+mod support_stores;
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::time::Duration;
+
+use reprise::prelude::*;
+use reprise::store::PostgresStore;
+use reprise::{EngineError, Error};
+use support::{MemberRemoved, member_removed};
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::{Notify, Semaphore};
+use tokio::task::JoinSet;
+
+const WAIT: Duration = Duration::from_secs(30);
+
+/// A TCP proxy to PostgreSQL that can be cut (every connection dropped, new ones refused) and
+/// restored.
+struct Proxy {
+    port: u16,
+    up: Arc<AtomicBool>,
+    cut: Arc<Notify>,
+}
+
+impl Proxy {
+    async fn start() -> Self {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let port = listener.local_addr().unwrap().port();
+        let up = Arc::new(AtomicBool::new(true));
+        let cut = Arc::new(Notify::new());
+        let (up_, cut_) = (Arc::clone(&up), Arc::clone(&cut));
+        tokio::spawn(async move {
+            let mut connections = JoinSet::new();
+            loop {
+                tokio::select! {
+                    accepted = listener.accept() => {
+                        let Ok((mut client, _)) = accepted else { continue };
+                        if !up_.load(Ordering::SeqCst) {
+                            continue; // dropped: refused
+                        }
+                        connections.spawn(async move {
+                            if let Ok(mut server) = TcpStream::connect("127.0.0.1:5432").await {
+                                let _ = tokio::io::copy_bidirectional(&mut client, &mut server).await;
+                            }
+                        });
+                    }
+                    () = cut_.notified() => connections.abort_all(),
+                }
+            }
+        });
+        Self { port, up, cut }
+    }
+
+    fn cut(&self) {
+        self.up.store(false, Ordering::SeqCst);
+        self.cut.notify_one();
+    }
+
+    fn restore(&self) {
+        self.up.store(true, Ordering::SeqCst);
+    }
+}
+
+/// Waits for one permit per call.
+struct Gated(Arc<Semaphore>);
+
+impl Handler<MemberRemoved> for Gated {
+    async fn handle(&self, _: &MemberRemoved, _: &MessageContext) -> Result<(), HandlerError> {
+        self.0.acquire().await?.forget();
+        Ok(())
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unreachable_database_loses_nothing_and_handling_resumes_by_itself() {
+    let db = support_stores::TestDatabase::new(support_stores::Backend::Postgres).await;
+    let proxy = Proxy::start().await;
+    let through_proxy = db.url.replace(":5432/", &format!(":{}/", proxy.port));
+    let pool = sqlx::postgres::PgPoolOptions::new()
+        .acquire_timeout(Duration::from_secs(2))
+        .connect(&through_proxy)
+        .await
+        .unwrap();
+    let gate = Arc::new(Semaphore::new(0));
+    let runtime = Runtime::builder()
+        .store(PostgresStore::with_pool(pool).await.unwrap())
+        .module(
+            Module::new("m").handle_named::<MemberRemoved, _>("gated", Gated(Arc::clone(&gate))),
+        )
+        .build()
+        .unwrap();
+    let running = runtime.publish(&member_removed()).await.unwrap();
+
+    proxy.cut();
+    // Unreachable: a publish is refused with the store's error, and nothing of it is stored.
+    let refused = tokio::time::timeout(WAIT, runtime.publish(&member_removed()))
+        .await
+        .unwrap();
+    let Err(Error::Engine(EngineError::Store(_))) = refused else {
+        panic!("expected a store error, got {refused:?}");
+    };
+    // The running delivery finishes its handler; marking it handled now fails and is retried.
+    gate.add_permits(1);
+    let settled = tokio::time::timeout(Duration::from_secs(3), runtime.idle()).await;
+    assert!(
+        settled.is_err(),
+        "the delivery cannot settle while its store is unreachable"
+    );
+
+    proxy.restore();
+    tokio::time::timeout(WAIT, runtime.idle())
+        .await
+        .expect("it settled once the store came back");
+    assert_eq!(db.inbox_status(running).await.as_deref(), Some("handled"));
+    assert_eq!(
+        db.inbox_rows().await,
+        1,
+        "the refused envelope was never stored"
+    );
+
+    gate.add_permits(1);
+    let after = tokio::time::timeout(WAIT, runtime.publish(&member_removed()))
+        .await
+        .unwrap()
+        .unwrap();
+    tokio::time::timeout(WAIT, runtime.idle()).await.unwrap();
+    assert_eq!(db.inbox_status(after).await.as_deref(), Some("handled"));
+    runtime.shutdown().await;
+}
