@@ -8,11 +8,14 @@
 //!   without a message id.
 //!
 //! Run it with `cargo run --example modular_monolith` (add `-- --database PATH` to choose the
-//! SQLite file; the default is `reprise.db`).
+//! SQLite file; the default is `reprise.db`), or on PostgreSQL with
+//! `cargo run --features postgres --example modular_monolith -- --database postgres://…`.
 
 // The modules of the monolith, one file each, in `examples/modular_monolith/`.
 #[path = "modular_monolith/audit.rs"]
 mod audit;
+#[path = "modular_monolith/db.rs"]
+mod db;
 #[path = "modular_monolith/events.rs"]
 mod events;
 #[path = "modular_monolith/organizations.rs"]
@@ -22,6 +25,7 @@ mod webhooks;
 #[path = "modular_monolith/workspaces.rs"]
 mod workspaces;
 
+use reprise::RuntimeBuilder;
 use reprise::prelude::*;
 use reprise::store::SqliteStore;
 use reprise::{DiscardReason, Outcome};
@@ -36,22 +40,23 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         )
         .init();
 
-    // One SQLite file holds the runtime's inbox and dead letters and the modules' own tables.
-    let path = database_path();
-    let store = SqliteStore::open(&path).await?.node_id("modular-monolith");
-    let pool = store.pool().clone();
-    organizations::migrate(&pool).await?;
-    webhooks::migrate(&pool).await?;
-    audit::migrate(&pool).await?;
-    let organization_id = organizations::seed(&pool).await?;
+    // One database holds the runtime's inbox and dead letters and the modules' own tables: a
+    // SQLite file by default, PostgreSQL when given a URL.
+    let target = database_target();
+    let postgres = target.starts_with("postgres://") || target.starts_with("postgresql://");
+    let builder = runtime_with_store(&target, postgres).await?;
+    let db = db::Db::connect(&target, postgres).await?;
+    organizations::migrate(&db).await?;
+    webhooks::migrate(&db).await?;
+    audit::migrate(&db).await?;
+    let organization_id = organizations::seed(&db).await?;
     // What earlier runs published within the inbox's retention (5 minutes), to replay below.
-    let earlier = organizations::recently_published(&pool, 4).await?;
+    let earlier = organizations::recently_published(&db, 4).await?;
 
-    let webhooks = webhooks::QueueDeliveries::new(pool.clone());
+    let webhooks = webhooks::QueueDeliveries::new(db.clone());
     let sender = webhooks::SendDelivery::default();
     let revoke = workspaces::RevokeAccess::failing_once();
-    let runtime = Runtime::builder()
-        .store(store)
+    let runtime = builder
         .module(Module::new("workspaces").handle::<MemberRemoved, _>(revoke.clone()))
         .module(
             Module::new("webhooks")
@@ -59,13 +64,13 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
                 .handle::<WebhookDeliveryRequested, _>(sender.clone()),
         )
         .module(
-            Module::new("audit").handle::<MemberRemoved, _>(audit::RecordEntry::new(pool.clone())),
+            Module::new("audit").handle::<MemberRemoved, _>(audit::RecordEntry::new(db.clone())),
         )
         .build()?;
 
-    let rows_before = webhooks::count(&pool).await?;
-    let audit_before = audit::count(&pool).await?;
-    let organizations = organizations::Organizations::new(&runtime, pool.clone());
+    let rows_before = webhooks::count(&db).await?;
+    let audit_before = audit::count(&db).await?;
+    let organizations = organizations::Organizations::new(&runtime, db.clone());
     let mut first = None;
     for member_id in 1..=3 {
         let envelope = organizations
@@ -89,7 +94,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     runtime.idle().await;
 
     // Outside a consumer there is no message id: the audit refuses to invent one.
-    let detached = audit::RecordEntry::new(pool.clone())
+    let detached = audit::RecordEntry::new(db.clone())
         .handle(
             &MemberRemoved {
                 organization_id,
@@ -100,12 +105,12 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         .await;
 
     let stats = runtime.stats();
-    let rows = webhooks::count(&pool).await? - rows_before;
-    let audit_rows = audit::count(&pool).await? - audit_before;
-    let subscribed = webhooks::subscribed(&pool, organization_id).await?;
+    let rows = webhooks::count(&db).await? - rows_before;
+    let audit_rows = audit::count(&db).await? - audit_before;
+    let subscribed = webhooks::subscribed(&db, organization_id).await?;
     let report = runtime.shutdown().await;
 
-    println!("reprise — modular monolith on {path}");
+    println!("reprise — modular monolith on {target}");
     println!(
         "  events published            {}",
         organizations.published()
@@ -157,13 +162,36 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     }
 }
 
-fn database_path() -> String {
+/// The runtime builder with the store for `target`.
+async fn runtime_with_store(
+    target: &str,
+    postgres: bool,
+) -> Result<RuntimeBuilder, Box<dyn std::error::Error>> {
+    if !postgres {
+        let store = SqliteStore::open(target).await?.node_id("modular-monolith");
+        return Ok(Runtime::builder().store(store));
+    }
+    #[cfg(feature = "postgres")]
+    {
+        let store = reprise::store::PostgresStore::connect(target)
+            .await?
+            .node_id("modular-monolith");
+        Ok(Runtime::builder().store(store))
+    }
+    #[cfg(not(feature = "postgres"))]
+    {
+        Err("a PostgreSQL URL needs the `postgres` feature: cargo run --features postgres --example modular_monolith -- --database URL".into())
+    }
+}
+
+/// `--database TARGET`: a SQLite file path (default `reprise.db`) or a `postgres://` URL.
+fn database_target() -> String {
     let mut args = std::env::args().skip(1);
     while let Some(arg) = args.next() {
         if arg == "--database"
-            && let Some(path) = args.next()
+            && let Some(target) = args.next()
         {
-            return path;
+            return target;
         }
     }
     "reprise.db".to_owned()

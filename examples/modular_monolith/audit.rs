@@ -1,43 +1,46 @@
 //! The audit module: one entry per consumed fact, keyed on the message id.
 
 use reprise::prelude::*;
-use sqlx::{Row, SqlitePool};
+use sqlx::{AssertSqlSafe, Row};
+
+use crate::db::Db;
 
 use crate::events::MemberRemoved;
 
-pub(crate) async fn migrate(pool: &SqlitePool) -> Result<(), sqlx::Error> {
-    sqlx::query(
+pub(crate) async fn migrate(db: &Db) -> Result<(), sqlx::Error> {
+    sqlx::query(AssertSqlSafe(format!(
         "CREATE TABLE IF NOT EXISTS audit_entries (
-             id INTEGER PRIMARY KEY AUTOINCREMENT,
+             id {},
              source_message_id TEXT NOT NULL,
-             organization_id INTEGER NOT NULL,
+             organization_id BIGINT NOT NULL,
              description TEXT NOT NULL)",
-    )
-    .execute(pool)
+        db.generated_key()
+    )))
+    .execute(&db.pool)
     .await?;
     sqlx::query(
         "CREATE UNIQUE INDEX IF NOT EXISTS audit_entries_source
              ON audit_entries (source_message_id, organization_id)",
     )
-    .execute(pool)
+    .execute(&db.pool)
     .await?;
     Ok(())
 }
 
-pub(crate) async fn count(pool: &SqlitePool) -> Result<i64, sqlx::Error> {
+pub(crate) async fn count(db: &Db) -> Result<i64, sqlx::Error> {
     sqlx::query("SELECT count(*) FROM audit_entries")
-        .fetch_one(pool)
+        .fetch_one(&db.pool)
         .await?
         .try_get(0)
 }
 
 pub(crate) struct RecordEntry {
-    pool: SqlitePool,
+    db: Db,
 }
 
 impl RecordEntry {
-    pub(crate) fn new(pool: SqlitePool) -> Self {
-        Self { pool }
+    pub(crate) fn new(db: Db) -> Self {
+        Self { db }
     }
 }
 
@@ -54,12 +57,12 @@ impl Handler<MemberRemoved> for RecordEntry {
         // The unique index, not a prior SELECT, decides: a second attempt inserts nothing.
         sqlx::query(
             "INSERT INTO audit_entries (source_message_id, organization_id, description)
-             VALUES (?, ?, ?) ON CONFLICT (source_message_id, organization_id) DO NOTHING",
+             VALUES ($1, $2, $3) ON CONFLICT (source_message_id, organization_id) DO NOTHING",
         )
         .bind(message_id.simple().to_string())
         .bind(event.organization_id)
         .bind(format!("member {} removed", event.member_id))
-        .execute(&self.pool)
+        .execute(&self.db.pool)
         .await?;
         Ok(())
     }

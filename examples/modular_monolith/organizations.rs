@@ -5,69 +5,74 @@
 use std::sync::atomic::{AtomicUsize, Ordering};
 
 use reprise::prelude::*;
-use sqlx::{Row, SqlitePool};
+use sqlx::Row;
+
+use crate::db::Db;
 
 use crate::events::MemberRemoved;
 
-pub(crate) async fn migrate(pool: &SqlitePool) -> Result<(), sqlx::Error> {
+pub(crate) async fn migrate(db: &Db) -> Result<(), sqlx::Error> {
     sqlx::query(
         "CREATE TABLE IF NOT EXISTS organization_events (
              id TEXT PRIMARY KEY NOT NULL,
              envelope TEXT NOT NULL,
-             published_at INTEGER NOT NULL)",
+             published_at BIGINT NOT NULL)",
     )
-    .execute(pool)
+    .execute(&db.pool)
     .await?;
     Ok(())
 }
 
 /// Creates the example organization with three subscribed webhooks; returns its id.
-pub(crate) async fn seed(pool: &SqlitePool) -> Result<i64, sqlx::Error> {
+pub(crate) async fn seed(db: &Db) -> Result<i64, sqlx::Error> {
     let organization_id = 1;
     for url in [
         "https://hooks.example/a",
         "https://hooks.example/b",
         "https://hooks.example/c",
     ] {
-        sqlx::query("INSERT OR IGNORE INTO webhooks (organization_id, url) VALUES (?, ?)")
-            .bind(organization_id)
-            .bind(url)
-            .execute(pool)
-            .await?;
+        sqlx::query(
+            "INSERT INTO webhooks (organization_id, url) VALUES ($1, $2) ON CONFLICT DO NOTHING",
+        )
+        .bind(organization_id)
+        .bind(url)
+        .execute(&db.pool)
+        .await?;
     }
     Ok(organization_id)
 }
 
 /// The envelopes published in the last `minutes` minutes (by earlier runs, when called first).
 pub(crate) async fn recently_published(
-    pool: &SqlitePool,
+    db: &Db,
     minutes: i64,
 ) -> Result<Vec<Envelope>, Box<dyn std::error::Error>> {
     let since = chrono::Utc::now().timestamp_millis() - minutes * 60_000;
     let rows = sqlx::query(
-        "SELECT envelope FROM organization_events WHERE published_at > ? ORDER BY published_at",
+        "SELECT envelope FROM organization_events WHERE published_at > $1 ORDER BY published_at",
     )
     .bind(since)
-    .fetch_all(pool)
+    .fetch_all(&db.pool)
     .await?;
     let mut envelopes = Vec::with_capacity(rows.len());
     for row in rows {
-        envelopes.push(serde_json::from_str(row.try_get(0)?)?);
+        let envelope: String = row.try_get(0)?;
+        envelopes.push(serde_json::from_str(&envelope)?);
     }
     Ok(envelopes)
 }
 
 pub(crate) struct Organizations<'a> {
     runtime: &'a Runtime,
-    pool: SqlitePool,
+    db: Db,
     published: AtomicUsize,
 }
 
 impl<'a> Organizations<'a> {
-    pub(crate) fn new(runtime: &'a Runtime, pool: SqlitePool) -> Self {
+    pub(crate) fn new(runtime: &'a Runtime, db: Db) -> Self {
         Self {
             runtime,
-            pool,
+            db,
             published: AtomicUsize::new(0),
         }
     }
@@ -84,12 +89,12 @@ impl<'a> Organizations<'a> {
         };
         let envelope = self.runtime.envelope(&event, SendOptions::new())?;
         sqlx::query(
-            "INSERT INTO organization_events (id, envelope, published_at) VALUES (?, ?, ?)",
+            "INSERT INTO organization_events (id, envelope, published_at) VALUES ($1, $2, $3)",
         )
         .bind(envelope.id.simple().to_string())
         .bind(serde_json::to_string(&envelope)?)
         .bind(chrono::Utc::now().timestamp_millis())
-        .execute(&self.pool)
+        .execute(&self.db.pool)
         .await?;
         self.runtime.receive(envelope.clone()).await?;
         self.published.fetch_add(1, Ordering::Relaxed);
