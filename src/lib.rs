@@ -15,9 +15,9 @@ pub use error::Error;
 pub use reprise_actors::Error as EngineError;
 pub use reprise_actors::ports;
 pub use reprise_actors::{
-    AggregateError, DeadLetter, DeadLetterReason, DeliveryReport, DiscardReason, Disposition,
-    Envelope, FailureKind, Handler, HandlerError, HandlerFailure, HandlerId, Message,
-    MessageContext, Module, Outcome, PendingRetry, RetryPolicy, RetryScope, SendOptions,
-    ShutdownReport, StatsSnapshot, UnknownMessageTypes,
+    AggregateError, Conflicts, DeadLetter, DeadLetterReason, Deduplication, DeliveryReport,
+    DiscardReason, Disposition, Envelope, FailureKind, Handler, HandlerError, HandlerFailure,
+    HandlerId, Message, MessageContext, Module, Outcome, PendingRetry, RetryPolicy, RetryScope,
+    SendOptions, ShutdownReport, StatsSnapshot, UnknownMessageTypes,
 };
 pub use runtime::{DeadLetters, Runtime, RuntimeBuilder};

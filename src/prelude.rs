@@ -1,6 +1,6 @@
 //! What a module author needs, in one import: `use reprise::prelude::*;`.
 
 pub use crate::{
-    Envelope, Handler, HandlerError, Message, MessageContext, Module, RetryPolicy, Runtime,
-    SendOptions, ids,
+    Deduplication, Envelope, Handler, HandlerError, Message, MessageContext, Module, RetryPolicy,
+    Runtime, SendOptions, ids,
 };

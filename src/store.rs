@@ -9,7 +9,7 @@ pub(crate) mod sql;
 #[cfg(feature = "sqlite")]
 mod sqlite;
 
-pub use memory::{MemoryDeadLetters, MemoryInbox};
+pub use memory::{MemoryClaims, MemoryDeadLetters, MemoryInbox};
 #[cfg(feature = "postgres")]
 #[cfg_attr(docsrs, doc(cfg(feature = "postgres")))]
 pub use postgres::PostgresStore;

@@ -17,6 +17,8 @@ pub enum DeadLetterReason {
     MalformedPayload(String),
     /// No handler is registered for the message type.
     NoHandler(String),
+    /// A handler requires a deduplication id, and the message has none.
+    MissingDeduplicationId(String),
     /// The envelope is larger than the runtime accepts.
     TooLarge {
         /// The envelope's size in bytes.
@@ -33,6 +35,9 @@ impl fmt::Display for DeadLetterReason {
             Self::Permanent => f.write_str("permanent failure"),
             Self::MalformedPayload(error) => write!(f, "malformed payload: {error}"),
             Self::NoHandler(message_type) => write!(f, "no handler for {message_type}"),
+            Self::MissingDeduplicationId(handler) => {
+                write!(f, "missing deduplication id (required by {handler})")
+            }
             Self::TooLarge { size, limit } => {
                 write!(
                     f,

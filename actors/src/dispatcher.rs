@@ -6,7 +6,7 @@ use tokio::sync::oneshot;
 
 use crate::capacity::Capacity;
 
-use crate::ports::{Clock, DeadLetterStore, Inbox, Receipt, Resumable};
+use crate::ports::{Claims, Clock, DeadLetterStore, Inbox, Receipt, Resumable};
 use crate::report::DiscardReason;
 use crate::stats::Counter;
 use crate::tracker::Tracker;
@@ -63,6 +63,9 @@ pub(crate) struct Worker {
     pub(crate) registry: Registry,
     pub(crate) inbox: Arc<dyn Inbox>,
     pub(crate) dead_letters: Arc<dyn DeadLetterStore>,
+    /// Logical deduplication claims, when the runtime enabled them.
+    pub(crate) claims: Option<Arc<dyn Claims>>,
+    pub(crate) deduplication_window: std::time::Duration,
 }
 
 impl std::fmt::Debug for Worker {

@@ -9,10 +9,11 @@ use crate::capacity::Capacity;
 use uuid::Uuid;
 
 use crate::dispatcher::{Shared, UnknownMessageTypes, Worker};
-use crate::ports::{Clock, DeadLetterStore, Inbox};
+use crate::ports::{Claims, Clock, DeadLetterStore, Inbox};
 use crate::tracker::{PendingRetry, Tracker};
 use crate::{
-    CleanupActor, Dispatcher, Error, RecoveryActor, Registry, RetryScope, Stats, TimerActor,
+    CleanupActor, Dispatcher, Error, ReaperActor, RecoveryActor, Registry, RetryScope, Stats,
+    TimerActor,
 };
 
 /// How the engine runs.
@@ -30,6 +31,10 @@ pub struct EngineConfig {
     pub unknown_message_types: UnknownMessageTypes,
     /// Which handlers a retry runs again (default: all of them).
     pub retry_scope: RetryScope,
+    /// How long a logical deduplication claim holds (default 24 h): the guarantee.
+    pub deduplication_window: Duration,
+    /// How often expired claims are reaped (default 5 min).
+    pub deduplication_reap_interval: Duration,
     /// Recovery and cleanup, for a durable inbox (`None` for one in memory).
     pub durability: Option<Durability>,
     /// Run on a paused tokio clock that jumps to the next timer whenever the engine is idle.
@@ -73,6 +78,8 @@ impl Default for EngineConfig {
             max_envelope_size: 1024 * 1024,
             unknown_message_types: UnknownMessageTypes::default(),
             retry_scope: RetryScope::default(),
+            deduplication_window: Duration::from_secs(24 * 60 * 60),
+            deduplication_reap_interval: Duration::from_secs(5 * 60),
             durability: None,
             #[cfg(feature = "testing")]
             virtual_time: false,
@@ -115,6 +122,8 @@ pub struct EngineParts {
     pub dead_letters: Arc<dyn DeadLetterStore>,
     /// Wall-clock time.
     pub clock: Arc<dyn Clock>,
+    /// Logical deduplication claims (`None`: deduplication is off).
+    pub claims: Option<Arc<dyn Claims>>,
 }
 
 impl Engine {
@@ -168,10 +177,28 @@ impl Engine {
                                 registry: parts.registry.replicate(),
                                 inbox: Arc::clone(&parts.inbox),
                                 dead_letters: Arc::clone(&parts.dead_letters),
+                                claims: parts.claims.clone(),
+                                deduplication_window: config.deduplication_window,
                             })
                         })
                         .collect();
                     let dispatcher = Dispatcher { shared, workers };
+                    if let Some(claims) = &parts.claims {
+                        ReaperActor::new(
+                            Arc::clone(claims),
+                            Arc::clone(&dispatcher.shared.clock),
+                            config.deduplication_reap_interval,
+                        )
+                        .start();
+                    } else {
+                        for entry in parts.registry.entries().filter(|e| e.deduplication.is_some()) {
+                            tracing::warn!(
+                                handler = %entry.id,
+                                "this handler asks for deduplication, which this runtime has not enabled; \
+                                 it will fail on its first message"
+                            );
+                        }
+                    }
                     if let Some(durability) = &config.durability {
                         RecoveryActor::new(
                             dispatcher.clone(),

@@ -6,8 +6,10 @@ use actix::{Actor, ActorContext, ActorFutureExt, Addr, AsyncContext, Context, Wr
 use futures::FutureExt;
 use tracing::Instrument;
 
+use crate::ports::{Claim, ClaimOutcome, Claims};
+use crate::supervisor::persist;
 use crate::{
-    Decoded, DeliverySupervisor, Disposition, FailureKind, HandlerError, HandlerFailure,
+    Conflicts, Decoded, DeliverySupervisor, Disposition, FailureKind, HandlerError, HandlerFailure,
     MessageContext, Route,
 };
 
@@ -24,9 +26,23 @@ pub struct HandlerActor {
     timeout: Duration,
     supervisor: Addr<DeliverySupervisor>,
     span: tracing::Span,
+    /// The logical id this handler must claim before it runs, if it deduplicates.
+    claim: Option<PendingClaim>,
 }
 
+/// A deduplicated handler's claim, and where to make it.
+pub(crate) struct PendingClaim {
+    pub(crate) claim: Claim,
+    /// `None` when the runtime has not enabled deduplication: the handler then fails.
+    pub(crate) claims: Option<Arc<dyn Claims>>,
+    pub(crate) conflicts: Conflicts,
+}
+
+/// A handler's failure, before it is put into words for its supervisor.
+type Failure = Option<(FailureKind, String)>;
+
 impl HandlerActor {
+    #[allow(clippy::too_many_arguments)]
     pub(crate) fn new(
         route: Arc<Route>,
         index: usize,
@@ -35,6 +51,7 @@ impl HandlerActor {
         timeout: Duration,
         supervisor: Addr<DeliverySupervisor>,
         span: tracing::Span,
+        claim: Option<PendingClaim>,
     ) -> Self {
         Self {
             route,
@@ -44,26 +61,15 @@ impl HandlerActor {
             timeout,
             supervisor,
             span,
+            claim,
         }
     }
 
     fn report(&self, result: HandlerResult) {
-        let failure = match result {
-            Ok(Ok(Ok(()))) => None,
-            Ok(Ok(Err(error))) => {
-                let kind = match error.disposition() {
-                    Disposition::Permanent => FailureKind::Permanent,
-                    Disposition::RetryAfter(delay) => FailureKind::RetryAfter(delay),
-                    Disposition::Retry => FailureKind::Error,
-                };
-                Some((kind, error.to_string()))
-            }
-            Ok(Err(panic)) => Some((FailureKind::Panicked, panic_text(&*panic))),
-            Err(_) => Some((
-                FailureKind::TimedOut(self.timeout),
-                format!("did not finish within {:?}", self.timeout),
-            )),
-        };
+        self.send(failure_of(result, self.timeout));
+    }
+
+    fn send(&self, failure: Failure) {
         let failure = failure.map(|(kind, error)| {
             tracing::warn!(parent: &self.span, %error, ?kind, "handler failed");
             let id = &self.route.handlers()[self.index].id;
@@ -78,6 +84,102 @@ impl HandlerActor {
             index: self.index,
             failure,
         });
+    }
+
+    /// Claims the logical id, runs the handler only if the claim is new, and releases the
+    /// claim if the handler fails, so its retry gets through.
+    fn run_deduplicated(&mut self, pending: PendingClaim, ctx: &mut Context<Self>) {
+        let invoke = Arc::clone(&self.route.handlers()[self.index].invoke);
+        let call = invoke(
+            Arc::clone(&self.route),
+            self.index,
+            self.message.clone(),
+            self.context.clone(),
+        );
+        let timeout = self.timeout;
+        let span = self.span.clone();
+        let message_id = self.context.message_id().unwrap_or_default();
+        let work = async move {
+            let PendingClaim {
+                claim,
+                claims,
+                conflicts,
+            } = pending;
+            let Some(claims) = claims else {
+                return Some((
+                    FailureKind::Permanent,
+                    format!(
+                        "{} asks for deduplication, which this runtime has not enabled",
+                        claim.handler
+                    ),
+                ));
+            };
+            match claims.claim(&claim).await {
+                Err(error) => Some((
+                    FailureKind::Error,
+                    format!("deduplication claim failed: {error}"),
+                )),
+                Ok(ClaimOutcome::Held { same_payload: true }) => {
+                    tracing::info!(parent: &span, reprise.deduplication_id = %claim.key, "duplicate intent discarded");
+                    None
+                }
+                Ok(ClaimOutcome::Held {
+                    same_payload: false,
+                }) => {
+                    tracing::warn!(
+                        parent: &span,
+                        reprise.deduplication_id = %claim.key,
+                        "deduplication id already claimed by a message with a different payload"
+                    );
+                    (conflicts == Conflicts::DeadLetter).then(|| {
+                        (
+                            FailureKind::Permanent,
+                            format!(
+                                "deduplication id {} was claimed by a different payload",
+                                claim.key
+                            ),
+                        )
+                    })
+                }
+                Ok(ClaimOutcome::Claimed) => {
+                    let result =
+                        tokio::time::timeout(timeout, AssertUnwindSafe(call).catch_unwind())
+                            .instrument(span)
+                            .await;
+                    let failure = failure_of(result, timeout);
+                    if failure.is_some() {
+                        persist("release deduplication claim", message_id, || {
+                            claims.release(&claim.handler, &claim.key_hash)
+                        })
+                        .await;
+                    }
+                    failure
+                }
+            }
+        };
+        ctx.spawn(work.into_actor(self).map(|failure, actor, ctx| {
+            actor.send(failure);
+            ctx.stop();
+        }));
+    }
+}
+
+fn failure_of(result: HandlerResult, timeout: Duration) -> Failure {
+    match result {
+        Ok(Ok(Ok(()))) => None,
+        Ok(Ok(Err(error))) => {
+            let kind = match error.disposition() {
+                Disposition::Permanent => FailureKind::Permanent,
+                Disposition::RetryAfter(delay) => FailureKind::RetryAfter(delay),
+                Disposition::Retry => FailureKind::Error,
+            };
+            Some((kind, error.to_string()))
+        }
+        Ok(Err(panic)) => Some((FailureKind::Panicked, panic_text(&*panic))),
+        Err(_) => Some((
+            FailureKind::TimedOut(timeout),
+            format!("did not finish within {timeout:?}"),
+        )),
     }
 }
 
@@ -109,6 +211,10 @@ impl Actor for HandlerActor {
     type Context = Context<Self>;
 
     fn started(&mut self, ctx: &mut Context<Self>) {
+        if let Some(pending) = self.claim.take() {
+            self.run_deduplicated(pending, ctx);
+            return;
+        }
         let invoke = &self.route.handlers()[self.index].invoke;
         let mut call = invoke(
             Arc::clone(&self.route),

@@ -5,7 +5,7 @@ use std::time::Duration;
 use futures::FutureExt;
 use futures::future::BoxFuture;
 
-use crate::{Handler, HandlerError, Message, MessageContext, RetryPolicy, Route};
+use crate::{Deduplication, Handler, HandlerError, Message, MessageContext, RetryPolicy, Route};
 
 /// A decoded message, shared by every handler of one delivery.
 pub type Decoded = Arc<dyn Any + Send + Sync>;
@@ -62,6 +62,8 @@ pub struct HandlerEntry {
     pub(crate) decode: Decode,
     /// The Rust type the payload decodes into.
     pub(crate) rust_type: (std::any::TypeId, &'static str),
+    /// Its logical deduplication, if it opted in.
+    pub deduplication: Option<Deduplication>,
 }
 
 impl std::fmt::Debug for HandlerEntry {
@@ -179,7 +181,18 @@ impl Module {
             module_timeout: self.timeout,
             decode: decode::<M>,
             rust_type: (std::any::TypeId::of::<M>(), std::any::type_name::<M>()),
+            deduplication: None,
         });
+        self
+    }
+
+    /// Opts the handler `name` in to logical deduplication (see [`Deduplication`]); a name no
+    /// handler of this module has changes nothing.
+    #[must_use]
+    pub fn deduplicate(mut self, name: &str, deduplication: Deduplication) -> Self {
+        for entry in self.handlers.iter_mut().filter(|h| *h.id.name == *name) {
+            entry.deduplication = Some(deduplication.clone());
+        }
         self
     }
 

@@ -252,3 +252,115 @@ impl Clock for SystemClock {
         Utc::now()
     }
 }
+
+/// One claim on a logical id, by one handler, until `expires_at`.
+#[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct Claim {
+    /// The claiming handler (`module/name`).
+    pub handler: String,
+    /// The logical id, in clear, for people reading the table.
+    pub key: String,
+    /// The logical id's SHA-256 (hex): what the store compares, so collation never merges ids.
+    pub key_hash: String,
+    /// The payload's SHA-256 (hex), to tell a true duplicate from a conflicting message.
+    pub fingerprint: String,
+    /// When it was claimed.
+    pub claimed_at: DateTime<Utc>,
+    /// When the window ends and the id may be claimed again.
+    pub expires_at: DateTime<Utc>,
+}
+
+impl Claim {
+    /// A claim by `handler` on `key` for a message with `payload`, for `window` from `now`.
+    pub fn new(
+        handler: String,
+        key: String,
+        payload: &[u8],
+        now: DateTime<Utc>,
+        window: std::time::Duration,
+    ) -> Self {
+        let expires_at = chrono::Duration::from_std(window)
+            .ok()
+            .and_then(|w| now.checked_add_signed(w))
+            .unwrap_or(DateTime::<Utc>::MAX_UTC);
+        Self {
+            handler,
+            key_hash: crate::deduplication::sha256_hex(key.as_bytes()),
+            key,
+            fingerprint: crate::deduplication::sha256_hex(payload),
+            claimed_at: now,
+            expires_at,
+        }
+    }
+}
+
+/// What a store says of a claim.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum ClaimOutcome {
+    /// Claimed now (first time, or over a claim whose window ended): run the handler.
+    Claimed,
+    /// Held by an earlier message within the window: a duplicate. `same_payload` is false when
+    /// the earlier message's payload differs (a conflict, not a plain duplicate).
+    Held {
+        /// Whether the earlier message had the same payload.
+        same_payload: bool,
+    },
+}
+
+/// Logical deduplication claims: one per handler and logical id, within a window.
+///
+/// A claim is one insert that the store's primary key rejects when the id is held — never a
+/// read followed by an insert — so two nodes claiming the same id at the same moment get one
+/// `Claimed` between them. A store that cannot enforce claims keeps the default methods, which
+/// fail loudly; none ever answers `Claimed` without enforcing it.
+#[async_trait]
+pub trait Claims: Send + Sync + 'static {
+    /// Creates what the claims need (a table), once; called when a runtime enables
+    /// deduplication.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Store`] when it cannot, or when this store cannot enforce claims.
+    async fn provision(&self) -> Result<(), Error> {
+        Err(Error::store(
+            "this store cannot enforce deduplication claims",
+        ))
+    }
+
+    /// Claims `claim.key` for `claim.handler`, taking over a claim whose window ended.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Store`] when the store cannot answer, or cannot enforce claims.
+    async fn claim(&self, claim: &Claim) -> Result<ClaimOutcome, Error> {
+        let _ = claim;
+        Err(Error::store(
+            "this store cannot enforce deduplication claims",
+        ))
+    }
+
+    /// Releases a claim, so that a retry of a failed handler gets through.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Store`] when it cannot be released.
+    async fn release(&self, handler: &str, key_hash: &str) -> Result<(), Error> {
+        let _ = (handler, key_hash);
+        Err(Error::store(
+            "this store cannot enforce deduplication claims",
+        ))
+    }
+
+    /// Deletes at most `limit` claims whose window ended by `now`, in one transaction; returns
+    /// how many.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Store`] when the store cannot answer.
+    async fn reap(&self, now: DateTime<Utc>, limit: usize) -> Result<u64, Error> {
+        let _ = (now, limit);
+        Ok(0)
+    }
+}

@@ -3,7 +3,9 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use crate::module::Decode;
-use crate::{AggregateError, Decoded, HandlerEntry, HandlerId, Invoke, Module, RetryPolicy};
+use crate::{
+    AggregateError, Decoded, Deduplication, HandlerEntry, HandlerId, Invoke, Module, RetryPolicy,
+};
 
 /// Every handler of one message type, and how to decode its payload.
 #[derive(Clone, Debug)]
@@ -186,6 +188,29 @@ impl Registry {
             default_policy: self.default_policy,
             handler_timeout: self.handler_timeout,
         }
+    }
+
+    /// Opts every handler `filter` accepts in to `deduplication`, unless it chose its own.
+    pub fn require_deduplication(
+        &mut self,
+        filter: impl Fn(&HandlerEntry) -> bool,
+        deduplication: &Deduplication,
+    ) {
+        for route in self.routes.values_mut() {
+            let Some(route) = Arc::get_mut(route) else {
+                continue;
+            };
+            for entry in route.handlers.iter_mut() {
+                if entry.deduplication.is_none() && filter(entry) {
+                    entry.deduplication = Some(deduplication.clone());
+                }
+            }
+        }
+    }
+
+    /// Every registered handler.
+    pub fn entries(&self) -> impl Iterator<Item = &HandlerEntry> {
+        self.routes.values().flat_map(|r| r.handlers.iter())
     }
 
     /// The runtime-wide retry policy.

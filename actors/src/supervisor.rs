@@ -14,14 +14,16 @@ use crate::RetryScope;
 use crate::context::{Scope, TakeCascaded};
 use crate::dispatcher::{UnknownMessageTypes, Worker};
 use crate::handler_actor::HandlerFinished;
-use crate::ports::Resumable;
+use crate::handler_actor::PendingClaim;
+use crate::ports::{Claim, Resumable};
 use crate::report::DiscardReason;
 use crate::stats::Counter;
 use crate::timer::{RetryDue, Schedule};
 use crate::tracker::{PendingRetry, Ticket};
 use crate::{
     AggregateError, ContextActor, DeadLetter, DeadLetterReason, Decoded, DeliveryReport, Envelope,
-    Error, FailureKind, HandlerActor, HandlerFailure, HandlerId, Outcome, RetryDecision, Route,
+    Error, FailureKind, HandlerActor, HandlerEntry, HandlerFailure, HandlerId, Outcome,
+    RetryDecision, Route,
 };
 
 /// Owns one delivery from acceptance to settlement: runs every handler on each attempt,
@@ -39,6 +41,8 @@ pub struct DeliverySupervisor {
     message: Option<Decoded>,
     /// This attempt's failures with their handler's index (empty, unallocated, on success).
     results: Vec<(usize, HandlerFailure)>,
+    /// Each handler's logical id (by index), when any handler deduplicates.
+    deduplication_keys: Vec<Option<String>>,
     /// With [`RetryScope::FailedHandlers`]: which handlers (by index) already succeeded.
     succeeded: Vec<bool>,
     /// Handlers a durable inbox says succeeded before a restart (`module/name`).
@@ -99,6 +103,7 @@ impl DeliverySupervisor {
             route: None,
             message: None,
             results: Vec::new(),
+            deduplication_keys: Vec::new(),
             succeeded: Vec::new(),
             succeeded_before: Vec::new(),
             pending: 0,
@@ -210,6 +215,7 @@ impl DeliverySupervisor {
                 )
             };
             let handle = ContextActor::handle_for(Arc::clone(&scope), Arc::clone(&route), index);
+            let claim = self.pending_claim(index, entry);
             HandlerActor::new(
                 Arc::clone(&route),
                 index,
@@ -218,10 +224,51 @@ impl DeliverySupervisor {
                 self.worker.registry.timeout_of(entry),
                 me.clone(),
                 span,
+                claim,
             )
             .start();
         }
         self.succeeded = succeeded;
+    }
+
+    /// The claim handler `index` makes before it runs, if it deduplicates and the message has
+    /// a logical id for it.
+    fn pending_claim(&self, index: usize, entry: &HandlerEntry) -> Option<PendingClaim> {
+        let deduplication = entry.deduplication.as_ref()?;
+        let key = self.deduplication_keys.get(index)?.clone()?;
+        let claim = Claim::new(
+            entry.id.to_string(),
+            key,
+            &self.envelope.payload,
+            self.now(),
+            self.worker.deduplication_window,
+        );
+        Some(PendingClaim {
+            claim,
+            claims: self.worker.claims.clone(),
+            conflicts: deduplication.conflicts(),
+        })
+    }
+
+    /// Reads every deduplicating handler's logical id once per delivery; names the first
+    /// handler that requires one the message lacks.
+    fn read_deduplication_keys(&mut self, route: &Route, message: &Decoded) -> Result<(), String> {
+        if route.handlers().iter().all(|h| h.deduplication.is_none()) {
+            return Ok(());
+        }
+        let mut keys = Vec::with_capacity(route.handlers().len());
+        for entry in route.handlers() {
+            let key = entry.deduplication.as_ref().and_then(|d| {
+                let key = d.key(&self.envelope, message);
+                (key.is_some() || !d.is_required()).then_some(key)
+            });
+            match (key, &entry.deduplication) {
+                (None, Some(_)) => return Err(entry.id.to_string()),
+                (key, _) => keys.push(key.flatten()),
+            }
+        }
+        self.deduplication_keys = keys;
+        Ok(())
     }
 
     fn finish_attempt(&mut self, ctx: &mut Context<Self>) {
@@ -463,7 +510,7 @@ enum Resume {
 
 /// Retries a store write until it succeeds: a settled delivery must be recorded, and giving up
 /// would lose it. Backs off to 30 s between attempts and logs every failure.
-async fn persist<F, Fut>(what: &'static str, id: uuid::Uuid, mut write: F)
+pub(crate) async fn persist<F, Fut>(what: &'static str, id: uuid::Uuid, mut write: F)
 where
     F: FnMut() -> Fut,
     Fut: Future<Output = Result<(), Error>>,
@@ -542,6 +589,12 @@ impl Actor for DeliverySupervisor {
                 },
             }
         };
+        let rejected = rejected.or_else(|| {
+            let (route, message) = (self.route.clone()?, self.message.clone()?);
+            self.read_deduplication_keys(&route, &message)
+                .err()
+                .map(DeadLetterReason::MissingDeduplicationId)
+        });
         match rejected {
             None => match self.resume.take() {
                 None => self.start_attempt(ctx),

@@ -2,15 +2,18 @@ use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Duration;
 
-use reprise_actors::ports::{Clock, DeadLetterStore, Inbox, SystemClock};
+use reprise_actors::ports::{Claims, Clock, DeadLetterStore, Inbox, SystemClock};
 use reprise_actors::{
-    Durability, Engine, EngineConfig, EngineParts, Message, Module, Registry, RetryPolicy,
-    RetryScope, UnknownMessageTypes,
+    Deduplication, Durability, Engine, EngineConfig, EngineParts, HandlerId, Message, Module,
+    Registry, RetryPolicy, RetryScope, UnknownMessageTypes,
 };
 
-use crate::store::{MemoryDeadLetters, MemoryInbox};
+use crate::store::{MemoryClaims, MemoryDeadLetters, MemoryInbox};
 use crate::transport::InProcess;
 use crate::{Error, Runtime};
+
+/// Chooses handlers by id and message type.
+type HandlerFilter = Box<dyn Fn(&HandlerId, &str) -> bool + Send + Sync>;
 
 /// Configures a [`Runtime`]. Every setting has the default the design documents.
 pub struct RuntimeBuilder {
@@ -22,6 +25,9 @@ pub struct RuntimeBuilder {
     drain_timeout: Duration,
     keep_after_handling: Duration,
     inbox: Option<Arc<dyn Inbox>>,
+    claims: Option<Arc<dyn Claims>>,
+    deduplication: bool,
+    deduplication_policies: Vec<(HandlerFilter, Deduplication)>,
     dead_letters: Option<Arc<dyn DeadLetterStore>>,
     clock: Arc<dyn Clock>,
 }
@@ -37,6 +43,9 @@ impl Default for RuntimeBuilder {
             drain_timeout: Duration::from_secs(30),
             keep_after_handling: Duration::from_secs(5 * 60),
             inbox: None,
+            claims: None,
+            deduplication: false,
+            deduplication_policies: Vec::new(),
             dead_letters: None,
             clock: Arc::new(SystemClock),
         }
@@ -149,9 +158,10 @@ impl RuntimeBuilder {
     /// count as received, retries survive restarts, handled envelopes are cleaned up after
     /// their retention, and the deliveries of a node that stops are resumed.
     #[must_use]
-    pub fn store<S: Inbox + DeadLetterStore>(mut self, store: S) -> Self {
+    pub fn store<S: Inbox + DeadLetterStore + Claims>(mut self, store: S) -> Self {
         let store = Arc::new(store);
         self.inbox = Some(Arc::clone(&store) as Arc<dyn Inbox>);
+        self.claims = Some(Arc::clone(&store) as Arc<dyn Claims>);
         self.dead_letters = Some(store);
         self.engine
             .durability
@@ -208,16 +218,67 @@ impl RuntimeBuilder {
         self
     }
 
+    /// Where deduplication claims are kept, instead of the store's (or memory).
+    #[must_use]
+    pub fn claims(mut self, claims: Arc<dyn Claims>) -> Self {
+        self.claims = Some(claims);
+        self
+    }
+
+    /// Turns logical deduplication on: handlers that opted in claim each message's logical id
+    /// before they run, and the claims table is provisioned (in the store, or in memory without
+    /// one). Off by default, and then nothing about the schema changes.
+    #[must_use]
+    pub fn enable_deduplication(mut self) -> Self {
+        self.deduplication = true;
+        self
+    }
+
+    /// How long a claim holds (default 24 h). This *is* the guarantee: past it, the same
+    /// logical id is accepted again. Size it against how late a duplicate could arrive.
+    #[must_use]
+    pub fn deduplication_window(mut self, window: Duration) -> Self {
+        self.engine.deduplication_window = window;
+        self
+    }
+
+    /// How often expired claims are reaped (default 5 min).
+    #[must_use]
+    pub fn deduplication_reap_interval(mut self, interval: Duration) -> Self {
+        self.engine.deduplication_reap_interval = interval;
+        self
+    }
+
+    /// Opts every handler for which `filter` holds (given its id and message type) in to
+    /// `deduplication`, unless it chose its own. A filter is required on purpose: applied to
+    /// every handler, a required logical id would dead-letter all traffic that has none.
+    #[must_use]
+    pub fn require_deduplication(
+        mut self,
+        filter: impl Fn(&HandlerId, &str) -> bool + Send + Sync + 'static,
+        deduplication: Deduplication,
+    ) -> Self {
+        self.deduplication_policies
+            .push((Box::new(filter), deduplication));
+        self
+    }
+
     /// The handler registry this builder would run, to adjust before starting.
     pub(crate) fn into_parts(self) -> Result<(Registry, Self), Error> {
         let mut this = self;
         let modules = std::mem::take(&mut this.modules);
-        let registry = Registry::new(
+        let mut registry = Registry::new(
             modules,
             this.retry_policy,
             std::mem::take(&mut this.message_policies),
             this.handler_timeout,
         )?;
+        for (filter, deduplication) in std::mem::take(&mut this.deduplication_policies) {
+            registry.require_deduplication(
+                |entry| filter(&entry.id, entry.message_type),
+                &deduplication,
+            );
+        }
         Ok((registry, this))
     }
 
@@ -250,6 +311,10 @@ impl RuntimeBuilder {
                 inbox: Arc::clone(&inbox),
                 dead_letters: Arc::clone(&dead_letters),
                 clock: self.clock,
+                claims: self.deduplication.then(|| {
+                    self.claims
+                        .unwrap_or_else(|| Arc::new(MemoryClaims::default()) as Arc<dyn Claims>)
+                }),
             },
         )?;
         let transport = InProcess::new(engine.dispatcher().clone());

@@ -5,7 +5,7 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use chrono::{DateTime, Utc};
-use reprise_actors::ports::{Clock, DeadLetterStore, Inbox, Receipt};
+use reprise_actors::ports::{Claim, ClaimOutcome, Claims, Clock, DeadLetterStore, Inbox, Receipt};
 use reprise_actors::{DeadLetter, Envelope, Error};
 use uuid::Uuid;
 
@@ -164,5 +164,56 @@ impl DeadLetterStore for MemoryDeadLetters {
         let count = letters.len() as u64;
         letters.clear();
         Ok(count)
+    }
+}
+
+/// A claim's holder (handler, key hash) and what it holds (payload fingerprint, expiry).
+type HeldClaims = HashMap<(String, String), (String, DateTime<Utc>)>;
+
+/// Deduplication claims in memory: enforced within one process, lost with it.
+#[derive(Debug, Default)]
+pub struct MemoryClaims {
+    claims: Mutex<HeldClaims>,
+}
+
+#[async_trait]
+impl Claims for MemoryClaims {
+    async fn provision(&self) -> Result<(), Error> {
+        Ok(())
+    }
+
+    async fn claim(&self, claim: &Claim) -> Result<ClaimOutcome, Error> {
+        let mut claims = lock(&self.claims);
+        let key = (claim.handler.clone(), claim.key_hash.clone());
+        match claims.get(&key) {
+            Some((fingerprint, expires_at)) if *expires_at > claim.claimed_at => {
+                Ok(ClaimOutcome::Held {
+                    same_payload: *fingerprint == claim.fingerprint,
+                })
+            }
+            _ => {
+                claims.insert(key, (claim.fingerprint.clone(), claim.expires_at));
+                Ok(ClaimOutcome::Claimed)
+            }
+        }
+    }
+
+    async fn release(&self, handler: &str, key_hash: &str) -> Result<(), Error> {
+        lock(&self.claims).remove(&(handler.to_owned(), key_hash.to_owned()));
+        Ok(())
+    }
+
+    async fn reap(&self, now: DateTime<Utc>, limit: usize) -> Result<u64, Error> {
+        let mut claims = lock(&self.claims);
+        let expired: Vec<_> = claims
+            .iter()
+            .filter(|(_, (_, expires_at))| *expires_at <= now)
+            .map(|(k, _)| k.clone())
+            .take(limit)
+            .collect();
+        for key in &expired {
+            claims.remove(key);
+        }
+        Ok(expired.len() as u64)
     }
 }

@@ -74,6 +74,34 @@ pub(crate) const REMOVE_DEAD_LETTER: &str = "DELETE FROM reprise_dead_letters WH
 
 pub(crate) const PURGE_DEAD_LETTERS: &str = "DELETE FROM reprise_dead_letters";
 
+/// The claims table, created only when a runtime enables deduplication: with the feature off
+/// the schema does not change at all.
+pub(crate) const PROVISION_CLAIMS: [&str; 2] = [
+    "CREATE TABLE IF NOT EXISTS reprise_deduplication (\
+        handler TEXT NOT NULL, key_hash TEXT NOT NULL, key TEXT NOT NULL, \
+        fingerprint TEXT NOT NULL, claimed_at BIGINT NOT NULL, expires_at BIGINT NOT NULL, \
+        PRIMARY KEY (handler, key_hash))",
+    "CREATE INDEX IF NOT EXISTS reprise_deduplication_expires ON reprise_deduplication (expires_at)",
+];
+
+/// A claim is this one insert: the primary key rejects a held id; only a claim whose window
+/// ended is taken over, atomically, by the same statement.
+pub(crate) const CLAIM: &str = "INSERT INTO reprise_deduplication \
+    (handler, key_hash, key, fingerprint, claimed_at, expires_at) VALUES ($1, $2, $3, $4, $5, $6) \
+    ON CONFLICT (handler, key_hash) DO UPDATE SET key = excluded.key, \
+    fingerprint = excluded.fingerprint, claimed_at = excluded.claimed_at, \
+    expires_at = excluded.expires_at WHERE reprise_deduplication.expires_at <= excluded.claimed_at";
+
+pub(crate) const CLAIM_FINGERPRINT: &str =
+    "SELECT fingerprint FROM reprise_deduplication WHERE handler = $1 AND key_hash = $2";
+
+pub(crate) const RELEASE_CLAIM: &str =
+    "DELETE FROM reprise_deduplication WHERE handler = $1 AND key_hash = $2";
+
+pub(crate) const REAP_CLAIMS: &str = "DELETE FROM reprise_deduplication \
+    WHERE (handler, key_hash) IN (SELECT handler, key_hash FROM reprise_deduplication \
+    WHERE expires_at <= $1 LIMIT $2)";
+
 pub(crate) const MIGRATIONS_TABLE: &str = "CREATE TABLE IF NOT EXISTS reprise_migrations (\
     version BIGINT PRIMARY KEY NOT NULL, description TEXT NOT NULL, applied_at BIGINT NOT NULL)";
 
@@ -526,6 +554,77 @@ macro_rules! sql_store {
                     .await
                     .map_err(reprise_actors::Error::store)?
                     .rows_affected())
+            }
+        }
+
+        #[async_trait::async_trait]
+        impl reprise_actors::ports::Claims for $store {
+            async fn provision(&self) -> Result<(), reprise_actors::Error> {
+                use $crate::store::sql::*;
+                for statement in PROVISION_CLAIMS {
+                    sqlx::query(statement).execute(&self.pool).await.map_err(reprise_actors::Error::store)?;
+                }
+                Ok(())
+            }
+
+            async fn claim(
+                &self,
+                claim: &reprise_actors::ports::Claim,
+            ) -> Result<reprise_actors::ports::ClaimOutcome, reprise_actors::Error> {
+                use $crate::store::sql::*;
+                let claimed = sqlx::query(CLAIM)
+                    .bind(&claim.handler)
+                    .bind(&claim.key_hash)
+                    .bind(&claim.key)
+                    .bind(&claim.fingerprint)
+                    .bind(millis(claim.claimed_at))
+                    .bind(millis(claim.expires_at))
+                    .execute(&self.pool)
+                    .await
+                    .map_err(reprise_actors::Error::store)?
+                    .rows_affected();
+                if claimed == 1 {
+                    return Ok(reprise_actors::ports::ClaimOutcome::Claimed);
+                }
+                // The insert decided; this read only tells a duplicate from a conflict.
+                let fingerprint: Option<String> = sqlx::query_scalar(CLAIM_FINGERPRINT)
+                    .bind(&claim.handler)
+                    .bind(&claim.key_hash)
+                    .fetch_optional(&self.pool)
+                    .await
+                    .map_err(reprise_actors::Error::store)?;
+                Ok(reprise_actors::ports::ClaimOutcome::Held {
+                    same_payload: fingerprint.as_deref() == Some(claim.fingerprint.as_str()),
+                })
+            }
+
+            async fn release(&self, handler: &str, key_hash: &str) -> Result<(), reprise_actors::Error> {
+                use $crate::store::sql::*;
+                sqlx::query(RELEASE_CLAIM)
+                    .bind(handler)
+                    .bind(key_hash)
+                    .execute(&self.pool)
+                    .await
+                    .map_err(reprise_actors::Error::store)?;
+                Ok(())
+            }
+
+            async fn reap(
+                &self,
+                now: chrono::DateTime<chrono::Utc>,
+                limit: usize,
+            ) -> Result<u64, reprise_actors::Error> {
+                use $crate::store::sql::*;
+                let mut tx = self.pool.begin_with($begin).await.map_err(reprise_actors::Error::store)?;
+                let removed = sqlx::query(REAP_CLAIMS)
+                    .bind(millis(now))
+                    .bind(i64::try_from(limit).unwrap_or(i64::MAX))
+                    .execute(&mut *tx)
+                    .await
+                    .map_err(reprise_actors::Error::store)?
+                    .rows_affected();
+                tx.commit().await.map_err(reprise_actors::Error::store)?;
+                Ok(removed)
             }
         }
 

@@ -1,0 +1,86 @@
+use std::sync::Arc;
+use std::time::Duration;
+
+use actix::{Actor, ActorFutureExt, AsyncContext, Context, WrapFuture};
+
+use crate::ports::{Claims, Clock};
+
+/// Claims reaped per statement.
+const BATCH: usize = 1000;
+
+/// Provisions the deduplication claims when the runtime starts, then deletes expired claims on
+/// its own timer, in bounded batches, each in its own transaction, and logs how many it
+/// removed: a count that keeps climbing says the window is too long or the volume higher than
+/// planned.
+pub struct ReaperActor {
+    claims: Arc<dyn Claims>,
+    clock: Arc<dyn Clock>,
+    interval: Duration,
+    busy: bool,
+}
+
+impl std::fmt::Debug for ReaperActor {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ReaperActor")
+            .field("interval", &self.interval)
+            .finish_non_exhaustive()
+    }
+}
+
+impl ReaperActor {
+    pub(crate) fn new(claims: Arc<dyn Claims>, clock: Arc<dyn Clock>, interval: Duration) -> Self {
+        Self {
+            claims,
+            clock,
+            interval,
+            busy: false,
+        }
+    }
+
+    fn tick(&mut self, ctx: &mut Context<Self>) {
+        if self.busy {
+            return;
+        }
+        self.busy = true;
+        let claims = Arc::clone(&self.claims);
+        let now = self.clock.now();
+        let round = async move {
+            let mut removed = 0u64;
+            loop {
+                match claims.reap(now, BATCH).await {
+                    Ok(count) => {
+                        removed += count;
+                        if count < BATCH as u64 {
+                            break;
+                        }
+                    }
+                    Err(error) => {
+                        tracing::warn!(%error, "reaping deduplication claims failed; retrying on the next round");
+                        break;
+                    }
+                }
+            }
+            tracing::info!(removed, "reaped expired deduplication claims");
+        };
+        ctx.spawn(
+            round
+                .into_actor(self)
+                .map(|(), actor, _| actor.busy = false),
+        );
+    }
+}
+
+impl Actor for ReaperActor {
+    type Context = Context<Self>;
+
+    fn started(&mut self, ctx: &mut Context<Self>) {
+        let claims = Arc::clone(&self.claims);
+        let provision = async move {
+            if let Err(error) = claims.provision().await {
+                tracing::error!(%error, "deduplication claims could not be provisioned; deduplicated handlers will fail");
+            }
+        };
+        ctx.spawn(provision.into_actor(self));
+        ctx.run_interval(self.interval, Self::tick);
+    }
+}

@@ -1,0 +1,497 @@
+//! Logical deduplication: one intent, one effect, within the window — per handler, required by
+//! default, released when the handler fails, loud when it cannot be enforced.
+
+#[path = "support/messages.rs"]
+mod support;
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use async_trait::async_trait;
+use chrono::{DateTime, Utc};
+use reprise::ports::{Claim, ClaimOutcome, Claims, Clock};
+use reprise::prelude::*;
+use reprise::store::MemoryClaims;
+use reprise::testing::{Fault, TestHarness};
+use reprise::{DeadLetterReason, FailureKind, Outcome};
+use serde::{Deserialize, Serialize};
+use support::{Counter, MemberRemoved};
+
+#[derive(Clone, Debug, Serialize, Deserialize)]
+struct RebuildProjection {
+    projection: String,
+    occurrence: String,
+}
+
+impl Message for RebuildProjection {
+    const TYPE: &'static str = "projections.rebuild";
+}
+
+fn rebuild(projection: &str) -> RebuildProjection {
+    RebuildProjection {
+        projection: projection.into(),
+        occurrence: "2026-11-30T03:00:00Z".into(),
+    }
+}
+
+fn keyed(id: &str) -> SendOptions {
+    SendOptions::new().deduplication_id(id)
+}
+
+fn harness(module: Module) -> TestHarness {
+    TestHarness::builder()
+        .configure(RuntimeBuilder::enable_deduplication)
+        .module(module)
+        .build()
+        .unwrap()
+}
+
+use reprise::RuntimeBuilder;
+
+#[tokio::test]
+async fn a_duplicate_intent_within_the_window_never_reaches_the_handler() {
+    let effects = Counter::default();
+    let harness = harness(
+        Module::new("projections")
+            .handle_named::<RebuildProjection, _>("rebuild", effects.clone())
+            .deduplicate("rebuild", Deduplication::from_envelope()),
+    );
+    // Three deliveries of one intent: an operator double-click and a console republish.
+    for _ in 0..3 {
+        let report = harness
+            .publish_with(&rebuild("orders"), keyed("orders|03:00"))
+            .await
+            .unwrap();
+        assert!(report.is_handled(), "a duplicate is discarded, not failed");
+    }
+    let other = harness
+        .publish_with(&rebuild("orders"), keyed("orders|04:00"))
+        .await
+        .unwrap();
+    assert!(other.is_handled());
+    assert_eq!(effects.count(), 2, "one effect per logical id");
+}
+
+#[tokio::test]
+async fn claims_are_per_handler() {
+    let (a, b) = (Counter::default(), Counter::default());
+    let harness = harness(
+        Module::new("projections")
+            .handle_named::<RebuildProjection, _>("a", a.clone())
+            .handle_named::<RebuildProjection, _>("b", b.clone())
+            .deduplicate("a", Deduplication::from_envelope())
+            .deduplicate("b", Deduplication::from_envelope()),
+    );
+    harness
+        .publish_with(&rebuild("orders"), keyed("k"))
+        .await
+        .unwrap();
+    harness
+        .publish_with(&rebuild("orders"), keyed("k"))
+        .await
+        .unwrap();
+    assert_eq!(
+        (a.count(), b.count()),
+        (1, 1),
+        "neither handler took the other's claim"
+    );
+}
+
+#[tokio::test]
+async fn a_message_without_a_required_id_is_dead_lettered_with_a_clear_reason() {
+    let effects = Counter::default();
+    let harness = harness(
+        Module::new("projections")
+            .handle_named::<RebuildProjection, _>("rebuild", effects.clone())
+            .deduplicate("rebuild", Deduplication::from_envelope()),
+    );
+    let report = harness.publish(&rebuild("orders")).await.unwrap();
+    assert_eq!(
+        report.outcome,
+        Outcome::DeadLettered(DeadLetterReason::MissingDeduplicationId(
+            "projections/rebuild".into()
+        ))
+    );
+    assert_eq!(
+        DeadLetterReason::MissingDeduplicationId("projections/rebuild".into()).to_string(),
+        "missing deduplication id (required by projections/rebuild)"
+    );
+    assert_eq!(effects.count(), 0);
+}
+
+/// Counts claim calls, delegating to memory.
+#[derive(Default)]
+struct CountingClaims {
+    calls: AtomicUsize,
+    inner: MemoryClaims,
+}
+
+#[async_trait]
+impl Claims for CountingClaims {
+    async fn provision(&self) -> Result<(), reprise::EngineError> {
+        Ok(())
+    }
+    async fn claim(&self, claim: &Claim) -> Result<ClaimOutcome, reprise::EngineError> {
+        self.calls.fetch_add(1, Ordering::SeqCst);
+        self.inner.claim(claim).await
+    }
+    async fn release(&self, handler: &str, key_hash: &str) -> Result<(), reprise::EngineError> {
+        self.calls.fetch_add(1, Ordering::SeqCst);
+        self.inner.release(handler, key_hash).await
+    }
+}
+
+#[tokio::test]
+async fn optional_deduplication_costs_unkeyed_messages_no_store_round_trip() {
+    let claims = Arc::new(CountingClaims::default());
+    let effects = Counter::default();
+    let harness = TestHarness::builder()
+        .configure(|runtime| {
+            runtime
+                .enable_deduplication()
+                .claims(Arc::clone(&claims) as Arc<dyn Claims>)
+        })
+        .module(
+            Module::new("orders")
+                .handle_named::<RebuildProjection, _>("create", effects.clone())
+                .deduplicate("create", Deduplication::from_envelope().optional()),
+        )
+        .build()
+        .unwrap();
+    for _ in 0..3 {
+        assert!(
+            harness
+                .publish(&rebuild("unkeyed"))
+                .await
+                .unwrap()
+                .is_handled()
+        );
+    }
+    assert_eq!(
+        claims.calls.load(Ordering::SeqCst),
+        0,
+        "unkeyed: handled as if the feature were off"
+    );
+    assert_eq!(effects.count(), 3);
+    harness
+        .publish_with(&rebuild("keyed"), keyed("k"))
+        .await
+        .unwrap();
+    harness
+        .publish_with(&rebuild("keyed"), keyed("k"))
+        .await
+        .unwrap();
+    assert_eq!(
+        claims.calls.load(Ordering::SeqCst),
+        2,
+        "keyed: one claim each"
+    );
+    assert_eq!(effects.count(), 4);
+}
+
+#[tokio::test]
+async fn a_failed_handler_releases_its_claim_so_the_work_happens_exactly_once() {
+    let effects = Counter::default();
+    let harness = TestHarness::builder()
+        .configure(RuntimeBuilder::enable_deduplication)
+        .module(
+            Module::new("projections")
+                .handle_named::<RebuildProjection, _>("rebuild", effects.clone())
+                .deduplicate("rebuild", Deduplication::from_envelope()),
+        )
+        .fault("projections", "rebuild", Fault::fail_times(1))
+        .build()
+        .unwrap();
+    let report = harness
+        .publish_with(&rebuild("orders"), keyed("k"))
+        .await
+        .unwrap();
+    assert!(report.is_handled());
+    assert_eq!(
+        report.attempts, 2,
+        "the retry was not discarded as a duplicate of its own failure"
+    );
+    harness
+        .publish_with(&rebuild("orders"), keyed("k"))
+        .await
+        .unwrap();
+    assert_eq!(effects.count(), 1);
+}
+
+/// Fails while broken; counts its successes.
+#[derive(Clone, Default)]
+struct Flaky {
+    broken: Arc<std::sync::atomic::AtomicBool>,
+    effects: Counter,
+}
+
+impl Handler<RebuildProjection> for Flaky {
+    async fn handle(
+        &self,
+        message: &RebuildProjection,
+        context: &MessageContext,
+    ) -> Result<(), HandlerError> {
+        if self.broken.load(Ordering::SeqCst) {
+            return Err("the projection store is down".into());
+        }
+        self.effects.handle(message, context).await
+    }
+}
+
+#[tokio::test]
+async fn a_claim_is_released_when_the_message_is_dead_lettered() {
+    let flaky = Flaky::default();
+    flaky.broken.store(true, Ordering::SeqCst);
+    let harness = TestHarness::builder()
+        .configure(RuntimeBuilder::enable_deduplication)
+        .retry_policy(RetryPolicy {
+            retry_limit: 1,
+            ..RetryPolicy::default()
+        })
+        .module(
+            Module::new("projections")
+                .handle_named::<RebuildProjection, _>("rebuild", flaky.clone())
+                .deduplicate("rebuild", Deduplication::from_envelope()),
+        )
+        .build()
+        .unwrap();
+    let dead = harness
+        .publish_with(&rebuild("orders"), keyed("k"))
+        .await
+        .unwrap();
+    assert!(matches!(
+        dead.outcome,
+        Outcome::DeadLettered(DeadLetterReason::RetriesExhausted)
+    ));
+    // The intent was never carried out, so a new delivery of it gets through.
+    flaky.broken.store(false, Ordering::SeqCst);
+    let again = harness
+        .publish_with(&rebuild("orders"), keyed("k"))
+        .await
+        .unwrap();
+    assert!(again.is_handled());
+    assert_eq!(flaky.effects.count(), 1);
+}
+
+#[tokio::test]
+async fn a_handler_asking_for_deduplication_on_a_runtime_without_it_fails_clearly() {
+    let (deduplicated, plain) = (Counter::default(), Counter::default());
+    let harness = TestHarness::builder()
+        .module(
+            Module::new("projections")
+                .handle_named::<RebuildProjection, _>("rebuild", deduplicated.clone())
+                .deduplicate("rebuild", Deduplication::from_envelope()),
+        )
+        .module(Module::new("orders").handle_named::<MemberRemoved, _>("plain", plain.clone()))
+        .build()
+        .expect("the rest of the runtime starts");
+    let report = harness
+        .publish_with(&rebuild("orders"), keyed("k"))
+        .await
+        .unwrap();
+    assert_eq!(
+        report.outcome,
+        Outcome::DeadLettered(DeadLetterReason::Permanent)
+    );
+    let failure = &report.failures[0].failures[0];
+    assert_eq!(failure.kind, FailureKind::Permanent);
+    assert!(
+        failure.error.contains("which this runtime has not enabled"),
+        "{}",
+        failure.error
+    );
+    assert_eq!(deduplicated.count(), 0);
+    assert!(
+        harness
+            .publish(&support::member_removed())
+            .await
+            .unwrap()
+            .is_handled()
+    );
+    assert_eq!(plain.count(), 1);
+}
+
+/// A store that cannot enforce claims: it keeps the port's defaults.
+struct CannotEnforce;
+
+impl Claims for CannotEnforce {}
+
+#[tokio::test]
+async fn a_store_that_cannot_enforce_claims_never_answers_new() {
+    let effects = Counter::default();
+    let harness = TestHarness::builder()
+        .configure(|runtime| {
+            runtime
+                .enable_deduplication()
+                .claims(Arc::new(CannotEnforce))
+        })
+        .retry_policy(RetryPolicy::no_retries())
+        .module(
+            Module::new("projections")
+                .handle_named::<RebuildProjection, _>("rebuild", effects.clone())
+                .deduplicate("rebuild", Deduplication::from_envelope()),
+        )
+        .build()
+        .unwrap();
+    let report = harness
+        .publish_with(&rebuild("orders"), keyed("k"))
+        .await
+        .unwrap();
+    assert!(matches!(report.outcome, Outcome::DeadLettered(_)));
+    assert!(
+        report.failures[0].failures[0]
+            .error
+            .contains("cannot enforce deduplication claims")
+    );
+    assert_eq!(effects.count(), 0);
+}
+
+#[derive(Clone)]
+struct ManualClock(Arc<Mutex<DateTime<Utc>>>);
+
+impl Clock for ManualClock {
+    fn now(&self) -> DateTime<Utc> {
+        *self.0.lock().unwrap()
+    }
+}
+
+#[tokio::test]
+async fn past_the_window_the_same_id_is_accepted_again_even_before_the_reaper_runs() {
+    let clock = ManualClock(Arc::new(Mutex::new(Utc::now())));
+    let effects = Counter::default();
+    let harness = TestHarness::builder()
+        .configure(|runtime| {
+            runtime
+                .enable_deduplication()
+                .deduplication_window(Duration::from_secs(3600))
+                .deduplication_reap_interval(Duration::from_secs(365 * 24 * 3600))
+                .clock(Arc::new(clock.clone()))
+        })
+        .module(
+            Module::new("projections")
+                .handle_named::<RebuildProjection, _>("rebuild", effects.clone())
+                .deduplicate("rebuild", Deduplication::from_envelope()),
+        )
+        .build()
+        .unwrap();
+    harness
+        .publish_with(&rebuild("orders"), keyed("k"))
+        .await
+        .unwrap();
+    *clock.0.lock().unwrap() += chrono::Duration::minutes(59);
+    harness
+        .publish_with(&rebuild("orders"), keyed("k"))
+        .await
+        .unwrap();
+    assert_eq!(effects.count(), 1, "within the window");
+    *clock.0.lock().unwrap() += chrono::Duration::minutes(2);
+    harness
+        .publish_with(&rebuild("orders"), keyed("k"))
+        .await
+        .unwrap();
+    assert_eq!(
+        effects.count(),
+        2,
+        "the window is the guarantee, not the reaper"
+    );
+}
+
+#[tokio::test]
+async fn the_id_can_come_from_the_message_or_a_header() {
+    let (by_key, by_header) = (Counter::default(), Counter::default());
+    let harness = harness(
+        Module::new("projections")
+            .handle_named::<RebuildProjection, _>("by_key", by_key.clone())
+            .handle_named::<RebuildProjection, _>("by_header", by_header.clone())
+            .deduplicate(
+                "by_key",
+                Deduplication::by_key(|m: &RebuildProjection| {
+                    Some(format!("{}|{}", m.projection, m.occurrence))
+                }),
+            )
+            .deduplicate(
+                "by_header",
+                Deduplication::from_header("idempotency-key").optional(),
+            ),
+    );
+    let header = |key: &str| SendOptions::new().header("idempotency-key", key);
+    harness
+        .publish_with(&rebuild("orders"), header("h1"))
+        .await
+        .unwrap();
+    harness
+        .publish_with(&rebuild("orders"), header("h1"))
+        .await
+        .unwrap();
+    harness
+        .publish_with(&rebuild("invoices"), header("h2"))
+        .await
+        .unwrap();
+    assert_eq!(by_key.count(), 2, "keyed on projection and occurrence");
+    assert_eq!(by_header.count(), 2, "keyed on the header");
+}
+
+#[tokio::test]
+async fn a_claimed_id_with_a_different_payload_is_discarded_or_dead_lettered_as_a_conflict() {
+    let (logged, strict) = (Counter::default(), Counter::default());
+    let harness = harness(
+        Module::new("projections")
+            .handle_named::<RebuildProjection, _>("logged", logged.clone())
+            .handle_named::<RebuildProjection, _>("strict", strict.clone())
+            .deduplicate("logged", Deduplication::from_envelope())
+            .deduplicate(
+                "strict",
+                Deduplication::from_envelope().dead_letter_conflicts(),
+            ),
+    );
+    harness
+        .publish_with(&rebuild("orders"), keyed("k"))
+        .await
+        .unwrap();
+    let conflict = harness
+        .publish_with(&rebuild("invoices"), keyed("k"))
+        .await
+        .unwrap();
+    assert_eq!(
+        conflict.outcome,
+        Outcome::DeadLettered(DeadLetterReason::Permanent)
+    );
+    let failures = &conflict.failures[0].failures;
+    assert_eq!(
+        failures.len(),
+        1,
+        "only the strict handler reports the conflict"
+    );
+    assert_eq!(&*failures[0].handler, "strict");
+    assert!(failures[0].error.contains("claimed by a different payload"));
+    assert_eq!((logged.count(), strict.count()), (1, 1));
+}
+
+#[tokio::test]
+async fn a_policy_opts_matching_handlers_in() {
+    let (create, other) = (Counter::default(), Counter::default());
+    let harness = TestHarness::builder()
+        .configure(|runtime| {
+            runtime.enable_deduplication().require_deduplication(
+                |id, _message_type| id.name.starts_with("create"),
+                Deduplication::from_envelope(),
+            )
+        })
+        .module(
+            Module::new("orders")
+                .handle_named::<RebuildProjection, _>("create_order", create.clone())
+                .handle_named::<RebuildProjection, _>("notify", other.clone()),
+        )
+        .build()
+        .unwrap();
+    harness
+        .publish_with(&rebuild("orders"), keyed("k"))
+        .await
+        .unwrap();
+    harness
+        .publish_with(&rebuild("orders"), keyed("k"))
+        .await
+        .unwrap();
+    assert_eq!((create.count(), other.count()), (1, 2));
+}
