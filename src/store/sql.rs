@@ -264,7 +264,8 @@ macro_rules! sql_store {
             }
 
             /// How long a node may miss heartbeats before other nodes take over its unsettled
-            /// deliveries (default 30 s).
+            /// deliveries (default 30 s). Keep it well above the runtime's recovery interval
+            /// (default 10 s), which is how often a node heartbeats.
             #[must_use]
             pub fn node_timeout(mut self, timeout: std::time::Duration) -> Self {
                 self.node_timeout = timeout;
@@ -699,10 +700,15 @@ pub(crate) use sql_store;
 
 /// Claims unsettled rows with plain `UPDATE … RETURNING`; the caller's `BEGIN IMMEDIATE`
 /// already holds SQLite's single write lock.
+///
+/// A row is claimable when released (no owner), or when its owner has not heartbeaten within
+/// the node timeout *and* the row is older than that: a node that just started may receive
+/// before its first heartbeat is written, and its fresh rows must not look orphaned.
 #[cfg(feature = "sqlite")]
 pub(crate) const CLAIM_SQLITE: &str = "UPDATE reprise_inbox SET owner = $1 WHERE id IN (\
     SELECT id FROM reprise_inbox WHERE status IN ('incoming', 'scheduled') \
-    AND (owner IS NULL OR owner NOT IN (SELECT id FROM reprise_nodes WHERE heartbeat_at >= $2)) \
+    AND (owner IS NULL OR (received_at < $2 \
+    AND owner NOT IN (SELECT id FROM reprise_nodes WHERE heartbeat_at >= $2))) \
     ORDER BY received_at LIMIT $3) \
     RETURNING id, message_type, payload, headers, deduplication_id, correlation_id, causation_id, \
     sent_at, scheduled_for, attempts, execute_at, failures, succeeded";
@@ -711,7 +717,8 @@ pub(crate) const CLAIM_SQLITE: &str = "UPDATE reprise_inbox SET owner = $1 WHERE
 #[cfg(feature = "postgres")]
 pub(crate) const CLAIM_POSTGRES: &str = "UPDATE reprise_inbox SET owner = $1 WHERE id IN (\
     SELECT id FROM reprise_inbox WHERE status IN ('incoming', 'scheduled') \
-    AND (owner IS NULL OR owner NOT IN (SELECT id FROM reprise_nodes WHERE heartbeat_at >= $2)) \
+    AND (owner IS NULL OR (received_at < $2 \
+    AND owner NOT IN (SELECT id FROM reprise_nodes WHERE heartbeat_at >= $2))) \
     ORDER BY received_at LIMIT $3 FOR UPDATE SKIP LOCKED) \
     RETURNING id, message_type, payload, headers, deduplication_id, correlation_id, causation_id, \
     sent_at, scheduled_for, attempts, execute_at, failures, succeeded";
