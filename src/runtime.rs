@@ -174,6 +174,10 @@ impl Runtime {
     ) -> Result<Envelope, Error> {
         let mut envelope = Envelope::for_message(message).map_err(reprise_actors::Error::from)?;
         options.apply(&mut envelope);
+        self.engine
+            .dispatcher()
+            .deduplication_rules()
+            .apply(message, &mut envelope);
         let size = envelope.size();
         if size > self.max_envelope_size {
             return Err(reprise_actors::Error::TooLarge {

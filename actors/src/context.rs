@@ -300,6 +300,7 @@ impl MessageContext {
         envelope.correlation_id = scope.correlation_id.or(Some(scope.message_id));
         envelope.causation_id = Some(scope.message_id);
         options.apply(&mut envelope);
+        scope.worker.rules.apply(message, &mut envelope);
         let size = envelope.size();
         if size > scope.max_envelope_size {
             return Err(Error::TooLarge {

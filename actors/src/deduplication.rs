@@ -132,3 +132,86 @@ pub(crate) fn sha256_hex(bytes: &[u8]) -> String {
         .map(|b| format!("{b:02x}"))
         .collect()
 }
+
+/// What a publisher-side rule says of a message.
+enum Verdict {
+    /// Nothing: ask the next rule.
+    Pass,
+    /// This id (empty: the message opts out of having one).
+    Id(String),
+}
+
+type Rule = Arc<dyn Fn(&str, &dyn std::any::Any, &[u8]) -> Verdict + Send + Sync>;
+
+/// Publisher-side sources of logical ids, applied when a message is published.
+///
+/// Precedence: an id set explicitly on the send wins; then the configured rules, in
+/// registration order; then the message type's own [`Message::deduplication_id`]. Nothing
+/// overwrites an id already set, and a rule (or declaration) that gives an empty id leaves the
+/// message without one — which is how a message opts out.
+#[derive(Clone, Default)]
+pub struct DeduplicationRules {
+    rules: Vec<Rule>,
+}
+
+impl fmt::Debug for DeduplicationRules {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("DeduplicationRules")
+            .field("rules", &self.rules.len())
+            .finish()
+    }
+}
+
+impl DeduplicationRules {
+    /// Derives the id of messages of type `M` with `rule`; `None` or an empty string leaves
+    /// such a message without one.
+    pub fn by_message<M: Message>(
+        &mut self,
+        rule: impl Fn(&M) -> Option<String> + Send + Sync + 'static,
+    ) {
+        self.rules.push(Arc::new(move |_, message, _| {
+            match message.downcast_ref::<M>() {
+                Some(message) => Verdict::Id(rule(message).unwrap_or_default()),
+                None => Verdict::Pass,
+            }
+        }));
+    }
+
+    /// Takes the id from the first top-level member of the message whose name is in `names`
+    /// (in that order); other types are converted to text. Messages with none of them are left
+    /// to the next rule.
+    pub fn by_member_named(&mut self, names: &[&str]) {
+        let names: Vec<String> = names.iter().map(|n| (*n).to_owned()).collect();
+        self.rules.push(Arc::new(move |_, _, payload| {
+            let Ok(serde_json::Value::Object(members)) = serde_json::from_slice(payload) else {
+                return Verdict::Pass;
+            };
+            names
+                .iter()
+                .find_map(|name| members.get(name))
+                .map_or(Verdict::Pass, |value| match value {
+                    serde_json::Value::Null => Verdict::Id(String::new()),
+                    serde_json::Value::String(text) => Verdict::Id(text.clone()),
+                    other => Verdict::Id(other.to_string()),
+                })
+        }));
+    }
+
+    /// Gives `envelope` (of `message`) a logical id, unless it has one already.
+    pub fn apply<M: Message>(&self, message: &M, envelope: &mut Envelope) {
+        if envelope.deduplication_id.is_some() {
+            return;
+        }
+        let decided =
+            self.rules
+                .iter()
+                .find_map(|rule| match rule(M::TYPE, message, &envelope.payload) {
+                    Verdict::Pass => None,
+                    Verdict::Id(id) => Some(id),
+                });
+        let id = decided
+            .or_else(|| message.deduplication_id())
+            .unwrap_or_default();
+        envelope.deduplication_id = (!id.is_empty()).then_some(id);
+    }
+}

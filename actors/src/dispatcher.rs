@@ -63,6 +63,8 @@ pub(crate) struct Worker {
     pub(crate) registry: Registry,
     pub(crate) inbox: Arc<dyn Inbox>,
     pub(crate) dead_letters: Arc<dyn DeadLetterStore>,
+    /// Publisher-side sources of logical ids, for cascaded messages.
+    pub(crate) rules: crate::DeduplicationRules,
     /// Logical deduplication claims, when the runtime enabled them.
     pub(crate) claims: Option<Arc<dyn Claims>>,
     pub(crate) deduplication_window: std::time::Duration,
@@ -214,6 +216,11 @@ impl Dispatcher {
     /// The engine's counters.
     pub fn stats(&self) -> &Arc<Stats> {
         &self.shared.stats
+    }
+
+    /// Where published messages get their logical ids.
+    pub fn deduplication_rules(&self) -> &crate::DeduplicationRules {
+        &self.workers[0].rules
     }
 
     /// The routes this engine serves.

@@ -12,8 +12,8 @@ use crate::dispatcher::{Shared, UnknownMessageTypes, Worker};
 use crate::ports::{Claims, Clock, DeadLetterStore, Inbox};
 use crate::tracker::{PendingRetry, Tracker};
 use crate::{
-    CleanupActor, Dispatcher, Error, ReaperActor, RecoveryActor, Registry, RetryScope, Stats,
-    TimerActor,
+    CleanupActor, DeduplicationRules, Dispatcher, Error, ReaperActor, RecoveryActor, Registry,
+    RetryScope, Stats, TimerActor,
 };
 
 /// How the engine runs.
@@ -124,6 +124,8 @@ pub struct EngineParts {
     pub clock: Arc<dyn Clock>,
     /// Logical deduplication claims (`None`: deduplication is off).
     pub claims: Option<Arc<dyn Claims>>,
+    /// Where published messages get their logical ids.
+    pub rules: DeduplicationRules,
 }
 
 impl Engine {
@@ -178,6 +180,7 @@ impl Engine {
                                 inbox: Arc::clone(&parts.inbox),
                                 dead_letters: Arc::clone(&parts.dead_letters),
                                 claims: parts.claims.clone(),
+                                rules: parts.rules.clone(),
                                 deduplication_window: config.deduplication_window,
                             })
                         })

@@ -34,7 +34,7 @@ pub use aggregate::AggregateError;
 pub use cleanup::CleanupActor;
 pub use context::{ContextActor, MessageContext, SendOptions};
 pub use dead_letter::{DeadLetter, DeadLetterReason};
-pub use deduplication::{Conflicts, Deduplication};
+pub use deduplication::{Conflicts, Deduplication, DeduplicationRules};
 pub use dispatcher::{Dispatcher, UnknownMessageTypes};
 pub use engine::{Durability, Engine, EngineConfig, EngineParts, ShutdownReport};
 pub use envelope::Envelope;

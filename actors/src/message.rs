@@ -24,4 +24,11 @@ use serde::de::DeserializeOwned;
 pub trait Message: Serialize + DeserializeOwned + Send + Sync + 'static {
     /// The stable type name, e.g. `organization.member_removed`.
     const TYPE: &'static str;
+
+    /// The logical identity of this message's intent, declared once by the type so that every
+    /// publisher sets it (see [`DeduplicationRules`](crate::DeduplicationRules) for what wins
+    /// when several sources apply). `None` or an empty string: no id.
+    fn deduplication_id(&self) -> Option<String> {
+        None
+    }
 }

@@ -4,8 +4,8 @@ use std::time::Duration;
 
 use reprise_actors::ports::{Claims, Clock, DeadLetterStore, Inbox, SystemClock};
 use reprise_actors::{
-    Deduplication, Durability, Engine, EngineConfig, EngineParts, HandlerId, Message, Module,
-    Registry, RetryPolicy, RetryScope, UnknownMessageTypes,
+    Deduplication, DeduplicationRules, Durability, Engine, EngineConfig, EngineParts, HandlerId,
+    Message, Module, Registry, RetryPolicy, RetryScope, UnknownMessageTypes,
 };
 
 use crate::store::{MemoryClaims, MemoryDeadLetters, MemoryInbox};
@@ -28,6 +28,7 @@ pub struct RuntimeBuilder {
     claims: Option<Arc<dyn Claims>>,
     deduplication: bool,
     deduplication_policies: Vec<(HandlerFilter, Deduplication)>,
+    deduplication_rules: DeduplicationRules,
     dead_letters: Option<Arc<dyn DeadLetterStore>>,
     clock: Arc<dyn Clock>,
 }
@@ -46,6 +47,7 @@ impl Default for RuntimeBuilder {
             claims: None,
             deduplication: false,
             deduplication_policies: Vec::new(),
+            deduplication_rules: DeduplicationRules::default(),
             dead_letters: None,
             clock: Arc::new(SystemClock),
         }
@@ -242,6 +244,26 @@ impl RuntimeBuilder {
         self
     }
 
+    /// Derives the logical id of every published message of type `M` (`None` or an empty
+    /// string: no id). Rules apply in registration order, after an id set explicitly on the
+    /// send and before the type's own declaration; none overwrites an id already set.
+    #[must_use]
+    pub fn deduplicate_by<M: Message>(
+        mut self,
+        rule: impl Fn(&M) -> Option<String> + Send + Sync + 'static,
+    ) -> Self {
+        self.deduplication_rules.by_message(rule);
+        self
+    }
+
+    /// Takes the logical id of any published message from its first top-level member named
+    /// in `names`, for message types you can neither change nor write a rule for.
+    #[must_use]
+    pub fn deduplicate_by_member_named(mut self, names: &[&str]) -> Self {
+        self.deduplication_rules.by_member_named(names);
+        self
+    }
+
     /// How often expired claims are reaped (default 5 min).
     #[must_use]
     pub fn deduplication_reap_interval(mut self, interval: Duration) -> Self {
@@ -311,6 +333,7 @@ impl RuntimeBuilder {
                 inbox: Arc::clone(&inbox),
                 dead_letters: Arc::clone(&dead_letters),
                 clock: self.clock,
+                rules: self.deduplication_rules,
                 claims: self.deduplication.then(|| {
                     self.claims
                         .unwrap_or_else(|| Arc::new(MemoryClaims::default()) as Arc<dyn Claims>)
