@@ -221,6 +221,11 @@ impl Engine {
                     (dispatcher, System::current())
                 });
                 if ready_tx.send(started).is_ok() {
+                    // Stopping drops the actors' pending futures with the runtime; a database
+                    // connection dropped then returns itself to its pool by spawning, which
+                    // needs a runtime handle in scope even as the runtime goes away.
+                    let handle = runner.runtime().tokio_runtime().handle().clone();
+                    let _entered = handle.enter();
                     let _ = runner.run();
                 }
                 for worker in workers {

@@ -192,3 +192,56 @@ impl TestDatabase {
         }
     }
 }
+
+impl TestDatabase {
+    /// The single integer `sql` answers, read with a connection of its own.
+    pub async fn scalar(&self, sql: &'static str) -> i64 {
+        match self.backend {
+            Backend::Sqlite => {
+                let store = self.sqlite().await;
+                sqlx::query_scalar(sql)
+                    .fetch_one(store.pool())
+                    .await
+                    .unwrap()
+            }
+            Backend::Postgres => {
+                let store = self.postgres().await;
+                sqlx::query_scalar(sql)
+                    .fetch_one(store.pool())
+                    .await
+                    .unwrap()
+            }
+        }
+    }
+
+    /// Whether the table `name` exists.
+    pub async fn has_table(&self, name: &str) -> bool {
+        let sql = match self.backend {
+            Backend::Sqlite => {
+                "SELECT count(*) FROM sqlite_master WHERE type = 'table' AND name = $1"
+            }
+            Backend::Postgres => {
+                "SELECT count(*) FROM information_schema.tables WHERE table_name = $1"
+            }
+        };
+        let count: i64 = match self.backend {
+            Backend::Sqlite => {
+                let store = self.sqlite().await;
+                sqlx::query_scalar(sql)
+                    .bind(name)
+                    .fetch_one(store.pool())
+                    .await
+                    .unwrap()
+            }
+            Backend::Postgres => {
+                let store = self.postgres().await;
+                sqlx::query_scalar(sql)
+                    .bind(name)
+                    .fetch_one(store.pool())
+                    .await
+                    .unwrap()
+            }
+        };
+        count > 0
+    }
+}

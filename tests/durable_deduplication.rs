@@ -1,0 +1,242 @@
+//! Logical deduplication on a real SQLite file and a real PostgreSQL server: claims only when
+//! enabled, held across restarts and nodes, one effect when two nodes claim at once, taken over
+//! after the window, reaped in batches.
+#![cfg(all(feature = "sqlite", feature = "postgres", feature = "testing"))]
+
+#[path = "support/messages.rs"]
+mod support;
+#[path = "support/stores.rs"]
+mod support_stores;
+
+use std::time::Duration;
+
+use reprise::prelude::*;
+use support::{Counter, MemberRemoved, member_removed};
+
+const WAIT: Duration = Duration::from_secs(20);
+
+/// A wall clock the test moves.
+#[derive(Clone)]
+struct ManualClock(std::sync::Arc<std::sync::Mutex<chrono::DateTime<chrono::Utc>>>);
+
+impl Default for ManualClock {
+    fn default() -> Self {
+        Self(std::sync::Arc::new(std::sync::Mutex::new(
+            chrono::Utc::now(),
+        )))
+    }
+}
+
+impl ManualClock {
+    fn advance(&self, by: chrono::Duration) {
+        *self.0.lock().unwrap() += by;
+    }
+}
+
+impl reprise::ports::Clock for ManualClock {
+    fn now(&self) -> chrono::DateTime<chrono::Utc> {
+        *self.0.lock().unwrap()
+    }
+}
+
+fn deduplicated(effects: &Counter) -> Module {
+    Module::new("workspaces")
+        .handle_named::<MemberRemoved, _>("revoke", effects.clone())
+        .deduplicate("revoke", Deduplication::from_envelope())
+}
+
+fn keyed(id: &str) -> SendOptions {
+    SendOptions::new().deduplication_id(id)
+}
+
+on_both_backends!(
+    with_deduplication_off_there_is_no_claims_table_sqlite,
+    with_deduplication_off_there_is_no_claims_table_postgres,
+    |db| {
+        let runtime = db
+            .store(Runtime::builder(), "local", Duration::from_secs(30))
+            .await
+            .module(Module::new("m").handle_named::<MemberRemoved, _>("h", Counter::default()))
+            .build()
+            .unwrap();
+        runtime.publish(&member_removed()).await.unwrap();
+        tokio::time::timeout(WAIT, runtime.idle()).await.unwrap();
+        runtime.shutdown().await;
+        assert!(db.has_table("reprise_inbox").await);
+        assert!(!db.has_table("reprise_deduplication").await);
+    }
+);
+
+on_both_backends!(
+    a_claim_holds_across_restarts_and_nodes_sqlite,
+    a_claim_holds_across_restarts_and_nodes_postgres,
+    |db| {
+        let effects = Counter::default();
+        let node = |name: &'static str| {
+            let (db, effects) = (&db, effects.clone());
+            async move {
+                db.store(Runtime::builder(), name, Duration::from_secs(30))
+                    .await
+                    .enable_deduplication()
+                    .module(deduplicated(&effects))
+                    .build()
+                    .unwrap()
+            }
+        };
+        let first = node("node-a").await;
+        first
+            .publish_with(&member_removed(), keyed("remove-7"))
+            .await
+            .unwrap();
+        tokio::time::timeout(WAIT, first.idle()).await.unwrap();
+        first.shutdown().await;
+        assert!(
+            db.has_table("reprise_deduplication").await,
+            "enabling provisioned the table"
+        );
+
+        let second = node("node-b").await;
+        second
+            .publish_with(&member_removed(), keyed("remove-7"))
+            .await
+            .unwrap();
+        second
+            .publish_with(&member_removed(), keyed("remove-8"))
+            .await
+            .unwrap();
+        tokio::time::timeout(WAIT, second.idle()).await.unwrap();
+        assert_eq!(effects.count(), 2, "remove-7 once, remove-8 once");
+        assert_eq!(
+            db.scalar("SELECT count(*) FROM reprise_deduplication")
+                .await,
+            2
+        );
+        let (key, hash): (String, String) = match db.backend {
+            support_stores::Backend::Sqlite => sqlx::query_as(
+                "SELECT key, key_hash FROM reprise_deduplication ORDER BY key LIMIT 1",
+            )
+            .fetch_one(db.sqlite().await.pool())
+            .await
+            .unwrap(),
+            support_stores::Backend::Postgres => sqlx::query_as(
+                "SELECT key, key_hash FROM reprise_deduplication ORDER BY key LIMIT 1",
+            )
+            .fetch_one(db.postgres().await.pool())
+            .await
+            .unwrap(),
+        };
+        assert_eq!(key, "remove-7", "kept in clear for people");
+        assert_eq!(hash.len(), 64, "compared hashed");
+        second.shutdown().await;
+    }
+);
+
+on_both_backends!(
+    two_nodes_claiming_one_id_at_the_same_moment_make_one_effect_sqlite,
+    two_nodes_claiming_one_id_at_the_same_moment_make_one_effect_postgres,
+    |db| {
+        let effects = Counter::default();
+        let mut nodes = Vec::new();
+        for name in ["node-a", "node-b"] {
+            nodes.push(
+                db.store(Runtime::builder(), name, Duration::from_secs(30))
+                    .await
+                    .enable_deduplication()
+                    .module(deduplicated(&effects))
+                    .build()
+                    .unwrap(),
+            );
+        }
+        // Different envelopes (the inbox cannot help), one intent, on both nodes at once.
+        for round in 0..10 {
+            let key = format!("intent-{round}");
+            let message = member_removed();
+            let (a, b) = tokio::join!(
+                nodes[0].publish_with(&message, keyed(&key)),
+                nodes[1].publish_with(&message, keyed(&key)),
+            );
+            a.unwrap();
+            b.unwrap();
+        }
+        for node in &nodes {
+            tokio::time::timeout(WAIT, node.idle()).await.unwrap();
+        }
+        assert_eq!(effects.count(), 10, "one effect per intent");
+        for node in nodes {
+            node.shutdown().await;
+        }
+    }
+);
+
+on_both_backends!(
+    past_the_window_an_unreaped_claim_is_taken_over_and_expired_claims_are_reaped_sqlite,
+    past_the_window_an_unreaped_claim_is_taken_over_and_expired_claims_are_reaped_postgres,
+    |db| {
+        let effects = Counter::default();
+        let clock = ManualClock::default();
+        let runtime = db
+            .store(Runtime::builder(), "local", Duration::from_secs(30))
+            .await
+            .clock(std::sync::Arc::new(clock.clone()))
+            .enable_deduplication()
+            .deduplication_window(Duration::from_secs(3600))
+            .deduplication_reap_interval(Duration::from_secs(3600))
+            .module(deduplicated(&effects))
+            .build()
+            .unwrap();
+        runtime
+            .publish_with(&member_removed(), keyed("k"))
+            .await
+            .unwrap();
+        tokio::time::timeout(WAIT, runtime.idle()).await.unwrap();
+        clock.advance(chrono::Duration::minutes(61));
+        runtime
+            .publish_with(&member_removed(), keyed("k"))
+            .await
+            .unwrap();
+        tokio::time::timeout(WAIT, runtime.idle()).await.unwrap();
+        assert_eq!(
+            effects.count(),
+            2,
+            "taken over atomically, though no reaper ran"
+        );
+        runtime.shutdown().await;
+
+        let reaping = db
+            .store(Runtime::builder(), "local", Duration::from_secs(30))
+            .await
+            .clock(std::sync::Arc::new(clock.clone()))
+            .enable_deduplication()
+            .deduplication_window(Duration::from_secs(3600))
+            .deduplication_reap_interval(Duration::from_millis(100))
+            .module(deduplicated(&effects))
+            .build()
+            .unwrap();
+        for round in 0..3 {
+            let message = member_removed();
+            reaping
+                .publish_with(&message, keyed(&format!("r{round}")))
+                .await
+                .unwrap();
+        }
+        tokio::time::timeout(WAIT, reaping.idle()).await.unwrap();
+        assert_eq!(
+            db.scalar("SELECT count(*) FROM reprise_deduplication")
+                .await,
+            4
+        );
+        clock.advance(chrono::Duration::hours(3));
+        tokio::time::timeout(WAIT, async {
+            while db
+                .scalar("SELECT count(*) FROM reprise_deduplication")
+                .await
+                > 0
+            {
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+        })
+        .await
+        .expect("the reaper removed every expired claim");
+        reaping.shutdown().await;
+    }
+);
