@@ -3,6 +3,9 @@
 
 mod error;
 pub mod ids;
+#[cfg(any(feature = "sqlite", feature = "postgres"))]
+#[cfg_attr(docsrs, doc(cfg(any(feature = "sqlite", feature = "postgres"))))]
+pub mod outbox;
 pub mod prelude;
 mod runtime;
 pub mod store;

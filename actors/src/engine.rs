@@ -9,11 +9,11 @@ use crate::capacity::Capacity;
 use uuid::Uuid;
 
 use crate::dispatcher::{Shared, UnknownMessageTypes, Worker};
-use crate::ports::{Claims, Clock, DeadLetterStore, Inbox};
+use crate::ports::{Claims, Clock, DeadLetterStore, Inbox, OutboxStore};
 use crate::tracker::{PendingRetry, Tracker};
 use crate::{
     CleanupActor, DeduplicationRules, Dispatcher, Error, ReaperActor, RecoveryActor, Registry,
-    RetryScope, Stats, TimerActor,
+    RelayActor, RetryScope, Stats, TimerActor,
 };
 
 /// How the engine runs.
@@ -56,6 +56,10 @@ pub struct Durability {
     pub cleanup_interval: Duration,
     /// Envelopes removed per cleanup statement (default 1000).
     pub cleanup_batch: usize,
+    /// How often the outbox relay looks for enlisted envelopes (default 200 ms).
+    pub relay_interval: Duration,
+    /// Envelopes the relay publishes per batch (default 100).
+    pub relay_batch: usize,
 }
 
 impl Default for Durability {
@@ -66,6 +70,8 @@ impl Default for Durability {
             keep_after_handling: Duration::from_secs(5 * 60),
             cleanup_interval: Duration::from_secs(60),
             cleanup_batch: 1000,
+            relay_interval: Duration::from_millis(200),
+            relay_batch: 100,
         }
     }
 }
@@ -126,6 +132,8 @@ pub struct EngineParts {
     pub claims: Option<Arc<dyn Claims>>,
     /// Where published messages get their logical ids.
     pub rules: DeduplicationRules,
+    /// The outbox to relay (`None`: no outbox).
+    pub outbox: Option<Arc<dyn OutboxStore>>,
 }
 
 impl Engine {
@@ -201,6 +209,15 @@ impl Engine {
                                  it will fail on its first message"
                             );
                         }
+                    }
+                    if let (Some(durability), Some(outbox)) = (&config.durability, &parts.outbox) {
+                        RelayActor::new(
+                            Arc::clone(outbox),
+                            dispatcher.clone(),
+                            durability.relay_interval,
+                            durability.relay_batch,
+                        )
+                        .start();
                     }
                     if let Some(durability) = &config.durability {
                         RecoveryActor::new(

@@ -364,3 +364,30 @@ pub trait Claims: Send + Sync + 'static {
         Ok(0)
     }
 }
+
+/// The relay's side of the outbox: envelopes the application enlisted in its own transactions,
+/// in order, until they are published.
+#[async_trait]
+pub trait OutboxStore: Send + Sync + 'static {
+    /// Takes (or keeps) the relay lease for this node until `until`; false while another node
+    /// holds an unexpired one. One relay at a time keeps publication in outbox order.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Store`] when the store cannot answer.
+    async fn lease(&self, now: DateTime<Utc>, until: DateTime<Utc>) -> Result<bool, Error>;
+
+    /// Up to `limit` unpublished envelopes, oldest first, with their position.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Store`] when the store cannot answer.
+    async fn unpublished(&self, limit: usize) -> Result<Vec<(i64, Envelope)>, Error>;
+
+    /// Marks the envelopes at these positions published.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Store`] when it cannot be recorded.
+    async fn mark_published(&self, positions: &[i64], at: DateTime<Utc>) -> Result<(), Error>;
+}

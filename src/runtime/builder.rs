@@ -2,7 +2,7 @@ use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Duration;
 
-use reprise_actors::ports::{Claims, Clock, DeadLetterStore, Inbox, SystemClock};
+use reprise_actors::ports::{Claims, Clock, DeadLetterStore, Inbox, OutboxStore, SystemClock};
 use reprise_actors::{
     Deduplication, DeduplicationRules, Durability, Engine, EngineConfig, EngineParts, HandlerId,
     Message, Module, Registry, RetryPolicy, RetryScope, UnknownMessageTypes,
@@ -26,6 +26,7 @@ pub struct RuntimeBuilder {
     keep_after_handling: Duration,
     inbox: Option<Arc<dyn Inbox>>,
     claims: Option<Arc<dyn Claims>>,
+    outbox: Option<Arc<dyn OutboxStore>>,
     deduplication: bool,
     deduplication_policies: Vec<(HandlerFilter, Deduplication)>,
     deduplication_rules: DeduplicationRules,
@@ -45,6 +46,7 @@ impl Default for RuntimeBuilder {
             keep_after_handling: Duration::from_secs(5 * 60),
             inbox: None,
             claims: None,
+            outbox: None,
             deduplication: false,
             deduplication_policies: Vec::new(),
             deduplication_rules: DeduplicationRules::default(),
@@ -160,9 +162,10 @@ impl RuntimeBuilder {
     /// count as received, retries survive restarts, handled envelopes are cleaned up after
     /// their retention, and the deliveries of a node that stops are resumed.
     #[must_use]
-    pub fn store<S: Inbox + DeadLetterStore + Claims>(mut self, store: S) -> Self {
+    pub fn store<S: Inbox + DeadLetterStore + Claims + OutboxStore>(mut self, store: S) -> Self {
         let store = Arc::new(store);
         self.inbox = Some(Arc::clone(&store) as Arc<dyn Inbox>);
+        self.outbox = Some(Arc::clone(&store) as Arc<dyn OutboxStore>);
         self.claims = Some(Arc::clone(&store) as Arc<dyn Claims>);
         self.dead_letters = Some(store);
         self.engine
@@ -180,6 +183,16 @@ impl RuntimeBuilder {
             .durability
             .get_or_insert_with(Durability::default)
             .recovery_interval = interval;
+        self
+    }
+
+    /// How often the outbox relay looks for enlisted envelopes (default 200 ms).
+    #[must_use]
+    pub fn relay_interval(mut self, interval: Duration) -> Self {
+        self.engine
+            .durability
+            .get_or_insert_with(Durability::default)
+            .relay_interval = interval;
         self
     }
 
@@ -334,6 +347,7 @@ impl RuntimeBuilder {
                 dead_letters: Arc::clone(&dead_letters),
                 clock: self.clock,
                 rules: self.deduplication_rules,
+                outbox: self.outbox,
                 claims: self.deduplication.then(|| {
                     self.claims
                         .unwrap_or_else(|| Arc::new(MemoryClaims::default()) as Arc<dyn Claims>)

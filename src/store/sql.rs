@@ -102,6 +102,28 @@ pub(crate) const REAP_CLAIMS: &str = "DELETE FROM reprise_deduplication \
     WHERE (handler, key_hash) IN (SELECT handler, key_hash FROM reprise_deduplication \
     WHERE expires_at <= $1 LIMIT $2)";
 
+pub(crate) const ENLIST: &str = "INSERT INTO reprise_outbox \
+    (id, message_type, payload, headers, deduplication_id, correlation_id, causation_id, sent_at, \
+     scheduled_for, enlisted_at) VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10)";
+
+pub(crate) const LEASE: &str = "INSERT INTO reprise_outbox_lease (id, owner, expires_at) \
+    VALUES (1, $1, $3) ON CONFLICT (id) DO UPDATE SET owner = excluded.owner, \
+    expires_at = excluded.expires_at \
+    WHERE reprise_outbox_lease.owner = excluded.owner OR reprise_outbox_lease.expires_at <= $2";
+
+pub(crate) const UNPUBLISHED: &str = "SELECT seq, id, message_type, payload, headers, \
+    deduplication_id, correlation_id, causation_id, sent_at, scheduled_for \
+    FROM reprise_outbox WHERE published_at IS NULL ORDER BY seq LIMIT $1";
+
+/// `UPDATE … WHERE seq IN ($2, $3, …)` for `count` positions.
+pub(crate) fn mark_published(count: usize) -> String {
+    let positions: Vec<String> = (2..count + 2).map(|n| format!("${n}")).collect();
+    format!(
+        "UPDATE reprise_outbox SET published_at = $1 WHERE seq IN ({})",
+        positions.join(", ")
+    )
+}
+
 pub(crate) const MIGRATIONS_TABLE: &str = "CREATE TABLE IF NOT EXISTS reprise_migrations (\
     version BIGINT PRIMARY KEY NOT NULL, description TEXT NOT NULL, applied_at BIGINT NOT NULL)";
 
@@ -626,6 +648,75 @@ macro_rules! sql_store {
                     .rows_affected();
                 tx.commit().await.map_err(reprise_actors::Error::store)?;
                 Ok(removed)
+            }
+        }
+
+        #[async_trait::async_trait]
+        impl reprise_actors::ports::OutboxStore for $store {
+            async fn lease(
+                &self,
+                now: chrono::DateTime<chrono::Utc>,
+                until: chrono::DateTime<chrono::Utc>,
+            ) -> Result<bool, reprise_actors::Error> {
+                use $crate::store::sql::*;
+                let taken = sqlx::query(LEASE)
+                    .bind(&*self.node)
+                    .bind(millis(now))
+                    .bind(millis(until))
+                    .execute(&self.pool)
+                    .await
+                    .map_err(reprise_actors::Error::store)?
+                    .rows_affected();
+                Ok(taken == 1)
+            }
+
+            async fn unpublished(
+                &self,
+                limit: usize,
+            ) -> Result<Vec<(i64, reprise_actors::Envelope)>, reprise_actors::Error> {
+                use sqlx::Row;
+                use $crate::store::sql::*;
+                let rows = sqlx::query(UNPUBLISHED)
+                    .bind(i64::try_from(limit).unwrap_or(i64::MAX))
+                    .fetch_all(&self.pool)
+                    .await
+                    .map_err(reprise_actors::Error::store)?;
+                let get = |e: sqlx::Error| reprise_actors::Error::store(e);
+                rows.iter()
+                    .map(|row| {
+                        let position: i64 = row.try_get(0).map_err(get)?;
+                        let columns = EnvelopeColumns {
+                            id: row.try_get(1).map_err(get)?,
+                            message_type: row.try_get(2).map_err(get)?,
+                            payload: row.try_get(3).map_err(get)?,
+                            headers: row.try_get(4).map_err(get)?,
+                            deduplication_id: row.try_get(5).map_err(get)?,
+                            correlation_id: row.try_get(6).map_err(get)?,
+                            causation_id: row.try_get(7).map_err(get)?,
+                            sent_at: row.try_get(8).map_err(get)?,
+                            scheduled_for: row.try_get(9).map_err(get)?,
+                        };
+                        Ok((position, columns.into_envelope(0)?))
+                    })
+                    .collect()
+            }
+
+            async fn mark_published(
+                &self,
+                positions: &[i64],
+                at: chrono::DateTime<chrono::Utc>,
+            ) -> Result<(), reprise_actors::Error> {
+                use $crate::store::sql::*;
+                if positions.is_empty() {
+                    return Ok(());
+                }
+                let sql = mark_published(positions.len());
+                let mut query = sqlx::query(sqlx::AssertSqlSafe(sql)).bind(millis(at));
+                for position in positions {
+                    query = query.bind(*position);
+                }
+                query.execute(&self.pool).await.map_err(reprise_actors::Error::store)?;
+                Ok(())
             }
         }
 

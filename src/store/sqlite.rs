@@ -19,6 +19,11 @@ const MIGRATIONS: &[Migration] = &[
         description: "handlers that succeeded",
         sql: include_str!("../../migrations/sqlite/0002_handler_successes.sql"),
     },
+    Migration {
+        version: 3,
+        description: "outbox",
+        sql: include_str!("../../migrations/sqlite/0003_outbox.sql"),
+    },
 ];
 
 sql_store!(

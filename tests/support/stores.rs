@@ -245,3 +245,47 @@ impl TestDatabase {
         count > 0
     }
 }
+
+impl TestDatabase {
+    /// Runs `f` with a transaction on this database's store (SQLite `BEGIN IMMEDIATE`), then
+    /// commits it if `commit`, or rolls it back.
+    pub async fn outbox_transaction<M: reprise::Message>(&self, messages: &[M], commit: bool) {
+        use reprise::outbox::Outbox;
+        match self.backend {
+            Backend::Sqlite => {
+                let store = self.sqlite().await;
+                let mut tx = store.pool().begin_with("BEGIN IMMEDIATE").await.unwrap();
+                for message in messages {
+                    Outbox::enlist(&mut tx, message).await.unwrap();
+                }
+                if commit {
+                    tx.commit().await.unwrap()
+                } else {
+                    tx.rollback().await.unwrap()
+                }
+            }
+            Backend::Postgres => {
+                let store = self.postgres().await;
+                let mut tx = store.pool().begin().await.unwrap();
+                for message in messages {
+                    Outbox::enlist(&mut tx, message).await.unwrap();
+                }
+                if commit {
+                    tx.commit().await.unwrap()
+                } else {
+                    tx.rollback().await.unwrap()
+                }
+            }
+        }
+    }
+}
+
+impl TestDatabase {
+    /// This database's store, as the relay sees it.
+    pub async fn sqlite_or_postgres_outbox(&self) -> Box<dyn reprise::ports::OutboxStore> {
+        match self.backend {
+            Backend::Sqlite => Box::new(self.sqlite().await),
+            Backend::Postgres => Box::new(self.postgres().await),
+        }
+    }
+}

@@ -1,0 +1,119 @@
+use std::sync::Arc;
+use std::time::Duration;
+
+use actix::{Actor, ActorFutureExt, AsyncContext, Context, WrapFuture};
+
+use crate::Dispatcher;
+use crate::ports::OutboxStore;
+
+/// Publishes what the application enlisted in its outbox: in outbox order, in bounded batches,
+/// marking each batch published once it is accepted. A crash between publishing and marking
+/// publishes the same envelopes again; the receiving inbox discards them by envelope id.
+pub struct RelayActor {
+    outbox: Arc<dyn OutboxStore>,
+    dispatcher: Dispatcher,
+    interval: Duration,
+    batch: usize,
+    busy: bool,
+}
+
+impl std::fmt::Debug for RelayActor {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RelayActor")
+            .field("batch", &self.batch)
+            .finish_non_exhaustive()
+    }
+}
+
+impl RelayActor {
+    pub(crate) fn new(
+        outbox: Arc<dyn OutboxStore>,
+        dispatcher: Dispatcher,
+        interval: Duration,
+        batch: usize,
+    ) -> Self {
+        Self {
+            outbox,
+            dispatcher,
+            interval,
+            batch: batch.max(1),
+            busy: false,
+        }
+    }
+
+    fn tick(&mut self, ctx: &mut Context<Self>) {
+        if self.busy {
+            return;
+        }
+        self.busy = true;
+        let (outbox, dispatcher) = (Arc::clone(&self.outbox), self.dispatcher.clone());
+        let (batch, interval) = (self.batch, self.interval);
+        let round = async move {
+            let now = dispatcher.shared.clock.now();
+            let lease = chrono::Duration::from_std(interval * 10).unwrap_or(chrono::TimeDelta::MAX);
+            match outbox
+                .lease(now, now.checked_add_signed(lease).unwrap_or(now))
+                .await
+            {
+                Ok(true) => {}
+                Ok(false) => return,
+                Err(error) => {
+                    tracing::warn!(%error, "outbox lease failed; retrying on the next round");
+                    return;
+                }
+            }
+            let mut published = 0usize;
+            loop {
+                let rows = match outbox.unpublished(batch).await {
+                    Ok(rows) => rows,
+                    Err(error) => {
+                        tracing::warn!(%error, "reading the outbox failed; retrying on the next round");
+                        break;
+                    }
+                };
+                let count = rows.len();
+                let mut positions = Vec::with_capacity(count);
+                for (position, envelope) in rows {
+                    let id = envelope.id;
+                    if let Err(error) = dispatcher.dispatch(envelope, None).await {
+                        tracing::warn!(messaging.message.id = %id, %error, "publishing from the outbox failed; retrying on the next round");
+                        break;
+                    }
+                    positions.push(position);
+                }
+                let done = positions.len();
+                if done > 0
+                    && let Err(error) = outbox
+                        .mark_published(&positions, dispatcher.shared.clock.now())
+                        .await
+                {
+                    // Published but not marked: the next round publishes them again, and the
+                    // inbox discards them.
+                    tracing::warn!(%error, "marking outbox envelopes published failed");
+                    break;
+                }
+                published += done;
+                if done < batch || done < count {
+                    break;
+                }
+            }
+            if published > 0 {
+                tracing::debug!(published, "outbox envelopes published");
+            }
+        };
+        ctx.spawn(
+            round
+                .into_actor(self)
+                .map(|(), actor, _| actor.busy = false),
+        );
+    }
+}
+
+impl Actor for RelayActor {
+    type Context = Context<Self>;
+
+    fn started(&mut self, ctx: &mut Context<Self>) {
+        self.tick(ctx);
+        ctx.run_interval(self.interval, Self::tick);
+    }
+}

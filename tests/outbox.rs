@@ -1,0 +1,153 @@
+//! The transactional outbox on a real SQLite file and a real PostgreSQL server: enlisted in the
+//! caller's transaction, published by the relay in order, once, even across a crash between
+//! publishing and marking, and with two nodes relaying.
+#![cfg(all(feature = "sqlite", feature = "postgres", feature = "testing"))]
+
+#[path = "support/messages.rs"]
+mod support;
+#[path = "support/stores.rs"]
+mod support_stores;
+
+use std::time::Duration;
+
+use reprise::ports::OutboxStore;
+use reprise::prelude::*;
+use reprise::testing::Recorder;
+use support::MemberRemoved;
+
+const WAIT: Duration = Duration::from_secs(20);
+
+fn removed(member_id: u64) -> MemberRemoved {
+    MemberRemoved {
+        organization_id: 1,
+        member_id,
+    }
+}
+
+async fn until(mut done: impl FnMut() -> bool) {
+    tokio::time::timeout(WAIT, async {
+        while !done() {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    })
+    .await
+    .expect("reached in time");
+}
+
+on_both_backends!(
+    committed_messages_are_published_in_order_and_rolled_back_ones_never_sqlite,
+    committed_messages_are_published_in_order_and_rolled_back_ones_never_postgres,
+    |db| {
+        let calls = Recorder::<MemberRemoved>::new();
+        let runtime = db
+            .store(Runtime::builder(), "local", Duration::from_secs(30))
+            .await
+            .relay_interval(Duration::from_millis(50))
+            .module(
+                Module::new("webhooks").handle_named::<MemberRemoved, _>("queue", calls.clone()),
+            )
+            .workers(1)
+            .build()
+            .unwrap();
+        db.outbox_transaction(&[removed(1), removed(2), removed(3)], true)
+            .await;
+        db.outbox_transaction(&[removed(100)], false).await;
+        db.outbox_transaction(&[removed(4), removed(5)], true).await;
+        until(|| calls.count() >= 5).await;
+        tokio::time::timeout(WAIT, runtime.idle()).await.unwrap();
+        let members: Vec<u64> = calls.calls().iter().map(|c| c.message.member_id).collect();
+        assert_eq!(
+            members,
+            [1, 2, 3, 4, 5],
+            "in commit order, and the rolled-back one never"
+        );
+        assert_eq!(
+            db.scalar("SELECT count(*) FROM reprise_outbox WHERE published_at IS NULL")
+                .await,
+            0
+        );
+        runtime.shutdown().await;
+    }
+);
+
+on_both_backends!(
+    a_crash_between_publishing_and_marking_ends_with_exactly_one_effect_sqlite,
+    a_crash_between_publishing_and_marking_ends_with_exactly_one_effect_postgres,
+    |db| {
+        db.outbox_transaction(&[removed(7)], true).await;
+        // A relay read the row and published it, then died before marking it published.
+        let crashed = db
+            .store(Runtime::builder(), "crashed", Duration::from_secs(30))
+            .await;
+        let outbox = db.sqlite_or_postgres_outbox().await;
+        let rows = outbox.unpublished(10).await.unwrap();
+        assert_eq!(rows.len(), 1);
+        let calls = Recorder::<MemberRemoved>::new();
+        let runtime = crashed
+            .relay_interval(Duration::from_millis(50))
+            .module(
+                Module::new("webhooks").handle_named::<MemberRemoved, _>("queue", calls.clone()),
+            )
+            .build()
+            .unwrap();
+        runtime.receive(rows[0].1.clone()).await.unwrap();
+        // The relay finds the row unpublished and publishes the same envelope again.
+        tokio::time::timeout(WAIT, async {
+            while db
+                .scalar("SELECT count(*) FROM reprise_outbox WHERE published_at IS NULL")
+                .await
+                > 0
+            {
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+        })
+        .await
+        .expect("the relay marked it published");
+        tokio::time::timeout(WAIT, runtime.idle()).await.unwrap();
+        assert_eq!(
+            calls.count(),
+            1,
+            "the inbox discarded the second publication"
+        );
+        assert_eq!(runtime.stats().deduplicated, 1);
+        runtime.shutdown().await;
+    }
+);
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_nodes_relay_each_row_once_in_order() {
+    let db = support_stores::TestDatabase::new(support_stores::Backend::Postgres).await;
+    let calls = Recorder::<MemberRemoved>::new();
+    let mut nodes = Vec::new();
+    for name in ["node-a", "node-b"] {
+        nodes.push(
+            db.store(Runtime::builder(), name, Duration::from_secs(30))
+                .await
+                .relay_interval(Duration::from_millis(20))
+                .workers(1)
+                .module(
+                    Module::new("webhooks")
+                        .handle_named::<MemberRemoved, _>("queue", calls.clone()),
+                )
+                .build()
+                .unwrap(),
+        );
+    }
+    for batch in 0..6u64 {
+        let messages: Vec<MemberRemoved> = (0..5).map(|i| removed(batch * 5 + i)).collect();
+        db.outbox_transaction(&messages, true).await;
+    }
+    until(|| calls.count() >= 30).await;
+    for node in &nodes {
+        tokio::time::timeout(WAIT, node.idle()).await.unwrap();
+    }
+    let members: Vec<u64> = calls.calls().iter().map(|c| c.message.member_id).collect();
+    assert_eq!(
+        members,
+        (0..30).collect::<Vec<_>>(),
+        "each row once, in outbox order"
+    );
+    for node in nodes {
+        node.shutdown().await;
+    }
+}
