@@ -38,6 +38,8 @@ pub(crate) struct Shared {
     pub(crate) max_envelope_size: usize,
     pub(crate) unknown_message_types: UnknownMessageTypes,
     pub(crate) retry_scope: RetryScope,
+    /// Wakes the outbox relay when a delivery wrote cascaded messages to the outbox.
+    pub(crate) outbox_enlisted: tokio::sync::Notify,
 }
 
 /// A delivery counted in by the tracker and not yet handed to a supervisor. Dropped — the

@@ -175,6 +175,7 @@ impl Engine {
                         max_envelope_size: config.max_envelope_size,
                         unknown_message_types: config.unknown_message_types,
                         retry_scope: config.retry_scope,
+                        outbox_enlisted: tokio::sync::Notify::new(),
                     });
                     let workers = arbiters
                         .into_iter()

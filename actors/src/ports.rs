@@ -176,6 +176,19 @@ pub trait Inbox: Send + Sync + 'static {
     /// [`Error::Store`] when the store cannot record it.
     async fn mark_handled(&self, id: Uuid) -> Result<(), Error>;
 
+    /// Marks the envelope handled and writes the messages its handlers cascaded to the outbox,
+    /// in one transaction: they leave exactly when the delivery is recorded as handled. Returns
+    /// false for a store without an outbox, which the engine then falls back from (mark, then
+    /// deliver the cascades itself).
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Store`] when the transaction fails; nothing of it took effect.
+    async fn mark_handled_with_outbox(&self, id: Uuid, cascaded: &[Envelope]) -> Result<bool, Error> {
+        let _ = (id, cascaded);
+        Ok(false)
+    }
+
     /// Forgets the envelope (dead-lettered or abandoned), so a replay of it is accepted.
     ///
     /// # Errors

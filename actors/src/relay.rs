@@ -115,5 +115,34 @@ impl Actor for RelayActor {
     fn started(&mut self, ctx: &mut Context<Self>) {
         self.tick(ctx);
         ctx.run_interval(self.interval, Self::tick);
+        // Polling is the fallback: a delivery that wrote to the outbox wakes the relay at once.
+        let dispatcher = self.dispatcher.clone();
+        let me = ctx.address();
+        ctx.spawn(
+            async move {
+                loop {
+                    dispatcher.shared.outbox_enlisted.notified().await;
+                    if me.try_send(Wake).is_err() {
+                        return;
+                    }
+                }
+            }
+            .into_actor(self),
+        );
+    }
+}
+
+/// Asks the relay to look at the outbox now.
+struct Wake;
+
+impl actix::Message for Wake {
+    type Result = ();
+}
+
+impl actix::Handler<Wake> for RelayActor {
+    type Result = ();
+
+    fn handle(&mut self, _: Wake, ctx: &mut Context<Self>) {
+        self.tick(ctx);
     }
 }

@@ -415,20 +415,37 @@ impl DeliverySupervisor {
         let worker = &self.worker;
         let id = self.envelope.id;
         // An in-memory inbox answers at once; only a store that waits needs the actor future.
-        if let Some(Ok(())) = worker.inbox.mark_handled_now(id) {
-            self.handled(ctx);
+        if self.cascaded.is_empty()
+            && let Some(Ok(())) = worker.inbox.mark_handled_now(id)
+        {
+            self.handled(false, ctx);
             return;
         }
         let worker = Arc::clone(worker);
-        let work =
-            async move { persist("mark handled", id, || worker.inbox.mark_handled(id)).await };
+        let cascaded = self.cascaded.clone();
+        let work = async move {
+            if !cascaded.is_empty() {
+                let in_outbox = persist("mark handled with the outbox", id, || {
+                    worker.inbox.mark_handled_with_outbox(id, &cascaded)
+                })
+                .await;
+                if in_outbox {
+                    worker.shared.outbox_enlisted.notify_one();
+                    return true;
+                }
+            }
+            persist("mark handled", id, || worker.inbox.mark_handled(id)).await;
+            false
+        };
         ctx.spawn(
             work.into_actor(self)
-                .map(|(), actor, ctx| actor.handled(ctx)),
+                .map(|in_outbox, actor, ctx| actor.handled(in_outbox, ctx)),
         );
     }
 
-    fn handled(&mut self, ctx: &mut Context<Self>) {
+    /// Settles a handled delivery; its cascaded messages are sent from here unless the store
+    /// already wrote them to its outbox, for the relay.
+    fn handled(&mut self, in_outbox: bool, ctx: &mut Context<Self>) {
         let cascaded = std::mem::take(&mut self.cascaded);
         self.worker
             .shared
@@ -436,7 +453,9 @@ impl DeliverySupervisor {
             .writer(self.worker.index)
             .bump(Counter::Handled);
         tracing::info!(parent: &self.span, cascaded = cascaded.len(), "delivery handled");
-        self.worker.forward(cascaded.clone());
+        if !in_outbox {
+            self.worker.forward(cascaded.clone());
+        }
         self.settle(Outcome::Handled, cascaded, ctx);
     }
 
@@ -510,15 +529,15 @@ enum Resume {
 
 /// Retries a store write until it succeeds: a settled delivery must be recorded, and giving up
 /// would lose it. Backs off to 30 s between attempts and logs every failure.
-pub(crate) async fn persist<F, Fut>(what: &'static str, id: uuid::Uuid, mut write: F)
+pub(crate) async fn persist<T, F, Fut>(what: &'static str, id: uuid::Uuid, mut write: F) -> T
 where
     F: FnMut() -> Fut,
-    Fut: Future<Output = Result<(), Error>>,
+    Fut: Future<Output = Result<T, Error>>,
 {
     let mut pause = Duration::from_millis(50);
     loop {
         match write().await {
-            Ok(()) => return,
+            Ok(value) => return value,
             Err(error) => {
                 tracing::error!(message_id = %id, %error, ?pause, "{what} failed; retrying");
                 tokio::time::sleep(pause).await;
