@@ -195,7 +195,10 @@ impl Dispatcher {
 
     /// Resumes a delivery a durable inbox handed back, on one of the workers.
     pub(crate) fn resume(&self, resumable: Resumable) {
-        self.shared.tracker.admit(false);
+        // A closing runtime hands its work back rather than taking more.
+        if !self.shared.tracker.admit(true) {
+            return;
+        }
         let worker = Arc::clone(self.next_worker());
         actix::spawn(async move {
             let permit = worker.shared.capacity.acquire().await;

@@ -242,6 +242,20 @@ pub trait DeadLetterStore: Send + Sync + 'static {
     /// [`Error::Store`] when the store cannot answer.
     async fn remove(&self, id: Uuid) -> Result<Option<DeadLetter>, Error>;
 
+    /// Removes the dead letter of envelope `id` if it still records `last_failure_at` — not if
+    /// the message failed again since (a replay that was dead-lettered anew). Returns whether
+    /// it removed it.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Store`] when the store cannot answer.
+    async fn remove_if_unchanged(&self, id: Uuid, last_failure_at: DateTime<Utc>) -> Result<bool, Error> {
+        match self.get(id).await? {
+            Some(letter) if letter.last_failure_at == last_failure_at => Ok(self.remove(id).await?.is_some()),
+            _ => Ok(false),
+        }
+    }
+
     /// Removes every dead letter and says how many there were.
     ///
     /// # Errors

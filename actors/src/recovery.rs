@@ -30,23 +30,27 @@ impl RecoveryActor {
     }
 
     fn tick(&mut self, ctx: &mut Context<Self>) {
-        // A slow store must not stack up rounds.
-        if self.busy {
+        // A slow store must not stack up rounds; a closing runtime must not take back what its
+        // shutdown is releasing.
+        if self.busy || self.dispatcher.shared.tracker.is_closing() {
             return;
         }
         self.busy = true;
         let dispatcher = self.dispatcher.clone();
         let batch = self.batch;
-        let started_at = self.started_at.take();
+        let started_at = self.started_at;
         let round = async move {
             let inbox = &dispatcher.shared.inbox;
             if let Some(started_at) = started_at
                 && let Err(error) = inbox.release_before(started_at).await
             {
-                tracing::warn!(%error, "could not take back an earlier run's deliveries");
+                tracing::warn!(%error, "could not take back an earlier run's deliveries; retrying");
+                return false;
             }
+            // Without a fresh heartbeat this node could look dead to itself: claim nothing.
             if let Err(error) = inbox.heartbeat().await {
                 tracing::warn!(%error, "heartbeat failed; retrying on the next round");
+                return true;
             }
             let mut resumed = 0usize;
             loop {
@@ -68,17 +72,16 @@ impl RecoveryActor {
                 }
             }
             if resumed > 0 {
-                tracing::info!(
-                    resumed,
-                    "resumed deliveries left unsettled by a stopped runtime"
-                );
+                tracing::info!(resumed, "resumed deliveries left unsettled by a stopped runtime");
             }
+            true
         };
-        ctx.spawn(
-            round
-                .into_actor(self)
-                .map(|(), actor, _| actor.busy = false),
-        );
+        ctx.spawn(round.into_actor(self).map(|released, actor, _| {
+            actor.busy = false;
+            if released {
+                actor.started_at = None;
+            }
+        }));
     }
 }
 

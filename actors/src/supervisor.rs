@@ -36,6 +36,8 @@ pub struct DeliverySupervisor {
     ticket: Option<Ticket>,
     /// How a delivery recovered from a durable inbox picks up again.
     resume: Option<Resume>,
+    /// Whether it came back from a durable inbox (every attempt is then recorded first).
+    recovered: bool,
     envelope: Envelope,
     route: Option<Arc<Route>>,
     message: Option<Decoded>,
@@ -99,6 +101,7 @@ impl DeliverySupervisor {
             worker,
             ticket: None,
             resume: None,
+            recovered: false,
             envelope,
             route: None,
             message: None,
@@ -139,6 +142,7 @@ impl DeliverySupervisor {
         supervisor.failures = failures;
         supervisor.succeeded_before = resumable_succeeded;
         supervisor.resume = Some(resume);
+        supervisor.recovered = true;
         supervisor
     }
 
@@ -147,11 +151,12 @@ impl DeliverySupervisor {
     }
 
     /// Starts the next attempt; a retry is first recorded as started, so that a crash while
-    /// it runs counts it (the inbox records the first attempt when it receives the envelope).
+    /// it runs counts it (the inbox records the first attempt when it receives the envelope,
+    /// except for one enqueued for any node, which is resumed).
     fn start_attempt(&mut self, ctx: &mut Context<Self>) {
         self.envelope.attempts += 1;
         let attempt = self.envelope.attempts;
-        if attempt == 1 {
+        if attempt == 1 && !self.recovered {
             self.run_attempt(ctx);
             return;
         }

@@ -204,6 +204,10 @@ impl Tracker {
         }
     }
 
+    pub(crate) fn is_closing(&self) -> bool {
+        self.closing.load(Ordering::Acquire)
+    }
+
     pub(crate) fn close(&self) {
         self.closing.store(true, Ordering::Release);
     }

@@ -158,26 +158,20 @@ async fn run(cli: Cli) -> Result<(), Box<dyn std::error::Error>> {
             let store = Store::open(&target.database).await?;
             let letter = store
                 .dead_letters()
-                .remove(id)
+                .get(id)
                 .await?
                 .ok_or_else(|| format!("no dead letter with id {id}"))?;
             let mut envelope = letter.envelope.clone();
             envelope.attempts = 0;
-            let handed_back = async {
-                store.inbox().forget(id).await?;
-                store.inbox().enqueue(&envelope).await
+            // Handed back first, removed after: a crash in between never loses the dead letter.
+            store.inbox().forget(id).await?;
+            if store.inbox().enqueue(&envelope).await? != Receipt::New {
+                return Err(format!("could not hand {id} back to the inbox: it is already there").into());
             }
-            .await;
-            match handed_back {
-                Ok(Receipt::New) => {}
-                outcome => {
-                    // Nothing lost: the dead letter goes back where it was.
-                    store.dead_letters().put(letter).await?;
-                    return Err(
-                        format!("could not hand {id} back to the inbox: {outcome:?}").into(),
-                    );
-                }
-            }
+            store
+                .dead_letters()
+                .remove_if_unchanged(id, letter.last_failure_at)
+                .await?;
             if target.json {
                 println!("{}", serde_json::json!({ "replayed": id }));
             } else {

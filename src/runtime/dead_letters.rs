@@ -50,29 +50,22 @@ impl<'a> DeadLetters<'a> {
     /// # Errors
     ///
     /// [`Error::DeadLetterNotFound`], or a failure to redeliver, in which case the dead
-    /// letter is put back: nothing is lost.
+    /// letter stays: nothing is lost.
     ///
     /// # Cancel safety
     ///
-    /// Not cancel safe: cancelled midway, the dead letter may be gone and the envelope not yet
-    /// redelivered.
+    /// Cancelled midway, the envelope may be redelivered while its dead letter stays; replaying
+    /// it again is then discarded by the inbox.
     pub async fn replay(&self, id: Uuid) -> Result<(), Error> {
         let store = &self.runtime.dead_letters;
-        let dead_letter = store
-            .remove(id)
-            .await?
-            .ok_or(Error::DeadLetterNotFound(id))?;
+        let dead_letter = store.get(id).await?.ok_or(Error::DeadLetterNotFound(id))?;
         let mut envelope = dead_letter.envelope.clone();
         envelope.attempts = 0;
-        let redelivered = async {
-            self.runtime.inbox.forget(id).await?;
-            self.runtime.receive(envelope).await
-        }
-        .await;
-        if let Err(error) = redelivered {
-            store.put(dead_letter).await?;
-            return Err(error);
-        }
+        // Redelivered first, removed after: a crash in between leaves the dead letter (its
+        // envelope, once handled, is discarded if replayed again), never loses it.
+        self.runtime.inbox.forget(id).await?;
+        self.runtime.receive(envelope).await?;
+        store.remove_if_unchanged(id, dead_letter.last_failure_at).await?;
         tracing::info!(messaging.message.id = %id, "dead letter replayed");
         Ok(())
     }

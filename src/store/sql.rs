@@ -798,7 +798,7 @@ pub(crate) use sql_store;
 #[cfg(feature = "sqlite")]
 pub(crate) const CLAIM_SQLITE: &str = "UPDATE reprise_inbox SET owner = $1 WHERE id IN (\
     SELECT id FROM reprise_inbox WHERE status IN ('incoming', 'scheduled') \
-    AND (owner IS NULL OR (received_at < $2 \
+    AND (owner IS NULL OR (owner <> $1 AND received_at < $2 \
     AND owner NOT IN (SELECT id FROM reprise_nodes WHERE heartbeat_at >= $2))) \
     ORDER BY received_at LIMIT $3) \
     RETURNING id, message_type, payload, headers, deduplication_id, correlation_id, causation_id, \
@@ -808,7 +808,7 @@ pub(crate) const CLAIM_SQLITE: &str = "UPDATE reprise_inbox SET owner = $1 WHERE
 #[cfg(feature = "postgres")]
 pub(crate) const CLAIM_POSTGRES: &str = "UPDATE reprise_inbox SET owner = $1 WHERE id IN (\
     SELECT id FROM reprise_inbox WHERE status IN ('incoming', 'scheduled') \
-    AND (owner IS NULL OR (received_at < $2 \
+    AND (owner IS NULL OR (owner <> $1 AND received_at < $2 \
     AND owner NOT IN (SELECT id FROM reprise_nodes WHERE heartbeat_at >= $2))) \
     ORDER BY received_at LIMIT $3 FOR UPDATE SKIP LOCKED) \
     RETURNING id, message_type, payload, headers, deduplication_id, correlation_id, causation_id, \

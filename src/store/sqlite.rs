@@ -64,8 +64,12 @@ impl SqliteStore {
             .synchronous(SqliteSynchronous::Full)
             .busy_timeout(Duration::from_secs(10));
         // An in-memory database exists once per connection: keep exactly one.
-        let pool = SqlitePoolOptions::new()
-            .max_connections(if memory { 1 } else { 4 })
+        let mut pool = SqlitePoolOptions::new().max_connections(if memory { 1 } else { 4 });
+        if memory {
+            // The database lives and dies with its one connection: never recycle it.
+            pool = pool.min_connections(1).idle_timeout(None).max_lifetime(None);
+        }
+        let pool = pool
             .connect_with(options)
             .await
             .map_err(Error::store)?;
