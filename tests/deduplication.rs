@@ -136,9 +136,12 @@ impl Claims for CountingClaims {
         self.calls.fetch_add(1, Ordering::SeqCst);
         self.inner.claim(claim).await
     }
-    async fn release(&self, handler: &str, key_hash: &str) -> Result<(), reprise::EngineError> {
+    async fn release(&self, claim: &Claim) -> Result<(), reprise::EngineError> {
         self.calls.fetch_add(1, Ordering::SeqCst);
-        self.inner.release(handler, key_hash).await
+        self.inner.release(claim).await
+    }
+    async fn complete(&self, claim: &Claim) -> Result<(), reprise::EngineError> {
+        self.inner.complete(claim).await
     }
 }
 

@@ -240,3 +240,79 @@ on_both_backends!(
         reaping.shutdown().await;
     }
 );
+
+/// Counts its starts; never finishes while `stuck`.
+#[derive(Clone, Default)]
+struct Stuck {
+    starts: std::sync::Arc<std::sync::atomic::AtomicUsize>,
+    never: std::sync::Arc<tokio::sync::Notify>,
+}
+
+impl Handler<MemberRemoved> for Stuck {
+    async fn handle(&self, _: &MemberRemoved, _: &MessageContext) -> Result<(), HandlerError> {
+        self.starts
+            .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        self.never.notified().await;
+        Ok(())
+    }
+}
+
+on_both_backends!(
+    a_crash_inside_a_deduplicated_handler_does_not_lose_its_effect_sqlite,
+    a_crash_inside_a_deduplicated_handler_does_not_lose_its_effect_postgres,
+    |db| {
+        let stuck = Stuck::default();
+        let crashed = db
+            .store(Runtime::builder(), "local", Duration::from_secs(30))
+            .await
+            .enable_deduplication()
+            .module(
+                Module::new("workspaces")
+                    .handle_named::<MemberRemoved, _>("revoke", stuck.clone())
+                    .deduplicate("revoke", Deduplication::from_envelope()),
+            )
+            .build()
+            .unwrap();
+        crashed
+            .publish_with(&member_removed(), keyed("remove-7"))
+            .await
+            .unwrap();
+        tokio::time::timeout(WAIT, async {
+            while stuck.starts.load(std::sync::atomic::Ordering::SeqCst) == 0 {
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+        })
+        .await
+        .unwrap();
+        // The claim is taken, the effect not done, and the process is gone.
+        drop(crashed);
+
+        let effects = Counter::default();
+        let restarted = db
+            .store(Runtime::builder(), "local", Duration::from_secs(30))
+            .await
+            .enable_deduplication()
+            .retry_policy(RetryPolicy {
+                min_retry_interval: Duration::from_millis(10),
+                ..RetryPolicy::default()
+            })
+            .module(deduplicated(&effects))
+            .build()
+            .unwrap();
+        tokio::time::timeout(WAIT, async {
+            while effects.count() == 0 {
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+        })
+        .await
+        .expect("the recovered delivery took over its own uncompleted claim");
+        // A new delivery of the same intent is still a duplicate.
+        restarted
+            .publish_with(&member_removed(), keyed("remove-7"))
+            .await
+            .unwrap();
+        tokio::time::timeout(WAIT, restarted.idle()).await.unwrap();
+        assert_eq!(effects.count(), 1);
+        restarted.shutdown().await;
+    }
+);

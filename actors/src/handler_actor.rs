@@ -149,7 +149,12 @@ impl HandlerActor {
                     let failure = failure_of(result, timeout);
                     if failure.is_some() {
                         persist("release deduplication claim", message_id, || {
-                            claims.release(&claim.handler, &claim.key_hash)
+                            claims.release(&claim)
+                        })
+                        .await;
+                    } else {
+                        persist("complete deduplication claim", message_id, || {
+                            claims.complete(&claim)
                         })
                         .await;
                     }

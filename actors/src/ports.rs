@@ -184,7 +184,11 @@ pub trait Inbox: Send + Sync + 'static {
     /// # Errors
     ///
     /// [`Error::Store`] when the transaction fails; nothing of it took effect.
-    async fn mark_handled_with_outbox(&self, id: Uuid, cascaded: &[Envelope]) -> Result<bool, Error> {
+    async fn mark_handled_with_outbox(
+        &self,
+        id: Uuid,
+        cascaded: &[Envelope],
+    ) -> Result<bool, Error> {
         let _ = (id, cascaded);
         Ok(false)
     }
@@ -249,9 +253,15 @@ pub trait DeadLetterStore: Send + Sync + 'static {
     /// # Errors
     ///
     /// [`Error::Store`] when the store cannot answer.
-    async fn remove_if_unchanged(&self, id: Uuid, last_failure_at: DateTime<Utc>) -> Result<bool, Error> {
+    async fn remove_if_unchanged(
+        &self,
+        id: Uuid,
+        last_failure_at: DateTime<Utc>,
+    ) -> Result<bool, Error> {
         match self.get(id).await? {
-            Some(letter) if letter.last_failure_at == last_failure_at => Ok(self.remove(id).await?.is_some()),
+            Some(letter) if letter.last_failure_at == last_failure_at => {
+                Ok(self.remove(id).await?.is_some())
+            }
             _ => Ok(false),
         }
     }
@@ -286,6 +296,9 @@ impl Clock for SystemClock {
 pub struct Claim {
     /// The claiming handler (`module/name`).
     pub handler: String,
+    /// The envelope whose handling holds the claim (32 hex digits): if its handler crashed
+    /// before completing, the same envelope's next attempt takes the claim over.
+    pub envelope_id: String,
     /// The logical id, in clear, for people reading the table.
     pub key: String,
     /// The logical id's SHA-256 (hex): what the store compares, so collation never merges ids.
@@ -303,6 +316,7 @@ impl Claim {
     pub fn new(
         handler: String,
         key: String,
+        envelope_id: Uuid,
         payload: &[u8],
         now: DateTime<Utc>,
         window: std::time::Duration,
@@ -313,6 +327,7 @@ impl Claim {
             .unwrap_or(DateTime::<Utc>::MAX_UTC);
         Self {
             handler,
+            envelope_id: envelope_id.simple().to_string(),
             key_hash: crate::deduplication::sha256_hex(key.as_bytes()),
             key,
             fingerprint: crate::deduplication::sha256_hex(payload),
@@ -356,7 +371,8 @@ pub trait Claims: Send + Sync + 'static {
         ))
     }
 
-    /// Claims `claim.key` for `claim.handler`, taking over a claim whose window ended.
+    /// Claims `claim.key` for `claim.handler`, taking over a claim whose window ended, or one
+    /// the same envelope made and never completed (its handler crashed).
     ///
     /// # Errors
     ///
@@ -368,13 +384,27 @@ pub trait Claims: Send + Sync + 'static {
         ))
     }
 
-    /// Releases a claim, so that a retry of a failed handler gets through.
+    /// Releases this envelope's claim, so that a retry of a failed handler gets through; a
+    /// claim another envelope took over since is left alone.
     ///
     /// # Errors
     ///
     /// [`Error::Store`] when it cannot be released.
-    async fn release(&self, handler: &str, key_hash: &str) -> Result<(), Error> {
-        let _ = (handler, key_hash);
+    async fn release(&self, claim: &Claim) -> Result<(), Error> {
+        let _ = claim;
+        Err(Error::store(
+            "this store cannot enforce deduplication claims",
+        ))
+    }
+
+    /// Records that the handler holding the claim succeeded: from now on only the window
+    /// ending frees it.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Store`] when it cannot be recorded.
+    async fn complete(&self, claim: &Claim) -> Result<(), Error> {
+        let _ = claim;
         Err(Error::store(
             "this store cannot enforce deduplication claims",
         ))

@@ -72,7 +72,10 @@ impl RecoveryActor {
                 }
             }
             if resumed > 0 {
-                tracing::info!(resumed, "resumed deliveries left unsettled by a stopped runtime");
+                tracing::info!(
+                    resumed,
+                    "resumed deliveries left unsettled by a stopped runtime"
+                );
             }
             true
         };

@@ -244,6 +244,7 @@ impl DeliverySupervisor {
         let claim = Claim::new(
             entry.id.to_string(),
             key,
+            self.envelope.id,
             &self.envelope.payload,
             self.now(),
             self.worker.deduplication_window,

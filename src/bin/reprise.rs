@@ -166,7 +166,9 @@ async fn run(cli: Cli) -> Result<(), Box<dyn std::error::Error>> {
             // Handed back first, removed after: a crash in between never loses the dead letter.
             store.inbox().forget(id).await?;
             if store.inbox().enqueue(&envelope).await? != Receipt::New {
-                return Err(format!("could not hand {id} back to the inbox: it is already there").into());
+                return Err(
+                    format!("could not hand {id} back to the inbox: it is already there").into(),
+                );
             }
             store
                 .dead_letters()

@@ -65,7 +65,9 @@ impl<'a> DeadLetters<'a> {
         // envelope, once handled, is discarded if replayed again), never loses it.
         self.runtime.inbox.forget(id).await?;
         self.runtime.receive(envelope).await?;
-        store.remove_if_unchanged(id, dead_letter.last_failure_at).await?;
+        store
+            .remove_if_unchanged(id, dead_letter.last_failure_at)
+            .await?;
         tracing::info!(messaging.message.id = %id, "dead letter replayed");
         Ok(())
     }

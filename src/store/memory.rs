@@ -167,8 +167,16 @@ impl DeadLetterStore for MemoryDeadLetters {
     }
 }
 
-/// A claim's holder (handler, key hash) and what it holds (payload fingerprint, expiry).
-type HeldClaims = HashMap<(String, String), (String, DateTime<Utc>)>;
+/// A claim's holder (handler, key hash) and what it holds.
+type HeldClaims = HashMap<(String, String), Held>;
+
+#[derive(Debug)]
+struct Held {
+    fingerprint: String,
+    envelope_id: String,
+    expires_at: DateTime<Utc>,
+    completed: bool,
+}
 
 /// Deduplication claims in memory: enforced within one process, lost with it.
 #[derive(Debug, Default)]
@@ -186,20 +194,46 @@ impl Claims for MemoryClaims {
         let mut claims = lock(&self.claims);
         let key = (claim.handler.clone(), claim.key_hash.clone());
         match claims.get(&key) {
-            Some((fingerprint, expires_at)) if *expires_at > claim.claimed_at => {
+            Some(held)
+                if held.expires_at > claim.claimed_at
+                    && (held.completed || held.envelope_id != claim.envelope_id) =>
+            {
                 Ok(ClaimOutcome::Held {
-                    same_payload: *fingerprint == claim.fingerprint,
+                    same_payload: held.fingerprint == claim.fingerprint,
                 })
             }
             _ => {
-                claims.insert(key, (claim.fingerprint.clone(), claim.expires_at));
+                let held = Held {
+                    fingerprint: claim.fingerprint.clone(),
+                    envelope_id: claim.envelope_id.clone(),
+                    expires_at: claim.expires_at,
+                    completed: false,
+                };
+                claims.insert(key, held);
                 Ok(ClaimOutcome::Claimed)
             }
         }
     }
 
-    async fn release(&self, handler: &str, key_hash: &str) -> Result<(), Error> {
-        lock(&self.claims).remove(&(handler.to_owned(), key_hash.to_owned()));
+    async fn release(&self, claim: &Claim) -> Result<(), Error> {
+        let mut claims = lock(&self.claims);
+        let key = (claim.handler.clone(), claim.key_hash.clone());
+        if claims
+            .get(&key)
+            .is_some_and(|held| held.envelope_id == claim.envelope_id)
+        {
+            claims.remove(&key);
+        }
+        Ok(())
+    }
+
+    async fn complete(&self, claim: &Claim) -> Result<(), Error> {
+        let mut claims = lock(&self.claims);
+        if let Some(held) = claims.get_mut(&(claim.handler.clone(), claim.key_hash.clone()))
+            && held.envelope_id == claim.envelope_id
+        {
+            held.completed = true;
+        }
         Ok(())
     }
 
@@ -207,7 +241,7 @@ impl Claims for MemoryClaims {
         let mut claims = lock(&self.claims);
         let expired: Vec<_> = claims
             .iter()
-            .filter(|(_, (_, expires_at))| *expires_at <= now)
+            .filter(|(_, held)| held.expires_at <= now)
             .map(|(k, _)| k.clone())
             .take(limit)
             .collect();

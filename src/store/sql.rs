@@ -79,24 +79,33 @@ pub(crate) const PURGE_DEAD_LETTERS: &str = "DELETE FROM reprise_dead_letters";
 pub(crate) const PROVISION_CLAIMS: [&str; 2] = [
     "CREATE TABLE IF NOT EXISTS reprise_deduplication (\
         handler TEXT NOT NULL, key_hash TEXT NOT NULL, key TEXT NOT NULL, \
-        fingerprint TEXT NOT NULL, claimed_at BIGINT NOT NULL, expires_at BIGINT NOT NULL, \
+        fingerprint TEXT NOT NULL, envelope_id TEXT NOT NULL, completed INTEGER NOT NULL, \
+        claimed_at BIGINT NOT NULL, expires_at BIGINT NOT NULL, \
         PRIMARY KEY (handler, key_hash))",
     "CREATE INDEX IF NOT EXISTS reprise_deduplication_expires ON reprise_deduplication (expires_at)",
 ];
 
-/// A claim is this one insert: the primary key rejects a held id; only a claim whose window
-/// ended is taken over, atomically, by the same statement.
+/// A claim is this one insert: the primary key rejects a held id. The same statement takes
+/// over, atomically, a claim whose window ended, or one the same envelope made and never
+/// completed (its handler crashed mid-way).
 pub(crate) const CLAIM: &str = "INSERT INTO reprise_deduplication \
-    (handler, key_hash, key, fingerprint, claimed_at, expires_at) VALUES ($1, $2, $3, $4, $5, $6) \
+    (handler, key_hash, key, fingerprint, envelope_id, completed, claimed_at, expires_at) \
+    VALUES ($1, $2, $3, $4, $5, 0, $6, $7) \
     ON CONFLICT (handler, key_hash) DO UPDATE SET key = excluded.key, \
-    fingerprint = excluded.fingerprint, claimed_at = excluded.claimed_at, \
-    expires_at = excluded.expires_at WHERE reprise_deduplication.expires_at <= excluded.claimed_at";
+    fingerprint = excluded.fingerprint, envelope_id = excluded.envelope_id, completed = 0, \
+    claimed_at = excluded.claimed_at, expires_at = excluded.expires_at \
+    WHERE reprise_deduplication.expires_at <= excluded.claimed_at \
+    OR (reprise_deduplication.envelope_id = excluded.envelope_id \
+        AND reprise_deduplication.completed = 0)";
 
 pub(crate) const CLAIM_FINGERPRINT: &str =
     "SELECT fingerprint FROM reprise_deduplication WHERE handler = $1 AND key_hash = $2";
 
-pub(crate) const RELEASE_CLAIM: &str =
-    "DELETE FROM reprise_deduplication WHERE handler = $1 AND key_hash = $2";
+pub(crate) const RELEASE_CLAIM: &str = "DELETE FROM reprise_deduplication \
+    WHERE handler = $1 AND key_hash = $2 AND envelope_id = $3";
+
+pub(crate) const COMPLETE_CLAIM: &str = "UPDATE reprise_deduplication SET completed = 1 \
+    WHERE handler = $1 AND key_hash = $2 AND envelope_id = $3";
 
 pub(crate) const REAP_CLAIMS: &str = "DELETE FROM reprise_deduplication \
     WHERE (handler, key_hash) IN (SELECT handler, key_hash FROM reprise_deduplication \
@@ -248,6 +257,8 @@ macro_rules! sql_store {
             node: std::sync::Arc<str>,
             node_timeout: std::time::Duration,
             clock: std::sync::Arc<dyn reprise_actors::ports::Clock>,
+            /// Set once the claims table exists, so a claim never meets a missing table.
+            claims_ready: std::sync::Arc<tokio::sync::OnceCell<()>>,
         }
 
         impl std::fmt::Debug for $store {
@@ -271,6 +282,7 @@ macro_rules! sql_store {
                     node: std::sync::Arc::from(format!("node-{}", uuid::Uuid::new_v4().simple())),
                     node_timeout: std::time::Duration::from_secs(30),
                     clock: std::sync::Arc::new(reprise_actors::ports::SystemClock),
+                    claims_ready: std::sync::Arc::default(),
                 };
                 store.migrate().await?;
                 Ok(store)
@@ -584,9 +596,19 @@ macro_rules! sql_store {
         impl reprise_actors::ports::Claims for $store {
             async fn provision(&self) -> Result<(), reprise_actors::Error> {
                 use $crate::store::sql::*;
-                for statement in PROVISION_CLAIMS {
-                    sqlx::query(statement).execute(&self.pool).await.map_err(reprise_actors::Error::store)?;
-                }
+                self.claims_ready
+                    .get_or_try_init(|| async {
+                        // Under the migrations' lock: nodes starting together create it once.
+                        let mut tx = self.pool.begin_with($begin).await.map_err(reprise_actors::Error::store)?;
+                        for lock in $lock {
+                            sqlx::query(lock).execute(&mut *tx).await.map_err(reprise_actors::Error::store)?;
+                        }
+                        for statement in PROVISION_CLAIMS {
+                            sqlx::query(statement).execute(&mut *tx).await.map_err(reprise_actors::Error::store)?;
+                        }
+                        tx.commit().await.map_err(reprise_actors::Error::store)
+                    })
+                    .await?;
                 Ok(())
             }
 
@@ -595,37 +617,59 @@ macro_rules! sql_store {
                 claim: &reprise_actors::ports::Claim,
             ) -> Result<reprise_actors::ports::ClaimOutcome, reprise_actors::Error> {
                 use $crate::store::sql::*;
-                let claimed = sqlx::query(CLAIM)
-                    .bind(&claim.handler)
-                    .bind(&claim.key_hash)
-                    .bind(&claim.key)
-                    .bind(&claim.fingerprint)
-                    .bind(millis(claim.claimed_at))
-                    .bind(millis(claim.expires_at))
-                    .execute(&self.pool)
-                    .await
-                    .map_err(reprise_actors::Error::store)?
-                    .rows_affected();
-                if claimed == 1 {
-                    return Ok(reprise_actors::ports::ClaimOutcome::Claimed);
+                self.provision().await?;
+                // A claim released between the insert and the read is free: claim again.
+                for _ in 0..3 {
+                    let claimed = sqlx::query(CLAIM)
+                        .bind(&claim.handler)
+                        .bind(&claim.key_hash)
+                        .bind(&claim.key)
+                        .bind(&claim.fingerprint)
+                        .bind(&claim.envelope_id)
+                        .bind(millis(claim.claimed_at))
+                        .bind(millis(claim.expires_at))
+                        .execute(&self.pool)
+                        .await
+                        .map_err(reprise_actors::Error::store)?
+                        .rows_affected();
+                    if claimed == 1 {
+                        return Ok(reprise_actors::ports::ClaimOutcome::Claimed);
+                    }
+                    // The insert decided; this read only tells a duplicate from a conflict.
+                    let fingerprint: Option<String> = sqlx::query_scalar(CLAIM_FINGERPRINT)
+                        .bind(&claim.handler)
+                        .bind(&claim.key_hash)
+                        .fetch_optional(&self.pool)
+                        .await
+                        .map_err(reprise_actors::Error::store)?;
+                    if let Some(fingerprint) = fingerprint {
+                        return Ok(reprise_actors::ports::ClaimOutcome::Held {
+                            same_payload: fingerprint == claim.fingerprint,
+                        });
+                    }
                 }
-                // The insert decided; this read only tells a duplicate from a conflict.
-                let fingerprint: Option<String> = sqlx::query_scalar(CLAIM_FINGERPRINT)
-                    .bind(&claim.handler)
-                    .bind(&claim.key_hash)
-                    .fetch_optional(&self.pool)
-                    .await
-                    .map_err(reprise_actors::Error::store)?;
-                Ok(reprise_actors::ports::ClaimOutcome::Held {
-                    same_payload: fingerprint.as_deref() == Some(claim.fingerprint.as_str()),
-                })
+                Err(reprise_actors::Error::store("a deduplication claim kept being released while claiming"))
             }
 
-            async fn release(&self, handler: &str, key_hash: &str) -> Result<(), reprise_actors::Error> {
+            async fn release(&self, claim: &reprise_actors::ports::Claim) -> Result<(), reprise_actors::Error> {
                 use $crate::store::sql::*;
+                self.provision().await?;
                 sqlx::query(RELEASE_CLAIM)
-                    .bind(handler)
-                    .bind(key_hash)
+                    .bind(&claim.handler)
+                    .bind(&claim.key_hash)
+                    .bind(&claim.envelope_id)
+                    .execute(&self.pool)
+                    .await
+                    .map_err(reprise_actors::Error::store)?;
+                Ok(())
+            }
+
+            async fn complete(&self, claim: &reprise_actors::ports::Claim) -> Result<(), reprise_actors::Error> {
+                use $crate::store::sql::*;
+                sqlx::query(COMPLETE_CLAIM)
+                    .bind(&claim.handler)
+                    .bind(&claim.key_hash)
+                    .bind(&claim.envelope_id)
                     .execute(&self.pool)
                     .await
                     .map_err(reprise_actors::Error::store)?;
@@ -638,6 +682,7 @@ macro_rules! sql_store {
                 limit: usize,
             ) -> Result<u64, reprise_actors::Error> {
                 use $crate::store::sql::*;
+                self.provision().await?;
                 let mut tx = self.pool.begin_with($begin).await.map_err(reprise_actors::Error::store)?;
                 let removed = sqlx::query(REAP_CLAIMS)
                     .bind(millis(now))

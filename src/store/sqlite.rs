@@ -67,12 +67,12 @@ impl SqliteStore {
         let mut pool = SqlitePoolOptions::new().max_connections(if memory { 1 } else { 4 });
         if memory {
             // The database lives and dies with its one connection: never recycle it.
-            pool = pool.min_connections(1).idle_timeout(None).max_lifetime(None);
+            pool = pool
+                .min_connections(1)
+                .idle_timeout(None)
+                .max_lifetime(None);
         }
-        let pool = pool
-            .connect_with(options)
-            .await
-            .map_err(Error::store)?;
+        let pool = pool.connect_with(options).await.map_err(Error::store)?;
         Self::with_pool(pool).await
     }
 }
