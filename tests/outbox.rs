@@ -150,3 +150,55 @@ async fn two_nodes_relay_each_row_once_in_order() {
         node.shutdown().await;
     }
 }
+
+/// Cascades one message naming the member it was told about.
+struct Announce;
+
+impl Handler<MemberRemoved> for Announce {
+    async fn handle(
+        &self,
+        event: &MemberRemoved,
+        context: &MessageContext,
+    ) -> Result<(), HandlerError> {
+        context
+            .publish(&support::WebhookQueued {
+                delivery_id: format!("member-{}", event.member_id),
+            })
+            .await?;
+        Ok(())
+    }
+}
+
+on_both_backends!(
+    a_durable_delivery_writes_its_cascades_to_the_outbox_with_its_completion_sqlite,
+    a_durable_delivery_writes_its_cascades_to_the_outbox_with_its_completion_postgres,
+    |db| {
+        let sent = Recorder::<support::WebhookQueued>::new();
+        let runtime = db
+            .store(Runtime::builder(), "local", Duration::from_secs(30))
+            .await
+            .module(Module::new("webhooks").handle_named::<MemberRemoved, _>("announce", Announce))
+            .module(
+                Module::new("sender")
+                    .handle_named::<support::WebhookQueued, _>("send", sent.clone()),
+            )
+            .build()
+            .unwrap();
+        let id = runtime.publish(&removed(9)).await.unwrap();
+        until(|| sent.count() == 1).await;
+        tokio::time::timeout(WAIT, runtime.idle()).await.unwrap();
+        assert_eq!(sent.calls()[0].message.delivery_id, "member-9");
+        assert_eq!(
+            db.scalar("SELECT count(*) FROM reprise_outbox").await,
+            1,
+            "it went through the outbox"
+        );
+        assert_eq!(
+            db.scalar("SELECT count(*) FROM reprise_outbox WHERE published_at IS NULL")
+                .await,
+            0
+        );
+        assert_eq!(db.inbox_status(id).await.as_deref(), Some("handled"));
+        runtime.shutdown().await;
+    }
+);

@@ -115,6 +115,11 @@ pub(crate) const ENLIST: &str = "INSERT INTO reprise_outbox \
     (id, message_type, payload, headers, deduplication_id, correlation_id, causation_id, sent_at, \
      scheduled_for, enlisted_at) VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10)";
 
+pub(crate) const ENLIST_ONCE: &str = "INSERT INTO reprise_outbox \
+    (id, message_type, payload, headers, deduplication_id, correlation_id, causation_id, sent_at, \
+     scheduled_for, enlisted_at) VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10) \
+    ON CONFLICT (id) DO NOTHING";
+
 pub(crate) const LEASE: &str = "INSERT INTO reprise_outbox_lease (id, owner, expires_at) \
     VALUES (1, $1, $3) ON CONFLICT (id) DO UPDATE SET owner = excluded.owner, \
     expires_at = excluded.expires_at \
@@ -512,6 +517,38 @@ macro_rules! sql_store {
                     .await
                     .map_err(reprise_actors::Error::store)?;
                 Ok(())
+            }
+
+            async fn mark_handled_with_outbox(
+                &self,
+                id: uuid::Uuid,
+                cascaded: &[reprise_actors::Envelope],
+            ) -> Result<bool, reprise_actors::Error> {
+                use $crate::store::sql::*;
+                let store_error = reprise_actors::Error::store;
+                let now = millis(self.clock.now());
+                let mut tx = self.pool.begin_with($begin).await.map_err(store_error)?;
+                sqlx::query(MARK_HANDLED).bind(id_text(id)).bind(now).execute(&mut *tx).await.map_err(store_error)?;
+                for envelope in cascaded {
+                    let c = EnvelopeColumns::of(envelope)?;
+                    // A retry of this commit writes the same deterministic ids: keep the first.
+                    sqlx::query(ENLIST_ONCE)
+                        .bind(c.id)
+                        .bind(c.message_type)
+                        .bind(c.payload)
+                        .bind(c.headers)
+                        .bind(c.deduplication_id)
+                        .bind(c.correlation_id)
+                        .bind(c.causation_id)
+                        .bind(c.sent_at)
+                        .bind(c.scheduled_for)
+                        .bind(now)
+                        .execute(&mut *tx)
+                        .await
+                        .map_err(store_error)?;
+                }
+                tx.commit().await.map_err(store_error)?;
+                Ok(true)
             }
 
             async fn forget(&self, id: uuid::Uuid) -> Result<(), reprise_actors::Error> {
