@@ -131,3 +131,31 @@ async fn an_unknown_id_is_a_clear_error() {
     assert!(!output.status.success());
     assert!(String::from_utf8_lossy(&output.stderr).contains("no dead letter with id"));
 }
+
+on_both_backends!(
+    purge_removes_every_dead_letter_sqlite,
+    purge_removes_every_dead_letter_postgres,
+    |db| {
+        let failing = db
+            .store(Runtime::builder(), "node-a", Duration::from_secs(30))
+            .await
+            .retry_policy(RetryPolicy::no_retries())
+            .module(Module::new("billing").handle_named::<MemberRemoved, _>("charge", AlwaysFails))
+            .build()
+            .unwrap();
+        for _ in 0..2 {
+            failing.publish(&member_removed()).await.unwrap();
+        }
+        tokio::time::timeout(WAIT, failing.idle()).await.unwrap();
+        failing.shutdown().await;
+        let url = db.url.clone();
+        let purged = reprise(&["dead-letters", "purge", "--database", &url]).await;
+        assert_eq!(purged.trim(), "purged 2 dead letter(s)");
+        assert_eq!(
+            reprise(&["dead-letters", "list", "--database", &url])
+                .await
+                .trim(),
+            "no dead letters"
+        );
+    }
+);

@@ -498,3 +498,22 @@ async fn a_policy_opts_matching_handlers_in() {
         .unwrap();
     assert_eq!((create.count(), other.count()), (1, 2));
 }
+
+#[test]
+fn deduplicating_a_handler_the_module_does_not_have_is_refused() {
+    let result = Runtime::builder()
+        .enable_deduplication()
+        .module(
+            Module::new("projections")
+                .handle_named::<RebuildProjection, _>("rebuild", Counter::default())
+                .deduplicate("rebiuld", Deduplication::from_envelope()),
+        )
+        .build();
+    let Err(reprise::Error::Registry(error)) = result else {
+        panic!("expected a registry error")
+    };
+    assert_eq!(
+        error.to_string(),
+        "module projections has no handler rebiuld to deduplicate"
+    );
+}

@@ -91,7 +91,7 @@ on_both_backends!(
         let runtime = db
             .store(Runtime::builder(), "local", Duration::from_secs(30))
             .await
-            .keep_after_handling(Duration::from_millis(200))
+            .keep_after_handling(Duration::from_millis(1500))
             .cleanup_interval(Duration::from_millis(100))
             .module(Module::new("m").handle_named::<MemberRemoved, _>("h", Recorder::new()))
             .build()

@@ -31,7 +31,8 @@ struct Proxy {
 }
 
 impl Proxy {
-    async fn start() -> Self {
+    /// A proxy to the PostgreSQL server at `upstream` (`host:port`).
+    async fn start(upstream: String) -> Self {
         let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
         let port = listener.local_addr().unwrap().port();
         let up = Arc::new(AtomicBool::new(true));
@@ -46,8 +47,9 @@ impl Proxy {
                         if !up_.load(Ordering::SeqCst) {
                             continue; // dropped: refused
                         }
+                        let upstream = upstream.clone();
                         connections.spawn(async move {
-                            if let Ok(mut server) = TcpStream::connect("127.0.0.1:5432").await {
+                            if let Ok(mut server) = TcpStream::connect(upstream.as_str()).await {
                                 let _ = tokio::io::copy_bidirectional(&mut client, &mut server).await;
                             }
                         });
@@ -82,8 +84,18 @@ impl Handler<MemberRemoved> for Gated {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_unreachable_database_loses_nothing_and_handling_resumes_by_itself() {
     let db = support_stores::TestDatabase::new(support_stores::Backend::Postgres).await;
-    let proxy = Proxy::start().await;
-    let through_proxy = db.url.replace(":5432/", &format!(":{}/", proxy.port));
+    // The server behind the test URL: postgres://user@HOST:PORT/database.
+    let authority = db
+        .url
+        .split('@')
+        .nth(1)
+        .and_then(|rest| rest.split('/').next())
+        .unwrap()
+        .to_owned();
+    let proxy = Proxy::start(authority.clone()).await;
+    let through_proxy = db
+        .url
+        .replacen(&authority, &format!("127.0.0.1:{}", proxy.port), 1);
     let pool = sqlx::postgres::PgPoolOptions::new()
         .acquire_timeout(Duration::from_secs(2))
         .connect(&through_proxy)

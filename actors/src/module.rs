@@ -101,6 +101,8 @@ pub struct Module {
     policy: Option<RetryPolicy>,
     timeout: Option<Duration>,
     handlers: Vec<HandlerEntry>,
+    /// Handler names `deduplicate` was given that no handler of this module has.
+    unknown_deduplications: Vec<String>,
 }
 
 impl Module {
@@ -111,6 +113,7 @@ impl Module {
             policy: None,
             timeout: None,
             handlers: Vec::new(),
+            unknown_deduplications: Vec::new(),
         }
     }
 
@@ -186,14 +189,25 @@ impl Module {
         self
     }
 
-    /// Opts the handler `name` in to logical deduplication (see [`Deduplication`]); a name no
-    /// handler of this module has changes nothing.
+    /// Opts the handler `name`, registered before, in to logical deduplication (see
+    /// [`Deduplication`]). A name no handler of this module has is refused when the runtime is
+    /// built.
     #[must_use]
     pub fn deduplicate(mut self, name: &str, deduplication: Deduplication) -> Self {
+        let mut found = false;
         for entry in self.handlers.iter_mut().filter(|h| *h.id.name == *name) {
             entry.deduplication = Some(deduplication.clone());
+            found = true;
+        }
+        if !found {
+            self.unknown_deduplications.push(name.to_owned());
         }
         self
+    }
+
+    /// Handler names given to [`deduplicate`](Self::deduplicate) that no handler has.
+    pub fn unknown_deduplications(&self) -> &[String] {
+        &self.unknown_deduplications
     }
 
     /// The registered handlers, in registration order.

@@ -65,6 +65,14 @@ pub enum RegistryError {
         /// The Rust type of the conflicting handler.
         second: &'static str,
     },
+    /// `Module::deduplicate` named a handler the module does not have.
+    #[error("module {module} has no handler {name} to deduplicate")]
+    UnknownDeduplicatedHandler {
+        /// The module.
+        module: String,
+        /// The name given.
+        name: String,
+    },
     /// A retry policy was set for a message type no handler handles.
     #[error("a retry policy was set for {0}, which no handler handles")]
     PolicyWithoutHandler(String),
@@ -82,6 +90,13 @@ impl Registry {
         type_policies: HashMap<String, RetryPolicy>,
         handler_timeout: Duration,
     ) -> Result<Self, RegistryError> {
+        if let Some((module, name)) = modules.iter().find_map(|m| {
+            m.unknown_deduplications()
+                .first()
+                .map(|n| (m.name().to_owned(), n.clone()))
+        }) {
+            return Err(RegistryError::UnknownDeduplicatedHandler { module, name });
+        }
         let mut routes: HashMap<&'static str, Route> = HashMap::new();
         for entry in modules.into_iter().flat_map(Module::into_handlers) {
             let route = routes.entry(entry.message_type).or_insert_with(|| Route {

@@ -166,7 +166,9 @@ impl RuntimeBuilder {
         let store = Arc::new(store);
         self.inbox = Some(Arc::clone(&store) as Arc<dyn Inbox>);
         self.outbox = Some(Arc::clone(&store) as Arc<dyn OutboxStore>);
-        self.claims = Some(Arc::clone(&store) as Arc<dyn Claims>);
+        // Claims set explicitly with `claims` stay.
+        self.claims
+            .get_or_insert_with(|| Arc::clone(&store) as Arc<dyn Claims>);
         self.dead_letters = Some(store);
         self.engine
             .durability
