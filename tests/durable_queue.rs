@@ -201,3 +201,53 @@ async fn killed_connections_do_not_stop_the_runtime() {
     assert_eq!(calls.count(), 4);
     runtime.shutdown().await;
 }
+
+on_both_backends!(
+    two_nodes_taking_over_a_dead_nodes_rows_each_resume_a_row_once_sqlite,
+    two_nodes_taking_over_a_dead_nodes_rows_each_resume_a_row_once_postgres,
+    |db| {
+        let stuck = Stuck::default();
+        let dead = db
+            .store(Runtime::builder(), "dead", Duration::from_millis(500))
+            .await
+            .module(Module::new("m").handle_named::<MemberRemoved, _>("h", stuck.clone()))
+            .build()
+            .unwrap();
+        let mut ids = HashSet::new();
+        for _ in 0..30 {
+            ids.insert(dead.publish(&member_removed()).await.unwrap());
+        }
+        until(|| stuck.0.load(Ordering::SeqCst) == 30).await;
+        drop(dead);
+
+        // Two survivors race to claim the dead node's rows (FOR UPDATE SKIP LOCKED on PostgreSQL,
+        // SQLite's single writer otherwise), in batches of a few rows.
+        let calls = Recorder::<MemberRemoved>::new();
+        let mut survivors = Vec::new();
+        for name in ["survivor-a", "survivor-b"] {
+            survivors.push(
+                db.store(Runtime::builder(), name, Duration::from_millis(500))
+                    .await
+                    .recovery_interval(Duration::from_millis(50))
+                    .recovery_batch(3)
+                    .retry_policy(RetryPolicy {
+                        min_retry_interval: Duration::from_millis(10),
+                        ..RetryPolicy::default()
+                    })
+                    .module(Module::new("m").handle_named::<MemberRemoved, _>("h", calls.clone()))
+                    .build()
+                    .unwrap(),
+            );
+        }
+        until(|| calls.count() >= 30).await;
+        for survivor in &survivors {
+            tokio::time::timeout(WAIT, survivor.idle()).await.unwrap();
+        }
+        let handled: Vec<_> = calls.calls().iter().filter_map(|c| c.message_id).collect();
+        assert_eq!(handled.len(), 30, "every row resumed exactly once");
+        assert_eq!(handled.into_iter().collect::<HashSet<_>>(), ids);
+        for survivor in survivors {
+            survivor.shutdown().await;
+        }
+    }
+);

@@ -188,6 +188,16 @@ impl RuntimeBuilder {
         self
     }
 
+    /// How many unsettled deliveries one recovery query claims (default 100).
+    #[must_use]
+    pub fn recovery_batch(mut self, batch: usize) -> Self {
+        self.engine
+            .durability
+            .get_or_insert_with(Durability::default)
+            .recovery_batch = batch;
+        self
+    }
+
     /// How often the outbox relay looks for enlisted envelopes (default 200 ms).
     #[must_use]
     pub fn relay_interval(mut self, interval: Duration) -> Self {
