@@ -1,7 +1,9 @@
 //! B2 and B3: durable deliveries per second, one handler doing one INSERT keyed on a
 //! deterministic id, on SQLite (B2) and PostgreSQL (B3), against a raw sqlx loop running the
-//! same SQL (persist the envelope, the handler's insert, mark it handled) with the same
-//! durability settings (SQLite WAL with `synchronous = FULL`; PostgreSQL defaults), in one run.
+//! same SQL (persist the envelope, the handler's insert, mark it handled), pipelined the same
+//! way (envelopes persisted one after another, handlers and completions concurrent, the same
+//! in-flight bound) with the same durability settings (SQLite WAL with `synchronous = FULL`;
+//! PostgreSQL defaults), in one run.
 //!
 //! Run with `cargo bench --bench b2_durable --features postgres` (PostgreSQL at
 //! `REPRISE_BENCH_POSTGRES`, default `postgres://postgres@127.0.0.1:5432/postgres`; a scratch
@@ -82,13 +84,21 @@ const RAW_HANDLED: &str =
 
 macro_rules! raw_loop {
     ($name:ident, $pool:ty) => {
-        /// The same three statements per message, in a plain loop.
+        /// The same three statements per message, pipelined as the runtime pipelines them:
+        /// each envelope is persisted before the next is accepted, and its handler's insert and
+        /// its completion run concurrently with later ones, up to the same in-flight bound.
         async fn $name(pool: &$pool, deliveries: u64) -> Duration {
             let start = Instant::now();
+            let in_flight = std::sync::Arc::new(tokio::sync::Semaphore::new(1024));
+            let mut running = tokio::task::JoinSet::new();
             for n in 0..deliveries {
                 let id = uuid::Uuid::new_v4();
                 let payload = serde_json::to_vec(&Ping { n }).unwrap();
                 let now = chrono::Utc::now().timestamp_millis();
+                let permit = std::sync::Arc::clone(&in_flight)
+                    .acquire_owned()
+                    .await
+                    .unwrap();
                 sqlx::query(RAW_RECEIVE)
                     .bind(id.simple().to_string())
                     .bind(payload)
@@ -96,20 +106,25 @@ macro_rules! raw_loop {
                     .execute(pool)
                     .await
                     .unwrap();
-                let row = ids::derive(id, "row");
-                sqlx::query(INSERT_ROW)
-                    .bind(row)
-                    .bind(n as i64)
-                    .execute(pool)
-                    .await
-                    .unwrap();
-                sqlx::query(RAW_HANDLED)
-                    .bind(id.simple().to_string())
-                    .bind(now)
-                    .execute(pool)
-                    .await
-                    .unwrap();
+                let pool = pool.clone();
+                running.spawn(async move {
+                    let row = ids::derive(id, "row");
+                    sqlx::query(INSERT_ROW)
+                        .bind(row)
+                        .bind(n as i64)
+                        .execute(&pool)
+                        .await
+                        .unwrap();
+                    sqlx::query(RAW_HANDLED)
+                        .bind(id.simple().to_string())
+                        .bind(now)
+                        .execute(&pool)
+                        .await
+                        .unwrap();
+                    drop(permit);
+                });
             }
+            while running.join_next().await.is_some() {}
             start.elapsed()
         }
     };
