@@ -24,6 +24,11 @@ const MIGRATIONS: &[Migration] = &[
         description: "outbox",
         sql: include_str!("../../migrations/sqlite/0003_outbox.sql"),
     },
+    Migration {
+        version: 4,
+        description: "idempotency keys",
+        sql: include_str!("../../migrations/sqlite/0004_idempotency_keys.sql"),
+    },
 ];
 
 sql_store!(
