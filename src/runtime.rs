@@ -8,7 +8,7 @@ use std::time::Duration;
 
 pub use builder::RuntimeBuilder;
 pub use dead_letters::DeadLetters;
-use reprise_actors::ports::{DeadLetterStore, Inbox};
+use reprise_actors::ports::{DeadLetterStore, Inbox, OutboxBacklog, OutboxStore};
 use reprise_actors::{
     DeliveryReport, Engine, Envelope, Message, SendOptions, ShutdownReport, StatsSnapshot,
 };
@@ -52,6 +52,7 @@ pub struct Runtime {
     transport: InProcess,
     inbox: Arc<dyn Inbox>,
     dead_letters: Arc<dyn DeadLetterStore>,
+    outbox: Option<Arc<dyn OutboxStore>>,
     max_envelope_size: usize,
     drain_timeout: Duration,
 }
@@ -203,6 +204,23 @@ impl Runtime {
     /// Cancel safe: it only observes.
     pub async fn idle(&self) {
         self.engine.dispatcher().idle().await;
+    }
+
+    /// What waits in the outbox (`None` without a durable store): its depth and the age of
+    /// its oldest envelope. The relay also logs it, and warns when it is too old.
+    ///
+    /// # Errors
+    ///
+    /// The store's failure.
+    ///
+    /// # Cancel safety
+    ///
+    /// Cancel safe: it only reads.
+    pub async fn outbox_backlog(&self) -> Result<Option<OutboxBacklog>, Error> {
+        match &self.outbox {
+            Some(outbox) => Ok(Some(outbox.backlog().await?)),
+            None => Ok(None),
+        }
     }
 
     /// What the engine did so far.

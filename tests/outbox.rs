@@ -10,6 +10,7 @@ mod support_stores;
 
 use std::time::Duration;
 
+use reprise::ports::OutboxStore;
 use reprise::prelude::*;
 use reprise::testing::Recorder;
 use support::MemberRemoved;
@@ -202,3 +203,56 @@ on_both_backends!(
         runtime.shutdown().await;
     }
 );
+
+on_both_backends!(
+    the_backlog_is_visible_and_published_rows_leave_after_their_retention_sqlite,
+    the_backlog_is_visible_and_published_rows_leave_after_their_retention_postgres,
+    |db| {
+        // Enlisted while no relay runs: a backlog builds up.
+        db.outbox_transaction(&[removed(1), removed(2), removed(3)], true)
+            .await;
+        assert_eq!(
+            db.sqlite_or_postgres_outbox()
+                .await
+                .backlog()
+                .await
+                .unwrap()
+                .depth,
+            3
+        );
+
+        let calls = Recorder::<MemberRemoved>::new();
+        let runtime = db
+            .store(Runtime::builder(), "local", Duration::from_secs(30))
+            .await
+            .relay_interval(Duration::from_millis(20))
+            .outbox_retention(Duration::from_millis(100))
+            .module(
+                Module::new("webhooks").handle_named::<MemberRemoved, _>("queue", calls.clone()),
+            )
+            .build()
+            .unwrap();
+        until(|| calls.count() == 3).await;
+        let backlog = runtime.outbox_backlog().await.unwrap().unwrap();
+        assert_eq!((backlog.depth, backlog.oldest_enlisted_at), (0, None));
+        tokio::time::timeout(WAIT, async {
+            while db.scalar("SELECT count(*) FROM reprise_outbox").await > 0 {
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+        })
+        .await
+        .expect("published rows were removed after their retention");
+        runtime.shutdown().await;
+    }
+);
+
+#[tokio::test]
+async fn the_backlog_counts_what_waits_and_how_old_it_is() {
+    let db = support_stores::TestDatabase::new(support_stores::Backend::Sqlite).await;
+    db.outbox_transaction(&[removed(1), removed(2)], true).await;
+    let outbox = db.sqlite_or_postgres_outbox().await;
+    let backlog = outbox.backlog().await.unwrap();
+    assert_eq!(backlog.depth, 2);
+    let oldest = backlog.oldest_enlisted_at.expect("an oldest envelope");
+    assert!(oldest <= chrono::Utc::now());
+}

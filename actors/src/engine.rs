@@ -60,6 +60,11 @@ pub struct Durability {
     pub relay_interval: Duration,
     /// Envelopes the relay publishes per batch (default 100).
     pub relay_batch: usize,
+    /// How long published outbox rows are kept before they are removed (default 1 h).
+    pub outbox_retention: Duration,
+    /// An outbox backlog older than this logs a warning: a stuck relay is never silent
+    /// (default 1 min).
+    pub outbox_warn_after: Duration,
 }
 
 impl Default for Durability {
@@ -72,6 +77,8 @@ impl Default for Durability {
             cleanup_batch: 1000,
             relay_interval: Duration::from_millis(200),
             relay_batch: 100,
+            outbox_retention: Duration::from_secs(60 * 60),
+            outbox_warn_after: Duration::from_secs(60),
         }
     }
 }
@@ -212,12 +219,7 @@ impl Engine {
                         }
                     }
                     if let (Some(durability), Some(outbox)) = (&config.durability, &parts.outbox) {
-                        RelayActor::new(
-                            Arc::clone(outbox),
-                            dispatcher.clone(),
-                            durability.relay_interval,
-                            durability.relay_batch,
-                        )
+                        RelayActor::new(Arc::clone(outbox), dispatcher.clone(), durability.clone())
                         .start();
                     }
                     if let Some(durability) = &config.durability {

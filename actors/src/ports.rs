@@ -422,6 +422,26 @@ pub trait Claims: Send + Sync + 'static {
     }
 }
 
+/// What waits in the outbox.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct OutboxBacklog {
+    /// Envelopes enlisted and not yet published.
+    pub depth: u64,
+    /// When the oldest of them was enlisted.
+    pub oldest_enlisted_at: Option<DateTime<Utc>>,
+}
+
+impl OutboxBacklog {
+    /// A backlog of `depth` envelopes, the oldest enlisted at `oldest_enlisted_at`.
+    pub fn new(depth: u64, oldest_enlisted_at: Option<DateTime<Utc>>) -> Self {
+        Self {
+            depth,
+            oldest_enlisted_at,
+        }
+    }
+}
+
 /// The relay's side of the outbox: envelopes the application enlisted in its own transactions,
 /// in order, until they are published.
 #[async_trait]
@@ -440,6 +460,24 @@ pub trait OutboxStore: Send + Sync + 'static {
     ///
     /// [`Error::Store`] when the store cannot answer.
     async fn unpublished(&self, limit: usize) -> Result<Vec<(i64, Envelope)>, Error>;
+
+    /// How many envelopes wait to be published, and since when the oldest does.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Store`] when the store cannot answer.
+    async fn backlog(&self) -> Result<OutboxBacklog, Error>;
+
+    /// Deletes at most `limit` envelopes published before `before`; returns how many.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Store`] when the store cannot answer.
+    async fn delete_published_before(
+        &self,
+        before: DateTime<Utc>,
+        limit: usize,
+    ) -> Result<u64, Error>;
 
     /// Marks the envelopes at these positions published.
     ///

@@ -3,8 +3,8 @@ use std::time::Duration;
 
 use actix::{Actor, ActorFutureExt, AsyncContext, Context, WrapFuture};
 
-use crate::Dispatcher;
 use crate::ports::OutboxStore;
+use crate::{Dispatcher, Durability};
 
 /// Publishes what the application enlisted in its outbox: in outbox order, in bounded batches,
 /// marking each batch published once it is accepted. A crash between publishing and marking
@@ -14,8 +14,13 @@ pub struct RelayActor {
     dispatcher: Dispatcher,
     interval: Duration,
     batch: usize,
+    retention: Duration,
+    warn_after: Duration,
     busy: bool,
 }
+
+/// How often the relay measures its backlog and removes old published rows.
+const HOUSEKEEPING: Duration = Duration::from_secs(5);
 
 impl std::fmt::Debug for RelayActor {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -29,16 +34,76 @@ impl RelayActor {
     pub(crate) fn new(
         outbox: Arc<dyn OutboxStore>,
         dispatcher: Dispatcher,
-        interval: Duration,
-        batch: usize,
+        settings: Durability,
     ) -> Self {
         Self {
             outbox,
             dispatcher,
-            interval,
-            batch: batch.max(1),
+            interval: settings.relay_interval,
+            batch: settings.relay_batch.max(1),
+            retention: settings.outbox_retention,
+            warn_after: settings.outbox_warn_after,
             busy: false,
         }
+    }
+
+    /// Reports the backlog (a warning when its oldest envelope waits too long) and removes
+    /// published rows past their retention, in bounded batches.
+    fn housekeeping(&mut self, ctx: &mut Context<Self>) {
+        let (outbox, clock) = (
+            Arc::clone(&self.outbox),
+            Arc::clone(&self.dispatcher.shared.clock),
+        );
+        let (retention, warn_after) = (self.retention, self.warn_after);
+        let work = async move {
+            let now = clock.now();
+            match outbox.backlog().await {
+                Ok(backlog) => {
+                    let age = backlog
+                        .oldest_enlisted_at
+                        .map(|at| (now - at).to_std().unwrap_or_default());
+                    tracing::debug!(
+                        outbox.depth = backlog.depth,
+                        outbox.oldest_age_ms = age.map(|a| a.as_millis() as u64),
+                        "outbox backlog"
+                    );
+                    if let Some(age) = age.filter(|age| *age > warn_after) {
+                        tracing::warn!(
+                            outbox.depth = backlog.depth,
+                            outbox.oldest_age_ms = age.as_millis() as u64,
+                            "the outbox backlog is older than it should be: is the relay stuck?"
+                        );
+                    }
+                }
+                Err(error) => tracing::warn!(%error, "measuring the outbox backlog failed"),
+            }
+            let keep = chrono::Duration::from_std(retention).unwrap_or(chrono::TimeDelta::MAX);
+            let before = now
+                .checked_sub_signed(keep)
+                .unwrap_or(chrono::DateTime::<chrono::Utc>::MIN_UTC);
+            let mut removed = 0;
+            loop {
+                match outbox.delete_published_before(before, 1000).await {
+                    Ok(count) => {
+                        removed += count;
+                        if count < 1000 {
+                            break;
+                        }
+                    }
+                    Err(error) => {
+                        tracing::warn!(%error, "removing published outbox rows failed");
+                        break;
+                    }
+                }
+            }
+            if removed > 0 {
+                tracing::info!(
+                    removed,
+                    "removed published outbox rows past their retention"
+                );
+            }
+        };
+        ctx.spawn(work.into_actor(self));
     }
 
     fn tick(&mut self, ctx: &mut Context<Self>) {
@@ -115,6 +180,10 @@ impl Actor for RelayActor {
     fn started(&mut self, ctx: &mut Context<Self>) {
         self.tick(ctx);
         ctx.run_interval(self.interval, Self::tick);
+        ctx.run_interval(
+            HOUSEKEEPING.min(self.retention.max(self.interval)),
+            Self::housekeeping,
+        );
         // Polling is the fallback: a delivery that wrote to the outbox wakes the relay at once.
         let dispatcher = self.dispatcher.clone();
         let me = ctx.address();

@@ -188,6 +188,27 @@ impl RuntimeBuilder {
         self
     }
 
+    /// How long published outbox rows are kept before the relay removes them (default 1 h).
+    #[must_use]
+    pub fn outbox_retention(mut self, retention: Duration) -> Self {
+        self.engine
+            .durability
+            .get_or_insert_with(Durability::default)
+            .outbox_retention = retention;
+        self
+    }
+
+    /// An outbox backlog whose oldest envelope waits longer than this logs a warning
+    /// (default 1 min).
+    #[must_use]
+    pub fn outbox_warn_after(mut self, after: Duration) -> Self {
+        self.engine
+            .durability
+            .get_or_insert_with(Durability::default)
+            .outbox_warn_after = after;
+        self
+    }
+
     /// How many unsettled deliveries one recovery query claims (default 100).
     #[must_use]
     pub fn recovery_batch(mut self, batch: usize) -> Self {
@@ -359,7 +380,7 @@ impl RuntimeBuilder {
                 dead_letters: Arc::clone(&dead_letters),
                 clock: self.clock,
                 rules: self.deduplication_rules,
-                outbox: self.outbox,
+                outbox: self.outbox.clone(),
                 claims: self.deduplication.then(|| {
                     self.claims
                         .unwrap_or_else(|| Arc::new(MemoryClaims::default()) as Arc<dyn Claims>)
@@ -372,6 +393,7 @@ impl RuntimeBuilder {
             transport,
             inbox,
             dead_letters,
+            outbox: self.outbox,
             max_envelope_size,
             drain_timeout: self.drain_timeout,
         })

@@ -120,6 +120,12 @@ pub(crate) const ENLIST_ONCE: &str = "INSERT INTO reprise_outbox \
      scheduled_for, enlisted_at) VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10) \
     ON CONFLICT (id) DO NOTHING";
 
+pub(crate) const BACKLOG: &str = "SELECT count(*), min(enlisted_at) FROM reprise_outbox \
+    WHERE published_at IS NULL";
+
+pub(crate) const DELETE_PUBLISHED: &str = "DELETE FROM reprise_outbox WHERE seq IN \
+    (SELECT seq FROM reprise_outbox WHERE published_at < $1 LIMIT $2)";
+
 pub(crate) const LEASE: &str = "INSERT INTO reprise_outbox_lease (id, owner, expires_at) \
     VALUES (1, $1, $3) ON CONFLICT (id) DO UPDATE SET owner = excluded.owner, \
     expires_at = excluded.expires_at \
@@ -781,6 +787,33 @@ macro_rules! sql_store {
                         Ok((position, columns.into_envelope(0)?))
                     })
                     .collect()
+            }
+
+            async fn backlog(&self) -> Result<reprise_actors::ports::OutboxBacklog, reprise_actors::Error> {
+                use sqlx::Row;
+                use $crate::store::sql::*;
+                let row = sqlx::query(BACKLOG).fetch_one(&self.pool).await.map_err(reprise_actors::Error::store)?;
+                let depth: i64 = row.try_get(0).map_err(reprise_actors::Error::store)?;
+                let oldest: Option<i64> = row.try_get(1).map_err(reprise_actors::Error::store)?;
+                Ok(reprise_actors::ports::OutboxBacklog::new(
+                    u64::try_from(depth).unwrap_or(0),
+                    oldest.map(time).transpose()?,
+                ))
+            }
+
+            async fn delete_published_before(
+                &self,
+                before: chrono::DateTime<chrono::Utc>,
+                limit: usize,
+            ) -> Result<u64, reprise_actors::Error> {
+                use $crate::store::sql::*;
+                Ok(sqlx::query(DELETE_PUBLISHED)
+                    .bind(millis(before))
+                    .bind(i64::try_from(limit).unwrap_or(i64::MAX))
+                    .execute(&self.pool)
+                    .await
+                    .map_err(reprise_actors::Error::store)?
+                    .rows_affected())
             }
 
             async fn mark_published(
