@@ -10,7 +10,6 @@ mod support_stores;
 
 use std::time::Duration;
 
-use reprise::ports::OutboxStore;
 use reprise::prelude::*;
 use reprise::testing::Recorder;
 use support::MemberRemoved;
