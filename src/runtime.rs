@@ -197,13 +197,33 @@ impl Runtime {
     }
 
     /// Waits until every accepted delivery has settled (handled, dead-lettered or discarded),
-    /// retries included.
+    /// retries included, and — with a durable store — until the outbox is empty, so the
+    /// messages deliveries cascaded through it have been published and settled too.
     ///
     /// # Cancel safety
     ///
     /// Cancel safe: it only observes.
     pub async fn idle(&self) {
-        self.engine.dispatcher().idle().await;
+        loop {
+            self.engine.dispatcher().idle().await;
+            let Some(outbox) = &self.outbox else { return };
+            // The relay publishes before it marks, so once the outbox is empty whatever it
+            // published is already counted as in flight: wait for that, then look again.
+            match outbox.backlog().await {
+                Ok(backlog) if backlog.depth == 0 => {
+                    self.engine.dispatcher().idle().await;
+                    if matches!(outbox.backlog().await, Ok(b) if b.depth == 0) {
+                        return;
+                    }
+                }
+                Ok(_) => tokio::time::sleep(Duration::from_millis(10)).await,
+                // A store that cannot answer cannot be waited on: report idle as far as known.
+                Err(error) => {
+                    tracing::warn!(%error, "idle: the outbox backlog is unknown");
+                    return;
+                }
+            }
+        }
     }
 
     /// What waits in the outbox (`None` without a durable store): its depth and the age of
