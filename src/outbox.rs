@@ -41,16 +41,7 @@ macro_rules! enlist_in {
         impl Enlist for sqlx::Transaction<'_, $db> {
             async fn insert(&mut self, envelope: &Envelope) -> Result<(), Error> {
                 let c = EnvelopeColumns::of(envelope)?;
-                sqlx::query(ENLIST)
-                    .bind(c.id)
-                    .bind(c.message_type)
-                    .bind(c.payload)
-                    .bind(c.headers)
-                    .bind(c.deduplication_id)
-                    .bind(c.correlation_id)
-                    .bind(c.causation_id)
-                    .bind(c.sent_at)
-                    .bind(c.scheduled_for)
+                crate::store::sql::bind_envelope!(sqlx::query(ENLIST), c)
                     .bind(millis(chrono::Utc::now()))
                     .execute(&mut **self)
                     .await

@@ -251,6 +251,25 @@ pub(crate) fn stored_attempts(attempts: u32) -> i32 {
     i32::try_from(attempts).unwrap_or(i32::MAX)
 }
 
+/// Binds an envelope's columns (an [`EnvelopeColumns`] named `$c`) to the first nine
+/// parameters of `$query`, in the order every envelope table declares them.
+macro_rules! bind_envelope {
+    ($query:expr, $c:ident) => {
+        $query
+            .bind($c.id)
+            .bind($c.message_type)
+            .bind($c.payload)
+            .bind($c.headers)
+            .bind($c.deduplication_id)
+            .bind($c.correlation_id)
+            .bind($c.causation_id)
+            .bind($c.sent_at)
+            .bind($c.scheduled_for)
+    };
+}
+
+pub(crate) use bind_envelope;
+
 /// Stamps a store over one sqlx database from the shared SQL.
 ///
 /// `$claim` is the statement that claims unsettled rows for this node (it differs in how it
@@ -430,16 +449,7 @@ macro_rules! sql_store {
             ) -> Result<reprise_actors::ports::Receipt, reprise_actors::Error> {
                 use $crate::store::sql::*;
                 let c = EnvelopeColumns::of(envelope)?;
-                let inserted = sqlx::query(RECEIVE)
-                    .bind(c.id)
-                    .bind(c.message_type)
-                    .bind(c.payload)
-                    .bind(c.headers)
-                    .bind(c.deduplication_id)
-                    .bind(c.correlation_id)
-                    .bind(c.causation_id)
-                    .bind(c.sent_at)
-                    .bind(c.scheduled_for)
+                let inserted = $crate::store::sql::bind_envelope!(sqlx::query(RECEIVE), c)
                     .bind(stored_attempts(envelope.attempts.saturating_add(1)))
                     .bind(&*self.node)
                     .bind(millis(self.clock.now()))
@@ -460,16 +470,7 @@ macro_rules! sql_store {
             ) -> Result<reprise_actors::ports::Receipt, reprise_actors::Error> {
                 use $crate::store::sql::*;
                 let c = EnvelopeColumns::of(envelope)?;
-                let inserted = sqlx::query(ENQUEUE)
-                    .bind(c.id)
-                    .bind(c.message_type)
-                    .bind(c.payload)
-                    .bind(c.headers)
-                    .bind(c.deduplication_id)
-                    .bind(c.correlation_id)
-                    .bind(c.causation_id)
-                    .bind(c.sent_at)
-                    .bind(c.scheduled_for)
+                let inserted = $crate::store::sql::bind_envelope!(sqlx::query(ENQUEUE), c)
                     .bind(stored_attempts(envelope.attempts))
                     .bind(millis(self.clock.now()))
                     .execute(&self.pool)
@@ -538,16 +539,7 @@ macro_rules! sql_store {
                 for envelope in cascaded {
                     let c = EnvelopeColumns::of(envelope)?;
                     // A retry of this commit writes the same deterministic ids: keep the first.
-                    sqlx::query(ENLIST_ONCE)
-                        .bind(c.id)
-                        .bind(c.message_type)
-                        .bind(c.payload)
-                        .bind(c.headers)
-                        .bind(c.deduplication_id)
-                        .bind(c.correlation_id)
-                        .bind(c.causation_id)
-                        .bind(c.sent_at)
-                        .bind(c.scheduled_for)
+                    $crate::store::sql::bind_envelope!(sqlx::query(ENLIST_ONCE), c)
                         .bind(now)
                         .execute(&mut *tx)
                         .await
@@ -840,16 +832,7 @@ macro_rules! sql_store {
             async fn put(&self, letter: reprise_actors::DeadLetter) -> Result<(), reprise_actors::Error> {
                 use $crate::store::sql::*;
                 let c = EnvelopeColumns::of(&letter.envelope)?;
-                sqlx::query(PUT_DEAD_LETTER)
-                    .bind(c.id)
-                    .bind(c.message_type)
-                    .bind(c.payload)
-                    .bind(c.headers)
-                    .bind(c.deduplication_id)
-                    .bind(c.correlation_id)
-                    .bind(c.causation_id)
-                    .bind(c.sent_at)
-                    .bind(c.scheduled_for)
+                $crate::store::sql::bind_envelope!(sqlx::query(PUT_DEAD_LETTER), c)
                     .bind(reason_json(&letter.reason)?)
                     .bind(json(&letter.failures)?)
                     .bind(stored_attempts(letter.attempts))
