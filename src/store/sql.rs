@@ -270,6 +270,27 @@ macro_rules! bind_envelope {
 
 pub(crate) use bind_envelope;
 
+/// Reads an envelope's columns from `$row`, starting at column `$at`, in the order every
+/// envelope table declares them. Needs `sqlx::Row` in scope; returns early on a bad column.
+macro_rules! read_envelope {
+    ($row:expr, $at:expr) => {{
+        let get = |e: sqlx::Error| reprise_actors::Error::store(e);
+        $crate::store::sql::EnvelopeColumns {
+            id: $row.try_get($at).map_err(get)?,
+            message_type: $row.try_get($at + 1).map_err(get)?,
+            payload: $row.try_get($at + 2).map_err(get)?,
+            headers: $row.try_get($at + 3).map_err(get)?,
+            deduplication_id: $row.try_get($at + 4).map_err(get)?,
+            correlation_id: $row.try_get($at + 5).map_err(get)?,
+            causation_id: $row.try_get($at + 6).map_err(get)?,
+            sent_at: $row.try_get($at + 7).map_err(get)?,
+            scheduled_for: $row.try_get($at + 8).map_err(get)?,
+        }
+    }};
+}
+
+pub(crate) use read_envelope;
+
 /// Stamps a store over one sqlx database from the shared SQL.
 ///
 /// `$claim` is the statement that claims unsettled rows for this node (it differs in how it
@@ -386,17 +407,7 @@ macro_rules! sql_store {
                 use sqlx::Row;
                 use $crate::store::sql::*;
                 let get = |e: sqlx::Error| reprise_actors::Error::store(e);
-                let columns = EnvelopeColumns {
-                    id: row.try_get(0).map_err(get)?,
-                    message_type: row.try_get(1).map_err(get)?,
-                    payload: row.try_get(2).map_err(get)?,
-                    headers: row.try_get(3).map_err(get)?,
-                    deduplication_id: row.try_get(4).map_err(get)?,
-                    correlation_id: row.try_get(5).map_err(get)?,
-                    causation_id: row.try_get(6).map_err(get)?,
-                    sent_at: row.try_get(7).map_err(get)?,
-                    scheduled_for: row.try_get(8).map_err(get)?,
-                };
+                let columns = $crate::store::sql::read_envelope!(row, 0);
                 let stored_attempts: i32 = row.try_get(9).map_err(get)?;
                 let execute_at: Option<i64> = row.try_get(10).map_err(get)?;
                 let failures: Option<String> = row.try_get(11).map_err(get)?;
@@ -413,17 +424,7 @@ macro_rules! sql_store {
                 use sqlx::Row;
                 use $crate::store::sql::*;
                 let get = |e: sqlx::Error| reprise_actors::Error::store(e);
-                let columns = EnvelopeColumns {
-                    id: row.try_get(0).map_err(get)?,
-                    message_type: row.try_get(1).map_err(get)?,
-                    payload: row.try_get(2).map_err(get)?,
-                    headers: row.try_get(3).map_err(get)?,
-                    deduplication_id: row.try_get(4).map_err(get)?,
-                    correlation_id: row.try_get(5).map_err(get)?,
-                    causation_id: row.try_get(6).map_err(get)?,
-                    sent_at: row.try_get(7).map_err(get)?,
-                    scheduled_for: row.try_get(8).map_err(get)?,
-                };
+                let columns = $crate::store::sql::read_envelope!(row, 0);
                 let reason: String = row.try_get(9).map_err(get)?;
                 let failures: String = row.try_get(10).map_err(get)?;
                 let stored_attempts: i32 = row.try_get(11).map_err(get)?;
@@ -765,17 +766,7 @@ macro_rules! sql_store {
                 rows.iter()
                     .map(|row| {
                         let position: i64 = row.try_get(0).map_err(get)?;
-                        let columns = EnvelopeColumns {
-                            id: row.try_get(1).map_err(get)?,
-                            message_type: row.try_get(2).map_err(get)?,
-                            payload: row.try_get(3).map_err(get)?,
-                            headers: row.try_get(4).map_err(get)?,
-                            deduplication_id: row.try_get(5).map_err(get)?,
-                            correlation_id: row.try_get(6).map_err(get)?,
-                            causation_id: row.try_get(7).map_err(get)?,
-                            sent_at: row.try_get(8).map_err(get)?,
-                            scheduled_for: row.try_get(9).map_err(get)?,
-                        };
+                        let columns = $crate::store::sql::read_envelope!(row, 1);
                         Ok((position, columns.into_envelope(0)?))
                     })
                     .collect()

@@ -15,6 +15,24 @@ pub enum Backend {
     Postgres,
 }
 
+/// Runs `$body` with `$pool`, the pool of `$db`'s store, whichever the backend.
+macro_rules! with_pool {
+    ($db:expr, |$pool:ident| $body:expr) => {
+        match $db.backend {
+            Backend::Sqlite => {
+                let store = $db.sqlite().await;
+                let $pool = store.pool();
+                $body
+            }
+            Backend::Postgres => {
+                let store = $db.postgres().await;
+                let $pool = store.pool();
+                $body
+            }
+        }
+    };
+}
+
 /// A database that exists for one test; dropped with it.
 #[derive(Debug)]
 pub struct TestDatabase {
@@ -148,22 +166,10 @@ impl TestDatabase {
     /// Rows in the inbox table, read with a connection of its own.
     pub async fn inbox_rows(&self) -> i64 {
         let sql = "SELECT count(*) FROM reprise_inbox";
-        match self.backend {
-            Backend::Sqlite => {
-                let store = self.sqlite().await;
-                sqlx::query_scalar(sql)
-                    .fetch_one(store.pool())
-                    .await
-                    .unwrap()
-            }
-            Backend::Postgres => {
-                let store = self.postgres().await;
-                sqlx::query_scalar(sql)
-                    .fetch_one(store.pool())
-                    .await
-                    .unwrap()
-            }
-        }
+        with_pool!(self, |pool| sqlx::query_scalar(sql)
+            .fetch_one(pool)
+            .await
+            .unwrap())
     }
 }
 
@@ -172,46 +178,21 @@ impl TestDatabase {
     pub async fn inbox_status(&self, id: Uuid) -> Option<String> {
         let sql = "SELECT status FROM reprise_inbox WHERE id = $1";
         let id = id.simple().to_string();
-        match self.backend {
-            Backend::Sqlite => {
-                let store = self.sqlite().await;
-                sqlx::query_scalar(sql)
-                    .bind(id)
-                    .fetch_optional(store.pool())
-                    .await
-                    .unwrap()
-            }
-            Backend::Postgres => {
-                let store = self.postgres().await;
-                sqlx::query_scalar(sql)
-                    .bind(id)
-                    .fetch_optional(store.pool())
-                    .await
-                    .unwrap()
-            }
-        }
+        with_pool!(self, |pool| sqlx::query_scalar(sql)
+            .bind(id)
+            .fetch_optional(pool)
+            .await
+            .unwrap())
     }
 }
 
 impl TestDatabase {
     /// The single integer `sql` answers, read with a connection of its own.
     pub async fn scalar(&self, sql: &'static str) -> i64 {
-        match self.backend {
-            Backend::Sqlite => {
-                let store = self.sqlite().await;
-                sqlx::query_scalar(sql)
-                    .fetch_one(store.pool())
-                    .await
-                    .unwrap()
-            }
-            Backend::Postgres => {
-                let store = self.postgres().await;
-                sqlx::query_scalar(sql)
-                    .fetch_one(store.pool())
-                    .await
-                    .unwrap()
-            }
-        }
+        with_pool!(self, |pool| sqlx::query_scalar(sql)
+            .fetch_one(pool)
+            .await
+            .unwrap())
     }
 
     /// Whether the table `name` exists.
@@ -224,24 +205,11 @@ impl TestDatabase {
                 "SELECT count(*) FROM information_schema.tables WHERE table_name = $1"
             }
         };
-        let count: i64 = match self.backend {
-            Backend::Sqlite => {
-                let store = self.sqlite().await;
-                sqlx::query_scalar(sql)
-                    .bind(name)
-                    .fetch_one(store.pool())
-                    .await
-                    .unwrap()
-            }
-            Backend::Postgres => {
-                let store = self.postgres().await;
-                sqlx::query_scalar(sql)
-                    .bind(name)
-                    .fetch_one(store.pool())
-                    .await
-                    .unwrap()
-            }
-        };
+        let count: i64 = with_pool!(self, |pool| sqlx::query_scalar(sql)
+            .bind(name)
+            .fetch_one(pool)
+            .await
+            .unwrap());
         count > 0
     }
 }
