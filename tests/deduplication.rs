@@ -400,6 +400,116 @@ async fn past_the_window_the_same_id_is_accepted_again_even_before_the_reaper_ru
     );
 }
 
+/// Moves on a millisecond each time it is read, so that every reaping round has a `now` of its
+/// own, and jumps when told.
+#[derive(Clone)]
+struct TickingClock(Arc<Mutex<DateTime<Utc>>>);
+
+impl Clock for TickingClock {
+    fn now(&self) -> DateTime<Utc> {
+        let mut now = self.0.lock().unwrap();
+        *now += chrono::Duration::milliseconds(1);
+        *now
+    }
+}
+
+/// Delegates to memory and records every reap: its `now`, its limit, and how many it removed.
+#[derive(Default)]
+struct RecordedReaps {
+    inner: MemoryClaims,
+    reaps: Mutex<Vec<(DateTime<Utc>, usize, u64)>>,
+}
+
+#[async_trait]
+impl Claims for RecordedReaps {
+    async fn provision(&self) -> Result<(), reprise::EngineError> {
+        Ok(())
+    }
+    async fn claim(&self, claim: &Claim) -> Result<ClaimOutcome, reprise::EngineError> {
+        self.inner.claim(claim).await
+    }
+    async fn release(&self, claim: &Claim) -> Result<(), reprise::EngineError> {
+        self.inner.release(claim).await
+    }
+    async fn complete(&self, claim: &Claim) -> Result<(), reprise::EngineError> {
+        self.inner.complete(claim).await
+    }
+    async fn reap(&self, now: DateTime<Utc>, limit: usize) -> Result<u64, reprise::EngineError> {
+        let removed = self.inner.reap(now, limit).await?;
+        self.reaps.lock().unwrap().push((now, limit, removed));
+        Ok(removed)
+    }
+}
+
+/// Takes five claims, lets them expire, and returns the first reaping round that removed any:
+/// each statement's limit and how many it removed.
+async fn first_reaping_round(batch: usize) -> Vec<(usize, u64)> {
+    let clock = TickingClock(Arc::new(Mutex::new(Utc::now())));
+    let claims = Arc::new(RecordedReaps::default());
+    let effects = Counter::default();
+    let harness = TestHarness::builder()
+        .configure(|runtime| {
+            runtime
+                .enable_deduplication()
+                .claims(Arc::clone(&claims) as Arc<dyn Claims>)
+                .clock(Arc::new(clock.clone()))
+                .deduplication_window(Duration::from_secs(3600))
+                .deduplication_reap_interval(Duration::from_secs(60))
+                .deduplication_reap_batch(batch)
+        })
+        .module(
+            Module::new("projections")
+                .handle_named::<RebuildProjection, _>("rebuild", effects.clone())
+                .deduplicate("rebuild", Deduplication::from_envelope()),
+        )
+        .build()
+        .unwrap();
+    for key in ["a", "b", "c", "d", "e"] {
+        harness
+            .publish_with(&rebuild("orders"), keyed(key))
+            .await
+            .unwrap();
+    }
+    assert_eq!(effects.count(), 5);
+    *clock.0.lock().unwrap() += chrono::Duration::hours(2);
+    // A round is over once a later one has started.
+    let round = tokio::time::timeout(Duration::from_secs(10), async {
+        loop {
+            {
+                let reaps = claims.reaps.lock().unwrap();
+                if let Some(first) = reaps.iter().position(|reap| reap.2 > 0) {
+                    let now = reaps[first].0;
+                    if reaps.iter().any(|reap| reap.0 > now) {
+                        return reaps
+                            .iter()
+                            .filter(|reap| reap.0 == now)
+                            .map(|reap| (reap.1, reap.2))
+                            .collect::<Vec<_>>();
+                    }
+                }
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    })
+    .await
+    .expect("a reaping round removed the expired claims and ended");
+    harness.shutdown().await;
+    round
+}
+
+#[tokio::test]
+async fn expired_claims_are_reaped_in_configured_batches_until_one_comes_back_short() {
+    assert_eq!(first_reaping_round(2).await, [(2, 2), (2, 2), (2, 1)]);
+}
+
+#[tokio::test]
+async fn a_reap_batch_of_zero_is_taken_as_one_and_the_round_still_ends() {
+    assert_eq!(
+        first_reaping_round(0).await,
+        [(1, 1), (1, 1), (1, 1), (1, 1), (1, 1), (1, 0)]
+    );
+}
+
 #[tokio::test]
 async fn the_id_can_come_from_the_message_or_a_header() {
     let (by_key, by_header) = (Counter::default(), Counter::default());

@@ -35,6 +35,8 @@ pub struct EngineConfig {
     pub deduplication_window: Duration,
     /// How often expired claims are reaped (default 5 min).
     pub deduplication_reap_interval: Duration,
+    /// Expired claims deleted per statement, each in its own transaction (default 1000).
+    pub deduplication_reap_batch: usize,
     /// Recovery and cleanup, for a durable inbox (`None` for one in memory).
     pub durability: Option<Durability>,
     /// Run on a paused tokio clock that jumps to the next timer whenever the engine is idle.
@@ -93,6 +95,7 @@ impl Default for EngineConfig {
             retry_scope: RetryScope::default(),
             deduplication_window: Duration::from_secs(24 * 60 * 60),
             deduplication_reap_interval: Duration::from_secs(5 * 60),
+            deduplication_reap_batch: 1000,
             durability: None,
             #[cfg(feature = "testing")]
             virtual_time: false,
@@ -207,6 +210,7 @@ impl Engine {
                             Arc::clone(claims),
                             Arc::clone(&dispatcher.shared.clock),
                             config.deduplication_reap_interval,
+                            config.deduplication_reap_batch,
                         )
                         .start();
                     } else {

@@ -5,9 +5,6 @@ use actix::{Actor, ActorFutureExt, AsyncContext, Context, WrapFuture};
 
 use crate::ports::{Claims, Clock};
 
-/// Claims reaped per statement.
-const BATCH: usize = 1000;
-
 /// Provisions the deduplication claims when the runtime starts, then deletes expired claims on
 /// its own timer, in bounded batches, each in its own transaction, and logs how many it
 /// removed: a count that keeps climbing says the window is too long or the volume higher than
@@ -16,6 +13,7 @@ pub struct ReaperActor {
     claims: Arc<dyn Claims>,
     clock: Arc<dyn Clock>,
     interval: Duration,
+    batch: usize,
     busy: bool,
 }
 
@@ -23,16 +21,24 @@ impl std::fmt::Debug for ReaperActor {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("ReaperActor")
             .field("interval", &self.interval)
+            .field("batch", &self.batch)
             .finish_non_exhaustive()
     }
 }
 
 impl ReaperActor {
-    pub(crate) fn new(claims: Arc<dyn Claims>, clock: Arc<dyn Clock>, interval: Duration) -> Self {
+    pub(crate) fn new(
+        claims: Arc<dyn Claims>,
+        clock: Arc<dyn Clock>,
+        interval: Duration,
+        batch: usize,
+    ) -> Self {
         Self {
             claims,
             clock,
             interval,
+            // A batch of 0 would never come back short, and the round would never end.
+            batch: batch.max(1),
             busy: false,
         }
     }
@@ -44,13 +50,14 @@ impl ReaperActor {
         self.busy = true;
         let claims = Arc::clone(&self.claims);
         let now = self.clock.now();
+        let batch = self.batch;
         let round = async move {
             let mut removed = 0u64;
             loop {
-                match claims.reap(now, BATCH).await {
+                match claims.reap(now, batch).await {
                     Ok(count) => {
                         removed += count;
-                        if count < BATCH as u64 {
+                        if count < batch as u64 {
                             break;
                         }
                     }

@@ -317,6 +317,15 @@ impl RuntimeBuilder {
         self
     }
 
+    /// How many expired claims one reaping statement deletes, each batch in its own
+    /// transaction so that reaping never holds a long lock (default 1000; at least 1). A round
+    /// goes on until a batch comes back short.
+    #[must_use]
+    pub fn deduplication_reap_batch(mut self, batch: usize) -> Self {
+        self.engine.deduplication_reap_batch = batch;
+        self
+    }
+
     /// Opts every handler for which `filter` holds (given its id and message type) in to
     /// `deduplication`, unless it chose its own. A filter is required on purpose: applied to
     /// every handler, a required logical id would dead-letter all traffic that has none.
