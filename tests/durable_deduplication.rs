@@ -1,6 +1,7 @@
 //! Logical deduplication on a real SQLite file and a real PostgreSQL server: claims only when
-//! enabled, held across restarts and nodes, one effect when two nodes claim at once, taken over
-//! after the window, reaped in batches.
+//! enabled, held across restarts and nodes, one effect when two nodes claim at once, per
+//! handler, released by a failed handler, fingerprinted against conflicts, taken over after the
+//! window, reaped in batches.
 #![cfg(all(feature = "sqlite", feature = "postgres", feature = "testing"))]
 
 #[path = "support/messages.rs"]
@@ -314,5 +315,212 @@ on_both_backends!(
         tokio::time::timeout(WAIT, restarted.idle()).await.unwrap();
         assert_eq!(effects.count(), 1);
         restarted.shutdown().await;
+    }
+);
+
+/// Fails its first call; counts the calls that succeed.
+#[derive(Clone, Default)]
+struct FailsFirst {
+    calls: std::sync::Arc<std::sync::atomic::AtomicUsize>,
+    effects: Counter,
+}
+
+impl Handler<MemberRemoved> for FailsFirst {
+    async fn handle(
+        &self,
+        message: &MemberRemoved,
+        context: &MessageContext,
+    ) -> Result<(), HandlerError> {
+        if self.calls.fetch_add(1, std::sync::atomic::Ordering::SeqCst) == 0 {
+            return Err("the directory service is down".into());
+        }
+        self.effects.handle(message, context).await
+    }
+}
+
+fn quick_retries() -> RetryPolicy {
+    RetryPolicy {
+        retry_limit: 2,
+        min_retry_interval: Duration::from_millis(10),
+        retry_interval_delta: Duration::from_millis(10),
+        max_retry_interval: Duration::from_millis(50),
+    }
+}
+
+on_both_backends!(
+    claims_are_per_handler_and_a_retry_gets_through_its_own_sqlite,
+    claims_are_per_handler_and_a_retry_gets_through_its_own_postgres,
+    |db| {
+        let (revoke, audit) = (FailsFirst::default(), Counter::default());
+        let runtime = db
+            .store(Runtime::builder(), "local", Duration::from_secs(30))
+            .await
+            .enable_deduplication()
+            .retry_policy(quick_retries())
+            .module(
+                Module::new("workspaces")
+                    .handle_named::<MemberRemoved, _>("revoke", revoke.clone())
+                    .deduplicate("revoke", Deduplication::from_envelope()),
+            )
+            .module(
+                Module::new("compliance")
+                    .handle_named::<MemberRemoved, _>("audit", audit.clone())
+                    .deduplicate("audit", Deduplication::from_envelope()),
+            )
+            .build()
+            .unwrap();
+        runtime
+            .publish_with(&member_removed(), keyed("remove-7"))
+            .await
+            .unwrap();
+        tokio::time::timeout(WAIT, runtime.idle()).await.unwrap();
+        assert_eq!(
+            revoke.calls.load(std::sync::atomic::Ordering::SeqCst),
+            2,
+            "the retry was not discarded as a duplicate of its own failure"
+        );
+        assert_eq!(
+            (revoke.effects.count(), audit.count()),
+            (1, 1),
+            "the retry reran every handler, and the one that had succeeded found its claim held"
+        );
+        assert_eq!(
+            db.scalar("SELECT count(*) FROM reprise_deduplication")
+                .await,
+            2,
+            "one claim per handler for the one logical id"
+        );
+        runtime
+            .publish_with(&member_removed(), keyed("remove-7"))
+            .await
+            .unwrap();
+        tokio::time::timeout(WAIT, runtime.idle()).await.unwrap();
+        assert_eq!((revoke.effects.count(), audit.count()), (1, 1));
+        assert_eq!(
+            db.scalar("SELECT count(*) FROM reprise_dead_letters").await,
+            0
+        );
+        runtime.shutdown().await;
+    }
+);
+
+on_both_backends!(
+    a_claimed_id_with_a_different_payload_is_a_conflict_sqlite,
+    a_claimed_id_with_a_different_payload_is_a_conflict_postgres,
+    |db| {
+        let (logged, strict) = (Counter::default(), Counter::default());
+        let runtime = db
+            .store(Runtime::builder(), "local", Duration::from_secs(30))
+            .await
+            .enable_deduplication()
+            .module(
+                Module::new("workspaces")
+                    .handle_named::<MemberRemoved, _>("logged", logged.clone())
+                    .handle_named::<MemberRemoved, _>("strict", strict.clone())
+                    .deduplicate("logged", Deduplication::from_envelope())
+                    .deduplicate(
+                        "strict",
+                        Deduplication::from_envelope().dead_letter_conflicts(),
+                    ),
+            )
+            .build()
+            .unwrap();
+        runtime
+            .publish_with(&member_removed(), keyed("remove-7"))
+            .await
+            .unwrap();
+        tokio::time::timeout(WAIT, runtime.idle()).await.unwrap();
+        runtime
+            .publish_with(&member_removed(), keyed("remove-7"))
+            .await
+            .unwrap();
+        tokio::time::timeout(WAIT, runtime.idle()).await.unwrap();
+        assert_eq!(
+            db.scalar("SELECT count(*) FROM reprise_dead_letters").await,
+            0,
+            "the same payload again is a plain duplicate"
+        );
+        let other = MemberRemoved {
+            member_id: 8,
+            ..member_removed()
+        };
+        runtime
+            .publish_with(&other, keyed("remove-7"))
+            .await
+            .unwrap();
+        tokio::time::timeout(WAIT, runtime.idle()).await.unwrap();
+        assert_eq!(
+            db.scalar("SELECT count(*) FROM reprise_dead_letters").await,
+            1,
+            "the strict handler dead-letters the conflict"
+        );
+        assert_eq!((logged.count(), strict.count()), (1, 1));
+        runtime.shutdown().await;
+    }
+);
+
+/// Fails while `broken`; counts the calls that succeed.
+#[derive(Clone, Default)]
+struct Breakable {
+    broken: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    effects: Counter,
+}
+
+impl Handler<MemberRemoved> for Breakable {
+    async fn handle(
+        &self,
+        message: &MemberRemoved,
+        context: &MessageContext,
+    ) -> Result<(), HandlerError> {
+        if self.broken.load(std::sync::atomic::Ordering::SeqCst) {
+            return Err("the directory service is down".into());
+        }
+        self.effects.handle(message, context).await
+    }
+}
+
+on_both_backends!(
+    a_dead_lettered_message_releases_its_claim_for_a_new_delivery_sqlite,
+    a_dead_lettered_message_releases_its_claim_for_a_new_delivery_postgres,
+    |db| {
+        let revoke = Breakable::default();
+        revoke
+            .broken
+            .store(true, std::sync::atomic::Ordering::SeqCst);
+        let runtime = db
+            .store(Runtime::builder(), "local", Duration::from_secs(30))
+            .await
+            .enable_deduplication()
+            .retry_policy(RetryPolicy {
+                retry_limit: 1,
+                ..quick_retries()
+            })
+            .module(
+                Module::new("workspaces")
+                    .handle_named::<MemberRemoved, _>("revoke", revoke.clone())
+                    .deduplicate("revoke", Deduplication::from_envelope()),
+            )
+            .build()
+            .unwrap();
+        runtime
+            .publish_with(&member_removed(), keyed("remove-7"))
+            .await
+            .unwrap();
+        tokio::time::timeout(WAIT, runtime.idle()).await.unwrap();
+        assert_eq!(
+            db.scalar("SELECT count(*) FROM reprise_dead_letters").await,
+            1
+        );
+        // The intent was never carried out, so a new delivery of it must get through.
+        revoke
+            .broken
+            .store(false, std::sync::atomic::Ordering::SeqCst);
+        runtime
+            .publish_with(&member_removed(), keyed("remove-7"))
+            .await
+            .unwrap();
+        tokio::time::timeout(WAIT, runtime.idle()).await.unwrap();
+        assert_eq!(revoke.effects.count(), 1);
+        runtime.shutdown().await;
     }
 );
