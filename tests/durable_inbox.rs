@@ -132,3 +132,30 @@ on_both_backends!(
         second.shutdown().await;
     }
 );
+
+on_both_backends!(
+    a_late_attempt_never_takes_a_handled_envelope_back_sqlite,
+    a_late_attempt_never_takes_a_handled_envelope_back_postgres,
+    |db| {
+        use reprise::ports::Receipt;
+        let inbox = db.sqlite_or_postgres_inbox().await;
+        let envelope = Envelope::for_message(&member_removed()).unwrap();
+        assert_eq!(inbox.receive(&envelope).await.unwrap(), Receipt::New);
+        inbox.mark_handled(envelope.id).await.unwrap();
+        // The writes of a node that lost this delivery to recovery and ran its attempt late.
+        inbox.begin_attempt(envelope.id, 2).await.unwrap();
+        inbox
+            .schedule_retry(&envelope, chrono::Utc::now(), &[], &[])
+            .await
+            .unwrap();
+        assert_eq!(
+            db.inbox_status(envelope.id).await.as_deref(),
+            Some("handled")
+        );
+        assert!(
+            inbox.recover(10).await.unwrap().is_empty(),
+            "nothing to run again"
+        );
+        assert_eq!(inbox.receive(&envelope).await.unwrap(), Receipt::Duplicate);
+    }
+);

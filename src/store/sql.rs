@@ -24,12 +24,15 @@ pub(crate) const ENQUEUE: &str = "INSERT INTO reprise_inbox \
     VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, 'incoming', $10, NULL, $11) \
     ON CONFLICT (id) DO NOTHING";
 
+// An attempt's writes never take an envelope back from handled: a node that lost a delivery
+// to recovery while its attempt ran late must not make the winner's work run again.
 pub(crate) const BEGIN_ATTEMPT: &str = "UPDATE reprise_inbox \
-    SET status = 'incoming', attempts = $2, execute_at = NULL WHERE id = $1";
+    SET status = 'incoming', attempts = $2, execute_at = NULL \
+    WHERE id = $1 AND status <> 'handled'";
 
 pub(crate) const SCHEDULE_RETRY: &str = "UPDATE reprise_inbox \
     SET status = 'scheduled', attempts = $2, execute_at = $3, failures = $4, succeeded = $5 \
-    WHERE id = $1";
+    WHERE id = $1 AND status <> 'handled'";
 
 pub(crate) const MARK_HANDLED: &str = "UPDATE reprise_inbox \
     SET status = 'handled', handled_at = $2, owner = NULL WHERE id = $1";

@@ -249,6 +249,14 @@ impl TestDatabase {
 }
 
 impl TestDatabase {
+    /// This database's store, as the engine's inbox sees it.
+    pub async fn sqlite_or_postgres_inbox(&self) -> Box<dyn reprise::ports::Inbox> {
+        match self.backend {
+            Backend::Sqlite => Box::new(self.sqlite().await),
+            Backend::Postgres => Box::new(self.postgres().await),
+        }
+    }
+
     /// This database's store, as the relay sees it.
     pub async fn sqlite_or_postgres_outbox(&self) -> Box<dyn reprise::ports::OutboxStore> {
         match self.backend {
