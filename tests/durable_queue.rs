@@ -251,3 +251,40 @@ on_both_backends!(
         }
     }
 );
+
+on_both_backends!(
+    a_live_node_is_never_taken_for_dead_between_far_apart_recovery_rounds_sqlite,
+    a_live_node_is_never_taken_for_dead_between_far_apart_recovery_rounds_postgres,
+    |db| {
+        // Recovery every 10 s (the default), and presumed dead after 1 s without a heartbeat.
+        let busy = Stuck::default();
+        let live = db
+            .store(Runtime::builder(), "live", Duration::from_secs(1))
+            .await
+            .module(Module::new("m").handle_named::<MemberRemoved, _>("h", busy.clone()))
+            .build()
+            .unwrap();
+        live.publish(&member_removed()).await.unwrap();
+        until(|| busy.0.load(Ordering::SeqCst) == 1).await;
+
+        let calls = Recorder::<MemberRemoved>::new();
+        let watcher = db
+            .store(Runtime::builder(), "watcher", Duration::from_secs(1))
+            .await
+            .recovery_interval(Duration::from_millis(50))
+            .module(Module::new("m").handle_named::<MemberRemoved, _>("h", calls.clone()))
+            .build()
+            .unwrap();
+        // What is asserted is that nothing happens, so this waits out several node timeouts.
+        tokio::time::sleep(Duration::from_secs(3)).await;
+        assert!(
+            calls.calls().is_empty(),
+            "the watcher took over a delivery its live owner was still running"
+        );
+        busy.1.notify_one();
+        tokio::time::timeout(WAIT, live.idle()).await.unwrap();
+        watcher.shutdown().await;
+        live.shutdown().await;
+        assert_eq!(calls.calls().len(), 0);
+    }
+);

@@ -186,6 +186,7 @@ impl Engine {
                         unknown_message_types: config.unknown_message_types,
                         retry_scope: config.retry_scope,
                         outbox_enlisted: tokio::sync::Notify::new(),
+                        recovering: tokio::sync::Mutex::new(()),
                     });
                     let workers = arbiters
                         .into_iter()
@@ -306,10 +307,17 @@ impl Engine {
                 "shutdown: retry still waiting, handed back in the shutdown report"
             );
         }
+        // A recovery round that started before the close would claim rows again behind the
+        // release, leaving them owned by a node that is gone; one stuck on the store is not
+        // waited for past the drain.
+        let recovering = tokio::time::timeout(drain, self.dispatcher.shared.recovering.lock())
+            .await
+            .ok();
         // Hand this node's unsettled deliveries (the retries above) to whoever starts next.
         if let Err(error) = self.dispatcher.shared.inbox.release().await {
             tracing::warn!(%error, "could not release unsettled deliveries; they resume once this node's heartbeat expires");
         }
+        drop(recovering);
         self.system.stop();
         let _ = stopped.await;
         report

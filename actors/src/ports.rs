@@ -145,6 +145,13 @@ pub trait Inbox: Send + Sync + 'static {
         Ok(())
     }
 
+    /// How long this node may go without a heartbeat before other nodes take its deliveries
+    /// over; `None` for a store that nodes do not share. The engine heartbeats well within it,
+    /// however long its recovery interval.
+    fn node_timeout(&self) -> Option<std::time::Duration> {
+        None
+    }
+
     /// Gives up this node's unsettled deliveries (at a graceful shutdown), so the next runtime
     /// on the store resumes them at once instead of waiting for the heartbeat to expire.
     ///

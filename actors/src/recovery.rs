@@ -6,12 +6,17 @@ use crate::Dispatcher;
 
 /// Keeps this node's heartbeat, and resumes the deliveries a stopped runtime left unsettled in
 /// a durable inbox: at start, then on its own timer (to take over from nodes that died).
+///
+/// The heartbeat also has a timer of its own, a third of the store's node timeout, whenever
+/// that is shorter than the recovery interval: a live node is never taken for dead because
+/// its recovery rounds are far apart.
 #[derive(Debug)]
 pub struct RecoveryActor {
     dispatcher: Dispatcher,
     interval: Duration,
     batch: usize,
     busy: bool,
+    beating: bool,
     /// When this run started, until its first round took back what a previous run under the
     /// same node name left unsettled.
     started_at: Option<chrono::DateTime<chrono::Utc>>,
@@ -25,6 +30,7 @@ impl RecoveryActor {
             interval,
             batch: batch.max(1),
             busy: false,
+            beating: false,
             started_at,
         }
     }
@@ -40,6 +46,10 @@ impl RecoveryActor {
         let batch = self.batch;
         let started_at = self.started_at;
         let round = async move {
+            let _recovering = dispatcher.shared.recovering.lock().await;
+            if dispatcher.shared.tracker.is_closing() {
+                return false;
+            }
             let inbox = &dispatcher.shared.inbox;
             if let Some(started_at) = started_at
                 && let Err(error) = inbox.release_before(started_at).await
@@ -86,6 +96,23 @@ impl RecoveryActor {
             }
         }));
     }
+
+    fn beat(&mut self, ctx: &mut Context<Self>) {
+        if self.beating || self.dispatcher.shared.tracker.is_closing() {
+            return;
+        }
+        self.beating = true;
+        let dispatcher = self.dispatcher.clone();
+        let beat = async move {
+            if let Err(error) = dispatcher.shared.inbox.heartbeat().await {
+                tracing::warn!(%error, "heartbeat failed; retrying");
+            }
+        };
+        ctx.spawn(
+            beat.into_actor(self)
+                .map(|(), actor, _| actor.beating = false),
+        );
+    }
 }
 
 impl Actor for RecoveryActor {
@@ -94,5 +121,10 @@ impl Actor for RecoveryActor {
     fn started(&mut self, ctx: &mut Context<Self>) {
         self.tick(ctx);
         ctx.run_interval(self.interval, Self::tick);
+        if let Some(timeout) = self.dispatcher.shared.inbox.node_timeout()
+            && timeout / 3 < self.interval
+        {
+            ctx.run_interval(timeout / 3, Self::beat);
+        }
     }
 }

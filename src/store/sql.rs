@@ -607,6 +607,10 @@ macro_rules! sql_store {
                 Ok(())
             }
 
+            fn node_timeout(&self) -> Option<std::time::Duration> {
+                Some(self.node_timeout)
+            }
+
             async fn release(&self) -> Result<(), reprise_actors::Error> {
                 use $crate::store::sql::*;
                 let mut tx = self.pool.begin_with($begin).await.map_err(reprise_actors::Error::store)?;
