@@ -318,20 +318,40 @@ on_both_backends!(
     }
 );
 
-/// Fails its first call; counts the calls that succeed.
+/// Fails while it has failures left; counts its calls and the calls that succeed.
 #[derive(Clone, Default)]
-struct FailsFirst {
+struct Failing {
+    failures_left: std::sync::Arc<std::sync::atomic::AtomicUsize>,
     calls: std::sync::Arc<std::sync::atomic::AtomicUsize>,
     effects: Counter,
 }
 
-impl Handler<MemberRemoved> for FailsFirst {
+impl Failing {
+    fn failures(count: usize) -> Self {
+        let failing = Self::default();
+        failing.set_failures(count);
+        failing
+    }
+
+    fn set_failures(&self, count: usize) {
+        self.failures_left
+            .store(count, std::sync::atomic::Ordering::SeqCst);
+    }
+}
+
+impl Handler<MemberRemoved> for Failing {
     async fn handle(
         &self,
         message: &MemberRemoved,
         context: &MessageContext,
     ) -> Result<(), HandlerError> {
-        if self.calls.fetch_add(1, std::sync::atomic::Ordering::SeqCst) == 0 {
+        use std::sync::atomic::Ordering::SeqCst;
+        self.calls.fetch_add(1, SeqCst);
+        if self
+            .failures_left
+            .fetch_update(SeqCst, SeqCst, |left| left.checked_sub(1))
+            .is_ok()
+        {
             return Err("the directory service is down".into());
         }
         self.effects.handle(message, context).await
@@ -351,7 +371,7 @@ on_both_backends!(
     claims_are_per_handler_and_a_retry_gets_through_its_own_sqlite,
     claims_are_per_handler_and_a_retry_gets_through_its_own_postgres,
     |db| {
-        let (revoke, audit) = (FailsFirst::default(), Counter::default());
+        let (revoke, audit) = (Failing::failures(1), Counter::default());
         let runtime = db
             .store(Runtime::builder(), "local", Duration::from_secs(30))
             .await
@@ -459,34 +479,11 @@ on_both_backends!(
     }
 );
 
-/// Fails while `broken`; counts the calls that succeed.
-#[derive(Clone, Default)]
-struct Breakable {
-    broken: std::sync::Arc<std::sync::atomic::AtomicBool>,
-    effects: Counter,
-}
-
-impl Handler<MemberRemoved> for Breakable {
-    async fn handle(
-        &self,
-        message: &MemberRemoved,
-        context: &MessageContext,
-    ) -> Result<(), HandlerError> {
-        if self.broken.load(std::sync::atomic::Ordering::SeqCst) {
-            return Err("the directory service is down".into());
-        }
-        self.effects.handle(message, context).await
-    }
-}
-
 on_both_backends!(
     a_dead_lettered_message_releases_its_claim_for_a_new_delivery_sqlite,
     a_dead_lettered_message_releases_its_claim_for_a_new_delivery_postgres,
     |db| {
-        let revoke = Breakable::default();
-        revoke
-            .broken
-            .store(true, std::sync::atomic::Ordering::SeqCst);
+        let revoke = Failing::failures(usize::MAX);
         let runtime = db
             .store(Runtime::builder(), "local", Duration::from_secs(30))
             .await
@@ -512,9 +509,7 @@ on_both_backends!(
             1
         );
         // The intent was never carried out, so a new delivery of it must get through.
-        revoke
-            .broken
-            .store(false, std::sync::atomic::Ordering::SeqCst);
+        revoke.set_failures(0);
         runtime
             .publish_with(&member_removed(), keyed("remove-7"))
             .await

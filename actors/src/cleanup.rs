@@ -3,6 +3,7 @@ use std::time::Duration;
 
 use actix::{Actor, ActorFutureExt, AsyncContext, Context, WrapFuture};
 
+use crate::batches::delete_in_batches;
 use crate::ports::{Clock, Inbox};
 
 /// Removes handled envelopes once their retention is over, in bounded batches, on its own
@@ -39,7 +40,7 @@ impl CleanupActor {
             clock,
             keep_after_handling,
             interval,
-            batch: batch.max(1),
+            batch,
             busy: false,
         }
     }
@@ -59,20 +60,10 @@ impl CleanupActor {
             .unwrap_or(chrono::DateTime::<chrono::Utc>::MIN_UTC);
         let batch = self.batch;
         let round = async move {
-            let mut removed = 0u64;
-            loop {
-                match inbox.delete_handled_before(before, batch).await {
-                    Ok(count) => {
-                        removed += count;
-                        if count < batch as u64 {
-                            break;
-                        }
-                    }
-                    Err(error) => {
-                        tracing::warn!(%error, "inbox cleanup failed; retrying on the next round");
-                        break;
-                    }
-                }
+            let (removed, error) =
+                delete_in_batches(batch, |limit| inbox.delete_handled_before(before, limit)).await;
+            if let Some(error) = error {
+                tracing::warn!(%error, "inbox cleanup failed; retrying on the next round");
             }
             if removed > 0 {
                 tracing::info!(removed, "removed handled envelopes past their retention");

@@ -6,6 +6,7 @@
 //! clock. It knows no database, broker or socket.
 
 mod aggregate;
+mod batches;
 mod capacity;
 mod cleanup;
 mod context;

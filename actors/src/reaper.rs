@@ -3,6 +3,7 @@ use std::time::Duration;
 
 use actix::{Actor, ActorFutureExt, AsyncContext, Context, WrapFuture};
 
+use crate::batches::delete_in_batches;
 use crate::ports::{Claims, Clock};
 
 /// Provisions the deduplication claims when the runtime starts, then deletes expired claims on
@@ -37,8 +38,7 @@ impl ReaperActor {
             claims,
             clock,
             interval,
-            // A batch of 0 would never come back short, and the round would never end.
-            batch: batch.max(1),
+            batch,
             busy: false,
         }
     }
@@ -52,20 +52,9 @@ impl ReaperActor {
         let now = self.clock.now();
         let batch = self.batch;
         let round = async move {
-            let mut removed = 0u64;
-            loop {
-                match claims.reap(now, batch).await {
-                    Ok(count) => {
-                        removed += count;
-                        if count < batch as u64 {
-                            break;
-                        }
-                    }
-                    Err(error) => {
-                        tracing::warn!(%error, "reaping deduplication claims failed; retrying on the next round");
-                        break;
-                    }
-                }
+            let (removed, error) = delete_in_batches(batch, |limit| claims.reap(now, limit)).await;
+            if let Some(error) = error {
+                tracing::warn!(%error, "reaping deduplication claims failed; retrying on the next round");
             }
             tracing::info!(removed, "reaped expired deduplication claims");
         };

@@ -3,6 +3,7 @@ use std::time::Duration;
 
 use actix::{Actor, ActorFutureExt, AsyncContext, Context, WrapFuture};
 
+use crate::batches::delete_in_batches;
 use crate::ports::OutboxStore;
 use crate::{Dispatcher, Durability};
 
@@ -81,20 +82,11 @@ impl RelayActor {
             let before = now
                 .checked_sub_signed(keep)
                 .unwrap_or(chrono::DateTime::<chrono::Utc>::MIN_UTC);
-            let mut removed = 0;
-            loop {
-                match outbox.delete_published_before(before, 1000).await {
-                    Ok(count) => {
-                        removed += count;
-                        if count < 1000 {
-                            break;
-                        }
-                    }
-                    Err(error) => {
-                        tracing::warn!(%error, "removing published outbox rows failed");
-                        break;
-                    }
-                }
+            let (removed, error) =
+                delete_in_batches(1000, |limit| outbox.delete_published_before(before, limit))
+                    .await;
+            if let Some(error) = error {
+                tracing::warn!(%error, "removing published outbox rows failed");
             }
             if removed > 0 {
                 tracing::info!(
