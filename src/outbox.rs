@@ -21,7 +21,8 @@ use std::future::Future;
 use reprise_actors::{DeduplicationRules, Envelope, Message, SendOptions};
 use uuid::Uuid;
 
-use crate::Error;
+use crate::{Error, Runtime};
+
 use crate::store::sql::{ENLIST, EnvelopeColumns, millis};
 
 mod sealed {
@@ -32,6 +33,11 @@ mod sealed {
 pub trait Enlist: sealed::Sealed + Send {
     #[doc(hidden)]
     fn insert(&mut self, envelope: &Envelope) -> impl Future<Output = Result<(), Error>> + Send;
+
+    #[doc(hidden)]
+    fn commit_now(self) -> impl Future<Output = Result<(), Error>> + Send
+    where
+        Self: Sized;
 }
 
 macro_rules! enlist_in {
@@ -46,6 +52,11 @@ macro_rules! enlist_in {
                     .execute(&mut **self)
                     .await
                     .map_err(reprise_actors::Error::store)?;
+                Ok(())
+            }
+
+            async fn commit_now(self) -> Result<(), Error> {
+                self.commit().await.map_err(reprise_actors::Error::store)?;
                 Ok(())
             }
         }
@@ -96,5 +107,88 @@ impl Outbox {
         DeduplicationRules::default().apply(message, &mut envelope);
         tx.insert(&envelope).await?;
         Ok(envelope.id)
+    }
+}
+
+/// The outbox of one runtime, from [`Runtime::outbox`]: enlisting applies the runtime's
+/// deduplication rules and size limit, and [`commit`](Self::commit) wakes its relay.
+///
+/// ```no_run
+/// # use reprise::prelude::*;
+/// # use serde::{Deserialize, Serialize};
+/// # #[derive(Serialize, Deserialize)] struct OrderPlaced { reference: String }
+/// # impl Message for OrderPlaced { const TYPE: &'static str = "orders.placed"; }
+/// # async fn place(runtime: &Runtime, pool: &sqlx::SqlitePool) -> Result<(), Box<dyn std::error::Error>> {
+/// let mut tx = pool.begin_with("BEGIN IMMEDIATE").await?;
+/// sqlx::query("INSERT INTO orders (reference) VALUES ($1)").bind("A-1").execute(&mut *tx).await?;
+/// runtime.outbox().enlist(&mut tx, &OrderPlaced { reference: "A-1".into() }).await?;
+/// runtime.outbox().commit(tx).await?; // published now, not at the relay's next poll
+/// # Ok(())
+/// # }
+/// ```
+#[derive(Debug, Clone, Copy)]
+pub struct RuntimeOutbox<'a> {
+    runtime: &'a Runtime,
+}
+
+impl<'a> RuntimeOutbox<'a> {
+    pub(crate) fn new(runtime: &'a Runtime) -> Self {
+        Self { runtime }
+    }
+
+    /// Writes `message` to the outbox within `tx`, with the runtime's deduplication rules
+    /// applied; returns its envelope id.
+    ///
+    /// # Errors
+    ///
+    /// The serializer's or the database's error, or an envelope over the runtime's size limit;
+    /// `tx` should then be rolled back.
+    ///
+    /// # Cancel safety
+    ///
+    /// Cancelled, the row may or may not be written in `tx`: roll it back.
+    pub async fn enlist<M: Message, T: Enlist>(
+        &self,
+        tx: &mut T,
+        message: &M,
+    ) -> Result<Uuid, Error> {
+        self.enlist_with(tx, message, SendOptions::default()).await
+    }
+
+    /// [`enlist`](Self::enlist) with a deduplication id, headers or correlation id.
+    ///
+    /// # Errors
+    ///
+    /// As [`enlist`](Self::enlist).
+    ///
+    /// # Cancel safety
+    ///
+    /// As [`enlist`](Self::enlist).
+    pub async fn enlist_with<M: Message, T: Enlist>(
+        &self,
+        tx: &mut T,
+        message: &M,
+        options: SendOptions,
+    ) -> Result<Uuid, Error> {
+        let envelope = self.runtime.envelope(message, options)?;
+        tx.insert(&envelope).await?;
+        Ok(envelope.id)
+    }
+
+    /// Commits `tx` and wakes the relay, which publishes what it enlisted right away. A
+    /// transaction committed otherwise is published at the relay's next poll (or, on
+    /// PostgreSQL, when the commit's notification reaches it).
+    ///
+    /// # Errors
+    ///
+    /// The database's error; nothing of `tx` took effect.
+    ///
+    /// # Cancel safety
+    ///
+    /// Cancelled, the commit may or may not have happened; the relay's poll publishes what did.
+    pub async fn commit<T: Enlist>(&self, tx: T) -> Result<(), Error> {
+        tx.commit_now().await?;
+        self.runtime.wake_outbox();
+        Ok(())
     }
 }

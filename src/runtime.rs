@@ -191,6 +191,19 @@ impl Runtime {
         Ok(envelope)
     }
 
+    /// The outbox as this runtime sees it: enlisting applies the runtime's deduplication
+    /// rules, and committing through it wakes the relay at once instead of at its next poll.
+    #[cfg(any(feature = "sqlite", feature = "postgres"))]
+    #[cfg_attr(docsrs, doc(cfg(any(feature = "sqlite", feature = "postgres"))))]
+    pub fn outbox(&self) -> crate::outbox::RuntimeOutbox<'_> {
+        crate::outbox::RuntimeOutbox::new(self)
+    }
+
+    /// Wakes the outbox relay: envelopes were just committed to the outbox.
+    pub(crate) fn wake_outbox(&self) {
+        self.engine.dispatcher().wake_outbox();
+    }
+
     /// The dead letters: list, inspect, replay, purge.
     pub fn dead_letters(&self) -> DeadLetters<'_> {
         DeadLetters::new(self)

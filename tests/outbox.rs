@@ -255,3 +255,73 @@ async fn the_backlog_counts_what_waits_and_how_old_it_is() {
     let oldest = backlog.oldest_enlisted_at.expect("an oldest envelope");
     assert!(oldest <= chrono::Utc::now());
 }
+
+/// A relay that polls once an hour: whatever it publishes within the test was woken.
+const NEVER_POLLS: Duration = Duration::from_secs(3600);
+
+on_both_backends!(
+    a_commit_through_the_runtime_wakes_the_relay_at_once_sqlite,
+    a_commit_through_the_runtime_wakes_the_relay_at_once_postgres,
+    |db| {
+        let calls = Recorder::<MemberRemoved>::new();
+        let runtime = db
+            .store(Runtime::builder(), "local", Duration::from_secs(30))
+            .await
+            .relay_interval(NEVER_POLLS)
+            .module(
+                Module::new("webhooks").handle_named::<MemberRemoved, _>("queue", calls.clone()),
+            )
+            .build()
+            .unwrap();
+        // Let the relay's first round (at start) pass, so only a wake can publish.
+        tokio::time::timeout(WAIT, runtime.idle()).await.unwrap();
+        match db.backend {
+            support_stores::Backend::Sqlite => {
+                let store = db.sqlite().await;
+                let mut tx = store.pool().begin_with("BEGIN IMMEDIATE").await.unwrap();
+                runtime.outbox().enlist(&mut tx, &removed(1)).await.unwrap();
+                runtime.outbox().commit(tx).await.unwrap();
+            }
+            support_stores::Backend::Postgres => {
+                let store = db.postgres().await;
+                let mut tx = store.pool().begin().await.unwrap();
+                runtime.outbox().enlist(&mut tx, &removed(1)).await.unwrap();
+                runtime.outbox().commit(tx).await.unwrap();
+            }
+        }
+        until(|| calls.count() == 1).await;
+        runtime.shutdown().await;
+    }
+);
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_wakes_the_relay_for_enlists_made_elsewhere() {
+    let db = support_stores::TestDatabase::new(support_stores::Backend::Postgres).await;
+    let calls = Recorder::<MemberRemoved>::new();
+    let runtime = db
+        .store(Runtime::builder(), "local", Duration::from_secs(30))
+        .await
+        .relay_interval(NEVER_POLLS)
+        .module(Module::new("webhooks").handle_named::<MemberRemoved, _>("queue", calls.clone()))
+        .build()
+        .unwrap();
+    // Enlist only once the relay listens: a commit before would wait for the hourly poll.
+    tokio::time::timeout(WAIT, async {
+        while db
+            .scalar(
+                "SELECT count(*) FROM pg_stat_activity \
+                 WHERE datname = current_database() AND query LIKE 'LISTEN %reprise_outbox%'",
+            )
+            .await
+            == 0
+        {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    })
+    .await
+    .expect("the relay listens");
+    // Another process's transaction: no runtime involved, so no local wake.
+    db.outbox_transaction(&[removed(1), removed(2)], true).await;
+    until(|| calls.count() == 2).await;
+    runtime.shutdown().await;
+}

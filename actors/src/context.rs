@@ -5,6 +5,7 @@ use actix::{Actor, ActorContext, Addr, Context};
 use uuid::Uuid;
 
 use crate::dispatcher::Worker;
+use crate::ports::Claim;
 use crate::{Envelope, Error, HandlerId, Message, Route};
 
 /// What one attempt at one delivery knows about its message.
@@ -90,16 +91,19 @@ impl ContextActor {
     }
 
     /// A context for the handler at `handler` in `route`, for the attempt `scope` describes.
+    /// `claim` is the deduplication claim the handler holds while it runs, if any.
     pub(crate) fn handle_for(
         scope: Arc<Scope>,
         route: Arc<Route>,
         handler: usize,
+        claim: Option<Claim>,
     ) -> MessageContext {
         MessageContext {
             scope: Some(Attached {
                 scope,
                 route,
                 handler,
+                claim: claim.map(Arc::new),
             }),
         }
     }
@@ -170,6 +174,7 @@ struct Attached {
     scope: Arc<Scope>,
     route: Arc<Route>,
     handler: usize,
+    claim: Option<Arc<Claim>>,
 }
 
 /// What a handler knows about the message it handles, and how it cascades new messages.
@@ -235,6 +240,30 @@ impl MessageContext {
         self.scope
             .as_ref()
             .map(|a| &a.route.handlers()[a.handler].id)
+    }
+
+    /// The deduplication claim this handler holds on the message's logical id while it runs,
+    /// if it deduplicates. A handler transaction completes it in the handler's own
+    /// transaction, so the claim and the handler's effects commit together.
+    pub fn deduplication_claim(&self) -> Option<&Claim> {
+        self.scope.as_ref().and_then(|a| a.claim.as_deref())
+    }
+
+    /// The runtime's store (a `reprise::SqliteStore`, a `reprise::PostgresStore`, …), for
+    /// adapters that open a transaction on it; `None` outside a consumer or without a store.
+    pub fn store(&self) -> Option<&(dyn std::any::Any + Send + Sync)> {
+        self.scope
+            .as_ref()
+            .and_then(|a| a.scope.worker.shared.store.as_deref())
+    }
+
+    /// Tells the runtime's outbox relay that this handler just committed envelopes to the
+    /// outbox in a transaction of its own, so they are published now rather than at the
+    /// relay's next poll. Does nothing outside a consumer.
+    pub fn wake_outbox(&self) {
+        if let Some(attached) = &self.scope {
+            attached.scope.worker.shared.outbox_enlisted.notify_one();
+        }
     }
 
     /// Cascades `message`: it is published once the whole delivery succeeds, and carries this

@@ -43,6 +43,8 @@ pub(crate) struct Shared {
     /// Held by a recovery round while it claims; a shutdown takes it before releasing this
     /// node's rows, so that no round still in flight claims them again behind the release.
     pub(crate) recovering: tokio::sync::Mutex<()>,
+    /// The runtime's store, which handlers may open transactions on.
+    pub(crate) store: Option<Arc<dyn std::any::Any + Send + Sync>>,
 }
 
 /// A delivery counted in by the tracker and not yet handed to a supervisor. Dropped — the
@@ -161,6 +163,12 @@ impl std::fmt::Debug for Dispatcher {
 }
 
 impl Dispatcher {
+    /// Tells the outbox relay that envelopes were just committed to the outbox, so that it
+    /// publishes them now instead of at its next poll.
+    pub fn wake_outbox(&self) {
+        self.shared.outbox_enlisted.notify_one();
+    }
+
     fn next_worker(&self) -> &Arc<Worker> {
         let index = self.shared.next_worker.fetch_add(1, Ordering::Relaxed);
         &self.workers[index % self.workers.len()]

@@ -144,6 +144,9 @@ pub struct EngineParts {
     pub rules: DeduplicationRules,
     /// The outbox to relay (`None`: no outbox).
     pub outbox: Option<Arc<dyn OutboxStore>>,
+    /// The store itself, for handlers that open transactions on it (see
+    /// [`MessageContext::store`](crate::MessageContext::store)); `None` without one.
+    pub store: Option<Arc<dyn std::any::Any + Send + Sync>>,
 }
 
 impl Engine {
@@ -187,6 +190,7 @@ impl Engine {
                         retry_scope: config.retry_scope,
                         outbox_enlisted: tokio::sync::Notify::new(),
                         recovering: tokio::sync::Mutex::new(()),
+                        store: parts.store.clone(),
                     });
                     let workers = arbiters
                         .into_iter()

@@ -162,7 +162,9 @@ pub trait Inbox: Send + Sync + 'static {
         Ok(())
     }
 
-    /// Deletes at most `limit` envelopes handled before `before`; returns how many it deleted.
+    /// Deletes at most `limit` envelopes handled before `before`, and as many of the records
+    /// the store keeps for settled envelopes (handler completions); returns how many rows it
+    /// deleted.
     ///
     /// # Errors
     ///
@@ -392,7 +394,8 @@ pub trait Claims: Send + Sync + 'static {
     }
 
     /// Releases this envelope's claim, so that a retry of a failed handler gets through; a
-    /// claim another envelope took over since is left alone.
+    /// claim another envelope took over since, or one already completed (in the handler's
+    /// own transaction), is left alone.
     ///
     /// # Errors
     ///
@@ -492,4 +495,14 @@ pub trait OutboxStore: Send + Sync + 'static {
     ///
     /// [`Error::Store`] when it cannot be recorded.
     async fn mark_published(&self, positions: &[i64], at: DateTime<Utc>) -> Result<(), Error>;
+
+    /// Signals that envelopes may have been enlisted by another process or node (PostgreSQL:
+    /// a `NOTIFY` sent when their transaction commits), so the relay publishes them without
+    /// waiting for its next poll; `None` (the default) for a store that can only be polled.
+    ///
+    /// The stream owns its connection: dropping it stops listening. An `Err` item says the
+    /// listening failed; the stream listens again on its next poll, and the relay pauses first.
+    fn enlisted(&self) -> Option<futures::stream::BoxStream<'static, Result<(), Error>>> {
+        None
+    }
 }

@@ -2,6 +2,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use actix::{Actor, ActorFutureExt, AsyncContext, Context, WrapFuture};
+use futures::StreamExt;
 
 use crate::batches::delete_in_batches;
 use crate::ports::OutboxStore;
@@ -18,6 +19,9 @@ pub struct RelayActor {
     retention: Duration,
     warn_after: Duration,
     busy: bool,
+    /// A wake came during a round, which may have read the outbox before the enlist
+    /// committed: run another round right after.
+    again: bool,
 }
 
 /// How often the relay measures its backlog and removes old published rows.
@@ -45,6 +49,7 @@ impl RelayActor {
             retention: settings.outbox_retention,
             warn_after: settings.outbox_warn_after,
             busy: false,
+            again: false,
         }
     }
 
@@ -100,9 +105,11 @@ impl RelayActor {
 
     fn tick(&mut self, ctx: &mut Context<Self>) {
         if self.busy {
+            self.again = true;
             return;
         }
         self.busy = true;
+        self.again = false;
         let (outbox, dispatcher) = (Arc::clone(&self.outbox), self.dispatcher.clone());
         let (batch, interval) = (self.batch, self.interval);
         let round = async move {
@@ -158,11 +165,12 @@ impl RelayActor {
                 tracing::debug!(published, "outbox envelopes published");
             }
         };
-        ctx.spawn(
-            round
-                .into_actor(self)
-                .map(|(), actor, _| actor.busy = false),
-        );
+        ctx.spawn(round.into_actor(self).map(|(), actor, ctx| {
+            actor.busy = false;
+            if actor.again {
+                actor.tick(ctx);
+            }
+        }));
     }
 }
 
@@ -176,7 +184,9 @@ impl Actor for RelayActor {
             HOUSEKEEPING.min(self.retention.max(self.interval)),
             Self::housekeeping,
         );
-        // Polling is the fallback: a delivery that wrote to the outbox wakes the relay at once.
+        // Polling is the fallback: a local enlist (a delivery, a handler transaction, a
+        // committed application transaction) wakes the relay at once, and so does the store
+        // when it can tell of enlists elsewhere.
         let dispatcher = self.dispatcher.clone();
         let me = ctx.address();
         ctx.spawn(
@@ -185,6 +195,28 @@ impl Actor for RelayActor {
                     dispatcher.shared.outbox_enlisted.notified().await;
                     if me.try_send(Wake).is_err() {
                         return;
+                    }
+                }
+            }
+            .into_actor(self),
+        );
+        let Some(mut enlisted) = self.outbox.enlisted() else {
+            return;
+        };
+        let (me, pause) = (ctx.address(), self.interval.max(Duration::from_secs(1)));
+        ctx.spawn(
+            async move {
+                while let Some(signal) = enlisted.next().await {
+                    match signal {
+                        Ok(()) => {
+                            if me.try_send(Wake).is_err() {
+                                return;
+                            }
+                        }
+                        Err(error) => {
+                            tracing::warn!(%error, "listening for outbox enlists failed; polling meanwhile");
+                            tokio::time::sleep(pause).await;
+                        }
                     }
                 }
             }

@@ -219,8 +219,13 @@ impl DeliverySupervisor {
                     reprise.attempt = attempt,
                 )
             };
-            let handle = ContextActor::handle_for(Arc::clone(&scope), Arc::clone(&route), index);
             let claim = self.pending_claim(index, entry);
+            let handle = ContextActor::handle_for(
+                Arc::clone(&scope),
+                Arc::clone(&route),
+                index,
+                claim.as_ref().map(|pending| pending.claim.clone()),
+            );
             HandlerActor::new(
                 Arc::clone(&route),
                 index,

@@ -27,6 +27,8 @@ pub struct RuntimeBuilder {
     inbox: Option<Arc<dyn Inbox>>,
     claims: Option<Arc<dyn Claims>>,
     outbox: Option<Arc<dyn OutboxStore>>,
+    /// The store given to [`store`](Self::store), for handler transactions.
+    store: Option<Arc<dyn std::any::Any + Send + Sync>>,
     deduplication: bool,
     deduplication_policies: Vec<(HandlerFilter, Deduplication)>,
     deduplication_rules: DeduplicationRules,
@@ -47,6 +49,7 @@ impl Default for RuntimeBuilder {
             inbox: None,
             claims: None,
             outbox: None,
+            store: None,
             deduplication: false,
             deduplication_policies: Vec::new(),
             deduplication_rules: DeduplicationRules::default(),
@@ -164,6 +167,7 @@ impl RuntimeBuilder {
     #[must_use]
     pub fn store<S: Inbox + DeadLetterStore + Claims + OutboxStore>(mut self, store: S) -> Self {
         let store = Arc::new(store);
+        self.store = Some(Arc::clone(&store) as Arc<dyn std::any::Any + Send + Sync>);
         self.inbox = Some(Arc::clone(&store) as Arc<dyn Inbox>);
         self.outbox = Some(Arc::clone(&store) as Arc<dyn OutboxStore>);
         // Claims set explicitly with `claims` stay.
@@ -390,6 +394,7 @@ impl RuntimeBuilder {
                 clock: self.clock,
                 rules: self.deduplication_rules,
                 outbox: self.outbox.clone(),
+                store: self.store,
                 claims: self.deduplication.then(|| {
                     self.claims
                         .unwrap_or_else(|| Arc::new(MemoryClaims::default()) as Arc<dyn Claims>)

@@ -220,7 +220,7 @@ impl Claims for MemoryClaims {
         let key = (claim.handler.clone(), claim.key_hash.clone());
         if claims
             .get(&key)
-            .is_some_and(|held| held.envelope_id == claim.envelope_id)
+            .is_some_and(|held| held.envelope_id == claim.envelope_id && !held.completed)
         {
             claims.remove(&key);
         }

@@ -1,5 +1,6 @@
+use futures::stream::BoxStream;
 use reprise_actors::Error;
-use sqlx::postgres::{PgPool, PgPoolOptions};
+use sqlx::postgres::{PgListener, PgPool, PgPoolOptions};
 
 use crate::store::sql::{Migration, sql_store};
 
@@ -24,6 +25,11 @@ const MIGRATIONS: &[Migration] = &[
         description: "idempotency keys",
         sql: include_str!("../../migrations/postgres/0004_idempotency_keys.sql"),
     },
+    Migration {
+        version: 5,
+        description: "handler completions",
+        sql: include_str!("../../migrations/postgres/0005_handler_completions.sql"),
+    },
 ];
 
 sql_store!(
@@ -38,7 +44,43 @@ sql_store!(
     lock_migrations = ["SELECT pg_advisory_xact_lock(7215143920911461)"]
 );
 
+/// The channel the outbox's insert trigger notifies at every commit that enlisted.
+const OUTBOX_CHANNEL: &str = "reprise_outbox";
+
+async fn listen(pool: &PgPool) -> Result<PgListener, Error> {
+    let mut listener = PgListener::connect_with(pool).await.map_err(Error::store)?;
+    listener
+        .listen(OUTBOX_CHANNEL)
+        .await
+        .map_err(Error::store)?;
+    Ok(listener)
+}
+
 impl PostgresStore {
+    /// A `NOTIFY` on the outbox channel per commit that enlisted, on one connection kept for
+    /// it: a notification sent between two polls of the stream is queued, not lost.
+    fn enlisted_signals(&self) -> Option<BoxStream<'static, Result<(), Error>>> {
+        let pool = self.pool.clone();
+        let signals = futures::stream::unfold(None, move |listener: Option<PgListener>| {
+            let pool = pool.clone();
+            async move {
+                let mut listener = match listener {
+                    Some(listener) => listener,
+                    None => match listen(&pool).await {
+                        Ok(listener) => listener,
+                        Err(error) => return Some((Err(error), None)),
+                    },
+                };
+                match listener.recv().await {
+                    Ok(_) => Some((Ok(()), Some(listener))),
+                    // Listen again on a fresh connection next time.
+                    Err(error) => Some((Err(Error::store(error)), None)),
+                }
+            }
+        });
+        Some(Box::pin(signals))
+    }
+
     /// Connects to the PostgreSQL database at `url` and brings its schema up to date.
     ///
     /// # Errors

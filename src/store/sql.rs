@@ -104,8 +104,10 @@ pub(crate) const CLAIM: &str = "INSERT INTO reprise_deduplication \
 pub(crate) const CLAIM_FINGERPRINT: &str =
     "SELECT fingerprint FROM reprise_deduplication WHERE handler = $1 AND key_hash = $2";
 
+// A completed claim stays: the handler's transaction committed its work with it, even if
+// the handler failed afterwards.
 pub(crate) const RELEASE_CLAIM: &str = "DELETE FROM reprise_deduplication \
-    WHERE handler = $1 AND key_hash = $2 AND envelope_id = $3";
+    WHERE handler = $1 AND key_hash = $2 AND envelope_id = $3 AND completed = 0";
 
 pub(crate) const COMPLETE_CLAIM: &str = "UPDATE reprise_deduplication SET completed = 1 \
     WHERE handler = $1 AND key_hash = $2 AND envelope_id = $3";
@@ -625,13 +627,22 @@ macro_rules! sql_store {
                 limit: usize,
             ) -> Result<u64, reprise_actors::Error> {
                 use $crate::store::sql::*;
-                Ok(sqlx::query(DELETE_HANDLED)
+                let limit = i64::try_from(limit).unwrap_or(i64::MAX);
+                let handled = sqlx::query(DELETE_HANDLED)
                     .bind(millis(before))
-                    .bind(i64::try_from(limit).unwrap_or(i64::MAX))
+                    .bind(limit)
                     .execute(&self.pool)
                     .await
                     .map_err(reprise_actors::Error::store)?
-                    .rows_affected())
+                    .rows_affected();
+                let completions = sqlx::query($crate::transaction::DELETE_COMPLETIONS)
+                    .bind(millis(before))
+                    .bind(limit)
+                    .execute(&self.pool)
+                    .await
+                    .map_err(reprise_actors::Error::store)?
+                    .rows_affected();
+                Ok(handled + completions)
             }
         }
 
@@ -756,6 +767,10 @@ macro_rules! sql_store {
                     .map_err(reprise_actors::Error::store)?
                     .rows_affected();
                 Ok(taken == 1)
+            }
+
+            fn enlisted(&self) -> Option<futures::stream::BoxStream<'static, Result<(), reprise_actors::Error>>> {
+                self.enlisted_signals()
             }
 
             async fn unpublished(

@@ -29,6 +29,11 @@ const MIGRATIONS: &[Migration] = &[
         description: "idempotency keys",
         sql: include_str!("../../migrations/sqlite/0004_idempotency_keys.sql"),
     },
+    Migration {
+        version: 5,
+        description: "handler completions",
+        sql: include_str!("../../migrations/sqlite/0005_handler_completions.sql"),
+    },
 ];
 
 sql_store!(
@@ -45,6 +50,13 @@ sql_store!(
 );
 
 impl SqliteStore {
+    /// SQLite cannot tell of enlists made by other processes: the relay polls, and local
+    /// enlists wake it directly.
+    #[allow(clippy::unused_self)]
+    fn enlisted_signals(&self) -> Option<futures::stream::BoxStream<'static, Result<(), Error>>> {
+        None
+    }
+
     /// Opens (creating if needed) the SQLite database at `path` — a file path, or a
     /// `sqlite:` URL — and brings its schema up to date.
     ///

@@ -265,3 +265,12 @@ impl TestDatabase {
         }
     }
 }
+
+impl TestDatabase {
+    /// Runs one statement with a connection of its own.
+    pub async fn execute(&self, sql: &'static str) {
+        with_pool!(self, |pool| {
+            sqlx::query(sql).execute(pool).await.unwrap();
+        })
+    }
+}

@@ -1,0 +1,328 @@
+//! Handler transactions: a handler's own writes, its idempotency keys, its outbox rows, its
+//! deduplication claim and the record that it completed, in one transaction on the runtime's
+//! store. They commit together or not at all.
+//!
+//! Opening one records the handler's completion for the message first (a row under a primary
+//! key of envelope id and handler): when an earlier attempt already committed, there is nothing
+//! to open and [`transaction`](HandlerTransactions::transaction) answers `None`. A retry, a
+//! restart or a redelivery within the inbox's retention then never repeats the handler's
+//! database effects, whatever the [`RetryScope`](crate::RetryScope); with
+//! `RetryScope::FailedHandlers` the handler is not even run again once it succeeded.
+//!
+//! ```no_run
+//! use reprise::prelude::*;
+//! use reprise::transaction::HandlerTransactions;
+//! # use serde::{Deserialize, Serialize};
+//! # #[derive(Serialize, Deserialize)] struct OrderPlaced { order: String }
+//! # impl Message for OrderPlaced { const TYPE: &'static str = "orders.placed"; }
+//! # #[derive(Serialize, Deserialize)] struct InvoiceIssued { order: String }
+//! # impl Message for InvoiceIssued { const TYPE: &'static str = "billing.invoice_issued"; }
+//!
+//! struct Invoice;
+//!
+//! impl Handler<OrderPlaced> for Invoice {
+//!     async fn handle(&self, event: &OrderPlaced, ctx: &MessageContext) -> Result<(), HandlerError> {
+//!         let Some(mut tx) = ctx.transaction::<sqlx::Sqlite>().await? else {
+//!             return Ok(()); // an earlier attempt committed this handler's work
+//!         };
+//!         sqlx::query("INSERT INTO invoices (order_ref) VALUES ($1)")
+//!             .bind(&event.order)
+//!             .execute(&mut **tx)
+//!             .await?;
+//!         tx.enlist(&InvoiceIssued { order: event.order.clone() }).await?;
+//!         tx.commit().await?; // the invoice, its event and the completion record, together
+//!         Ok(())
+//!     }
+//! }
+//! ```
+
+use std::collections::HashMap;
+use std::future::Future;
+use std::ops::{Deref, DerefMut};
+
+use reprise_actors::{Envelope, Message, MessageContext, SendOptions};
+use uuid::Uuid;
+
+use crate::Error;
+use crate::store::sql::{COMPLETE_CLAIM, ENLIST_ONCE, EnvelopeColumns, id_text, millis};
+
+pub(crate) const RECORD_COMPLETION: &str = "INSERT INTO reprise_handler_completions \
+    (envelope_id, handler, completed_at) VALUES ($1, $2, $3) \
+    ON CONFLICT (envelope_id, handler) DO NOTHING";
+
+/// Completions of envelopes no longer unsettled in the inbox, older than the retention: no
+/// attempt can run them again.
+pub(crate) const DELETE_COMPLETIONS: &str = "DELETE FROM reprise_handler_completions \
+    WHERE (envelope_id, handler) IN (SELECT envelope_id, handler \
+    FROM reprise_handler_completions c WHERE completed_at < $1 AND NOT EXISTS \
+    (SELECT 1 FROM reprise_inbox i WHERE i.id = c.envelope_id AND i.status <> 'handled') \
+    LIMIT $2)";
+
+mod sealed {
+    pub trait Sealed {}
+}
+
+/// A database the runtime's store can open handler transactions on: SQLite or PostgreSQL.
+pub trait Backend: sealed::Sealed + sqlx::Database {
+    #[doc(hidden)]
+    fn begin(
+        context: &MessageContext,
+    ) -> impl Future<Output = Result<Option<HandlerTransaction<Self>>, Error>> + Send;
+
+    #[doc(hidden)]
+    fn finish(
+        transaction: &mut HandlerTransaction<Self>,
+    ) -> impl Future<Output = Result<(), Error>> + Send;
+
+    #[doc(hidden)]
+    fn insert(
+        transaction: &mut HandlerTransaction<Self>,
+        envelope: &Envelope,
+    ) -> impl Future<Output = Result<(), Error>> + Send;
+}
+
+/// Opens handler transactions from a [`MessageContext`].
+pub trait HandlerTransactions {
+    /// Opens a transaction on the runtime's store for this handler and message, after
+    /// recording in it that the handler completed; `None` when an earlier attempt's
+    /// transaction already committed that record, so the handler's work is done.
+    ///
+    /// `DB` is the store's database: `sqlx::Sqlite` for a [`SqliteStore`](crate::store::SqliteStore),
+    /// `sqlx::Postgres` for a [`PostgresStore`](crate::store::PostgresStore).
+    ///
+    /// # Errors
+    ///
+    /// [`EngineError::Detached`](crate::EngineError::Detached) outside a consumer,
+    /// [`EngineError::Store`](crate::EngineError::Store) when the runtime's store is not a `DB`
+    /// store or the database fails.
+    ///
+    /// # Cancel safety
+    ///
+    /// Cancelled, no transaction is left open: whatever it wrote is rolled back.
+    fn transaction<DB: Backend>(
+        &self,
+    ) -> impl Future<Output = Result<Option<HandlerTransaction<DB>>, Error>> + Send;
+}
+
+impl HandlerTransactions for MessageContext {
+    fn transaction<DB: Backend>(
+        &self,
+    ) -> impl Future<Output = Result<Option<HandlerTransaction<DB>>, Error>> + Send {
+        DB::begin(self)
+    }
+}
+
+/// A transaction a handler opened with [`HandlerTransactions::transaction`]. It dereferences
+/// to the `sqlx::Transaction` for the handler's own queries (`.execute(&mut **tx)`), and
+/// idempotency keys and [`Outbox`](crate::outbox::Outbox) rows can be written in it.
+///
+/// Dropped without [`commit`](Self::commit), it rolls back, completion record included: the
+/// handler's next attempt opens it anew.
+pub struct HandlerTransaction<DB: Backend> {
+    tx: sqlx::Transaction<'static, DB>,
+    context: MessageContext,
+    message_id: Uuid,
+    handler: String,
+    enlisted: HashMap<(String, Vec<u8>), u32>,
+}
+
+impl<DB: Backend> std::fmt::Debug for HandlerTransaction<DB> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("HandlerTransaction")
+            .field("message_id", &self.message_id)
+            .field("handler", &self.handler)
+            .finish_non_exhaustive()
+    }
+}
+
+impl<DB: Backend> Deref for HandlerTransaction<DB> {
+    type Target = sqlx::Transaction<'static, DB>;
+
+    fn deref(&self) -> &Self::Target {
+        &self.tx
+    }
+}
+
+impl<DB: Backend> DerefMut for HandlerTransaction<DB> {
+    fn deref_mut(&mut self) -> &mut Self::Target {
+        &mut self.tx
+    }
+}
+
+impl<DB: Backend> HandlerTransaction<DB> {
+    /// The id of the message being handled.
+    pub fn message_id(&self) -> Uuid {
+        self.message_id
+    }
+
+    /// Writes `message` to the outbox in this transaction: it is published after the commit,
+    /// with this message as its causation. Its envelope id is derived from the message id,
+    /// the handler and what it enlisted before, so the same work enlists the same envelope.
+    ///
+    /// # Errors
+    ///
+    /// The serializer's or the database's error; drop the transaction.
+    ///
+    /// # Cancel safety
+    ///
+    /// Cancelled, the row may or may not be written: drop the transaction.
+    pub async fn enlist<M: Message>(&mut self, message: &M) -> Result<Uuid, Error> {
+        self.enlist_with(message, SendOptions::default()).await
+    }
+
+    /// [`enlist`](Self::enlist) with a deduplication id, headers or correlation id.
+    ///
+    /// # Errors
+    ///
+    /// As [`enlist`](Self::enlist).
+    ///
+    /// # Cancel safety
+    ///
+    /// As [`enlist`](Self::enlist).
+    pub async fn enlist_with<M: Message>(
+        &mut self,
+        message: &M,
+        options: SendOptions,
+    ) -> Result<Uuid, Error> {
+        let mut envelope = Envelope::for_message(message).map_err(reprise_actors::Error::from)?;
+        envelope.correlation_id = self.context.correlation_id().or(Some(self.message_id));
+        envelope.causation_id = Some(self.message_id);
+        options.apply(&mut envelope);
+        reprise_actors::DeduplicationRules::default().apply(message, &mut envelope);
+        let occurrence = self
+            .enlisted
+            .entry((envelope.message_type.to_string(), envelope.payload.clone()))
+            .or_default();
+        let mut name = format!(
+            "reprise.handler-outbox:{}:{}:{occurrence}:",
+            self.handler, envelope.message_type
+        )
+        .into_bytes();
+        name.extend_from_slice(&envelope.payload);
+        *occurrence += 1;
+        envelope.id = Uuid::new_v5(&self.message_id, &name);
+        DB::insert(self, &envelope).await?;
+        Ok(envelope.id)
+    }
+
+    /// Completes the handler's deduplication claim, if it holds one, and commits: the
+    /// handler's writes, keys, outbox rows, claim and completion record land together. The
+    /// outbox relay is woken at once.
+    ///
+    /// # Errors
+    ///
+    /// The database's error; nothing of the transaction took effect.
+    ///
+    /// # Cancel safety
+    ///
+    /// Cancelled, the commit may or may not have happened; the completion record tells the
+    /// next attempt which.
+    pub async fn commit(mut self) -> Result<(), Error> {
+        DB::finish(&mut self).await?;
+        self.tx
+            .commit()
+            .await
+            .map_err(reprise_actors::Error::store)?;
+        self.context.wake_outbox();
+        Ok(())
+    }
+
+    /// Rolls back: nothing of the transaction takes effect.
+    ///
+    /// # Errors
+    ///
+    /// The database's error; the transaction is rolled back when its connection closes.
+    pub async fn rollback(self) -> Result<(), Error> {
+        self.tx
+            .rollback()
+            .await
+            .map_err(reprise_actors::Error::store)?;
+        Ok(())
+    }
+}
+
+macro_rules! backend {
+    ($db:ty, $store:ty, $begin:expr) => {
+        impl sealed::Sealed for $db {}
+
+        impl Backend for $db {
+            async fn begin(
+                context: &MessageContext,
+            ) -> Result<Option<HandlerTransaction<Self>>, Error> {
+                let (Some(message_id), Some(handler)) = (context.message_id(), context.handler())
+                else {
+                    return Err(reprise_actors::Error::Detached.into());
+                };
+                let store = context
+                    .store()
+                    .and_then(|store| store.downcast_ref::<$store>())
+                    .ok_or_else(|| {
+                        reprise_actors::Error::store(concat!(
+                            "handler transactions on this database need the runtime's store to be a ",
+                            stringify!($store)
+                        ))
+                    })?;
+                let mut tx = store
+                    .pool()
+                    .begin_with($begin)
+                    .await
+                    .map_err(reprise_actors::Error::store)?;
+                let handler = handler.to_string();
+                let recorded = sqlx::query(RECORD_COMPLETION)
+                    .bind(id_text(message_id))
+                    .bind(&handler)
+                    .bind(millis(chrono::Utc::now()))
+                    .execute(&mut *tx)
+                    .await
+                    .map_err(reprise_actors::Error::store)?
+                    .rows_affected();
+                if recorded == 0 {
+                    tracing::debug!(
+                        messaging.message.id = %message_id,
+                        reprise.handler = %handler,
+                        "handler transaction committed by an earlier attempt; not opened again"
+                    );
+                    return Ok(None);
+                }
+                Ok(Some(HandlerTransaction {
+                    tx,
+                    context: context.clone(),
+                    message_id,
+                    handler,
+                    enlisted: HashMap::new(),
+                }))
+            }
+
+            async fn finish(transaction: &mut HandlerTransaction<Self>) -> Result<(), Error> {
+                if let Some(claim) = transaction.context.deduplication_claim() {
+                    sqlx::query(COMPLETE_CLAIM)
+                        .bind(&claim.handler)
+                        .bind(&claim.key_hash)
+                        .bind(&claim.envelope_id)
+                        .execute(&mut *transaction.tx)
+                        .await
+                        .map_err(reprise_actors::Error::store)?;
+                }
+                Ok(())
+            }
+
+            async fn insert(
+                transaction: &mut HandlerTransaction<Self>,
+                envelope: &Envelope,
+            ) -> Result<(), Error> {
+                let c = EnvelopeColumns::of(envelope)?;
+                crate::store::sql::bind_envelope!(sqlx::query(ENLIST_ONCE), c)
+                    .bind(millis(chrono::Utc::now()))
+                    .execute(&mut *transaction.tx)
+                    .await
+                    .map_err(reprise_actors::Error::store)?;
+                Ok(())
+            }
+        }
+    };
+}
+
+#[cfg(feature = "sqlite")]
+backend!(sqlx::Sqlite, crate::store::SqliteStore, "BEGIN IMMEDIATE");
+#[cfg(feature = "postgres")]
+backend!(sqlx::Postgres, crate::store::PostgresStore, "BEGIN");

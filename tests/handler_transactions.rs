@@ -1,0 +1,343 @@
+//! Handler transactions on a real SQLite file and a real PostgreSQL server: a handler's rows,
+//! its outbox rows, its deduplication claim and its completion record commit together, and a
+//! rerun of the handler — whatever the retry scope — finds its work done instead of doing it
+//! again.
+#![cfg(all(feature = "sqlite", feature = "postgres", feature = "testing"))]
+
+#[path = "support/messages.rs"]
+mod support;
+#[path = "support/stores.rs"]
+mod support_stores;
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use reprise::prelude::*;
+use reprise::testing::Recorder;
+use reprise::transaction::HandlerTransactions;
+use reprise::{DeadLetterReason, RetryScope};
+use support::{MemberRemoved, WebhookQueued, member_removed};
+use support_stores::Backend;
+
+const WAIT: Duration = Duration::from_secs(20);
+
+/// When the ledger handler fails, on its first attempt only.
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum FailFirst {
+    Never,
+    /// After writing, before committing: the transaction rolls back.
+    BeforeCommit,
+    /// After committing: the work is done, yet the attempt fails and is retried.
+    AfterCommit,
+}
+
+/// Writes a ledger row and enlists a `WebhookQueued`, in its own transaction.
+#[derive(Clone)]
+struct Ledger {
+    backend: Backend,
+    fail: FailFirst,
+    runs: Arc<AtomicUsize>,
+    opened: Arc<AtomicUsize>,
+    /// The claim's `completed` flag as the handler saw it right after its commit.
+    claim_completed_at_commit: Arc<Mutex<Vec<i64>>>,
+}
+
+impl Ledger {
+    fn new(backend: Backend, fail: FailFirst) -> Self {
+        Self {
+            backend,
+            fail,
+            runs: Arc::default(),
+            opened: Arc::default(),
+            claim_completed_at_commit: Arc::default(),
+        }
+    }
+}
+
+const CLAIM_COMPLETED: &str = "SELECT completed FROM reprise_deduplication";
+
+macro_rules! ledger_work {
+    ($self:ident, $ctx:ident, $db:ty) => {{
+        let Some(mut tx) = $ctx.transaction::<$db>().await? else {
+            return Ok(());
+        };
+        $self.opened.fetch_add(1, Ordering::SeqCst);
+        let entry = reprise::ids::derive(tx.message_id(), "ledger");
+        sqlx::query("INSERT INTO ledger (entry) VALUES ($1)")
+            .bind(&entry)
+            .execute(&mut **tx)
+            .await?;
+        tx.enlist(&WebhookQueued { delivery_id: entry }).await?;
+        let first = $ctx.attempt() == 1;
+        if first && $self.fail == FailFirst::BeforeCommit {
+            return Err("failed before committing".into());
+        }
+        tx.commit().await?;
+        if $ctx.deduplication_claim().is_some() {
+            let store = $ctx.store().and_then(|s| {
+                s.downcast_ref::<reprise::store::SqliteStore>()
+                    .map(|s| s.pool().clone())
+                    .map(either::Sqlite)
+                    .or_else(|| {
+                        s.downcast_ref::<reprise::store::PostgresStore>()
+                            .map(|s| either::Postgres(s.pool().clone()))
+                    })
+            });
+            let completed = match store {
+                Some(either::Sqlite(pool)) => {
+                    sqlx::query_scalar(CLAIM_COMPLETED).fetch_one(&pool).await?
+                }
+                Some(either::Postgres(pool)) => {
+                    sqlx::query_scalar::<_, i32>(CLAIM_COMPLETED)
+                        .fetch_one(&pool)
+                        .await? as i64
+                }
+                None => -1,
+            };
+            $self
+                .claim_completed_at_commit
+                .lock()
+                .unwrap()
+                .push(completed);
+        }
+        if first && $self.fail == FailFirst::AfterCommit {
+            return Err("failed after committing".into());
+        }
+        Ok(())
+    }};
+}
+
+mod either {
+    pub(crate) enum Pool {
+        Sqlite(sqlx::SqlitePool),
+        Postgres(sqlx::PgPool),
+    }
+    pub(crate) use Pool::{Postgres, Sqlite};
+}
+
+impl Handler<MemberRemoved> for Ledger {
+    async fn handle(&self, _: &MemberRemoved, ctx: &MessageContext) -> Result<(), HandlerError> {
+        self.runs.fetch_add(1, Ordering::SeqCst);
+        match self.backend {
+            Backend::Sqlite => ledger_work!(self, ctx, sqlx::Sqlite),
+            Backend::Postgres => ledger_work!(self, ctx, sqlx::Postgres),
+        }
+    }
+}
+
+/// Publishes a `MemberRemoved` and waits until its delivery settles.
+async fn tracked(runtime: &Runtime) -> reprise::DeliveryReport {
+    let envelope = runtime
+        .envelope(&member_removed(), SendOptions::default())
+        .unwrap();
+    let report = runtime.receive_tracked(envelope).await.unwrap();
+    tokio::time::timeout(WAIT, report).await.unwrap().unwrap()
+}
+
+fn quick_retries() -> RetryPolicy {
+    RetryPolicy {
+        retry_limit: 3,
+        min_retry_interval: Duration::from_millis(20),
+        retry_interval_delta: Duration::from_millis(10),
+        max_retry_interval: Duration::from_millis(100),
+    }
+}
+
+struct Outcome {
+    runs: usize,
+    opened: usize,
+    ledger_rows: i64,
+    completions: i64,
+    published: usize,
+    attempts: u32,
+}
+
+async fn run_ledger(
+    db: &support_stores::TestDatabase,
+    fail: FailFirst,
+    scope: RetryScope,
+) -> Outcome {
+    db.execute("CREATE TABLE IF NOT EXISTS ledger (entry TEXT NOT NULL)")
+        .await;
+    db.execute("DELETE FROM ledger").await;
+    let ledger = Ledger::new(db.backend, fail);
+    let queued = Recorder::<WebhookQueued>::new();
+    let runtime = db
+        .store(Runtime::builder(), "local", Duration::from_secs(30))
+        .await
+        .retry_policy(quick_retries())
+        .retry_scope(scope)
+        .relay_interval(Duration::from_millis(20))
+        .module(Module::new("billing").handle_named::<MemberRemoved, _>("ledger", ledger.clone()))
+        .module(Module::new("webhooks").handle_named::<WebhookQueued, _>("send", queued.clone()))
+        .build()
+        .unwrap();
+    let report = tracked(&runtime).await;
+    assert!(report.is_handled(), "{report:?}");
+    tokio::time::timeout(WAIT, runtime.idle()).await.unwrap();
+    let outcome = Outcome {
+        runs: ledger.runs.load(Ordering::SeqCst),
+        opened: ledger.opened.load(Ordering::SeqCst),
+        ledger_rows: db.scalar("SELECT count(*) FROM ledger").await,
+        completions: db
+            .scalar("SELECT count(*) FROM reprise_handler_completions")
+            .await,
+        published: queued.count(),
+        attempts: report.attempts,
+    };
+    runtime.shutdown().await;
+    db.execute("DELETE FROM reprise_handler_completions").await;
+    db.execute("DELETE FROM reprise_inbox").await;
+    db.execute("DELETE FROM reprise_outbox").await;
+    outcome
+}
+
+on_both_backends!(
+    work_committed_by_an_earlier_attempt_is_not_done_again_sqlite,
+    work_committed_by_an_earlier_attempt_is_not_done_again_postgres,
+    |db| {
+        for scope in [RetryScope::AllHandlers, RetryScope::FailedHandlers] {
+            let outcome = run_ledger(&db, FailFirst::AfterCommit, scope).await;
+            assert_eq!(
+                outcome.attempts, 2,
+                "{scope:?}: the failed attempt is retried"
+            );
+            assert_eq!(outcome.runs, 2, "{scope:?}: the handler runs again");
+            assert_eq!(
+                outcome.opened, 1,
+                "{scope:?}: its transaction is not opened again"
+            );
+            assert_eq!(outcome.ledger_rows, 1, "{scope:?}: one row");
+            assert_eq!(outcome.published, 1, "{scope:?}: one publish");
+            assert_eq!(outcome.completions, 1, "{scope:?}: one completion record");
+        }
+    }
+);
+
+on_both_backends!(
+    a_handler_that_fails_before_committing_leaves_nothing_behind_sqlite,
+    a_handler_that_fails_before_committing_leaves_nothing_behind_postgres,
+    |db| {
+        let outcome = run_ledger(&db, FailFirst::BeforeCommit, RetryScope::AllHandlers).await;
+        assert_eq!(outcome.attempts, 2);
+        assert_eq!(
+            outcome.opened, 2,
+            "the rolled-back completion does not stop the retry"
+        );
+        assert_eq!(
+            outcome.ledger_rows, 1,
+            "the first attempt's row rolled back"
+        );
+        assert_eq!(outcome.published, 1, "its outbox row rolled back too");
+        assert_eq!(outcome.completions, 1);
+    }
+);
+
+on_both_backends!(
+    a_handler_that_succeeds_first_time_commits_once_sqlite,
+    a_handler_that_succeeds_first_time_commits_once_postgres,
+    |db| {
+        let outcome = run_ledger(&db, FailFirst::Never, RetryScope::AllHandlers).await;
+        assert_eq!((outcome.attempts, outcome.runs, outcome.opened), (1, 1, 1));
+        assert_eq!((outcome.ledger_rows, outcome.published), (1, 1));
+    }
+);
+
+on_both_backends!(
+    a_deduplicated_handler_commits_its_claim_with_its_work_sqlite,
+    a_deduplicated_handler_commits_its_claim_with_its_work_postgres,
+    |db| {
+        db.execute("CREATE TABLE ledger (entry TEXT NOT NULL)")
+            .await;
+        let ledger = Ledger::new(db.backend, FailFirst::AfterCommit);
+        let runtime = db
+            .store(Runtime::builder(), "local", Duration::from_secs(30))
+            .await
+            .retry_policy(quick_retries())
+            .enable_deduplication()
+            .module(
+                Module::new("billing")
+                    .handle_named::<MemberRemoved, _>("ledger", ledger.clone())
+                    .deduplicate("ledger", Deduplication::from_envelope()),
+            )
+            .build()
+            .unwrap();
+        let keyed = SendOptions::new().deduplication_id("charge-7");
+        runtime
+            .publish_with(&member_removed(), keyed.clone())
+            .await
+            .unwrap();
+        tokio::time::timeout(WAIT, runtime.idle()).await.unwrap();
+        assert_eq!(
+            *ledger.claim_completed_at_commit.lock().unwrap(),
+            [1],
+            "the claim was completed by the handler's own commit"
+        );
+        // The failure after the commit released nothing: the claim holds, and a second
+        // message with the same intent is a duplicate.
+        runtime
+            .publish_with(&member_removed(), keyed)
+            .await
+            .unwrap();
+        tokio::time::timeout(WAIT, runtime.idle()).await.unwrap();
+        assert_eq!(db.scalar("SELECT count(*) FROM ledger").await, 1);
+        assert_eq!(
+            ledger.runs.load(Ordering::SeqCst),
+            1,
+            "the retry after the commit finds the claim completed, and so does the duplicate"
+        );
+        assert_eq!(
+            db.scalar("SELECT count(*) FROM reprise_deduplication WHERE completed = 1")
+                .await,
+            1
+        );
+        runtime.shutdown().await;
+    }
+);
+
+/// Opens a SQLite handler transaction, whatever the runtime's store.
+struct OpensSqlite;
+
+impl Handler<MemberRemoved> for OpensSqlite {
+    async fn handle(&self, _: &MemberRemoved, ctx: &MessageContext) -> Result<(), HandlerError> {
+        ctx.transaction::<sqlx::Sqlite>().await?;
+        Ok(())
+    }
+}
+
+#[tokio::test]
+async fn a_handler_transaction_needs_a_store_of_its_database() {
+    let runtime = Runtime::builder()
+        .retry_policy(RetryPolicy {
+            retry_limit: 0,
+            ..RetryPolicy::default()
+        })
+        .module(Module::new("billing").handle_named::<MemberRemoved, _>("ledger", OpensSqlite))
+        .build()
+        .unwrap();
+    let report = tracked(&runtime).await;
+    assert!(!report.is_handled());
+    let letters = runtime.dead_letters().list().await.unwrap();
+    let letter = &letters[0];
+    assert_eq!(letter.envelope.id, report.envelope_id);
+    assert_eq!(letter.reason, DeadLetterReason::RetriesExhausted);
+    let failure = &letter.failures[0].failures[0].error;
+    assert!(failure.contains("SqliteStore"), "{failure}");
+    runtime.shutdown().await;
+}
+
+#[tokio::test]
+async fn a_detached_context_opens_no_transaction() {
+    let error = MessageContext::detached()
+        .transaction::<sqlx::Sqlite>()
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(
+            error,
+            reprise::Error::Engine(reprise::EngineError::Detached)
+        ),
+        "{error}"
+    );
+}
