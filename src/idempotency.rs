@@ -32,10 +32,18 @@ mod sealed {
 pub trait KeyTransaction: sealed::Sealed + Send {
     #[doc(hidden)]
     fn insert_key(&mut self, key: &str) -> impl Future<Output = Result<bool, Error>> + Send;
+
+    #[doc(hidden)]
+    fn select_existing(
+        &mut self,
+        table: &str,
+        column: &str,
+        ids: &[String],
+    ) -> impl Future<Output = Result<Vec<String>, Error>> + Send;
 }
 
 macro_rules! key_transaction {
-    ($db:ty) => {
+    ($db:ty, lookup = $lookup:literal, ids = $ids:expr) => {
         impl sealed::Sealed for sqlx::Transaction<'_, $db> {}
 
         impl KeyTransaction for sqlx::Transaction<'_, $db> {
@@ -49,14 +57,40 @@ macro_rules! key_transaction {
                     .rows_affected();
                 Ok(inserted == 1)
             }
+
+            async fn select_existing(
+                &mut self,
+                table: &str,
+                column: &str,
+                ids: &[String],
+            ) -> Result<Vec<String>, Error> {
+                let sql = format!($lookup, column = column, table = table);
+                let rows: Vec<String> = sqlx::query_scalar(sqlx::AssertSqlSafe(sql))
+                    .bind($ids(ids)?)
+                    .fetch_all(&mut **self)
+                    .await
+                    .map_err(reprise_actors::Error::store)?;
+                Ok(rows)
+            }
         }
     };
 }
 
+// One round trip whatever the number of ids: SQLite reads them from a JSON array, PostgreSQL
+// from an array parameter.
 #[cfg(feature = "sqlite")]
-key_transaction!(sqlx::Sqlite);
+key_transaction!(
+    sqlx::Sqlite,
+    lookup = "SELECT {column} FROM {table} WHERE {column} IN (SELECT value FROM json_each($1))",
+    ids = |ids: &[String]| serde_json::to_string(ids)
+        .map_err(|e| Error::from(reprise_actors::Error::store(e)))
+);
 #[cfg(feature = "postgres")]
-key_transaction!(sqlx::Postgres);
+key_transaction!(
+    sqlx::Postgres,
+    lookup = "SELECT {column} FROM {table} WHERE {column} = ANY($1)",
+    ids = |ids: &[String]| Ok::<_, Error>(ids.to_vec())
+);
 
 /// Records `key` in `tx` (in the store's `reprise_idempotency_keys`); `true` if it is new, so
 /// the work should be done in the same transaction, `false` if it was recorded before.
@@ -73,4 +107,76 @@ key_transaction!(sqlx::Postgres);
 /// Cancelled, the key may or may not be written in `tx`: roll it back.
 pub async fn record_key<T: KeyTransaction>(tx: &mut T, key: &str) -> Result<bool, Error> {
     tx.insert_key(key).await
+}
+
+/// Of `ids` (row ids derived from the message, say with [`ids::derive`](crate::ids::derive)),
+/// the ones not yet in `table.column`, in the order given, found in one round trip within
+/// `tx`. A handler inserts those and returns early when there are none — a retry of work
+/// already done then writes nothing, commits nothing and publishes nothing.
+///
+/// ```no_run
+/// # async fn queue(pool: &sqlx::SqlitePool, message_id: uuid::Uuid, webhooks: &[i64]) -> Result<(), Box<dyn std::error::Error>> {
+/// use reprise::{idempotency, ids};
+///
+/// let wanted: Vec<String> = webhooks
+///     .iter()
+///     .map(|webhook| ids::derive(message_id, &webhook.to_string()))
+///     .collect();
+/// let mut tx = pool.begin_with("BEGIN IMMEDIATE").await?;
+/// let missing = idempotency::missing_ids(&mut tx, "webhook_deliveries", "id", &wanted).await?;
+/// if missing.is_empty() {
+///     return Ok(()); // all done before: no commit, no publish
+/// }
+/// // … insert the missing rows in `tx`, commit, then announce them …
+/// # Ok(())
+/// # }
+/// ```
+///
+/// # Errors
+///
+/// [`Error::InvalidIdentifier`] when `table` or `column` is not a plain identifier (nothing
+/// is run), or the database's error.
+///
+/// # Cancel safety
+///
+/// Cancel safe: it only reads.
+pub async fn missing_ids<T: KeyTransaction>(
+    tx: &mut T,
+    table: &str,
+    column: &str,
+    ids: &[String],
+) -> Result<Vec<String>, Error> {
+    let (table, column) = (identifier(table)?, identifier(column)?);
+    if ids.is_empty() {
+        return Ok(Vec::new());
+    }
+    let existing: std::collections::HashSet<String> = tx
+        .select_existing(table, column, ids)
+        .await?
+        .into_iter()
+        .collect();
+    let mut seen = std::collections::HashSet::new();
+    Ok(ids
+        .iter()
+        .filter(|id| !existing.contains(*id) && seen.insert(*id))
+        .cloned()
+        .collect())
+}
+
+/// `name` if it is a plain identifier, optionally qualified (`schema.table`): it is spliced
+/// into SQL, so nothing else may pass.
+fn identifier(name: &str) -> Result<&str, Error> {
+    let plain = |part: &str| {
+        let mut chars = part.chars();
+        chars
+            .next()
+            .is_some_and(|c| c.is_ascii_alphabetic() || c == '_')
+            && chars.all(|c| c.is_ascii_alphanumeric() || c == '_')
+    };
+    let parts: Vec<&str> = name.split('.').collect();
+    if parts.len() <= 2 && parts.iter().all(|part| plain(part)) {
+        Ok(name)
+    } else {
+        Err(Error::InvalidIdentifier(name.to_owned()))
+    }
 }

@@ -175,6 +175,25 @@ impl<'a> RuntimeOutbox<'a> {
         Ok(envelope.id)
     }
 
+    /// Writes an envelope prepared with [`Runtime::envelope`] to the outbox within `tx`,
+    /// as it is: an application that keeps the envelopes it sent (to show them, or to resend
+    /// them) enlists the very one it kept.
+    ///
+    /// # Errors
+    ///
+    /// The database's error; `tx` should then be rolled back.
+    ///
+    /// # Cancel safety
+    ///
+    /// As [`enlist`](Self::enlist).
+    pub async fn enlist_envelope<T: Enlist>(
+        &self,
+        tx: &mut T,
+        envelope: &Envelope,
+    ) -> Result<(), Error> {
+        tx.insert(envelope).await
+    }
+
     /// Commits `tx` and wakes the relay, which publishes what it enlisted right away. A
     /// transaction committed otherwise is published at the relay's next poll (or, on
     /// PostgreSQL, when the commit's notification reaches it).
