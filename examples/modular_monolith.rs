@@ -1,6 +1,7 @@
 //! The main job: a modular monolith whose modules react to `organization.member_removed`.
 //!
-//! - `organizations` publishes the event;
+//! - `organizations` announces the event through the transactional outbox, in the transaction
+//!   that records the change;
 //! - `workspaces` revokes access, and is made to fail once, so the whole delivery is retried;
 //! - `webhooks` queues one delivery row per subscribed webhook, with ids derived from the
 //!   message id, so the retry finds its rows and queues nothing twice;
@@ -44,7 +45,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     // SQLite file by default, PostgreSQL when given a URL.
     let target = database_target();
     let postgres = target.starts_with("postgres://") || target.starts_with("postgresql://");
-    let builder = runtime_with_store(&target, postgres).await?;
+    let (builder, store_pool) = runtime_with_store(&target, postgres).await?;
     let db = db::Db::connect(&target, postgres).await?;
     organizations::migrate(&db).await?;
     webhooks::migrate(&db).await?;
@@ -70,7 +71,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
 
     let rows_before = webhooks::count(&db).await?;
     let audit_before = audit::count(&db).await?;
-    let organizations = organizations::Organizations::new(&runtime, db.clone());
+    let organizations = organizations::Organizations::new(&runtime, store_pool);
     let mut first = None;
     for member_id in 1..=3 {
         let envelope = organizations
@@ -104,6 +105,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         )
         .await;
 
+    let backlog = runtime.outbox_backlog().await?.map_or(0, |b| b.depth);
     let stats = runtime.stats();
     let rows = webhooks::count(&db).await? - rows_before;
     let audit_rows = audit::count(&db).await? - audit_before;
@@ -112,13 +114,14 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
 
     println!("reprise — modular monolith on {target}");
     println!(
-        "  events published            {}",
+        "  events published            {} (each enlisted in the outbox with its change)",
         organizations.published()
     );
     println!(
         "  deliveries handled          {} (events and the webhook sends they cascaded)",
         stats.handled
     );
+    println!("  outbox backlog after idle   {backlog}");
     println!("  attempts                    {}", stats.attempts);
     println!("  retries                     {}", stats.retried);
     println!("  dead letters                {}", stats.dead_lettered);
@@ -148,6 +151,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         && sender.sent() == expected_rows
         && audit_rows == organizations.published()
         && discarded == replayed.len()
+        && backlog == 0
         && stats.retried >= 1
         && report.is_clean();
     if verdict {
@@ -162,21 +166,23 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     }
 }
 
-/// The runtime builder with the store for `target`.
+/// The runtime builder with the store for `target`, and the store's pool for the outbox.
 async fn runtime_with_store(
     target: &str,
     postgres: bool,
-) -> Result<RuntimeBuilder, Box<dyn std::error::Error>> {
+) -> Result<(RuntimeBuilder, db::StorePool), Box<dyn std::error::Error>> {
     if !postgres {
         let store = SqliteStore::open(target).await?.node_id("modular-monolith");
-        return Ok(Runtime::builder().store(store));
+        let pool = db::StorePool::Sqlite(store.pool().clone());
+        return Ok((Runtime::builder().store(store), pool));
     }
     #[cfg(feature = "postgres")]
     {
         let store = reprise::store::PostgresStore::connect(target)
             .await?
             .node_id("modular-monolith");
-        Ok(Runtime::builder().store(store))
+        let pool = db::StorePool::Postgres(store.pool().clone());
+        Ok((Runtime::builder().store(store), pool))
     }
     #[cfg(not(feature = "postgres"))]
     {

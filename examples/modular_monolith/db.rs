@@ -4,6 +4,14 @@
 use sqlx::{Any, Transaction};
 use sqlx::{AnyPool, any::AnyPoolOptions};
 
+/// The runtime store's own pool, typed, for transactions that enlist in its outbox.
+#[derive(Clone)]
+pub(crate) enum StorePool {
+    Sqlite(sqlx::SqlitePool),
+    #[cfg(feature = "postgres")]
+    Postgres(sqlx::PgPool),
+}
+
 #[derive(Clone)]
 pub(crate) struct Db {
     pub(crate) pool: AnyPool,

@@ -1,13 +1,14 @@
-//! The organizations module: it owns memberships and announces their changes. It keeps a log of
-//! the envelopes it published, which the main job replays after a restart, as a broker does
-//! when a consumer's acknowledgements were lost.
+//! The organizations module: it owns memberships and announces their changes through the
+//! transactional outbox — the change and its announcement commit together, or neither does.
+//! Its change log keeps the envelopes it announced, which the main job replays after a
+//! restart, as a broker does when a consumer's acknowledgements were lost.
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 
 use reprise::prelude::*;
 use sqlx::Row;
 
-use crate::db::Db;
+use crate::db::{Db, StorePool};
 
 use crate::events::MemberRemoved;
 
@@ -64,15 +65,36 @@ pub(crate) async fn recently_published(
 
 pub(crate) struct Organizations<'a> {
     runtime: &'a Runtime,
-    db: Db,
+    store: StorePool,
     published: AtomicUsize,
 }
 
+/// Records the change in the log and enlists its envelope, in one transaction on `$pool`.
+macro_rules! change_and_announce {
+    ($runtime:expr, $pool:expr, $begin:literal, $envelope:expr) => {{
+        let mut tx = $pool.begin_with($begin).await?;
+        sqlx::query(
+            "INSERT INTO organization_events (id, envelope, published_at) VALUES ($1, $2, $3)",
+        )
+        .bind($envelope.id.simple().to_string())
+        .bind(serde_json::to_string(&$envelope)?)
+        .bind(chrono::Utc::now().timestamp_millis())
+        .execute(&mut *tx)
+        .await?;
+        $runtime
+            .outbox()
+            .enlist_envelope(&mut tx, &$envelope)
+            .await?;
+        // Committing through the runtime wakes its relay, which publishes at once.
+        $runtime.outbox().commit(tx).await?;
+    }};
+}
+
 impl<'a> Organizations<'a> {
-    pub(crate) fn new(runtime: &'a Runtime, db: Db) -> Self {
+    pub(crate) fn new(runtime: &'a Runtime, store: StorePool) -> Self {
         Self {
             runtime,
-            db,
+            store,
             published: AtomicUsize::new(0),
         }
     }
@@ -88,15 +110,15 @@ impl<'a> Organizations<'a> {
             member_id,
         };
         let envelope = self.runtime.envelope(&event, SendOptions::new())?;
-        sqlx::query(
-            "INSERT INTO organization_events (id, envelope, published_at) VALUES ($1, $2, $3)",
-        )
-        .bind(envelope.id.simple().to_string())
-        .bind(serde_json::to_string(&envelope)?)
-        .bind(chrono::Utc::now().timestamp_millis())
-        .execute(&self.db.pool)
-        .await?;
-        self.runtime.receive(envelope.clone()).await?;
+        match &self.store {
+            StorePool::Sqlite(pool) => {
+                change_and_announce!(self.runtime, pool, "BEGIN IMMEDIATE", envelope)
+            }
+            #[cfg(feature = "postgres")]
+            StorePool::Postgres(pool) => {
+                change_and_announce!(self.runtime, pool, "BEGIN", envelope)
+            }
+        }
         self.published.fetch_add(1, Ordering::Relaxed);
         Ok(envelope)
     }
