@@ -79,7 +79,7 @@ on_both_backends!(
             .store(Runtime::builder(), "crashed", Duration::from_secs(30))
             .await;
         let outbox = db.sqlite_or_postgres_outbox().await;
-        let rows = outbox.unpublished(10).await.unwrap();
+        let rows = outbox.unpublished(i64::MIN, 10).await.unwrap();
         assert_eq!(rows.len(), 1);
         let calls = Recorder::<MemberRemoved>::new();
         let runtime = crashed

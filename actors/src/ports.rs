@@ -464,12 +464,14 @@ pub trait OutboxStore: Send + Sync + 'static {
     /// [`Error::Store`] when the store cannot answer.
     async fn lease(&self, now: DateTime<Utc>, until: DateTime<Utc>) -> Result<bool, Error>;
 
-    /// Up to `limit` unpublished envelopes, oldest first, with their position.
+    /// Up to `limit` unpublished envelopes positioned after `after`, oldest first, with their
+    /// position. A relay reads from `i64::MIN` at the start of each round, so an envelope whose
+    /// transaction committed after later positions were published is found on the next round.
     ///
     /// # Errors
     ///
     /// [`Error::Store`] when the store cannot answer.
-    async fn unpublished(&self, limit: usize) -> Result<Vec<(i64, Envelope)>, Error>;
+    async fn unpublished(&self, after: i64, limit: usize) -> Result<Vec<(i64, Envelope)>, Error>;
 
     /// How many envelopes wait to be published, and since when the oldest does.
     ///

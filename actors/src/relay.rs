@@ -127,8 +127,9 @@ impl RelayActor {
                 }
             }
             let mut published = 0usize;
+            let mut next = outbox.unpublished(i64::MIN, batch).await;
             loop {
-                let rows = match outbox.unpublished(batch).await {
+                let rows = match std::mem::replace(&mut next, Ok(Vec::new())) {
                     Ok(rows) => rows,
                     Err(error) => {
                         tracing::warn!(%error, "reading the outbox failed; retrying on the next round");
@@ -146,18 +147,28 @@ impl RelayActor {
                     positions.push(position);
                 }
                 let done = positions.len();
-                if done > 0
-                    && let Err(error) = outbox
-                        .mark_published(&positions, dispatcher.shared.clock.now())
-                        .await
-                {
+                let Some(&last) = positions.last() else {
+                    break;
+                };
+                let more = done == batch && done == count;
+                let mark = outbox.mark_published(&positions, dispatcher.shared.clock.now());
+                // Mark this batch while reading the next: the read starts after this batch's
+                // last position, so it never sees this batch again.
+                let marked = if more {
+                    let (marked, read) = futures::join!(mark, outbox.unpublished(last, batch));
+                    next = read;
+                    marked
+                } else {
+                    mark.await
+                };
+                if let Err(error) = marked {
                     // Published but not marked: the next round publishes them again, and the
                     // inbox discards them.
                     tracing::warn!(%error, "marking outbox envelopes published failed");
                     break;
                 }
                 published += done;
-                if done < batch || done < count {
+                if !more {
                     break;
                 }
             }

@@ -233,6 +233,16 @@ impl RuntimeBuilder {
         self
     }
 
+    /// How many envelopes the outbox relay publishes and marks per batch (default 100).
+    #[must_use]
+    pub fn relay_batch(mut self, batch: usize) -> Self {
+        self.engine
+            .durability
+            .get_or_insert_with(Durability::default)
+            .relay_batch = batch;
+        self
+    }
+
     /// How often a durable store's expired handled envelopes are removed (default 1 min).
     #[must_use]
     pub fn cleanup_interval(mut self, interval: Duration) -> Self {

@@ -138,7 +138,7 @@ pub(crate) const LEASE: &str = "INSERT INTO reprise_outbox_lease (id, owner, exp
 
 pub(crate) const UNPUBLISHED: &str = "SELECT seq, id, message_type, payload, headers, \
     deduplication_id, correlation_id, causation_id, sent_at, scheduled_for \
-    FROM reprise_outbox WHERE published_at IS NULL ORDER BY seq LIMIT $1";
+    FROM reprise_outbox WHERE published_at IS NULL AND seq > $2 ORDER BY seq LIMIT $1";
 
 /// `UPDATE … WHERE seq IN ($2, $3, …)` for `count` positions.
 pub(crate) fn mark_published(count: usize) -> String {
@@ -775,12 +775,14 @@ macro_rules! sql_store {
 
             async fn unpublished(
                 &self,
+                after: i64,
                 limit: usize,
             ) -> Result<Vec<(i64, reprise_actors::Envelope)>, reprise_actors::Error> {
                 use sqlx::Row;
                 use $crate::store::sql::*;
                 let rows = sqlx::query(UNPUBLISHED)
                     .bind(i64::try_from(limit).unwrap_or(i64::MAX))
+                    .bind(after)
                     .fetch_all(&self.pool)
                     .await
                     .map_err(reprise_actors::Error::store)?;
