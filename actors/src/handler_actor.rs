@@ -36,6 +36,8 @@ pub(crate) struct PendingClaim {
     /// `None` when the runtime has not enabled deduplication: the handler then fails.
     pub(crate) claims: Option<Arc<dyn Claims>>,
     pub(crate) conflicts: Conflicts,
+    /// Where to count a duplicate intent: the engine's counters, and this worker's writer.
+    pub(crate) stats: (Arc<crate::Stats>, usize),
 }
 
 /// A handler's failure, before it is put into words for its supervisor.
@@ -104,7 +106,13 @@ impl HandlerActor {
                 claim,
                 claims,
                 conflicts,
+                stats: (stats, writer),
             } = pending;
+            let count_duplicate = || {
+                stats
+                    .writer(writer)
+                    .bump(crate::stats::Counter::DuplicateIntents);
+            };
             let Some(claims) = claims else {
                 return Some((
                     FailureKind::Permanent,
@@ -120,12 +128,16 @@ impl HandlerActor {
                     format!("deduplication claim failed: {error}"),
                 )),
                 Ok(ClaimOutcome::Held { same_payload: true }) => {
+                    count_duplicate();
                     tracing::info!(parent: &span, reprise.deduplication_id = %claim.key, "duplicate intent discarded");
                     None
                 }
                 Ok(ClaimOutcome::Held {
                     same_payload: false,
                 }) => {
+                    if conflicts != Conflicts::DeadLetter {
+                        count_duplicate();
+                    }
                     tracing::warn!(
                         parent: &span,
                         reprise.deduplication_id = %claim.key,

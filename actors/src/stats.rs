@@ -16,6 +16,7 @@ pub(crate) struct Counters {
     dead_lettered: Cell,
     deduplicated: Cell,
     discarded: Cell,
+    duplicate_intents: Cell,
 }
 
 /// Counters of what the engine did since it started.
@@ -42,6 +43,9 @@ pub struct StatsSnapshot {
     pub deduplicated: u64,
     /// Envelopes discarded for having no handler (when so configured).
     pub discarded: u64,
+    /// Handler runs skipped because their logical deduplication id was already claimed
+    /// within the window: duplicate intents (and conflicts, unless dead-lettered).
+    pub duplicate_intents: u64,
 }
 
 #[derive(Clone, Copy, Debug)]
@@ -53,6 +57,7 @@ pub(crate) enum Counter {
     DeadLettered,
     Deduplicated,
     Discarded,
+    DuplicateIntents,
 }
 
 impl Counters {
@@ -65,6 +70,7 @@ impl Counters {
             Counter::DeadLettered => &self.dead_lettered,
             Counter::Deduplicated => &self.deduplicated,
             Counter::Discarded => &self.discarded,
+            Counter::DuplicateIntents => &self.duplicate_intents,
         };
         // Atomic: the dispatching counters are bumped by every publishing thread.
         cell.0.fetch_add(1, Ordering::Relaxed);
@@ -100,6 +106,7 @@ impl Stats {
             total.dead_lettered += read(&w.dead_lettered);
             total.deduplicated += read(&w.deduplicated);
             total.discarded += read(&w.discarded);
+            total.duplicate_intents += read(&w.duplicate_intents);
         }
         total
     }

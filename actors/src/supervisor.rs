@@ -258,6 +258,7 @@ impl DeliverySupervisor {
             claim,
             claims: self.worker.claims.clone(),
             conflicts: deduplication.conflicts(),
+            stats: (Arc::clone(&self.worker.shared.stats), self.worker.index),
         })
     }
 
