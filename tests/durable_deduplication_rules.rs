@@ -8,9 +8,11 @@
 mod support;
 #[path = "support/stores.rs"]
 mod support_stores;
+#[path = "support/warnings.rs"]
+mod support_warnings;
 
+use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Duration;
 
 use async_trait::async_trait;
@@ -248,47 +250,11 @@ on_both_backends!(
     }
 );
 
-/// Every warning logged anywhere in this test binary (the engine logs on its own threads).
-fn warnings() -> &'static Mutex<Vec<String>> {
-    static WARNINGS: OnceLock<Mutex<Vec<String>>> = OnceLock::new();
-    WARNINGS.get_or_init(|| {
-        struct Capture;
-        impl<S: tracing::Subscriber> tracing_subscriber::Layer<S> for Capture {
-            fn on_event(
-                &self,
-                event: &tracing::Event<'_>,
-                _: tracing_subscriber::layer::Context<'_, S>,
-            ) {
-                if *event.metadata().level() != tracing::Level::WARN {
-                    return;
-                }
-                struct Text(String);
-                impl tracing::field::Visit for Text {
-                    fn record_debug(
-                        &mut self,
-                        field: &tracing::field::Field,
-                        value: &dyn std::fmt::Debug,
-                    ) {
-                        self.0.push_str(&format!("{}={value:?} ", field.name()));
-                    }
-                }
-                let mut text = Text(String::new());
-                event.record(&mut text);
-                warnings().lock().unwrap().push(text.0);
-            }
-        }
-        use tracing_subscriber::layer::SubscriberExt;
-        tracing::subscriber::set_global_default(tracing_subscriber::registry().with(Capture))
-            .expect("this binary installs the only global subscriber");
-        Mutex::new(Vec::new())
-    })
-}
-
 on_both_backends!(
     asking_for_deduplication_without_enabling_it_warns_and_fails_clearly_sqlite,
     asking_for_deduplication_without_enabling_it_warns_and_fails_clearly_postgres,
     |db| {
-        let _ = warnings();
+        let _ = support_warnings::warnings();
         let handler = match db.backend {
             Backend::Sqlite => "archive_sqlite",
             Backend::Postgres => "archive_postgres",
@@ -311,9 +277,13 @@ on_both_backends!(
         // The startup warning names the handler.
         tokio::time::timeout(WAIT, async {
             loop {
-                let logged = warnings().lock().unwrap().iter().any(|w| {
-                    w.contains(&format!("billing/{handler}")) && w.contains("has not enabled")
-                });
+                let logged = support_warnings::warnings()
+                    .lock()
+                    .unwrap()
+                    .iter()
+                    .any(|w| {
+                        w.contains(&format!("billing/{handler}")) && w.contains("has not enabled")
+                    });
                 if logged {
                     break;
                 }
@@ -437,6 +407,47 @@ on_both_backends!(
                 "{rule}"
             );
         }
+        runtime.shutdown().await;
+    }
+);
+
+on_both_backends!(
+    the_id_can_come_from_the_message_or_a_header_sqlite,
+    the_id_can_come_from_the_message_or_a_header_postgres,
+    |db| {
+        let (by_key, by_header) = (Counter::default(), Counter::default());
+        let runtime = db
+            .store(Runtime::builder(), "local", Duration::from_secs(30))
+            .await
+            .enable_deduplication()
+            .module(
+                Module::new("projections")
+                    .handle_named::<RebuildProjection, _>("by_key", by_key.clone())
+                    .handle_named::<RebuildProjection, _>("by_header", by_header.clone())
+                    .deduplicate(
+                        "by_key",
+                        Deduplication::by_key(|m: &RebuildProjection| Some(m.name.clone())),
+                    )
+                    .deduplicate(
+                        "by_header",
+                        Deduplication::from_header("idempotency-key").optional(),
+                    ),
+            )
+            .build()
+            .unwrap();
+        let header = |key: &str| SendOptions::new().header("idempotency-key", key);
+        tracked(&runtime, &rebuild("orders"), header("h1")).await;
+        tracked(&runtime, &rebuild("orders"), header("h1")).await;
+        tracked(&runtime, &rebuild("invoices"), header("h1")).await;
+        assert_eq!(by_key.count(), 2, "keyed on the message: orders, invoices");
+        assert_eq!(by_header.count(), 1, "keyed on the header: h1 once");
+        assert_eq!(
+            db.scalar(
+                "SELECT count(*) FROM reprise_deduplication WHERE handler = 'projections/by_key'"
+            )
+            .await,
+            2
+        );
         runtime.shutdown().await;
     }
 );

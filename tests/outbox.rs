@@ -7,6 +7,8 @@
 mod support;
 #[path = "support/stores.rs"]
 mod support_stores;
+#[path = "support/warnings.rs"]
+mod support_warnings;
 
 use std::time::Duration;
 
@@ -325,3 +327,54 @@ async fn postgres_wakes_the_relay_for_enlists_made_elsewhere() {
     until(|| calls.count() == 2).await;
     runtime.shutdown().await;
 }
+
+on_both_backends!(
+    a_stuck_relay_is_never_silent_sqlite,
+    a_stuck_relay_is_never_silent_postgres,
+    |db| {
+        let _ = support_warnings::warnings();
+        db.outbox_transaction(&[removed(1)], true).await;
+        // Another node holds the relay lease and never publishes: the backlog only ages.
+        db.execute(
+            "INSERT INTO reprise_outbox_lease (id, owner, expires_at) \
+             VALUES (1, 'stuck-elsewhere', 9000000000000000)",
+        )
+        .await;
+        let node = match db.backend {
+            support_stores::Backend::Sqlite => "warned-sqlite",
+            support_stores::Backend::Postgres => "warned-postgres",
+        };
+        let calls = Recorder::<MemberRemoved>::new();
+        let since = support_warnings::warnings().lock().unwrap().len();
+        let runtime = db
+            .store(Runtime::builder(), node, Duration::from_secs(30))
+            .await
+            .relay_interval(Duration::from_millis(20))
+            .outbox_retention(Duration::from_millis(100))
+            .outbox_warn_after(Duration::from_millis(50))
+            .module(
+                Module::new("webhooks").handle_named::<MemberRemoved, _>("queue", calls.clone()),
+            )
+            .build()
+            .unwrap();
+        tokio::time::timeout(WAIT, async {
+            loop {
+                let warned = support_warnings::warnings().lock().unwrap()[since..]
+                    .iter()
+                    .any(|w| w.contains("is the relay stuck?") && w.contains("outbox.depth=1"));
+                if warned {
+                    break;
+                }
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+        })
+        .await
+        .expect("a warning about the aged backlog");
+        assert_eq!(
+            calls.count(),
+            0,
+            "nothing published while the lease is held elsewhere"
+        );
+        runtime.shutdown().await;
+    }
+);
