@@ -143,7 +143,10 @@ on_both_backends!(
         assert_eq!(inbox.receive(&envelope).await.unwrap(), Receipt::New);
         inbox.mark_handled(envelope.id).await.unwrap();
         // The writes of a node that lost this delivery to recovery and ran its attempt late.
-        inbox.begin_attempt(envelope.id, 2).await.unwrap();
+        assert!(
+            !inbox.begin_attempt(envelope.id, 2).await.unwrap(),
+            "a handled delivery is nobody's to attempt again"
+        );
         inbox
             .schedule_retry(&envelope, chrono::Utc::now(), &[], &[])
             .await

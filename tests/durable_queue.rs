@@ -288,3 +288,61 @@ on_both_backends!(
         assert_eq!(calls.calls().len(), 0);
     }
 );
+
+/// Counts its calls and fails every one.
+#[derive(Clone, Default)]
+struct FailsCounting(Arc<AtomicUsize>);
+
+impl Handler<MemberRemoved> for FailsCounting {
+    async fn handle(&self, _: &MemberRemoved, _: &MessageContext) -> Result<(), HandlerError> {
+        self.0.fetch_add(1, Ordering::SeqCst);
+        Err("down".into())
+    }
+}
+
+on_both_backends!(
+    a_node_whose_delivery_was_taken_over_does_not_attempt_it_again_sqlite,
+    a_node_whose_delivery_was_taken_over_does_not_attempt_it_again_postgres,
+    |db| {
+        let calls = FailsCounting::default();
+        let late = db
+            .store(Runtime::builder(), "late", Duration::from_secs(30))
+            .await
+            .retry_policy(RetryPolicy {
+                min_retry_interval: Duration::from_millis(300),
+                ..RetryPolicy::default()
+            })
+            .module(Module::new("m").handle_named::<MemberRemoved, _>("h", calls.clone()))
+            .build()
+            .unwrap();
+        let envelope = late
+            .envelope(&member_removed(), SendOptions::default())
+            .unwrap();
+        let id = envelope.id;
+        let report = late.receive_tracked(envelope).await.unwrap();
+        tokio::time::timeout(WAIT, async {
+            while db.inbox_status(id).await.as_deref() != Some("scheduled") {
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+        })
+        .await
+        .expect("the first attempt failed and its retry was recorded");
+        // During the cooldown another node recovers the delivery, as it does once this node's
+        // heartbeat has expired (a long pause, a partition).
+        db.execute("UPDATE reprise_inbox SET owner = 'other', attempts = 2, status = 'incoming'")
+            .await;
+        let report = tokio::time::timeout(WAIT, report).await.unwrap().unwrap();
+        assert_eq!(
+            report.outcome,
+            reprise::Outcome::Discarded(reprise::DiscardReason::OwnedElsewhere)
+        );
+        assert_eq!(calls.0.load(Ordering::SeqCst), 1, "no second attempt here");
+        assert_eq!(
+            db.scalar("SELECT count(*) FROM reprise_inbox WHERE owner = 'other' AND attempts = 2 AND status = 'incoming'")
+                .await,
+            1,
+            "the new owner's state is left as it wrote it"
+        );
+        late.shutdown().await;
+    }
+);

@@ -81,15 +81,17 @@ pub trait Inbox: Send + Sync + 'static {
         ))
     }
 
-    /// Records that attempt `attempt` of envelope `id` starts, so a crash during it counts it.
-    /// The first attempt is recorded by [`receive`](Inbox::receive).
+    /// Records that attempt `attempt` of envelope `id` starts, so a crash during it counts it;
+    /// `false` when this node no longer owns the delivery — another node recovered it after
+    /// this node's heartbeat expired, or it was handled meanwhile — and the attempt must not
+    /// run. The first attempt is recorded by [`receive`](Inbox::receive).
     ///
     /// # Errors
     ///
     /// [`Error::Store`] when it cannot be recorded.
-    async fn begin_attempt(&self, id: Uuid, attempt: u32) -> Result<(), Error> {
+    async fn begin_attempt(&self, id: Uuid, attempt: u32) -> Result<bool, Error> {
         let _ = (id, attempt);
-        Ok(())
+        Ok(true)
     }
 
     /// Records a failed attempt and when the next one is due, so a restart during the cooldown

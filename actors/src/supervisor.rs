@@ -168,11 +168,23 @@ impl DeliverySupervisor {
             })
             .await
         };
-        ctx.spawn(
-            begin
-                .into_actor(self)
-                .map(|(), actor, ctx| actor.run_attempt(ctx)),
-        );
+        ctx.spawn(begin.into_actor(self).map(|ours, actor, ctx| {
+            if ours {
+                actor.run_attempt(ctx);
+            } else {
+                // Running it would do the work twice: the owner runs it now.
+                tracing::info!(
+                    messaging.message.id = %actor.envelope.id,
+                    attempt = actor.envelope.attempts,
+                    "delivery owned by another node now; this node stops it"
+                );
+                actor.settle(
+                    Outcome::Discarded(DiscardReason::OwnedElsewhere),
+                    Vec::new(),
+                    ctx,
+                );
+            }
+        }));
     }
 
     fn run_attempt(&mut self, ctx: &mut Context<Self>) {

@@ -24,15 +24,16 @@ pub(crate) const ENQUEUE: &str = "INSERT INTO reprise_inbox \
     VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, 'incoming', $10, NULL, $11) \
     ON CONFLICT (id) DO NOTHING";
 
-// An attempt's writes never take an envelope back from handled: a node that lost a delivery
-// to recovery while its attempt ran late must not make the winner's work run again.
+// An attempt's writes never take an envelope back from handled, and only the owner writes
+// them: a node that lost a delivery to recovery while it was cooling down or running late
+// must neither run it again next to the new owner nor overwrite the new owner's state.
 pub(crate) const BEGIN_ATTEMPT: &str = "UPDATE reprise_inbox \
     SET status = 'incoming', attempts = $2, execute_at = NULL \
-    WHERE id = $1 AND status <> 'handled'";
+    WHERE id = $1 AND status <> 'handled' AND owner = $3";
 
 pub(crate) const SCHEDULE_RETRY: &str = "UPDATE reprise_inbox \
     SET status = 'scheduled', attempts = $2, execute_at = $3, failures = $4, succeeded = $5 \
-    WHERE id = $1 AND status <> 'handled'";
+    WHERE id = $1 AND status <> 'handled' AND owner = $6";
 
 pub(crate) const MARK_HANDLED: &str = "UPDATE reprise_inbox \
     SET status = 'handled', handled_at = $2, owner = NULL WHERE id = $1";
@@ -490,15 +491,17 @@ macro_rules! sql_store {
                 })
             }
 
-            async fn begin_attempt(&self, id: uuid::Uuid, attempt: u32) -> Result<(), reprise_actors::Error> {
+            async fn begin_attempt(&self, id: uuid::Uuid, attempt: u32) -> Result<bool, reprise_actors::Error> {
                 use $crate::store::sql::*;
-                sqlx::query(BEGIN_ATTEMPT)
+                let ours = sqlx::query(BEGIN_ATTEMPT)
                     .bind(id_text(id))
                     .bind(stored_attempts(attempt))
+                    .bind(&*self.node)
                     .execute(&self.pool)
                     .await
-                    .map_err(reprise_actors::Error::store)?;
-                Ok(())
+                    .map_err(reprise_actors::Error::store)?
+                    .rows_affected();
+                Ok(ours == 1)
             }
 
             async fn schedule_retry(
@@ -515,6 +518,7 @@ macro_rules! sql_store {
                     .bind(millis(due_at))
                     .bind(json(&failures)?)
                     .bind(json(&succeeded)?)
+                    .bind(&*self.node)
                     .execute(&self.pool)
                     .await
                     .map_err(reprise_actors::Error::store)?;
