@@ -204,6 +204,12 @@ impl Runtime {
         self.engine.dispatcher().wake_outbox();
     }
 
+    /// A listener for a transport to hand received envelopes to: it acknowledges nothing the
+    /// store has not recorded, and waits out store failures with backoff.
+    pub fn listener(&self) -> crate::transport::Listener {
+        crate::transport::Listener::new(self.transport.clone())
+    }
+
     /// The dead letters: list, inspect, replay, purge.
     pub fn dead_letters(&self) -> DeadLetters<'_> {
         DeadLetters::new(self)

@@ -1,5 +1,7 @@
 //! Transports carry envelopes between publishers and the engine.
 
 mod in_process;
+mod listener;
 
 pub use in_process::InProcess;
+pub use listener::{Backoff, Listener};

@@ -147,3 +147,115 @@ async fn an_unreachable_database_loses_nothing_and_handling_resumes_by_itself() 
     assert_eq!(db.inbox_status(after).await.as_deref(), Some("handled"));
     runtime.shutdown().await;
 }
+
+#[test]
+fn the_listener_backoff_doubles_up_to_its_cap_and_never_overflows() {
+    use reprise::transport::Backoff;
+    let backoff = Backoff::new(Duration::from_millis(50), Duration::from_secs(1));
+    let pauses: Vec<u64> = (1..=7)
+        .map(|failures| backoff.pause(failures).as_millis() as u64)
+        .collect();
+    assert_eq!(pauses, [50, 100, 200, 400, 800, 1000, 1000]);
+    assert_eq!(backoff.pause(u32::MAX), Duration::from_secs(1));
+    let huge = Backoff::new(Duration::MAX, Duration::MAX);
+    assert_eq!(huge.pause(40), Duration::MAX);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_listener_pauses_with_backoff_acks_nothing_unpersisted_and_resumes_by_itself() {
+    let db = support_stores::TestDatabase::new(support_stores::Backend::Postgres).await;
+    let authority = db
+        .url
+        .split('@')
+        .nth(1)
+        .and_then(|rest| rest.split('/').next())
+        .unwrap()
+        .to_owned();
+    let proxy = Proxy::start(authority.clone()).await;
+    let through_proxy = db
+        .url
+        .replacen(&authority, &format!("127.0.0.1:{}", proxy.port), 1);
+    let pool = sqlx::postgres::PgPoolOptions::new()
+        .acquire_timeout(Duration::from_secs(1))
+        .connect(&through_proxy)
+        .await
+        .unwrap();
+    let handled = reprise::testing::Recorder::<MemberRemoved>::new();
+    let runtime = Runtime::builder()
+        .store(PostgresStore::with_pool(pool).await.unwrap())
+        .module(Module::new("m").handle_named::<MemberRemoved, _>("h", handled.clone()))
+        .build()
+        .unwrap();
+    let listener = runtime.listener().backoff(reprise::transport::Backoff::new(
+        Duration::from_millis(20),
+        Duration::from_millis(200),
+    ));
+    // What a broker delivered, and what the listener acknowledged back.
+    let delivered: Vec<Envelope> = (0..5)
+        .map(|_| {
+            runtime
+                .envelope(&member_removed(), SendOptions::default())
+                .unwrap()
+        })
+        .collect();
+    let acked = Arc::new(std::sync::Mutex::new(Vec::new()));
+
+    proxy.cut();
+    let pump = {
+        let (listener, acked, delivered) =
+            (listener.clone(), Arc::clone(&acked), delivered.clone());
+        tokio::spawn(async move {
+            for envelope in delivered {
+                let id = envelope.id;
+                listener.accept(envelope).await.unwrap();
+                acked.lock().unwrap().push(id);
+            }
+        })
+    };
+    // Unreachable: the listener keeps pausing and trying, and acknowledges nothing.
+    tokio::time::timeout(WAIT, async {
+        while listener.pauses() < 4 {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    })
+    .await
+    .expect("the listener retries with backoff");
+    assert!(acked.lock().unwrap().is_empty(), "nothing acknowledged");
+    assert_eq!(db.inbox_rows().await, 0, "and nothing stored");
+
+    proxy.restore();
+    tokio::time::timeout(WAIT, pump)
+        .await
+        .expect("listening resumed by itself")
+        .unwrap();
+    tokio::time::timeout(WAIT, runtime.idle()).await.unwrap();
+    let ids: Vec<_> = delivered.iter().map(|e| e.id).collect();
+    assert_eq!(
+        *acked.lock().unwrap(),
+        ids,
+        "every envelope acknowledged, in order"
+    );
+    assert_eq!(handled.count(), 5, "and each handled once");
+
+    // A connection killed under the runtime: the pool replaces it, and the next envelope is
+    // accepted (after a pause if the killed connection was the one it tried first).
+    let admin = db.postgres().await;
+    sqlx::query(
+        "SELECT pg_terminate_backend(pid) FROM pg_stat_activity \
+         WHERE datname = current_database() AND pid <> pg_backend_pid()",
+    )
+    .execute(admin.pool())
+    .await
+    .unwrap();
+    let after = runtime
+        .envelope(&member_removed(), SendOptions::default())
+        .unwrap();
+    let after_id = after.id;
+    tokio::time::timeout(WAIT, listener.accept(after))
+        .await
+        .unwrap()
+        .unwrap();
+    tokio::time::timeout(WAIT, runtime.idle()).await.unwrap();
+    assert_eq!(db.inbox_status(after_id).await.as_deref(), Some("handled"));
+    runtime.shutdown().await;
+}

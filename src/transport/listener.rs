@@ -1,0 +1,135 @@
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+
+use reprise_actors::Envelope;
+
+use super::InProcess;
+use crate::{EngineError, Error};
+
+/// How long a [`Listener`] pauses after each store failure in a row: `first`, doubling, at most
+/// `max`. Kept apart from the listener (it says *when*, the listener decides *whether*).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct Backoff {
+    /// The pause after the first failure (default 50 ms).
+    pub first: Duration,
+    /// The longest pause (default 30 s).
+    pub max: Duration,
+}
+
+impl Default for Backoff {
+    fn default() -> Self {
+        Self {
+            first: Duration::from_millis(50),
+            max: Duration::from_secs(30),
+        }
+    }
+}
+
+impl Backoff {
+    /// A backoff from `first`, doubling, capped at `max`.
+    pub fn new(first: Duration, max: Duration) -> Self {
+        Self { first, max }
+    }
+
+    /// The pause after `failures` failures in a row (1 for the first); never overflows.
+    pub fn pause(&self, failures: u32) -> Duration {
+        let doublings = failures.saturating_sub(1).min(31);
+        self.first
+            .checked_mul(1 << doublings)
+            .map_or(self.max, |pause| pause.min(self.max))
+    }
+}
+
+/// What a transport's listener does with each envelope it receives: hand it to the runtime,
+/// and acknowledge it to the broker only once this returns `Ok` — the inbox recorded it, or
+/// discarded it as a duplicate.
+///
+/// When the store cannot record the envelope (the database is unreachable, a connection was
+/// killed), the listener pauses with [`Backoff`] and tries the same envelope again, logging each
+/// failure, until the store takes it: handling resumes by itself, and nothing is acknowledged
+/// that is not persisted. Errors that waiting cannot cure (the runtime is shutting down) are
+/// returned with the envelope: leave it unacknowledged, and the broker redelivers it.
+///
+/// ```no_run
+/// # async fn pump(runtime: &reprise::Runtime, incoming: Vec<reprise::Envelope>) -> Result<(), reprise::Error> {
+/// let listener = runtime.listener();
+/// for envelope in incoming {
+///     listener.accept(envelope).await?;
+///     // … acknowledge it to the broker here …
+/// }
+/// # Ok(())
+/// # }
+/// ```
+#[derive(Clone, Debug)]
+pub struct Listener {
+    transport: InProcess,
+    backoff: Backoff,
+    pauses: Arc<AtomicU64>,
+}
+
+impl Listener {
+    pub(crate) fn new(transport: InProcess) -> Self {
+        Self {
+            transport,
+            backoff: Backoff::default(),
+            pauses: Arc::default(),
+        }
+    }
+
+    /// Pauses after store failures with `backoff` instead of the default.
+    #[must_use]
+    pub fn backoff(mut self, backoff: Backoff) -> Self {
+        self.backoff = backoff;
+        self
+    }
+
+    /// How many times this listener (and its clones) paused for the store so far.
+    pub fn pauses(&self) -> u64 {
+        self.pauses.load(Ordering::Relaxed)
+    }
+
+    /// Hands `envelope` to the runtime, waiting out store failures; `Ok` once the runtime
+    /// accepted it (persisted, or discarded as a duplicate): acknowledge it then.
+    ///
+    /// # Errors
+    ///
+    /// [`EngineError::ShuttingDown`] (the envelope handed back) and the other refusals that
+    /// waiting cannot cure; never a store failure, which it waits out.
+    ///
+    /// # Cancel safety
+    ///
+    /// Cancelled, the envelope may or may not have been recorded: do not acknowledge it. Its
+    /// redelivery is then handled, or discarded by the inbox if it was recorded.
+    pub async fn accept(&self, envelope: Envelope) -> Result<(), Error> {
+        let mut failures = 0u32;
+        loop {
+            match self.transport.send(envelope.clone(), None).await {
+                Err(Error::Engine(EngineError::Store(error))) => {
+                    failures = failures.saturating_add(1);
+                    let pause = self.backoff.pause(failures);
+                    self.pauses.fetch_add(1, Ordering::Relaxed);
+                    tracing::warn!(
+                        messaging.message.id = %envelope.id,
+                        %error,
+                        failures,
+                        ?pause,
+                        "the store cannot record a received envelope; pausing before trying again"
+                    );
+                    tokio::time::sleep(pause).await;
+                }
+                accepted => {
+                    if failures > 0 {
+                        tracing::info!(
+                            messaging.message.id = %envelope.id,
+                            failures,
+                            "the store records received envelopes again; listening resumed"
+                        );
+                    }
+                    return accepted;
+                }
+            }
+        }
+    }
+}
