@@ -15,8 +15,12 @@ use reprise::RuntimeBuilder;
 use reprise::ids;
 use reprise::prelude::*;
 use reprise::store::{PostgresStore, SqliteStore};
+use scratch::{ScratchPostgres, ScratchSqlite};
 use serde::{Deserialize, Serialize};
-use sqlx::{Connection, Executor};
+
+#[path = "support/scratch.rs"]
+mod scratch;
+use sqlx::Executor;
 
 #[derive(Serialize, Deserialize)]
 struct Ping {
@@ -137,51 +141,26 @@ fn rate(deliveries: u64, elapsed: Duration) -> f64 {
 }
 
 async fn sqlite(deliveries: u64) -> (f64, f64) {
-    let dir = std::env::temp_dir();
-    let path = |name: &str| {
-        dir.join(format!(
-            "reprise-b2-{name}-{}.db",
-            uuid::Uuid::new_v4().simple()
-        ))
-        .display()
-        .to_string()
-    };
-    let (ours, raw) = (path("reprise"), path("raw"));
-
-    let store = SqliteStore::open(&ours).await.unwrap();
+    let (ours, raw) = (ScratchSqlite::new("b2"), ScratchSqlite::new("b2-raw"));
+    let store = SqliteStore::open(ours.path()).await.unwrap();
     let pool = store.pool().clone();
     pool.execute(TABLE).await.unwrap();
     let reprise =
         through_reprise(Runtime::builder().store(store), InsertRow(pool), deliveries).await;
 
-    let store = SqliteStore::open(&raw).await.unwrap();
+    let store = SqliteStore::open(raw.path()).await.unwrap();
     let pool = store.pool().clone();
     pool.execute(TABLE).await.unwrap();
     let baseline = raw_sqlite(&pool, deliveries).await;
-
-    for file in [ours, raw] {
-        for suffix in ["", "-wal", "-shm"] {
-            let _ = std::fs::remove_file(format!("{file}{suffix}"));
-        }
-    }
+    pool.close().await;
     (rate(deliveries, reprise), rate(deliveries, baseline))
 }
 
 async fn postgres(deliveries: u64) -> (f64, f64) {
-    let admin = std::env::var("REPRISE_BENCH_POSTGRES")
-        .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/postgres".into());
-    let (base, _) = admin.rsplit_once('/').unwrap();
     let mut measured = Vec::new();
     for which in ["reprise", "raw"] {
-        let name = format!("reprise_b3_{which}_{}", uuid::Uuid::new_v4().simple());
-        let mut connection = sqlx::PgConnection::connect(&admin).await.unwrap();
-        sqlx::query(sqlx::AssertSqlSafe(format!("CREATE DATABASE {name}")))
-            .execute(&mut connection)
-            .await
-            .unwrap();
-        let store = PostgresStore::connect(&format!("{base}/{name}"))
-            .await
-            .unwrap();
+        let scratch = ScratchPostgres::create(&format!("b3_{which}")).await;
+        let store = PostgresStore::connect(&scratch.url).await.unwrap();
         let pool = store.pool().clone();
         pool.execute(TABLE).await.unwrap();
         let elapsed = if which == "reprise" {
@@ -195,12 +174,7 @@ async fn postgres(deliveries: u64) -> (f64, f64) {
             raw_postgres(&pool, deliveries).await
         };
         pool.close().await;
-        sqlx::query(sqlx::AssertSqlSafe(format!(
-            "DROP DATABASE {name} WITH (FORCE)"
-        )))
-        .execute(&mut connection)
-        .await
-        .unwrap();
+        scratch.remove().await;
         measured.push(rate(deliveries, elapsed));
     }
     (measured[0], measured[1])

@@ -21,8 +21,11 @@ use reprise::RuntimeBuilder;
 use reprise::outbox::Outbox;
 use reprise::prelude::*;
 use reprise::store::{MemoryInbox, PostgresStore, SqliteStore};
+use scratch::{ScratchPostgres, ScratchSqlite};
 use serde::{Deserialize, Serialize};
-use sqlx::Connection;
+
+#[path = "support/scratch.rs"]
+mod scratch;
 
 #[derive(Serialize, Deserialize)]
 struct Ping {
@@ -137,50 +140,24 @@ fn rate(rows: u64, elapsed: Duration) -> f64 {
 }
 
 async fn sqlite(rows: u64) -> (f64, f64) {
-    let dir = std::env::temp_dir();
-    let path = |name: &str| {
-        dir.join(format!(
-            "reprise-b4-{name}-{}.db",
-            uuid::Uuid::new_v4().simple()
-        ))
-        .display()
-        .to_string()
-    };
-    let (ours, raw) = (path("reprise"), path("raw"));
-
-    let store = SqliteStore::open(&ours).await.unwrap();
+    let (ours, raw) = (ScratchSqlite::new("b4"), ScratchSqlite::new("b4-raw"));
+    let store = SqliteStore::open(ours.path()).await.unwrap();
     fill_sqlite(store.pool(), rows).await;
     let reprise = relay(Runtime::builder().store(store), rows).await;
 
-    let store = SqliteStore::open(&raw).await.unwrap();
+    let store = SqliteStore::open(raw.path()).await.unwrap();
     fill_sqlite(store.pool(), rows).await;
     let (baseline, drained) = raw_sqlite(store.pool()).await;
     assert_eq!(drained, rows);
     store.pool().close().await;
-
-    for file in [ours, raw] {
-        for suffix in ["", "-wal", "-shm"] {
-            let _ = std::fs::remove_file(format!("{file}{suffix}"));
-        }
-    }
     (rate(rows, reprise), rate(rows, baseline))
 }
 
 async fn postgres(rows: u64) -> (f64, f64) {
-    let admin = std::env::var("REPRISE_BENCH_POSTGRES")
-        .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/postgres".into());
-    let (base, _) = admin.rsplit_once('/').unwrap();
     let mut measured = Vec::new();
     for which in ["reprise", "raw"] {
-        let name = format!("reprise_b4_{which}_{}", uuid::Uuid::new_v4().simple());
-        let mut connection = sqlx::PgConnection::connect(&admin).await.unwrap();
-        sqlx::query(sqlx::AssertSqlSafe(format!("CREATE DATABASE {name}")))
-            .execute(&mut connection)
-            .await
-            .unwrap();
-        let store = PostgresStore::connect(&format!("{base}/{name}"))
-            .await
-            .unwrap();
+        let scratch = ScratchPostgres::create(&format!("b4_{which}")).await;
+        let store = PostgresStore::connect(&scratch.url).await.unwrap();
         let pool = store.pool().clone();
         fill_postgres(&pool, rows).await;
         let elapsed = if which == "reprise" {
@@ -191,12 +168,7 @@ async fn postgres(rows: u64) -> (f64, f64) {
             elapsed
         };
         pool.close().await;
-        sqlx::query(sqlx::AssertSqlSafe(format!(
-            "DROP DATABASE {name} WITH (FORCE)"
-        )))
-        .execute(&mut connection)
-        .await
-        .unwrap();
+        scratch.remove().await;
         measured.push(rate(rows, elapsed));
     }
     (measured[0], measured[1])

@@ -3,8 +3,10 @@
 
 #[path = "support/messages.rs"]
 mod support;
+#[path = "support/counting_claims.rs"]
+mod support_claims;
 
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -17,6 +19,7 @@ use reprise::testing::{Fault, TestHarness};
 use reprise::{DeadLetterReason, FailureKind, Outcome};
 use serde::{Deserialize, Serialize};
 use support::{Counter, MemberRemoved};
+use support_claims::CountingClaims;
 
 #[derive(Clone, Debug, Serialize, Deserialize)]
 struct RebuildProjection {
@@ -120,31 +123,6 @@ async fn a_message_without_a_required_id_is_dead_lettered_with_a_clear_reason() 
     assert_eq!(effects.count(), 0);
 }
 
-/// Counts claim calls, delegating to memory.
-#[derive(Default)]
-struct CountingClaims {
-    calls: AtomicUsize,
-    inner: MemoryClaims,
-}
-
-#[async_trait]
-impl Claims for CountingClaims {
-    async fn provision(&self) -> Result<(), reprise::EngineError> {
-        Ok(())
-    }
-    async fn claim(&self, claim: &Claim) -> Result<ClaimOutcome, reprise::EngineError> {
-        self.calls.fetch_add(1, Ordering::SeqCst);
-        self.inner.claim(claim).await
-    }
-    async fn release(&self, claim: &Claim) -> Result<(), reprise::EngineError> {
-        self.calls.fetch_add(1, Ordering::SeqCst);
-        self.inner.release(claim).await
-    }
-    async fn complete(&self, claim: &Claim) -> Result<(), reprise::EngineError> {
-        self.inner.complete(claim).await
-    }
-}
-
 #[tokio::test]
 async fn optional_deduplication_costs_unkeyed_messages_no_store_round_trip() {
     let claims = Arc::new(CountingClaims::default());
@@ -172,7 +150,7 @@ async fn optional_deduplication_costs_unkeyed_messages_no_store_round_trip() {
         );
     }
     assert_eq!(
-        claims.calls.load(Ordering::SeqCst),
+        claims.calls(),
         0,
         "unkeyed: handled as if the feature were off"
     );
@@ -185,11 +163,7 @@ async fn optional_deduplication_costs_unkeyed_messages_no_store_round_trip() {
         .publish_with(&rebuild("keyed"), keyed("k"))
         .await
         .unwrap();
-    assert_eq!(
-        claims.calls.load(Ordering::SeqCst),
-        2,
-        "keyed: one claim each"
-    );
+    assert_eq!(claims.calls(), 2, "keyed: one claim each");
     assert_eq!(effects.count(), 4);
 }
 

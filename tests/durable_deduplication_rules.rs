@@ -6,21 +6,22 @@
 
 #[path = "support/messages.rs"]
 mod support;
+#[path = "support/counting_claims.rs"]
+mod support_claims;
 #[path = "support/stores.rs"]
 mod support_stores;
 #[path = "support/warnings.rs"]
 mod support_warnings;
 
 use std::sync::Arc;
-use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
-use async_trait::async_trait;
-use reprise::ports::{Claim, ClaimOutcome, Claims};
+use reprise::ports::Claims;
 use reprise::prelude::*;
 use reprise::{DeadLetterReason, DeliveryReport, Outcome};
 use serde::{Deserialize, Serialize};
 use support::Counter;
+use support_claims::CountingClaims;
 use support_stores::{Backend, TestDatabase};
 
 const WAIT: Duration = Duration::from_secs(20);
@@ -86,30 +87,6 @@ async fn tracked<M: Message>(
     tokio::time::timeout(WAIT, report).await.unwrap().unwrap()
 }
 
-/// The store's own claims, with every claim and release counted.
-struct CountingClaims {
-    calls: AtomicUsize,
-    inner: Box<dyn Claims>,
-}
-
-#[async_trait]
-impl Claims for CountingClaims {
-    async fn provision(&self) -> Result<(), reprise::EngineError> {
-        self.inner.provision().await
-    }
-    async fn claim(&self, claim: &Claim) -> Result<ClaimOutcome, reprise::EngineError> {
-        self.calls.fetch_add(1, Ordering::SeqCst);
-        self.inner.claim(claim).await
-    }
-    async fn release(&self, claim: &Claim) -> Result<(), reprise::EngineError> {
-        self.calls.fetch_add(1, Ordering::SeqCst);
-        self.inner.release(claim).await
-    }
-    async fn complete(&self, claim: &Claim) -> Result<(), reprise::EngineError> {
-        self.inner.complete(claim).await
-    }
-}
-
 async fn store_claims(db: &TestDatabase) -> Box<dyn Claims> {
     match db.backend {
         Backend::Sqlite => Box::new(db.sqlite().await),
@@ -164,10 +141,7 @@ on_both_backends!(
     optional_ids_cost_unkeyed_messages_no_claim_round_trip_sqlite,
     optional_ids_cost_unkeyed_messages_no_claim_round_trip_postgres,
     |db| {
-        let claims = Arc::new(CountingClaims {
-            calls: AtomicUsize::new(0),
-            inner: store_claims(&db).await,
-        });
+        let claims = Arc::new(CountingClaims::around(store_claims(&db).await));
         let effects = Counter::default();
         let runtime = db
             .store(Runtime::builder(), "local", Duration::from_secs(30))
@@ -188,16 +162,12 @@ on_both_backends!(
                     .is_handled()
             );
         }
-        assert_eq!(claims.calls.load(Ordering::SeqCst), 0, "unkeyed: no claim");
+        assert_eq!(claims.calls(), 0, "unkeyed: no claim");
         assert_eq!(effects.count(), 3);
         for _ in 0..2 {
             tracked(&runtime, &invoice("INV-9"), SendOptions::new()).await;
         }
-        assert_eq!(
-            claims.calls.load(Ordering::SeqCst),
-            2,
-            "keyed: one claim each"
-        );
+        assert_eq!(claims.calls(), 2, "keyed: one claim each");
         assert_eq!(effects.count(), 4, "the keyed duplicate was discarded");
         assert_eq!(runtime.stats().duplicate_intents, 1, "and counted");
         assert_eq!(

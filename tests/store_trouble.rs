@@ -71,19 +71,11 @@ impl Proxy {
     }
 }
 
-/// Waits for one permit per call.
-struct Gated(Arc<Semaphore>);
-
-impl Handler<MemberRemoved> for Gated {
-    async fn handle(&self, _: &MemberRemoved, _: &MessageContext) -> Result<(), HandlerError> {
-        self.0.acquire().await?.forget();
-        Ok(())
-    }
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn an_unreachable_database_loses_nothing_and_handling_resumes_by_itself() {
-    let db = support_stores::TestDatabase::new(support_stores::Backend::Postgres).await;
+/// A proxy to `db`'s server, and a pool that reaches `db` through it.
+async fn proxied(
+    db: &support_stores::TestDatabase,
+    acquire_timeout: Duration,
+) -> (Proxy, sqlx::PgPool) {
     // The server behind the test URL: postgres://user@HOST:PORT/database.
     let authority = db
         .url
@@ -97,10 +89,27 @@ async fn an_unreachable_database_loses_nothing_and_handling_resumes_by_itself() 
         .url
         .replacen(&authority, &format!("127.0.0.1:{}", proxy.port), 1);
     let pool = sqlx::postgres::PgPoolOptions::new()
-        .acquire_timeout(Duration::from_secs(2))
+        .acquire_timeout(acquire_timeout)
         .connect(&through_proxy)
         .await
         .unwrap();
+    (proxy, pool)
+}
+
+/// Waits for one permit per call.
+struct Gated(Arc<Semaphore>);
+
+impl Handler<MemberRemoved> for Gated {
+    async fn handle(&self, _: &MemberRemoved, _: &MessageContext) -> Result<(), HandlerError> {
+        self.0.acquire().await?.forget();
+        Ok(())
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unreachable_database_loses_nothing_and_handling_resumes_by_itself() {
+    let db = support_stores::TestDatabase::new(support_stores::Backend::Postgres).await;
+    let (proxy, pool) = proxied(&db, Duration::from_secs(2)).await;
     let gate = Arc::new(Semaphore::new(0));
     let runtime = Runtime::builder()
         .store(PostgresStore::with_pool(pool).await.unwrap())
@@ -164,22 +173,7 @@ fn the_listener_backoff_doubles_up_to_its_cap_and_never_overflows() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_listener_pauses_with_backoff_acks_nothing_unpersisted_and_resumes_by_itself() {
     let db = support_stores::TestDatabase::new(support_stores::Backend::Postgres).await;
-    let authority = db
-        .url
-        .split('@')
-        .nth(1)
-        .and_then(|rest| rest.split('/').next())
-        .unwrap()
-        .to_owned();
-    let proxy = Proxy::start(authority.clone()).await;
-    let through_proxy = db
-        .url
-        .replacen(&authority, &format!("127.0.0.1:{}", proxy.port), 1);
-    let pool = sqlx::postgres::PgPoolOptions::new()
-        .acquire_timeout(Duration::from_secs(1))
-        .connect(&through_proxy)
-        .await
-        .unwrap();
+    let (proxy, pool) = proxied(&db, Duration::from_secs(1)).await;
     let handled = reprise::testing::Recorder::<MemberRemoved>::new();
     let runtime = Runtime::builder()
         .store(PostgresStore::with_pool(pool).await.unwrap())

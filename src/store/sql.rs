@@ -632,21 +632,17 @@ macro_rules! sql_store {
             ) -> Result<u64, reprise_actors::Error> {
                 use $crate::store::sql::*;
                 let limit = i64::try_from(limit).unwrap_or(i64::MAX);
-                let handled = sqlx::query(DELETE_HANDLED)
-                    .bind(millis(before))
-                    .bind(limit)
-                    .execute(&self.pool)
-                    .await
-                    .map_err(reprise_actors::Error::store)?
-                    .rows_affected();
-                let completions = sqlx::query($crate::transaction::DELETE_COMPLETIONS)
-                    .bind(millis(before))
-                    .bind(limit)
-                    .execute(&self.pool)
-                    .await
-                    .map_err(reprise_actors::Error::store)?
-                    .rows_affected();
-                Ok(handled + completions)
+                let mut removed = 0;
+                for statement in [DELETE_HANDLED, $crate::transaction::DELETE_COMPLETIONS] {
+                    removed += sqlx::query(statement)
+                        .bind(millis(before))
+                        .bind(limit)
+                        .execute(&self.pool)
+                        .await
+                        .map_err(reprise_actors::Error::store)?
+                        .rows_affected();
+                }
+                Ok(removed)
             }
         }
 
