@@ -50,12 +50,15 @@ pub(crate) const RECORD_COMPLETION: &str = "INSERT INTO reprise_handler_completi
     (envelope_id, handler, completed_at) VALUES ($1, $2, $3) \
     ON CONFLICT (envelope_id, handler) DO NOTHING";
 
-/// Completions of envelopes no longer unsettled in the inbox, older than the retention: no
-/// attempt can run them again.
+/// Completions older than the retention of envelopes neither unsettled in the inbox nor
+/// dead-lettered: no attempt can run them again. A dead letter keeps its completions, so that
+/// its replay does not redo the work its handlers committed.
 pub(crate) const DELETE_COMPLETIONS: &str = "DELETE FROM reprise_handler_completions \
     WHERE (envelope_id, handler) IN (SELECT envelope_id, handler \
-    FROM reprise_handler_completions c WHERE completed_at < $1 AND NOT EXISTS \
-    (SELECT 1 FROM reprise_inbox i WHERE i.id = c.envelope_id AND i.status <> 'handled') \
+    FROM reprise_handler_completions c WHERE completed_at < $1 \
+    AND NOT EXISTS (SELECT 1 FROM reprise_inbox i \
+        WHERE i.id = c.envelope_id AND i.status <> 'handled') \
+    AND NOT EXISTS (SELECT 1 FROM reprise_dead_letters d WHERE d.id = c.envelope_id) \
     LIMIT $2)";
 
 mod sealed {

@@ -13,6 +13,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use reprise::Envelope;
 use reprise::prelude::*;
 use reprise::testing::Recorder;
 use reprise::transaction::HandlerTransactions;
@@ -341,3 +342,114 @@ async fn a_detached_context_opens_no_transaction() {
         "{error}"
     );
 }
+
+/// Records that handler `m/h` committed for `envelope`, `age` ago.
+async fn completion(
+    db: &support_stores::TestDatabase,
+    envelope: uuid::Uuid,
+    age: chrono::Duration,
+) {
+    let sql = "INSERT INTO reprise_handler_completions (envelope_id, handler, completed_at) \
+               VALUES ($1, 'm/h', $2)";
+    let (id, at) = (
+        envelope.simple().to_string(),
+        (chrono::Utc::now() - age).timestamp_millis(),
+    );
+    match db.backend {
+        Backend::Sqlite => {
+            sqlx::query(sql)
+                .bind(id)
+                .bind(at)
+                .execute(db.sqlite().await.pool())
+                .await
+                .unwrap();
+        }
+        Backend::Postgres => {
+            sqlx::query(sql)
+                .bind(id)
+                .bind(at)
+                .execute(db.postgres().await.pool())
+                .await
+                .unwrap();
+        }
+    }
+}
+
+on_both_backends!(
+    completions_leave_with_their_settled_envelope_but_stay_while_it_may_run_again_sqlite,
+    completions_leave_with_their_settled_envelope_but_stay_while_it_may_run_again_postgres,
+    |db| {
+        use reprise::ports::{DeadLetterStore, Inbox};
+        let store: (Box<dyn Inbox>, Box<dyn DeadLetterStore>) = match db.backend {
+            Backend::Sqlite => (Box::new(db.sqlite().await), Box::new(db.sqlite().await)),
+            Backend::Postgres => (Box::new(db.postgres().await), Box::new(db.postgres().await)),
+        };
+        let (inbox, dead_letters) = store;
+        let old = chrono::Duration::minutes(10);
+        let envelope = || Envelope::for_message(&member_removed()).unwrap();
+
+        let handled = envelope();
+        inbox.receive(&handled).await.unwrap();
+        inbox.mark_handled(handled.id).await.unwrap();
+        completion(&db, handled.id, old).await;
+
+        let cooling_down = envelope();
+        inbox.receive(&cooling_down).await.unwrap();
+        inbox
+            .schedule_retry(&cooling_down, chrono::Utc::now(), &[], &[])
+            .await
+            .unwrap();
+        completion(&db, cooling_down.id, old).await;
+
+        let dead = envelope();
+        let now = chrono::Utc::now();
+        dead_letters
+            .put(reprise::DeadLetter::failed(
+                dead.clone(),
+                DeadLetterReason::RetriesExhausted,
+                Vec::new(),
+                now,
+                now,
+            ))
+            .await
+            .unwrap();
+        completion(&db, dead.id, old).await;
+
+        let recent = envelope();
+        completion(&db, recent.id, chrono::Duration::zero()).await;
+
+        let before = chrono::Utc::now() - chrono::Duration::minutes(5);
+        let removed = inbox.delete_handled_before(before, 100).await.unwrap();
+        // The handled envelope's row is older than `before` only by its handling time, which is
+        // now: it stays; its completion, older and settled, goes.
+        assert_eq!(removed, 1);
+        let left = |id: uuid::Uuid| {
+            let db = &db;
+            async move {
+                let sql = "SELECT count(*) FROM reprise_handler_completions WHERE envelope_id = $1";
+                let id = id.simple().to_string();
+                let count: i64 = match db.backend {
+                    Backend::Sqlite => sqlx::query_scalar(sql)
+                        .bind(id)
+                        .fetch_one(db.sqlite().await.pool())
+                        .await
+                        .unwrap(),
+                    Backend::Postgres => sqlx::query_scalar(sql)
+                        .bind(id)
+                        .fetch_one(db.postgres().await.pool())
+                        .await
+                        .unwrap(),
+                };
+                count
+            }
+        };
+        assert_eq!(left(handled.id).await, 0, "settled and old: removed");
+        assert_eq!(left(cooling_down.id).await, 1, "its envelope may run again");
+        assert_eq!(
+            left(dead.id).await,
+            1,
+            "a replay of the dead letter must not redo it"
+        );
+        assert_eq!(left(recent.id).await, 1, "within the retention");
+    }
+);
