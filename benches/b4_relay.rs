@@ -2,7 +2,8 @@
 //! clock starts) are published by the relay to the in-process transport, in batches of 100, and
 //! marked published; against a raw SQL drain doing the same reads (`SELECT` of the same columns,
 //! oldest first, `LIMIT 100`) and the same updates (`UPDATE … WHERE seq IN (…)`) with the same
-//! batch size, in one run, on SQLite and on PostgreSQL.
+//! batch size, pipelined the same way (a batch is marked while the next is read), in one run, on
+//! SQLite and on PostgreSQL.
 //!
 //! The receiving side keeps its inbox in memory and runs one no-op handler, so the figure is the
 //! relay's: what it costs to read, decode, hand over and mark each envelope, not what the
@@ -78,28 +79,35 @@ fill!(fill_postgres, sqlx::PgPool, "BEGIN");
 
 macro_rules! raw_drain {
     ($name:ident, $pool:ty) => {
+        /// The relay's statements, pipelined as the relay pipelines them: each batch is marked
+        /// while the next one is read.
         async fn $name(pool: &$pool) -> (Duration, u64) {
             use sqlx::Row;
-            let start = Instant::now();
-            let (mut drained, mut after) = (0, i64::MIN);
-            loop {
-                let rows = sqlx::query(READ)
+            let read = |after: i64| {
+                sqlx::query(READ)
                     .bind(BATCH as i64)
                     .bind(after)
                     .fetch_all(pool)
-                    .await
-                    .unwrap();
-                if rows.is_empty() {
-                    break;
-                }
+            };
+            let start = Instant::now();
+            let mut drained = 0;
+            let mut rows = read(i64::MIN).await.unwrap();
+            while !rows.is_empty() {
                 let mut update = sqlx::query(sqlx::AssertSqlSafe(mark(rows.len())))
                     .bind(chrono::Utc::now().timestamp_millis());
+                let mut after = i64::MIN;
                 for row in &rows {
                     after = row.get::<i64, _>(0);
                     update = update.bind(after);
                 }
-                update.execute(pool).await.unwrap();
                 drained += rows.len() as u64;
+                if rows.len() < BATCH {
+                    update.execute(pool).await.unwrap();
+                    break;
+                }
+                let (marked, next) = tokio::join!(update.execute(pool), read(after));
+                marked.unwrap();
+                rows = next.unwrap();
             }
             (start.elapsed(), drained)
         }

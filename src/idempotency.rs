@@ -132,6 +132,9 @@ pub async fn record_key<T: KeyTransaction>(tx: &mut T, key: &str) -> Result<bool
 /// # }
 /// ```
 ///
+/// `column` must hold text (the ids [`ids::derive`](crate::ids::derive) gives are); `table`
+/// and `column` are used as written, unquoted (`schema.table` is accepted).
+///
 /// # Errors
 ///
 /// [`Error::InvalidIdentifier`] when `table` or `column` is not a plain identifier (nothing

@@ -9,6 +9,11 @@
 //! database effects, whatever the [`RetryScope`](crate::RetryScope); with
 //! `RetryScope::FailedHandlers` the handler is not even run again once it succeeded.
 //!
+//! Keep the transaction short and open one at a time per handler: on SQLite it holds the
+//! database's write lock (`BEGIN IMMEDIATE`) until it ends, and the runtime's own writes wait
+//! for it; on PostgreSQL a second transaction of the same handler and message would wait for
+//! the first one's completion record.
+//!
 //! ```no_run
 //! use reprise::prelude::*;
 //! use reprise::transaction::HandlerTransactions;
@@ -159,12 +164,14 @@ impl<DB: Backend> HandlerTransaction<DB> {
     }
 
     /// Writes `message` to the outbox in this transaction: it is published after the commit,
-    /// with this message as its causation. Its envelope id is derived from the message id,
+    /// as [`MessageContext::envelope`] prepares it (this message as its causation, the
+    /// runtime's deduplication rules and size limit). Its envelope id is derived from the message id,
     /// the handler and what it enlisted before, so the same work enlists the same envelope.
     ///
     /// # Errors
     ///
-    /// The serializer's or the database's error; drop the transaction.
+    /// The serializer's error, an envelope over the size limit, or the database's error; drop
+    /// the transaction.
     ///
     /// # Cancel safety
     ///
@@ -187,11 +194,7 @@ impl<DB: Backend> HandlerTransaction<DB> {
         message: &M,
         options: SendOptions,
     ) -> Result<Uuid, Error> {
-        let mut envelope = Envelope::for_message(message).map_err(reprise_actors::Error::from)?;
-        envelope.correlation_id = self.context.correlation_id().or(Some(self.message_id));
-        envelope.causation_id = Some(self.message_id);
-        options.apply(&mut envelope);
-        reprise_actors::DeduplicationRules::default().apply(message, &mut envelope);
+        let mut envelope = self.context.envelope(message, options)?;
         let occurrence = self
             .enlisted
             .entry((envelope.message_type.to_string(), envelope.payload.clone()))
@@ -274,7 +277,7 @@ macro_rules! backend {
                 let recorded = sqlx::query(RECORD_COMPLETION)
                     .bind(id_text(message_id))
                     .bind(&handler)
-                    .bind(millis(chrono::Utc::now()))
+                    .bind(millis(store.now()))
                     .execute(&mut *tx)
                     .await
                     .map_err(reprise_actors::Error::store)?

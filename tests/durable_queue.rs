@@ -308,8 +308,9 @@ on_both_backends!(
         let late = db
             .store(Runtime::builder(), "late", Duration::from_secs(30))
             .await
+            // Long enough for the takeover below to land before the retry is due.
             .retry_policy(RetryPolicy {
-                min_retry_interval: Duration::from_millis(300),
+                min_retry_interval: Duration::from_secs(2),
                 ..RetryPolicy::default()
             })
             .module(Module::new("m").handle_named::<MemberRemoved, _>("h", calls.clone()))
@@ -329,7 +330,7 @@ on_both_backends!(
         .expect("the first attempt failed and its retry was recorded");
         // During the cooldown another node recovers the delivery, as it does once this node's
         // heartbeat has expired (a long pause, a partition).
-        db.execute("UPDATE reprise_inbox SET owner = 'other', attempts = 2, status = 'incoming'")
+        db.execute("UPDATE reprise_inbox SET owner = 'other', attempts = 5, status = 'incoming'")
             .await;
         let report = tokio::time::timeout(WAIT, report).await.unwrap().unwrap();
         assert_eq!(
@@ -338,7 +339,7 @@ on_both_backends!(
         );
         assert_eq!(calls.0.load(Ordering::SeqCst), 1, "no second attempt here");
         assert_eq!(
-            db.scalar("SELECT count(*) FROM reprise_inbox WHERE owner = 'other' AND attempts = 2 AND status = 'incoming'")
+            db.scalar("SELECT count(*) FROM reprise_inbox WHERE owner = 'other' AND attempts = 5 AND status = 'incoming'")
                 .await,
             1,
             "the new owner's state is left as it wrote it"

@@ -220,8 +220,8 @@ fn renamed(version: i64) -> MemberRenamed {
 }
 
 on_both_backends!(
-    fan_out_finds_its_rows_in_one_round_trip_and_publishes_once_sqlite,
-    fan_out_finds_its_rows_in_one_round_trip_and_publishes_once_postgres,
+    fan_out_inserts_only_the_missing_rows_and_publishes_once_sqlite,
+    fan_out_inserts_only_the_missing_rows_and_publishes_once_postgres,
     |db| {
         schema(&db).await;
         let (handler, sent) = (Idempotent::new(Pattern::FanOut), Recorder::new());

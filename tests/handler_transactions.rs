@@ -152,6 +152,8 @@ struct Outcome {
     completions: i64,
     published: usize,
     attempts: u32,
+    /// Outbox rows whose deduplication id came from the runtime's rule.
+    ruled: i64,
 }
 
 async fn run_ledger(
@@ -170,6 +172,7 @@ async fn run_ledger(
         .retry_policy(quick_retries())
         .retry_scope(scope)
         .relay_interval(Duration::from_millis(20))
+        .deduplicate_by::<WebhookQueued>(|m| Some(format!("rule:{}", m.delivery_id)))
         .module(Module::new("billing").handle_named::<MemberRemoved, _>("ledger", ledger.clone()))
         .module(Module::new("webhooks").handle_named::<WebhookQueued, _>("send", queued.clone()))
         .build()
@@ -186,6 +189,9 @@ async fn run_ledger(
             .await,
         published: queued.count(),
         attempts: report.attempts,
+        ruled: db
+            .scalar("SELECT count(*) FROM reprise_outbox WHERE deduplication_id LIKE 'rule:%'")
+            .await,
     };
     runtime.shutdown().await;
     db.execute("DELETE FROM reprise_handler_completions").await;
@@ -242,6 +248,10 @@ on_both_backends!(
         let outcome = run_ledger(&db, FailFirst::Never, RetryScope::AllHandlers).await;
         assert_eq!((outcome.attempts, outcome.runs, outcome.opened), (1, 1, 1));
         assert_eq!((outcome.ledger_rows, outcome.published), (1, 1));
+        assert_eq!(
+            outcome.ruled, 1,
+            "enlisted with the runtime's deduplication rule"
+        );
     }
 );
 
@@ -292,6 +302,11 @@ on_both_backends!(
             db.scalar("SELECT count(*) FROM reprise_deduplication WHERE completed = 1")
                 .await,
             1
+        );
+        assert_eq!(
+            runtime.stats().duplicate_intents,
+            1,
+            "the second message is a duplicate intent; the first one's retry is not"
         );
         runtime.shutdown().await;
     }

@@ -234,6 +234,8 @@ on_both_backends!(
             .build()
             .unwrap();
         until(|| calls.count() == 3).await;
+        // Handled is not yet marked published: idle waits for the outbox to be empty.
+        tokio::time::timeout(WAIT, runtime.idle()).await.unwrap();
         let backlog = runtime.outbox_backlog().await.unwrap().unwrap();
         assert_eq!((backlog.depth, backlog.oldest_enlisted_at), (0, None));
         tokio::time::timeout(WAIT, async {
@@ -261,22 +263,34 @@ async fn the_backlog_counts_what_waits_and_how_old_it_is() {
 /// A relay that polls once an hour: whatever it publishes within the test was woken.
 const NEVER_POLLS: Duration = Duration::from_secs(3600);
 
+/// A runtime whose relay polls hourly, after its first round has published a sentinel and
+/// ended: from then on only a wake publishes what is enlisted.
+async fn relay_past_its_first_round(
+    db: &support_stores::TestDatabase,
+    calls: &Recorder<MemberRemoved>,
+) -> Runtime {
+    db.outbox_transaction(&[removed(0)], true).await;
+    let runtime = db
+        .store(Runtime::builder(), "local", Duration::from_secs(30))
+        .await
+        .relay_interval(NEVER_POLLS)
+        .module(Module::new("webhooks").handle_named::<MemberRemoved, _>("queue", calls.clone()))
+        .build()
+        .unwrap();
+    // The first round published the sentinel and marked it: it reads the outbox no more.
+    until(|| calls.count() == 1).await;
+    tokio::time::timeout(WAIT, runtime.idle()).await.unwrap();
+    runtime
+}
+
+// On SQLite only the local wake can publish; on PostgreSQL the commit's NOTIFY may get there
+// first, which the next test covers on its own.
 on_both_backends!(
     a_commit_through_the_runtime_wakes_the_relay_at_once_sqlite,
     a_commit_through_the_runtime_wakes_the_relay_at_once_postgres,
     |db| {
         let calls = Recorder::<MemberRemoved>::new();
-        let runtime = db
-            .store(Runtime::builder(), "local", Duration::from_secs(30))
-            .await
-            .relay_interval(NEVER_POLLS)
-            .module(
-                Module::new("webhooks").handle_named::<MemberRemoved, _>("queue", calls.clone()),
-            )
-            .build()
-            .unwrap();
-        // Let the relay's first round (at start) pass, so only a wake can publish.
-        tokio::time::timeout(WAIT, runtime.idle()).await.unwrap();
+        let runtime = relay_past_its_first_round(&db, &calls).await;
         match db.backend {
             support_stores::Backend::Sqlite => {
                 let store = db.sqlite().await;
@@ -291,7 +305,7 @@ on_both_backends!(
                 runtime.outbox().commit(tx).await.unwrap();
             }
         }
-        until(|| calls.count() == 1).await;
+        until(|| calls.count() == 2).await;
         runtime.shutdown().await;
     }
 );
@@ -300,13 +314,7 @@ on_both_backends!(
 async fn postgres_wakes_the_relay_for_enlists_made_elsewhere() {
     let db = support_stores::TestDatabase::new(support_stores::Backend::Postgres).await;
     let calls = Recorder::<MemberRemoved>::new();
-    let runtime = db
-        .store(Runtime::builder(), "local", Duration::from_secs(30))
-        .await
-        .relay_interval(NEVER_POLLS)
-        .module(Module::new("webhooks").handle_named::<MemberRemoved, _>("queue", calls.clone()))
-        .build()
-        .unwrap();
+    let runtime = relay_past_its_first_round(&db, &calls).await;
     // Enlist only once the relay listens: a commit before would wait for the hourly poll.
     tokio::time::timeout(WAIT, async {
         while db
@@ -324,7 +332,7 @@ async fn postgres_wakes_the_relay_for_enlists_made_elsewhere() {
     .expect("the relay listens");
     // Another process's transaction: no runtime involved, so no local wake.
     db.outbox_transaction(&[removed(1), removed(2)], true).await;
-    until(|| calls.count() == 2).await;
+    until(|| calls.count() == 3).await;
     runtime.shutdown().await;
 }
 
@@ -333,7 +341,13 @@ on_both_backends!(
     a_stuck_relay_is_never_silent_postgres,
     |db| {
         let _ = support_warnings::warnings();
-        db.outbox_transaction(&[removed(1)], true).await;
+        // A depth of its own per backend: both variants log into one capture at once.
+        let depth = match db.backend {
+            support_stores::Backend::Sqlite => 1,
+            support_stores::Backend::Postgres => 2,
+        };
+        let rows: Vec<_> = (1..=depth).map(removed).collect();
+        db.outbox_transaction(&rows, true).await;
         // Another node holds the relay lease and never publishes: the backlog only ages.
         db.execute(
             "INSERT INTO reprise_outbox_lease (id, owner, expires_at) \
@@ -361,7 +375,10 @@ on_both_backends!(
             loop {
                 let warned = support_warnings::warnings().lock().unwrap()[since..]
                     .iter()
-                    .any(|w| w.contains("is the relay stuck?") && w.contains("outbox.depth=1"));
+                    .any(|w| {
+                        w.contains("is the relay stuck?")
+                            && w.contains(&format!("outbox.depth={depth} "))
+                    });
                 if warned {
                     break;
                 }

@@ -243,8 +243,9 @@ impl MessageContext {
     }
 
     /// The deduplication claim this handler holds on the message's logical id while it runs,
-    /// if it deduplicates. A handler transaction completes it in the handler's own
-    /// transaction, so the claim and the handler's effects commit together.
+    /// if it deduplicates and the claims live in the runtime's store. A handler transaction
+    /// completes it in the handler's own transaction, so the claim and the handler's effects
+    /// commit together (claims kept elsewhere are completed after the handler returns).
     pub fn deduplication_claim(&self) -> Option<&Claim> {
         self.scope.as_ref().and_then(|a| a.claim.as_deref())
     }
@@ -264,6 +265,38 @@ impl MessageContext {
         if let Some(attached) = &self.scope {
             attached.scope.worker.shared.outbox_enlisted.notify_one();
         }
+    }
+
+    /// The envelope a message this handler sends travels in: this message as its causation,
+    /// its conversation's correlation id, `options`, the runtime's deduplication rules, and
+    /// the runtime's size limit. [`publish`](Self::publish) sends such an envelope; a handler
+    /// transaction enlists one in the outbox.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Detached`] outside a consumer, [`Error::Serialize`] and [`Error::TooLarge`] for
+    /// a message that cannot be sent.
+    pub fn envelope<M: Message>(
+        &self,
+        message: &M,
+        options: SendOptions,
+    ) -> Result<Envelope, Error> {
+        let attached = self.scope.as_ref().ok_or(Error::Detached)?;
+        let scope = &attached.scope;
+        let mut envelope = Envelope::for_message(message)?;
+        envelope.correlation_id = scope.correlation_id.or(Some(scope.message_id));
+        envelope.causation_id = Some(scope.message_id);
+        options.apply(&mut envelope);
+        scope.worker.rules.apply(message, &mut envelope);
+        let size = envelope.size();
+        if size > scope.max_envelope_size {
+            return Err(Error::TooLarge {
+                envelope: Box::new(envelope),
+                size,
+                limit: scope.max_envelope_size,
+            });
+        }
+        Ok(envelope)
     }
 
     /// Cascades `message`: it is published once the whole delivery succeeds, and carries this
@@ -320,23 +353,11 @@ impl MessageContext {
         message: &M,
         options: SendOptions,
     ) -> Result<Uuid, Error> {
+        let envelope = self.envelope(message, options)?;
         let attached = self.scope.as_ref().ok_or(Error::Detached)?;
         let scope = &attached.scope;
         if scope.closed.load(std::sync::atomic::Ordering::Acquire) {
             return Err(Error::Detached);
-        }
-        let mut envelope = Envelope::for_message(message)?;
-        envelope.correlation_id = scope.correlation_id.or(Some(scope.message_id));
-        envelope.causation_id = Some(scope.message_id);
-        options.apply(&mut envelope);
-        scope.worker.rules.apply(message, &mut envelope);
-        let size = envelope.size();
-        if size > scope.max_envelope_size {
-            return Err(Error::TooLarge {
-                envelope: Box::new(envelope),
-                size,
-                limit: scope.max_envelope_size,
-            });
         }
         let handler = attached.route.handlers()[attached.handler].id.clone();
         scope

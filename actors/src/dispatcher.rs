@@ -45,6 +45,8 @@ pub(crate) struct Shared {
     pub(crate) recovering: tokio::sync::Mutex<()>,
     /// The runtime's store, which handlers may open transactions on.
     pub(crate) store: Option<Arc<dyn std::any::Any + Send + Sync>>,
+    /// Whether the deduplication claims live in that store.
+    pub(crate) claims_in_store: bool,
 }
 
 /// A delivery counted in by the tracker and not yet handed to a supervisor. Dropped — the

@@ -147,6 +147,9 @@ pub struct EngineParts {
     /// The store itself, for handlers that open transactions on it (see
     /// [`MessageContext::store`](crate::MessageContext::store)); `None` without one.
     pub store: Option<Arc<dyn std::any::Any + Send + Sync>>,
+    /// Whether the deduplication claims live in that store, so a handler transaction can
+    /// complete its claim in the same transaction as its work.
+    pub claims_in_store: bool,
 }
 
 impl Engine {
@@ -191,6 +194,7 @@ impl Engine {
                         outbox_enlisted: tokio::sync::Notify::new(),
                         recovering: tokio::sync::Mutex::new(()),
                         store: parts.store.clone(),
+                        claims_in_store: parts.claims_in_store,
                     });
                     let workers = arbiters
                         .into_iter()

@@ -127,6 +127,10 @@ impl HandlerActor {
                     FailureKind::Error,
                     format!("deduplication claim failed: {error}"),
                 )),
+                Ok(ClaimOutcome::Completed) => {
+                    tracing::debug!(parent: &span, reprise.deduplication_id = %claim.key, "an earlier attempt completed this handler's work");
+                    None
+                }
                 Ok(ClaimOutcome::Held { same_payload: true }) => {
                     count_duplicate();
                     tracing::info!(parent: &span, reprise.deduplication_id = %claim.key, "duplicate intent discarded");

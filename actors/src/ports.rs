@@ -360,6 +360,10 @@ pub enum ClaimOutcome {
         /// Whether the earlier message had the same payload.
         same_payload: bool,
     },
+    /// Held and completed by this very envelope: an earlier attempt's handler committed its
+    /// work (in a handler transaction) and the attempt failed after. Not a duplicate intent:
+    /// the work is done, so the handler does not run again.
+    Completed,
 }
 
 /// Logical deduplication claims: one per handler and logical id, within a window.

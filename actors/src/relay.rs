@@ -204,7 +204,7 @@ impl Actor for RelayActor {
             async move {
                 loop {
                     dispatcher.shared.outbox_enlisted.notified().await;
-                    if me.try_send(Wake).is_err() {
+                    if !wake(&me) {
                         return;
                     }
                 }
@@ -214,26 +214,34 @@ impl Actor for RelayActor {
         let Some(mut enlisted) = self.outbox.enlisted() else {
             return;
         };
-        let (me, pause) = (ctx.address(), self.interval.max(Duration::from_secs(1)));
+        let me = ctx.address();
         ctx.spawn(
             async move {
                 while let Some(signal) = enlisted.next().await {
-                    match signal {
-                        Ok(()) => {
-                            if me.try_send(Wake).is_err() {
-                                return;
-                            }
-                        }
-                        Err(error) => {
-                            tracing::warn!(%error, "listening for outbox enlists failed; polling meanwhile");
-                            tokio::time::sleep(pause).await;
-                        }
+                    if let Err(error) = signal {
+                        tracing::warn!(%error, "listening for outbox enlists failed; polling meanwhile");
+                        tokio::time::sleep(LISTEN_PAUSE).await;
+                    }
+                    // After a failure too: what was enlisted while nobody listened is published
+                    // now, not at the next poll.
+                    if !wake(&me) {
+                        return;
                     }
                 }
             }
             .into_actor(self),
         );
     }
+}
+
+/// How long the relay waits before listening again after the store stopped telling it of
+/// enlists (it polls meanwhile).
+const LISTEN_PAUSE: Duration = Duration::from_secs(1);
+
+/// Queues a wake; false once the relay has stopped. A full mailbox already holds wakes, so
+/// the relay will look anyway.
+fn wake(me: &actix::Addr<RelayActor>) -> bool {
+    !matches!(me.try_send(Wake), Err(actix::prelude::SendError::Closed(_)))
 }
 
 /// Asks the relay to look at the outbox now.

@@ -236,7 +236,12 @@ impl DeliverySupervisor {
                 Arc::clone(&scope),
                 Arc::clone(&route),
                 index,
-                claim.as_ref().map(|pending| pending.claim.clone()),
+                // A handler transaction completes the claim with its work only where the
+                // claim lives: in the runtime's store.
+                claim
+                    .as_ref()
+                    .filter(|_| shared.claims_in_store)
+                    .map(|pending| pending.claim.clone()),
             );
             HandlerActor::new(
                 Arc::clone(&route),

@@ -29,6 +29,8 @@ pub struct RuntimeBuilder {
     outbox: Option<Arc<dyn OutboxStore>>,
     /// The store given to [`store`](Self::store), for handler transactions.
     store: Option<Arc<dyn std::any::Any + Send + Sync>>,
+    /// Whether the claims are that store's (not set apart with [`claims`](Self::claims)).
+    claims_in_store: bool,
     deduplication: bool,
     deduplication_policies: Vec<(HandlerFilter, Deduplication)>,
     deduplication_rules: DeduplicationRules,
@@ -50,6 +52,7 @@ impl Default for RuntimeBuilder {
             claims: None,
             outbox: None,
             store: None,
+            claims_in_store: false,
             deduplication: false,
             deduplication_policies: Vec::new(),
             deduplication_rules: DeduplicationRules::default(),
@@ -171,8 +174,10 @@ impl RuntimeBuilder {
         self.inbox = Some(Arc::clone(&store) as Arc<dyn Inbox>);
         self.outbox = Some(Arc::clone(&store) as Arc<dyn OutboxStore>);
         // Claims set explicitly with `claims` stay.
-        self.claims
-            .get_or_insert_with(|| Arc::clone(&store) as Arc<dyn Claims>);
+        if self.claims.is_none() {
+            self.claims = Some(Arc::clone(&store) as Arc<dyn Claims>);
+            self.claims_in_store = true;
+        }
         self.dead_letters = Some(store);
         self.engine
             .durability
@@ -284,6 +289,7 @@ impl RuntimeBuilder {
     #[must_use]
     pub fn claims(mut self, claims: Arc<dyn Claims>) -> Self {
         self.claims = Some(claims);
+        self.claims_in_store = false;
         self
     }
 
@@ -405,6 +411,7 @@ impl RuntimeBuilder {
                 rules: self.deduplication_rules,
                 outbox: self.outbox.clone(),
                 store: self.store,
+                claims_in_store: self.claims_in_store,
                 claims: self.deduplication.then(|| {
                     self.claims
                         .unwrap_or_else(|| Arc::new(MemoryClaims::default()) as Arc<dyn Claims>)

@@ -198,6 +198,9 @@ impl Claims for MemoryClaims {
                 if held.expires_at > claim.claimed_at
                     && (held.completed || held.envelope_id != claim.envelope_id) =>
             {
+                if held.envelope_id == claim.envelope_id {
+                    return Ok(ClaimOutcome::Completed);
+                }
                 Ok(ClaimOutcome::Held {
                     same_payload: held.fingerprint == claim.fingerprint,
                 })

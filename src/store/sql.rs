@@ -24,9 +24,11 @@ pub(crate) const ENQUEUE: &str = "INSERT INTO reprise_inbox \
     VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, 'incoming', $10, NULL, $11) \
     ON CONFLICT (id) DO NOTHING";
 
-// An attempt's writes never take an envelope back from handled, and only the owner writes
-// them: a node that lost a delivery to recovery while it was cooling down or running late
-// must neither run it again next to the new owner nor overwrite the new owner's state.
+// An attempt's start and its retry record never take an envelope back from handled, and only
+// the owner writes them: a node that lost a delivery to recovery while it was cooling down or
+// running late must neither start it again next to the new owner nor overwrite the new owner's
+// state. Its late settlement (handled, or dead-lettered) is still recorded: the attempt ran,
+// and the new owner's next attempt then finds the envelope settled and stops.
 pub(crate) const BEGIN_ATTEMPT: &str = "UPDATE reprise_inbox \
     SET status = 'incoming', attempts = $2, execute_at = NULL \
     WHERE id = $1 AND status <> 'handled' AND owner = $3";
@@ -102,8 +104,8 @@ pub(crate) const CLAIM: &str = "INSERT INTO reprise_deduplication \
     OR (reprise_deduplication.envelope_id = excluded.envelope_id \
         AND reprise_deduplication.completed = 0)";
 
-pub(crate) const CLAIM_FINGERPRINT: &str =
-    "SELECT fingerprint FROM reprise_deduplication WHERE handler = $1 AND key_hash = $2";
+pub(crate) const CLAIM_HOLDER: &str = "SELECT fingerprint, envelope_id FROM reprise_deduplication \
+    WHERE handler = $1 AND key_hash = $2";
 
 // A completed claim stays: the handler's transaction committed its work with it, even if
 // the handler failed afterwards.
@@ -373,6 +375,11 @@ macro_rules! sql_store {
             /// This node's name.
             pub fn node(&self) -> &str {
                 &self.node
+            }
+
+            /// The current time on the store's clock.
+            pub(crate) fn now(&self) -> chrono::DateTime<chrono::Utc> {
+                self.clock.now()
             }
 
             /// The connection pool, for the application's own queries.
@@ -689,14 +696,19 @@ macro_rules! sql_store {
                     if claimed == 1 {
                         return Ok(reprise_actors::ports::ClaimOutcome::Claimed);
                     }
-                    // The insert decided; this read only tells a duplicate from a conflict.
-                    let fingerprint: Option<String> = sqlx::query_scalar(CLAIM_FINGERPRINT)
+                    // The insert decided; this read only tells a duplicate from a conflict, and
+                    // both from this envelope's own completed claim.
+                    let holder: Option<(String, String)> = sqlx::query_as(CLAIM_HOLDER)
                         .bind(&claim.handler)
                         .bind(&claim.key_hash)
                         .fetch_optional(&self.pool)
                         .await
                         .map_err(reprise_actors::Error::store)?;
-                    if let Some(fingerprint) = fingerprint {
+                    if let Some((fingerprint, envelope_id)) = holder {
+                        // Its own claim is taken over unless completed: held, it is completed.
+                        if envelope_id == claim.envelope_id {
+                            return Ok(reprise_actors::ports::ClaimOutcome::Completed);
+                        }
                         return Ok(reprise_actors::ports::ClaimOutcome::Held {
                             same_payload: fingerprint == claim.fingerprint,
                         });
