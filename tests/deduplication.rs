@@ -601,3 +601,41 @@ fn deduplicating_a_handler_the_module_does_not_have_is_refused() {
         "module projections has no handler rebiuld to deduplicate"
     );
 }
+
+#[tokio::test]
+async fn a_retry_of_the_same_message_is_not_counted_as_a_duplicate_intent() {
+    let effects = Counter::default();
+    let harness = TestHarness::builder()
+        .configure(RuntimeBuilder::enable_deduplication)
+        .module(
+            Module::new("projections")
+                .handle_named::<RebuildProjection, _>("rebuild", effects.clone())
+                .handle_named::<RebuildProjection, _>("notify", Counter::default())
+                .deduplicate("rebuild", Deduplication::from_envelope()),
+        )
+        .fault("projections", "notify", Fault::fail_times(1))
+        .build()
+        .unwrap();
+    let report = harness
+        .publish_with(&rebuild("orders"), keyed("k"))
+        .await
+        .unwrap();
+    assert!(report.is_handled());
+    assert_eq!(report.attempts, 2, "the sibling failed the first attempt");
+    assert_eq!(
+        effects.count(),
+        1,
+        "its own completed claim skips the rerun"
+    );
+    assert_eq!(harness.runtime().stats().duplicate_intents, 0);
+    let second = harness
+        .publish_with(&rebuild("orders"), keyed("k"))
+        .await
+        .unwrap();
+    assert_eq!(effects.count(), 1);
+    assert_eq!(
+        harness.runtime().stats().duplicate_intents,
+        u64::from(second.attempts),
+        "a new message with the same id is a duplicate, once per attempt it skipped the handler"
+    );
+}

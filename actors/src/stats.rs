@@ -43,8 +43,10 @@ pub struct StatsSnapshot {
     pub deduplicated: u64,
     /// Envelopes discarded for having no handler (when so configured).
     pub discarded: u64,
-    /// Handler runs skipped because their logical deduplication id was already claimed
-    /// within the window: duplicate intents (and conflicts, unless dead-lettered).
+    /// Handler runs skipped because their logical deduplication id was already claimed by
+    /// another message within the window: duplicate intents (and conflicts, unless
+    /// dead-lettered), counted once per attempt that skipped a handler. A retry of the message
+    /// that completed the claim is not counted.
     pub duplicate_intents: u64,
 }
 
