@@ -19,6 +19,10 @@ pub struct RelayActor {
     retention: Duration,
     warn_after: Duration,
     busy: bool,
+    /// Another node held the lease at the last round: wakes are its business until then, and
+    /// only this relay's own polls try for the lease (so a burst of enlists elsewhere does not
+    /// make every node contend for the lease row).
+    leased_elsewhere_until: Option<tokio::time::Instant>,
     /// A wake came during a round, which may have read the outbox before the enlist
     /// committed: run another round right after.
     again: bool,
@@ -49,6 +53,7 @@ impl RelayActor {
             retention: settings.outbox_retention,
             warn_after: settings.outbox_warn_after,
             busy: false,
+            leased_elsewhere_until: None,
             again: false,
         }
     }
@@ -120,10 +125,10 @@ impl RelayActor {
                 .await
             {
                 Ok(true) => {}
-                Ok(false) => return,
+                Ok(false) => return Some(interval * 10),
                 Err(error) => {
                     tracing::warn!(%error, "outbox lease failed; retrying on the next round");
-                    return;
+                    return None;
                 }
             }
             let mut published = 0usize;
@@ -175,10 +180,13 @@ impl RelayActor {
             if published > 0 {
                 tracing::debug!(published, "outbox envelopes published");
             }
+            None
         };
-        ctx.spawn(round.into_actor(self).map(|(), actor, ctx| {
+        ctx.spawn(round.into_actor(self).map(|elsewhere, actor, ctx| {
             actor.busy = false;
-            if actor.again {
+            actor.leased_elsewhere_until =
+                elsewhere.map(|lease| tokio::time::Instant::now() + lease);
+            if actor.again && elsewhere.is_none() {
                 actor.tick(ctx);
             }
         }));
@@ -255,6 +263,12 @@ impl actix::Handler<Wake> for RelayActor {
     type Result = ();
 
     fn handle(&mut self, _: Wake, ctx: &mut Context<Self>) {
+        if self
+            .leased_elsewhere_until
+            .is_some_and(|until| tokio::time::Instant::now() < until)
+        {
+            return;
+        }
         self.tick(ctx);
     }
 }
