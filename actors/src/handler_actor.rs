@@ -26,8 +26,9 @@ pub struct HandlerActor {
     timeout: Duration,
     supervisor: Addr<DeliverySupervisor>,
     span: tracing::Span,
-    /// The logical id this handler must claim before it runs, if it deduplicates.
-    claim: Option<PendingClaim>,
+    /// The logical id this handler must claim before it runs, if it deduplicates (boxed:
+    /// most handlers do not, and every byte of the actor is moved when it starts).
+    claim: Option<Box<PendingClaim>>,
 }
 
 /// A deduplicated handler's claim, and where to make it.
@@ -53,7 +54,7 @@ impl HandlerActor {
         timeout: Duration,
         supervisor: Addr<DeliverySupervisor>,
         span: tracing::Span,
-        claim: Option<PendingClaim>,
+        claim: Option<Box<PendingClaim>>,
     ) -> Self {
         Self {
             route,
@@ -90,7 +91,7 @@ impl HandlerActor {
 
     /// Claims the logical id, runs the handler only if the claim is new, and releases the
     /// claim if the handler fails, so its retry gets through.
-    fn run_deduplicated(&mut self, pending: PendingClaim, ctx: &mut Context<Self>) {
+    fn run_deduplicated(&mut self, pending: Box<PendingClaim>, ctx: &mut Context<Self>) {
         let invoke = Arc::clone(&self.route.handlers()[self.index].invoke);
         let call = invoke(
             Arc::clone(&self.route),
@@ -107,7 +108,7 @@ impl HandlerActor {
                 claims,
                 conflicts,
                 stats: (stats, writer),
-            } = pending;
+            } = *pending;
             let count_duplicate = || {
                 stats
                     .writer(writer)

@@ -260,7 +260,7 @@ impl DeliverySupervisor {
 
     /// The claim handler `index` makes before it runs, if it deduplicates and the message has
     /// a logical id for it.
-    fn pending_claim(&self, index: usize, entry: &HandlerEntry) -> Option<PendingClaim> {
+    fn pending_claim(&self, index: usize, entry: &HandlerEntry) -> Option<Box<PendingClaim>> {
         let deduplication = entry.deduplication.as_ref()?;
         let key = self.deduplication_keys.get(index)?.clone()?;
         let claim = Claim::new(
@@ -271,12 +271,12 @@ impl DeliverySupervisor {
             self.now(),
             self.worker.deduplication_window,
         );
-        Some(PendingClaim {
+        Some(Box::new(PendingClaim {
             claim,
             claims: self.worker.claims.clone(),
             conflicts: deduplication.conflicts(),
             stats: (Arc::clone(&self.worker.shared.stats), self.worker.index),
-        })
+        }))
     }
 
     /// Reads every deduplicating handler's logical id once per delivery; names the first
