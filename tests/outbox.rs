@@ -10,8 +10,10 @@ mod support_stores;
 #[path = "support/warnings.rs"]
 mod support_warnings;
 
+use std::sync::Arc;
 use std::time::Duration;
 
+use reprise::Envelope;
 use reprise::prelude::*;
 use reprise::testing::Recorder;
 use support::MemberRemoved;
@@ -395,3 +397,122 @@ on_both_backends!(
         runtime.shutdown().await;
     }
 );
+
+/// The store's outbox, counting lease requests and the enlist signals the store gives.
+struct Counting {
+    inner: Box<dyn reprise::ports::OutboxStore>,
+    leases: Arc<std::sync::atomic::AtomicUsize>,
+    signals: Arc<std::sync::atomic::AtomicUsize>,
+}
+
+#[async_trait::async_trait]
+impl reprise::ports::OutboxStore for Counting {
+    async fn lease(
+        &self,
+        now: chrono::DateTime<chrono::Utc>,
+        until: chrono::DateTime<chrono::Utc>,
+    ) -> Result<bool, reprise::EngineError> {
+        self.leases
+            .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        self.inner.lease(now, until).await
+    }
+    async fn unpublished(
+        &self,
+        after: i64,
+        limit: usize,
+    ) -> Result<Vec<(i64, Envelope)>, reprise::EngineError> {
+        self.inner.unpublished(after, limit).await
+    }
+    async fn backlog(&self) -> Result<reprise::ports::OutboxBacklog, reprise::EngineError> {
+        self.inner.backlog().await
+    }
+    async fn delete_published_before(
+        &self,
+        before: chrono::DateTime<chrono::Utc>,
+        limit: usize,
+    ) -> Result<u64, reprise::EngineError> {
+        self.inner.delete_published_before(before, limit).await
+    }
+    async fn mark_published(
+        &self,
+        positions: &[i64],
+        at: chrono::DateTime<chrono::Utc>,
+    ) -> Result<(), reprise::EngineError> {
+        self.inner.mark_published(positions, at).await
+    }
+    fn enlisted(
+        &self,
+    ) -> Option<futures::stream::BoxStream<'static, Result<(), reprise::EngineError>>> {
+        use futures::StreamExt;
+        let signals = Arc::clone(&self.signals);
+        let stream = self.inner.enlisted()?;
+        Some(
+            stream
+                .inspect(move |_| {
+                    signals.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                })
+                .boxed(),
+        )
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_relay_without_the_lease_does_not_contend_for_it_on_every_wake() {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    let db = support_stores::TestDatabase::new(support_stores::Backend::Postgres).await;
+    db.execute(
+        "INSERT INTO reprise_outbox_lease (id, owner, expires_at) \
+         VALUES (1, 'relaying-elsewhere', 9000000000000000)",
+    )
+    .await;
+    let (leases, signals) = (Arc::new(AtomicUsize::new(0)), Arc::new(AtomicUsize::new(0)));
+    let outbox = Counting {
+        inner: db.sqlite_or_postgres_outbox().await,
+        leases: Arc::clone(&leases),
+        signals: Arc::clone(&signals),
+    };
+    let runtime = db
+        .store(Runtime::builder(), "standby", Duration::from_secs(30))
+        .await
+        .outbox_store(Arc::new(outbox))
+        .relay_interval(NEVER_POLLS)
+        .module(Module::new("webhooks").handle_named::<MemberRemoved, _>("queue", Recorder::new()))
+        .build()
+        .unwrap();
+    tokio::time::timeout(WAIT, async {
+        while leases.load(Ordering::SeqCst) == 0
+            || db
+                .scalar(
+                    "SELECT count(*) FROM pg_stat_activity \
+                     WHERE datname = current_database() AND query LIKE 'LISTEN %reprise_outbox%'",
+                )
+                .await
+                == 0
+        {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    })
+    .await
+    .expect("the first round asked for the lease, and the relay listens");
+    for n in 0..10 {
+        db.outbox_transaction(&[removed(n)], true).await;
+    }
+    tokio::time::timeout(WAIT, async {
+        while signals.load(Ordering::SeqCst) < 10 {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    })
+    .await
+    .expect("every commit signalled the relay");
+    // What is checked is that something does not happen: give the wakes those signals queued
+    // time to act (each would be a round, so a lease request, within milliseconds).
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let backlog = runtime.outbox_backlog().await.unwrap().unwrap();
+    assert_eq!(backlog.depth, 10, "nothing published by this node");
+    assert_eq!(
+        leases.load(Ordering::SeqCst),
+        1,
+        "only the first round asked: another node holds the lease"
+    );
+    runtime.shutdown().await;
+}

@@ -155,6 +155,14 @@ impl RuntimeBuilder {
         self
     }
 
+    /// The outbox the relay publishes from, instead of the store's (a store set with
+    /// [`store`](Self::store) provides one; without any, no relay runs).
+    #[must_use]
+    pub fn outbox_store(mut self, outbox: Arc<dyn OutboxStore>) -> Self {
+        self.outbox = Some(outbox);
+        self
+    }
+
     /// The inbox to deduplicate envelope ids with (default: in memory).
     #[must_use]
     pub fn inbox(mut self, inbox: Arc<dyn Inbox>) -> Self {
