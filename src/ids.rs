@@ -32,7 +32,7 @@ pub fn derive(message_id: Uuid, key: &str) -> String {
     Uuid::from_bytes_le(first).simple().to_string()
 }
 
-/// [`derive`] inside a consumer; a random id when there is no message (a controller, a job),
+/// [`derive`](fn@derive) inside a consumer; a random id when there is no message (a controller, a job),
 /// since there is then nothing a retry could repeat.
 pub fn derive_or_random(message_id: Option<Uuid>, key: &str) -> String {
     match message_id {

@@ -4,4 +4,5 @@ mod in_process;
 mod listener;
 
 pub use in_process::InProcess;
-pub use listener::{Backoff, Listener};
+pub use listener::Listener;
+pub use reprise_actors::Backoff;

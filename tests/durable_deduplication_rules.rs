@@ -293,20 +293,11 @@ on_both_backends!(
 
 /// The deduplication id the durable inbox stored for envelope `id`.
 async fn stored_id(db: &TestDatabase, id: uuid::Uuid) -> Option<String> {
-    let sql = "SELECT deduplication_id FROM reprise_inbox WHERE id = $1";
-    let id = id.simple().to_string();
-    match db.backend {
-        Backend::Sqlite => sqlx::query_scalar(sql)
-            .bind(id)
-            .fetch_one(db.sqlite().await.pool())
-            .await
-            .unwrap(),
-        Backend::Postgres => sqlx::query_scalar(sql)
-            .bind(id)
-            .fetch_one(db.postgres().await.pool())
-            .await
-            .unwrap(),
-    }
+    db.value_for(
+        "SELECT deduplication_id FROM reprise_inbox WHERE id = $1",
+        id.simple().to_string(),
+    )
+    .await
 }
 
 on_both_backends!(

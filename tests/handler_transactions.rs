@@ -439,24 +439,10 @@ on_both_backends!(
         // now: it stays; its completion, older and settled, goes.
         assert_eq!(removed, 1);
         let left = |id: uuid::Uuid| {
-            let db = &db;
-            async move {
-                let sql = "SELECT count(*) FROM reprise_handler_completions WHERE envelope_id = $1";
-                let id = id.simple().to_string();
-                let count: i64 = match db.backend {
-                    Backend::Sqlite => sqlx::query_scalar(sql)
-                        .bind(id)
-                        .fetch_one(db.sqlite().await.pool())
-                        .await
-                        .unwrap(),
-                    Backend::Postgres => sqlx::query_scalar(sql)
-                        .bind(id)
-                        .fetch_one(db.postgres().await.pool())
-                        .await
-                        .unwrap(),
-                };
-                count
-            }
+            db.value_for::<i64>(
+                "SELECT count(*) FROM reprise_handler_completions WHERE envelope_id = $1",
+                id.simple().to_string(),
+            )
         };
         assert_eq!(left(handled.id).await, 0, "settled and old: removed");
         assert_eq!(left(cooling_down.id).await, 1, "its envelope may run again");

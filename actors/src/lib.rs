@@ -6,6 +6,7 @@
 //! clock. It knows no database, broker or socket.
 
 mod aggregate;
+mod backoff;
 mod batches;
 mod capacity;
 mod cleanup;
@@ -33,6 +34,7 @@ mod timer;
 mod tracker;
 
 pub use aggregate::AggregateError;
+pub use backoff::Backoff;
 pub use cleanup::CleanupActor;
 pub use context::{ContextActor, MessageContext, SendOptions};
 pub use dead_letter::{DeadLetter, DeadLetterReason};

@@ -563,14 +563,16 @@ where
     F: FnMut() -> Fut,
     Fut: Future<Output = Result<T, Error>>,
 {
-    let mut pause = Duration::from_millis(50);
+    let backoff = crate::Backoff::default();
+    let mut failures = 0u32;
     loop {
         match write().await {
             Ok(value) => return value,
             Err(error) => {
+                failures = failures.saturating_add(1);
+                let pause = backoff.pause(failures);
                 tracing::error!(message_id = %id, %error, ?pause, "{what} failed; retrying");
                 tokio::time::sleep(pause).await;
-                pause = (pause * 2).min(Duration::from_secs(30));
             }
         }
     }

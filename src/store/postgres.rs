@@ -2,35 +2,9 @@ use futures::stream::BoxStream;
 use reprise_actors::Error;
 use sqlx::postgres::{PgListener, PgPool, PgPoolOptions};
 
-use crate::store::sql::{Migration, sql_store};
+use crate::store::sql::{Migration, migrations, sql_store};
 
-const MIGRATIONS: &[Migration] = &[
-    Migration {
-        version: 1,
-        description: "inbox, dead letters, nodes",
-        sql: include_str!("../../migrations/postgres/0001_inbox.sql"),
-    },
-    Migration {
-        version: 2,
-        description: "handlers that succeeded",
-        sql: include_str!("../../migrations/postgres/0002_handler_successes.sql"),
-    },
-    Migration {
-        version: 3,
-        description: "outbox",
-        sql: include_str!("../../migrations/postgres/0003_outbox.sql"),
-    },
-    Migration {
-        version: 4,
-        description: "idempotency keys",
-        sql: include_str!("../../migrations/postgres/0004_idempotency_keys.sql"),
-    },
-    Migration {
-        version: 5,
-        description: "handler completions",
-        sql: include_str!("../../migrations/postgres/0005_handler_completions.sql"),
-    },
-];
+const MIGRATIONS: &[Migration] = migrations!("postgres");
 
 sql_store!(
     /// The durable inbox and dead letters in PostgreSQL, for fleets: several nodes share one

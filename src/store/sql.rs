@@ -169,6 +169,53 @@ pub(crate) struct Migration {
     pub(crate) sql: &'static str,
 }
 
+/// The schema changes of one backend, read from `migrations/<backend>/`: both backends have
+/// the same versions under the same file names, so one list names them.
+macro_rules! migrations {
+    ($backend:literal) => {
+        &[
+            $crate::store::sql::Migration {
+                version: 1,
+                description: "inbox, dead letters, nodes",
+                sql: include_str!(concat!("../../migrations/", $backend, "/0001_inbox.sql")),
+            },
+            $crate::store::sql::Migration {
+                version: 2,
+                description: "handlers that succeeded",
+                sql: include_str!(concat!(
+                    "../../migrations/",
+                    $backend,
+                    "/0002_handler_successes.sql"
+                )),
+            },
+            $crate::store::sql::Migration {
+                version: 3,
+                description: "outbox",
+                sql: include_str!(concat!("../../migrations/", $backend, "/0003_outbox.sql")),
+            },
+            $crate::store::sql::Migration {
+                version: 4,
+                description: "idempotency keys",
+                sql: include_str!(concat!(
+                    "../../migrations/",
+                    $backend,
+                    "/0004_idempotency_keys.sql"
+                )),
+            },
+            $crate::store::sql::Migration {
+                version: 5,
+                description: "handler completions",
+                sql: include_str!(concat!(
+                    "../../migrations/",
+                    $backend,
+                    "/0005_handler_completions.sql"
+                )),
+            },
+        ]
+    };
+}
+pub(crate) use migrations;
+
 pub(crate) fn millis(at: DateTime<Utc>) -> i64 {
     at.timestamp_millis()
 }

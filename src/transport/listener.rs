@@ -1,46 +1,10 @@
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::time::Duration;
 
-use reprise_actors::Envelope;
+use reprise_actors::{Backoff, Envelope};
 
 use super::InProcess;
 use crate::{EngineError, Error};
-
-/// How long a [`Listener`] pauses after each store failure in a row: `first`, doubling, at most
-/// `max`. Kept apart from the listener (it says *when*, the listener decides *whether*).
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-#[non_exhaustive]
-pub struct Backoff {
-    /// The pause after the first failure (default 50 ms).
-    pub first: Duration,
-    /// The longest pause (default 30 s).
-    pub max: Duration,
-}
-
-impl Default for Backoff {
-    fn default() -> Self {
-        Self {
-            first: Duration::from_millis(50),
-            max: Duration::from_secs(30),
-        }
-    }
-}
-
-impl Backoff {
-    /// A backoff from `first`, doubling, capped at `max`.
-    pub fn new(first: Duration, max: Duration) -> Self {
-        Self { first, max }
-    }
-
-    /// The pause after `failures` failures in a row (1 for the first); never overflows.
-    pub fn pause(&self, failures: u32) -> Duration {
-        let doublings = failures.saturating_sub(1).min(31);
-        self.first
-            .checked_mul(1 << doublings)
-            .map_or(self.max, |pause| pause.min(self.max))
-    }
-}
 
 /// What a transport's listener does with each envelope it receives: hand it to the runtime,
 /// and acknowledge it to the broker only once this returns `Ok` — the inbox recorded it, or

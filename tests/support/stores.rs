@@ -274,3 +274,22 @@ impl TestDatabase {
         })
     }
 }
+
+impl TestDatabase {
+    /// The one value `sql` answers with `bind` as its `$1`, read with a connection of its own.
+    pub async fn value_for<T>(&self, sql: &'static str, bind: String) -> T
+    where
+        T: for<'r> sqlx::Decode<'r, sqlx::Sqlite>
+            + sqlx::Type<sqlx::Sqlite>
+            + for<'r> sqlx::Decode<'r, sqlx::Postgres>
+            + sqlx::Type<sqlx::Postgres>
+            + Send
+            + Unpin,
+    {
+        with_pool!(self, |pool| sqlx::query_scalar(sql)
+            .bind(bind)
+            .fetch_one(pool)
+            .await
+            .unwrap())
+    }
+}
