@@ -1,7 +1,7 @@
 //! B1: deliveries per second with three no-op handlers.
 //!
 //! Three contenders, measured in one run on the same machine:
-//! - `reprise`: the runtime, publishing through the in-process transport (inbox, supervisor,
+//! - `dacapo`: the runtime, publishing through the in-process transport (inbox, supervisor,
 //!   context actor, three handler actors, aggregate, settle);
 //! - `actix skeleton`: the same actor spawns and nothing else (a supervisor and three handler
 //!   actors per delivery, on the same number of worker arbiters, with the same in-flight bound);
@@ -16,7 +16,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use actix::prelude::*;
-use reprise::prelude::*;
+use dacapo::prelude::*;
 use serde::{Deserialize, Serialize};
 use tokio::sync::{Notify, Semaphore, mpsc, oneshot};
 
@@ -28,19 +28,19 @@ struct Ping {
     n: u64,
 }
 
-impl reprise::Message for Ping {
+impl dacapo::Message for Ping {
     const TYPE: &'static str = "bench.ping";
 }
 
 struct Noop;
 
-impl reprise::Handler<Ping> for Noop {
+impl dacapo::Handler<Ping> for Noop {
     async fn handle(&self, _: &Ping, _: &MessageContext) -> Result<(), HandlerError> {
         Ok(())
     }
 }
 
-fn reprise_run(deliveries: u64) -> Duration {
+fn dacapo_run(deliveries: u64) -> Duration {
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
@@ -237,11 +237,11 @@ fn main() {
         .collect();
     let deliveries: u64 = args.iter().find_map(|a| a.parse().ok()).unwrap_or(100_000);
     let contenders: [(&str, Contender); 3] = [
-        ("reprise", reprise_run),
+        ("dacapo", dacapo_run),
         ("actix skeleton", actix_run),
         ("tokio mpsc+oneshot", tokio_run),
     ];
-    // `-- reprise` (or `actix`, `tokio`) measures one contender alone, for a profiler.
+    // `-- dacapo` (or `actix`, `tokio`) measures one contender alone, for a profiler.
     if let Some((name, run)) = contenders
         .iter()
         .find(|(name, _)| args.iter().any(|a| name.starts_with(a.as_str())))
@@ -272,11 +272,8 @@ fn main() {
         println!("  {name:<20} {median:>12.0} deliveries/s");
     }
     println!(
-        "  reprise / actix skeleton = {:.2} (goal >= 0.60)",
+        "  dacapo / actix skeleton = {:.2} (goal >= 0.60)",
         medians[0] / medians[1]
     );
-    println!(
-        "  reprise / tokio          = {:.2}",
-        medians[0] / medians[2]
-    );
+    println!("  dacapo / tokio          = {:.2}", medians[0] / medians[2]);
 }

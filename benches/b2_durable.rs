@@ -6,15 +6,15 @@
 //! PostgreSQL defaults), in one run.
 //!
 //! Run with `cargo bench --bench b2_durable --features postgres` (PostgreSQL at
-//! `REPRISE_BENCH_POSTGRES`, default `postgres://postgres@127.0.0.1:5432/postgres`; a scratch
+//! `DACAPO_BENCH_POSTGRES`, default `postgres://postgres@127.0.0.1:5432/postgres`; a scratch
 //! database is created and dropped). Goal: at least 0.5 of the raw loop on each.
 
 use std::time::{Duration, Instant};
 
-use reprise::RuntimeBuilder;
-use reprise::ids;
-use reprise::prelude::*;
-use reprise::store::{PostgresStore, SqliteStore};
+use dacapo::RuntimeBuilder;
+use dacapo::ids;
+use dacapo::prelude::*;
+use dacapo::store::{PostgresStore, SqliteStore};
 use scratch::{ScratchPostgres, ScratchSqlite};
 use serde::{Deserialize, Serialize};
 
@@ -27,7 +27,7 @@ struct Ping {
     n: u64,
 }
 
-impl reprise::Message for Ping {
+impl dacapo::Message for Ping {
     const TYPE: &'static str = "bench.ping";
 }
 
@@ -61,7 +61,7 @@ macro_rules! insert_row_handler {
 insert_row_handler!(sqlx::SqlitePool);
 insert_row_handler!(sqlx::PgPool);
 
-async fn through_reprise<H: Handler<Ping>>(
+async fn through_dacapo<H: Handler<Ping>>(
     store_builder: RuntimeBuilder,
     handler: H,
     deliveries: u64,
@@ -81,10 +81,10 @@ async fn through_reprise<H: Handler<Ping>>(
     elapsed
 }
 
-const RAW_RECEIVE: &str = "INSERT INTO reprise_inbox (id, message_type, payload, headers, sent_at, status, attempts, owner, received_at) \
+const RAW_RECEIVE: &str = "INSERT INTO dacapo_inbox (id, message_type, payload, headers, sent_at, status, attempts, owner, received_at) \
     VALUES ($1, 'bench.ping', $2, '{}', $3, 'incoming', 1, 'raw', $3) ON CONFLICT (id) DO NOTHING";
 const RAW_HANDLED: &str =
-    "UPDATE reprise_inbox SET status = 'handled', handled_at = $2, owner = NULL WHERE id = $1";
+    "UPDATE dacapo_inbox SET status = 'handled', handled_at = $2, owner = NULL WHERE id = $1";
 
 macro_rules! raw_loop {
     ($name:ident, $pool:ty) => {
@@ -145,26 +145,25 @@ async fn sqlite(deliveries: u64) -> (f64, f64) {
     let store = SqliteStore::open(ours.path()).await.unwrap();
     let pool = store.pool().clone();
     pool.execute(TABLE).await.unwrap();
-    let reprise =
-        through_reprise(Runtime::builder().store(store), InsertRow(pool), deliveries).await;
+    let dacapo = through_dacapo(Runtime::builder().store(store), InsertRow(pool), deliveries).await;
 
     let store = SqliteStore::open(raw.path()).await.unwrap();
     let pool = store.pool().clone();
     pool.execute(TABLE).await.unwrap();
     let baseline = raw_sqlite(&pool, deliveries).await;
     pool.close().await;
-    (rate(deliveries, reprise), rate(deliveries, baseline))
+    (rate(deliveries, dacapo), rate(deliveries, baseline))
 }
 
 async fn postgres(deliveries: u64) -> (f64, f64) {
     let mut measured = Vec::new();
-    for which in ["reprise", "raw"] {
+    for which in ["dacapo", "raw"] {
         let scratch = ScratchPostgres::create(&format!("b3_{which}")).await;
         let store = PostgresStore::connect(&scratch.url).await.unwrap();
         let pool = store.pool().clone();
         pool.execute(TABLE).await.unwrap();
-        let elapsed = if which == "reprise" {
-            through_reprise(
+        let elapsed = if which == "dacapo" {
+            through_dacapo(
                 Runtime::builder().store(store),
                 InsertRow(pool.clone()),
                 deliveries,
@@ -190,11 +189,11 @@ async fn main() {
     let (pg_ours, pg_raw) = postgres(deliveries).await;
     println!("B2/B3: {deliveries} durable deliveries, one INSERT each");
     println!(
-        "  B2 SQLite      reprise {sqlite_ours:>9.0}/s   raw sqlx loop {sqlite_raw:>9.0}/s   ratio {:.2} (goal >= 0.50)",
+        "  B2 SQLite      dacapo {sqlite_ours:>9.0}/s   raw sqlx loop {sqlite_raw:>9.0}/s   ratio {:.2} (goal >= 0.50)",
         sqlite_ours / sqlite_raw
     );
     println!(
-        "  B3 PostgreSQL  reprise {pg_ours:>9.0}/s   raw sqlx loop {pg_raw:>9.0}/s   ratio {:.2} (goal >= 0.50)",
+        "  B3 PostgreSQL  dacapo {pg_ours:>9.0}/s   raw sqlx loop {pg_raw:>9.0}/s   ratio {:.2} (goal >= 0.50)",
         pg_ours / pg_raw
     );
 }

@@ -10,7 +10,7 @@
 //! receiving inbox costs (B2 and B3 measure that).
 //!
 //! Run with `cargo bench --bench b4_relay --features postgres` (add a row count to change
-//! 100000; PostgreSQL at `REPRISE_BENCH_POSTGRES`, default
+//! 100000; PostgreSQL at `DACAPO_BENCH_POSTGRES`, default
 //! `postgres://postgres@127.0.0.1:5432/postgres`, a scratch database is created and dropped).
 //! Goal: at least 0.5 of the raw drain.
 
@@ -18,10 +18,10 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
-use reprise::RuntimeBuilder;
-use reprise::outbox::Outbox;
-use reprise::prelude::*;
-use reprise::store::{MemoryInbox, PostgresStore, SqliteStore};
+use dacapo::RuntimeBuilder;
+use dacapo::outbox::Outbox;
+use dacapo::prelude::*;
+use dacapo::store::{MemoryInbox, PostgresStore, SqliteStore};
 use scratch::{ScratchPostgres, ScratchSqlite};
 use serde::{Deserialize, Serialize};
 
@@ -33,7 +33,7 @@ struct Ping {
     n: u64,
 }
 
-impl reprise::Message for Ping {
+impl dacapo::Message for Ping {
     const TYPE: &'static str = "bench.ping";
 }
 
@@ -52,13 +52,13 @@ const BATCH: usize = 100;
 /// The relay's read, as the relay issues it.
 const READ: &str = "SELECT seq, id, message_type, payload, headers, deduplication_id, \
     correlation_id, causation_id, sent_at, scheduled_for \
-    FROM reprise_outbox WHERE published_at IS NULL AND seq > $2 ORDER BY seq LIMIT $1";
+    FROM dacapo_outbox WHERE published_at IS NULL AND seq > $2 ORDER BY seq LIMIT $1";
 
 /// `UPDATE … WHERE seq IN ($2, …)` for `count` positions, as the relay marks a batch.
 fn mark(count: usize) -> String {
     let positions: Vec<String> = (2..count + 2).map(|n| format!("${n}")).collect();
     format!(
-        "UPDATE reprise_outbox SET published_at = $1 WHERE seq IN ({})",
+        "UPDATE dacapo_outbox SET published_at = $1 WHERE seq IN ({})",
         positions.join(", ")
     )
 }
@@ -124,7 +124,7 @@ async fn relay(builder: RuntimeBuilder, rows: u64) -> Duration {
     let runtime = builder
         .inbox(Arc::new(MemoryInbox::new(
             Duration::from_secs(300),
-            Arc::new(reprise::ports::SystemClock),
+            Arc::new(dacapo::ports::SystemClock),
         )))
         .relay_batch(BATCH)
         .module(Module::new("bench").handle_named::<Ping, _>("count", count.clone()))
@@ -151,24 +151,24 @@ async fn sqlite(rows: u64) -> (f64, f64) {
     let (ours, raw) = (ScratchSqlite::new("b4"), ScratchSqlite::new("b4-raw"));
     let store = SqliteStore::open(ours.path()).await.unwrap();
     fill_sqlite(store.pool(), rows).await;
-    let reprise = relay(Runtime::builder().store(store), rows).await;
+    let dacapo = relay(Runtime::builder().store(store), rows).await;
 
     let store = SqliteStore::open(raw.path()).await.unwrap();
     fill_sqlite(store.pool(), rows).await;
     let (baseline, drained) = raw_sqlite(store.pool()).await;
     assert_eq!(drained, rows);
     store.pool().close().await;
-    (rate(rows, reprise), rate(rows, baseline))
+    (rate(rows, dacapo), rate(rows, baseline))
 }
 
 async fn postgres(rows: u64) -> (f64, f64) {
     let mut measured = Vec::new();
-    for which in ["reprise", "raw"] {
+    for which in ["dacapo", "raw"] {
         let scratch = ScratchPostgres::create(&format!("b4_{which}")).await;
         let store = PostgresStore::connect(&scratch.url).await.unwrap();
         let pool = store.pool().clone();
         fill_postgres(&pool, rows).await;
-        let elapsed = if which == "reprise" {
+        let elapsed = if which == "dacapo" {
             relay(Runtime::builder().store(store), rows).await
         } else {
             let (elapsed, drained) = raw_postgres(&pool).await;

@@ -9,7 +9,7 @@
 //!   without a message id.
 //!
 //! Run it with `cargo run --example modular_monolith` (add `-- --database PATH` to choose the
-//! SQLite file; the default is `reprise.db`), or on PostgreSQL with
+//! SQLite file; the default is `dacapo.db`), or on PostgreSQL with
 //! `cargo run --features postgres --example modular_monolith -- --database postgres://…`.
 
 // The modules of the monolith, one file each, in `examples/modular_monolith/`.
@@ -26,10 +26,10 @@ mod webhooks;
 #[path = "modular_monolith/workspaces.rs"]
 mod workspaces;
 
-use reprise::RuntimeBuilder;
-use reprise::prelude::*;
-use reprise::store::SqliteStore;
-use reprise::{DiscardReason, Outcome};
+use dacapo::RuntimeBuilder;
+use dacapo::prelude::*;
+use dacapo::store::SqliteStore;
+use dacapo::{DiscardReason, Outcome};
 
 use crate::events::{MemberRemoved, WebhookDeliveryRequested};
 
@@ -112,7 +112,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let subscribed = webhooks::subscribed(&db, organization_id).await?;
     let report = runtime.shutdown().await;
 
-    println!("reprise — modular monolith on {target}");
+    println!("dacapo — modular monolith on {target}");
     println!(
         "  events published            {} (each enlisted in the outbox with its change)",
         organizations.published()
@@ -178,7 +178,7 @@ async fn runtime_with_store(
     }
     #[cfg(feature = "postgres")]
     {
-        let store = reprise::store::PostgresStore::connect(target)
+        let store = dacapo::store::PostgresStore::connect(target)
             .await?
             .node_id("modular-monolith");
         let pool = db::StorePool::Postgres(store.pool().clone());
@@ -190,7 +190,7 @@ async fn runtime_with_store(
     }
 }
 
-/// `--database TARGET`: a SQLite file path (default `reprise.db`) or a `postgres://` URL.
+/// `--database TARGET`: a SQLite file path (default `dacapo.db`) or a `postgres://` URL.
 fn database_target() -> String {
     let mut args = std::env::args().skip(1);
     while let Some(arg) = args.next() {
@@ -200,5 +200,5 @@ fn database_target() -> String {
             return target;
         }
     }
-    "reprise.db".to_owned()
+    "dacapo.db".to_owned()
 }

@@ -1,13 +1,13 @@
-use reprise_actors::{HandlerId, RegistryError};
+use dacapo_actors::{HandlerId, RegistryError};
 use uuid::Uuid;
 
-/// Errors of the reprise runtime.
+/// Errors of the dacapo runtime.
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum Error {
     /// The engine refused or failed an operation (shutting down, store failure, too large…).
     #[error(transparent)]
-    Engine(#[from] reprise_actors::Error),
+    Engine(#[from] dacapo_actors::Error),
     /// The handler registrations are inconsistent.
     #[error("invalid registration: {0}")]
     Registry(#[from] RegistryError),

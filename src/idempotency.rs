@@ -4,7 +4,7 @@
 //!
 //! ```no_run
 //! # async fn charge(pool: &sqlx::SqlitePool, message_id: uuid::Uuid) -> Result<(), Box<dyn std::error::Error>> {
-//! use reprise::idempotency;
+//! use dacapo::idempotency;
 //!
 //! let mut tx = pool.begin_with("BEGIN IMMEDIATE").await?;
 //! if !idempotency::record_key(&mut tx, &format!("charge:{}", message_id.simple())).await? {
@@ -21,7 +21,7 @@ use std::future::Future;
 use crate::Error;
 use crate::store::sql::millis;
 
-const RECORD_KEY: &str = "INSERT INTO reprise_idempotency_keys (key, recorded_at) VALUES ($1, $2) \
+const RECORD_KEY: &str = "INSERT INTO dacapo_idempotency_keys (key, recorded_at) VALUES ($1, $2) \
     ON CONFLICT (key) DO NOTHING";
 
 mod sealed {
@@ -53,7 +53,7 @@ macro_rules! key_transaction {
                     .bind(millis(chrono::Utc::now()))
                     .execute(&mut **self)
                     .await
-                    .map_err(reprise_actors::Error::store)?
+                    .map_err(dacapo_actors::Error::store)?
                     .rows_affected();
                 Ok(inserted == 1)
             }
@@ -69,7 +69,7 @@ macro_rules! key_transaction {
                     .bind($ids(ids)?)
                     .fetch_all(&mut **self)
                     .await
-                    .map_err(reprise_actors::Error::store)?;
+                    .map_err(dacapo_actors::Error::store)?;
                 Ok(rows)
             }
         }
@@ -83,7 +83,7 @@ key_transaction!(
     sqlx::Sqlite,
     lookup = "SELECT {column} FROM {table} WHERE {column} IN (SELECT value FROM json_each($1))",
     ids = |ids: &[String]| serde_json::to_string(ids)
-        .map_err(|e| Error::from(reprise_actors::Error::store(e)))
+        .map_err(|e| Error::from(dacapo_actors::Error::store(e)))
 );
 #[cfg(feature = "postgres")]
 key_transaction!(
@@ -92,7 +92,7 @@ key_transaction!(
     ids = |ids: &[String]| Ok::<_, Error>(ids.to_vec())
 );
 
-/// Records `key` in `tx` (in the store's `reprise_idempotency_keys`); `true` if it is new, so
+/// Records `key` in `tx` (in the store's `dacapo_idempotency_keys`); `true` if it is new, so
 /// the work should be done in the same transaction, `false` if it was recorded before.
 ///
 /// On PostgreSQL a concurrent transaction recording the same key waits for the first to
@@ -116,7 +116,7 @@ pub async fn record_key<T: KeyTransaction>(tx: &mut T, key: &str) -> Result<bool
 ///
 /// ```no_run
 /// # async fn queue(pool: &sqlx::SqlitePool, message_id: uuid::Uuid, webhooks: &[i64]) -> Result<(), Box<dyn std::error::Error>> {
-/// use reprise::{idempotency, ids};
+/// use dacapo::{idempotency, ids};
 ///
 /// let wanted: Vec<String> = webhooks
 ///     .iter()

@@ -7,7 +7,7 @@
 //! service computes with `new Guid(hash.AsSpan(0, 16)).ToString("N")`, so a mixed fleet agrees.
 //!
 //! ```
-//! use reprise::ids;
+//! use dacapo::ids;
 //! use uuid::Uuid;
 //!
 //! let message_id = Uuid::parse_str("0f8fad5b-d9cb-469f-a165-70867728950e").unwrap();

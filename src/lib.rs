@@ -20,13 +20,13 @@ pub mod testing;
 pub mod transaction;
 pub mod transport;
 
-pub use error::Error;
-pub use reprise_actors::Error as EngineError;
-pub use reprise_actors::ports;
-pub use reprise_actors::{
+pub use dacapo_actors::Error as EngineError;
+pub use dacapo_actors::ports;
+pub use dacapo_actors::{
     AggregateError, Conflicts, DeadLetter, DeadLetterReason, Deduplication, DeliveryReport,
     DiscardReason, Disposition, Envelope, FailureKind, Handler, HandlerError, HandlerFailure,
     HandlerId, Message, MessageContext, Module, Outcome, PendingRetry, RetryPolicy, RetryScope,
     SendOptions, ShutdownReport, StatsSnapshot, UnknownMessageTypes,
 };
+pub use error::Error;
 pub use runtime::{DeadLetters, Runtime, RuntimeBuilder};

@@ -2,8 +2,8 @@
 //! it announces. One commit: both land or neither does. The runtime's relay then publishes it.
 //!
 //! ```no_run
-//! # use reprise::prelude::*;
-//! use reprise::outbox::Outbox;
+//! # use dacapo::prelude::*;
+//! use dacapo::outbox::Outbox;
 //! # use serde::{Deserialize, Serialize};
 //! # #[derive(Serialize, Deserialize)] struct OrderPlaced { reference: String }
 //! # impl Message for OrderPlaced { const TYPE: &'static str = "orders.placed"; }
@@ -18,7 +18,7 @@
 
 use std::future::Future;
 
-use reprise_actors::{DeduplicationRules, Envelope, Message, SendOptions};
+use dacapo_actors::{DeduplicationRules, Envelope, Message, SendOptions};
 use uuid::Uuid;
 
 use crate::{Error, Runtime};
@@ -51,12 +51,12 @@ macro_rules! enlist_in {
                     .bind(millis(chrono::Utc::now()))
                     .execute(&mut **self)
                     .await
-                    .map_err(reprise_actors::Error::store)?;
+                    .map_err(dacapo_actors::Error::store)?;
                 Ok(())
             }
 
             async fn commit_now(self) -> Result<(), Error> {
-                self.commit().await.map_err(reprise_actors::Error::store)?;
+                self.commit().await.map_err(dacapo_actors::Error::store)?;
                 Ok(())
             }
         }
@@ -101,7 +101,7 @@ impl Outbox {
         message: &M,
         options: SendOptions,
     ) -> Result<Uuid, Error> {
-        let mut envelope = Envelope::for_message(message).map_err(reprise_actors::Error::from)?;
+        let mut envelope = Envelope::for_message(message).map_err(dacapo_actors::Error::from)?;
         options.apply(&mut envelope);
         // No runtime here: the message type's own declaration gives the logical id.
         DeduplicationRules::default().apply(message, &mut envelope);
@@ -114,7 +114,7 @@ impl Outbox {
 /// deduplication rules and size limit, and [`commit`](Self::commit) wakes its relay.
 ///
 /// ```no_run
-/// # use reprise::prelude::*;
+/// # use dacapo::prelude::*;
 /// # use serde::{Deserialize, Serialize};
 /// # #[derive(Serialize, Deserialize)] struct OrderPlaced { reference: String }
 /// # impl Message for OrderPlaced { const TYPE: &'static str = "orders.placed"; }

@@ -1,4 +1,4 @@
-//! What a module author needs, in one import: `use reprise::prelude::*;`.
+//! What a module author needs, in one import: `use dacapo::prelude::*;`.
 
 pub use crate::{
     Deduplication, Envelope, Handler, HandlerError, Message, MessageContext, Module, RetryPolicy,

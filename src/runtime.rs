@@ -7,24 +7,24 @@ use std::sync::Arc;
 use std::time::Duration;
 
 pub use builder::RuntimeBuilder;
-pub use dead_letters::DeadLetters;
-use reprise_actors::ports::{DeadLetterStore, Inbox, OutboxBacklog, OutboxStore};
-use reprise_actors::{
+use dacapo_actors::ports::{DeadLetterStore, Inbox, OutboxBacklog, OutboxStore};
+use dacapo_actors::{
     DeliveryReport, Engine, Envelope, Message, SendOptions, ShutdownReport, StatsSnapshot,
 };
+pub use dead_letters::DeadLetters;
 use tokio::sync::oneshot;
 use uuid::Uuid;
 
 use crate::Error;
 use crate::transport::InProcess;
 
-/// A running reprise runtime.
+/// A running dacapo runtime.
 ///
 /// Built with [`Runtime::builder`]; it owns the engine's threads until [`Runtime::shutdown`]
 /// (or drop, which stops them without draining).
 ///
 /// ```
-/// use reprise::prelude::*;
+/// use dacapo::prelude::*;
 /// # use serde::{Deserialize, Serialize};
 /// # #[derive(Serialize, Deserialize)] struct MemberRemoved { member_id: u64 }
 /// # impl Message for MemberRemoved { const TYPE: &'static str = "organization.member_removed"; }
@@ -37,7 +37,7 @@ use crate::transport::InProcess;
 /// }
 ///
 /// # #[tokio::main(flavor = "current_thread")]
-/// # async fn main() -> Result<(), reprise::Error> {
+/// # async fn main() -> Result<(), dacapo::Error> {
 /// let runtime = Runtime::builder()
 ///     .module(Module::new("workspaces").handle::<MemberRemoved, _>(RevokeAccess))
 ///     .build()?;
@@ -122,7 +122,7 @@ impl Runtime {
     pub async fn send<M: Message>(&self, message: &M) -> Result<Uuid, Error> {
         let envelope = self.envelope(message, SendOptions::default())?;
         if !self.engine.dispatcher().registry().handles(M::TYPE) {
-            return Err(reprise_actors::Error::NoRoute(Box::new(envelope)).into());
+            return Err(dacapo_actors::Error::NoRoute(Box::new(envelope)).into());
         }
         let id = envelope.id;
         self.transport.send(envelope, None).await?;
@@ -173,7 +173,7 @@ impl Runtime {
         message: &M,
         options: SendOptions,
     ) -> Result<Envelope, Error> {
-        let mut envelope = Envelope::for_message(message).map_err(reprise_actors::Error::from)?;
+        let mut envelope = Envelope::for_message(message).map_err(dacapo_actors::Error::from)?;
         options.apply(&mut envelope);
         self.engine
             .dispatcher()
@@ -181,7 +181,7 @@ impl Runtime {
             .apply(message, &mut envelope);
         let size = envelope.size();
         if size > self.max_envelope_size {
-            return Err(reprise_actors::Error::TooLarge {
+            return Err(dacapo_actors::Error::TooLarge {
                 envelope: Box::new(envelope),
                 size,
                 limit: self.max_envelope_size,

@@ -9,14 +9,14 @@
 //!
 //! ```
 //! use std::time::Duration;
-//! use reprise::prelude::*;
-//! use reprise::testing::{Fault, Recorder, TestHarness};
+//! use dacapo::prelude::*;
+//! use dacapo::testing::{Fault, Recorder, TestHarness};
 //! # use serde::{Deserialize, Serialize};
 //! # #[derive(Clone, Serialize, Deserialize)] struct MemberRemoved { member_id: u64 }
 //! # impl Message for MemberRemoved { const TYPE: &'static str = "organization.member_removed"; }
 //!
 //! # #[tokio::main(flavor = "current_thread")]
-//! # async fn main() -> Result<(), reprise::Error> {
+//! # async fn main() -> Result<(), dacapo::Error> {
 //! let calls = Recorder::<MemberRemoved>::new();
 //! let harness = TestHarness::builder()
 //!     .module(Module::new("webhooks").handle_named::<MemberRemoved, _>("queue", calls.clone()))

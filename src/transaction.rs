@@ -15,8 +15,8 @@
 //! the first one's completion record.
 //!
 //! ```no_run
-//! use reprise::prelude::*;
-//! use reprise::transaction::HandlerTransactions;
+//! use dacapo::prelude::*;
+//! use dacapo::transaction::HandlerTransactions;
 //! # use serde::{Deserialize, Serialize};
 //! # #[derive(Serialize, Deserialize)] struct OrderPlaced { order: String }
 //! # impl Message for OrderPlaced { const TYPE: &'static str = "orders.placed"; }
@@ -45,25 +45,25 @@ use std::collections::HashMap;
 use std::future::Future;
 use std::ops::{Deref, DerefMut};
 
-use reprise_actors::{Envelope, Message, MessageContext, SendOptions};
+use dacapo_actors::{Envelope, Message, MessageContext, SendOptions};
 use uuid::Uuid;
 
 use crate::Error;
 use crate::store::sql::{COMPLETE_CLAIM, ENLIST_ONCE, EnvelopeColumns, id_text, millis};
 
-pub(crate) const RECORD_COMPLETION: &str = "INSERT INTO reprise_handler_completions \
+pub(crate) const RECORD_COMPLETION: &str = "INSERT INTO dacapo_handler_completions \
     (envelope_id, handler, completed_at) VALUES ($1, $2, $3) \
     ON CONFLICT (envelope_id, handler) DO NOTHING";
 
 /// Completions older than the retention of envelopes neither unsettled in the inbox nor
 /// dead-lettered: no attempt can run them again. A dead letter keeps its completions, so that
 /// its replay does not redo the work its handlers committed.
-pub(crate) const DELETE_COMPLETIONS: &str = "DELETE FROM reprise_handler_completions \
+pub(crate) const DELETE_COMPLETIONS: &str = "DELETE FROM dacapo_handler_completions \
     WHERE (envelope_id, handler) IN (SELECT envelope_id, handler \
-    FROM reprise_handler_completions c WHERE completed_at < $1 \
-    AND NOT EXISTS (SELECT 1 FROM reprise_inbox i \
+    FROM dacapo_handler_completions c WHERE completed_at < $1 \
+    AND NOT EXISTS (SELECT 1 FROM dacapo_inbox i \
         WHERE i.id = c.envelope_id AND i.status <> 'handled') \
-    AND NOT EXISTS (SELECT 1 FROM reprise_dead_letters d WHERE d.id = c.envelope_id) \
+    AND NOT EXISTS (SELECT 1 FROM dacapo_dead_letters d WHERE d.id = c.envelope_id) \
     LIMIT $2)";
 
 mod sealed {
@@ -200,7 +200,7 @@ impl<DB: Backend> HandlerTransaction<DB> {
             .entry((envelope.message_type.to_string(), envelope.payload.clone()))
             .or_default();
         let mut name = format!(
-            "reprise.handler-outbox:{}:{}:{occurrence}:",
+            "dacapo.handler-outbox:{}:{}:{occurrence}:",
             self.handler, envelope.message_type
         )
         .into_bytes();
@@ -228,7 +228,7 @@ impl<DB: Backend> HandlerTransaction<DB> {
         self.tx
             .commit()
             .await
-            .map_err(reprise_actors::Error::store)?;
+            .map_err(dacapo_actors::Error::store)?;
         self.context.wake_outbox();
         Ok(())
     }
@@ -242,7 +242,7 @@ impl<DB: Backend> HandlerTransaction<DB> {
         self.tx
             .rollback()
             .await
-            .map_err(reprise_actors::Error::store)?;
+            .map_err(dacapo_actors::Error::store)?;
         Ok(())
     }
 }
@@ -257,13 +257,13 @@ macro_rules! backend {
             ) -> Result<Option<HandlerTransaction<Self>>, Error> {
                 let (Some(message_id), Some(handler)) = (context.message_id(), context.handler())
                 else {
-                    return Err(reprise_actors::Error::Detached.into());
+                    return Err(dacapo_actors::Error::Detached.into());
                 };
                 let store = context
                     .store()
                     .and_then(|store| store.downcast_ref::<$store>())
                     .ok_or_else(|| {
-                        reprise_actors::Error::store(concat!(
+                        dacapo_actors::Error::store(concat!(
                             "handler transactions on this database need the runtime's store to be a ",
                             stringify!($store)
                         ))
@@ -272,7 +272,7 @@ macro_rules! backend {
                     .pool()
                     .begin_with($begin)
                     .await
-                    .map_err(reprise_actors::Error::store)?;
+                    .map_err(dacapo_actors::Error::store)?;
                 let handler = handler.to_string();
                 let recorded = sqlx::query(RECORD_COMPLETION)
                     .bind(id_text(message_id))
@@ -280,12 +280,12 @@ macro_rules! backend {
                     .bind(millis(store.now()))
                     .execute(&mut *tx)
                     .await
-                    .map_err(reprise_actors::Error::store)?
+                    .map_err(dacapo_actors::Error::store)?
                     .rows_affected();
                 if recorded == 0 {
                     tracing::debug!(
                         messaging.message.id = %message_id,
-                        reprise.handler = %handler,
+                        dacapo.handler = %handler,
                         "handler transaction committed by an earlier attempt; not opened again"
                     );
                     return Ok(None);
@@ -307,7 +307,7 @@ macro_rules! backend {
                         .bind(&claim.envelope_id)
                         .execute(&mut *transaction.tx)
                         .await
-                        .map_err(reprise_actors::Error::store)?;
+                        .map_err(dacapo_actors::Error::store)?;
                 }
                 Ok(())
             }
@@ -321,7 +321,7 @@ macro_rules! backend {
                     .bind(millis(chrono::Utc::now()))
                     .execute(&mut *transaction.tx)
                     .await
-                    .map_err(reprise_actors::Error::store)?;
+                    .map_err(dacapo_actors::Error::store)?;
                 Ok(())
             }
         }

@@ -3,6 +3,6 @@
 mod in_process;
 mod listener;
 
+pub use dacapo_actors::Backoff;
 pub use in_process::InProcess;
 pub use listener::Listener;
-pub use reprise_actors::Backoff;

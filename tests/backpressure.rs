@@ -7,7 +7,7 @@ mod support;
 use std::sync::Arc;
 use std::time::Duration;
 
-use reprise::prelude::*;
+use dacapo::prelude::*;
 use support::{MemberRemoved, member_removed};
 use tokio::sync::Semaphore;
 

@@ -3,9 +3,9 @@
 #[path = "support/messages.rs"]
 mod support;
 
-use reprise::prelude::*;
-use reprise::testing::TestHarness;
-use reprise::{DeadLetterReason, DiscardReason, EngineError, Error, Outcome, UnknownMessageTypes};
+use dacapo::prelude::*;
+use dacapo::testing::TestHarness;
+use dacapo::{DeadLetterReason, DiscardReason, EngineError, Error, Outcome, UnknownMessageTypes};
 use support::{Counter, MemberRemoved, member_removed};
 
 fn harness_with(counter: &Counter) -> TestHarness {
@@ -192,7 +192,7 @@ fn two_rust_types_for_one_message_type_are_refused() {
 #[test]
 fn a_fault_for_an_unknown_handler_is_refused() {
     let result = TestHarness::builder()
-        .fault("nobody", "nothing", reprise::testing::Fault::always_fail())
+        .fault("nobody", "nothing", dacapo::testing::Fault::always_fail())
         .build();
     assert!(matches!(result, Err(Error::UnknownHandler(_))));
 }

@@ -1,4 +1,4 @@
-//! The `reprise` command-line tool against real SQLite files and a real PostgreSQL server.
+//! The `dacapo` command-line tool against real SQLite files and a real PostgreSQL server.
 #![cfg(all(feature = "cli", feature = "testing"))]
 
 #[path = "support/messages.rs"]
@@ -8,8 +8,8 @@ mod support_stores;
 
 use std::time::Duration;
 
-use reprise::prelude::*;
-use reprise::testing::Recorder;
+use dacapo::prelude::*;
+use dacapo::testing::Recorder;
 use support::{MemberRemoved, member_removed};
 
 const WAIT: Duration = Duration::from_secs(20);
@@ -23,10 +23,10 @@ impl Handler<MemberRemoved> for AlwaysFails {
 }
 
 /// Runs the tool; returns its standard output, or panics with its standard error.
-async fn reprise(args: &[&str]) -> String {
+async fn dacapo(args: &[&str]) -> String {
     let args: Vec<String> = args.iter().map(|a| (*a).to_owned()).collect();
     let output = tokio::task::spawn_blocking(move || {
-        std::process::Command::new(env!("CARGO_BIN_EXE_reprise"))
+        std::process::Command::new(env!("CARGO_BIN_EXE_dacapo"))
             .args(&args)
             .output()
     })
@@ -57,26 +57,26 @@ on_both_backends!(
         failing.shutdown().await;
         let url = db.url.clone();
 
-        let listed = reprise(&["dead-letters", "list", "--database", &url]).await;
+        let listed = dacapo(&["dead-letters", "list", "--database", &url]).await;
         assert!(listed.contains(&id.simple().to_string()), "{listed}");
         assert!(listed.contains("retries exhausted"), "{listed}");
 
         let json: serde_json::Value = serde_json::from_str(
-            &reprise(&["dead-letters", "list", "--database", &url, "--json"]).await,
+            &dacapo(&["dead-letters", "list", "--database", &url, "--json"]).await,
         )
         .unwrap();
         assert_eq!(json.as_array().unwrap().len(), 1);
         assert_eq!(json[0]["id"], id.to_string());
         assert_eq!(json[0]["attempts"], 1);
 
-        let shown = reprise(&["dead-letters", "show", &id.to_string(), "--database", &url]).await;
+        let shown = dacapo(&["dead-letters", "show", &id.to_string(), "--database", &url]).await;
         assert!(
             shown.contains("billing/charge failed: the downstream service is down"),
             "{shown}"
         );
         assert!(shown.contains("\"member_id\":7"), "{shown}");
 
-        reprise(&[
+        dacapo(&[
             "dead-letters",
             "replay",
             &id.to_string(),
@@ -84,7 +84,7 @@ on_both_backends!(
             &url,
         ])
         .await;
-        let purged = reprise(&["dead-letters", "purge", "--database", &url, "--json"]).await;
+        let purged = dacapo(&["dead-letters", "purge", "--database", &url, "--json"]).await;
         assert_eq!(
             serde_json::from_str::<serde_json::Value>(&purged).unwrap()["purged"],
             0
@@ -118,7 +118,7 @@ on_both_backends!(
 async fn an_unknown_id_is_a_clear_error() {
     let db = support_stores::TestDatabase::new(support_stores::Backend::Sqlite).await;
     let _ = db.sqlite().await;
-    let output = std::process::Command::new(env!("CARGO_BIN_EXE_reprise"))
+    let output = std::process::Command::new(env!("CARGO_BIN_EXE_dacapo"))
         .args([
             "dead-letters",
             "show",
@@ -149,10 +149,10 @@ on_both_backends!(
         tokio::time::timeout(WAIT, failing.idle()).await.unwrap();
         failing.shutdown().await;
         let url = db.url.clone();
-        let purged = reprise(&["dead-letters", "purge", "--database", &url]).await;
+        let purged = dacapo(&["dead-letters", "purge", "--database", &url]).await;
         assert_eq!(purged.trim(), "purged 2 dead letter(s)");
         assert_eq!(
-            reprise(&["dead-letters", "list", "--database", &url])
+            dacapo(&["dead-letters", "list", "--database", &url])
                 .await
                 .trim(),
             "no dead letters"

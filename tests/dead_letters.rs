@@ -3,9 +3,9 @@
 #[path = "support/messages.rs"]
 mod support;
 
-use reprise::prelude::*;
-use reprise::testing::{Fault, Recorder, TestHarness};
-use reprise::{DeadLetterReason, Error, Outcome};
+use dacapo::prelude::*;
+use dacapo::testing::{Fault, Recorder, TestHarness};
+use dacapo::{DeadLetterReason, Error, Outcome};
 use support::{MemberRemoved, member_removed};
 use uuid::Uuid;
 
@@ -146,7 +146,7 @@ async fn a_failed_replay_puts_the_dead_letter_back() {
         .unwrap_err();
 
     assert!(
-        matches!(error, Error::Engine(reprise::EngineError::ShuttingDown(_))),
+        matches!(error, Error::Engine(dacapo::EngineError::ShuttingDown(_))),
         "{error}"
     );
     assert!(

@@ -12,11 +12,11 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use chrono::{DateTime, Utc};
-use reprise::ports::{Claim, ClaimOutcome, Claims, Clock};
-use reprise::prelude::*;
-use reprise::store::MemoryClaims;
-use reprise::testing::{Fault, TestHarness};
-use reprise::{DeadLetterReason, FailureKind, Outcome};
+use dacapo::ports::{Claim, ClaimOutcome, Claims, Clock};
+use dacapo::prelude::*;
+use dacapo::store::MemoryClaims;
+use dacapo::testing::{Fault, TestHarness};
+use dacapo::{DeadLetterReason, FailureKind, Outcome};
 use serde::{Deserialize, Serialize};
 use support::{Counter, MemberRemoved};
 use support_claims::CountingClaims;
@@ -50,7 +50,7 @@ fn harness(module: Module) -> TestHarness {
         .unwrap()
 }
 
-use reprise::RuntimeBuilder;
+use dacapo::RuntimeBuilder;
 
 #[tokio::test]
 async fn a_duplicate_intent_within_the_window_never_reaches_the_handler() {
@@ -396,19 +396,19 @@ struct RecordedReaps {
 
 #[async_trait]
 impl Claims for RecordedReaps {
-    async fn provision(&self) -> Result<(), reprise::EngineError> {
+    async fn provision(&self) -> Result<(), dacapo::EngineError> {
         Ok(())
     }
-    async fn claim(&self, claim: &Claim) -> Result<ClaimOutcome, reprise::EngineError> {
+    async fn claim(&self, claim: &Claim) -> Result<ClaimOutcome, dacapo::EngineError> {
         self.inner.claim(claim).await
     }
-    async fn release(&self, claim: &Claim) -> Result<(), reprise::EngineError> {
+    async fn release(&self, claim: &Claim) -> Result<(), dacapo::EngineError> {
         self.inner.release(claim).await
     }
-    async fn complete(&self, claim: &Claim) -> Result<(), reprise::EngineError> {
+    async fn complete(&self, claim: &Claim) -> Result<(), dacapo::EngineError> {
         self.inner.complete(claim).await
     }
-    async fn reap(&self, now: DateTime<Utc>, limit: usize) -> Result<u64, reprise::EngineError> {
+    async fn reap(&self, now: DateTime<Utc>, limit: usize) -> Result<u64, dacapo::EngineError> {
         let removed = self.inner.reap(now, limit).await?;
         self.reaps.lock().unwrap().push((now, limit, removed));
         Ok(removed)
@@ -593,7 +593,7 @@ fn deduplicating_a_handler_the_module_does_not_have_is_refused() {
                 .deduplicate("rebiuld", Deduplication::from_envelope()),
         )
         .build();
-    let Err(reprise::Error::Registry(error)) = result else {
+    let Err(dacapo::Error::Registry(error)) = result else {
         panic!("expected a registry error")
     };
     assert_eq!(

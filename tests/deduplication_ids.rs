@@ -2,9 +2,9 @@
 //! order, then the message type's own declaration; nothing overwrites an id already set, and an
 //! empty result opts out.
 
-use reprise::RuntimeBuilder;
-use reprise::prelude::*;
-use reprise::testing::{Recorder, TestHarness};
+use dacapo::RuntimeBuilder;
+use dacapo::prelude::*;
+use dacapo::testing::{Recorder, TestHarness};
 use serde::{Deserialize, Serialize};
 
 /// Declares its own identity: the invoice number.

@@ -9,7 +9,7 @@
 //!   print(uuid.UUID(bytes_le=h[:16]).hex)' 0f8fad5b-d9cb-469f-a165-70867728950e 42
 //! ```
 
-use reprise::ids;
+use dacapo::ids;
 use uuid::Uuid;
 
 fn id(text: &str) -> Uuid {

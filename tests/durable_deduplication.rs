@@ -11,7 +11,7 @@ mod support_stores;
 
 use std::time::Duration;
 
-use reprise::prelude::*;
+use dacapo::prelude::*;
 use support::{Counter, MemberRemoved, member_removed};
 
 const WAIT: Duration = Duration::from_secs(20);
@@ -34,7 +34,7 @@ impl ManualClock {
     }
 }
 
-impl reprise::ports::Clock for ManualClock {
+impl dacapo::ports::Clock for ManualClock {
     fn now(&self) -> chrono::DateTime<chrono::Utc> {
         *self.0.lock().unwrap()
     }
@@ -63,8 +63,8 @@ on_both_backends!(
         runtime.publish(&member_removed()).await.unwrap();
         tokio::time::timeout(WAIT, runtime.idle()).await.unwrap();
         runtime.shutdown().await;
-        assert!(db.has_table("reprise_inbox").await);
-        assert!(!db.has_table("reprise_deduplication").await);
+        assert!(db.has_table("dacapo_inbox").await);
+        assert!(!db.has_table("dacapo_deduplication").await);
     }
 );
 
@@ -92,7 +92,7 @@ on_both_backends!(
         tokio::time::timeout(WAIT, first.idle()).await.unwrap();
         first.shutdown().await;
         assert!(
-            db.has_table("reprise_deduplication").await,
+            db.has_table("dacapo_deduplication").await,
             "enabling provisioned the table"
         );
 
@@ -108,19 +108,18 @@ on_both_backends!(
         tokio::time::timeout(WAIT, second.idle()).await.unwrap();
         assert_eq!(effects.count(), 2, "remove-7 once, remove-8 once");
         assert_eq!(
-            db.scalar("SELECT count(*) FROM reprise_deduplication")
-                .await,
+            db.scalar("SELECT count(*) FROM dacapo_deduplication").await,
             2
         );
         let (key, hash): (String, String) = match db.backend {
             support_stores::Backend::Sqlite => sqlx::query_as(
-                "SELECT key, key_hash FROM reprise_deduplication ORDER BY key LIMIT 1",
+                "SELECT key, key_hash FROM dacapo_deduplication ORDER BY key LIMIT 1",
             )
             .fetch_one(db.sqlite().await.pool())
             .await
             .unwrap(),
             support_stores::Backend::Postgres => sqlx::query_as(
-                "SELECT key, key_hash FROM reprise_deduplication ORDER BY key LIMIT 1",
+                "SELECT key, key_hash FROM dacapo_deduplication ORDER BY key LIMIT 1",
             )
             .fetch_one(db.postgres().await.pool())
             .await
@@ -222,17 +221,12 @@ on_both_backends!(
         }
         tokio::time::timeout(WAIT, reaping.idle()).await.unwrap();
         assert_eq!(
-            db.scalar("SELECT count(*) FROM reprise_deduplication")
-                .await,
+            db.scalar("SELECT count(*) FROM dacapo_deduplication").await,
             4
         );
         clock.advance(chrono::Duration::hours(3));
         tokio::time::timeout(WAIT, async {
-            while db
-                .scalar("SELECT count(*) FROM reprise_deduplication")
-                .await
-                > 0
-            {
+            while db.scalar("SELECT count(*) FROM dacapo_deduplication").await > 0 {
                 tokio::time::sleep(Duration::from_millis(50)).await;
             }
         })
@@ -405,8 +399,7 @@ on_both_backends!(
             "the retry reran every handler, and the one that had succeeded found its claim held"
         );
         assert_eq!(
-            db.scalar("SELECT count(*) FROM reprise_deduplication")
-                .await,
+            db.scalar("SELECT count(*) FROM dacapo_deduplication").await,
             2,
             "one claim per handler for the one logical id"
         );
@@ -417,7 +410,7 @@ on_both_backends!(
         tokio::time::timeout(WAIT, runtime.idle()).await.unwrap();
         assert_eq!((revoke.effects.count(), audit.count()), (1, 1));
         assert_eq!(
-            db.scalar("SELECT count(*) FROM reprise_dead_letters").await,
+            db.scalar("SELECT count(*) FROM dacapo_dead_letters").await,
             0
         );
         runtime.shutdown().await;
@@ -456,7 +449,7 @@ on_both_backends!(
             .unwrap();
         tokio::time::timeout(WAIT, runtime.idle()).await.unwrap();
         assert_eq!(
-            db.scalar("SELECT count(*) FROM reprise_dead_letters").await,
+            db.scalar("SELECT count(*) FROM dacapo_dead_letters").await,
             0,
             "the same payload again is a plain duplicate"
         );
@@ -470,7 +463,7 @@ on_both_backends!(
             .unwrap();
         tokio::time::timeout(WAIT, runtime.idle()).await.unwrap();
         assert_eq!(
-            db.scalar("SELECT count(*) FROM reprise_dead_letters").await,
+            db.scalar("SELECT count(*) FROM dacapo_dead_letters").await,
             1,
             "the strict handler dead-letters the conflict"
         );
@@ -505,7 +498,7 @@ on_both_backends!(
             .unwrap();
         tokio::time::timeout(WAIT, runtime.idle()).await.unwrap();
         assert_eq!(
-            db.scalar("SELECT count(*) FROM reprise_dead_letters").await,
+            db.scalar("SELECT count(*) FROM dacapo_dead_letters").await,
             1
         );
         // The intent was never carried out, so a new delivery of it must get through.

@@ -16,9 +16,9 @@ mod support_warnings;
 use std::sync::Arc;
 use std::time::Duration;
 
-use reprise::ports::Claims;
-use reprise::prelude::*;
-use reprise::{DeadLetterReason, DeliveryReport, Outcome};
+use dacapo::ports::Claims;
+use dacapo::prelude::*;
+use dacapo::{DeadLetterReason, DeliveryReport, Outcome};
 use serde::{Deserialize, Serialize};
 use support::Counter;
 use support_claims::CountingClaims;
@@ -130,10 +130,9 @@ on_both_backends!(
         );
         // The table is provisioned in the background at startup; whether or not it is there
         // yet, it holds no claim.
-        if db.has_table("reprise_deduplication").await {
+        if db.has_table("dacapo_deduplication").await {
             assert_eq!(
-                db.scalar("SELECT count(*) FROM reprise_deduplication")
-                    .await,
+                db.scalar("SELECT count(*) FROM dacapo_deduplication").await,
                 0
             );
         }
@@ -175,8 +174,7 @@ on_both_backends!(
         assert_eq!(effects.count(), 4, "the keyed duplicate was discarded");
         assert_eq!(runtime.stats().duplicate_intents, 1, "and counted");
         assert_eq!(
-            db.scalar("SELECT count(*) FROM reprise_deduplication")
-                .await,
+            db.scalar("SELECT count(*) FROM dacapo_deduplication").await,
             1
         );
         runtime.shutdown().await;
@@ -210,14 +208,13 @@ on_both_backends!(
         assert_eq!(runtime.stats().duplicate_intents, 1);
         assert_eq!(
             db.scalar(
-                "SELECT count(*) FROM reprise_deduplication WHERE handler = 'orders/create_order'"
+                "SELECT count(*) FROM dacapo_deduplication WHERE handler = 'orders/create_order'"
             )
             .await,
             1
         );
         assert_eq!(
-            db.scalar("SELECT count(*) FROM reprise_deduplication")
-                .await,
+            db.scalar("SELECT count(*) FROM dacapo_deduplication").await,
             1
         );
         runtime.shutdown().await;
@@ -286,7 +283,7 @@ on_both_backends!(
                 .is_handled()
         );
         assert_eq!(plain.count(), 1);
-        assert!(!db.has_table("reprise_deduplication").await);
+        assert!(!db.has_table("dacapo_deduplication").await);
         runtime.shutdown().await;
     }
 );
@@ -294,7 +291,7 @@ on_both_backends!(
 /// The deduplication id the durable inbox stored for envelope `id`.
 async fn stored_id(db: &TestDatabase, id: uuid::Uuid) -> Option<String> {
     db.value_for(
-        "SELECT deduplication_id FROM reprise_inbox WHERE id = $1",
+        "SELECT deduplication_id FROM dacapo_inbox WHERE id = $1",
         id.simple().to_string(),
     )
     .await
@@ -408,7 +405,7 @@ on_both_backends!(
         assert_eq!(by_header.count(), 1, "keyed on the header: h1 once");
         assert_eq!(
             db.scalar(
-                "SELECT count(*) FROM reprise_deduplication WHERE handler = 'projections/by_key'"
+                "SELECT count(*) FROM dacapo_deduplication WHERE handler = 'projections/by_key'"
             )
             .await,
             2

@@ -9,16 +9,16 @@ mod support_stores;
 
 use std::time::Duration;
 
-use reprise::prelude::*;
-use reprise::testing::Recorder;
-use reprise::{DeadLetterReason, DiscardReason, Outcome};
+use dacapo::prelude::*;
+use dacapo::testing::Recorder;
+use dacapo::{DeadLetterReason, DiscardReason, Outcome};
 use support::{MemberRemoved, member_removed};
 
 const WAIT: Duration = Duration::from_secs(20);
 
 async fn settled(
-    report: tokio::sync::oneshot::Receiver<reprise::DeliveryReport>,
-) -> reprise::DeliveryReport {
+    report: tokio::sync::oneshot::Receiver<dacapo::DeliveryReport>,
+) -> dacapo::DeliveryReport {
     tokio::time::timeout(WAIT, report)
         .await
         .expect("settles in time")
@@ -137,7 +137,7 @@ on_both_backends!(
     a_late_attempt_never_takes_a_handled_envelope_back_sqlite,
     a_late_attempt_never_takes_a_handled_envelope_back_postgres,
     |db| {
-        use reprise::ports::Receipt;
+        use dacapo::ports::Receipt;
         let inbox = db.sqlite_or_postgres_inbox().await;
         let envelope = Envelope::for_message(&member_removed()).unwrap();
         assert_eq!(inbox.receive(&envelope).await.unwrap(), Receipt::New);

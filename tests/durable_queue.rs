@@ -13,8 +13,8 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
-use reprise::prelude::*;
-use reprise::testing::Recorder;
+use dacapo::prelude::*;
+use dacapo::testing::Recorder;
 use support::{MemberRemoved, member_removed};
 use tokio::sync::Notify;
 
@@ -330,16 +330,16 @@ on_both_backends!(
         .expect("the first attempt failed and its retry was recorded");
         // During the cooldown another node recovers the delivery, as it does once this node's
         // heartbeat has expired (a long pause, a partition).
-        db.execute("UPDATE reprise_inbox SET owner = 'other', attempts = 5, status = 'incoming'")
+        db.execute("UPDATE dacapo_inbox SET owner = 'other', attempts = 5, status = 'incoming'")
             .await;
         let report = tokio::time::timeout(WAIT, report).await.unwrap().unwrap();
         assert_eq!(
             report.outcome,
-            reprise::Outcome::Discarded(reprise::DiscardReason::OwnedElsewhere)
+            dacapo::Outcome::Discarded(dacapo::DiscardReason::OwnedElsewhere)
         );
         assert_eq!(calls.0.load(Ordering::SeqCst), 1, "no second attempt here");
         assert_eq!(
-            db.scalar("SELECT count(*) FROM reprise_inbox WHERE owner = 'other' AND attempts = 5 AND status = 'incoming'")
+            db.scalar("SELECT count(*) FROM dacapo_inbox WHERE owner = 'other' AND attempts = 5 AND status = 'incoming'")
                 .await,
             1,
             "the new owner's state is left as it wrote it"

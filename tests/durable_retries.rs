@@ -12,8 +12,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use chrono::Utc;
-use reprise::prelude::*;
-use reprise::testing::Recorder;
+use dacapo::prelude::*;
+use dacapo::testing::Recorder;
 use support::{MemberRemoved, member_removed};
 use tokio::sync::{Notify, oneshot};
 

@@ -18,10 +18,10 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
-use reprise::idempotency;
-use reprise::prelude::*;
-use reprise::store::{PostgresStore, SqliteStore};
-use reprise::testing::Recorder;
+use dacapo::idempotency;
+use dacapo::prelude::*;
+use dacapo::store::{PostgresStore, SqliteStore};
+use dacapo::testing::Recorder;
 use serde::{Deserialize, Serialize};
 use support::WebhookQueued;
 
@@ -203,7 +203,7 @@ async fn runtime(
         .unwrap()
 }
 
-async fn settle(runtime: &Runtime, event: &MemberRenamed) -> reprise::DeliveryReport {
+async fn settle(runtime: &Runtime, event: &MemberRenamed) -> dacapo::DeliveryReport {
     let envelope = runtime.envelope(event, SendOptions::default()).unwrap();
     let report = runtime.receive_tracked(envelope).await.unwrap();
     let report = tokio::time::timeout(WAIT, report).await.unwrap().unwrap();
@@ -291,7 +291,7 @@ async fn the_patterns_refuse_a_message_without_an_id() {
             .unwrap_err();
         assert_eq!(
             error.disposition(),
-            reprise::Disposition::Permanent,
+            dacapo::Disposition::Permanent,
             "{pattern:?}"
         );
         assert!(error.to_string().contains("needs a message id"), "{error}");
@@ -311,14 +311,14 @@ async fn missing_ids_refuses_names_that_are_not_identifiers() {
             .await
             .unwrap_err();
         assert!(
-            matches!(&error, reprise::Error::InvalidIdentifier(name) if name == bad),
+            matches!(&error, dacapo::Error::InvalidIdentifier(name) if name == bad),
             "{error}"
         );
     }
     let error = idempotency::missing_ids(&mut tx, "deliveries", "id)", &ids)
         .await
         .unwrap_err();
-    assert!(matches!(error, reprise::Error::InvalidIdentifier(_)));
+    assert!(matches!(error, dacapo::Error::InvalidIdentifier(_)));
     tx.rollback().await.unwrap();
     assert!(db.has_table("audit").await);
 }

@@ -13,11 +13,11 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use reprise::Envelope;
-use reprise::prelude::*;
-use reprise::testing::Recorder;
-use reprise::transaction::HandlerTransactions;
-use reprise::{DeadLetterReason, RetryScope};
+use dacapo::Envelope;
+use dacapo::prelude::*;
+use dacapo::testing::Recorder;
+use dacapo::transaction::HandlerTransactions;
+use dacapo::{DeadLetterReason, RetryScope};
 use support::{MemberRemoved, WebhookQueued, member_removed};
 use support_stores::Backend;
 
@@ -56,7 +56,7 @@ impl Ledger {
     }
 }
 
-const CLAIM_COMPLETED: &str = "SELECT completed FROM reprise_deduplication";
+const CLAIM_COMPLETED: &str = "SELECT completed FROM dacapo_deduplication";
 
 macro_rules! ledger_work {
     ($self:ident, $ctx:ident, $db:ty) => {{
@@ -64,7 +64,7 @@ macro_rules! ledger_work {
             return Ok(());
         };
         $self.opened.fetch_add(1, Ordering::SeqCst);
-        let entry = reprise::ids::derive(tx.message_id(), "ledger");
+        let entry = dacapo::ids::derive(tx.message_id(), "ledger");
         sqlx::query("INSERT INTO ledger (entry) VALUES ($1)")
             .bind(&entry)
             .execute(&mut **tx)
@@ -77,11 +77,11 @@ macro_rules! ledger_work {
         tx.commit().await?;
         if $ctx.deduplication_claim().is_some() {
             let store = $ctx.store().and_then(|s| {
-                s.downcast_ref::<reprise::store::SqliteStore>()
+                s.downcast_ref::<dacapo::store::SqliteStore>()
                     .map(|s| s.pool().clone())
                     .map(either::Sqlite)
                     .or_else(|| {
-                        s.downcast_ref::<reprise::store::PostgresStore>()
+                        s.downcast_ref::<dacapo::store::PostgresStore>()
                             .map(|s| either::Postgres(s.pool().clone()))
                     })
             });
@@ -128,7 +128,7 @@ impl Handler<MemberRemoved> for Ledger {
 }
 
 /// Publishes a `MemberRemoved` and waits until its delivery settles.
-async fn tracked(runtime: &Runtime) -> reprise::DeliveryReport {
+async fn tracked(runtime: &Runtime) -> dacapo::DeliveryReport {
     let envelope = runtime
         .envelope(&member_removed(), SendOptions::default())
         .unwrap();
@@ -185,18 +185,18 @@ async fn run_ledger(
         opened: ledger.opened.load(Ordering::SeqCst),
         ledger_rows: db.scalar("SELECT count(*) FROM ledger").await,
         completions: db
-            .scalar("SELECT count(*) FROM reprise_handler_completions")
+            .scalar("SELECT count(*) FROM dacapo_handler_completions")
             .await,
         published: queued.count(),
         attempts: report.attempts,
         ruled: db
-            .scalar("SELECT count(*) FROM reprise_outbox WHERE deduplication_id LIKE 'rule:%'")
+            .scalar("SELECT count(*) FROM dacapo_outbox WHERE deduplication_id LIKE 'rule:%'")
             .await,
     };
     runtime.shutdown().await;
-    db.execute("DELETE FROM reprise_handler_completions").await;
-    db.execute("DELETE FROM reprise_inbox").await;
-    db.execute("DELETE FROM reprise_outbox").await;
+    db.execute("DELETE FROM dacapo_handler_completions").await;
+    db.execute("DELETE FROM dacapo_inbox").await;
+    db.execute("DELETE FROM dacapo_outbox").await;
     outcome
 }
 
@@ -299,7 +299,7 @@ on_both_backends!(
             "the retry after the commit finds the claim completed, and so does the duplicate"
         );
         assert_eq!(
-            db.scalar("SELECT count(*) FROM reprise_deduplication WHERE completed = 1")
+            db.scalar("SELECT count(*) FROM dacapo_deduplication WHERE completed = 1")
                 .await,
             1
         );
@@ -350,10 +350,7 @@ async fn a_detached_context_opens_no_transaction() {
         .await
         .unwrap_err();
     assert!(
-        matches!(
-            error,
-            reprise::Error::Engine(reprise::EngineError::Detached)
-        ),
+        matches!(error, dacapo::Error::Engine(dacapo::EngineError::Detached)),
         "{error}"
     );
 }
@@ -364,7 +361,7 @@ async fn completion(
     envelope: uuid::Uuid,
     age: chrono::Duration,
 ) {
-    let sql = "INSERT INTO reprise_handler_completions (envelope_id, handler, completed_at) \
+    let sql = "INSERT INTO dacapo_handler_completions (envelope_id, handler, completed_at) \
                VALUES ($1, 'm/h', $2)";
     let (id, at) = (
         envelope.simple().to_string(),
@@ -394,7 +391,7 @@ on_both_backends!(
     completions_leave_with_their_settled_envelope_but_stay_while_it_may_run_again_sqlite,
     completions_leave_with_their_settled_envelope_but_stay_while_it_may_run_again_postgres,
     |db| {
-        use reprise::ports::{DeadLetterStore, Inbox};
+        use dacapo::ports::{DeadLetterStore, Inbox};
         let store: (Box<dyn Inbox>, Box<dyn DeadLetterStore>) = match db.backend {
             Backend::Sqlite => (Box::new(db.sqlite().await), Box::new(db.sqlite().await)),
             Backend::Postgres => (Box::new(db.postgres().await), Box::new(db.postgres().await)),
@@ -419,7 +416,7 @@ on_both_backends!(
         let dead = envelope();
         let now = chrono::Utc::now();
         dead_letters
-            .put(reprise::DeadLetter::failed(
+            .put(dacapo::DeadLetter::failed(
                 dead.clone(),
                 DeadLetterReason::RetriesExhausted,
                 Vec::new(),
@@ -440,7 +437,7 @@ on_both_backends!(
         assert_eq!(removed, 1);
         let left = |id: uuid::Uuid| {
             db.value_for::<i64>(
-                "SELECT count(*) FROM reprise_handler_completions WHERE envelope_id = $1",
+                "SELECT count(*) FROM dacapo_handler_completions WHERE envelope_id = $1",
                 id.simple().to_string(),
             )
         };

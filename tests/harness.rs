@@ -7,10 +7,10 @@ mod support;
 use std::sync::Arc;
 use std::time::Duration;
 
-use reprise::ports::DeadLetterStore;
-use reprise::prelude::*;
-use reprise::testing::{Fault, Recorder, TestHarness};
-use reprise::{
+use dacapo::ports::DeadLetterStore;
+use dacapo::prelude::*;
+use dacapo::testing::{Fault, Recorder, TestHarness};
+use dacapo::{
     DeadLetter, DeadLetterReason, DiscardReason, EngineError, Error, FailureKind, Outcome,
 };
 use support::{Counter, MemberRemoved, member_removed};

@@ -7,7 +7,7 @@ mod support_stores;
 
 use std::time::Duration;
 
-use reprise::idempotency;
+use dacapo::idempotency;
 use support_stores::{Backend, TestDatabase};
 
 async fn record_twice_sequentially(db: &TestDatabase) -> (bool, bool, bool) {

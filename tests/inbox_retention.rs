@@ -8,11 +8,11 @@ use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use chrono::{DateTime, Utc};
-use reprise::ports::{Clock, Inbox, Receipt};
-use reprise::prelude::*;
-use reprise::store::MemoryInbox;
-use reprise::testing::TestHarness;
-use reprise::{DiscardReason, Outcome};
+use dacapo::ports::{Clock, Inbox, Receipt};
+use dacapo::prelude::*;
+use dacapo::store::MemoryInbox;
+use dacapo::testing::TestHarness;
+use dacapo::{DiscardReason, Outcome};
 use support::{Counter, MemberRemoved, member_removed};
 
 #[derive(Clone)]

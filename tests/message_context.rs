@@ -5,9 +5,9 @@ mod support;
 
 use std::sync::{Arc, Mutex};
 
-use reprise::prelude::*;
-use reprise::testing::{Fault, Recorder, TestHarness};
-use reprise::{EngineError, Outcome};
+use dacapo::prelude::*;
+use dacapo::testing::{Fault, Recorder, TestHarness};
+use dacapo::{EngineError, Outcome};
 use support::{MemberRemoved, WebhookQueued, member_removed};
 use uuid::Uuid;
 

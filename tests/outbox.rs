@@ -13,9 +13,9 @@ mod support_warnings;
 use std::sync::Arc;
 use std::time::Duration;
 
-use reprise::Envelope;
-use reprise::prelude::*;
-use reprise::testing::Recorder;
+use dacapo::Envelope;
+use dacapo::prelude::*;
+use dacapo::testing::Recorder;
 use support::MemberRemoved;
 
 const WAIT: Duration = Duration::from_secs(20);
@@ -65,7 +65,7 @@ on_both_backends!(
             "in commit order, and the rolled-back one never"
         );
         assert_eq!(
-            db.scalar("SELECT count(*) FROM reprise_outbox WHERE published_at IS NULL")
+            db.scalar("SELECT count(*) FROM dacapo_outbox WHERE published_at IS NULL")
                 .await,
             0
         );
@@ -97,7 +97,7 @@ on_both_backends!(
         // The relay finds the row unpublished and publishes the same envelope again.
         tokio::time::timeout(WAIT, async {
             while db
-                .scalar("SELECT count(*) FROM reprise_outbox WHERE published_at IS NULL")
+                .scalar("SELECT count(*) FROM dacapo_outbox WHERE published_at IS NULL")
                 .await
                 > 0
             {
@@ -193,12 +193,12 @@ on_both_backends!(
         tokio::time::timeout(WAIT, runtime.idle()).await.unwrap();
         assert_eq!(sent.calls()[0].message.delivery_id, "member-9");
         assert_eq!(
-            db.scalar("SELECT count(*) FROM reprise_outbox").await,
+            db.scalar("SELECT count(*) FROM dacapo_outbox").await,
             1,
             "it went through the outbox"
         );
         assert_eq!(
-            db.scalar("SELECT count(*) FROM reprise_outbox WHERE published_at IS NULL")
+            db.scalar("SELECT count(*) FROM dacapo_outbox WHERE published_at IS NULL")
                 .await,
             0
         );
@@ -241,7 +241,7 @@ on_both_backends!(
         let backlog = runtime.outbox_backlog().await.unwrap().unwrap();
         assert_eq!((backlog.depth, backlog.oldest_enlisted_at), (0, None));
         tokio::time::timeout(WAIT, async {
-            while db.scalar("SELECT count(*) FROM reprise_outbox").await > 0 {
+            while db.scalar("SELECT count(*) FROM dacapo_outbox").await > 0 {
                 tokio::time::sleep(Duration::from_millis(50)).await;
             }
         })
@@ -322,7 +322,7 @@ async fn postgres_wakes_the_relay_for_enlists_made_elsewhere() {
         while db
             .scalar(
                 "SELECT count(*) FROM pg_stat_activity \
-                 WHERE datname = current_database() AND query LIKE 'LISTEN %reprise_outbox%'",
+                 WHERE datname = current_database() AND query LIKE 'LISTEN %dacapo_outbox%'",
             )
             .await
             == 0
@@ -352,7 +352,7 @@ on_both_backends!(
         db.outbox_transaction(&rows, true).await;
         // Another node holds the relay lease and never publishes: the backlog only ages.
         db.execute(
-            "INSERT INTO reprise_outbox_lease (id, owner, expires_at) \
+            "INSERT INTO dacapo_outbox_lease (id, owner, expires_at) \
              VALUES (1, 'stuck-elsewhere', 9000000000000000)",
         )
         .await;
@@ -400,18 +400,18 @@ on_both_backends!(
 
 /// The store's outbox, counting lease requests and the enlist signals the store gives.
 struct Counting {
-    inner: Box<dyn reprise::ports::OutboxStore>,
+    inner: Box<dyn dacapo::ports::OutboxStore>,
     leases: Arc<std::sync::atomic::AtomicUsize>,
     signals: Arc<std::sync::atomic::AtomicUsize>,
 }
 
 #[async_trait::async_trait]
-impl reprise::ports::OutboxStore for Counting {
+impl dacapo::ports::OutboxStore for Counting {
     async fn lease(
         &self,
         now: chrono::DateTime<chrono::Utc>,
         until: chrono::DateTime<chrono::Utc>,
-    ) -> Result<bool, reprise::EngineError> {
+    ) -> Result<bool, dacapo::EngineError> {
         self.leases
             .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
         self.inner.lease(now, until).await
@@ -420,29 +420,29 @@ impl reprise::ports::OutboxStore for Counting {
         &self,
         after: i64,
         limit: usize,
-    ) -> Result<Vec<(i64, Envelope)>, reprise::EngineError> {
+    ) -> Result<Vec<(i64, Envelope)>, dacapo::EngineError> {
         self.inner.unpublished(after, limit).await
     }
-    async fn backlog(&self) -> Result<reprise::ports::OutboxBacklog, reprise::EngineError> {
+    async fn backlog(&self) -> Result<dacapo::ports::OutboxBacklog, dacapo::EngineError> {
         self.inner.backlog().await
     }
     async fn delete_published_before(
         &self,
         before: chrono::DateTime<chrono::Utc>,
         limit: usize,
-    ) -> Result<u64, reprise::EngineError> {
+    ) -> Result<u64, dacapo::EngineError> {
         self.inner.delete_published_before(before, limit).await
     }
     async fn mark_published(
         &self,
         positions: &[i64],
         at: chrono::DateTime<chrono::Utc>,
-    ) -> Result<(), reprise::EngineError> {
+    ) -> Result<(), dacapo::EngineError> {
         self.inner.mark_published(positions, at).await
     }
     fn enlisted(
         &self,
-    ) -> Option<futures::stream::BoxStream<'static, Result<(), reprise::EngineError>>> {
+    ) -> Option<futures::stream::BoxStream<'static, Result<(), dacapo::EngineError>>> {
         use futures::StreamExt;
         let signals = Arc::clone(&self.signals);
         let stream = self.inner.enlisted()?;
@@ -461,7 +461,7 @@ async fn a_relay_without_the_lease_does_not_contend_for_it_on_every_wake() {
     use std::sync::atomic::{AtomicUsize, Ordering};
     let db = support_stores::TestDatabase::new(support_stores::Backend::Postgres).await;
     db.execute(
-        "INSERT INTO reprise_outbox_lease (id, owner, expires_at) \
+        "INSERT INTO dacapo_outbox_lease (id, owner, expires_at) \
          VALUES (1, 'relaying-elsewhere', 9000000000000000)",
     )
     .await;
@@ -484,7 +484,7 @@ async fn a_relay_without_the_lease_does_not_contend_for_it_on_every_wake() {
             || db
                 .scalar(
                     "SELECT count(*) FROM pg_stat_activity \
-                     WHERE datname = current_database() AND query LIKE 'LISTEN %reprise_outbox%'",
+                     WHERE datname = current_database() AND query LIKE 'LISTEN %dacapo_outbox%'",
                 )
                 .await
                 == 0

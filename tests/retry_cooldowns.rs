@@ -3,9 +3,9 @@
 #[path = "support/messages.rs"]
 mod support;
 
-use reprise::prelude::*;
-use reprise::testing::{Fault, Recorder, TestHarness};
-use reprise::{DeadLetterReason, FailureKind, Outcome};
+use dacapo::prelude::*;
+use dacapo::testing::{Fault, Recorder, TestHarness};
+use dacapo::{DeadLetterReason, FailureKind, Outcome};
 use support::{Counter, MemberRemoved, member_removed, secs};
 
 #[tokio::test]

@@ -5,9 +5,9 @@ mod support;
 
 use std::time::Duration;
 
-use reprise::prelude::*;
-use reprise::testing::{Fault, TestHarness};
-use reprise::{DeadLetterReason, Outcome};
+use dacapo::prelude::*;
+use dacapo::testing::{Fault, TestHarness};
+use dacapo::{DeadLetterReason, Outcome};
 use support::{Counter, MemberRemoved, WebhookQueued, member_removed, secs};
 
 #[test]

@@ -9,9 +9,9 @@ mod support_stores;
 
 use std::time::Duration;
 
-use reprise::RetryScope;
-use reprise::prelude::*;
-use reprise::testing::{Fault, Recorder, TestHarness};
+use dacapo::RetryScope;
+use dacapo::prelude::*;
+use dacapo::testing::{Fault, Recorder, TestHarness};
 use support::{Counter, MemberRemoved, member_removed};
 
 async fn runs_of_the_healthy_handler(scope: RetryScope) -> (usize, u32) {

@@ -12,9 +12,9 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
-use reprise::prelude::*;
-use reprise::store::PostgresStore;
-use reprise::{EngineError, Error};
+use dacapo::prelude::*;
+use dacapo::store::PostgresStore;
+use dacapo::{EngineError, Error};
 use support::{MemberRemoved, member_removed};
 use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::{Notify, Semaphore};
@@ -159,7 +159,7 @@ async fn an_unreachable_database_loses_nothing_and_handling_resumes_by_itself() 
 
 #[test]
 fn the_listener_backoff_doubles_up_to_its_cap_and_never_overflows() {
-    use reprise::transport::Backoff;
+    use dacapo::transport::Backoff;
     let backoff = Backoff::new(Duration::from_millis(50), Duration::from_secs(1));
     let pauses: Vec<u64> = (1..=7)
         .map(|failures| backoff.pause(failures).as_millis() as u64)
@@ -174,13 +174,13 @@ fn the_listener_backoff_doubles_up_to_its_cap_and_never_overflows() {
 async fn a_listener_pauses_with_backoff_acks_nothing_unpersisted_and_resumes_by_itself() {
     let db = support_stores::TestDatabase::new(support_stores::Backend::Postgres).await;
     let (proxy, pool) = proxied(&db, Duration::from_secs(1)).await;
-    let handled = reprise::testing::Recorder::<MemberRemoved>::new();
+    let handled = dacapo::testing::Recorder::<MemberRemoved>::new();
     let runtime = Runtime::builder()
         .store(PostgresStore::with_pool(pool).await.unwrap())
         .module(Module::new("m").handle_named::<MemberRemoved, _>("h", handled.clone()))
         .build()
         .unwrap();
-    let listener = runtime.listener().backoff(reprise::transport::Backoff::new(
+    let listener = runtime.listener().backoff(dacapo::transport::Backoff::new(
         Duration::from_millis(20),
         Duration::from_millis(200),
     ));

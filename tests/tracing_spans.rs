@@ -6,8 +6,8 @@ mod support;
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
-use reprise::prelude::*;
-use reprise::testing::{Fault, Recorder, TestHarness};
+use dacapo::prelude::*;
+use dacapo::testing::{Fault, Recorder, TestHarness};
 use support::{MemberRemoved, member_removed};
 use tracing::field::{Field, Visit};
 use tracing::span::{Attributes, Id, Record};
@@ -85,7 +85,7 @@ async fn each_delivery_has_a_root_span_and_each_handler_a_child_span() {
     let roots: Vec<(&u64, &SpanData)> = spans
         .iter()
         .filter(|(_, s)| {
-            s.name == "reprise.delivery" && s.fields.get("messaging.message.id") == Some(&id)
+            s.name == "dacapo.delivery" && s.fields.get("messaging.message.id") == Some(&id)
         })
         .collect();
     assert_eq!(
@@ -96,22 +96,22 @@ async fn each_delivery_has_a_root_span_and_each_handler_a_child_span() {
     let (root_id, root) = roots[0];
     assert_eq!(root.parent, None);
     assert_eq!(
-        root.fields["reprise.message_type"],
+        root.fields["dacapo.message_type"],
         "organization.member_removed"
     );
     assert_eq!(
-        root.fields["reprise.attempt"], "2",
+        root.fields["dacapo.attempt"], "2",
         "the root span records the current attempt"
     );
 
     let mut handlers: Vec<(String, String, String)> = spans
         .values()
-        .filter(|s| s.name == "reprise.handler" && s.parent == Some(*root_id))
+        .filter(|s| s.name == "dacapo.handler" && s.parent == Some(*root_id))
         .map(|s| {
             (
-                s.fields["reprise.module"].clone(),
-                s.fields["reprise.handler"].clone(),
-                s.fields["reprise.attempt"].clone(),
+                s.fields["dacapo.module"].clone(),
+                s.fields["dacapo.handler"].clone(),
+                s.fields["dacapo.attempt"].clone(),
             )
         })
         .collect();

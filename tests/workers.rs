@@ -9,7 +9,7 @@ use std::sync::{Arc, Mutex};
 use std::thread::ThreadId;
 use std::time::Duration;
 
-use reprise::prelude::*;
+use dacapo::prelude::*;
 use support::{Counter, MemberRemoved};
 
 #[derive(Clone, Default)]

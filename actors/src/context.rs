@@ -135,7 +135,7 @@ impl actix::Handler<Cascade> for ContextActor {
         };
         let occurrence = self.cascaded.iter().filter(same).count();
         let mut name = format!(
-            "reprise.cascade:{}/{}:{}:{occurrence}:",
+            "dacapo.cascade:{}/{}:{}:{occurrence}:",
             handler.module, handler.name, envelope.message_type
         )
         .into_bytes();
@@ -250,7 +250,7 @@ impl MessageContext {
         self.scope.as_ref().and_then(|a| a.claim.as_deref())
     }
 
-    /// The runtime's store (a `reprise::SqliteStore`, a `reprise::PostgresStore`, …), for
+    /// The runtime's store (a `dacapo::SqliteStore`, a `dacapo::PostgresStore`, …), for
     /// adapters that open a transaction on it; `None` outside a consumer or without a store.
     pub fn store(&self) -> Option<&(dyn std::any::Any + Send + Sync)> {
         self.scope
@@ -371,7 +371,7 @@ impl MessageContext {
 /// Per-send settings: deduplication id, headers, correlation id.
 ///
 /// ```
-/// use reprise_actors::SendOptions;
+/// use dacapo_actors::SendOptions;
 ///
 /// let options = SendOptions::new()
 ///     .deduplication_id("rebuild|2026-11-30T03:00:00Z")

@@ -32,7 +32,7 @@ pub enum Conflicts {
 /// deduplicating the same message do not take each other's claim.
 ///
 /// ```
-/// use reprise_actors::Deduplication;
+/// use dacapo_actors::Deduplication;
 ///
 /// // The envelope's deduplication id, required (the default).
 /// let strict = Deduplication::from_envelope();

@@ -108,7 +108,7 @@ impl Worker {
             counters.bump(Counter::Deduplicated);
             tracing::info!(
                 messaging.message.id = %envelope.id,
-                reprise.message_type = %envelope.message_type,
+                dacapo.message_type = %envelope.message_type,
                 "duplicate envelope discarded"
             );
             if let Some(reply) = reply {

@@ -169,7 +169,7 @@ impl Engine {
         let (ready_tx, ready_rx) = std::sync::mpsc::channel();
         let (stopped_tx, stopped_rx) = oneshot::channel();
         std::thread::Builder::new()
-            .name("reprise-engine".into())
+            .name("dacapo-engine".into())
             .spawn(move || {
                 let runner = System::with_tokio_rt(move || runtime);
                 let workers: Vec<Arbiter> = (0..config.workers).map(|_| Arbiter::new()).collect();

@@ -14,7 +14,7 @@ use crate::{Message, MessageContext};
 /// [`MessageContext::message_id`], or record an idempotency key in its own transaction.
 ///
 /// ```
-/// use reprise_actors::{Handler, HandlerError, Message, MessageContext};
+/// use dacapo_actors::{Handler, HandlerError, Message, MessageContext};
 /// # use serde::{Deserialize, Serialize};
 /// # #[derive(Serialize, Deserialize)] struct MemberRemoved { member_id: u64 }
 /// # impl Message for MemberRemoved { const TYPE: &'static str = "organization.member_removed"; }

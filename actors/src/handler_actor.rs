@@ -129,12 +129,12 @@ impl HandlerActor {
                     format!("deduplication claim failed: {error}"),
                 )),
                 Ok(ClaimOutcome::Completed) => {
-                    tracing::debug!(parent: &span, reprise.deduplication_id = %claim.key, "an earlier attempt completed this handler's work");
+                    tracing::debug!(parent: &span, dacapo.deduplication_id = %claim.key, "an earlier attempt completed this handler's work");
                     None
                 }
                 Ok(ClaimOutcome::Held { same_payload: true }) => {
                     count_duplicate();
-                    tracing::info!(parent: &span, reprise.deduplication_id = %claim.key, "duplicate intent discarded");
+                    tracing::info!(parent: &span, dacapo.deduplication_id = %claim.key, "duplicate intent discarded");
                     None
                 }
                 Ok(ClaimOutcome::Held {
@@ -145,7 +145,7 @@ impl HandlerActor {
                     }
                     tracing::warn!(
                         parent: &span,
-                        reprise.deduplication_id = %claim.key,
+                        dacapo.deduplication_id = %claim.key,
                         "deduplication id already claimed by a message with a different payload"
                     );
                     (conflicts == Conflicts::DeadLetter).then(|| {

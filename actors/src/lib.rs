@@ -1,6 +1,6 @@
-//! The actors of [reprise](https://docs.rs/reprise) and the vocabulary they speak.
+//! The actors of [dacapo](https://docs.rs/dacapo) and the vocabulary they speak.
 //!
-//! Applications depend on `reprise`, which re-exports what they need; this crate holds every
+//! Applications depend on `dacapo`, which re-exports what they need; this crate holds every
 //! actix actor ([`DeliverySupervisor`], [`HandlerActor`], [`ContextActor`], [`TimerActor`]),
 //! the types they exchange, and the [ports](ports) through which they reach storage and the
 //! clock. It knows no database, broker or socket.

@@ -8,7 +8,7 @@ use serde::de::DeserializeOwned;
 /// Rust type is renamed or moved.
 ///
 /// ```
-/// use reprise_actors::Message;
+/// use dacapo_actors::Message;
 /// use serde::{Deserialize, Serialize};
 ///
 /// #[derive(Serialize, Deserialize)]

@@ -81,7 +81,7 @@ impl std::fmt::Debug for HandlerEntry {
 /// every delivery of it.
 ///
 /// ```
-/// use reprise_actors::{Handler, HandlerError, Message, MessageContext, Module, RetryPolicy};
+/// use dacapo_actors::{Handler, HandlerError, Message, MessageContext, Module, RetryPolicy};
 /// # use serde::{Deserialize, Serialize};
 /// # #[derive(Serialize, Deserialize)] struct MemberRemoved { member_id: u64 }
 /// # impl Message for MemberRemoved { const TYPE: &'static str = "organization.member_removed"; }

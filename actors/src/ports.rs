@@ -1,6 +1,6 @@
 //! The traits through which the actors reach storage and the clock.
 //!
-//! Adapters live in the `reprise` crate; the actors only ever see these traits.
+//! Adapters live in the `dacapo` crate; the actors only ever see these traits.
 
 use async_trait::async_trait;
 use chrono::{DateTime, Utc};

@@ -85,14 +85,14 @@ impl DeliverySupervisor {
         let span = if tracing::level_enabled!(tracing::Level::INFO) {
             tracing::info_span!(
                 parent: None,
-                "reprise.delivery",
-                messaging.system = "reprise",
+                "dacapo.delivery",
+                messaging.system = "dacapo",
                 messaging.operation.type = "process",
                 messaging.message.id = %envelope.id,
                 messaging.message.conversation_id = envelope.correlation_id.map(tracing::field::display),
-                reprise.message_type = %envelope.message_type,
-                reprise.deduplication_id = envelope.deduplication_id.as_deref(),
-                reprise.attempt = Empty,
+                dacapo.message_type = %envelope.message_type,
+                dacapo.deduplication_id = envelope.deduplication_id.as_deref(),
+                dacapo.attempt = Empty,
             )
         } else {
             tracing::Span::none()
@@ -201,7 +201,7 @@ impl DeliverySupervisor {
             self.retry_offsets.push(self.started_at.elapsed());
         }
         if !self.span.is_disabled() {
-            self.span.record("reprise.attempt", attempt);
+            self.span.record("dacapo.attempt", attempt);
         }
 
         let scope = Arc::new(Scope::new(
@@ -225,10 +225,10 @@ impl DeliverySupervisor {
             } else {
                 tracing::info_span!(
                     parent: &self.span,
-                    "reprise.handler",
-                    reprise.module = %entry.id.module,
-                    reprise.handler = %entry.id.name,
-                    reprise.attempt = attempt,
+                    "dacapo.handler",
+                    dacapo.module = %entry.id.module,
+                    dacapo.handler = %entry.id.name,
+                    dacapo.attempt = attempt,
                 )
             };
             let claim = self.pending_claim(index, entry);
@@ -658,7 +658,7 @@ impl Actor for DeliverySupervisor {
                         message_id: self.envelope.id,
                         attempt: self.envelope.attempts,
                         failures: vec![HandlerFailure {
-                            module: "reprise".into(),
+                            module: "dacapo".into(),
                             handler: "runtime".into(),
                             error: "the runtime stopped while this attempt ran".into(),
                             kind: FailureKind::Error,

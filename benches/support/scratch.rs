@@ -1,5 +1,5 @@
 //! Scratch databases for one benchmark run: a SQLite file, or a PostgreSQL database on the server
-//! at `REPRISE_BENCH_POSTGRES` (default `postgres://postgres@127.0.0.1:5432/postgres`), removed
+//! at `DACAPO_BENCH_POSTGRES` (default `postgres://postgres@127.0.0.1:5432/postgres`), removed
 //! afterwards.
 #![allow(dead_code, unreachable_pub)]
 
@@ -11,7 +11,7 @@ pub struct ScratchSqlite(String);
 impl ScratchSqlite {
     pub fn new(label: &str) -> Self {
         let path = std::env::temp_dir().join(format!(
-            "reprise-{label}-{}.db",
+            "dacapo-{label}-{}.db",
             uuid::Uuid::new_v4().simple()
         ));
         Self(path.display().to_string())
@@ -39,10 +39,10 @@ pub struct ScratchPostgres {
 
 impl ScratchPostgres {
     pub async fn create(label: &str) -> Self {
-        let admin_url = std::env::var("REPRISE_BENCH_POSTGRES")
+        let admin_url = std::env::var("DACAPO_BENCH_POSTGRES")
             .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/postgres".into());
         let (base, _) = admin_url.rsplit_once('/').expect("a database URL");
-        let name = format!("reprise_{label}_{}", uuid::Uuid::new_v4().simple());
+        let name = format!("dacapo_{label}_{}", uuid::Uuid::new_v4().simple());
         let mut admin = sqlx::PgConnection::connect(&admin_url).await.unwrap();
         sqlx::query(sqlx::AssertSqlSafe(format!("CREATE DATABASE {name}")))
             .execute(&mut admin)

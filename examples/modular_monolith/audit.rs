@@ -1,6 +1,6 @@
 //! The audit module: one entry per consumed fact, keyed on the message id.
 
-use reprise::prelude::*;
+use dacapo::prelude::*;
 use sqlx::{AssertSqlSafe, Row};
 
 use crate::db::Db;

@@ -1,6 +1,6 @@
 //! The integration events the modules exchange.
 
-use reprise::prelude::*;
+use dacapo::prelude::*;
 use serde::{Deserialize, Serialize};
 
 /// Published by organizations when a member leaves.

@@ -5,7 +5,7 @@
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 
-use reprise::prelude::*;
+use dacapo::prelude::*;
 use sqlx::Row;
 
 use crate::db::{Db, StorePool};

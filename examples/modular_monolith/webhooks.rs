@@ -3,7 +3,7 @@
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
-use reprise::prelude::*;
+use dacapo::prelude::*;
 use sqlx::{AssertSqlSafe, Row};
 
 use crate::db::Db;

@@ -1,5 +1,5 @@
 -- The inbox: every received envelope, its delivery state, and which node owns it.
-CREATE TABLE reprise_inbox (
+CREATE TABLE dacapo_inbox (
     id               TEXT    PRIMARY KEY NOT NULL,
     message_type     TEXT    NOT NULL,
     payload          BYTEA   NOT NULL,
@@ -17,10 +17,10 @@ CREATE TABLE reprise_inbox (
     received_at      BIGINT  NOT NULL,
     handled_at       BIGINT
 );
-CREATE INDEX reprise_inbox_unsettled ON reprise_inbox (status, owner);
-CREATE INDEX reprise_inbox_handled ON reprise_inbox (handled_at) WHERE status = 'handled';
+CREATE INDEX dacapo_inbox_unsettled ON dacapo_inbox (status, owner);
+CREATE INDEX dacapo_inbox_handled ON dacapo_inbox (handled_at) WHERE status = 'handled';
 
-CREATE TABLE reprise_dead_letters (
+CREATE TABLE dacapo_dead_letters (
     id               TEXT    PRIMARY KEY NOT NULL,
     message_type     TEXT    NOT NULL,
     payload          BYTEA   NOT NULL,
@@ -37,7 +37,7 @@ CREATE TABLE reprise_dead_letters (
     last_failure_at  BIGINT  NOT NULL
 );
 
-CREATE TABLE reprise_nodes (
+CREATE TABLE dacapo_nodes (
     id           TEXT   PRIMARY KEY NOT NULL,
     heartbeat_at BIGINT NOT NULL
 );

@@ -1,6 +1,6 @@
 -- The outbox: envelopes enlisted in the application's own transactions, published by the relay
 -- in order, then marked published.
-CREATE TABLE reprise_outbox (
+CREATE TABLE dacapo_outbox (
     seq              BIGSERIAL PRIMARY KEY,
     id               TEXT    NOT NULL UNIQUE,
     message_type     TEXT    NOT NULL,
@@ -14,10 +14,10 @@ CREATE TABLE reprise_outbox (
     enlisted_at      BIGINT  NOT NULL,
     published_at     BIGINT
 );
-CREATE INDEX reprise_outbox_unpublished ON reprise_outbox (seq) WHERE published_at IS NULL;
+CREATE INDEX dacapo_outbox_unpublished ON dacapo_outbox (seq) WHERE published_at IS NULL;
 
 -- One relay at a time publishes, so the order of the outbox is the order of publication.
-CREATE TABLE reprise_outbox_lease (
+CREATE TABLE dacapo_outbox_lease (
     id         INTEGER PRIMARY KEY,
     owner      TEXT    NOT NULL,
     expires_at BIGINT  NOT NULL

@@ -1,3 +1,3 @@
 -- The handlers that already succeeded for an envelope (JSON list of "module/name"), so that
 -- RetryScope::FailedHandlers does not run them again after a restart.
-ALTER TABLE reprise_inbox ADD COLUMN succeeded TEXT;
+ALTER TABLE dacapo_inbox ADD COLUMN succeeded TEXT;

@@ -2,8 +2,8 @@ use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Duration;
 
-use reprise_actors::ports::{Claims, Clock, DeadLetterStore, Inbox, OutboxStore, SystemClock};
-use reprise_actors::{
+use dacapo_actors::ports::{Claims, Clock, DeadLetterStore, Inbox, OutboxStore, SystemClock};
+use dacapo_actors::{
     Deduplication, DeduplicationRules, Durability, Engine, EngineConfig, EngineParts, HandlerId,
     Message, Module, Registry, RetryPolicy, RetryScope, UnknownMessageTypes,
 };

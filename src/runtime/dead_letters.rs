@@ -1,4 +1,4 @@
-use reprise_actors::DeadLetter;
+use dacapo_actors::DeadLetter;
 use uuid::Uuid;
 
 use crate::{Error, Runtime};

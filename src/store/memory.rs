@@ -5,8 +5,8 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use chrono::{DateTime, Utc};
-use reprise_actors::ports::{Claim, ClaimOutcome, Claims, Clock, DeadLetterStore, Inbox, Receipt};
-use reprise_actors::{DeadLetter, Envelope, Error};
+use dacapo_actors::ports::{Claim, ClaimOutcome, Claims, Clock, DeadLetterStore, Inbox, Receipt};
+use dacapo_actors::{DeadLetter, Envelope, Error};
 use uuid::Uuid;
 
 fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {

@@ -1,5 +1,5 @@
+use dacapo_actors::Error;
 use futures::stream::BoxStream;
-use reprise_actors::Error;
 use sqlx::postgres::{PgListener, PgPool, PgPoolOptions};
 
 use crate::store::sql::{Migration, migrations, sql_store};
@@ -19,7 +19,7 @@ sql_store!(
 );
 
 /// The channel the outbox's insert trigger notifies at every commit that enlisted.
-const OUTBOX_CHANNEL: &str = "reprise_outbox";
+const OUTBOX_CHANNEL: &str = "dacapo_outbox";
 
 async fn listen(pool: &PgPool) -> Result<PgListener, Error> {
     let mut listener = PgListener::connect_with(pool).await.map_err(Error::store)?;

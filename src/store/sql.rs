@@ -9,16 +9,16 @@
 use std::collections::BTreeMap;
 
 use chrono::{DateTime, Utc};
-use reprise_actors::{AggregateError, DeadLetterReason, Envelope, Error};
+use dacapo_actors::{AggregateError, DeadLetterReason, Envelope, Error};
 use uuid::Uuid;
 
-pub(crate) const RECEIVE: &str = "INSERT INTO reprise_inbox \
+pub(crate) const RECEIVE: &str = "INSERT INTO dacapo_inbox \
     (id, message_type, payload, headers, deduplication_id, correlation_id, causation_id, sent_at, \
      scheduled_for, status, attempts, owner, received_at) \
     VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, 'incoming', $10, $11, $12) \
     ON CONFLICT (id) DO NOTHING";
 
-pub(crate) const ENQUEUE: &str = "INSERT INTO reprise_inbox \
+pub(crate) const ENQUEUE: &str = "INSERT INTO dacapo_inbox \
     (id, message_type, payload, headers, deduplication_id, correlation_id, causation_id, sent_at, \
      scheduled_for, status, attempts, owner, received_at) \
     VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, 'incoming', $10, NULL, $11) \
@@ -29,34 +29,34 @@ pub(crate) const ENQUEUE: &str = "INSERT INTO reprise_inbox \
 // running late must neither start it again next to the new owner nor overwrite the new owner's
 // state. Its late settlement (handled, or dead-lettered) is still recorded: the attempt ran,
 // and the new owner's next attempt then finds the envelope settled and stops.
-pub(crate) const BEGIN_ATTEMPT: &str = "UPDATE reprise_inbox \
+pub(crate) const BEGIN_ATTEMPT: &str = "UPDATE dacapo_inbox \
     SET status = 'incoming', attempts = $2, execute_at = NULL \
     WHERE id = $1 AND status <> 'handled' AND owner = $3";
 
-pub(crate) const SCHEDULE_RETRY: &str = "UPDATE reprise_inbox \
+pub(crate) const SCHEDULE_RETRY: &str = "UPDATE dacapo_inbox \
     SET status = 'scheduled', attempts = $2, execute_at = $3, failures = $4, succeeded = $5 \
     WHERE id = $1 AND status <> 'handled' AND owner = $6";
 
-pub(crate) const MARK_HANDLED: &str = "UPDATE reprise_inbox \
+pub(crate) const MARK_HANDLED: &str = "UPDATE dacapo_inbox \
     SET status = 'handled', handled_at = $2, owner = NULL WHERE id = $1";
 
-pub(crate) const FORGET: &str = "DELETE FROM reprise_inbox WHERE id = $1";
+pub(crate) const FORGET: &str = "DELETE FROM dacapo_inbox WHERE id = $1";
 
-pub(crate) const HEARTBEAT: &str = "INSERT INTO reprise_nodes (id, heartbeat_at) VALUES ($1, $2) \
+pub(crate) const HEARTBEAT: &str = "INSERT INTO dacapo_nodes (id, heartbeat_at) VALUES ($1, $2) \
     ON CONFLICT (id) DO UPDATE SET heartbeat_at = excluded.heartbeat_at";
 
-pub(crate) const RELEASE: &str = "UPDATE reprise_inbox SET owner = NULL \
+pub(crate) const RELEASE: &str = "UPDATE dacapo_inbox SET owner = NULL \
     WHERE owner = $1 AND status IN ('incoming', 'scheduled')";
 
-pub(crate) const RELEASE_BEFORE: &str = "UPDATE reprise_inbox SET owner = NULL \
+pub(crate) const RELEASE_BEFORE: &str = "UPDATE dacapo_inbox SET owner = NULL \
     WHERE owner = $1 AND status IN ('incoming', 'scheduled') AND received_at < $2";
 
-pub(crate) const FORGET_NODE: &str = "DELETE FROM reprise_nodes WHERE id = $1";
+pub(crate) const FORGET_NODE: &str = "DELETE FROM dacapo_nodes WHERE id = $1";
 
-pub(crate) const DELETE_HANDLED: &str = "DELETE FROM reprise_inbox WHERE id IN \
-    (SELECT id FROM reprise_inbox WHERE status = 'handled' AND handled_at < $1 LIMIT $2)";
+pub(crate) const DELETE_HANDLED: &str = "DELETE FROM dacapo_inbox WHERE id IN \
+    (SELECT id FROM dacapo_inbox WHERE status = 'handled' AND handled_at < $1 LIMIT $2)";
 
-pub(crate) const PUT_DEAD_LETTER: &str = "INSERT INTO reprise_dead_letters \
+pub(crate) const PUT_DEAD_LETTER: &str = "INSERT INTO dacapo_dead_letters \
     (id, message_type, payload, headers, deduplication_id, correlation_id, causation_id, sent_at, \
      scheduled_for, reason, failures, attempts, first_failure_at, last_failure_at) \
     VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14) \
@@ -67,99 +67,99 @@ pub(crate) const PUT_DEAD_LETTER: &str = "INSERT INTO reprise_dead_letters \
 pub(crate) const LIST_DEAD_LETTERS: &str = "SELECT id, message_type, payload, headers, \
     deduplication_id, correlation_id, causation_id, sent_at, scheduled_for, reason, failures, \
     attempts, first_failure_at, last_failure_at \
-    FROM reprise_dead_letters ORDER BY first_failure_at, id";
+    FROM dacapo_dead_letters ORDER BY first_failure_at, id";
 
 pub(crate) const GET_DEAD_LETTER: &str = "SELECT id, message_type, payload, headers, \
     deduplication_id, correlation_id, causation_id, sent_at, scheduled_for, reason, failures, \
     attempts, first_failure_at, last_failure_at \
-    FROM reprise_dead_letters WHERE id = $1";
+    FROM dacapo_dead_letters WHERE id = $1";
 
-pub(crate) const REMOVE_DEAD_LETTER: &str = "DELETE FROM reprise_dead_letters WHERE id = $1 \
+pub(crate) const REMOVE_DEAD_LETTER: &str = "DELETE FROM dacapo_dead_letters WHERE id = $1 \
     RETURNING id, message_type, payload, headers, deduplication_id, correlation_id, causation_id, \
     sent_at, scheduled_for, reason, failures, attempts, first_failure_at, last_failure_at";
 
-pub(crate) const PURGE_DEAD_LETTERS: &str = "DELETE FROM reprise_dead_letters";
+pub(crate) const PURGE_DEAD_LETTERS: &str = "DELETE FROM dacapo_dead_letters";
 
 /// The claims table, created only when a runtime enables deduplication: with the feature off
 /// the schema does not change at all.
 pub(crate) const PROVISION_CLAIMS: [&str; 2] = [
-    "CREATE TABLE IF NOT EXISTS reprise_deduplication (\
+    "CREATE TABLE IF NOT EXISTS dacapo_deduplication (\
         handler TEXT NOT NULL, key_hash TEXT NOT NULL, key TEXT NOT NULL, \
         fingerprint TEXT NOT NULL, envelope_id TEXT NOT NULL, completed INTEGER NOT NULL, \
         claimed_at BIGINT NOT NULL, expires_at BIGINT NOT NULL, \
         PRIMARY KEY (handler, key_hash))",
-    "CREATE INDEX IF NOT EXISTS reprise_deduplication_expires ON reprise_deduplication (expires_at)",
+    "CREATE INDEX IF NOT EXISTS dacapo_deduplication_expires ON dacapo_deduplication (expires_at)",
 ];
 
 /// A claim is this one insert: the primary key rejects a held id. The same statement takes
 /// over, atomically, a claim whose window ended, or one the same envelope made and never
 /// completed (its handler crashed mid-way).
-pub(crate) const CLAIM: &str = "INSERT INTO reprise_deduplication \
+pub(crate) const CLAIM: &str = "INSERT INTO dacapo_deduplication \
     (handler, key_hash, key, fingerprint, envelope_id, completed, claimed_at, expires_at) \
     VALUES ($1, $2, $3, $4, $5, 0, $6, $7) \
     ON CONFLICT (handler, key_hash) DO UPDATE SET key = excluded.key, \
     fingerprint = excluded.fingerprint, envelope_id = excluded.envelope_id, completed = 0, \
     claimed_at = excluded.claimed_at, expires_at = excluded.expires_at \
-    WHERE reprise_deduplication.expires_at <= excluded.claimed_at \
-    OR (reprise_deduplication.envelope_id = excluded.envelope_id \
-        AND reprise_deduplication.completed = 0)";
+    WHERE dacapo_deduplication.expires_at <= excluded.claimed_at \
+    OR (dacapo_deduplication.envelope_id = excluded.envelope_id \
+        AND dacapo_deduplication.completed = 0)";
 
-pub(crate) const CLAIM_HOLDER: &str = "SELECT fingerprint, envelope_id FROM reprise_deduplication \
+pub(crate) const CLAIM_HOLDER: &str = "SELECT fingerprint, envelope_id FROM dacapo_deduplication \
     WHERE handler = $1 AND key_hash = $2";
 
 // A completed claim stays: the handler's transaction committed its work with it, even if
 // the handler failed afterwards.
-pub(crate) const RELEASE_CLAIM: &str = "DELETE FROM reprise_deduplication \
+pub(crate) const RELEASE_CLAIM: &str = "DELETE FROM dacapo_deduplication \
     WHERE handler = $1 AND key_hash = $2 AND envelope_id = $3 AND completed = 0";
 
-pub(crate) const COMPLETE_CLAIM: &str = "UPDATE reprise_deduplication SET completed = 1 \
+pub(crate) const COMPLETE_CLAIM: &str = "UPDATE dacapo_deduplication SET completed = 1 \
     WHERE handler = $1 AND key_hash = $2 AND envelope_id = $3";
 
-pub(crate) const REAP_CLAIMS: &str = "DELETE FROM reprise_deduplication \
-    WHERE (handler, key_hash) IN (SELECT handler, key_hash FROM reprise_deduplication \
+pub(crate) const REAP_CLAIMS: &str = "DELETE FROM dacapo_deduplication \
+    WHERE (handler, key_hash) IN (SELECT handler, key_hash FROM dacapo_deduplication \
     WHERE expires_at <= $1 LIMIT $2)";
 
-pub(crate) const ENLIST: &str = "INSERT INTO reprise_outbox \
+pub(crate) const ENLIST: &str = "INSERT INTO dacapo_outbox \
     (id, message_type, payload, headers, deduplication_id, correlation_id, causation_id, sent_at, \
      scheduled_for, enlisted_at) VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10)";
 
-pub(crate) const ENLIST_ONCE: &str = "INSERT INTO reprise_outbox \
+pub(crate) const ENLIST_ONCE: &str = "INSERT INTO dacapo_outbox \
     (id, message_type, payload, headers, deduplication_id, correlation_id, causation_id, sent_at, \
      scheduled_for, enlisted_at) VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10) \
     ON CONFLICT (id) DO NOTHING";
 
-pub(crate) const BACKLOG: &str = "SELECT count(*), min(enlisted_at) FROM reprise_outbox \
+pub(crate) const BACKLOG: &str = "SELECT count(*), min(enlisted_at) FROM dacapo_outbox \
     WHERE published_at IS NULL";
 
-pub(crate) const DELETE_PUBLISHED: &str = "DELETE FROM reprise_outbox WHERE seq IN \
-    (SELECT seq FROM reprise_outbox WHERE published_at < $1 LIMIT $2)";
+pub(crate) const DELETE_PUBLISHED: &str = "DELETE FROM dacapo_outbox WHERE seq IN \
+    (SELECT seq FROM dacapo_outbox WHERE published_at < $1 LIMIT $2)";
 
-pub(crate) const LEASE: &str = "INSERT INTO reprise_outbox_lease (id, owner, expires_at) \
+pub(crate) const LEASE: &str = "INSERT INTO dacapo_outbox_lease (id, owner, expires_at) \
     VALUES (1, $1, $3) ON CONFLICT (id) DO UPDATE SET owner = excluded.owner, \
     expires_at = excluded.expires_at \
-    WHERE reprise_outbox_lease.owner = excluded.owner OR reprise_outbox_lease.expires_at <= $2";
+    WHERE dacapo_outbox_lease.owner = excluded.owner OR dacapo_outbox_lease.expires_at <= $2";
 
 pub(crate) const UNPUBLISHED: &str = "SELECT seq, id, message_type, payload, headers, \
     deduplication_id, correlation_id, causation_id, sent_at, scheduled_for \
-    FROM reprise_outbox WHERE published_at IS NULL AND seq > $2 ORDER BY seq LIMIT $1";
+    FROM dacapo_outbox WHERE published_at IS NULL AND seq > $2 ORDER BY seq LIMIT $1";
 
 /// `UPDATE … WHERE seq IN ($2, $3, …)` for `count` positions.
 pub(crate) fn mark_published(count: usize) -> String {
     let positions: Vec<String> = (2..count + 2).map(|n| format!("${n}")).collect();
     format!(
-        "UPDATE reprise_outbox SET published_at = $1 WHERE seq IN ({})",
+        "UPDATE dacapo_outbox SET published_at = $1 WHERE seq IN ({})",
         positions.join(", ")
     )
 }
 
-pub(crate) const MIGRATIONS_TABLE: &str = "CREATE TABLE IF NOT EXISTS reprise_migrations (\
+pub(crate) const MIGRATIONS_TABLE: &str = "CREATE TABLE IF NOT EXISTS dacapo_migrations (\
     version BIGINT PRIMARY KEY NOT NULL, description TEXT NOT NULL, applied_at BIGINT NOT NULL)";
 
 pub(crate) const APPLIED_MIGRATION: &str =
-    "SELECT count(*) FROM reprise_migrations WHERE version = $1";
+    "SELECT count(*) FROM dacapo_migrations WHERE version = $1";
 
 pub(crate) const RECORD_MIGRATION: &str =
-    "INSERT INTO reprise_migrations (version, description, applied_at) VALUES ($1, $2, $3)";
+    "INSERT INTO dacapo_migrations (version, description, applied_at) VALUES ($1, $2, $3)";
 
 /// One embedded schema change.
 #[derive(Debug)]
@@ -329,7 +329,7 @@ pub(crate) use bind_envelope;
 /// envelope table declares them. Needs `sqlx::Row` in scope; returns early on a bad column.
 macro_rules! read_envelope {
     ($row:expr, $at:expr) => {{
-        let get = |e: sqlx::Error| reprise_actors::Error::store(e);
+        let get = |e: sqlx::Error| dacapo_actors::Error::store(e);
         $crate::store::sql::EnvelopeColumns {
             id: $row.try_get($at).map_err(get)?,
             message_type: $row.try_get($at + 1).map_err(get)?,
@@ -362,7 +362,7 @@ macro_rules! sql_store {
             pool: $pool,
             node: std::sync::Arc<str>,
             node_timeout: std::time::Duration,
-            clock: std::sync::Arc<dyn reprise_actors::ports::Clock>,
+            clock: std::sync::Arc<dyn dacapo_actors::ports::Clock>,
             /// Set once the claims table exists, so a claim never meets a missing table.
             claims_ready: std::sync::Arc<tokio::sync::OnceCell<()>>,
         }
@@ -382,12 +382,12 @@ macro_rules! sql_store {
             /// # Errors
             ///
             /// The database's error when the schema cannot be applied.
-            pub async fn with_pool(pool: $pool) -> Result<Self, reprise_actors::Error> {
+            pub async fn with_pool(pool: $pool) -> Result<Self, dacapo_actors::Error> {
                 let store = Self {
                     pool,
                     node: std::sync::Arc::from(format!("node-{}", uuid::Uuid::new_v4().simple())),
                     node_timeout: std::time::Duration::from_secs(30),
-                    clock: std::sync::Arc::new(reprise_actors::ports::SystemClock),
+                    clock: std::sync::Arc::new(dacapo_actors::ports::SystemClock),
                     claims_ready: std::sync::Arc::default(),
                 };
                 store.migrate().await?;
@@ -414,7 +414,7 @@ macro_rules! sql_store {
 
             /// The wall clock used for stored times (default: the system's).
             #[must_use]
-            pub fn clock(mut self, clock: std::sync::Arc<dyn reprise_actors::ports::Clock>) -> Self {
+            pub fn clock(mut self, clock: std::sync::Arc<dyn dacapo_actors::ports::Clock>) -> Self {
                 self.clock = clock;
                 self
             }
@@ -434,9 +434,9 @@ macro_rules! sql_store {
                 &self.pool
             }
 
-            async fn migrate(&self) -> Result<(), reprise_actors::Error> {
+            async fn migrate(&self) -> Result<(), dacapo_actors::Error> {
                 use $crate::store::sql::*;
-                let store_error = reprise_actors::Error::store;
+                let store_error = dacapo_actors::Error::store;
                 let mut tx = self.pool.begin_with($begin).await.map_err(store_error)?;
                 for lock in $lock {
                     sqlx::query(lock).execute(&mut *tx).await.map_err(store_error)?;
@@ -463,16 +463,16 @@ macro_rules! sql_store {
                 tx.commit().await.map_err(store_error)
             }
 
-            fn unsettled(row: &<$db as sqlx::Database>::Row) -> Result<reprise_actors::ports::Resumable, reprise_actors::Error> {
+            fn unsettled(row: &<$db as sqlx::Database>::Row) -> Result<dacapo_actors::ports::Resumable, dacapo_actors::Error> {
                 use sqlx::Row;
                 use $crate::store::sql::*;
-                let get = |e: sqlx::Error| reprise_actors::Error::store(e);
+                let get = |e: sqlx::Error| dacapo_actors::Error::store(e);
                 let columns = $crate::store::sql::read_envelope!(row, 0);
                 let stored_attempts: i32 = row.try_get(9).map_err(get)?;
                 let execute_at: Option<i64> = row.try_get(10).map_err(get)?;
                 let failures: Option<String> = row.try_get(11).map_err(get)?;
                 let succeeded: Option<String> = row.try_get(12).map_err(get)?;
-                Ok(reprise_actors::ports::Resumable::new(
+                Ok(dacapo_actors::ports::Resumable::new(
                     columns.into_envelope(attempts(stored_attempts))?,
                     execute_at.map(time).transpose()?,
                     failures_from(failures.as_deref())?,
@@ -480,17 +480,17 @@ macro_rules! sql_store {
                 ))
             }
 
-            fn dead_letter(row: &<$db as sqlx::Database>::Row) -> Result<reprise_actors::DeadLetter, reprise_actors::Error> {
+            fn dead_letter(row: &<$db as sqlx::Database>::Row) -> Result<dacapo_actors::DeadLetter, dacapo_actors::Error> {
                 use sqlx::Row;
                 use $crate::store::sql::*;
-                let get = |e: sqlx::Error| reprise_actors::Error::store(e);
+                let get = |e: sqlx::Error| dacapo_actors::Error::store(e);
                 let columns = $crate::store::sql::read_envelope!(row, 0);
                 let reason: String = row.try_get(9).map_err(get)?;
                 let failures: String = row.try_get(10).map_err(get)?;
                 let stored_attempts: i32 = row.try_get(11).map_err(get)?;
                 let first: i64 = row.try_get(12).map_err(get)?;
                 let last: i64 = row.try_get(13).map_err(get)?;
-                let mut letter = reprise_actors::DeadLetter::failed(
+                let mut letter = dacapo_actors::DeadLetter::failed(
                     columns.into_envelope(0)?,
                     from_json(&reason)?,
                     from_json(&failures)?,
@@ -503,11 +503,11 @@ macro_rules! sql_store {
         }
 
         #[async_trait::async_trait]
-        impl reprise_actors::ports::Inbox for $store {
+        impl dacapo_actors::ports::Inbox for $store {
             async fn receive(
                 &self,
-                envelope: &reprise_actors::Envelope,
-            ) -> Result<reprise_actors::ports::Receipt, reprise_actors::Error> {
+                envelope: &dacapo_actors::Envelope,
+            ) -> Result<dacapo_actors::ports::Receipt, dacapo_actors::Error> {
                 use $crate::store::sql::*;
                 let c = EnvelopeColumns::of(envelope)?;
                 let inserted = $crate::store::sql::bind_envelope!(sqlx::query(RECEIVE), c)
@@ -516,19 +516,19 @@ macro_rules! sql_store {
                     .bind(millis(self.clock.now()))
                     .execute(&self.pool)
                     .await
-                    .map_err(reprise_actors::Error::store)?
+                    .map_err(dacapo_actors::Error::store)?
                     .rows_affected();
                 Ok(if inserted == 1 {
-                    reprise_actors::ports::Receipt::New
+                    dacapo_actors::ports::Receipt::New
                 } else {
-                    reprise_actors::ports::Receipt::Duplicate
+                    dacapo_actors::ports::Receipt::Duplicate
                 })
             }
 
             async fn enqueue(
                 &self,
-                envelope: &reprise_actors::Envelope,
-            ) -> Result<reprise_actors::ports::Receipt, reprise_actors::Error> {
+                envelope: &dacapo_actors::Envelope,
+            ) -> Result<dacapo_actors::ports::Receipt, dacapo_actors::Error> {
                 use $crate::store::sql::*;
                 let c = EnvelopeColumns::of(envelope)?;
                 let inserted = $crate::store::sql::bind_envelope!(sqlx::query(ENQUEUE), c)
@@ -536,16 +536,16 @@ macro_rules! sql_store {
                     .bind(millis(self.clock.now()))
                     .execute(&self.pool)
                     .await
-                    .map_err(reprise_actors::Error::store)?
+                    .map_err(dacapo_actors::Error::store)?
                     .rows_affected();
                 Ok(if inserted == 1 {
-                    reprise_actors::ports::Receipt::New
+                    dacapo_actors::ports::Receipt::New
                 } else {
-                    reprise_actors::ports::Receipt::Duplicate
+                    dacapo_actors::ports::Receipt::Duplicate
                 })
             }
 
-            async fn begin_attempt(&self, id: uuid::Uuid, attempt: u32) -> Result<bool, reprise_actors::Error> {
+            async fn begin_attempt(&self, id: uuid::Uuid, attempt: u32) -> Result<bool, dacapo_actors::Error> {
                 use $crate::store::sql::*;
                 let ours = sqlx::query(BEGIN_ATTEMPT)
                     .bind(id_text(id))
@@ -553,18 +553,18 @@ macro_rules! sql_store {
                     .bind(&*self.node)
                     .execute(&self.pool)
                     .await
-                    .map_err(reprise_actors::Error::store)?
+                    .map_err(dacapo_actors::Error::store)?
                     .rows_affected();
                 Ok(ours == 1)
             }
 
             async fn schedule_retry(
                 &self,
-                envelope: &reprise_actors::Envelope,
+                envelope: &dacapo_actors::Envelope,
                 due_at: chrono::DateTime<chrono::Utc>,
-                failures: &[reprise_actors::AggregateError],
+                failures: &[dacapo_actors::AggregateError],
                 succeeded: &[String],
-            ) -> Result<(), reprise_actors::Error> {
+            ) -> Result<(), dacapo_actors::Error> {
                 use $crate::store::sql::*;
                 sqlx::query(SCHEDULE_RETRY)
                     .bind(id_text(envelope.id))
@@ -575,28 +575,28 @@ macro_rules! sql_store {
                     .bind(&*self.node)
                     .execute(&self.pool)
                     .await
-                    .map_err(reprise_actors::Error::store)?;
+                    .map_err(dacapo_actors::Error::store)?;
                 Ok(())
             }
 
-            async fn mark_handled(&self, id: uuid::Uuid) -> Result<(), reprise_actors::Error> {
+            async fn mark_handled(&self, id: uuid::Uuid) -> Result<(), dacapo_actors::Error> {
                 use $crate::store::sql::*;
                 sqlx::query(MARK_HANDLED)
                     .bind(id_text(id))
                     .bind(millis(self.clock.now()))
                     .execute(&self.pool)
                     .await
-                    .map_err(reprise_actors::Error::store)?;
+                    .map_err(dacapo_actors::Error::store)?;
                 Ok(())
             }
 
             async fn mark_handled_with_outbox(
                 &self,
                 id: uuid::Uuid,
-                cascaded: &[reprise_actors::Envelope],
-            ) -> Result<bool, reprise_actors::Error> {
+                cascaded: &[dacapo_actors::Envelope],
+            ) -> Result<bool, dacapo_actors::Error> {
                 use $crate::store::sql::*;
-                let store_error = reprise_actors::Error::store;
+                let store_error = dacapo_actors::Error::store;
                 let now = millis(self.clock.now());
                 let mut tx = self.pool.begin_with($begin).await.map_err(store_error)?;
                 sqlx::query(MARK_HANDLED).bind(id_text(id)).bind(now).execute(&mut *tx).await.map_err(store_error)?;
@@ -613,57 +613,57 @@ macro_rules! sql_store {
                 Ok(true)
             }
 
-            async fn forget(&self, id: uuid::Uuid) -> Result<(), reprise_actors::Error> {
+            async fn forget(&self, id: uuid::Uuid) -> Result<(), dacapo_actors::Error> {
                 use $crate::store::sql::*;
                 sqlx::query(FORGET)
                     .bind(id_text(id))
                     .execute(&self.pool)
                     .await
-                    .map_err(reprise_actors::Error::store)?;
+                    .map_err(dacapo_actors::Error::store)?;
                 Ok(())
             }
 
             async fn recover(
                 &self,
                 limit: usize,
-            ) -> Result<Vec<reprise_actors::ports::Resumable>, reprise_actors::Error> {
+            ) -> Result<Vec<dacapo_actors::ports::Resumable>, dacapo_actors::Error> {
                 use $crate::store::sql::*;
                 let timeout = chrono::Duration::from_std(self.node_timeout).unwrap_or(chrono::TimeDelta::MAX);
                 let alive_since = self.clock.now().checked_sub_signed(timeout).unwrap_or(chrono::DateTime::<chrono::Utc>::MIN_UTC);
-                let mut tx = self.pool.begin_with($begin).await.map_err(reprise_actors::Error::store)?;
+                let mut tx = self.pool.begin_with($begin).await.map_err(dacapo_actors::Error::store)?;
                 let rows = sqlx::query($claim)
                     .bind(&*self.node)
                     .bind(millis(alive_since))
                     .bind(i64::try_from(limit).unwrap_or(i64::MAX))
                     .fetch_all(&mut *tx)
                     .await
-                    .map_err(reprise_actors::Error::store)?;
-                tx.commit().await.map_err(reprise_actors::Error::store)?;
+                    .map_err(dacapo_actors::Error::store)?;
+                tx.commit().await.map_err(dacapo_actors::Error::store)?;
                 rows.iter().map(Self::unsettled).collect()
             }
 
             async fn release_before(
                 &self,
                 started_at: chrono::DateTime<chrono::Utc>,
-            ) -> Result<(), reprise_actors::Error> {
+            ) -> Result<(), dacapo_actors::Error> {
                 use $crate::store::sql::*;
                 sqlx::query(RELEASE_BEFORE)
                     .bind(&*self.node)
                     .bind(millis(started_at))
                     .execute(&self.pool)
                     .await
-                    .map_err(reprise_actors::Error::store)?;
+                    .map_err(dacapo_actors::Error::store)?;
                 Ok(())
             }
 
-            async fn heartbeat(&self) -> Result<(), reprise_actors::Error> {
+            async fn heartbeat(&self) -> Result<(), dacapo_actors::Error> {
                 use $crate::store::sql::*;
                 sqlx::query(HEARTBEAT)
                     .bind(&*self.node)
                     .bind(millis(self.clock.now()))
                     .execute(&self.pool)
                     .await
-                    .map_err(reprise_actors::Error::store)?;
+                    .map_err(dacapo_actors::Error::store)?;
                 Ok(())
             }
 
@@ -671,19 +671,19 @@ macro_rules! sql_store {
                 Some(self.node_timeout)
             }
 
-            async fn release(&self) -> Result<(), reprise_actors::Error> {
+            async fn release(&self) -> Result<(), dacapo_actors::Error> {
                 use $crate::store::sql::*;
-                let mut tx = self.pool.begin_with($begin).await.map_err(reprise_actors::Error::store)?;
-                sqlx::query(RELEASE).bind(&*self.node).execute(&mut *tx).await.map_err(reprise_actors::Error::store)?;
-                sqlx::query(FORGET_NODE).bind(&*self.node).execute(&mut *tx).await.map_err(reprise_actors::Error::store)?;
-                tx.commit().await.map_err(reprise_actors::Error::store)
+                let mut tx = self.pool.begin_with($begin).await.map_err(dacapo_actors::Error::store)?;
+                sqlx::query(RELEASE).bind(&*self.node).execute(&mut *tx).await.map_err(dacapo_actors::Error::store)?;
+                sqlx::query(FORGET_NODE).bind(&*self.node).execute(&mut *tx).await.map_err(dacapo_actors::Error::store)?;
+                tx.commit().await.map_err(dacapo_actors::Error::store)
             }
 
             async fn delete_handled_before(
                 &self,
                 before: chrono::DateTime<chrono::Utc>,
                 limit: usize,
-            ) -> Result<u64, reprise_actors::Error> {
+            ) -> Result<u64, dacapo_actors::Error> {
                 use $crate::store::sql::*;
                 let limit = i64::try_from(limit).unwrap_or(i64::MAX);
                 let mut removed = 0;
@@ -693,7 +693,7 @@ macro_rules! sql_store {
                         .bind(limit)
                         .execute(&self.pool)
                         .await
-                        .map_err(reprise_actors::Error::store)?
+                        .map_err(dacapo_actors::Error::store)?
                         .rows_affected();
                 }
                 Ok(removed)
@@ -701,20 +701,20 @@ macro_rules! sql_store {
         }
 
         #[async_trait::async_trait]
-        impl reprise_actors::ports::Claims for $store {
-            async fn provision(&self) -> Result<(), reprise_actors::Error> {
+        impl dacapo_actors::ports::Claims for $store {
+            async fn provision(&self) -> Result<(), dacapo_actors::Error> {
                 use $crate::store::sql::*;
                 self.claims_ready
                     .get_or_try_init(|| async {
                         // Under the migrations' lock: nodes starting together create it once.
-                        let mut tx = self.pool.begin_with($begin).await.map_err(reprise_actors::Error::store)?;
+                        let mut tx = self.pool.begin_with($begin).await.map_err(dacapo_actors::Error::store)?;
                         for lock in $lock {
-                            sqlx::query(lock).execute(&mut *tx).await.map_err(reprise_actors::Error::store)?;
+                            sqlx::query(lock).execute(&mut *tx).await.map_err(dacapo_actors::Error::store)?;
                         }
                         for statement in PROVISION_CLAIMS {
-                            sqlx::query(statement).execute(&mut *tx).await.map_err(reprise_actors::Error::store)?;
+                            sqlx::query(statement).execute(&mut *tx).await.map_err(dacapo_actors::Error::store)?;
                         }
-                        tx.commit().await.map_err(reprise_actors::Error::store)
+                        tx.commit().await.map_err(dacapo_actors::Error::store)
                     })
                     .await?;
                 Ok(())
@@ -722,8 +722,8 @@ macro_rules! sql_store {
 
             async fn claim(
                 &self,
-                claim: &reprise_actors::ports::Claim,
-            ) -> Result<reprise_actors::ports::ClaimOutcome, reprise_actors::Error> {
+                claim: &dacapo_actors::ports::Claim,
+            ) -> Result<dacapo_actors::ports::ClaimOutcome, dacapo_actors::Error> {
                 use $crate::store::sql::*;
                 self.provision().await?;
                 // A claim released between the insert and the read is free: claim again.
@@ -738,10 +738,10 @@ macro_rules! sql_store {
                         .bind(millis(claim.expires_at))
                         .execute(&self.pool)
                         .await
-                        .map_err(reprise_actors::Error::store)?
+                        .map_err(dacapo_actors::Error::store)?
                         .rows_affected();
                     if claimed == 1 {
-                        return Ok(reprise_actors::ports::ClaimOutcome::Claimed);
+                        return Ok(dacapo_actors::ports::ClaimOutcome::Claimed);
                     }
                     // The insert decided; this read only tells a duplicate from a conflict, and
                     // both from this envelope's own completed claim.
@@ -750,21 +750,21 @@ macro_rules! sql_store {
                         .bind(&claim.key_hash)
                         .fetch_optional(&self.pool)
                         .await
-                        .map_err(reprise_actors::Error::store)?;
+                        .map_err(dacapo_actors::Error::store)?;
                     if let Some((fingerprint, envelope_id)) = holder {
                         // Its own claim is taken over unless completed: held, it is completed.
                         if envelope_id == claim.envelope_id {
-                            return Ok(reprise_actors::ports::ClaimOutcome::Completed);
+                            return Ok(dacapo_actors::ports::ClaimOutcome::Completed);
                         }
-                        return Ok(reprise_actors::ports::ClaimOutcome::Held {
+                        return Ok(dacapo_actors::ports::ClaimOutcome::Held {
                             same_payload: fingerprint == claim.fingerprint,
                         });
                     }
                 }
-                Err(reprise_actors::Error::store("a deduplication claim kept being released while claiming"))
+                Err(dacapo_actors::Error::store("a deduplication claim kept being released while claiming"))
             }
 
-            async fn release(&self, claim: &reprise_actors::ports::Claim) -> Result<(), reprise_actors::Error> {
+            async fn release(&self, claim: &dacapo_actors::ports::Claim) -> Result<(), dacapo_actors::Error> {
                 use $crate::store::sql::*;
                 self.provision().await?;
                 sqlx::query(RELEASE_CLAIM)
@@ -773,11 +773,11 @@ macro_rules! sql_store {
                     .bind(&claim.envelope_id)
                     .execute(&self.pool)
                     .await
-                    .map_err(reprise_actors::Error::store)?;
+                    .map_err(dacapo_actors::Error::store)?;
                 Ok(())
             }
 
-            async fn complete(&self, claim: &reprise_actors::ports::Claim) -> Result<(), reprise_actors::Error> {
+            async fn complete(&self, claim: &dacapo_actors::ports::Claim) -> Result<(), dacapo_actors::Error> {
                 use $crate::store::sql::*;
                 sqlx::query(COMPLETE_CLAIM)
                     .bind(&claim.handler)
@@ -785,7 +785,7 @@ macro_rules! sql_store {
                     .bind(&claim.envelope_id)
                     .execute(&self.pool)
                     .await
-                    .map_err(reprise_actors::Error::store)?;
+                    .map_err(dacapo_actors::Error::store)?;
                 Ok(())
             }
 
@@ -793,29 +793,29 @@ macro_rules! sql_store {
                 &self,
                 now: chrono::DateTime<chrono::Utc>,
                 limit: usize,
-            ) -> Result<u64, reprise_actors::Error> {
+            ) -> Result<u64, dacapo_actors::Error> {
                 use $crate::store::sql::*;
                 self.provision().await?;
-                let mut tx = self.pool.begin_with($begin).await.map_err(reprise_actors::Error::store)?;
+                let mut tx = self.pool.begin_with($begin).await.map_err(dacapo_actors::Error::store)?;
                 let removed = sqlx::query(REAP_CLAIMS)
                     .bind(millis(now))
                     .bind(i64::try_from(limit).unwrap_or(i64::MAX))
                     .execute(&mut *tx)
                     .await
-                    .map_err(reprise_actors::Error::store)?
+                    .map_err(dacapo_actors::Error::store)?
                     .rows_affected();
-                tx.commit().await.map_err(reprise_actors::Error::store)?;
+                tx.commit().await.map_err(dacapo_actors::Error::store)?;
                 Ok(removed)
             }
         }
 
         #[async_trait::async_trait]
-        impl reprise_actors::ports::OutboxStore for $store {
+        impl dacapo_actors::ports::OutboxStore for $store {
             async fn lease(
                 &self,
                 now: chrono::DateTime<chrono::Utc>,
                 until: chrono::DateTime<chrono::Utc>,
-            ) -> Result<bool, reprise_actors::Error> {
+            ) -> Result<bool, dacapo_actors::Error> {
                 use $crate::store::sql::*;
                 let taken = sqlx::query(LEASE)
                     .bind(&*self.node)
@@ -823,12 +823,12 @@ macro_rules! sql_store {
                     .bind(millis(until))
                     .execute(&self.pool)
                     .await
-                    .map_err(reprise_actors::Error::store)?
+                    .map_err(dacapo_actors::Error::store)?
                     .rows_affected();
                 Ok(taken == 1)
             }
 
-            fn enlisted(&self) -> Option<futures::stream::BoxStream<'static, Result<(), reprise_actors::Error>>> {
+            fn enlisted(&self) -> Option<futures::stream::BoxStream<'static, Result<(), dacapo_actors::Error>>> {
                 self.enlisted_signals()
             }
 
@@ -836,7 +836,7 @@ macro_rules! sql_store {
                 &self,
                 after: i64,
                 limit: usize,
-            ) -> Result<Vec<(i64, reprise_actors::Envelope)>, reprise_actors::Error> {
+            ) -> Result<Vec<(i64, dacapo_actors::Envelope)>, dacapo_actors::Error> {
                 use sqlx::Row;
                 use $crate::store::sql::*;
                 let rows = sqlx::query(UNPUBLISHED)
@@ -844,8 +844,8 @@ macro_rules! sql_store {
                     .bind(after)
                     .fetch_all(&self.pool)
                     .await
-                    .map_err(reprise_actors::Error::store)?;
-                let get = |e: sqlx::Error| reprise_actors::Error::store(e);
+                    .map_err(dacapo_actors::Error::store)?;
+                let get = |e: sqlx::Error| dacapo_actors::Error::store(e);
                 rows.iter()
                     .map(|row| {
                         let position: i64 = row.try_get(0).map_err(get)?;
@@ -855,13 +855,13 @@ macro_rules! sql_store {
                     .collect()
             }
 
-            async fn backlog(&self) -> Result<reprise_actors::ports::OutboxBacklog, reprise_actors::Error> {
+            async fn backlog(&self) -> Result<dacapo_actors::ports::OutboxBacklog, dacapo_actors::Error> {
                 use sqlx::Row;
                 use $crate::store::sql::*;
-                let row = sqlx::query(BACKLOG).fetch_one(&self.pool).await.map_err(reprise_actors::Error::store)?;
-                let depth: i64 = row.try_get(0).map_err(reprise_actors::Error::store)?;
-                let oldest: Option<i64> = row.try_get(1).map_err(reprise_actors::Error::store)?;
-                Ok(reprise_actors::ports::OutboxBacklog::new(
+                let row = sqlx::query(BACKLOG).fetch_one(&self.pool).await.map_err(dacapo_actors::Error::store)?;
+                let depth: i64 = row.try_get(0).map_err(dacapo_actors::Error::store)?;
+                let oldest: Option<i64> = row.try_get(1).map_err(dacapo_actors::Error::store)?;
+                Ok(dacapo_actors::ports::OutboxBacklog::new(
                     u64::try_from(depth).unwrap_or(0),
                     oldest.map(time).transpose()?,
                 ))
@@ -871,14 +871,14 @@ macro_rules! sql_store {
                 &self,
                 before: chrono::DateTime<chrono::Utc>,
                 limit: usize,
-            ) -> Result<u64, reprise_actors::Error> {
+            ) -> Result<u64, dacapo_actors::Error> {
                 use $crate::store::sql::*;
                 Ok(sqlx::query(DELETE_PUBLISHED)
                     .bind(millis(before))
                     .bind(i64::try_from(limit).unwrap_or(i64::MAX))
                     .execute(&self.pool)
                     .await
-                    .map_err(reprise_actors::Error::store)?
+                    .map_err(dacapo_actors::Error::store)?
                     .rows_affected())
             }
 
@@ -886,7 +886,7 @@ macro_rules! sql_store {
                 &self,
                 positions: &[i64],
                 at: chrono::DateTime<chrono::Utc>,
-            ) -> Result<(), reprise_actors::Error> {
+            ) -> Result<(), dacapo_actors::Error> {
                 use $crate::store::sql::*;
                 if positions.is_empty() {
                     return Ok(());
@@ -896,14 +896,14 @@ macro_rules! sql_store {
                 for position in positions {
                     query = query.bind(*position);
                 }
-                query.execute(&self.pool).await.map_err(reprise_actors::Error::store)?;
+                query.execute(&self.pool).await.map_err(dacapo_actors::Error::store)?;
                 Ok(())
             }
         }
 
         #[async_trait::async_trait]
-        impl reprise_actors::ports::DeadLetterStore for $store {
-            async fn put(&self, letter: reprise_actors::DeadLetter) -> Result<(), reprise_actors::Error> {
+        impl dacapo_actors::ports::DeadLetterStore for $store {
+            async fn put(&self, letter: dacapo_actors::DeadLetter) -> Result<(), dacapo_actors::Error> {
                 use $crate::store::sql::*;
                 let c = EnvelopeColumns::of(&letter.envelope)?;
                 $crate::store::sql::bind_envelope!(sqlx::query(PUT_DEAD_LETTER), c)
@@ -914,45 +914,45 @@ macro_rules! sql_store {
                     .bind(millis(letter.last_failure_at))
                     .execute(&self.pool)
                     .await
-                    .map_err(reprise_actors::Error::store)?;
+                    .map_err(dacapo_actors::Error::store)?;
                 Ok(())
             }
 
-            async fn list(&self) -> Result<Vec<reprise_actors::DeadLetter>, reprise_actors::Error> {
+            async fn list(&self) -> Result<Vec<dacapo_actors::DeadLetter>, dacapo_actors::Error> {
                 use $crate::store::sql::*;
                 let rows = sqlx::query(LIST_DEAD_LETTERS)
                     .fetch_all(&self.pool)
                     .await
-                    .map_err(reprise_actors::Error::store)?;
+                    .map_err(dacapo_actors::Error::store)?;
                 rows.iter().map(Self::dead_letter).collect()
             }
 
-            async fn get(&self, id: uuid::Uuid) -> Result<Option<reprise_actors::DeadLetter>, reprise_actors::Error> {
+            async fn get(&self, id: uuid::Uuid) -> Result<Option<dacapo_actors::DeadLetter>, dacapo_actors::Error> {
                 use $crate::store::sql::*;
                 let row = sqlx::query(GET_DEAD_LETTER)
                     .bind(id_text(id))
                     .fetch_optional(&self.pool)
                     .await
-                    .map_err(reprise_actors::Error::store)?;
+                    .map_err(dacapo_actors::Error::store)?;
                 row.as_ref().map(Self::dead_letter).transpose()
             }
 
-            async fn remove(&self, id: uuid::Uuid) -> Result<Option<reprise_actors::DeadLetter>, reprise_actors::Error> {
+            async fn remove(&self, id: uuid::Uuid) -> Result<Option<dacapo_actors::DeadLetter>, dacapo_actors::Error> {
                 use $crate::store::sql::*;
                 let row = sqlx::query(REMOVE_DEAD_LETTER)
                     .bind(id_text(id))
                     .fetch_optional(&self.pool)
                     .await
-                    .map_err(reprise_actors::Error::store)?;
+                    .map_err(dacapo_actors::Error::store)?;
                 row.as_ref().map(Self::dead_letter).transpose()
             }
 
-            async fn purge(&self) -> Result<u64, reprise_actors::Error> {
+            async fn purge(&self) -> Result<u64, dacapo_actors::Error> {
                 use $crate::store::sql::*;
                 Ok(sqlx::query(PURGE_DEAD_LETTERS)
                     .execute(&self.pool)
                     .await
-                    .map_err(reprise_actors::Error::store)?
+                    .map_err(dacapo_actors::Error::store)?
                     .rows_affected())
             }
         }
@@ -968,20 +968,20 @@ pub(crate) use sql_store;
 /// the node timeout *and* the row is older than that: a node that just started may receive
 /// before its first heartbeat is written, and its fresh rows must not look orphaned.
 #[cfg(feature = "sqlite")]
-pub(crate) const CLAIM_SQLITE: &str = "UPDATE reprise_inbox SET owner = $1 WHERE id IN (\
-    SELECT id FROM reprise_inbox WHERE status IN ('incoming', 'scheduled') \
+pub(crate) const CLAIM_SQLITE: &str = "UPDATE dacapo_inbox SET owner = $1 WHERE id IN (\
+    SELECT id FROM dacapo_inbox WHERE status IN ('incoming', 'scheduled') \
     AND (owner IS NULL OR (owner <> $1 AND received_at < $2 \
-    AND owner NOT IN (SELECT id FROM reprise_nodes WHERE heartbeat_at >= $2))) \
+    AND owner NOT IN (SELECT id FROM dacapo_nodes WHERE heartbeat_at >= $2))) \
     ORDER BY received_at LIMIT $3) \
     RETURNING id, message_type, payload, headers, deduplication_id, correlation_id, causation_id, \
     sent_at, scheduled_for, attempts, execute_at, failures, succeeded";
 
 /// Claims unsettled rows, skipping those another node is claiming at this moment.
 #[cfg(feature = "postgres")]
-pub(crate) const CLAIM_POSTGRES: &str = "UPDATE reprise_inbox SET owner = $1 WHERE id IN (\
-    SELECT id FROM reprise_inbox WHERE status IN ('incoming', 'scheduled') \
+pub(crate) const CLAIM_POSTGRES: &str = "UPDATE dacapo_inbox SET owner = $1 WHERE id IN (\
+    SELECT id FROM dacapo_inbox WHERE status IN ('incoming', 'scheduled') \
     AND (owner IS NULL OR (owner <> $1 AND received_at < $2 \
-    AND owner NOT IN (SELECT id FROM reprise_nodes WHERE heartbeat_at >= $2))) \
+    AND owner NOT IN (SELECT id FROM dacapo_nodes WHERE heartbeat_at >= $2))) \
     ORDER BY received_at LIMIT $3 FOR UPDATE SKIP LOCKED) \
     RETURNING id, message_type, payload, headers, deduplication_id, correlation_id, causation_id, \
     sent_at, scheduled_for, attempts, execute_at, failures, succeeded";

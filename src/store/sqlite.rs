@@ -1,7 +1,7 @@
 use std::str::FromStr;
 use std::time::Duration;
 
-use reprise_actors::Error;
+use dacapo_actors::Error;
 use sqlx::sqlite::{
     SqliteConnectOptions, SqliteJournalMode, SqlitePool, SqlitePoolOptions, SqliteSynchronous,
 };

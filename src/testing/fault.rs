@@ -1,8 +1,8 @@
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
+use dacapo_actors::{Decoded, HandlerError, Invoke, Message, MessageContext};
 use futures::FutureExt;
-use reprise_actors::{Decoded, HandlerError, Invoke, Message, MessageContext};
 use uuid::Uuid;
 
 type Predicate = Arc<dyn Fn(&Decoded) -> bool + Send + Sync>;

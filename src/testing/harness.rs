@@ -1,6 +1,6 @@
 use std::time::Duration;
 
-use reprise_actors::{
+use dacapo_actors::{
     DeliveryReport, Envelope, HandlerId, Message, Module, RetryPolicy, SendOptions, ShutdownReport,
 };
 use tokio::sync::oneshot;

@@ -1,6 +1,6 @@
 use std::sync::{Arc, Mutex};
 
-use reprise_actors::{Handler, HandlerError, Message, MessageContext};
+use dacapo_actors::{Handler, HandlerError, Message, MessageContext};
 use uuid::Uuid;
 
 /// One call a [`Recorder`] saw.

@@ -1,4 +1,4 @@
-use reprise_actors::{DeliveryReport, Dispatcher, Envelope};
+use dacapo_actors::{DeliveryReport, Dispatcher, Envelope};
 use tokio::sync::oneshot;
 
 use crate::Error;

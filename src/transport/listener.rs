@@ -1,7 +1,7 @@
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
-use reprise_actors::{Backoff, Envelope};
+use dacapo_actors::{Backoff, Envelope};
 
 use super::InProcess;
 use crate::{EngineError, Error};
@@ -17,7 +17,7 @@ use crate::{EngineError, Error};
 /// returned with the envelope: leave it unacknowledged, and the broker redelivers it.
 ///
 /// ```no_run
-/// # async fn pump(runtime: &reprise::Runtime, incoming: Vec<reprise::Envelope>) -> Result<(), reprise::Error> {
+/// # async fn pump(runtime: &dacapo::Runtime, incoming: Vec<dacapo::Envelope>) -> Result<(), dacapo::Error> {
 /// let listener = runtime.listener();
 /// for envelope in incoming {
 ///     listener.accept(envelope).await?;

@@ -4,8 +4,8 @@
 use std::sync::atomic::{AtomicUsize, Ordering};
 
 use async_trait::async_trait;
-use reprise::ports::{Claim, ClaimOutcome, Claims};
-use reprise::store::MemoryClaims;
+use dacapo::ports::{Claim, ClaimOutcome, Claims};
+use dacapo::store::MemoryClaims;
 
 /// Counts every claim and release, delegating to `inner`.
 pub struct CountingClaims {
@@ -36,18 +36,18 @@ impl Default for CountingClaims {
 
 #[async_trait]
 impl Claims for CountingClaims {
-    async fn provision(&self) -> Result<(), reprise::EngineError> {
+    async fn provision(&self) -> Result<(), dacapo::EngineError> {
         self.inner.provision().await
     }
-    async fn claim(&self, claim: &Claim) -> Result<ClaimOutcome, reprise::EngineError> {
+    async fn claim(&self, claim: &Claim) -> Result<ClaimOutcome, dacapo::EngineError> {
         self.calls.fetch_add(1, Ordering::SeqCst);
         self.inner.claim(claim).await
     }
-    async fn release(&self, claim: &Claim) -> Result<(), reprise::EngineError> {
+    async fn release(&self, claim: &Claim) -> Result<(), dacapo::EngineError> {
         self.calls.fetch_add(1, Ordering::SeqCst);
         self.inner.release(claim).await
     }
-    async fn complete(&self, claim: &Claim) -> Result<(), reprise::EngineError> {
+    async fn complete(&self, claim: &Claim) -> Result<(), dacapo::EngineError> {
         self.inner.complete(claim).await
     }
 }

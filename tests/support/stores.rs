@@ -1,10 +1,10 @@
 //! A fresh database per test: a new SQLite file, or a new PostgreSQL database on the real
-//! server (`REPRISE_TEST_POSTGRES`, default `postgres://postgres@127.0.0.1:5432/postgres`).
+//! server (`DACAPO_TEST_POSTGRES`, default `postgres://postgres@127.0.0.1:5432/postgres`).
 #![allow(dead_code, unreachable_pub)]
 
 use std::path::PathBuf;
 
-use reprise::store::{PostgresStore, SqliteStore};
+use dacapo::store::{PostgresStore, SqliteStore};
 use sqlx::Connection;
 use uuid::Uuid;
 
@@ -43,13 +43,13 @@ pub struct TestDatabase {
 }
 
 fn admin_url() -> String {
-    std::env::var("REPRISE_TEST_POSTGRES")
+    std::env::var("DACAPO_TEST_POSTGRES")
         .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/postgres".to_owned())
 }
 
 impl TestDatabase {
     pub async fn new(backend: Backend) -> Self {
-        let name = format!("reprise_test_{}", Uuid::new_v4().simple());
+        let name = format!("dacapo_test_{}", Uuid::new_v4().simple());
         match backend {
             Backend::Sqlite => {
                 let file = std::env::temp_dir().join(format!("{name}.db"));
@@ -144,10 +144,10 @@ impl TestDatabase {
     /// `builder` with this database's store, under the node name `node`.
     pub async fn store(
         &self,
-        builder: reprise::RuntimeBuilder,
+        builder: dacapo::RuntimeBuilder,
         node: &str,
         node_timeout: std::time::Duration,
-    ) -> reprise::RuntimeBuilder {
+    ) -> dacapo::RuntimeBuilder {
         match self.backend {
             Backend::Sqlite => {
                 builder.store(self.sqlite().await.node_id(node).node_timeout(node_timeout))
@@ -165,7 +165,7 @@ impl TestDatabase {
 impl TestDatabase {
     /// Rows in the inbox table, read with a connection of its own.
     pub async fn inbox_rows(&self) -> i64 {
-        let sql = "SELECT count(*) FROM reprise_inbox";
+        let sql = "SELECT count(*) FROM dacapo_inbox";
         with_pool!(self, |pool| sqlx::query_scalar(sql)
             .fetch_one(pool)
             .await
@@ -176,7 +176,7 @@ impl TestDatabase {
 impl TestDatabase {
     /// The inbox status of envelope `id` (`incoming`, `scheduled`, `handled`), if it is there.
     pub async fn inbox_status(&self, id: Uuid) -> Option<String> {
-        let sql = "SELECT status FROM reprise_inbox WHERE id = $1";
+        let sql = "SELECT status FROM dacapo_inbox WHERE id = $1";
         let id = id.simple().to_string();
         with_pool!(self, |pool| sqlx::query_scalar(sql)
             .bind(id)
@@ -217,8 +217,8 @@ impl TestDatabase {
 impl TestDatabase {
     /// Runs `f` with a transaction on this database's store (SQLite `BEGIN IMMEDIATE`), then
     /// commits it if `commit`, or rolls it back.
-    pub async fn outbox_transaction<M: reprise::Message>(&self, messages: &[M], commit: bool) {
-        use reprise::outbox::Outbox;
+    pub async fn outbox_transaction<M: dacapo::Message>(&self, messages: &[M], commit: bool) {
+        use dacapo::outbox::Outbox;
         match self.backend {
             Backend::Sqlite => {
                 let store = self.sqlite().await;
@@ -250,7 +250,7 @@ impl TestDatabase {
 
 impl TestDatabase {
     /// This database's store, as the engine's inbox sees it.
-    pub async fn sqlite_or_postgres_inbox(&self) -> Box<dyn reprise::ports::Inbox> {
+    pub async fn sqlite_or_postgres_inbox(&self) -> Box<dyn dacapo::ports::Inbox> {
         match self.backend {
             Backend::Sqlite => Box::new(self.sqlite().await),
             Backend::Postgres => Box::new(self.postgres().await),
@@ -258,7 +258,7 @@ impl TestDatabase {
     }
 
     /// This database's store, as the relay sees it.
-    pub async fn sqlite_or_postgres_outbox(&self) -> Box<dyn reprise::ports::OutboxStore> {
+    pub async fn sqlite_or_postgres_outbox(&self) -> Box<dyn dacapo::ports::OutboxStore> {
         match self.backend {
             Backend::Sqlite => Box::new(self.sqlite().await),
             Backend::Postgres => Box::new(self.postgres().await),

@@ -1,10 +1,10 @@
-//! `reprise`: inspect and act on a store's dead letters from the command line.
+//! `dacapo`: inspect and act on a store's dead letters from the command line.
 //!
 //! ```text
-//! reprise dead-letters list        --database reprise.db
-//! reprise dead-letters show ID     --database postgres://postgres@127.0.0.1/app
-//! reprise dead-letters replay ID   --database reprise.db
-//! reprise dead-letters purge       --database reprise.db
+//! dacapo dead-letters list        --database dacapo.db
+//! dacapo dead-letters show ID     --database postgres://postgres@127.0.0.1/app
+//! dacapo dead-letters replay ID   --database dacapo.db
+//! dacapo dead-letters purge       --database dacapo.db
 //! ```
 //!
 //! `--json` prints machine-readable output. A replay hands the envelope back to the inbox,
@@ -13,16 +13,16 @@
 use std::process::ExitCode;
 
 use clap::{Args, Parser, Subcommand};
-use reprise::DeadLetter;
-use reprise::ports::{DeadLetterStore, Inbox, Receipt};
-use reprise::store::{PostgresStore, SqliteStore};
+use dacapo::DeadLetter;
+use dacapo::ports::{DeadLetterStore, Inbox, Receipt};
+use dacapo::store::{PostgresStore, SqliteStore};
 use uuid::Uuid;
 
 #[derive(Debug, Parser)]
 #[command(
-    name = "reprise",
+    name = "dacapo",
     version,
-    about = "Inspect and replay reprise dead letters"
+    about = "Inspect and replay dacapo dead letters"
 )]
 struct Cli {
     #[command(subcommand)]
@@ -75,7 +75,7 @@ enum Store {
 }
 
 impl Store {
-    async fn open(database: &str) -> Result<Self, reprise::EngineError> {
+    async fn open(database: &str) -> Result<Self, dacapo::EngineError> {
         if database.starts_with("postgres://") || database.starts_with("postgresql://") {
             Ok(Self::Postgres(PostgresStore::connect(database).await?))
         } else {
@@ -103,7 +103,7 @@ async fn main() -> ExitCode {
     match run(Cli::parse()).await {
         Ok(()) => ExitCode::SUCCESS,
         Err(error) => {
-            eprintln!("reprise: {error}");
+            eprintln!("dacapo: {error}");
             ExitCode::FAILURE
         }
     }
