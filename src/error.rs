@@ -17,6 +17,10 @@ pub enum Error {
     /// No dead letter has this id.
     #[error("no dead letter with id {0}")]
     DeadLetterNotFound(Uuid),
+    /// A replay was refused: the envelope is being delivered right now (an earlier replay of
+    /// the same dead letter runs). Nothing changed.
+    #[error("envelope {0} is being delivered right now (replayed already); nothing was replayed")]
+    ReplayInProgress(Uuid),
     /// A tracked delivery did not settle within the wait allowed.
     #[error("delivery of envelope {envelope_id} did not settle within {waited:?}")]
     NotSettled {

@@ -52,6 +52,8 @@ pub struct Runtime {
     transport: InProcess,
     inbox: Arc<dyn Inbox>,
     dead_letters: Arc<dyn DeadLetterStore>,
+    /// Whether the dead letters are kept apart from the inbox.
+    dead_letters_apart: bool,
     outbox: Option<Arc<dyn OutboxStore>>,
     max_envelope_size: usize,
     drain_timeout: Duration,

@@ -49,7 +49,9 @@ use dacapo_actors::{Envelope, Message, MessageContext, SendOptions};
 use uuid::Uuid;
 
 use crate::Error;
-use crate::store::sql::{COMPLETE_CLAIM, ENLIST_ONCE, EnvelopeColumns, id_text, millis};
+use crate::store::sql::{
+    COMPLETE_CLAIM, ENLIST_ONCE, EnvelopeColumns, claim_lost, id_text, millis,
+};
 
 pub(crate) const RECORD_COMPLETION: &str = "INSERT INTO dacapo_handler_completions \
     (envelope_id, handler, completed_at) VALUES ($1, $2, $3) \
@@ -131,6 +133,8 @@ pub struct HandlerTransaction<DB: Backend> {
     context: MessageContext,
     message_id: Uuid,
     handler: String,
+    /// The store's node, which the handler's claim must still be held by at commit.
+    node: String,
     enlisted: HashMap<(String, Vec<u8>), u32>,
 }
 
@@ -224,13 +228,34 @@ impl<DB: Backend> HandlerTransaction<DB> {
     /// Cancelled, the commit may or may not have happened; the completion record tells the
     /// next attempt which.
     pub async fn commit(mut self) -> Result<(), Error> {
-        DB::finish(&mut self).await?;
-        self.tx
-            .commit()
-            .await
-            .map_err(dacapo_actors::Error::store)?;
-        self.context.wake_outbox();
-        Ok(())
+        // What the handler published with its context so far commits with its work: a rerun
+        // that finds the work done (and opens no transaction) publishes nothing, so these
+        // messages must not wait in memory for the delivery to settle.
+        let published = self.context.take_published().await;
+        if let Err(error) = self.prepare_commit(&published).await {
+            // Nothing committed: they stay the attempt's, as if no transaction had been opened.
+            self.context.restore_published(published).await;
+            return Err(error);
+        }
+        let context = self.context.clone();
+        match self.tx.commit().await {
+            Ok(()) => {
+                context.wake_outbox();
+                Ok(())
+            }
+            Err(error) => {
+                // Had it committed after all, the outbox keeps one row per envelope id.
+                context.restore_published(published).await;
+                Err(dacapo_actors::Error::store(error).into())
+            }
+        }
+    }
+
+    async fn prepare_commit(&mut self, published: &[Envelope]) -> Result<(), Error> {
+        for envelope in published {
+            DB::insert(self, envelope).await?;
+        }
+        DB::finish(self).await
     }
 
     /// Rolls back: nothing of the transaction takes effect.
@@ -295,19 +320,25 @@ macro_rules! backend {
                     context: context.clone(),
                     message_id,
                     handler,
+                    node: store.node().to_owned(),
                     enlisted: HashMap::new(),
                 }))
             }
 
             async fn finish(transaction: &mut HandlerTransaction<Self>) -> Result<(), Error> {
                 if let Some(claim) = transaction.context.deduplication_claim() {
-                    sqlx::query(COMPLETE_CLAIM)
+                    let rows = sqlx::query(COMPLETE_CLAIM)
                         .bind(&claim.handler)
                         .bind(&claim.key_hash)
                         .bind(&claim.envelope_id)
+                        .bind(&transaction.node)
                         .execute(&mut *transaction.tx)
                         .await
-                        .map_err(dacapo_actors::Error::store)?;
+                        .map_err(dacapo_actors::Error::store)?
+                        .rows_affected();
+                    if rows == 0 {
+                        return Err(claim_lost(claim).into());
+                    }
                 }
                 Ok(())
             }

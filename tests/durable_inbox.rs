@@ -137,20 +137,30 @@ on_both_backends!(
     a_late_attempt_never_takes_a_handled_envelope_back_sqlite,
     a_late_attempt_never_takes_a_handled_envelope_back_postgres,
     |db| {
-        use dacapo::ports::Receipt;
+        use dacapo::ports::{Fenced, Handled, Receipt, RetryRecord};
         let inbox = db.sqlite_or_postgres_inbox().await;
         let envelope = Envelope::for_message(&member_removed()).unwrap();
         assert_eq!(inbox.receive(&envelope).await.unwrap(), Receipt::New);
-        inbox.mark_handled(envelope.id).await.unwrap();
+        assert_eq!(
+            inbox.settle_handled(envelope.id, &[]).await.unwrap(),
+            Handled::Written { in_outbox: true }
+        );
         // The writes of a node that lost this delivery to recovery and ran its attempt late.
-        assert!(
-            !inbox.begin_attempt(envelope.id, 2).await.unwrap(),
+        assert_eq!(
+            inbox.begin_attempt(envelope.id, 2).await.unwrap(),
+            Fenced::OwnedElsewhere,
             "a handled delivery is nobody's to attempt again"
         );
-        inbox
-            .schedule_retry(&envelope, chrono::Utc::now(), &[], &[])
-            .await
-            .unwrap();
+        let record = RetryRecord::new(&envelope, chrono::Utc::now(), &[], &[], &[]);
+        assert_eq!(
+            inbox.schedule_retry(record).await.unwrap(),
+            Fenced::OwnedElsewhere
+        );
+        assert_eq!(
+            inbox.settle_handled(envelope.id, &[]).await.unwrap(),
+            Handled::OwnedElsewhere,
+            "settled once"
+        );
         assert_eq!(
             db.inbox_status(envelope.id).await.as_deref(),
             Some("handled")

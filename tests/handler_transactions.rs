@@ -402,13 +402,19 @@ on_both_backends!(
 
         let handled = envelope();
         inbox.receive(&handled).await.unwrap();
-        inbox.mark_handled(handled.id).await.unwrap();
+        inbox.settle_handled(handled.id, &[]).await.unwrap();
         completion(&db, handled.id, old).await;
 
         let cooling_down = envelope();
         inbox.receive(&cooling_down).await.unwrap();
         inbox
-            .schedule_retry(&cooling_down, chrono::Utc::now(), &[], &[])
+            .schedule_retry(dacapo::ports::RetryRecord::new(
+                &cooling_down,
+                chrono::Utc::now(),
+                &[],
+                &[],
+                &[],
+            ))
             .await
             .unwrap();
         completion(&db, cooling_down.id, old).await;

@@ -69,7 +69,7 @@ async fn an_envelope_still_incoming_is_never_expired() {
     assert_eq!(inbox.receive(&envelope).await.unwrap(), Receipt::New);
     clock.advance(Duration::from_secs(3600));
     assert_eq!(inbox.receive(&envelope).await.unwrap(), Receipt::Duplicate);
-    inbox.mark_handled(envelope.id).await.unwrap();
+    inbox.settle_handled(envelope.id, &[]).await.unwrap();
     clock.advance(Duration::from_secs(2));
     assert_eq!(inbox.receive(&envelope).await.unwrap(), Receipt::New);
 }

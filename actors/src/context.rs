@@ -80,6 +80,9 @@ impl Scope {
 pub struct ContextActor {
     message_id: Uuid,
     cascaded: Vec<(HandlerId, Envelope)>,
+    /// Cascades a handler transaction took to commit with its work; they still count for the
+    /// ids of later identical cascades.
+    committed: Vec<(HandlerId, Envelope)>,
 }
 
 impl ContextActor {
@@ -87,6 +90,7 @@ impl ContextActor {
         Self {
             message_id,
             cascaded: Vec::new(),
+            committed: Vec::new(),
         }
     }
 
@@ -133,7 +137,12 @@ impl actix::Handler<Cascade> for ContextActor {
                 && e.message_type == envelope.message_type
                 && e.payload == envelope.payload
         };
-        let occurrence = self.cascaded.iter().filter(same).count();
+        let occurrence = self
+            .cascaded
+            .iter()
+            .chain(&self.committed)
+            .filter(same)
+            .count();
         let mut name = format!(
             "dacapo.cascade:{}/{}:{}:{occurrence}:",
             handler.module, handler.name, envelope.message_type
@@ -144,6 +153,54 @@ impl actix::Handler<Cascade> for ContextActor {
         let id = envelope.id;
         self.cascaded.push((handler, envelope));
         actix::MessageResult(id)
+    }
+}
+
+/// Hands one handler's cascades so far to its handler transaction, which commits them.
+pub(crate) struct TakePublished(pub(crate) HandlerId);
+
+impl actix::Message for TakePublished {
+    type Result = Vec<Envelope>;
+}
+
+impl actix::Handler<TakePublished> for ContextActor {
+    type Result = actix::MessageResult<TakePublished>;
+
+    fn handle(
+        &mut self,
+        TakePublished(handler): TakePublished,
+        _: &mut Context<Self>,
+    ) -> Self::Result {
+        let (taken, kept) = std::mem::take(&mut self.cascaded)
+            .into_iter()
+            .partition(|(h, _)| *h == handler);
+        self.cascaded = kept;
+        let envelopes = taken.iter().map(|(_, e)| e.clone()).collect();
+        self.committed.extend(taken);
+        actix::MessageResult(envelopes)
+    }
+}
+
+/// Gives back cascades whose handler transaction did not commit.
+pub(crate) struct RestorePublished(pub(crate) HandlerId, pub(crate) Vec<Envelope>);
+
+impl actix::Message for RestorePublished {
+    type Result = ();
+}
+
+impl actix::Handler<RestorePublished> for ContextActor {
+    type Result = ();
+
+    fn handle(
+        &mut self,
+        RestorePublished(handler, envelopes): RestorePublished,
+        _: &mut Context<Self>,
+    ) {
+        for envelope in envelopes {
+            self.committed
+                .retain(|(h, e)| !(*h == handler && e.id == envelope.id));
+            self.cascaded.push((handler.clone(), envelope));
+        }
     }
 }
 
@@ -256,6 +313,36 @@ impl MessageContext {
         self.scope
             .as_ref()
             .and_then(|a| a.scope.worker.shared.store.as_deref())
+    }
+
+    /// Takes what this handler published so far in this attempt, for its handler transaction
+    /// to commit with its work (the transaction's adapter calls it; handlers do not).
+    #[doc(hidden)]
+    pub async fn take_published(&self) -> Vec<Envelope> {
+        let Some(attached) = &self.scope else {
+            return Vec::new();
+        };
+        let Some(actor) = attached.scope.actor.get() else {
+            return Vec::new();
+        };
+        let handler = attached.route.handlers()[attached.handler].id.clone();
+        actor.send(TakePublished(handler)).await.unwrap_or_default()
+    }
+
+    /// Gives back what [`take_published`](Self::take_published) took, when the transaction did
+    /// not commit.
+    #[doc(hidden)]
+    pub async fn restore_published(&self, envelopes: Vec<Envelope>) {
+        if envelopes.is_empty() {
+            return;
+        }
+        let Some(attached) = &self.scope else {
+            return;
+        };
+        if let Some(actor) = attached.scope.actor.get() {
+            let handler = attached.route.handlers()[attached.handler].id.clone();
+            let _ = actor.send(RestorePublished(handler, envelopes)).await;
+        }
     }
 
     /// Tells the runtime's outbox relay that this handler just committed envelopes to the

@@ -47,6 +47,8 @@ pub(crate) struct Shared {
     pub(crate) store: Option<Arc<dyn std::any::Any + Send + Sync>>,
     /// Whether the deduplication claims live in that store.
     pub(crate) claims_in_store: bool,
+    /// Whether the dead letters are kept apart from the inbox (two writes to dead-letter).
+    pub(crate) dead_letters_apart: bool,
 }
 
 /// A delivery counted in by the tracker and not yet handed to a supervisor. Dropped — the
@@ -206,20 +208,33 @@ impl Dispatcher {
         self.next_worker().deliver(admission, envelope, reply).await
     }
 
-    /// Resumes a delivery a durable inbox handed back, on one of the workers.
-    pub(crate) fn resume(&self, resumable: Resumable) {
+    /// Resumes a delivery whose state the inbox already recorded as this node's (recovered,
+    /// or replayed), on one of the workers; callable from any thread.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::ShuttingDown`] with the envelope when the runtime is closing: its recorded
+    /// state is resumed at the next start on the same store.
+    pub fn resume(&self, resumable: Resumable) -> Result<(), Error> {
         // A closing runtime hands its work back rather than taking more.
         if !self.shared.tracker.admit(true) {
-            return;
+            return Err(Error::ShuttingDown(Box::new(resumable.envelope)));
         }
         let worker = Arc::clone(self.next_worker());
-        actix::spawn(async move {
+        let on = worker.arbiter.clone();
+        on.spawn(async move {
             let permit = worker.shared.capacity.acquire().await;
             let on = worker.arbiter.clone();
             DeliverySupervisor::start_in_arbiter(&on, move |_| {
                 DeliverySupervisor::resumed(worker, resumable, permit)
             });
         });
+        Ok(())
+    }
+
+    /// Whether the runtime is shutting down (it accepts nothing more).
+    pub fn is_closing(&self) -> bool {
+        self.shared.tracker.is_closing()
     }
 
     /// Waits until every accepted envelope has settled, retries included.

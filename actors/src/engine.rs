@@ -150,6 +150,9 @@ pub struct EngineParts {
     /// Whether the deduplication claims live in that store, so a handler transaction can
     /// complete its claim in the same transaction as its work.
     pub claims_in_store: bool,
+    /// Whether the dead letters are kept apart from the inbox, so that dead-lettering takes
+    /// two writes instead of the inbox's one transaction.
+    pub dead_letters_apart: bool,
 }
 
 impl Engine {
@@ -195,6 +198,7 @@ impl Engine {
                         recovering: tokio::sync::Mutex::new(()),
                         store: parts.store.clone(),
                         claims_in_store: parts.claims_in_store,
+                        dead_letters_apart: parts.dead_letters_apart,
                     });
                     let workers = arbiters
                         .into_iter()

@@ -31,6 +31,9 @@ pub struct Resumable {
     /// The handlers that already succeeded (`module/name`), which
     /// [`RetryScope::FailedHandlers`](crate::RetryScope::FailedHandlers) does not run again.
     pub succeeded: Vec<String>,
+    /// What those handlers cascaded (outside a handler transaction), sent once the delivery
+    /// is handled.
+    pub cascaded: Vec<Envelope>,
 }
 
 impl Resumable {
@@ -40,14 +43,96 @@ impl Resumable {
         due_at: Option<DateTime<Utc>>,
         failures: Vec<AggregateError>,
         succeeded: Vec<String>,
+        cascaded: Vec<Envelope>,
     ) -> Self {
         Self {
             envelope,
             due_at,
             failures,
             succeeded,
+            cascaded,
         }
     }
+}
+
+/// What a fenced write of a delivery's state found: its row was this node's, in the state the
+/// write expected, and the new state is committed — or another node owns the delivery now (or
+/// it was settled meanwhile), and nothing changed.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Fenced {
+    /// The new state is committed.
+    Written,
+    /// The row is no longer this node's to write: nothing changed.
+    OwnedElsewhere,
+}
+
+impl Fenced {
+    /// `Written` when `rows` rows (of one) were updated.
+    pub fn from_rows(rows: u64) -> Self {
+        if rows == 0 {
+            Self::OwnedElsewhere
+        } else {
+            Self::Written
+        }
+    }
+}
+
+/// A failed attempt's record: the whole state a restart (or another node) resumes from.
+#[derive(Clone, Copy, Debug)]
+#[non_exhaustive]
+pub struct RetryRecord<'a> {
+    /// The envelope; `attempts` counts the attempts started so far.
+    pub envelope: &'a Envelope,
+    /// When the next attempt is due.
+    pub due_at: DateTime<Utc>,
+    /// Every failed attempt's aggregate error so far.
+    pub failures: &'a [AggregateError],
+    /// The handlers (`module/name`) that succeeded so far.
+    pub succeeded: &'a [String],
+    /// What they cascaded outside a handler transaction, sent once the delivery is handled.
+    pub cascaded: &'a [Envelope],
+}
+
+impl<'a> RetryRecord<'a> {
+    /// A failed attempt's record.
+    pub fn new(
+        envelope: &'a Envelope,
+        due_at: DateTime<Utc>,
+        failures: &'a [AggregateError],
+        succeeded: &'a [String],
+        cascaded: &'a [Envelope],
+    ) -> Self {
+        Self {
+            envelope,
+            due_at,
+            failures,
+            succeeded,
+            cascaded,
+        }
+    }
+}
+
+/// Where a replayed dead letter goes back to.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum ReplayTo {
+    /// Owned by this node, which runs it at once.
+    ThisNode,
+    /// Unowned, for any running node's recovery to take (a tool's replay).
+    AnyNode,
+}
+
+/// What a replay found.
+#[derive(Clone, Debug)]
+#[non_exhaustive]
+pub enum Replay {
+    /// The dead letter moved back to the inbox, fresh attempt count: its envelope.
+    Replayed(Envelope),
+    /// No dead letter has that id.
+    NotFound,
+    /// The envelope is being delivered right now (an earlier replay of it runs): refused.
+    InProgress,
 }
 
 /// Remembers envelope ids so that a redelivered envelope is discarded, not handled again.
@@ -81,37 +166,59 @@ pub trait Inbox: Send + Sync + 'static {
         ))
     }
 
-    /// Records that attempt `attempt` of envelope `id` starts, so a crash during it counts it;
-    /// `false` when this node no longer owns the delivery — another node recovered it after
-    /// this node's heartbeat expired, or it was handled meanwhile — and the attempt must not
-    /// run. The first attempt is recorded by [`receive`](Inbox::receive).
+    /// Records that attempt `attempt` of envelope `id` starts, so a crash during it counts it.
+    /// Fenced: [`Fenced::OwnedElsewhere`] when this node no longer owns the delivery — another
+    /// node recovered it after this node's heartbeat expired, or it was settled meanwhile — and
+    /// the attempt must not run. The first attempt is recorded by [`receive`](Inbox::receive).
     ///
     /// # Errors
     ///
     /// [`Error::Store`] when it cannot be recorded.
-    async fn begin_attempt(&self, id: Uuid, attempt: u32) -> Result<bool, Error> {
-        let _ = (id, attempt);
-        Ok(true)
-    }
+    async fn begin_attempt(&self, id: Uuid, attempt: u32) -> Result<Fenced, Error>;
 
-    /// Records a failed attempt and when the next one is due, so a restart during the cooldown
-    /// resumes at the right time with the right count.
+    /// Records a failed attempt — its failures, the handlers that succeeded and what they
+    /// cascaded, when the next attempt is due — in one write, so a restart during the cooldown
+    /// resumes at the right time with the right count and nothing cascaded is lost. Fenced
+    /// like [`begin_attempt`](Inbox::begin_attempt).
     ///
     /// # Errors
     ///
     /// [`Error::Store`] when it cannot be recorded.
+    async fn schedule_retry(&self, record: RetryRecord<'_>) -> Result<Fenced, Error>;
+
+    /// Marks the envelope handled and writes `cascaded` (the messages its handlers published)
+    /// to the outbox, in one transaction: they leave exactly when the delivery is recorded as
+    /// handled. Fenced like [`begin_attempt`](Inbox::begin_attempt). Answers `Ok(Written)`
+    /// with `in_outbox` false for a store without an outbox: the engine then sends the
+    /// cascades itself.
     ///
-    /// `succeeded` lists the handlers (`module/name`) that succeeded so far.
-    async fn schedule_retry(
-        &self,
-        envelope: &Envelope,
-        due_at: DateTime<Utc>,
-        failures: &[AggregateError],
-        succeeded: &[String],
-    ) -> Result<(), Error> {
-        let _ = (envelope, due_at, failures, succeeded);
-        Ok(())
-    }
+    /// # Errors
+    ///
+    /// [`Error::Store`] when the transaction fails; nothing of it took effect.
+    async fn settle_handled(&self, id: Uuid, cascaded: &[Envelope]) -> Result<Handled, Error>;
+
+    /// Dead-letters the delivery in one transaction: the dead letter, the inbox row settled
+    /// (a redelivery within the retention is discarded), and — with `release_claims` — the
+    /// envelope's uncompleted deduplication claims released, so the logical id is free for a
+    /// message that will do the work. Fenced like [`begin_attempt`](Inbox::begin_attempt).
+    ///
+    /// Only called on a store that keeps the runtime's dead letters itself; an inbox that
+    /// keeps none answers [`Error::Store`].
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Store`] when the transaction fails; nothing of it took effect.
+    async fn dead_letter(&self, letter: &DeadLetter, release_claims: bool)
+    -> Result<Fenced, Error>;
+
+    /// Moves the dead letter of envelope `id` back to the inbox in one transaction, fresh
+    /// attempt count, same envelope id: the dead letter is removed only if it is unchanged
+    /// and the envelope is not being delivered; the inbox row is rewritten, never deleted.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Store`] when the transaction fails; nothing of it took effect.
+    async fn replay(&self, id: Uuid, to: ReplayTo) -> Result<Replay, Error>;
 
     /// Claims for this node up to `limit` deliveries left unsettled by a runtime that stopped —
     /// released at a graceful shutdown, or owned by a node whose heartbeat expired — so they
@@ -180,37 +287,6 @@ pub trait Inbox: Send + Sync + 'static {
         Ok(0)
     }
 
-    /// Marks the envelope handled; it is remembered for the retention, then forgotten.
-    ///
-    /// # Errors
-    ///
-    /// [`Error::Store`] when the store cannot record it.
-    async fn mark_handled(&self, id: Uuid) -> Result<(), Error>;
-
-    /// Marks the envelope handled and writes the messages its handlers cascaded to the outbox,
-    /// in one transaction: they leave exactly when the delivery is recorded as handled. Returns
-    /// false for a store without an outbox, which the engine then falls back from (mark, then
-    /// deliver the cascades itself).
-    ///
-    /// # Errors
-    ///
-    /// [`Error::Store`] when the transaction fails; nothing of it took effect.
-    async fn mark_handled_with_outbox(
-        &self,
-        id: Uuid,
-        cascaded: &[Envelope],
-    ) -> Result<bool, Error> {
-        let _ = (id, cascaded);
-        Ok(false)
-    }
-
-    /// Forgets the envelope (dead-lettered or abandoned), so a replay of it is accepted.
-    ///
-    /// # Errors
-    ///
-    /// [`Error::Store`] when the store cannot record it.
-    async fn forget(&self, id: Uuid) -> Result<(), Error>;
-
     /// [`receive`](Inbox::receive) for stores that answer without waiting (in memory): `None`
     /// means "ask the async method". The engine tries it first to spare a future per envelope.
     fn receive_now(&self, envelope: &Envelope) -> Option<Result<Receipt, Error>> {
@@ -218,12 +294,26 @@ pub trait Inbox: Send + Sync + 'static {
         None
     }
 
-    /// [`mark_handled`](Inbox::mark_handled) for stores that answer without waiting; `None`
-    /// means "ask the async method".
+    /// [`settle_handled`](Inbox::settle_handled) with nothing cascaded, for stores that answer
+    /// without waiting; `None` means "ask the async method".
     fn mark_handled_now(&self, id: Uuid) -> Option<Result<(), Error>> {
         let _ = id;
         None
     }
+}
+
+/// What settling a handled delivery wrote.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Handled {
+    /// Settled; `in_outbox` says whether the cascaded messages were written to the store's
+    /// outbox (for the relay), or must be sent by the engine.
+    Written {
+        /// Whether the cascades went to the outbox.
+        in_outbox: bool,
+    },
+    /// The row is no longer this node's: nothing changed.
+    OwnedElsewhere,
 }
 
 /// Keeps messages the runtime gave up on.
@@ -256,26 +346,6 @@ pub trait DeadLetterStore: Send + Sync + 'static {
     ///
     /// [`Error::Store`] when the store cannot answer.
     async fn remove(&self, id: Uuid) -> Result<Option<DeadLetter>, Error>;
-
-    /// Removes the dead letter of envelope `id` if it still records `last_failure_at` — not if
-    /// the message failed again since (a replay that was dead-lettered anew). Returns whether
-    /// it removed it.
-    ///
-    /// # Errors
-    ///
-    /// [`Error::Store`] when the store cannot answer.
-    async fn remove_if_unchanged(
-        &self,
-        id: Uuid,
-        last_failure_at: DateTime<Utc>,
-    ) -> Result<bool, Error> {
-        match self.get(id).await? {
-            Some(letter) if letter.last_failure_at == last_failure_at => {
-                Ok(self.remove(id).await?.is_some())
-            }
-            _ => Ok(false),
-        }
-    }
 
     /// Removes every dead letter and says how many there were.
     ///

@@ -69,7 +69,8 @@ impl RecoveryActor {
                         let count = deliveries.len();
                         resumed += count;
                         for delivery in deliveries {
-                            dispatcher.resume(delivery);
+                            // Refused only by a shutdown, which leaves the row to the next start.
+                            let _ = dispatcher.resume(delivery);
                         }
                         if count < batch {
                             break;

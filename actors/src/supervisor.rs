@@ -15,7 +15,7 @@ use crate::context::{Scope, TakeCascaded};
 use crate::dispatcher::{UnknownMessageTypes, Worker};
 use crate::handler_actor::HandlerFinished;
 use crate::handler_actor::PendingClaim;
-use crate::ports::{Claim, Resumable};
+use crate::ports::{Claim, Fenced, Handled, Resumable, RetryRecord};
 use crate::report::DiscardReason;
 use crate::stats::Counter;
 use crate::timer::{RetryDue, Schedule};
@@ -129,6 +129,7 @@ impl DeliverySupervisor {
             due_at,
             failures,
             succeeded: resumable_succeeded,
+            cascaded,
             ..
         } = resumable;
         let resume = match due_at {
@@ -141,6 +142,7 @@ impl DeliverySupervisor {
         supervisor.first_failure_at = failures.first().map(|f| f.failed_at);
         supervisor.failures = failures;
         supervisor.succeeded_before = resumable_succeeded;
+        supervisor.cascaded = cascaded;
         supervisor.resume = Some(resume);
         supervisor.recovered = true;
         supervisor
@@ -168,23 +170,30 @@ impl DeliverySupervisor {
             })
             .await
         };
-        ctx.spawn(begin.into_actor(self).map(|ours, actor, ctx| {
-            if ours {
-                actor.run_attempt(ctx);
-            } else {
-                // Running it would do the work twice: the owner runs it now.
-                tracing::info!(
-                    messaging.message.id = %actor.envelope.id,
-                    attempt = actor.envelope.attempts,
-                    "delivery owned by another node now; this node stops it"
-                );
-                actor.settle(
-                    Outcome::Discarded(DiscardReason::OwnedElsewhere),
-                    Vec::new(),
-                    ctx,
-                );
-            }
-        }));
+        ctx.spawn(
+            begin
+                .into_actor(self)
+                .map(|fenced, actor, ctx| match fenced {
+                    Fenced::Written => actor.run_attempt(ctx),
+                    // Running it would do the work twice: the owner runs it now.
+                    _ => actor.owned_elsewhere(ctx),
+                }),
+        );
+    }
+
+    /// Stops a delivery whose row another node owns now (or that was settled meanwhile):
+    /// this node writes nothing more of it.
+    fn owned_elsewhere(&mut self, ctx: &mut Context<Self>) {
+        tracing::info!(
+            parent: &self.span,
+            attempt = self.envelope.attempts,
+            "delivery owned by another node now; this node stops it"
+        );
+        self.settle(
+            Outcome::Discarded(DiscardReason::OwnedElsewhere),
+            Vec::new(),
+            ctx,
+        );
     }
 
     fn run_attempt(&mut self, ctx: &mut Context<Self>) {
@@ -374,20 +383,27 @@ impl DeliverySupervisor {
                 tracing::info!(parent: &self.span, ?delay, "retry scheduled");
                 let worker = Arc::clone(&self.worker);
                 let (envelope, failures) = (self.envelope.clone(), self.failures.clone());
-                let succeeded = self.succeeded_handlers();
+                let (succeeded, cascaded) = (self.succeeded_handlers(), self.cascaded.clone());
                 let record = async move {
                     let id = envelope.id;
                     persist("record retry", id, || {
-                        worker
-                            .inbox
-                            .schedule_retry(&envelope, due_at, &failures, &succeeded)
+                        worker.inbox.schedule_retry(RetryRecord {
+                            envelope: &envelope,
+                            due_at,
+                            failures: &failures,
+                            succeeded: &succeeded,
+                            cascaded: &cascaded,
+                        })
                     })
-                    .await;
+                    .await
                 };
                 ctx.spawn(
                     record
                         .into_actor(self)
-                        .map(move |(), actor, ctx| actor.cool_down(due_at, delay, ctx)),
+                        .map(move |fenced, actor, ctx| match fenced {
+                            Fenced::Written => actor.cool_down(due_at, delay, ctx),
+                            _ => actor.owned_elsewhere(ctx),
+                        }),
                 );
             }
             RetryDecision::DeadLetter { exhausted } => {
@@ -453,22 +469,22 @@ impl DeliverySupervisor {
         let worker = Arc::clone(worker);
         let cascaded = self.cascaded.clone();
         let work = async move {
-            if !cascaded.is_empty() {
-                let in_outbox = persist("mark handled with the outbox", id, || {
-                    worker.inbox.mark_handled_with_outbox(id, &cascaded)
-                })
-                .await;
-                if in_outbox {
-                    worker.shared.outbox_enlisted.notify_one();
-                    return true;
-                }
-            }
-            persist("mark handled", id, || worker.inbox.mark_handled(id)).await;
-            false
+            persist("mark handled", id, || {
+                worker.inbox.settle_handled(id, &cascaded)
+            })
+            .await
         };
         ctx.spawn(
             work.into_actor(self)
-                .map(|in_outbox, actor, ctx| actor.handled(in_outbox, ctx)),
+                .map(|handled, actor, ctx| match handled {
+                    Handled::Written { in_outbox } => {
+                        if in_outbox {
+                            actor.worker.shared.outbox_enlisted.notify_one();
+                        }
+                        actor.handled(in_outbox, ctx);
+                    }
+                    _ => actor.owned_elsewhere(ctx),
+                }),
         );
     }
 
@@ -488,20 +504,36 @@ impl DeliverySupervisor {
         self.settle(Outcome::Handled, cascaded, ctx);
     }
 
+    /// Dead-letters the delivery: in one transaction of the inbox's store (the dead letter,
+    /// the row settled, the envelope's uncompleted claims released), or — dead letters kept
+    /// apart — the dead letter first, then the row.
     fn dead_letter(&mut self, dead_letter: DeadLetter, ctx: &mut Context<Self>) {
         let worker = Arc::clone(&self.worker);
         let id = self.envelope.id;
         let reason = dead_letter.reason.clone();
         tracing::error!(parent: &self.span, %reason, "message dead-lettered");
+        let release_claims = worker.claims.is_some() && worker.shared.claims_in_store;
         let work = async move {
+            if !worker.shared.dead_letters_apart {
+                return persist("dead letter", id, || {
+                    worker.inbox.dead_letter(&dead_letter, release_claims)
+                })
+                .await;
+            }
             persist("dead letter", id, || {
                 worker.dead_letters.put(dead_letter.clone())
             })
             .await;
-            // Settled: a redelivery within the retention is discarded; a replay forgets it first.
-            persist("mark handled", id, || worker.inbox.mark_handled(id)).await;
+            match persist("mark handled", id, || worker.inbox.settle_handled(id, &[])).await {
+                Handled::Written { .. } => Fenced::Written,
+                _ => Fenced::OwnedElsewhere,
+            }
         };
-        ctx.spawn(work.into_actor(self).map(move |(), actor, ctx| {
+        ctx.spawn(work.into_actor(self).map(move |fenced, actor, ctx| {
+            if fenced != Fenced::Written {
+                actor.owned_elsewhere(ctx);
+                return;
+            }
             actor
                 .worker
                 .shared
@@ -608,14 +640,18 @@ impl Actor for DeliverySupervisor {
                     let id = self.envelope.id;
                     let worker = Arc::clone(&self.worker);
                     let work = async move {
-                        persist("mark handled", id, || worker.inbox.mark_handled(id)).await
+                        persist("mark handled", id, || worker.inbox.settle_handled(id, &[])).await
                     };
-                    ctx.spawn(work.into_actor(self).map(|(), actor, ctx| {
-                        actor.settle(
-                            Outcome::Discarded(DiscardReason::NoHandler),
-                            Vec::new(),
-                            ctx,
-                        );
+                    ctx.spawn(work.into_actor(self).map(|handled, actor, ctx| {
+                        if let Handled::Written { .. } = handled {
+                            actor.settle(
+                                Outcome::Discarded(DiscardReason::NoHandler),
+                                Vec::new(),
+                                ctx,
+                            );
+                        } else {
+                            actor.owned_elsewhere(ctx);
+                        }
                     }));
                     return;
                 }

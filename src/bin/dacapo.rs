@@ -14,7 +14,7 @@ use std::process::ExitCode;
 
 use clap::{Args, Parser, Subcommand};
 use dacapo::DeadLetter;
-use dacapo::ports::{DeadLetterStore, Inbox, Receipt};
+use dacapo::ports::{DeadLetterStore, Inbox, Replay, ReplayTo};
 use dacapo::store::{PostgresStore, SqliteStore};
 use uuid::Uuid;
 
@@ -156,24 +156,18 @@ async fn run(cli: Cli) -> Result<(), Box<dyn std::error::Error>> {
         }
         DeadLetters::Replay { id, target } => {
             let store = Store::open(&target.database).await?;
-            let letter = store
-                .dead_letters()
-                .get(id)
-                .await?
-                .ok_or_else(|| format!("no dead letter with id {id}"))?;
-            let mut envelope = letter.envelope.clone();
-            envelope.attempts = 0;
-            // Handed back first, removed after: a crash in between never loses the dead letter.
-            store.inbox().forget(id).await?;
-            if store.inbox().enqueue(&envelope).await? != Receipt::New {
-                return Err(
-                    format!("could not hand {id} back to the inbox: it is already there").into(),
-                );
+            // One transaction: the letter leaves the dead letters exactly when its envelope
+            // is back in the inbox, unowned, for a running node to pick up.
+            match store.inbox().replay(id, ReplayTo::AnyNode).await? {
+                Replay::Replayed(_) => {}
+                Replay::InProgress => {
+                    return Err(format!(
+                        "{id} is being delivered right now (replayed already); nothing was replayed"
+                    )
+                    .into());
+                }
+                _ => return Err(format!("no dead letter with id {id}").into()),
             }
-            store
-                .dead_letters()
-                .remove_if_unchanged(id, letter.last_failure_at)
-                .await?;
             if target.json {
                 println!("{}", serde_json::json!({ "replayed": id }));
             } else {

@@ -35,6 +35,10 @@ pub struct RuntimeBuilder {
     deduplication_policies: Vec<(HandlerFilter, Deduplication)>,
     deduplication_rules: DeduplicationRules,
     dead_letters: Option<Arc<dyn DeadLetterStore>>,
+    /// Whether the dead letters are kept apart from the inbox (set with
+    /// [`dead_letter_store`](Self::dead_letter_store) or [`inbox`](Self::inbox)), so that
+    /// dead-lettering is two writes instead of the inbox's one transaction.
+    dead_letters_apart: bool,
     clock: Arc<dyn Clock>,
 }
 
@@ -57,6 +61,7 @@ impl Default for RuntimeBuilder {
             deduplication_policies: Vec::new(),
             deduplication_rules: DeduplicationRules::default(),
             dead_letters: None,
+            dead_letters_apart: false,
             clock: Arc::new(SystemClock),
         }
     }
@@ -163,10 +168,14 @@ impl RuntimeBuilder {
         self
     }
 
-    /// The inbox to deduplicate envelope ids with (default: in memory).
+    /// The inbox to deduplicate envelope ids with (default: in memory). Its dead letters are
+    /// then kept apart (in memory, or in a [`dead_letter_store`](Self::dead_letter_store)):
+    /// dead-lettering takes two writes instead of one transaction, so prefer
+    /// [`store`](Self::store), which keeps both together.
     #[must_use]
     pub fn inbox(mut self, inbox: Arc<dyn Inbox>) -> Self {
         self.inbox = Some(inbox);
+        self.dead_letters_apart = true;
         self
     }
 
@@ -187,6 +196,7 @@ impl RuntimeBuilder {
             self.claims_in_store = true;
         }
         self.dead_letters = Some(store);
+        self.dead_letters_apart = false;
         self.engine
             .durability
             .get_or_insert_with(Durability::default);
@@ -272,10 +282,13 @@ impl RuntimeBuilder {
         }
     }
 
-    /// Where dead letters are kept (default: in memory).
+    /// Where dead letters are kept, apart from the inbox (default: with the inbox). Apart,
+    /// dead-lettering takes two writes — the dead letter, then the inbox row — instead of the
+    /// inbox's one transaction.
     #[must_use]
     pub fn dead_letter_store(mut self, store: Arc<dyn DeadLetterStore>) -> Self {
         self.dead_letters = Some(store);
+        self.dead_letters_apart = true;
         self
     }
 
@@ -399,15 +412,13 @@ impl RuntimeBuilder {
     }
 
     pub(crate) fn start(self, registry: Registry) -> Result<Runtime, Error> {
+        let mut dead_letters = self.dead_letters;
         let inbox = self.inbox.unwrap_or_else(|| {
-            Arc::new(MemoryInbox::new(
-                self.keep_after_handling,
-                Arc::clone(&self.clock),
-            ))
+            let memory = MemoryInbox::new(self.keep_after_handling, Arc::clone(&self.clock));
+            dead_letters.get_or_insert_with(|| memory.dead_letters());
+            Arc::new(memory)
         });
-        let dead_letters = self
-            .dead_letters
-            .unwrap_or_else(|| Arc::new(MemoryDeadLetters::default()));
+        let dead_letters = dead_letters.unwrap_or_else(|| Arc::new(MemoryDeadLetters::default()));
         let max_envelope_size = self.engine.max_envelope_size;
         let engine = Engine::start(
             self.engine,
@@ -420,6 +431,7 @@ impl RuntimeBuilder {
                 outbox: self.outbox.clone(),
                 store: self.store,
                 claims_in_store: self.claims_in_store,
+                dead_letters_apart: self.dead_letters_apart,
                 claims: self.deduplication.then(|| {
                     self.claims
                         .unwrap_or_else(|| Arc::new(MemoryClaims::default()) as Arc<dyn Claims>)
@@ -432,6 +444,7 @@ impl RuntimeBuilder {
             transport,
             inbox,
             dead_letters,
+            dead_letters_apart: self.dead_letters_apart,
             outbox: self.outbox,
             max_envelope_size,
             drain_timeout: self.drain_timeout,

@@ -1,7 +1,8 @@
 use dacapo_actors::DeadLetter;
+use dacapo_actors::ports::{Replay, ReplayTo, Resumable};
 use uuid::Uuid;
 
-use crate::{Error, Runtime};
+use crate::{EngineError, Error, Runtime};
 
 /// The runtime's dead letters: messages it gave up on, kept to be inspected and replayed.
 #[derive(Debug)]
@@ -45,29 +46,59 @@ impl<'a> DeadLetters<'a> {
     }
 
     /// Sends the dead letter's envelope back to the inbox with the same envelope id and a
-    /// fresh attempt count, and removes it from the dead letters.
+    /// fresh attempt count, and runs it on this node.
+    ///
+    /// With the runtime's store the move is one transaction: the dead letter is removed and the
+    /// inbox row rewritten together, or neither. A replay that fails again at once therefore
+    /// leaves its new dead letter, and a replay while the envelope is being delivered (a second
+    /// replay of the same letter) is refused and changes nothing. With dead letters kept apart
+    /// from the inbox ([`RuntimeBuilder::dead_letter_store`](crate::RuntimeBuilder::dead_letter_store)),
+    /// the letter is removed, then received again, and put back if the inbox refuses it.
     ///
     /// # Errors
     ///
-    /// [`Error::DeadLetterNotFound`], or a failure to redeliver, in which case the dead
-    /// letter stays: nothing is lost.
+    /// [`Error::DeadLetterNotFound`], [`Error::ReplayInProgress`], or the store's failure, in
+    /// which case the dead letter stays: nothing is lost.
     ///
     /// # Cancel safety
     ///
-    /// Cancelled midway, the envelope may be redelivered while its dead letter stays; replaying
-    /// it again is then discarded by the inbox.
+    /// Cancelled, the move either committed (the envelope is in the inbox, owned by this node,
+    /// and runs now or at this node's next start) or did not (the dead letter stays).
     pub async fn replay(&self, id: Uuid) -> Result<(), Error> {
-        let store = &self.runtime.dead_letters;
-        let dead_letter = store.get(id).await?.ok_or(Error::DeadLetterNotFound(id))?;
-        let mut envelope = dead_letter.envelope.clone();
-        envelope.attempts = 0;
-        // Redelivered first, removed after: a crash in between leaves the dead letter (its
-        // envelope, once handled, is discarded if replayed again), never loses it.
-        self.runtime.inbox.forget(id).await?;
-        self.runtime.receive(envelope).await?;
-        store
-            .remove_if_unchanged(id, dead_letter.last_failure_at)
-            .await?;
+        let runtime = self.runtime;
+        if runtime.dead_letters_apart {
+            let letter = runtime
+                .dead_letters
+                .remove(id)
+                .await?
+                .ok_or(Error::DeadLetterNotFound(id))?;
+            let mut envelope = letter.envelope.clone();
+            envelope.attempts = 0;
+            if let Err(error) = runtime.receive(envelope).await {
+                runtime.dead_letters.put(letter).await?;
+                return Err(error);
+            }
+        } else {
+            let dispatcher = runtime.engine.dispatcher();
+            if dispatcher.is_closing() {
+                let letter = runtime.dead_letters.get(id).await?;
+                let letter = letter.ok_or(Error::DeadLetterNotFound(id))?;
+                return Err(EngineError::ShuttingDown(Box::new(letter.envelope)).into());
+            }
+            match runtime.inbox.replay(id, ReplayTo::ThisNode).await? {
+                // Refused only by a shutdown that began meanwhile: the row is this node's, and
+                // its next start runs it.
+                Replay::Replayed(envelope) => dispatcher.resume(Resumable::new(
+                    envelope,
+                    None,
+                    Vec::new(),
+                    Vec::new(),
+                    Vec::new(),
+                ))?,
+                Replay::InProgress => return Err(Error::ReplayInProgress(id)),
+                _ => return Err(Error::DeadLetterNotFound(id)),
+            }
+        }
         tracing::info!(messaging.message.id = %id, "dead letter replayed");
         Ok(())
     }

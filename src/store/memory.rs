@@ -5,7 +5,10 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use chrono::{DateTime, Utc};
-use dacapo_actors::ports::{Claim, ClaimOutcome, Claims, Clock, DeadLetterStore, Inbox, Receipt};
+use dacapo_actors::ports::{
+    Claim, ClaimOutcome, Claims, Clock, DeadLetterStore, Fenced, Handled, Inbox, Receipt, Replay,
+    ReplayTo, RetryRecord,
+};
 use dacapo_actors::{DeadLetter, Envelope, Error};
 use uuid::Uuid;
 
@@ -21,11 +24,13 @@ fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
 /// same lock.
 const SHARDS: usize = 16;
 
-/// An inbox in memory: deduplicates envelope ids within one process, for as long as it lives.
+/// An inbox in memory: deduplicates envelope ids within one process, for as long as it lives,
+/// and keeps the dead letters of the deliveries it settles.
 pub struct MemoryInbox {
     keep_after_handling: chrono::Duration,
     clock: Arc<dyn Clock>,
     shards: [Mutex<InboxState>; SHARDS],
+    dead_letters: Arc<MemoryDeadLetters>,
 }
 
 impl std::fmt::Debug for MemoryInbox {
@@ -52,7 +57,13 @@ impl MemoryInbox {
                 .unwrap_or(chrono::TimeDelta::MAX),
             clock,
             shards: std::array::from_fn(|_| Mutex::default()),
+            dead_letters: Arc::default(),
         }
+    }
+
+    /// The dead letters this inbox settled deliveries into.
+    pub fn dead_letters(&self) -> Arc<MemoryDeadLetters> {
+        Arc::clone(&self.dead_letters)
     }
 
     fn shard(&self, id: Uuid) -> MutexGuard<'_, InboxState> {
@@ -105,9 +116,39 @@ impl Inbox for MemoryInbox {
         Ok(self.record(envelope.id))
     }
 
-    async fn mark_handled(&self, id: Uuid) -> Result<(), Error> {
+    // One process owns every delivery in memory: nothing to fence against.
+    async fn begin_attempt(&self, _: Uuid, _: u32) -> Result<Fenced, Error> {
+        Ok(Fenced::Written)
+    }
+
+    async fn schedule_retry(&self, _: RetryRecord<'_>) -> Result<Fenced, Error> {
+        Ok(Fenced::Written)
+    }
+
+    async fn settle_handled(&self, id: Uuid, _: &[Envelope]) -> Result<Handled, Error> {
         self.settle(id);
-        Ok(())
+        Ok(Handled::Written { in_outbox: false })
+    }
+
+    async fn dead_letter(&self, letter: &DeadLetter, _: bool) -> Result<Fenced, Error> {
+        self.dead_letters.insert(letter.clone());
+        self.settle(letter.envelope.id);
+        Ok(Fenced::Written)
+    }
+
+    async fn replay(&self, id: Uuid, _: ReplayTo) -> Result<Replay, Error> {
+        let mut state = self.shard(id);
+        if state.known.get(&id) == Some(&None) {
+            return Ok(Replay::InProgress);
+        }
+        let Some(letter) = self.dead_letters.take(id) else {
+            return Ok(Replay::NotFound);
+        };
+        // Known again as incoming, under the same lock: the engine runs it next.
+        state.known.insert(id, None);
+        let mut envelope = letter.envelope;
+        envelope.attempts = 0;
+        Ok(Replay::Replayed(envelope))
     }
 
     fn receive_now(&self, envelope: &Envelope) -> Option<Result<Receipt, Error>> {
@@ -118,11 +159,6 @@ impl Inbox for MemoryInbox {
         self.settle(id);
         Some(Ok(()))
     }
-
-    async fn forget(&self, id: Uuid) -> Result<(), Error> {
-        self.shard(id).known.remove(&id);
-        Ok(())
-    }
 }
 
 /// Dead letters in memory, lost with the process; the durable stores keep them.
@@ -131,12 +167,24 @@ pub struct MemoryDeadLetters {
     letters: Mutex<Vec<DeadLetter>>,
 }
 
-#[async_trait]
-impl DeadLetterStore for MemoryDeadLetters {
-    async fn put(&self, dead_letter: DeadLetter) -> Result<(), Error> {
+impl MemoryDeadLetters {
+    fn insert(&self, dead_letter: DeadLetter) {
         let mut letters = lock(&self.letters);
         letters.retain(|l| l.envelope.id != dead_letter.envelope.id);
         letters.push(dead_letter);
+    }
+
+    fn take(&self, id: Uuid) -> Option<DeadLetter> {
+        let mut letters = lock(&self.letters);
+        let index = letters.iter().position(|l| l.envelope.id == id);
+        index.map(|i| letters.remove(i))
+    }
+}
+
+#[async_trait]
+impl DeadLetterStore for MemoryDeadLetters {
+    async fn put(&self, dead_letter: DeadLetter) -> Result<(), Error> {
+        self.insert(dead_letter);
         Ok(())
     }
 
@@ -154,9 +202,7 @@ impl DeadLetterStore for MemoryDeadLetters {
     }
 
     async fn remove(&self, id: Uuid) -> Result<Option<DeadLetter>, Error> {
-        let mut letters = lock(&self.letters);
-        let index = letters.iter().position(|l| l.envelope.id == id);
-        Ok(index.map(|i| letters.remove(i)))
+        Ok(self.take(id))
     }
 
     async fn purge(&self) -> Result<u64, Error> {

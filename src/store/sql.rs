@@ -34,13 +34,30 @@ pub(crate) const BEGIN_ATTEMPT: &str = "UPDATE dacapo_inbox \
     WHERE id = $1 AND status <> 'handled' AND owner = $3";
 
 pub(crate) const SCHEDULE_RETRY: &str = "UPDATE dacapo_inbox \
-    SET status = 'scheduled', attempts = $2, execute_at = $3, failures = $4, succeeded = $5 \
+    SET status = 'scheduled', attempts = $2, execute_at = $3, failures = $4, succeeded = $5, \
+    cascaded = $7 \
     WHERE id = $1 AND status <> 'handled' AND owner = $6";
 
+/// Settles a delivery, handled or dead-lettered; only its owner does, and only once.
 pub(crate) const MARK_HANDLED: &str = "UPDATE dacapo_inbox \
-    SET status = 'handled', handled_at = $2, owner = NULL WHERE id = $1";
+    SET status = 'handled', handled_at = $2, owner = NULL \
+    WHERE id = $1 AND status <> 'handled' AND owner = $3";
 
-pub(crate) const FORGET: &str = "DELETE FROM dacapo_inbox WHERE id = $1";
+/// A replayed dead letter back in the inbox, fresh attempt count: a new row if the settled one
+/// was cleaned up, the settled one rewritten otherwise — never a row still being delivered.
+pub(crate) const REPLAY: &str = "INSERT INTO dacapo_inbox \
+    (id, message_type, payload, headers, deduplication_id, correlation_id, causation_id, sent_at, \
+     scheduled_for, status, attempts, owner, received_at) \
+    VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, 'incoming', 0, $10, $11) \
+    ON CONFLICT (id) DO UPDATE SET status = 'incoming', attempts = 0, execute_at = NULL, \
+    failures = NULL, succeeded = NULL, cascaded = NULL, owner = excluded.owner, \
+    received_at = excluded.received_at, handled_at = NULL \
+    WHERE dacapo_inbox.status = 'handled'";
+
+/// Releases the uncompleted claims of a dead-lettered envelope, whichever node made them: the
+/// work never happened, so the logical id must be free for a message that will do it.
+pub(crate) const RELEASE_ENVELOPE_CLAIMS: &str = "DELETE FROM dacapo_deduplication \
+    WHERE envelope_id = $1 AND completed = 0";
 
 pub(crate) const HEARTBEAT: &str = "INSERT INTO dacapo_nodes (id, heartbeat_at) VALUES ($1, $2) \
     ON CONFLICT (id) DO UPDATE SET heartbeat_at = excluded.heartbeat_at";
@@ -80,29 +97,39 @@ pub(crate) const REMOVE_DEAD_LETTER: &str = "DELETE FROM dacapo_dead_letters WHE
 
 pub(crate) const PURGE_DEAD_LETTERS: &str = "DELETE FROM dacapo_dead_letters";
 
+pub(crate) const INBOX_STATUS: &str = "SELECT status FROM dacapo_inbox WHERE id = $1";
+
 /// The claims table, created only when a runtime enables deduplication: with the feature off
 /// the schema does not change at all.
-pub(crate) const PROVISION_CLAIMS: [&str; 2] = [
+pub(crate) const PROVISION_CLAIMS: [&str; 3] = [
     "CREATE TABLE IF NOT EXISTS dacapo_deduplication (\
         handler TEXT NOT NULL, key_hash TEXT NOT NULL, key TEXT NOT NULL, \
-        fingerprint TEXT NOT NULL, envelope_id TEXT NOT NULL, completed INTEGER NOT NULL, \
+        fingerprint TEXT NOT NULL, envelope_id TEXT NOT NULL, node TEXT NOT NULL, \
+        completed INTEGER NOT NULL, \
         claimed_at BIGINT NOT NULL, expires_at BIGINT NOT NULL, \
         PRIMARY KEY (handler, key_hash))",
     "CREATE INDEX IF NOT EXISTS dacapo_deduplication_expires ON dacapo_deduplication (expires_at)",
+    "CREATE INDEX IF NOT EXISTS dacapo_deduplication_envelope ON dacapo_deduplication (envelope_id)",
 ];
 
 /// A claim is this one insert: the primary key rejects a held id. The same statement takes
 /// over, atomically, a claim whose window ended, or one the same envelope made and never
-/// completed (its handler crashed mid-way).
+/// completed in an attempt that certainly ended: this node's own earlier attempt (a node runs a
+/// delivery once at a time), or one of a node whose heartbeat expired — the rule by which the
+/// delivery itself was taken over. A live node's running attempt keeps its claim.
 pub(crate) const CLAIM: &str = "INSERT INTO dacapo_deduplication \
-    (handler, key_hash, key, fingerprint, envelope_id, completed, claimed_at, expires_at) \
-    VALUES ($1, $2, $3, $4, $5, 0, $6, $7) \
+    (handler, key_hash, key, fingerprint, envelope_id, node, completed, claimed_at, expires_at) \
+    VALUES ($1, $2, $3, $4, $5, $8, 0, $6, $7) \
     ON CONFLICT (handler, key_hash) DO UPDATE SET key = excluded.key, \
-    fingerprint = excluded.fingerprint, envelope_id = excluded.envelope_id, completed = 0, \
+    fingerprint = excluded.fingerprint, envelope_id = excluded.envelope_id, \
+    node = excluded.node, completed = 0, \
     claimed_at = excluded.claimed_at, expires_at = excluded.expires_at \
     WHERE dacapo_deduplication.expires_at <= excluded.claimed_at \
     OR (dacapo_deduplication.envelope_id = excluded.envelope_id \
-        AND dacapo_deduplication.completed = 0)";
+        AND dacapo_deduplication.completed = 0 \
+        AND (dacapo_deduplication.node = excluded.node \
+            OR dacapo_deduplication.node NOT IN \
+                (SELECT id FROM dacapo_nodes WHERE heartbeat_at >= $9)))";
 
 pub(crate) const CLAIM_HOLDER: &str = "SELECT fingerprint, envelope_id FROM dacapo_deduplication \
     WHERE handler = $1 AND key_hash = $2";
@@ -110,10 +137,12 @@ pub(crate) const CLAIM_HOLDER: &str = "SELECT fingerprint, envelope_id FROM daca
 // A completed claim stays: the handler's transaction committed its work with it, even if
 // the handler failed afterwards.
 pub(crate) const RELEASE_CLAIM: &str = "DELETE FROM dacapo_deduplication \
-    WHERE handler = $1 AND key_hash = $2 AND envelope_id = $3 AND completed = 0";
+    WHERE handler = $1 AND key_hash = $2 AND envelope_id = $3 AND completed = 0 AND node = $4";
 
+/// Fenced on the node: a node whose claim was taken over (it was taken for dead) completes
+/// nothing, and its handler transaction fails instead of committing a second effect.
 pub(crate) const COMPLETE_CLAIM: &str = "UPDATE dacapo_deduplication SET completed = 1 \
-    WHERE handler = $1 AND key_hash = $2 AND envelope_id = $3";
+    WHERE handler = $1 AND key_hash = $2 AND envelope_id = $3 AND node = $4";
 
 pub(crate) const REAP_CLAIMS: &str = "DELETE FROM dacapo_deduplication \
     WHERE (handler, key_hash) IN (SELECT handler, key_hash FROM dacapo_deduplication \
@@ -211,10 +240,27 @@ macro_rules! migrations {
                     "/0005_handler_completions.sql"
                 )),
             },
+            $crate::store::sql::Migration {
+                version: 6,
+                description: "delivery state: cascades, pending and retention indexes",
+                sql: include_str!(concat!(
+                    "../../migrations/",
+                    $backend,
+                    "/0006_delivery_state.sql"
+                )),
+            },
         ]
     };
 }
 pub(crate) use migrations;
+
+/// A claim this node no longer holds: another node took it over (this one was taken for dead).
+pub(crate) fn claim_lost(claim: &dacapo_actors::ports::Claim) -> Error {
+    Error::store(format!(
+        "the deduplication claim of handler {} on {:?} was taken over by another node",
+        claim.handler, claim.key
+    ))
+}
 
 pub(crate) fn millis(at: DateTime<Utc>) -> i64 {
     at.timestamp_millis()
@@ -429,6 +475,12 @@ macro_rules! sql_store {
                 self.clock.now()
             }
 
+            /// A node that heartbeat since then is alive; others are taken for dead.
+            fn alive_since(&self) -> chrono::DateTime<chrono::Utc> {
+                let timeout = chrono::Duration::from_std(self.node_timeout).unwrap_or(chrono::TimeDelta::MAX);
+                self.clock.now().checked_sub_signed(timeout).unwrap_or(chrono::DateTime::<chrono::Utc>::MIN_UTC)
+            }
+
             /// The connection pool, for the application's own queries.
             pub fn pool(&self) -> &$pool {
                 &self.pool
@@ -472,15 +524,17 @@ macro_rules! sql_store {
                 let execute_at: Option<i64> = row.try_get(10).map_err(get)?;
                 let failures: Option<String> = row.try_get(11).map_err(get)?;
                 let succeeded: Option<String> = row.try_get(12).map_err(get)?;
+                let cascaded: Option<String> = row.try_get(13).map_err(get)?;
                 Ok(dacapo_actors::ports::Resumable::new(
                     columns.into_envelope(attempts(stored_attempts))?,
                     execute_at.map(time).transpose()?,
                     failures_from(failures.as_deref())?,
                     succeeded.as_deref().map(from_json).transpose()?.unwrap_or_default(),
+                    cascaded.as_deref().map(from_json).transpose()?.unwrap_or_default(),
                 ))
             }
 
-            fn dead_letter(row: &<$db as sqlx::Database>::Row) -> Result<dacapo_actors::DeadLetter, dacapo_actors::Error> {
+            fn dead_letter_row(row: &<$db as sqlx::Database>::Row) -> Result<dacapo_actors::DeadLetter, dacapo_actors::Error> {
                 use sqlx::Row;
                 use $crate::store::sql::*;
                 let get = |e: sqlx::Error| dacapo_actors::Error::store(e);
@@ -545,9 +599,13 @@ macro_rules! sql_store {
                 })
             }
 
-            async fn begin_attempt(&self, id: uuid::Uuid, attempt: u32) -> Result<bool, dacapo_actors::Error> {
+            async fn begin_attempt(
+                &self,
+                id: uuid::Uuid,
+                attempt: u32,
+            ) -> Result<dacapo_actors::ports::Fenced, dacapo_actors::Error> {
                 use $crate::store::sql::*;
-                let ours = sqlx::query(BEGIN_ATTEMPT)
+                let rows = sqlx::query(BEGIN_ATTEMPT)
                     .bind(id_text(id))
                     .bind(stored_attempts(attempt))
                     .bind(&*self.node)
@@ -555,51 +613,53 @@ macro_rules! sql_store {
                     .await
                     .map_err(dacapo_actors::Error::store)?
                     .rows_affected();
-                Ok(ours == 1)
+                Ok(dacapo_actors::ports::Fenced::from_rows(rows))
             }
 
             async fn schedule_retry(
                 &self,
-                envelope: &dacapo_actors::Envelope,
-                due_at: chrono::DateTime<chrono::Utc>,
-                failures: &[dacapo_actors::AggregateError],
-                succeeded: &[String],
-            ) -> Result<(), dacapo_actors::Error> {
+                record: dacapo_actors::ports::RetryRecord<'_>,
+            ) -> Result<dacapo_actors::ports::Fenced, dacapo_actors::Error> {
                 use $crate::store::sql::*;
-                sqlx::query(SCHEDULE_RETRY)
-                    .bind(id_text(envelope.id))
-                    .bind(stored_attempts(envelope.attempts))
-                    .bind(millis(due_at))
-                    .bind(json(&failures)?)
-                    .bind(json(&succeeded)?)
+                let rows = sqlx::query(SCHEDULE_RETRY)
+                    .bind(id_text(record.envelope.id))
+                    .bind(stored_attempts(record.envelope.attempts))
+                    .bind(millis(record.due_at))
+                    .bind(json(&record.failures)?)
+                    .bind(json(&record.succeeded)?)
                     .bind(&*self.node)
+                    .bind(if record.cascaded.is_empty() { None } else { Some(json(&record.cascaded)?) })
                     .execute(&self.pool)
                     .await
-                    .map_err(dacapo_actors::Error::store)?;
-                Ok(())
+                    .map_err(dacapo_actors::Error::store)?
+                    .rows_affected();
+                Ok(dacapo_actors::ports::Fenced::from_rows(rows))
             }
 
-            async fn mark_handled(&self, id: uuid::Uuid) -> Result<(), dacapo_actors::Error> {
-                use $crate::store::sql::*;
-                sqlx::query(MARK_HANDLED)
-                    .bind(id_text(id))
-                    .bind(millis(self.clock.now()))
-                    .execute(&self.pool)
-                    .await
-                    .map_err(dacapo_actors::Error::store)?;
-                Ok(())
-            }
-
-            async fn mark_handled_with_outbox(
+            async fn settle_handled(
                 &self,
                 id: uuid::Uuid,
                 cascaded: &[dacapo_actors::Envelope],
-            ) -> Result<bool, dacapo_actors::Error> {
+            ) -> Result<dacapo_actors::ports::Handled, dacapo_actors::Error> {
                 use $crate::store::sql::*;
                 let store_error = dacapo_actors::Error::store;
                 let now = millis(self.clock.now());
+                let mark = sqlx::query(MARK_HANDLED).bind(id_text(id)).bind(now).bind(&*self.node);
+                if cascaded.is_empty() {
+                    let rows = mark.execute(&self.pool).await.map_err(store_error)?.rows_affected();
+                    return Ok(match dacapo_actors::ports::Fenced::from_rows(rows) {
+                        dacapo_actors::ports::Fenced::Written => {
+                            dacapo_actors::ports::Handled::Written { in_outbox: true }
+                        }
+                        _ => dacapo_actors::ports::Handled::OwnedElsewhere,
+                    });
+                }
                 let mut tx = self.pool.begin_with($begin).await.map_err(store_error)?;
-                sqlx::query(MARK_HANDLED).bind(id_text(id)).bind(now).execute(&mut *tx).await.map_err(store_error)?;
+                let rows = mark.execute(&mut *tx).await.map_err(store_error)?.rows_affected();
+                if rows == 0 {
+                    tx.rollback().await.map_err(store_error)?;
+                    return Ok(dacapo_actors::ports::Handled::OwnedElsewhere);
+                }
                 for envelope in cascaded {
                     let c = EnvelopeColumns::of(envelope)?;
                     // A retry of this commit writes the same deterministic ids: keep the first.
@@ -610,17 +670,103 @@ macro_rules! sql_store {
                         .map_err(store_error)?;
                 }
                 tx.commit().await.map_err(store_error)?;
-                Ok(true)
+                Ok(dacapo_actors::ports::Handled::Written { in_outbox: true })
             }
 
-            async fn forget(&self, id: uuid::Uuid) -> Result<(), dacapo_actors::Error> {
+            async fn dead_letter(
+                &self,
+                letter: &dacapo_actors::DeadLetter,
+                release_claims: bool,
+            ) -> Result<dacapo_actors::ports::Fenced, dacapo_actors::Error> {
                 use $crate::store::sql::*;
-                sqlx::query(FORGET)
-                    .bind(id_text(id))
-                    .execute(&self.pool)
+                use dacapo_actors::ports::Claims as _;
+                let store_error = dacapo_actors::Error::store;
+                if release_claims {
+                    self.provision().await?;
+                }
+                let id = id_text(letter.envelope.id);
+                let mut tx = self.pool.begin_with($begin).await.map_err(store_error)?;
+                let rows = sqlx::query(MARK_HANDLED)
+                    .bind(&id)
+                    .bind(millis(self.clock.now()))
+                    .bind(&*self.node)
+                    .execute(&mut *tx)
                     .await
-                    .map_err(dacapo_actors::Error::store)?;
-                Ok(())
+                    .map_err(store_error)?
+                    .rows_affected();
+                if rows == 0 {
+                    tx.rollback().await.map_err(store_error)?;
+                    return Ok(dacapo_actors::ports::Fenced::OwnedElsewhere);
+                }
+                let c = EnvelopeColumns::of(&letter.envelope)?;
+                $crate::store::sql::bind_envelope!(sqlx::query(PUT_DEAD_LETTER), c)
+                    .bind(reason_json(&letter.reason)?)
+                    .bind(json(&letter.failures)?)
+                    .bind(stored_attempts(letter.attempts))
+                    .bind(millis(letter.first_failure_at))
+                    .bind(millis(letter.last_failure_at))
+                    .execute(&mut *tx)
+                    .await
+                    .map_err(store_error)?;
+                if release_claims {
+                    sqlx::query(RELEASE_ENVELOPE_CLAIMS)
+                        .bind(&id)
+                        .execute(&mut *tx)
+                        .await
+                        .map_err(store_error)?;
+                }
+                tx.commit().await.map_err(store_error)?;
+                Ok(dacapo_actors::ports::Fenced::Written)
+            }
+
+            async fn replay(
+                &self,
+                id: uuid::Uuid,
+                to: dacapo_actors::ports::ReplayTo,
+            ) -> Result<dacapo_actors::ports::Replay, dacapo_actors::Error> {
+                use $crate::store::sql::*;
+                use dacapo_actors::ports::Replay;
+                let store_error = dacapo_actors::Error::store;
+                let mut tx = self.pool.begin_with($begin).await.map_err(store_error)?;
+                // Removed first, in the transaction: a concurrent replay waits for this one and
+                // then finds nothing to remove.
+                let row = sqlx::query(REMOVE_DEAD_LETTER)
+                    .bind(id_text(id))
+                    .fetch_optional(&mut *tx)
+                    .await
+                    .map_err(store_error)?;
+                let Some(row) = row else {
+                    let status: Option<String> = sqlx::query_scalar(INBOX_STATUS)
+                        .bind(id_text(id))
+                        .fetch_optional(&mut *tx)
+                        .await
+                        .map_err(store_error)?;
+                    tx.rollback().await.map_err(store_error)?;
+                    return Ok(match status.as_deref() {
+                        Some("incoming" | "scheduled") => Replay::InProgress,
+                        _ => Replay::NotFound,
+                    });
+                };
+                let mut envelope = Self::dead_letter_row(&row)?.envelope;
+                envelope.attempts = 0;
+                let owner = match to {
+                    dacapo_actors::ports::ReplayTo::ThisNode => Some(&*self.node),
+                    _ => None,
+                };
+                let c = EnvelopeColumns::of(&envelope)?;
+                let rows = $crate::store::sql::bind_envelope!(sqlx::query(REPLAY), c)
+                    .bind(owner)
+                    .bind(millis(self.clock.now()))
+                    .execute(&mut *tx)
+                    .await
+                    .map_err(store_error)?
+                    .rows_affected();
+                if rows == 0 {
+                    tx.rollback().await.map_err(store_error)?;
+                    return Ok(Replay::InProgress);
+                }
+                tx.commit().await.map_err(store_error)?;
+                Ok(Replay::Replayed(envelope))
             }
 
             async fn recover(
@@ -628,8 +774,7 @@ macro_rules! sql_store {
                 limit: usize,
             ) -> Result<Vec<dacapo_actors::ports::Resumable>, dacapo_actors::Error> {
                 use $crate::store::sql::*;
-                let timeout = chrono::Duration::from_std(self.node_timeout).unwrap_or(chrono::TimeDelta::MAX);
-                let alive_since = self.clock.now().checked_sub_signed(timeout).unwrap_or(chrono::DateTime::<chrono::Utc>::MIN_UTC);
+                let alive_since = self.alive_since();
                 let mut tx = self.pool.begin_with($begin).await.map_err(dacapo_actors::Error::store)?;
                 let rows = sqlx::query($claim)
                     .bind(&*self.node)
@@ -736,6 +881,8 @@ macro_rules! sql_store {
                         .bind(&claim.envelope_id)
                         .bind(millis(claim.claimed_at))
                         .bind(millis(claim.expires_at))
+                        .bind(&*self.node)
+                        .bind(millis(self.alive_since()))
                         .execute(&self.pool)
                         .await
                         .map_err(dacapo_actors::Error::store)?
@@ -771,6 +918,7 @@ macro_rules! sql_store {
                     .bind(&claim.handler)
                     .bind(&claim.key_hash)
                     .bind(&claim.envelope_id)
+                    .bind(&*self.node)
                     .execute(&self.pool)
                     .await
                     .map_err(dacapo_actors::Error::store)?;
@@ -779,13 +927,18 @@ macro_rules! sql_store {
 
             async fn complete(&self, claim: &dacapo_actors::ports::Claim) -> Result<(), dacapo_actors::Error> {
                 use $crate::store::sql::*;
-                sqlx::query(COMPLETE_CLAIM)
+                let rows = sqlx::query(COMPLETE_CLAIM)
                     .bind(&claim.handler)
                     .bind(&claim.key_hash)
                     .bind(&claim.envelope_id)
+                    .bind(&*self.node)
                     .execute(&self.pool)
                     .await
-                    .map_err(dacapo_actors::Error::store)?;
+                    .map_err(dacapo_actors::Error::store)?
+                    .rows_affected();
+                if rows == 0 {
+                    return Err(claim_lost(claim));
+                }
                 Ok(())
             }
 
@@ -924,7 +1077,7 @@ macro_rules! sql_store {
                     .fetch_all(&self.pool)
                     .await
                     .map_err(dacapo_actors::Error::store)?;
-                rows.iter().map(Self::dead_letter).collect()
+                rows.iter().map(Self::dead_letter_row).collect()
             }
 
             async fn get(&self, id: uuid::Uuid) -> Result<Option<dacapo_actors::DeadLetter>, dacapo_actors::Error> {
@@ -934,7 +1087,7 @@ macro_rules! sql_store {
                     .fetch_optional(&self.pool)
                     .await
                     .map_err(dacapo_actors::Error::store)?;
-                row.as_ref().map(Self::dead_letter).transpose()
+                row.as_ref().map(Self::dead_letter_row).transpose()
             }
 
             async fn remove(&self, id: uuid::Uuid) -> Result<Option<dacapo_actors::DeadLetter>, dacapo_actors::Error> {
@@ -944,7 +1097,7 @@ macro_rules! sql_store {
                     .fetch_optional(&self.pool)
                     .await
                     .map_err(dacapo_actors::Error::store)?;
-                row.as_ref().map(Self::dead_letter).transpose()
+                row.as_ref().map(Self::dead_letter_row).transpose()
             }
 
             async fn purge(&self) -> Result<u64, dacapo_actors::Error> {
@@ -974,7 +1127,7 @@ pub(crate) const CLAIM_SQLITE: &str = "UPDATE dacapo_inbox SET owner = $1 WHERE 
     AND owner NOT IN (SELECT id FROM dacapo_nodes WHERE heartbeat_at >= $2))) \
     ORDER BY received_at LIMIT $3) \
     RETURNING id, message_type, payload, headers, deduplication_id, correlation_id, causation_id, \
-    sent_at, scheduled_for, attempts, execute_at, failures, succeeded";
+    sent_at, scheduled_for, attempts, execute_at, failures, succeeded, cascaded";
 
 /// Claims unsettled rows, skipping those another node is claiming at this moment.
 #[cfg(feature = "postgres")]
@@ -984,4 +1137,4 @@ pub(crate) const CLAIM_POSTGRES: &str = "UPDATE dacapo_inbox SET owner = $1 WHER
     AND owner NOT IN (SELECT id FROM dacapo_nodes WHERE heartbeat_at >= $2))) \
     ORDER BY received_at LIMIT $3 FOR UPDATE SKIP LOCKED) \
     RETURNING id, message_type, payload, headers, deduplication_id, correlation_id, causation_id, \
-    sent_at, scheduled_for, attempts, execute_at, failures, succeeded";
+    sent_at, scheduled_for, attempts, execute_at, failures, succeeded, cascaded";
