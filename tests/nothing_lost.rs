@@ -1,0 +1,514 @@
+//! Nothing lost when a runtime dies between two steps of a delivery, on a real SQLite file and a
+//! real PostgreSQL server: what a succeeded handler published survives the crash, a replay
+//! never deletes the dead letter it made, a crashed last attempt frees its logical id, and a
+//! node that lost a delivery writes nothing more of it.
+#![cfg(all(feature = "sqlite", feature = "postgres"))]
+
+#[path = "support/messages.rs"]
+mod support;
+#[path = "support/stores.rs"]
+mod support_stores;
+
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use dacapo::prelude::*;
+use dacapo::testing::Recorder;
+use dacapo::transaction::HandlerTransactions;
+use dacapo::{DiscardReason, Outcome, RetryScope};
+use serde::{Deserialize, Serialize};
+use support::{Counter, MemberRemoved, member_removed};
+use support_stores::Backend;
+use tokio::sync::{Notify, oneshot};
+
+const WAIT: Duration = Duration::from_secs(20);
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+struct Announced {
+    member_id: u64,
+}
+
+impl Message for Announced {
+    const TYPE: &'static str = "nothing_lost.announced";
+}
+
+/// Signals once that it was called, then never finishes: the runtime dies under it.
+#[derive(Clone)]
+struct Stuck {
+    started: Arc<Mutex<Option<oneshot::Sender<()>>>>,
+}
+
+impl Stuck {
+    fn new() -> (Self, oneshot::Receiver<()>) {
+        let (tx, rx) = oneshot::channel();
+        (
+            Self {
+                started: Arc::new(Mutex::new(Some(tx))),
+            },
+            rx,
+        )
+    }
+}
+
+impl<M: Message> Handler<M> for Stuck {
+    async fn handle(&self, _: &M, _: &MessageContext) -> Result<(), HandlerError> {
+        if let Some(started) = self.started.lock().unwrap().take() {
+            let _ = started.send(());
+        }
+        std::future::pending::<()>().await;
+        Ok(())
+    }
+}
+
+/// Publishes an announcement inside its handler transaction, then commits: the seed's
+/// "rows already there → return early" handler, which publishes nothing on a rerun.
+struct AnnounceInTransaction {
+    backend: Backend,
+    committed: Arc<Notify>,
+}
+
+impl Handler<MemberRemoved> for AnnounceInTransaction {
+    async fn handle(
+        &self,
+        event: &MemberRemoved,
+        ctx: &MessageContext,
+    ) -> Result<(), HandlerError> {
+        let announced = Announced {
+            member_id: event.member_id,
+        };
+        match self.backend {
+            Backend::Sqlite => {
+                let Some(tx) = ctx.transaction::<sqlx::Sqlite>().await? else {
+                    return Ok(());
+                };
+                ctx.publish(&announced).await?;
+                tx.commit().await?;
+            }
+            Backend::Postgres => {
+                let Some(tx) = ctx.transaction::<sqlx::Postgres>().await? else {
+                    return Ok(());
+                };
+                ctx.publish(&announced).await?;
+                tx.commit().await?;
+            }
+        }
+        self.committed.notify_one();
+        Ok(())
+    }
+}
+
+/// Publishes an announcement without a transaction and succeeds.
+struct Announce;
+
+impl Handler<MemberRemoved> for Announce {
+    async fn handle(
+        &self,
+        event: &MemberRemoved,
+        ctx: &MessageContext,
+    ) -> Result<(), HandlerError> {
+        ctx.publish(&Announced {
+            member_id: event.member_id,
+        })
+        .await?;
+        Ok(())
+    }
+}
+
+/// Fails its first call and signals it; succeeds after.
+struct FailFirst(Mutex<Option<oneshot::Sender<()>>>);
+
+impl Handler<MemberRemoved> for FailFirst {
+    async fn handle(&self, _: &MemberRemoved, _: &MessageContext) -> Result<(), HandlerError> {
+        if let Some(failed) = self.0.lock().unwrap().take() {
+            let _ = failed.send(());
+            return Err("the first attempt fails".into());
+        }
+        Ok(())
+    }
+}
+
+async fn until(mut done: impl FnMut() -> bool) {
+    tokio::time::timeout(WAIT, async {
+        while !done() {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    })
+    .await
+    .expect("in time");
+}
+
+on_both_backends!(
+    what_a_handler_transaction_published_survives_a_crash_before_the_delivery_settles_sqlite,
+    what_a_handler_transaction_published_survives_a_crash_before_the_delivery_settles_postgres,
+    |db| {
+        let committed = Arc::new(Notify::new());
+        let (stuck, stuck_started) = Stuck::new();
+        let crashed = db
+            .store(Runtime::builder(), "node-a", Duration::from_millis(600))
+            .await
+            .module(Module::new("webhooks").handle_named::<MemberRemoved, _>(
+                "queue",
+                AnnounceInTransaction {
+                    backend: db.backend,
+                    committed: Arc::clone(&committed),
+                },
+            ))
+            .module(Module::new("workspaces").handle_named::<MemberRemoved, _>("revoke", stuck))
+            // Had its relay already handed the announcement to this node, the survivor takes
+            // that delivery over.
+            .module(Module::new("audit").handle_named::<Announced, _>("ignore", Stuck::new().0))
+            .build()
+            .unwrap();
+        crashed.publish(&member_removed()).await.unwrap();
+        tokio::time::timeout(WAIT, committed.notified())
+            .await
+            .unwrap();
+        tokio::time::timeout(WAIT, stuck_started)
+            .await
+            .unwrap()
+            .unwrap();
+        // Gone without a shutdown, its delivery unsettled.
+        drop(crashed);
+
+        let announcements = Recorder::<Announced>::new();
+        let survivor = db
+            .store(Runtime::builder(), "node-b", Duration::from_millis(600))
+            .await
+            .recovery_interval(Duration::from_millis(100))
+            .relay_interval(Duration::from_millis(50))
+            .module(Module::new("webhooks").handle_named::<MemberRemoved, _>(
+                "queue",
+                AnnounceInTransaction {
+                    backend: db.backend,
+                    committed: Arc::new(Notify::new()),
+                },
+            ))
+            .module(
+                Module::new("workspaces")
+                    .handle_named::<MemberRemoved, _>("revoke", Counter::default()),
+            )
+            .module(
+                Module::new("audit").handle_named::<Announced, _>("ignore", announcements.clone()),
+            )
+            .build()
+            .unwrap();
+        until(|| announcements.count() >= 1).await;
+        tokio::time::timeout(WAIT, survivor.idle()).await.unwrap();
+        assert_eq!(
+            announcements.count(),
+            1,
+            "published once, not lost, not twice"
+        );
+        assert_eq!(
+            db.scalar("SELECT count(*) FROM dacapo_outbox").await,
+            1,
+            "one outbox row: the transaction's"
+        );
+        survivor.shutdown().await;
+    }
+);
+
+on_both_backends!(
+    what_a_succeeded_handler_published_survives_a_crash_during_the_cooldown_sqlite,
+    what_a_succeeded_handler_published_survives_a_crash_during_the_cooldown_postgres,
+    |db| {
+        let policy = RetryPolicy {
+            min_retry_interval: Duration::from_secs(3600),
+            max_retry_interval: Duration::from_secs(3600),
+            ..RetryPolicy::default()
+        };
+        let (failed, failed_rx) = oneshot::channel();
+        let crashed = db
+            .store(Runtime::builder(), "node-a", Duration::from_millis(600))
+            .await
+            .retry_scope(RetryScope::FailedHandlers)
+            .retry_policy(policy)
+            .module(Module::new("webhooks").handle_named::<MemberRemoved, _>("queue", Announce))
+            .module(
+                Module::new("workspaces").handle_named::<MemberRemoved, _>(
+                    "revoke",
+                    FailFirst(Mutex::new(Some(failed))),
+                ),
+            )
+            .module(Module::new("audit").handle_named::<Announced, _>("ignore", Counter::default()))
+            .build()
+            .unwrap();
+        let id = crashed.publish(&member_removed()).await.unwrap();
+        tokio::time::timeout(WAIT, failed_rx)
+            .await
+            .unwrap()
+            .unwrap();
+        until_scheduled(&db, id).await;
+        drop(crashed);
+        // The cooldown is over: due now.
+        db.execute("UPDATE dacapo_inbox SET execute_at = 0").await;
+
+        let announcements = Recorder::<Announced>::new();
+        let queue = Counter::default();
+        let survivor = db
+            .store(Runtime::builder(), "node-b", Duration::from_millis(600))
+            .await
+            .retry_scope(RetryScope::FailedHandlers)
+            .recovery_interval(Duration::from_millis(100))
+            .relay_interval(Duration::from_millis(50))
+            .module(
+                Module::new("webhooks").handle_named::<MemberRemoved, _>("queue", queue.clone()),
+            )
+            .module(
+                Module::new("workspaces")
+                    .handle_named::<MemberRemoved, _>("revoke", Counter::default()),
+            )
+            .module(
+                Module::new("audit").handle_named::<Announced, _>("ignore", announcements.clone()),
+            )
+            .build()
+            .unwrap();
+        until(|| announcements.count() >= 1).await;
+        tokio::time::timeout(WAIT, survivor.idle()).await.unwrap();
+        assert_eq!(
+            queue.count(),
+            0,
+            "the handler that succeeded is not run again"
+        );
+        assert_eq!(announcements.count(), 1, "what it published is sent once");
+        assert_eq!(db.inbox_status(id).await.as_deref(), Some("handled"));
+        survivor.shutdown().await;
+    }
+);
+
+async fn until_scheduled(db: &support_stores::TestDatabase, id: uuid::Uuid) {
+    tokio::time::timeout(WAIT, async {
+        while db.inbox_status(id).await.as_deref() != Some("scheduled") {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    })
+    .await
+    .expect("the retry was recorded");
+}
+
+struct Permanent;
+
+impl Handler<MemberRemoved> for Permanent {
+    async fn handle(&self, _: &MemberRemoved, _: &MessageContext) -> Result<(), HandlerError> {
+        Err(HandlerError::permanent("this can never pass"))
+    }
+}
+
+on_both_backends!(
+    a_replay_that_fails_again_at_once_leaves_its_new_dead_letter_sqlite,
+    a_replay_that_fails_again_at_once_leaves_its_new_dead_letter_postgres,
+    |db| {
+        let runtime = db
+            .store(Runtime::builder(), "node-a", Duration::from_secs(30))
+            .await
+            .module(Module::new("billing").handle_named::<MemberRemoved, _>("charge", Permanent))
+            .build()
+            .unwrap();
+        let id = runtime.publish(&member_removed()).await.unwrap();
+        tokio::time::timeout(WAIT, runtime.idle()).await.unwrap();
+        for round in 0..20 {
+            runtime.dead_letters().replay(id).await.unwrap();
+            tokio::time::timeout(WAIT, runtime.idle()).await.unwrap();
+            let letter = runtime.dead_letters().inspect(id).await;
+            assert!(
+                letter.is_ok(),
+                "round {round}: the replay's own dead letter is kept"
+            );
+            assert_eq!(
+                letter.unwrap().attempts,
+                1,
+                "round {round}: a fresh attempt count"
+            );
+        }
+        assert_eq!(db.inbox_status(id).await.as_deref(), Some("handled"));
+        runtime.shutdown().await;
+    }
+);
+
+on_both_backends!(
+    a_replay_while_the_envelope_is_being_delivered_is_refused_and_changes_nothing_sqlite,
+    a_replay_while_the_envelope_is_being_delivered_is_refused_and_changes_nothing_postgres,
+    |db| {
+        let (stuck, started) = Stuck::new();
+        let first = db
+            .store(Runtime::builder(), "node-a", Duration::from_secs(30))
+            .await
+            .module(Module::new("billing").handle_named::<MemberRemoved, _>("charge", Permanent))
+            .build()
+            .unwrap();
+        let id = first.publish(&member_removed()).await.unwrap();
+        tokio::time::timeout(WAIT, first.idle()).await.unwrap();
+        first.shutdown().await;
+
+        let second = db
+            .store(Runtime::builder(), "node-a", Duration::from_secs(30))
+            .await
+            .module(Module::new("billing").handle_named::<MemberRemoved, _>("charge", stuck))
+            .build()
+            .unwrap();
+        second.dead_letters().replay(id).await.unwrap();
+        tokio::time::timeout(WAIT, started).await.unwrap().unwrap();
+        let error = second.dead_letters().replay(id).await.unwrap_err();
+        assert!(
+            matches!(error, dacapo::Error::ReplayInProgress(e) if e == id),
+            "{error}"
+        );
+        assert_eq!(
+            db.inbox_status(id).await.as_deref(),
+            Some("incoming"),
+            "the running delivery's row is untouched"
+        );
+        assert!(second.dead_letters().list().await.unwrap().is_empty());
+    }
+);
+
+on_both_backends!(
+    a_crash_during_the_last_attempt_frees_the_deduplication_id_sqlite,
+    a_crash_during_the_last_attempt_frees_the_deduplication_id_postgres,
+    |db| {
+        let last_attempt = RetryPolicy {
+            retry_limit: 0,
+            ..RetryPolicy::default()
+        };
+        let (stuck, started) = Stuck::new();
+        let crashed = db
+            .store(Runtime::builder(), "node-a", Duration::from_millis(600))
+            .await
+            .enable_deduplication()
+            .retry_policy(last_attempt)
+            .module(
+                Module::new("projections")
+                    .handle_named::<MemberRemoved, _>("rebuild", stuck)
+                    .deduplicate("rebuild", Deduplication::from_envelope()),
+            )
+            .build()
+            .unwrap();
+        let intent = SendOptions::new().deduplication_id("rebuild|tonight");
+        let crashed_id = crashed
+            .publish_with(&member_removed(), intent.clone())
+            .await
+            .unwrap();
+        tokio::time::timeout(WAIT, started).await.unwrap().unwrap();
+        drop(crashed);
+
+        let effects = Counter::default();
+        let survivor = db
+            .store(Runtime::builder(), "node-b", Duration::from_millis(600))
+            .await
+            .enable_deduplication()
+            .retry_policy(last_attempt)
+            .recovery_interval(Duration::from_millis(100))
+            .module(
+                Module::new("projections")
+                    .handle_named::<MemberRemoved, _>("rebuild", effects.clone())
+                    .deduplicate("rebuild", Deduplication::from_envelope()),
+            )
+            .build()
+            .unwrap();
+        tokio::time::timeout(WAIT, async {
+            while survivor.dead_letters().inspect(crashed_id).await.is_err() {
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+        })
+        .await
+        .expect("the interrupted last attempt is dead-lettered");
+        assert_eq!(
+            db.scalar("SELECT count(*) FROM dacapo_deduplication").await,
+            0,
+            "its claim was released with the dead letter"
+        );
+
+        survivor
+            .publish_with(&member_removed(), intent)
+            .await
+            .unwrap();
+        tokio::time::timeout(WAIT, survivor.idle()).await.unwrap();
+        assert_eq!(
+            effects.count(),
+            1,
+            "a new envelope with the same intent does the work"
+        );
+        survivor.shutdown().await;
+    }
+);
+
+/// Waits to be released, then succeeds.
+#[derive(Clone)]
+struct Gate {
+    started: Arc<Mutex<Option<oneshot::Sender<()>>>>,
+    open: Arc<Notify>,
+}
+
+impl Handler<MemberRemoved> for Gate {
+    async fn handle(&self, _: &MemberRemoved, _: &MessageContext) -> Result<(), HandlerError> {
+        if let Some(started) = self.started.lock().unwrap().take() {
+            let _ = started.send(());
+        }
+        self.open.notified().await;
+        Ok(())
+    }
+}
+
+on_both_backends!(
+    a_node_taken_for_dead_cannot_settle_the_delivery_its_new_owner_runs_sqlite,
+    a_node_taken_for_dead_cannot_settle_the_delivery_its_new_owner_runs_postgres,
+    |db| {
+        let (started, started_rx) = oneshot::channel();
+        let open = Arc::new(Notify::new());
+        // Node a heartbeats every 10 s; node b takes a node silent for 300 ms for dead.
+        let slow = db
+            .store(Runtime::builder(), "node-a", Duration::from_secs(30))
+            .await
+            .module(Module::new("billing").handle_named::<MemberRemoved, _>(
+                "charge",
+                Gate {
+                    started: Arc::new(Mutex::new(Some(started))),
+                    open: Arc::clone(&open),
+                },
+            ))
+            .build()
+            .unwrap();
+        let envelope = Envelope::for_message(&member_removed()).unwrap();
+        let id = envelope.id;
+        let report = slow.receive_tracked(envelope).await.unwrap();
+        tokio::time::timeout(WAIT, started_rx)
+            .await
+            .unwrap()
+            .unwrap();
+
+        let (b_started, b_started_rx) = oneshot::channel();
+        let new_owner = db
+            .store(Runtime::builder(), "node-b", Duration::from_millis(300))
+            .await
+            .recovery_interval(Duration::from_millis(100))
+            .module(Module::new("billing").handle_named::<MemberRemoved, _>(
+                "charge",
+                Gate {
+                    started: Arc::new(Mutex::new(Some(b_started))),
+                    open: Arc::new(Notify::new()),
+                },
+            ))
+            .build()
+            .unwrap();
+        tokio::time::timeout(WAIT, b_started_rx)
+            .await
+            .unwrap()
+            .unwrap();
+
+        // Node a wakes up and finishes its attempt late.
+        open.notify_one();
+        let report = tokio::time::timeout(WAIT, report).await.unwrap().unwrap();
+        assert_eq!(
+            report.outcome,
+            Outcome::Discarded(DiscardReason::OwnedElsewhere),
+            "the stale node's settle changed nothing"
+        );
+        assert_eq!(
+            db.inbox_status(id).await.as_deref(),
+            Some("incoming"),
+            "the new owner's delivery is still running"
+        );
+        slow.shutdown().await;
+        drop(new_owner);
+    }
+);
