@@ -516,3 +516,91 @@ async fn a_relay_without_the_lease_does_not_contend_for_it_on_every_wake() {
     );
     runtime.shutdown().await;
 }
+
+/// The store's outbox, as if another node took the lease as soon as this relay had it once.
+struct LeaseLostAfterFirst {
+    inner: Box<dyn dacapo::ports::OutboxStore>,
+    requests: Arc<std::sync::atomic::AtomicUsize>,
+    lost: Arc<tokio::sync::Notify>,
+}
+
+#[async_trait::async_trait]
+impl dacapo::ports::OutboxStore for LeaseLostAfterFirst {
+    async fn lease(
+        &self,
+        now: chrono::DateTime<chrono::Utc>,
+        until: chrono::DateTime<chrono::Utc>,
+    ) -> Result<bool, dacapo::EngineError> {
+        let before = self
+            .requests
+            .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        if before == 0 {
+            return self.inner.lease(now, until).await;
+        }
+        self.lost.notify_one();
+        Ok(false)
+    }
+    async fn unpublished(
+        &self,
+        after: i64,
+        limit: usize,
+    ) -> Result<Vec<(i64, Envelope)>, dacapo::EngineError> {
+        self.inner.unpublished(after, limit).await
+    }
+    async fn backlog(&self) -> Result<dacapo::ports::OutboxBacklog, dacapo::EngineError> {
+        self.inner.backlog().await
+    }
+    async fn delete_published_before(
+        &self,
+        before: chrono::DateTime<chrono::Utc>,
+        limit: usize,
+    ) -> Result<u64, dacapo::EngineError> {
+        self.inner.delete_published_before(before, limit).await
+    }
+    async fn mark_published(
+        &self,
+        positions: &[i64],
+        at: chrono::DateTime<chrono::Utc>,
+    ) -> Result<(), dacapo::EngineError> {
+        self.inner.mark_published(positions, at).await
+    }
+}
+
+on_both_backends!(
+    a_relay_renews_its_lease_per_batch_and_stops_the_moment_it_is_lost_sqlite,
+    a_relay_renews_its_lease_per_batch_and_stops_the_moment_it_is_lost_postgres,
+    |db| {
+        let messages: Vec<MemberRemoved> = (0..300).map(removed).collect();
+        db.outbox_transaction(&messages, true).await;
+        let lost = Arc::new(tokio::sync::Notify::new());
+        let requests = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let outbox = LeaseLostAfterFirst {
+            inner: db.sqlite_or_postgres_outbox().await,
+            requests: Arc::clone(&requests),
+            lost: Arc::clone(&lost),
+        };
+        let runtime = db
+            .store(Runtime::builder(), "relaying", Duration::from_secs(30))
+            .await
+            .outbox_store(Arc::new(outbox))
+            .relay_interval(NEVER_POLLS)
+            .relay_batch(100)
+            .module(
+                Module::new("webhooks").handle_named::<MemberRemoved, _>("queue", Recorder::new()),
+            )
+            .build()
+            .unwrap();
+        tokio::time::timeout(WAIT, lost.notified())
+            .await
+            .expect("the relay asked to renew its lease before its second batch");
+        // It marked its first batch before asking (the mark is awaited first), and publishes
+        // nothing once refused.
+        let backlog = runtime.outbox_backlog().await.unwrap().unwrap();
+        assert_eq!(
+            backlog.depth, 200,
+            "the first batch published, nothing after the lease was lost"
+        );
+        assert_eq!(requests.load(std::sync::atomic::Ordering::SeqCst), 2);
+        runtime.shutdown().await;
+    }
+);

@@ -133,7 +133,31 @@ impl RelayActor {
             }
             let mut published = 0usize;
             let mut next = outbox.unpublished(i64::MIN, batch).await;
+            let mut first = true;
             loop {
+                // The lease is renewed before every batch but the first (just taken): a long
+                // round keeps it, and a relay that lost it stops before publishing more, so
+                // two nodes never publish the same rows side by side.
+                if !std::mem::take(&mut first) {
+                    let now = dispatcher.shared.clock.now();
+                    match outbox
+                        .lease(now, now.checked_add_signed(lease).unwrap_or(now))
+                        .await
+                    {
+                        Ok(true) => {}
+                        Ok(false) => {
+                            tracing::info!(
+                                published,
+                                "outbox lease taken by another node; this relay stops"
+                            );
+                            return Some(interval * 10);
+                        }
+                        Err(error) => {
+                            tracing::warn!(%error, "renewing the outbox lease failed; retrying on the next round");
+                            break;
+                        }
+                    }
+                }
                 let rows = match std::mem::replace(&mut next, Ok(Vec::new())) {
                     Ok(rows) => rows,
                     Err(error) => {
