@@ -512,3 +512,133 @@ on_both_backends!(
         drop(new_owner);
     }
 );
+
+on_both_backends!(
+    a_node_resumes_its_own_unsettled_row_that_nothing_in_it_runs_sqlite,
+    a_node_resumes_its_own_unsettled_row_that_nothing_in_it_runs_postgres,
+    |db| {
+        let quick = RetryPolicy {
+            min_retry_interval: Duration::from_millis(10),
+            ..RetryPolicy::default()
+        };
+        let calls = Recorder::<MemberRemoved>::new();
+        let runtime = db
+            .store(Runtime::builder(), "node-a", Duration::from_millis(300))
+            .await
+            .retry_policy(quick)
+            .recovery_interval(Duration::from_millis(100))
+            .module(
+                Module::new("billing").handle_named::<MemberRemoved, _>("charge", calls.clone()),
+            )
+            .build()
+            .unwrap();
+        // An accept whose commit landed although its caller saw an error: the row is this
+        // node's, and nothing in the process runs it.
+        let envelope = Envelope::for_message(&member_removed()).unwrap();
+        let inbox = match db.backend {
+            Backend::Sqlite => {
+                Box::new(db.sqlite().await.node_id("node-a")) as Box<dyn dacapo::ports::Inbox>
+            }
+            Backend::Postgres => Box::new(db.postgres().await.node_id("node-a")),
+        };
+        inbox.receive(&envelope).await.unwrap();
+        until(|| calls.count() >= 1).await;
+        tokio::time::timeout(WAIT, runtime.idle()).await.unwrap();
+        let calls = calls.calls();
+        assert_eq!(calls.len(), 1, "run once");
+        assert_eq!(calls[0].message_id, Some(envelope.id));
+        assert_eq!(
+            calls[0].attempt, 2,
+            "the attempt its row counted as started counts as interrupted"
+        );
+        assert_eq!(
+            db.inbox_status(envelope.id).await.as_deref(),
+            Some("handled")
+        );
+        runtime.shutdown().await;
+    }
+);
+
+/// Counts its calls, then waits until the gate opens.
+#[derive(Clone)]
+struct Gated {
+    calls: Counter,
+    gate: Arc<tokio::sync::Semaphore>,
+}
+
+impl Handler<MemberRemoved> for Gated {
+    async fn handle(
+        &self,
+        event: &MemberRemoved,
+        ctx: &MessageContext,
+    ) -> Result<(), HandlerError> {
+        Handler::<MemberRemoved>::handle(&self.calls, event, ctx).await?;
+        let _open = self.gate.acquire().await?;
+        Ok(())
+    }
+}
+
+const ORPHANS: i64 = 400;
+
+on_both_backends!(
+    recovery_claims_no_more_of_a_dead_nodes_backlog_than_the_engine_can_run_sqlite,
+    recovery_claims_no_more_of_a_dead_nodes_backlog_than_the_engine_can_run_postgres,
+    |db| {
+        // A dead node's backlog, never heartbeaten.
+        db.execute(match db.backend {
+            Backend::Sqlite => {
+                "WITH RECURSIVE n(i) AS (SELECT 1 UNION ALL SELECT i + 1 FROM n WHERE i < 400) \
+                 INSERT INTO dacapo_inbox (id, message_type, payload, headers, sent_at, status, \
+                 attempts, owner, received_at) \
+                 SELECT printf('%032x', i), 'organization.member_removed', \
+                 CAST('{\"organization_id\":1,\"member_id\":7}' AS BLOB), '{}', 0, 'incoming', 0, \
+                 'dead-node', 0 FROM n"
+            }
+            Backend::Postgres => {
+                "INSERT INTO dacapo_inbox (id, message_type, payload, headers, sent_at, status, \
+                 attempts, owner, received_at) \
+                 SELECT lpad(to_hex(i), 32, '0'), 'organization.member_removed', \
+                 convert_to('{\"organization_id\":1,\"member_id\":7}', 'UTF8'), '{}', 0, \
+                 'incoming', 0, 'dead-node', 0 FROM generate_series(1, 400) AS i"
+            }
+        })
+        .await;
+        let gated = Gated {
+            calls: Counter::default(),
+            gate: Arc::new(tokio::sync::Semaphore::new(0)),
+        };
+        let runtime = db
+            .store(Runtime::builder(), "node-b", Duration::from_millis(300))
+            .await
+            .max_in_flight(16)
+            .recovery_batch(100)
+            .recovery_interval(Duration::from_millis(50))
+            .module(
+                Module::new("billing").handle_named::<MemberRemoved, _>("charge", gated.clone()),
+            )
+            .build()
+            .unwrap();
+        until(|| gated.calls.count() >= 16).await;
+        // Every slot is taken by a running delivery: no round can claim more until one ends.
+        assert_eq!(
+            db.scalar("SELECT count(*) FROM dacapo_inbox WHERE owner = 'node-b'")
+                .await,
+            16,
+            "claimed exactly what the engine runs; the rest stays for later or other nodes"
+        );
+        gated.gate.add_permits(usize::MAX >> 4);
+        tokio::time::timeout(Duration::from_secs(60), async {
+            while db
+                .scalar("SELECT count(*) FROM dacapo_inbox WHERE status = 'handled'")
+                .await
+                < ORPHANS
+            {
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+        })
+        .await
+        .expect("the whole backlog drains, a capacity's worth at a time");
+        assert_eq!(gated.calls.count(), ORPHANS as usize, "each once");
+        runtime.shutdown().await;
+    }
+);

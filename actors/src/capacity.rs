@@ -72,6 +72,15 @@ impl Capacity {
         }
     }
 
+    /// Takes up to `count` slots that are free now, without waiting.
+    pub(crate) fn take_free(self: &Arc<Self>, count: usize) -> Vec<Slot> {
+        let mut slots = Vec::new();
+        while slots.len() < count && self.try_take(false) {
+            slots.push(Slot(Arc::clone(self)));
+        }
+        slots
+    }
+
     /// Takes a slot, waiting while the engine is full.
     ///
     /// # Cancel safety

@@ -49,6 +49,9 @@ pub(crate) struct Shared {
     pub(crate) claims_in_store: bool,
     /// Whether the dead letters are kept apart from the inbox (two writes to dead-letter).
     pub(crate) dead_letters_apart: bool,
+    /// Recovered deliveries handed to a worker whose supervisor has not started yet: running,
+    /// for the orphan sweep, though the tracker does not list them yet.
+    pub(crate) resuming: std::sync::Mutex<std::collections::HashSet<uuid::Uuid>>,
 }
 
 /// A delivery counted in by the tracker and not yet handed to a supervisor. Dropped — the
@@ -230,6 +233,23 @@ impl Dispatcher {
             });
         });
         Ok(())
+    }
+
+    /// Resumes a recovered delivery on a slot the caller already holds.
+    pub(crate) fn resume_on(&self, resumable: Resumable, permit: crate::capacity::Slot) {
+        if !self.shared.tracker.admit(true) {
+            return;
+        }
+        self.shared
+            .resuming
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .insert(resumable.envelope.id);
+        let worker = Arc::clone(self.next_worker());
+        let on = worker.arbiter.clone();
+        DeliverySupervisor::start_in_arbiter(&on, move |_| {
+            DeliverySupervisor::resumed(worker, resumable, permit)
+        });
     }
 
     /// Whether the runtime is shutting down (it accepts nothing more).

@@ -199,6 +199,7 @@ impl Engine {
                         store: parts.store.clone(),
                         claims_in_store: parts.claims_in_store,
                         dead_letters_apart: parts.dead_letters_apart,
+                        resuming: std::sync::Mutex::default(),
                     });
                     let workers = arbiters
                         .into_iter()

@@ -232,6 +232,23 @@ pub trait Inbox: Send + Sync + 'static {
         Ok(Vec::new())
     }
 
+    /// This node's own unsettled deliveries, received before `before`, that nothing in this
+    /// process runs (`running` lists what does) — at most `limit`: an accept whose commit
+    /// succeeded although its caller saw an error, a cancelled publish. They resume here.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Store`] when the store cannot answer.
+    async fn orphaned(
+        &self,
+        before: DateTime<Utc>,
+        running: &std::collections::HashSet<Uuid>,
+        limit: usize,
+    ) -> Result<Vec<Resumable>, Error> {
+        let _ = (before, running, limit);
+        Ok(Vec::new())
+    }
+
     /// Gives up this node's deliveries received before `started_at`: a previous run under
     /// the same node name left them, and [`recover`](Inbox::recover) then resumes them at
     /// once. Deliveries this run received are not touched.

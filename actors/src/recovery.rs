@@ -4,6 +4,69 @@ use actix::{Actor, ActorFutureExt, AsyncContext, Context, WrapFuture};
 
 use crate::Dispatcher;
 
+/// How soon a claim cut short by a full engine continues.
+const CONTINUE_AFTER: Duration = Duration::from_millis(50);
+
+/// What a round did.
+#[derive(Debug, Default, Clone, Copy)]
+struct Round {
+    /// It took back what a previous run under this node's name left.
+    released: bool,
+    /// It stopped claiming because the engine had no free slot.
+    limited: bool,
+}
+
+impl Round {
+    fn released() -> Self {
+        Self {
+            released: true,
+            limited: false,
+        }
+    }
+}
+
+/// Resumes this node's own unsettled rows that nothing in the process runs: an accept whose
+/// commit succeeded although its caller saw an error, a cancelled publish. Only rows older
+/// than the node timeout are looked at, so a delivery just received and not yet started is
+/// never taken for an orphan.
+async fn resume_orphaned(dispatcher: &Dispatcher, batch: usize) {
+    let shared = &dispatcher.shared;
+    let Some(timeout) = shared.inbox.node_timeout() else {
+        return;
+    };
+    let before = chrono::Duration::from_std(timeout)
+        .ok()
+        .and_then(|timeout| shared.clock.now().checked_sub_signed(timeout))
+        .unwrap_or(chrono::DateTime::<chrono::Utc>::MIN_UTC);
+    let slots = shared.capacity.take_free(batch);
+    if slots.is_empty() {
+        return;
+    }
+    let mut running = shared.tracker.supervised();
+    running.extend(
+        shared
+            .resuming
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .iter()
+            .copied(),
+    );
+    match shared.inbox.orphaned(before, &running, slots.len()).await {
+        Ok(orphans) => {
+            if !orphans.is_empty() {
+                tracing::info!(
+                    resumed = orphans.len(),
+                    "resumed this node's own deliveries that nothing was running"
+                );
+            }
+            for (orphan, slot) in orphans.into_iter().zip(slots) {
+                dispatcher.resume_on(orphan, slot);
+            }
+        }
+        Err(error) => tracing::warn!(%error, "looking for orphaned deliveries failed"),
+    }
+}
+
 /// Keeps this node's heartbeat, and resumes the deliveries a stopped runtime left unsettled in
 /// a durable inbox: at start, then on its own timer (to take over from nodes that died).
 ///
@@ -36,6 +99,16 @@ impl RecoveryActor {
     }
 
     fn tick(&mut self, ctx: &mut Context<Self>) {
+        self.round(true, ctx);
+    }
+
+    /// One recovery round. A full round heartbeats, resumes this node's own orphaned rows and
+    /// claims others'; a round that only continues a claim cut short by capacity just claims.
+    ///
+    /// A round claims no more than the engine has free slots for, and hands each claimed
+    /// delivery its slot: a large orphaned backlog is taken a capacity's worth at a time, the
+    /// rest staying in the store for later rounds or other live nodes, so memory stays flat.
+    fn round(&mut self, full: bool, ctx: &mut Context<Self>) {
         // A slow store must not stack up rounds; a closing runtime must not take back what its
         // shutdown is releasing.
         if self.busy || self.dispatcher.shared.tracker.is_closing() {
@@ -47,32 +120,42 @@ impl RecoveryActor {
         let started_at = self.started_at;
         let round = async move {
             let _recovering = dispatcher.shared.recovering.lock().await;
-            if dispatcher.shared.tracker.is_closing() {
-                return false;
+            let shared = &dispatcher.shared;
+            if shared.tracker.is_closing() {
+                return Round::default();
             }
-            let inbox = &dispatcher.shared.inbox;
+            let inbox = &shared.inbox;
             if let Some(started_at) = started_at
                 && let Err(error) = inbox.release_before(started_at).await
             {
                 tracing::warn!(%error, "could not take back an earlier run's deliveries; retrying");
-                return false;
+                return Round::default();
             }
-            // Without a fresh heartbeat this node could look dead to itself: claim nothing.
-            if let Err(error) = inbox.heartbeat().await {
-                tracing::warn!(%error, "heartbeat failed; retrying on the next round");
-                return true;
+            if full {
+                // Without a fresh heartbeat this node could look dead to itself: claim nothing.
+                if let Err(error) = inbox.heartbeat().await {
+                    tracing::warn!(%error, "heartbeat failed; retrying on the next round");
+                    return Round::released();
+                }
+                resume_orphaned(&dispatcher, batch).await;
             }
             let mut resumed = 0usize;
-            loop {
-                match inbox.recover(batch).await {
+            let mut limited = false;
+            while !shared.tracker.is_closing() {
+                let slots = shared.capacity.take_free(batch);
+                if slots.is_empty() {
+                    limited = true;
+                    break;
+                }
+                let wanted = slots.len();
+                match inbox.recover(wanted).await {
                     Ok(deliveries) => {
                         let count = deliveries.len();
                         resumed += count;
-                        for delivery in deliveries {
-                            // Refused only by a shutdown, which leaves the row to the next start.
-                            let _ = dispatcher.resume(delivery);
+                        for (delivery, slot) in deliveries.into_iter().zip(slots) {
+                            dispatcher.resume_on(delivery, slot);
                         }
-                        if count < batch {
+                        if count < wanted {
                             break;
                         }
                     }
@@ -88,12 +171,20 @@ impl RecoveryActor {
                     "resumed deliveries left unsettled by a stopped runtime"
                 );
             }
-            true
+            Round {
+                released: true,
+                limited,
+            }
         };
-        ctx.spawn(round.into_actor(self).map(|released, actor, _| {
+        ctx.spawn(round.into_actor(self).map(|round, actor, ctx| {
             actor.busy = false;
-            if released {
+            if round.released {
                 actor.started_at = None;
+            }
+            if round.limited {
+                // The engine was full: claim the rest as soon as slots free up, not a whole
+                // interval later.
+                ctx.run_later(CONTINUE_AFTER, |actor, ctx| actor.round(false, ctx));
             }
         }));
     }

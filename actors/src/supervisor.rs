@@ -623,6 +623,13 @@ impl Actor for DeliverySupervisor {
                 .tracker
                 .supervise(self.worker.index, self.envelope.id),
         );
+        if self.recovered {
+            shared
+                .resuming
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner)
+                .remove(&self.envelope.id);
+        }
         let size = self.envelope.size();
         let rejected = if size > shared.max_envelope_size {
             Some(DeadLetterReason::TooLarge {

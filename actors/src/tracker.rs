@@ -257,6 +257,21 @@ impl Tracker {
             .collect()
     }
 
+    /// Ids of every delivery a supervisor holds, running or cooling down.
+    pub(crate) fn supervised(&self) -> std::collections::HashSet<Uuid> {
+        (0..self.workers.len())
+            .flat_map(|worker| {
+                self.worker(worker)
+                    .live(worker)
+                    .map(|(_, l)| match l {
+                        Live::Active(id) => *id,
+                        Live::Cooling(pending) => pending.envelope.id,
+                    })
+                    .collect::<Vec<_>>()
+            })
+            .collect()
+    }
+
     /// Takes back every delivery waiting for a cooldown.
     pub(crate) fn take_cooling(&self) -> Vec<PendingRetry> {
         let mut pending = Vec::new();

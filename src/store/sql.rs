@@ -97,6 +97,17 @@ pub(crate) const REMOVE_DEAD_LETTER: &str = "DELETE FROM dacapo_dead_letters WHE
 
 pub(crate) const PURGE_DEAD_LETTERS: &str = "DELETE FROM dacapo_dead_letters";
 
+/// This node's own unsettled rows received before `$2`, oldest first.
+pub(crate) const OWN_UNSETTLED: &str = "SELECT id FROM dacapo_inbox \
+    WHERE owner = $1 AND status IN ('incoming', 'scheduled') AND received_at < $2 \
+    ORDER BY received_at LIMIT $3";
+
+/// One of this node's own unsettled rows, as recovery reads them.
+pub(crate) const OWN_UNSETTLED_ROW: &str = "SELECT id, message_type, payload, headers, \
+    deduplication_id, correlation_id, causation_id, sent_at, scheduled_for, attempts, execute_at, \
+    failures, succeeded, cascaded FROM dacapo_inbox \
+    WHERE id = $1 AND owner = $2 AND status IN ('incoming', 'scheduled')";
+
 pub(crate) const INBOX_STATUS: &str = "SELECT status FROM dacapo_inbox WHERE id = $1";
 
 /// The claims table, created only when a runtime enables deduplication: with the feature off
@@ -785,6 +796,39 @@ macro_rules! sql_store {
                     .map_err(dacapo_actors::Error::store)?;
                 tx.commit().await.map_err(dacapo_actors::Error::store)?;
                 rows.iter().map(Self::unsettled).collect()
+            }
+
+            async fn orphaned(
+                &self,
+                before: chrono::DateTime<chrono::Utc>,
+                running: &std::collections::HashSet<uuid::Uuid>,
+                limit: usize,
+            ) -> Result<Vec<dacapo_actors::ports::Resumable>, dacapo_actors::Error> {
+                use $crate::store::sql::*;
+                let store_error = dacapo_actors::Error::store;
+                let candidates: Vec<String> = sqlx::query_scalar(OWN_UNSETTLED)
+                    .bind(&*self.node)
+                    .bind(millis(before))
+                    .bind(i64::try_from(running.len().saturating_add(limit)).unwrap_or(i64::MAX))
+                    .fetch_all(&self.pool)
+                    .await
+                    .map_err(store_error)?;
+                let mut orphans = Vec::new();
+                for id in candidates {
+                    if orphans.len() == limit || running.contains(&parse_id(&id)?) {
+                        continue;
+                    }
+                    let row = sqlx::query(OWN_UNSETTLED_ROW)
+                        .bind(&id)
+                        .bind(&*self.node)
+                        .fetch_optional(&self.pool)
+                        .await
+                        .map_err(store_error)?;
+                    if let Some(row) = row {
+                        orphans.push(Self::unsettled(&row)?);
+                    }
+                }
+                Ok(orphans)
             }
 
             async fn release_before(
