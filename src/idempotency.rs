@@ -53,7 +53,7 @@ macro_rules! key_transaction {
                     .bind(millis(chrono::Utc::now()))
                     .execute(&mut **self)
                     .await
-                    .map_err(dacapo_actors::Error::store)?
+                    .map_err(crate::store::sql::db_error)?
                     .rows_affected();
                 Ok(inserted == 1)
             }
@@ -69,7 +69,7 @@ macro_rules! key_transaction {
                     .bind($ids(ids)?)
                     .fetch_all(&mut **self)
                     .await
-                    .map_err(dacapo_actors::Error::store)?;
+                    .map_err(crate::store::sql::db_error)?;
                 Ok(rows)
             }
         }

@@ -51,12 +51,12 @@ macro_rules! enlist_in {
                     .bind(millis(chrono::Utc::now()))
                     .execute(&mut **self)
                     .await
-                    .map_err(dacapo_actors::Error::store)?;
+                    .map_err(crate::store::sql::db_error)?;
                 Ok(())
             }
 
             async fn commit_now(self) -> Result<(), Error> {
-                self.commit().await.map_err(dacapo_actors::Error::store)?;
+                self.commit().await.map_err(crate::store::sql::db_error)?;
                 Ok(())
             }
         }

@@ -267,7 +267,7 @@ impl<DB: Backend> HandlerTransaction<DB> {
         self.tx
             .rollback()
             .await
-            .map_err(dacapo_actors::Error::store)?;
+            .map_err(crate::store::sql::db_error)?;
         Ok(())
     }
 }
@@ -297,7 +297,7 @@ macro_rules! backend {
                     .pool()
                     .begin_with($begin)
                     .await
-                    .map_err(dacapo_actors::Error::store)?;
+                    .map_err(crate::store::sql::db_error)?;
                 let handler = handler.to_string();
                 let recorded = sqlx::query(RECORD_COMPLETION)
                     .bind(id_text(message_id))
@@ -305,7 +305,7 @@ macro_rules! backend {
                     .bind(millis(store.now()))
                     .execute(&mut *tx)
                     .await
-                    .map_err(dacapo_actors::Error::store)?
+                    .map_err(crate::store::sql::db_error)?
                     .rows_affected();
                 if recorded == 0 {
                     tracing::debug!(
@@ -334,7 +334,7 @@ macro_rules! backend {
                         .bind(&transaction.node)
                         .execute(&mut *transaction.tx)
                         .await
-                        .map_err(dacapo_actors::Error::store)?
+                        .map_err(crate::store::sql::db_error)?
                         .rows_affected();
                     if rows == 0 {
                         return Err(claim_lost(claim).into());
@@ -352,7 +352,7 @@ macro_rules! backend {
                     .bind(millis(chrono::Utc::now()))
                     .execute(&mut *transaction.tx)
                     .await
-                    .map_err(dacapo_actors::Error::store)?;
+                    .map_err(crate::store::sql::db_error)?;
                 Ok(())
             }
         }

@@ -19,6 +19,9 @@ pub enum DeadLetterReason {
     NoHandler(String),
     /// A handler requires a deduplication id, and the message has none.
     MissingDeduplicationId(String),
+    /// The store refused to record the delivery's next state (a cascaded message it cannot
+    /// hold, say); the delivery could not settle otherwise.
+    StoreRejected(String),
     /// The envelope is larger than the runtime accepts.
     TooLarge {
         /// The envelope's size in bytes.
@@ -38,6 +41,7 @@ impl fmt::Display for DeadLetterReason {
             Self::MissingDeduplicationId(handler) => {
                 write!(f, "missing deduplication id (required by {handler})")
             }
+            Self::StoreRejected(error) => write!(f, "store rejected the delivery: {error}"),
             Self::TooLarge { size, limit } => {
                 write!(
                     f,

@@ -4,9 +4,14 @@ use crate::Envelope;
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum Error {
-    /// A store (inbox, dead letters) failed; the operation did not take effect.
+    /// A store (inbox, dead letters) failed; the operation did not take effect. It may pass
+    /// later (a lost connection, a server restarting): [`is_retryable`](Self::is_retryable).
     #[error("store failed: {0}")]
     Store(#[source] Box<dyn std::error::Error + Send + Sync>),
+    /// The store refused the data itself (a value it cannot hold, a constraint it enforces):
+    /// the operation did not take effect, and trying it again cannot help.
+    #[error("store rejected the data: {0}")]
+    Rejected(#[source] Box<dyn std::error::Error + Send + Sync>),
     /// The engine is shutting down or stopped; the envelope was not accepted.
     #[error("the runtime is shutting down; envelope {} was not accepted", .0.id)]
     ShuttingDown(Box<Envelope>),
@@ -36,8 +41,19 @@ pub enum Error {
 }
 
 impl Error {
-    /// Wraps a storage backend's error.
+    /// Wraps a storage backend's error that may pass if tried again.
     pub fn store(error: impl Into<Box<dyn std::error::Error + Send + Sync>>) -> Self {
         Self::Store(error.into())
+    }
+
+    /// Wraps a storage backend's refusal of the data itself, which no retry can cure.
+    pub fn rejected(error: impl Into<Box<dyn std::error::Error + Send + Sync>>) -> Self {
+        Self::Rejected(error.into())
+    }
+
+    /// Whether the same operation may succeed if tried again later: a store failure may; a
+    /// rejected value, a refusal or a closed runtime will not.
+    pub fn is_retryable(&self) -> bool {
+        matches!(self, Self::Store(_))
     }
 }

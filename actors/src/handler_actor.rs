@@ -164,13 +164,15 @@ impl HandlerActor {
                             .instrument(span)
                             .await;
                     let failure = failure_of(result, timeout);
+                    // A refused write is logged by `persist`: the claim then waits for its window
+                    // (released with the dead letter, if it comes to that).
                     if failure.is_some() {
-                        persist("release deduplication claim", message_id, || {
+                        let _ = persist("release deduplication claim", message_id, || {
                             claims.release(&claim)
                         })
                         .await;
                     } else {
-                        persist("complete deduplication claim", message_id, || {
+                        let _ = persist("complete deduplication claim", message_id, || {
                             claims.complete(&claim)
                         })
                         .await;

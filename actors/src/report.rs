@@ -24,6 +24,9 @@ pub enum DiscardReason {
     DuplicateEnvelope,
     /// No handler handles the type, and the runtime is set to discard such messages.
     NoHandler,
+    /// The store refused to record even the delivery's dead letter (the error is logged); the
+    /// delivery was given up so as not to hold its capacity slot forever.
+    StoreRejected,
     /// Another node took the delivery over (this node's heartbeat had expired), or handled
     /// it, before this node's next attempt: this node stopped, and the owner carries on.
     OwnedElsewhere,

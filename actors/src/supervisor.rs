@@ -174,11 +174,27 @@ impl DeliverySupervisor {
             begin
                 .into_actor(self)
                 .map(|fenced, actor, ctx| match fenced {
-                    Fenced::Written => actor.run_attempt(ctx),
+                    Ok(Fenced::Written) => actor.run_attempt(ctx),
+                    Err(error) => actor.store_rejected(&error, ctx),
                     // Running it would do the work twice: the owner runs it now.
-                    _ => actor.owned_elsewhere(ctx),
+                    Ok(_) => actor.owned_elsewhere(ctx),
                 }),
         );
+    }
+
+    /// Dead-letters a delivery whose next state the store refuses to record: nothing else
+    /// could settle it.
+    fn store_rejected(&mut self, error: &Error, ctx: &mut Context<Self>) {
+        let now = self.now();
+        let dead_letter = DeadLetter::failed(
+            self.envelope.clone(),
+            DeadLetterReason::StoreRejected(error.to_string()),
+            self.failures.clone(),
+            self.first_failure_at.unwrap_or(now),
+            now,
+        );
+        self.cascaded.clear();
+        self.dead_letter(dead_letter, ctx);
     }
 
     /// Stops a delivery whose row another node owns now (or that was settled meanwhile):
@@ -401,8 +417,9 @@ impl DeliverySupervisor {
                     record
                         .into_actor(self)
                         .map(move |fenced, actor, ctx| match fenced {
-                            Fenced::Written => actor.cool_down(due_at, delay, ctx),
-                            _ => actor.owned_elsewhere(ctx),
+                            Ok(Fenced::Written) => actor.cool_down(due_at, delay, ctx),
+                            Err(error) => actor.store_rejected(&error, ctx),
+                            Ok(_) => actor.owned_elsewhere(ctx),
                         }),
                 );
             }
@@ -477,13 +494,14 @@ impl DeliverySupervisor {
         ctx.spawn(
             work.into_actor(self)
                 .map(|handled, actor, ctx| match handled {
-                    Handled::Written { in_outbox } => {
+                    Ok(Handled::Written { in_outbox }) => {
                         if in_outbox {
                             actor.worker.shared.outbox_enlisted.notify_one();
                         }
                         actor.handled(in_outbox, ctx);
                     }
-                    _ => actor.owned_elsewhere(ctx),
+                    Err(error) => actor.store_rejected(&error, ctx),
+                    Ok(_) => actor.owned_elsewhere(ctx),
                 }),
         );
     }
@@ -523,24 +541,47 @@ impl DeliverySupervisor {
             persist("dead letter", id, || {
                 worker.dead_letters.put(dead_letter.clone())
             })
-            .await;
-            match persist("mark handled", id, || worker.inbox.settle_handled(id, &[])).await {
-                Handled::Written { .. } => Fenced::Written,
-                _ => Fenced::OwnedElsewhere,
+            .await?;
+            match persist("mark handled", id, || worker.inbox.settle_handled(id, &[])).await? {
+                Handled::Written { .. } => Ok(Fenced::Written),
+                _ => Ok(Fenced::OwnedElsewhere),
             }
         };
-        ctx.spawn(work.into_actor(self).map(move |fenced, actor, ctx| {
-            if fenced != Fenced::Written {
-                actor.owned_elsewhere(ctx);
-                return;
+        ctx.spawn(work.into_actor(self).map(move |fenced, actor, ctx| match fenced {
+            Ok(Fenced::Written) => {
+                actor
+                    .worker
+                    .shared
+                    .stats
+                    .writer(actor.worker.index)
+                    .bump(Counter::DeadLettered);
+                actor.settle(Outcome::DeadLettered(reason), Vec::new(), ctx);
             }
-            actor
-                .worker
-                .shared
-                .stats
-                .writer(actor.worker.index)
-                .bump(Counter::DeadLettered);
-            actor.settle(Outcome::DeadLettered(reason), Vec::new(), ctx);
+            Ok(_) => actor.owned_elsewhere(ctx),
+            // The letter with its failures was refused: try the bare envelope once.
+            Err(error) if !matches!(reason, DeadLetterReason::StoreRejected(_)) => {
+                let now = actor.now();
+                let bare = DeadLetter::rejected(
+                    actor.envelope.clone(),
+                    DeadLetterReason::StoreRejected(error.to_string()),
+                    now,
+                );
+                actor.dead_letter(bare, ctx);
+            }
+            Err(error) => {
+                // Nothing of it can be stored: say so loudly and free its slot. Its row stays
+                // unsettled for an operator to see.
+                tracing::error!(
+                    parent: &actor.span,
+                    %error,
+                    "the store refuses even the dead letter of this delivery; it is given up"
+                );
+                actor.settle(
+                    Outcome::Discarded(DiscardReason::StoreRejected),
+                    Vec::new(),
+                    ctx,
+                );
+            }
         }));
     }
 
@@ -589,8 +630,14 @@ enum Resume {
 }
 
 /// Retries a store write until it succeeds: a settled delivery must be recorded, and giving up
-/// would lose it. Backs off to 30 s between attempts and logs every failure.
-pub(crate) async fn persist<T, F, Fut>(what: &'static str, id: uuid::Uuid, mut write: F) -> T
+/// would lose it. Backs off to 30 s between attempts and logs every failure. A write the store
+/// rejects (the data itself, not the connection) is returned at once: no retry can cure it,
+/// and it must not hold the delivery's capacity slot forever.
+pub(crate) async fn persist<T, F, Fut>(
+    what: &'static str,
+    id: uuid::Uuid,
+    mut write: F,
+) -> Result<T, Error>
 where
     F: FnMut() -> Fut,
     Fut: Future<Output = Result<T, Error>>,
@@ -599,12 +646,16 @@ where
     let mut failures = 0u32;
     loop {
         match write().await {
-            Ok(value) => return value,
-            Err(error) => {
+            Ok(value) => return Ok(value),
+            Err(error) if error.is_retryable() => {
                 failures = failures.saturating_add(1);
                 let pause = backoff.pause(failures);
                 tracing::error!(message_id = %id, %error, ?pause, "{what} failed; retrying");
                 tokio::time::sleep(pause).await;
+            }
+            Err(error) => {
+                tracing::error!(message_id = %id, %error, "{what} rejected by the store; not retried");
+                return Err(error);
             }
         }
     }
@@ -650,7 +701,7 @@ impl Actor for DeliverySupervisor {
                         persist("mark handled", id, || worker.inbox.settle_handled(id, &[])).await
                     };
                     ctx.spawn(work.into_actor(self).map(|handled, actor, ctx| {
-                        if let Handled::Written { .. } = handled {
+                        if let Ok(Handled::Written { .. }) = handled {
                             actor.settle(
                                 Outcome::Discarded(DiscardReason::NoHandler),
                                 Vec::new(),

@@ -265,6 +265,40 @@ macro_rules! migrations {
 }
 pub(crate) use migrations;
 
+/// A database error as the engine sees it: [`Error::Rejected`] when the database refused the
+/// data itself — a constraint, a value it cannot hold, a limit — which no retry can cure;
+/// [`Error::Store`] otherwise (a lost connection, a timeout, a serialization conflict), which
+/// may pass when tried again.
+pub(crate) fn db_error(error: sqlx::Error) -> Error {
+    let rejected = match &error {
+        sqlx::Error::Database(database) => {
+            !matches!(database.kind(), sqlx::error::ErrorKind::Other)
+                || database.code().is_some_and(|code| rejects_data(&code))
+        }
+        sqlx::Error::Encode(_) => true,
+        _ => false,
+    };
+    if rejected {
+        Error::rejected(error)
+    } else {
+        Error::store(error)
+    }
+}
+
+/// Whether a database error code says the data was refused. PostgreSQL's SQLSTATE has five
+/// characters: classes 22 (data exception, such as a NUL byte in text), 23 (integrity
+/// constraint) and 54 (program limit exceeded). SQLite's code is a number whose low byte is the
+/// primary result: 18 (too big), 19 (constraint) or 20 (type mismatch).
+fn rejects_data(code: &str) -> bool {
+    if code.len() == 5 {
+        return ["22", "23", "54"]
+            .iter()
+            .any(|class| code.starts_with(class));
+    }
+    code.parse::<i32>()
+        .is_ok_and(|code| matches!(code & 0xff, 18..=20))
+}
+
 /// A claim this node no longer holds: another node took it over (this one was taken for dead).
 pub(crate) fn claim_lost(claim: &dacapo_actors::ports::Claim) -> Error {
     Error::store(format!(
@@ -499,7 +533,7 @@ macro_rules! sql_store {
 
             async fn migrate(&self) -> Result<(), dacapo_actors::Error> {
                 use $crate::store::sql::*;
-                let store_error = dacapo_actors::Error::store;
+                let store_error = $crate::store::sql::db_error;
                 let mut tx = self.pool.begin_with($begin).await.map_err(store_error)?;
                 for lock in $lock {
                     sqlx::query(lock).execute(&mut *tx).await.map_err(store_error)?;
@@ -581,7 +615,7 @@ macro_rules! sql_store {
                     .bind(millis(self.clock.now()))
                     .execute(&self.pool)
                     .await
-                    .map_err(dacapo_actors::Error::store)?
+                    .map_err($crate::store::sql::db_error)?
                     .rows_affected();
                 Ok(if inserted == 1 {
                     dacapo_actors::ports::Receipt::New
@@ -601,7 +635,7 @@ macro_rules! sql_store {
                     .bind(millis(self.clock.now()))
                     .execute(&self.pool)
                     .await
-                    .map_err(dacapo_actors::Error::store)?
+                    .map_err($crate::store::sql::db_error)?
                     .rows_affected();
                 Ok(if inserted == 1 {
                     dacapo_actors::ports::Receipt::New
@@ -622,7 +656,7 @@ macro_rules! sql_store {
                     .bind(&*self.node)
                     .execute(&self.pool)
                     .await
-                    .map_err(dacapo_actors::Error::store)?
+                    .map_err($crate::store::sql::db_error)?
                     .rows_affected();
                 Ok(dacapo_actors::ports::Fenced::from_rows(rows))
             }
@@ -642,7 +676,7 @@ macro_rules! sql_store {
                     .bind(if record.cascaded.is_empty() { None } else { Some(json(&record.cascaded)?) })
                     .execute(&self.pool)
                     .await
-                    .map_err(dacapo_actors::Error::store)?
+                    .map_err($crate::store::sql::db_error)?
                     .rows_affected();
                 Ok(dacapo_actors::ports::Fenced::from_rows(rows))
             }
@@ -653,7 +687,7 @@ macro_rules! sql_store {
                 cascaded: &[dacapo_actors::Envelope],
             ) -> Result<dacapo_actors::ports::Handled, dacapo_actors::Error> {
                 use $crate::store::sql::*;
-                let store_error = dacapo_actors::Error::store;
+                let store_error = $crate::store::sql::db_error;
                 let now = millis(self.clock.now());
                 let mark = sqlx::query(MARK_HANDLED).bind(id_text(id)).bind(now).bind(&*self.node);
                 if cascaded.is_empty() {
@@ -691,7 +725,7 @@ macro_rules! sql_store {
             ) -> Result<dacapo_actors::ports::Fenced, dacapo_actors::Error> {
                 use $crate::store::sql::*;
                 use dacapo_actors::ports::Claims as _;
-                let store_error = dacapo_actors::Error::store;
+                let store_error = $crate::store::sql::db_error;
                 if release_claims {
                     self.provision().await?;
                 }
@@ -737,7 +771,7 @@ macro_rules! sql_store {
             ) -> Result<dacapo_actors::ports::Replay, dacapo_actors::Error> {
                 use $crate::store::sql::*;
                 use dacapo_actors::ports::Replay;
-                let store_error = dacapo_actors::Error::store;
+                let store_error = $crate::store::sql::db_error;
                 let mut tx = self.pool.begin_with($begin).await.map_err(store_error)?;
                 // Removed first, in the transaction: a concurrent replay waits for this one and
                 // then finds nothing to remove.
@@ -786,15 +820,15 @@ macro_rules! sql_store {
             ) -> Result<Vec<dacapo_actors::ports::Resumable>, dacapo_actors::Error> {
                 use $crate::store::sql::*;
                 let alive_since = self.alive_since();
-                let mut tx = self.pool.begin_with($begin).await.map_err(dacapo_actors::Error::store)?;
+                let mut tx = self.pool.begin_with($begin).await.map_err($crate::store::sql::db_error)?;
                 let rows = sqlx::query($claim)
                     .bind(&*self.node)
                     .bind(millis(alive_since))
                     .bind(i64::try_from(limit).unwrap_or(i64::MAX))
                     .fetch_all(&mut *tx)
                     .await
-                    .map_err(dacapo_actors::Error::store)?;
-                tx.commit().await.map_err(dacapo_actors::Error::store)?;
+                    .map_err($crate::store::sql::db_error)?;
+                tx.commit().await.map_err($crate::store::sql::db_error)?;
                 rows.iter().map(Self::unsettled).collect()
             }
 
@@ -805,7 +839,7 @@ macro_rules! sql_store {
                 limit: usize,
             ) -> Result<Vec<dacapo_actors::ports::Resumable>, dacapo_actors::Error> {
                 use $crate::store::sql::*;
-                let store_error = dacapo_actors::Error::store;
+                let store_error = $crate::store::sql::db_error;
                 let candidates: Vec<String> = sqlx::query_scalar(OWN_UNSETTLED)
                     .bind(&*self.node)
                     .bind(millis(before))
@@ -841,7 +875,7 @@ macro_rules! sql_store {
                     .bind(millis(started_at))
                     .execute(&self.pool)
                     .await
-                    .map_err(dacapo_actors::Error::store)?;
+                    .map_err($crate::store::sql::db_error)?;
                 Ok(())
             }
 
@@ -852,7 +886,7 @@ macro_rules! sql_store {
                     .bind(millis(self.clock.now()))
                     .execute(&self.pool)
                     .await
-                    .map_err(dacapo_actors::Error::store)?;
+                    .map_err($crate::store::sql::db_error)?;
                 Ok(())
             }
 
@@ -862,10 +896,10 @@ macro_rules! sql_store {
 
             async fn release(&self) -> Result<(), dacapo_actors::Error> {
                 use $crate::store::sql::*;
-                let mut tx = self.pool.begin_with($begin).await.map_err(dacapo_actors::Error::store)?;
-                sqlx::query(RELEASE).bind(&*self.node).execute(&mut *tx).await.map_err(dacapo_actors::Error::store)?;
-                sqlx::query(FORGET_NODE).bind(&*self.node).execute(&mut *tx).await.map_err(dacapo_actors::Error::store)?;
-                tx.commit().await.map_err(dacapo_actors::Error::store)
+                let mut tx = self.pool.begin_with($begin).await.map_err($crate::store::sql::db_error)?;
+                sqlx::query(RELEASE).bind(&*self.node).execute(&mut *tx).await.map_err($crate::store::sql::db_error)?;
+                sqlx::query(FORGET_NODE).bind(&*self.node).execute(&mut *tx).await.map_err($crate::store::sql::db_error)?;
+                tx.commit().await.map_err($crate::store::sql::db_error)
             }
 
             async fn delete_handled_before(
@@ -882,7 +916,7 @@ macro_rules! sql_store {
                         .bind(limit)
                         .execute(&self.pool)
                         .await
-                        .map_err(dacapo_actors::Error::store)?
+                        .map_err($crate::store::sql::db_error)?
                         .rows_affected();
                 }
                 Ok(removed)
@@ -896,14 +930,14 @@ macro_rules! sql_store {
                 self.claims_ready
                     .get_or_try_init(|| async {
                         // Under the migrations' lock: nodes starting together create it once.
-                        let mut tx = self.pool.begin_with($begin).await.map_err(dacapo_actors::Error::store)?;
+                        let mut tx = self.pool.begin_with($begin).await.map_err($crate::store::sql::db_error)?;
                         for lock in $lock {
-                            sqlx::query(lock).execute(&mut *tx).await.map_err(dacapo_actors::Error::store)?;
+                            sqlx::query(lock).execute(&mut *tx).await.map_err($crate::store::sql::db_error)?;
                         }
                         for statement in PROVISION_CLAIMS {
-                            sqlx::query(statement).execute(&mut *tx).await.map_err(dacapo_actors::Error::store)?;
+                            sqlx::query(statement).execute(&mut *tx).await.map_err($crate::store::sql::db_error)?;
                         }
-                        tx.commit().await.map_err(dacapo_actors::Error::store)
+                        tx.commit().await.map_err($crate::store::sql::db_error)
                     })
                     .await?;
                 Ok(())
@@ -929,7 +963,7 @@ macro_rules! sql_store {
                         .bind(millis(self.alive_since()))
                         .execute(&self.pool)
                         .await
-                        .map_err(dacapo_actors::Error::store)?
+                        .map_err($crate::store::sql::db_error)?
                         .rows_affected();
                     if claimed == 1 {
                         return Ok(dacapo_actors::ports::ClaimOutcome::Claimed);
@@ -941,7 +975,7 @@ macro_rules! sql_store {
                         .bind(&claim.key_hash)
                         .fetch_optional(&self.pool)
                         .await
-                        .map_err(dacapo_actors::Error::store)?;
+                        .map_err($crate::store::sql::db_error)?;
                     if let Some((fingerprint, envelope_id)) = holder {
                         // Its own claim is taken over unless completed: held, it is completed.
                         if envelope_id == claim.envelope_id {
@@ -965,7 +999,7 @@ macro_rules! sql_store {
                     .bind(&*self.node)
                     .execute(&self.pool)
                     .await
-                    .map_err(dacapo_actors::Error::store)?;
+                    .map_err($crate::store::sql::db_error)?;
                 Ok(())
             }
 
@@ -978,7 +1012,7 @@ macro_rules! sql_store {
                     .bind(&*self.node)
                     .execute(&self.pool)
                     .await
-                    .map_err(dacapo_actors::Error::store)?
+                    .map_err($crate::store::sql::db_error)?
                     .rows_affected();
                 if rows == 0 {
                     return Err(claim_lost(claim));
@@ -993,15 +1027,15 @@ macro_rules! sql_store {
             ) -> Result<u64, dacapo_actors::Error> {
                 use $crate::store::sql::*;
                 self.provision().await?;
-                let mut tx = self.pool.begin_with($begin).await.map_err(dacapo_actors::Error::store)?;
+                let mut tx = self.pool.begin_with($begin).await.map_err($crate::store::sql::db_error)?;
                 let removed = sqlx::query(REAP_CLAIMS)
                     .bind(millis(now))
                     .bind(i64::try_from(limit).unwrap_or(i64::MAX))
                     .execute(&mut *tx)
                     .await
-                    .map_err(dacapo_actors::Error::store)?
+                    .map_err($crate::store::sql::db_error)?
                     .rows_affected();
-                tx.commit().await.map_err(dacapo_actors::Error::store)?;
+                tx.commit().await.map_err($crate::store::sql::db_error)?;
                 Ok(removed)
             }
         }
@@ -1020,7 +1054,7 @@ macro_rules! sql_store {
                     .bind(millis(until))
                     .execute(&self.pool)
                     .await
-                    .map_err(dacapo_actors::Error::store)?
+                    .map_err($crate::store::sql::db_error)?
                     .rows_affected();
                 Ok(taken == 1)
             }
@@ -1041,7 +1075,7 @@ macro_rules! sql_store {
                     .bind(after)
                     .fetch_all(&self.pool)
                     .await
-                    .map_err(dacapo_actors::Error::store)?;
+                    .map_err($crate::store::sql::db_error)?;
                 let get = |e: sqlx::Error| dacapo_actors::Error::store(e);
                 rows.iter()
                     .map(|row| {
@@ -1055,9 +1089,9 @@ macro_rules! sql_store {
             async fn backlog(&self) -> Result<dacapo_actors::ports::OutboxBacklog, dacapo_actors::Error> {
                 use sqlx::Row;
                 use $crate::store::sql::*;
-                let row = sqlx::query(BACKLOG).fetch_one(&self.pool).await.map_err(dacapo_actors::Error::store)?;
-                let depth: i64 = row.try_get(0).map_err(dacapo_actors::Error::store)?;
-                let oldest: Option<i64> = row.try_get(1).map_err(dacapo_actors::Error::store)?;
+                let row = sqlx::query(BACKLOG).fetch_one(&self.pool).await.map_err($crate::store::sql::db_error)?;
+                let depth: i64 = row.try_get(0).map_err($crate::store::sql::db_error)?;
+                let oldest: Option<i64> = row.try_get(1).map_err($crate::store::sql::db_error)?;
                 Ok(dacapo_actors::ports::OutboxBacklog::new(
                     u64::try_from(depth).unwrap_or(0),
                     oldest.map(time).transpose()?,
@@ -1075,7 +1109,7 @@ macro_rules! sql_store {
                     .bind(i64::try_from(limit).unwrap_or(i64::MAX))
                     .execute(&self.pool)
                     .await
-                    .map_err(dacapo_actors::Error::store)?
+                    .map_err($crate::store::sql::db_error)?
                     .rows_affected())
             }
 
@@ -1093,7 +1127,7 @@ macro_rules! sql_store {
                 for position in positions {
                     query = query.bind(*position);
                 }
-                query.execute(&self.pool).await.map_err(dacapo_actors::Error::store)?;
+                query.execute(&self.pool).await.map_err($crate::store::sql::db_error)?;
                 Ok(())
             }
         }
@@ -1111,7 +1145,7 @@ macro_rules! sql_store {
                     .bind(millis(letter.last_failure_at))
                     .execute(&self.pool)
                     .await
-                    .map_err(dacapo_actors::Error::store)?;
+                    .map_err($crate::store::sql::db_error)?;
                 Ok(())
             }
 
@@ -1120,7 +1154,7 @@ macro_rules! sql_store {
                 let rows = sqlx::query(LIST_DEAD_LETTERS)
                     .fetch_all(&self.pool)
                     .await
-                    .map_err(dacapo_actors::Error::store)?;
+                    .map_err($crate::store::sql::db_error)?;
                 rows.iter().map(Self::dead_letter_row).collect()
             }
 
@@ -1130,7 +1164,7 @@ macro_rules! sql_store {
                     .bind(id_text(id))
                     .fetch_optional(&self.pool)
                     .await
-                    .map_err(dacapo_actors::Error::store)?;
+                    .map_err($crate::store::sql::db_error)?;
                 row.as_ref().map(Self::dead_letter_row).transpose()
             }
 
@@ -1140,7 +1174,7 @@ macro_rules! sql_store {
                     .bind(id_text(id))
                     .fetch_optional(&self.pool)
                     .await
-                    .map_err(dacapo_actors::Error::store)?;
+                    .map_err($crate::store::sql::db_error)?;
                 row.as_ref().map(Self::dead_letter_row).transpose()
             }
 
@@ -1149,7 +1183,7 @@ macro_rules! sql_store {
                 Ok(sqlx::query(PURGE_DEAD_LETTERS)
                     .execute(&self.pool)
                     .await
-                    .map_err(dacapo_actors::Error::store)?
+                    .map_err($crate::store::sql::db_error)?
                     .rows_affected())
             }
         }
