@@ -29,4 +29,4 @@ pub use dacapo_actors::{
     SendOptions, ShutdownReport, StatsSnapshot, UnknownMessageTypes,
 };
 pub use error::Error;
-pub use runtime::{DeadLetters, Runtime, RuntimeBuilder};
+pub use runtime::{DeadLetters, Runtime, RuntimeBuilder, Scheduled};

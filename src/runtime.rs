@@ -7,7 +7,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 pub use builder::RuntimeBuilder;
-use dacapo_actors::ports::{DeadLetterStore, Inbox, OutboxBacklog, OutboxStore};
+use dacapo_actors::ports::{DeadLetterStore, Inbox, OutboxBacklog, OutboxStore, ScheduledEnvelope};
 use dacapo_actors::{
     DeliveryReport, Engine, Envelope, Message, SendOptions, ShutdownReport, StatsSnapshot,
 };
@@ -54,6 +54,7 @@ pub struct Runtime {
     dead_letters: Arc<dyn DeadLetterStore>,
     /// Whether the dead letters are kept apart from the inbox.
     dead_letters_apart: bool,
+    clock: Arc<dyn dacapo_actors::ports::Clock>,
     outbox: Option<Arc<dyn OutboxStore>>,
     max_envelope_size: usize,
     drain_timeout: Duration,
@@ -108,6 +109,54 @@ impl Runtime {
         let id = envelope.id;
         self.transport.send(envelope, None).await?;
         Ok(id)
+    }
+
+    /// Publishes `message` to be handled at `at`, not at once. With a durable store it waits in
+    /// the inbox, unowned, across restarts, and whichever node's recovery claims it runs it
+    /// when due; it can be listed and cancelled with [`scheduled`](Self::scheduled). In memory
+    /// it waits on its delivery's timer (holding a slot of
+    /// [`max_in_flight`](RuntimeBuilder::max_in_flight)). A time already past runs it at once.
+    ///
+    /// # Errors
+    ///
+    /// As [`publish`](Self::publish).
+    ///
+    /// # Cancel safety
+    ///
+    /// As [`publish`](Self::publish).
+    pub async fn publish_at<M: Message>(
+        &self,
+        message: &M,
+        at: chrono::DateTime<chrono::Utc>,
+    ) -> Result<Uuid, Error> {
+        self.publish_with(message, SendOptions::new().deliver_at(at))
+            .await
+    }
+
+    /// [`publish_at`](Self::publish_at) `delay` from now, on the runtime's clock.
+    ///
+    /// # Errors
+    ///
+    /// As [`publish`](Self::publish).
+    ///
+    /// # Cancel safety
+    ///
+    /// As [`publish`](Self::publish).
+    pub async fn publish_after<M: Message>(
+        &self,
+        message: &M,
+        delay: Duration,
+    ) -> Result<Uuid, Error> {
+        let at = chrono::Duration::from_std(delay)
+            .ok()
+            .and_then(|delay| self.clock.now().checked_add_signed(delay))
+            .unwrap_or(chrono::DateTime::<chrono::Utc>::MAX_UTC);
+        self.publish_at(message, at).await
+    }
+
+    /// Envelopes scheduled for later: list them, cancel one.
+    pub fn scheduled(&self) -> Scheduled<'_> {
+        Scheduled { runtime: self }
     }
 
     /// Like [`publish`](Self::publish), but fails at the call site when no handler is
@@ -281,5 +330,41 @@ impl Runtime {
     pub async fn shutdown(&self) -> ShutdownReport {
         let drain = self.drain_timeout;
         self.engine.shutdown(drain).await
+    }
+}
+
+/// The runtime's scheduled envelopes: those published for a later time and not started.
+#[derive(Debug)]
+pub struct Scheduled<'a> {
+    runtime: &'a Runtime,
+}
+
+impl Scheduled<'_> {
+    /// Up to `limit` scheduled envelopes, soonest first.
+    ///
+    /// # Errors
+    ///
+    /// The store's failure, or an inbox that keeps no schedule (in memory).
+    ///
+    /// # Cancel safety
+    ///
+    /// Cancel safe: it only reads.
+    pub async fn list(&self, limit: usize) -> Result<Vec<ScheduledEnvelope>, Error> {
+        Ok(self.runtime.inbox.scheduled(limit).await?)
+    }
+
+    /// Cancels the scheduled envelope `id` if it has not started; `false` when no such
+    /// envelope waits (unknown, already started, or settled). A cancelled envelope is settled
+    /// without running, and a redelivery of it within the retention is discarded.
+    ///
+    /// # Errors
+    ///
+    /// The store's failure, or an inbox that keeps no schedule (in memory).
+    ///
+    /// # Cancel safety
+    ///
+    /// Cancelled, it may or may not have cancelled; ask [`list`](Self::list).
+    pub async fn cancel(&self, id: Uuid) -> Result<bool, Error> {
+        Ok(self.runtime.inbox.cancel_scheduled(id).await?)
     }
 }

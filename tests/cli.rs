@@ -159,3 +159,35 @@ on_both_backends!(
         );
     }
 );
+
+on_both_backends!(
+    scheduled_envelopes_are_listed_and_cancelled_sqlite,
+    scheduled_envelopes_are_listed_and_cancelled_postgres,
+    |db| {
+        let runtime = db
+            .store(Runtime::builder(), "node-a", Duration::from_secs(30))
+            .await
+            .module(
+                Module::new("billing").handle_named::<MemberRemoved, _>("charge", Recorder::new()),
+            )
+            .build()
+            .unwrap();
+        let next_year = chrono::Utc::now() + chrono::Duration::days(365);
+        let id = runtime
+            .publish_at(&member_removed(), next_year)
+            .await
+            .unwrap();
+        runtime.shutdown().await;
+        let url = db.url.clone();
+
+        let listed = dacapo(&["scheduled", "list", "--database", &url]).await;
+        assert!(listed.contains(&id.simple().to_string()), "{listed}");
+        assert!(listed.contains("organization.member_removed"), "{listed}");
+        let cancelled = dacapo(&["scheduled", "cancel", &id.to_string(), "--database", &url]).await;
+        assert!(cancelled.contains("cancelled"), "{cancelled}");
+        let listed = dacapo(&["scheduled", "list", "--json", "--database", &url]).await;
+        let rows: serde_json::Value = serde_json::from_str(&listed).unwrap();
+        assert_eq!(rows, serde_json::json!([]));
+        assert_eq!(db.inbox_status(id).await.as_deref(), Some("handled"));
+    }
+);

@@ -166,7 +166,11 @@ on_both_backends!(
             Some("handled")
         );
         assert!(
-            inbox.recover(10).await.unwrap().is_empty(),
+            inbox
+                .recover(10, chrono::DateTime::<chrono::Utc>::MAX_UTC)
+                .await
+                .unwrap()
+                .is_empty(),
             "nothing to run again"
         );
         assert_eq!(inbox.receive(&envelope).await.unwrap(), Receipt::Duplicate);

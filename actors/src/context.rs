@@ -474,6 +474,9 @@ pub struct SendOptions {
     pub headers: BTreeMap<String, String>,
     /// The conversation to join, instead of a new one (or the causing message's).
     pub correlation_id: Option<Uuid>,
+    /// When the message is to be handled, instead of at once: a durable store keeps it until
+    /// then (across restarts), and any node runs it when due.
+    pub deliver_at: Option<chrono::DateTime<chrono::Utc>>,
 }
 
 impl SendOptions {
@@ -503,8 +506,18 @@ impl SendOptions {
         self
     }
 
+    /// Schedules the message for `at` instead of handling it at once.
+    #[must_use]
+    pub fn deliver_at(mut self, at: chrono::DateTime<chrono::Utc>) -> Self {
+        self.deliver_at = Some(at);
+        self
+    }
+
     /// Writes these options into `envelope`.
     pub fn apply(self, envelope: &mut Envelope) {
+        if let Some(at) = self.deliver_at {
+            envelope.scheduled_for = Some(at);
+        }
         if let Some(id) = self.deduplication_id {
             envelope.deduplication_id = Some(id);
         }

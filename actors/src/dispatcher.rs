@@ -11,7 +11,8 @@ use crate::report::DiscardReason;
 use crate::stats::Counter;
 use crate::tracker::Tracker;
 use crate::{
-    DeliveryReport, DeliverySupervisor, Envelope, Error, Registry, RetryScope, Stats, TimerActor,
+    DeliveryReport, DeliverySupervisor, Envelope, Error, Outcome, Registry, RetryScope, Stats,
+    TimerActor,
 };
 
 /// What to do with a message of a type no handler handles.
@@ -109,6 +110,21 @@ impl Worker {
             Some(receipt) => receipt?,
             None => self.inbox.receive(&envelope).await?,
         };
+        if receipt == Receipt::Scheduled {
+            let due_at = envelope.scheduled_for.unwrap_or_else(|| shared.clock.now());
+            tracing::debug!(
+                messaging.message.id = %envelope.id,
+                %due_at,
+                "envelope scheduled for later"
+            );
+            if let Some(reply) = reply {
+                let _ = reply.send(DeliveryReport::accepted(
+                    &envelope,
+                    Outcome::Scheduled(due_at),
+                ));
+            }
+            return Ok(());
+        }
         if receipt == Receipt::Duplicate {
             counters.bump(Counter::Deduplicated);
             tracing::info!(

@@ -16,6 +16,26 @@ pub enum Receipt {
     New,
     /// Already known (incoming, scheduled, or handled within the retention): discard it.
     Duplicate,
+    /// Scheduled for later (its `scheduled_for` is ahead): recorded, unowned, and run by
+    /// whichever node's recovery claims it when it is due.
+    Scheduled,
+}
+
+/// An envelope waiting for the time it was scheduled for.
+#[derive(Clone, Debug)]
+#[non_exhaustive]
+pub struct ScheduledEnvelope {
+    /// The envelope.
+    pub envelope: Envelope,
+    /// When it is due.
+    pub due_at: DateTime<Utc>,
+}
+
+impl ScheduledEnvelope {
+    /// `envelope`, due at `due_at`.
+    pub fn new(envelope: Envelope, due_at: DateTime<Utc>) -> Self {
+        Self { envelope, due_at }
+    }
 }
 
 /// A delivery a durable inbox hands back after a restart: resume it where it stopped.
@@ -221,16 +241,38 @@ pub trait Inbox: Send + Sync + 'static {
     async fn replay(&self, id: Uuid, to: ReplayTo) -> Result<Replay, Error>;
 
     /// Claims for this node up to `limit` deliveries left unsettled by a runtime that stopped —
-    /// released at a graceful shutdown, or owned by a node whose heartbeat expired — so they
-    /// resume here.
+    /// released at a graceful shutdown, or owned by a node whose heartbeat expired — or
+    /// scheduled for later, so they resume here; only those due before `due_before` (a
+    /// delivery cooling down, or scheduled, further ahead stays for a later round).
     ///
     /// # Errors
     ///
     /// [`Error::Store`] when the store cannot answer.
-    async fn recover(&self, limit: usize) -> Result<Vec<Resumable>, Error> {
-        let _ = limit;
+    async fn recover(
+        &self,
+        limit: usize,
+        due_before: DateTime<Utc>,
+    ) -> Result<Vec<Resumable>, Error> {
+        let _ = (limit, due_before);
         Ok(Vec::new())
     }
+
+    /// Up to `limit` envelopes scheduled for later and not started, soonest first.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Store`] when the store cannot answer, or keeps no schedule it can list (an
+    /// inbox in memory, where a scheduled envelope waits in its delivery's timer).
+    async fn scheduled(&self, limit: usize) -> Result<Vec<ScheduledEnvelope>, Error>;
+
+    /// Cancels the scheduled envelope `id` if it has not started: it is settled, never run,
+    /// and a redelivery within the retention is discarded. `false` when there is no such
+    /// envelope waiting (unknown, started, or settled).
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Store`] when the store cannot answer, or keeps no schedule (in memory).
+    async fn cancel_scheduled(&self, id: Uuid) -> Result<bool, Error>;
 
     /// This node's own unsettled deliveries, received before `before`, that nothing in this
     /// process runs (`running` lists what does) — at most `limit`: an accept whose commit

@@ -116,7 +116,7 @@ impl RecoveryActor {
         }
         self.busy = true;
         let dispatcher = self.dispatcher.clone();
-        let batch = self.batch;
+        let (batch, interval) = (self.batch, self.interval);
         let started_at = self.started_at;
         let round = async move {
             let _recovering = dispatcher.shared.recovering.lock().await;
@@ -148,7 +148,13 @@ impl RecoveryActor {
                     break;
                 }
                 let wanted = slots.len();
-                match inbox.recover(wanted).await {
+                // What falls due before the next round is claimed now and waits on the timer,
+                // so a scheduled envelope runs on time, not up to an interval late.
+                let due_before = chrono::Duration::from_std(interval)
+                    .ok()
+                    .and_then(|interval| shared.clock.now().checked_add_signed(interval))
+                    .unwrap_or(chrono::DateTime::<chrono::Utc>::MAX_UTC);
+                match inbox.recover(wanted, due_before).await {
                     Ok(deliveries) => {
                         let count = deliveries.len();
                         resumed += count;

@@ -14,6 +14,8 @@ pub enum Outcome {
     DeadLettered(DeadLetterReason),
     /// The envelope was not handled: a duplicate, or a type configured to be discarded.
     Discarded(DiscardReason),
+    /// The envelope was recorded for the time it is scheduled for; a node runs it then.
+    Scheduled(chrono::DateTime<chrono::Utc>),
 }
 
 /// Why an envelope was discarded without being handled.
@@ -56,10 +58,15 @@ pub struct DeliveryReport {
 
 impl DeliveryReport {
     pub(crate) fn discarded(envelope: &Envelope, reason: DiscardReason) -> Self {
+        Self::accepted(envelope, Outcome::Discarded(reason))
+    }
+
+    /// The report of an envelope that ended at its acceptance (discarded, or scheduled).
+    pub(crate) fn accepted(envelope: &Envelope, outcome: Outcome) -> Self {
         Self {
             envelope_id: envelope.id,
             message_type: envelope.message_type.to_string(),
-            outcome: Outcome::Discarded(reason),
+            outcome,
             attempts: 0,
             failures: Vec::new(),
             attempt_offsets: Vec::new(),

@@ -741,7 +741,15 @@ impl Actor for DeliverySupervisor {
         });
         match rejected {
             None => match self.resume.take() {
-                None => self.start_attempt(ctx),
+                // Scheduled for later, in an inbox that keeps no schedule (in memory): its
+                // delivery waits on the timer, holding its slot.
+                None => match self.envelope.scheduled_for.filter(|at| *at > self.now()) {
+                    Some(due_at) => {
+                        let delay = (due_at - self.now()).to_std().unwrap_or_default();
+                        self.cool_down(due_at, delay, ctx);
+                    }
+                    None => self.start_attempt(ctx),
+                },
                 Some(Resume::Due(due_at)) => {
                     let delay = (due_at - self.now()).to_std().unwrap_or_default();
                     self.cool_down(due_at, delay, ctx);

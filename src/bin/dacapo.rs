@@ -1,10 +1,13 @@
-//! `dacapo`: inspect and act on a store's dead letters from the command line.
+//! `dacapo`: inspect and act on a store's dead letters and scheduled envelopes from the
+//! command line.
 //!
 //! ```text
 //! dacapo dead-letters list        --database dacapo.db
 //! dacapo dead-letters show ID     --database postgres://postgres@127.0.0.1/app
 //! dacapo dead-letters replay ID   --database dacapo.db
 //! dacapo dead-letters purge       --database dacapo.db
+//! dacapo scheduled list           --database dacapo.db
+//! dacapo scheduled cancel ID      --database dacapo.db
 //! ```
 //!
 //! `--json` prints machine-readable output. A replay hands the envelope back to the inbox,
@@ -22,7 +25,7 @@ use uuid::Uuid;
 #[command(
     name = "dacapo",
     version,
-    about = "Inspect and replay dacapo dead letters"
+    about = "Inspect and replay dacapo dead letters; list and cancel scheduled envelopes"
 )]
 struct Cli {
     #[command(subcommand)]
@@ -34,6 +37,22 @@ enum Command {
     /// Messages the runtime gave up on.
     #[command(subcommand)]
     DeadLetters(DeadLetters),
+    /// Envelopes published for a later time and not started yet.
+    #[command(subcommand)]
+    Scheduled(Scheduled),
+}
+
+#[derive(Debug, Subcommand)]
+enum Scheduled {
+    /// Every scheduled envelope, soonest first.
+    List(Target),
+    /// Cancels a scheduled envelope that has not started: it is settled and never runs.
+    Cancel {
+        /// The envelope id.
+        id: Uuid,
+        #[command(flatten)]
+        target: Target,
+    },
 }
 
 #[derive(Debug, Subcommand)]
@@ -110,7 +129,10 @@ async fn main() -> ExitCode {
 }
 
 async fn run(cli: Cli) -> Result<(), Box<dyn std::error::Error>> {
-    let Command::DeadLetters(command) = cli.command;
+    let command = match cli.command {
+        Command::DeadLetters(command) => command,
+        Command::Scheduled(command) => return scheduled(command).await,
+    };
     match command {
         DeadLetters::List(target) => {
             let store = Store::open(&target.database).await?;
@@ -184,6 +206,55 @@ async fn run(cli: Cli) -> Result<(), Box<dyn std::error::Error>> {
                 println!("{}", serde_json::json!({ "purged": purged }));
             } else {
                 println!("purged {purged} dead letter(s)");
+            }
+        }
+    }
+    Ok(())
+}
+
+async fn scheduled(command: Scheduled) -> Result<(), Box<dyn std::error::Error>> {
+    match command {
+        Scheduled::List(target) => {
+            let store = Store::open(&target.database).await?;
+            let waiting = store.inbox().scheduled(usize::MAX).await?;
+            if target.json {
+                let rows: Vec<serde_json::Value> = waiting
+                    .iter()
+                    .map(|s| {
+                        serde_json::json!({
+                            "id": s.envelope.id,
+                            "message_type": s.envelope.message_type,
+                            "due_at": s.due_at,
+                        })
+                    })
+                    .collect();
+                println!("{}", serde_json::to_string_pretty(&rows)?);
+            } else if waiting.is_empty() {
+                println!("no scheduled envelopes");
+            } else {
+                println!("{:<32}  {:<32}  due at", "id", "type");
+                for s in &waiting {
+                    println!(
+                        "{:<32}  {:<32}  {}",
+                        s.envelope.id.simple(),
+                        s.envelope.message_type,
+                        s.due_at.to_rfc3339_opts(chrono::SecondsFormat::Secs, true)
+                    );
+                }
+            }
+        }
+        Scheduled::Cancel { id, target } => {
+            let store = Store::open(&target.database).await?;
+            if !store.inbox().cancel_scheduled(id).await? {
+                return Err(format!(
+                    "no scheduled envelope {id} waits (unknown, started, or settled)"
+                )
+                .into());
+            }
+            if target.json {
+                println!("{}", serde_json::json!({ "cancelled": id }));
+            } else {
+                println!("cancelled {}: it will not run", id.simple());
             }
         }
     }

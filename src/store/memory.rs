@@ -7,7 +7,7 @@ use async_trait::async_trait;
 use chrono::{DateTime, Utc};
 use dacapo_actors::ports::{
     Claim, ClaimOutcome, Claims, Clock, DeadLetterStore, Fenced, Handled, Inbox, Receipt, Replay,
-    ReplayTo, RetryRecord,
+    ReplayTo, RetryRecord, ScheduledEnvelope,
 };
 use dacapo_actors::{DeadLetter, Envelope, Error};
 use uuid::Uuid;
@@ -151,6 +151,14 @@ impl Inbox for MemoryInbox {
         Ok(Replay::Replayed(envelope))
     }
 
+    async fn scheduled(&self, _: usize) -> Result<Vec<ScheduledEnvelope>, Error> {
+        Err(no_schedule())
+    }
+
+    async fn cancel_scheduled(&self, _: Uuid) -> Result<bool, Error> {
+        Err(no_schedule())
+    }
+
     fn receive_now(&self, envelope: &Envelope) -> Option<Result<Receipt, Error>> {
         Some(Ok(self.record(envelope.id)))
     }
@@ -159,6 +167,13 @@ impl Inbox for MemoryInbox {
         self.settle(id);
         Some(Ok(()))
     }
+}
+
+fn no_schedule() -> Error {
+    Error::store(
+        "an inbox in memory keeps no schedule: a scheduled envelope waits in its delivery's \
+         timer; use a durable store to list or cancel scheduled envelopes",
+    )
 }
 
 /// Dead letters in memory, lost with the process; the durable stores keep them.

@@ -18,6 +18,25 @@ pub(crate) const RECEIVE: &str = "INSERT INTO dacapo_inbox \
     VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, 'incoming', $10, $11, $12) \
     ON CONFLICT (id) DO NOTHING";
 
+/// An envelope scheduled for later: unowned, no attempt started, due at `$10`.
+pub(crate) const RECEIVE_SCHEDULED: &str = "INSERT INTO dacapo_inbox \
+    (id, message_type, payload, headers, deduplication_id, correlation_id, causation_id, sent_at, \
+     scheduled_for, status, attempts, execute_at, owner, received_at) \
+    VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, 'scheduled', 0, $10, NULL, $11) \
+    ON CONFLICT (id) DO NOTHING";
+
+/// Envelopes scheduled for later and not started, soonest first.
+pub(crate) const LIST_SCHEDULED: &str = "SELECT id, message_type, payload, headers, \
+    deduplication_id, correlation_id, causation_id, sent_at, scheduled_for, execute_at \
+    FROM dacapo_inbox WHERE status = 'scheduled' AND attempts = 0 \
+    ORDER BY execute_at, id LIMIT $1";
+
+/// Settles a scheduled envelope that has not started; its row stays for the retention, so a
+/// redelivery is discarded, and a node waiting to run it finds it settled.
+pub(crate) const CANCEL_SCHEDULED: &str = "UPDATE dacapo_inbox \
+    SET status = 'handled', handled_at = $2, owner = NULL \
+    WHERE id = $1 AND status = 'scheduled' AND attempts = 0";
+
 pub(crate) const ENQUEUE: &str = "INSERT INTO dacapo_inbox \
     (id, message_type, payload, headers, deduplication_id, correlation_id, causation_id, sent_at, \
      scheduled_for, status, attempts, owner, received_at) \
@@ -609,6 +628,21 @@ macro_rules! sql_store {
             ) -> Result<dacapo_actors::ports::Receipt, dacapo_actors::Error> {
                 use $crate::store::sql::*;
                 let c = EnvelopeColumns::of(envelope)?;
+                let now = self.clock.now();
+                if let Some(due_at) = envelope.scheduled_for.filter(|at| *at > now) {
+                    let inserted = $crate::store::sql::bind_envelope!(sqlx::query(RECEIVE_SCHEDULED), c)
+                        .bind(millis(due_at))
+                        .bind(millis(now))
+                        .execute(&self.pool)
+                        .await
+                        .map_err($crate::store::sql::db_error)?
+                        .rows_affected();
+                    return Ok(if inserted == 1 {
+                        dacapo_actors::ports::Receipt::Scheduled
+                    } else {
+                        dacapo_actors::ports::Receipt::Duplicate
+                    });
+                }
                 let inserted = $crate::store::sql::bind_envelope!(sqlx::query(RECEIVE), c)
                     .bind(stored_attempts(envelope.attempts.saturating_add(1)))
                     .bind(&*self.node)
@@ -817,6 +851,7 @@ macro_rules! sql_store {
             async fn recover(
                 &self,
                 limit: usize,
+                due_before: chrono::DateTime<chrono::Utc>,
             ) -> Result<Vec<dacapo_actors::ports::Resumable>, dacapo_actors::Error> {
                 use $crate::store::sql::*;
                 let alive_since = self.alive_since();
@@ -825,11 +860,48 @@ macro_rules! sql_store {
                     .bind(&*self.node)
                     .bind(millis(alive_since))
                     .bind(i64::try_from(limit).unwrap_or(i64::MAX))
+                    .bind(millis(due_before))
                     .fetch_all(&mut *tx)
                     .await
                     .map_err($crate::store::sql::db_error)?;
                 tx.commit().await.map_err($crate::store::sql::db_error)?;
                 rows.iter().map(Self::unsettled).collect()
+            }
+
+            async fn scheduled(
+                &self,
+                limit: usize,
+            ) -> Result<Vec<dacapo_actors::ports::ScheduledEnvelope>, dacapo_actors::Error> {
+                use sqlx::Row;
+                use $crate::store::sql::*;
+                let rows = sqlx::query(LIST_SCHEDULED)
+                    .bind(i64::try_from(limit).unwrap_or(i64::MAX))
+                    .fetch_all(&self.pool)
+                    .await
+                    .map_err($crate::store::sql::db_error)?;
+                let get = |e: sqlx::Error| dacapo_actors::Error::store(e);
+                rows.iter()
+                    .map(|row| {
+                        let columns = $crate::store::sql::read_envelope!(row, 0);
+                        let due_at: i64 = row.try_get(9).map_err(get)?;
+                        Ok(dacapo_actors::ports::ScheduledEnvelope::new(
+                            columns.into_envelope(0)?,
+                            time(due_at)?,
+                        ))
+                    })
+                    .collect()
+            }
+
+            async fn cancel_scheduled(&self, id: uuid::Uuid) -> Result<bool, dacapo_actors::Error> {
+                use $crate::store::sql::*;
+                let rows = sqlx::query(CANCEL_SCHEDULED)
+                    .bind(id_text(id))
+                    .bind(millis(self.clock.now()))
+                    .execute(&self.pool)
+                    .await
+                    .map_err($crate::store::sql::db_error)?
+                    .rows_affected();
+                Ok(rows == 1)
             }
 
             async fn orphaned(
@@ -1203,6 +1275,7 @@ pub(crate) const CLAIM_SQLITE: &str = "UPDATE dacapo_inbox SET owner = $1 WHERE 
     SELECT id FROM dacapo_inbox WHERE status IN ('incoming', 'scheduled') \
     AND (owner IS NULL OR (owner <> $1 AND received_at < $2 \
     AND owner NOT IN (SELECT id FROM dacapo_nodes WHERE heartbeat_at >= $2))) \
+    AND (execute_at IS NULL OR execute_at < $4) \
     ORDER BY received_at LIMIT $3) \
     RETURNING id, message_type, payload, headers, deduplication_id, correlation_id, causation_id, \
     sent_at, scheduled_for, attempts, execute_at, failures, succeeded, cascaded";
@@ -1213,6 +1286,7 @@ pub(crate) const CLAIM_POSTGRES: &str = "UPDATE dacapo_inbox SET owner = $1 WHER
     SELECT id FROM dacapo_inbox WHERE status IN ('incoming', 'scheduled') \
     AND (owner IS NULL OR (owner <> $1 AND received_at < $2 \
     AND owner NOT IN (SELECT id FROM dacapo_nodes WHERE heartbeat_at >= $2))) \
+    AND (execute_at IS NULL OR execute_at < $4) \
     ORDER BY received_at LIMIT $3 FOR UPDATE SKIP LOCKED) \
     RETURNING id, message_type, payload, headers, deduplication_id, correlation_id, causation_id, \
     sent_at, scheduled_for, attempts, execute_at, failures, succeeded, cascaded";
