@@ -88,3 +88,140 @@ async fn a_rolled_back_key_lets_the_next_transaction_proceed() {
     );
     tx.commit().await.unwrap();
 }
+
+on_both_backends!(
+    keys_past_their_retention_are_removed_and_younger_ones_stay_sqlite,
+    keys_past_their_retention_are_removed_and_younger_ones_stay_postgres,
+    |db| {
+        let runtime = db
+            .store(dacapo::Runtime::builder(), "local", Duration::from_secs(30))
+            .await
+            .idempotency_key_retention(Duration::from_secs(3600))
+            .cleanup_interval(Duration::from_millis(50))
+            .build()
+            .unwrap();
+        // Two days old, and one recorded just now.
+        db.execute(
+            "INSERT INTO dacapo_idempotency_keys (key, recorded_at) \
+             VALUES ('charge:old-1', 0), ('charge:old-2', 1000)",
+        )
+        .await;
+        let recent = match db.backend {
+            Backend::Sqlite => {
+                let pool = db.sqlite().await.pool().clone();
+                let mut tx = pool.begin_with("BEGIN IMMEDIATE").await.unwrap();
+                let new = idempotency::record_key(&mut tx, "charge:recent")
+                    .await
+                    .unwrap();
+                tx.commit().await.unwrap();
+                new
+            }
+            Backend::Postgres => {
+                let pool = db.postgres().await.pool().clone();
+                let mut tx = pool.begin().await.unwrap();
+                let new = idempotency::record_key(&mut tx, "charge:recent")
+                    .await
+                    .unwrap();
+                tx.commit().await.unwrap();
+                new
+            }
+        };
+        assert!(recent);
+        tokio::time::timeout(Duration::from_secs(20), async {
+            while db
+                .scalar(
+                    "SELECT count(*) FROM dacapo_idempotency_keys WHERE key LIKE 'charge:old-%'",
+                )
+                .await
+                > 0
+            {
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+        })
+        .await
+        .expect("the cleanup removed the expired keys");
+        assert_eq!(
+            db.scalar("SELECT count(*) FROM dacapo_idempotency_keys")
+                .await,
+            1,
+            "the recent key stays"
+        );
+        runtime.shutdown().await;
+    }
+);
+
+/// The plan the database chooses for `query` (PostgreSQL with sequential scans discouraged, so
+/// a usable index shows even on an empty table).
+async fn plan(db: &TestDatabase, query: &str) -> String {
+    use sqlx::Row;
+    match db.backend {
+        Backend::Sqlite => {
+            let pool = db.sqlite().await.pool().clone();
+            let rows = sqlx::query(sqlx::AssertSqlSafe(format!("EXPLAIN QUERY PLAN {query}")))
+                .fetch_all(&pool)
+                .await
+                .unwrap();
+            rows.iter()
+                .map(|r| r.get::<String, _>(3))
+                .collect::<Vec<_>>()
+                .join("\n")
+        }
+        Backend::Postgres => {
+            let pool = db.postgres().await.pool().clone();
+            let mut tx = pool.begin().await.unwrap();
+            sqlx::query("SET LOCAL enable_seqscan = off")
+                .execute(&mut *tx)
+                .await
+                .unwrap();
+            let rows = sqlx::query(sqlx::AssertSqlSafe(format!("EXPLAIN {query}")))
+                .fetch_all(&mut *tx)
+                .await
+                .unwrap();
+            rows.iter()
+                .map(|r| r.get::<String, _>(0))
+                .collect::<Vec<_>>()
+                .join("\n")
+        }
+    }
+}
+
+on_both_backends!(
+    every_retention_sweep_and_the_recovery_claim_read_an_index_sqlite,
+    every_retention_sweep_and_the_recovery_claim_read_an_index_postgres,
+    |db| {
+        // Opening the store applies the schema.
+        let _store = db.sqlite_or_postgres_inbox().await;
+        for (query, index) in [
+            (
+                "SELECT key FROM dacapo_idempotency_keys WHERE recorded_at < 1 LIMIT 10",
+                "dacapo_idempotency_keys_at",
+            ),
+            (
+                "SELECT seq FROM dacapo_outbox WHERE published_at < 1 LIMIT 10",
+                "dacapo_outbox_published",
+            ),
+            (
+                "SELECT id FROM dacapo_inbox WHERE status = 'handled' AND handled_at < 1 LIMIT 10",
+                "dacapo_inbox_handled",
+            ),
+            (
+                "SELECT id FROM dacapo_inbox WHERE status IN ('incoming', 'scheduled') \
+                 ORDER BY received_at LIMIT 10",
+                // Both partial indexes hold exactly the pending rows; on an empty table
+                // PostgreSQL may pick either.
+                "dacapo_inbox_pending|dacapo_inbox_unsettled",
+            ),
+        ] {
+            let plan = plan(&db, query).await;
+            assert!(
+                index.split('|').any(|index| plan.contains(index)),
+                "{query}\n{plan}"
+            );
+            assert!(
+                !plan.contains("Seq Scan")
+                    && !plan.lines().any(|l| l.trim() == "SCAN dacapo_inbox"),
+                "{query}\n{plan}"
+            );
+        }
+    }
+);

@@ -6,12 +6,13 @@ use actix::{Actor, ActorFutureExt, AsyncContext, Context, WrapFuture};
 use crate::batches::delete_in_batches;
 use crate::ports::{Clock, Inbox};
 
-/// Removes handled envelopes once their retention is over, in bounded batches, on its own
-/// timer, and logs how many it removed.
+/// Removes handled envelopes, and idempotency keys, once their retention is over, in bounded
+/// batches, on its own timer, and logs how many it removed.
 pub struct CleanupActor {
     inbox: Arc<dyn Inbox>,
     clock: Arc<dyn Clock>,
     keep_after_handling: Duration,
+    key_retention: Duration,
     interval: Duration,
     batch: usize,
     busy: bool,
@@ -32,6 +33,7 @@ impl CleanupActor {
         inbox: Arc<dyn Inbox>,
         clock: Arc<dyn Clock>,
         keep_after_handling: Duration,
+        key_retention: Duration,
         interval: Duration,
         batch: usize,
     ) -> Self {
@@ -39,6 +41,7 @@ impl CleanupActor {
             inbox,
             clock,
             keep_after_handling,
+            key_retention,
             interval,
             batch,
             busy: false,
@@ -51,22 +54,32 @@ impl CleanupActor {
         }
         self.busy = true;
         let inbox = Arc::clone(&self.inbox);
-        let keep =
-            chrono::Duration::from_std(self.keep_after_handling).unwrap_or(chrono::TimeDelta::MAX);
-        let before = self
-            .clock
-            .now()
-            .checked_sub_signed(keep)
-            .unwrap_or(chrono::DateTime::<chrono::Utc>::MIN_UTC);
+        let now = self.clock.now();
+        let (handled_before, keys_before) = (
+            earlier(now, self.keep_after_handling),
+            earlier(now, self.key_retention),
+        );
         let batch = self.batch;
         let round = async move {
-            let (removed, error) =
-                delete_in_batches(batch, |limit| inbox.delete_handled_before(before, limit)).await;
+            let (removed, error) = delete_in_batches(batch, |limit| {
+                inbox.delete_handled_before(handled_before, limit)
+            })
+            .await;
             if let Some(error) = error {
                 tracing::warn!(%error, "inbox cleanup failed; retrying on the next round");
             }
             if removed > 0 {
                 tracing::info!(removed, "removed handled envelopes past their retention");
+            }
+            let (removed, error) = delete_in_batches(batch, |limit| {
+                inbox.delete_idempotency_keys_before(keys_before, limit)
+            })
+            .await;
+            if let Some(error) = error {
+                tracing::warn!(%error, "idempotency key cleanup failed; retrying on the next round");
+            }
+            if removed > 0 {
+                tracing::info!(removed, "removed idempotency keys past their retention");
             }
         };
         ctx.spawn(
@@ -75,6 +88,14 @@ impl CleanupActor {
                 .map(|(), actor, _| actor.busy = false),
         );
     }
+}
+
+/// `ago` before `now`, saturating at the calendar's start.
+fn earlier(now: chrono::DateTime<chrono::Utc>, ago: Duration) -> chrono::DateTime<chrono::Utc> {
+    chrono::Duration::from_std(ago)
+        .ok()
+        .and_then(|ago| now.checked_sub_signed(ago))
+        .unwrap_or(chrono::DateTime::<chrono::Utc>::MIN_UTC)
 }
 
 impl Actor for CleanupActor {

@@ -67,6 +67,10 @@ pub struct Durability {
     /// An outbox backlog older than this logs a warning: a stuck relay is never silent
     /// (default 1 min).
     pub outbox_warn_after: Duration,
+    /// How long idempotency keys recorded by handlers are kept (default 7 days): the window
+    /// within which the same key is refused again, as a retry, a redelivery or a replay of a
+    /// dead letter would present it.
+    pub idempotency_key_retention: Duration,
 }
 
 impl Default for Durability {
@@ -81,6 +85,7 @@ impl Default for Durability {
             relay_batch: 100,
             outbox_retention: Duration::from_secs(60 * 60),
             outbox_warn_after: Duration::from_secs(60),
+            idempotency_key_retention: Duration::from_secs(7 * 24 * 60 * 60),
         }
     }
 }
@@ -251,6 +256,7 @@ impl Engine {
                             Arc::clone(&dispatcher.shared.inbox),
                             Arc::clone(&dispatcher.shared.clock),
                             durability.keep_after_handling,
+                            durability.idempotency_key_retention,
                             durability.cleanup_interval,
                             durability.cleanup_batch,
                         )

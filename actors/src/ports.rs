@@ -346,6 +346,21 @@ pub trait Inbox: Send + Sync + 'static {
         Ok(0)
     }
 
+    /// Deletes at most `limit` idempotency keys recorded before `before` (see
+    /// `dacapo::idempotency`); returns how many.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Store`] when the store cannot answer.
+    async fn delete_idempotency_keys_before(
+        &self,
+        before: DateTime<Utc>,
+        limit: usize,
+    ) -> Result<u64, Error> {
+        let _ = (before, limit);
+        Ok(0)
+    }
+
     /// [`receive`](Inbox::receive) for stores that answer without waiting (in memory): `None`
     /// means "ask the async method". The engine tries it first to spare a future per envelope.
     fn receive_now(&self, envelope: &Envelope) -> Option<Result<Receipt, Error>> {

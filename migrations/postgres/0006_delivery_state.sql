@@ -4,8 +4,13 @@
 ALTER TABLE dacapo_inbox ADD COLUMN cascaded TEXT;
 
 -- Recovery claims pending rows oldest first: an index on exactly those rows, so a claim reads
--- what it takes instead of scanning and sorting the whole inbox.
+-- what it takes instead of scanning and sorting the whole inbox. Releases and the orphan sweep
+-- look for one node's pending rows: the owner index holds those rows only, so the handled
+-- rows' sweep is left to its own index on the handling time.
 CREATE INDEX dacapo_inbox_pending ON dacapo_inbox (received_at)
+    WHERE status IN ('incoming', 'scheduled');
+DROP INDEX dacapo_inbox_unsettled;
+CREATE INDEX dacapo_inbox_unsettled ON dacapo_inbox (owner)
     WHERE status IN ('incoming', 'scheduled');
 
 -- Retention sweeps: published outbox rows and idempotency keys, each by its time.

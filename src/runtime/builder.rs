@@ -266,6 +266,19 @@ impl RuntimeBuilder {
         self
     }
 
+    /// How long idempotency keys recorded by handlers
+    /// ([`idempotency::record_key`](crate::idempotency::record_key)) are kept before the cleanup
+    /// removes them (default 7 days). Within it, the same key is refused again; size it against
+    /// how late a retry, a redelivery or a dead letter's replay could come.
+    #[must_use]
+    pub fn idempotency_key_retention(mut self, retention: Duration) -> Self {
+        self.engine
+            .durability
+            .get_or_insert_with(Durability::default)
+            .idempotency_key_retention = retention;
+        self
+    }
+
     /// How often a durable store's expired handled envelopes are removed (default 1 min).
     #[must_use]
     pub fn cleanup_interval(mut self, interval: Duration) -> Self {

@@ -127,6 +127,9 @@ pub(crate) const OWN_UNSETTLED_ROW: &str = "SELECT id, message_type, payload, he
     failures, succeeded, cascaded FROM dacapo_inbox \
     WHERE id = $1 AND owner = $2 AND status IN ('incoming', 'scheduled')";
 
+pub(crate) const DELETE_IDEMPOTENCY_KEYS: &str = "DELETE FROM dacapo_idempotency_keys \
+    WHERE key IN (SELECT key FROM dacapo_idempotency_keys WHERE recorded_at < $1 LIMIT $2)";
+
 pub(crate) const INBOX_STATUS: &str = "SELECT status FROM dacapo_inbox WHERE id = $1";
 
 /// The claims table, created only when a runtime enables deduplication: with the feature off
@@ -866,6 +869,21 @@ macro_rules! sql_store {
                     .map_err($crate::store::sql::db_error)?;
                 tx.commit().await.map_err($crate::store::sql::db_error)?;
                 rows.iter().map(Self::unsettled).collect()
+            }
+
+            async fn delete_idempotency_keys_before(
+                &self,
+                before: chrono::DateTime<chrono::Utc>,
+                limit: usize,
+            ) -> Result<u64, dacapo_actors::Error> {
+                use $crate::store::sql::*;
+                Ok(sqlx::query(DELETE_IDEMPOTENCY_KEYS)
+                    .bind(millis(before))
+                    .bind(i64::try_from(limit).unwrap_or(i64::MAX))
+                    .execute(&self.pool)
+                    .await
+                    .map_err($crate::store::sql::db_error)?
+                    .rows_affected())
             }
 
             async fn scheduled(
