@@ -642,3 +642,82 @@ on_both_backends!(
         runtime.shutdown().await;
     }
 );
+
+/// Waits to be released, then fails for good.
+#[derive(Clone)]
+struct GateThenPermanent {
+    started: Arc<Mutex<Option<oneshot::Sender<()>>>>,
+    open: Arc<Notify>,
+}
+
+impl Handler<MemberRemoved> for GateThenPermanent {
+    async fn handle(&self, _: &MemberRemoved, _: &MessageContext) -> Result<(), HandlerError> {
+        if let Some(started) = self.started.lock().unwrap().take() {
+            let _ = started.send(());
+        }
+        self.open.notified().await;
+        Err(HandlerError::permanent("this can never pass"))
+    }
+}
+
+on_both_backends!(
+    a_node_taken_for_dead_writes_no_dead_letter_for_the_delivery_its_new_owner_runs_sqlite,
+    a_node_taken_for_dead_writes_no_dead_letter_for_the_delivery_its_new_owner_runs_postgres,
+    |db| {
+        let (started, started_rx) = oneshot::channel();
+        let open = Arc::new(Notify::new());
+        let slow = db
+            .store(Runtime::builder(), "node-a", Duration::from_secs(30))
+            .await
+            .module(Module::new("billing").handle_named::<MemberRemoved, _>(
+                "charge",
+                GateThenPermanent {
+                    started: Arc::new(Mutex::new(Some(started))),
+                    open: Arc::clone(&open),
+                },
+            ))
+            .build()
+            .unwrap();
+        let envelope = Envelope::for_message(&member_removed()).unwrap();
+        let id = envelope.id;
+        let report = slow.receive_tracked(envelope).await.unwrap();
+        tokio::time::timeout(WAIT, started_rx)
+            .await
+            .unwrap()
+            .unwrap();
+
+        let (b_started, b_started_rx) = oneshot::channel();
+        let new_owner = db
+            .store(Runtime::builder(), "node-b", Duration::from_millis(300))
+            .await
+            .recovery_interval(Duration::from_millis(100))
+            .module(Module::new("billing").handle_named::<MemberRemoved, _>(
+                "charge",
+                Gate {
+                    started: Arc::new(Mutex::new(Some(b_started))),
+                    open: Arc::new(Notify::new()),
+                },
+            ))
+            .build()
+            .unwrap();
+        tokio::time::timeout(WAIT, b_started_rx)
+            .await
+            .unwrap()
+            .unwrap();
+
+        // Node a's late attempt fails for good: its dead-letter transition is fenced whole.
+        open.notify_one();
+        let report = tokio::time::timeout(WAIT, report).await.unwrap().unwrap();
+        assert_eq!(
+            report.outcome,
+            Outcome::Discarded(DiscardReason::OwnedElsewhere)
+        );
+        assert!(
+            new_owner.dead_letters().inspect(id).await.is_err(),
+            "no dead letter for a delivery another node runs"
+        );
+        assert_eq!(db.inbox_status(id).await.as_deref(), Some("incoming"));
+        slow.shutdown().await;
+        drop(new_owner);
+    }
+);
