@@ -13,6 +13,7 @@ mod cleanup;
 mod context;
 mod dead_letter;
 mod deduplication;
+mod delivery;
 mod dispatcher;
 mod engine;
 mod envelope;

@@ -5,16 +5,15 @@ use std::time::Duration;
 use actix::{Actor, ActorContext, ActorFutureExt, AsyncContext, Context, WrapFuture};
 use chrono::{DateTime, Utc};
 use tokio::sync::oneshot;
-
-use crate::capacity::Slot;
 use tokio::time::Instant;
 use tracing::field::Empty;
 
 use crate::RetryScope;
+use crate::capacity::Slot;
 use crate::context::{Scope, TakeCascaded};
+use crate::delivery::{Delivery, Effect, Event, Rules, Start};
 use crate::dispatcher::{UnknownMessageTypes, Worker};
-use crate::handler_actor::HandlerFinished;
-use crate::handler_actor::PendingClaim;
+use crate::handler_actor::{HandlerFinished, PendingClaim};
 use crate::ports::{Claim, Fenced, Handled, Resumable, RetryRecord};
 use crate::report::DiscardReason;
 use crate::stats::Counter;
@@ -22,43 +21,37 @@ use crate::timer::{RetryDue, Schedule};
 use crate::tracker::{PendingRetry, Ticket};
 use crate::{
     AggregateError, ContextActor, DeadLetter, DeadLetterReason, Decoded, DeliveryReport, Envelope,
-    Error, FailureKind, HandlerActor, HandlerEntry, HandlerFailure, HandlerId, Outcome,
-    RetryDecision, Route,
+    Error, HandlerActor, HandlerEntry, HandlerFailure, Outcome, RetryPolicy, Route,
 };
 
-/// Owns one delivery from acceptance to settlement: runs every handler on each attempt,
-/// aggregates their failures, asks the [`TimerActor`](crate::TimerActor) for the cooldown
-/// before a retry, and dead-letters what the policy gives up on.
+/// Owns one delivery from acceptance to settlement. The decisions are the [`Delivery`] state
+/// machine's; this actor is the shell that runs what it decides: it starts a handler actor per
+/// handler on each attempt and collects their failures, writes each transition to the store,
+/// asks the [`TimerActor`](crate::TimerActor) for cooldowns, and reports the outcome.
 pub struct DeliverySupervisor {
     /// The worker (arbiter) this delivery runs on.
     worker: Arc<Worker>,
     /// Set once the supervisor runs on its worker.
     ticket: Option<Ticket>,
+    /// The delivery's state, moved only by its transitions.
+    delivery: Delivery,
     /// How a delivery recovered from a durable inbox picks up again.
     resume: Option<Resume>,
     /// Whether it came back from a durable inbox (every attempt is then recorded first).
     recovered: bool,
-    envelope: Envelope,
     route: Option<Arc<Route>>,
     message: Option<Decoded>,
     /// This attempt's failures with their handler's index (empty, unallocated, on success).
     results: Vec<(usize, HandlerFailure)>,
     /// Each handler's logical id (by index), when any handler deduplicates.
     deduplication_keys: Vec<Option<String>>,
-    /// With [`RetryScope::FailedHandlers`]: which handlers (by index) already succeeded.
-    succeeded: Vec<bool>,
     /// Handlers a durable inbox says succeeded before a restart (`module/name`).
     succeeded_before: Vec<String>,
     pending: usize,
-    failures: Vec<AggregateError>,
-    first_failure_at: Option<DateTime<Utc>>,
     started_at: Instant,
     /// When each retry started, from the first attempt's start.
     retry_offsets: Vec<Duration>,
     scope: Option<Arc<Scope>>,
-    /// Messages cascaded by handlers in attempts where they succeeded, sent once the whole
-    /// delivery succeeds.
-    cascaded: Vec<Envelope>,
     reply: Option<oneshot::Sender<DeliveryReport>>,
     permit: Option<Slot>,
     span: tracing::Span,
@@ -67,8 +60,9 @@ pub struct DeliverySupervisor {
 impl std::fmt::Debug for DeliverySupervisor {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("DeliverySupervisor")
-            .field("message_id", &self.envelope.id)
-            .field("attempts", &self.envelope.attempts)
+            .field("message_id", &self.delivery.envelope.id)
+            .field("attempts", &self.delivery.envelope.attempts)
+            .field("phase", self.delivery.phase())
             .finish_non_exhaustive()
     }
 }
@@ -100,22 +94,18 @@ impl DeliverySupervisor {
         Self {
             worker,
             ticket: None,
+            delivery: Delivery::new(envelope, Vec::new(), Vec::new(), Vec::new()),
             resume: None,
             recovered: false,
-            envelope,
             route: None,
             message: None,
             results: Vec::new(),
             deduplication_keys: Vec::new(),
-            succeeded: Vec::new(),
             succeeded_before: Vec::new(),
             pending: 0,
-            failures: Vec::new(),
-            first_failure_at: None,
             started_at: Instant::now(),
             retry_offsets: Vec::new(),
             scope: None,
-            cascaded: Vec::new(),
             reply,
             permit: Some(permit),
             span,
@@ -128,7 +118,7 @@ impl DeliverySupervisor {
             envelope,
             due_at,
             failures,
-            succeeded: resumable_succeeded,
+            succeeded,
             cascaded,
             ..
         } = resumable;
@@ -139,10 +129,9 @@ impl DeliverySupervisor {
             None => Resume::Due(worker.shared.clock.now()),
         };
         let mut supervisor = Self::new(worker, envelope, permit, None);
-        supervisor.first_failure_at = failures.first().map(|f| f.failed_at);
-        supervisor.failures = failures;
-        supervisor.succeeded_before = resumable_succeeded;
-        supervisor.cascaded = cascaded;
+        let envelope = supervisor.delivery.envelope.clone();
+        supervisor.delivery = Delivery::new(envelope, failures, Vec::new(), cascaded);
+        supervisor.succeeded_before = succeeded;
         supervisor.resume = Some(resume);
         supervisor.recovered = true;
         supervisor
@@ -152,72 +141,59 @@ impl DeliverySupervisor {
         self.worker.shared.clock.now()
     }
 
-    /// Starts the next attempt; a retry is first recorded as started, so that a crash while
-    /// it runs counts it (the inbox records the first attempt when it receives the envelope,
-    /// except for one enqueued for any node, which is resumed).
-    fn start_attempt(&mut self, ctx: &mut Context<Self>) {
-        self.envelope.attempts += 1;
-        let attempt = self.envelope.attempts;
-        if attempt == 1 && !self.recovered {
-            self.run_attempt(ctx);
-            return;
+    /// Moves the delivery on by `event` and runs what it decides.
+    fn apply(&mut self, event: Event, ctx: &mut Context<Self>) {
+        let route = self.route.clone();
+        let registry = &self.worker.registry;
+        let policy = |failure: &AggregateError| -> RetryPolicy {
+            match &route {
+                Some(route) => registry.policy_for(route, failure),
+                None => registry.default_policy(),
+            }
+        };
+        let rules = Rules {
+            now: self.now(),
+            first_attempt_recorded: !self.recovered,
+            policy: &policy,
+        };
+        if let Some(effect) = self.delivery.step(event, &rules) {
+            self.run(effect, ctx);
         }
+    }
+
+    fn run(&mut self, effect: Effect, ctx: &mut Context<Self>) {
+        match effect {
+            Effect::RecordAttempt(attempt) => self.record_attempt(attempt, ctx),
+            Effect::RunHandlers { attempt } => self.run_attempt(attempt, ctx),
+            Effect::RecordRetry { due_at } => self.record_retry(due_at, ctx),
+            Effect::Wait { due_at } => self.cool_down(due_at, ctx),
+            Effect::RecordHandled => self.record_handled(ctx),
+            Effect::RecordDeadLetter(letter) => self.record_dead_letter(*letter, ctx),
+            Effect::RecordDiscard => self.record_discard(ctx),
+            Effect::Finish(outcome) => self.finish(outcome, ctx),
+        }
+    }
+
+    /// Records that the attempt starts, so that a crash while it runs counts it.
+    fn record_attempt(&mut self, attempt: u32, ctx: &mut Context<Self>) {
         let worker = Arc::clone(&self.worker);
-        let id = self.envelope.id;
+        let id = self.delivery.envelope.id;
         let begin = async move {
             persist("record attempt", id, || {
                 worker.inbox.begin_attempt(id, attempt)
             })
             .await
         };
-        ctx.spawn(
-            begin
-                .into_actor(self)
-                .map(|fenced, actor, ctx| match fenced {
-                    Ok(Fenced::Written) => actor.run_attempt(ctx),
-                    Err(error) => actor.store_rejected(&error, ctx),
-                    // Running it would do the work twice: the owner runs it now.
-                    Ok(_) => actor.owned_elsewhere(ctx),
-                }),
-        );
+        ctx.spawn(begin.into_actor(self).map(|answer, actor, ctx| {
+            actor.apply(Event::AttemptRecorded(answer), ctx);
+        }));
     }
 
-    /// Dead-letters a delivery whose next state the store refuses to record: nothing else
-    /// could settle it.
-    fn store_rejected(&mut self, error: &Error, ctx: &mut Context<Self>) {
-        let now = self.now();
-        let dead_letter = DeadLetter::failed(
-            self.envelope.clone(),
-            DeadLetterReason::StoreRejected(error.to_string()),
-            self.failures.clone(),
-            self.first_failure_at.unwrap_or(now),
-            now,
-        );
-        self.cascaded.clear();
-        self.dead_letter(dead_letter, ctx);
-    }
-
-    /// Stops a delivery whose row another node owns now (or that was settled meanwhile):
-    /// this node writes nothing more of it.
-    fn owned_elsewhere(&mut self, ctx: &mut Context<Self>) {
-        tracing::info!(
-            parent: &self.span,
-            attempt = self.envelope.attempts,
-            "delivery owned by another node now; this node stops it"
-        );
-        self.settle(
-            Outcome::Discarded(DiscardReason::OwnedElsewhere),
-            Vec::new(),
-            ctx,
-        );
-    }
-
-    fn run_attempt(&mut self, ctx: &mut Context<Self>) {
+    fn run_attempt(&mut self, attempt: u32, ctx: &mut Context<Self>) {
         let (Some(route), Some(message)) = (self.route.clone(), self.message.clone()) else {
             return;
         };
         let shared = &*self.worker.shared;
-        let attempt = self.envelope.attempts;
         shared
             .stats
             .writer(self.worker.index)
@@ -230,18 +206,18 @@ impl DeliverySupervisor {
         }
 
         let scope = Arc::new(Scope::new(
-            &self.envelope,
+            &self.delivery.envelope,
             attempt,
             shared.max_envelope_size,
             Arc::clone(&self.worker),
         ));
         self.scope = Some(Arc::clone(&scope));
-        let succeeded = std::mem::take(&mut self.succeeded);
-        let already = |index: usize| succeeded.get(index).copied().unwrap_or(false);
-        self.pending = (0..route.handlers().len()).filter(|i| !already(*i)).count();
+        self.pending = (0..route.handlers().len())
+            .filter(|i| !self.delivery.skips(*i))
+            .count();
         let me = ctx.address();
         for (index, entry) in route.handlers().iter().enumerate() {
-            if already(index) {
+            if self.delivery.skips(index) {
                 continue;
             }
             // Nobody listens to the delivery's span, so nobody would listen to its children.
@@ -280,7 +256,6 @@ impl DeliverySupervisor {
             )
             .start();
         }
-        self.succeeded = succeeded;
     }
 
     /// The claim handler `index` makes before it runs, if it deduplicates and the message has
@@ -291,8 +266,8 @@ impl DeliverySupervisor {
         let claim = Claim::new(
             entry.id.to_string(),
             key,
-            self.envelope.id,
-            &self.envelope.payload,
+            self.delivery.envelope.id,
+            &self.delivery.envelope.payload,
             self.now(),
             self.worker.deduplication_window,
         );
@@ -313,7 +288,7 @@ impl DeliverySupervisor {
         let mut keys = Vec::with_capacity(route.handlers().len());
         for entry in route.handlers() {
             let key = entry.deduplication.as_ref().and_then(|d| {
-                let key = d.key(&self.envelope, message);
+                let key = d.key(&self.delivery.envelope, message);
                 (key.is_some() || !d.is_required()).then_some(key)
             });
             match (key, &entry.deduplication) {
@@ -329,207 +304,126 @@ impl DeliverySupervisor {
         let Some(scope) = self.scope.take() else {
             return;
         };
+        let failed = std::mem::take(&mut self.results);
         let Some(context) = scope.close().cloned() else {
-            self.conclude_attempt(Vec::new(), ctx);
+            let ended = Event::AttemptEnded {
+                failed,
+                cascaded: Vec::new(),
+            };
+            self.apply(ended, ctx);
             return;
         };
         let take = async move { context.send(TakeCascaded).await.unwrap_or_default() };
-        ctx.spawn(
-            take.into_actor(self)
-                .map(|cascaded, actor, ctx| actor.conclude_attempt(cascaded, ctx)),
-        );
+        ctx.spawn(take.into_actor(self).map(|cascaded, actor, ctx| {
+            actor.apply(Event::AttemptEnded { failed, cascaded }, ctx);
+        }));
     }
 
-    fn conclude_attempt(&mut self, cascaded: Vec<(HandlerId, Envelope)>, ctx: &mut Context<Self>) {
-        let mut results = std::mem::take(&mut self.results);
-        results.sort_by_key(|(index, _)| *index);
-        // Every handler that ran this attempt and is not among the failures succeeded.
-        for (index, done) in self.succeeded.iter_mut().enumerate() {
-            *done = *done || !results.iter().any(|(failed, _)| *failed == index);
+    /// Records the failed attempt, with everything a resume needs, before the cooldown.
+    fn record_retry(&mut self, due_at: DateTime<Utc>, ctx: &mut Context<Self>) {
+        if let Some(failure) = self.delivery.failures.last() {
+            tracing::warn!(parent: &self.span, error = %failure, "attempt failed");
         }
-        let failures: Vec<HandlerFailure> =
-            results.into_iter().map(|(_, failure)| failure).collect();
-        for (handler, envelope) in cascaded {
-            let failed = failures
-                .iter()
-                .any(|f| *f.module == *handler.module && *f.handler == *handler.name);
-            if failed {
-                continue;
+        self.worker
+            .shared
+            .stats
+            .writer(self.worker.index)
+            .bump(Counter::Retried);
+        tracing::info!(parent: &self.span, %due_at, "retry scheduled");
+        let worker = Arc::clone(&self.worker);
+        let delivery = &self.delivery;
+        let (envelope, failures) = (delivery.envelope.clone(), delivery.failures.clone());
+        let succeeded = match &self.route {
+            Some(route) => {
+                let ids: Vec<_> = route.handlers().iter().map(|h| h.id.clone()).collect();
+                delivery.succeeded_handlers(&ids)
             }
-            // The same id cascaded again on a retry is the same message: keep one, the latest.
-            match self.cascaded.iter_mut().find(|kept| kept.id == envelope.id) {
-                Some(kept) => *kept = envelope,
-                None => self.cascaded.push(envelope),
-            }
-        }
-        if failures.is_empty() {
-            self.succeed(ctx);
-            return;
-        }
-        let failure = AggregateError {
-            message_type: self.envelope.message_type.to_string(),
-            message_id: self.envelope.id,
-            attempt: self.envelope.attempts,
-            failures,
-            failed_at: self.now(),
+            None => Vec::new(),
         };
-        self.attempt_failed(failure, ctx);
-    }
-
-    /// Decides what follows a failed attempt: a cooldown and a retry, or the dead letters.
-    fn attempt_failed(&mut self, failure: AggregateError, ctx: &mut Context<Self>) {
-        tracing::warn!(parent: &self.span, error = %failure, "attempt failed");
-        let now = failure.failed_at;
-        self.first_failure_at.get_or_insert(now);
-        let shared = &*self.worker.shared;
-        let registry = &self.worker.registry;
-        let policy = match &self.route {
-            Some(route) => registry.policy_for(route, &failure),
-            None => registry.default_policy(),
+        let cascaded = delivery.cascaded.clone();
+        let record = async move {
+            persist("record retry", envelope.id, || {
+                worker.inbox.schedule_retry(RetryRecord {
+                    envelope: &envelope,
+                    due_at,
+                    failures: &failures,
+                    succeeded: &succeeded,
+                    cascaded: &cascaded,
+                })
+            })
+            .await
         };
-        let decision = policy.decide(failure.attempt, &failure);
-        self.failures.push(failure);
-        match decision {
-            RetryDecision::RetryIn(delay) => {
-                shared
-                    .stats
-                    .writer(self.worker.index)
-                    .bump(Counter::Retried);
-                let due_at = later(now, delay);
-                tracing::info!(parent: &self.span, ?delay, "retry scheduled");
-                let worker = Arc::clone(&self.worker);
-                let (envelope, failures) = (self.envelope.clone(), self.failures.clone());
-                let (succeeded, cascaded) = (self.succeeded_handlers(), self.cascaded.clone());
-                let record = async move {
-                    let id = envelope.id;
-                    persist("record retry", id, || {
-                        worker.inbox.schedule_retry(RetryRecord {
-                            envelope: &envelope,
-                            due_at,
-                            failures: &failures,
-                            succeeded: &succeeded,
-                            cascaded: &cascaded,
-                        })
-                    })
-                    .await
-                };
-                ctx.spawn(
-                    record
-                        .into_actor(self)
-                        .map(move |fenced, actor, ctx| match fenced {
-                            Ok(Fenced::Written) => actor.cool_down(due_at, delay, ctx),
-                            Err(error) => actor.store_rejected(&error, ctx),
-                            Ok(_) => actor.owned_elsewhere(ctx),
-                        }),
-                );
-            }
-            RetryDecision::DeadLetter { exhausted } => {
-                let reason = if exhausted {
-                    DeadLetterReason::RetriesExhausted
-                } else {
-                    DeadLetterReason::Permanent
-                };
-                let dead_letter = DeadLetter::failed(
-                    self.envelope.clone(),
-                    reason,
-                    self.failures.clone(),
-                    self.first_failure_at.unwrap_or(now),
-                    now,
-                );
-                self.dead_letter(dead_letter, ctx);
-            }
-        }
-    }
-
-    /// The handlers (`module/name`) that succeeded so far, under
-    /// [`RetryScope::FailedHandlers`].
-    fn succeeded_handlers(&self) -> Vec<String> {
-        let Some(route) = &self.route else {
-            return Vec::new();
-        };
-        route
-            .handlers()
-            .iter()
-            .zip(&self.succeeded)
-            .filter(|(_, done)| **done)
-            .map(|(h, _)| h.id.to_string())
-            .collect()
+        ctx.spawn(record.into_actor(self).map(|answer, actor, ctx| {
+            actor.apply(Event::RetryRecorded(answer), ctx);
+        }));
     }
 
     /// Waits on the timer actor until the next attempt is due.
-    fn cool_down(&mut self, due_at: DateTime<Utc>, delay: Duration, ctx: &mut Context<Self>) {
+    fn cool_down(&mut self, due_at: DateTime<Utc>, ctx: &mut Context<Self>) {
         let shared = &*self.worker.shared;
         if let Some(ticket) = self.ticket {
             let pending = PendingRetry {
-                envelope: self.envelope.clone(),
+                envelope: self.delivery.envelope.clone(),
                 due_at,
-                failures: self.failures.clone(),
+                failures: self.delivery.failures.clone(),
             };
             shared.tracker.cooling(ticket, pending);
         }
+        let delay = (due_at - self.now()).to_std().unwrap_or_default();
         shared.timer.do_send(Schedule {
             delay,
             target: ctx.address().recipient(),
         });
     }
 
-    fn succeed(&mut self, ctx: &mut Context<Self>) {
+    /// Settles the delivery as handled, with what its handlers published.
+    fn record_handled(&mut self, ctx: &mut Context<Self>) {
         let worker = &self.worker;
-        let id = self.envelope.id;
+        let id = self.delivery.envelope.id;
         // An in-memory inbox answers at once; only a store that waits needs the actor future.
-        if self.cascaded.is_empty()
+        if self.delivery.cascaded.is_empty()
             && let Some(Ok(())) = worker.inbox.mark_handled_now(id)
         {
-            self.handled(false, ctx);
+            let answer = Ok(Handled::Written { in_outbox: false });
+            self.apply(Event::HandledRecorded(answer), ctx);
             return;
         }
         let worker = Arc::clone(worker);
-        let cascaded = self.cascaded.clone();
+        let cascaded = self.delivery.cascaded.clone();
         let work = async move {
             persist("mark handled", id, || {
                 worker.inbox.settle_handled(id, &cascaded)
             })
             .await
         };
-        ctx.spawn(
-            work.into_actor(self)
-                .map(|handled, actor, ctx| match handled {
-                    Ok(Handled::Written { in_outbox }) => {
-                        if in_outbox {
-                            actor.worker.shared.outbox_enlisted.notify_one();
-                        }
-                        actor.handled(in_outbox, ctx);
+        ctx.spawn(work.into_actor(self).map(|answer, actor, ctx| {
+            if let Ok(Handled::Written { in_outbox }) = answer {
+                let cascaded = &actor.delivery.cascaded;
+                if in_outbox {
+                    if !cascaded.is_empty() {
+                        actor.worker.shared.outbox_enlisted.notify_one();
                     }
-                    Err(error) => actor.store_rejected(&error, ctx),
-                    Ok(_) => actor.owned_elsewhere(ctx),
-                }),
-        );
-    }
-
-    /// Settles a handled delivery; its cascaded messages are sent from here unless the store
-    /// already wrote them to its outbox, for the relay.
-    fn handled(&mut self, in_outbox: bool, ctx: &mut Context<Self>) {
-        let cascaded = std::mem::take(&mut self.cascaded);
-        self.worker
-            .shared
-            .stats
-            .writer(self.worker.index)
-            .bump(Counter::Handled);
-        tracing::info!(parent: &self.span, cascaded = cascaded.len(), "delivery handled");
-        if !in_outbox {
-            self.worker.forward(cascaded.clone());
-        }
-        self.settle(Outcome::Handled, cascaded, ctx);
+                } else {
+                    // A store without an outbox: the engine delivers them itself.
+                    actor.worker.forward(cascaded.clone());
+                }
+            }
+            actor.apply(Event::HandledRecorded(answer), ctx);
+        }));
     }
 
     /// Dead-letters the delivery: in one transaction of the inbox's store (the dead letter,
     /// the row settled, the envelope's uncompleted claims released), or — dead letters kept
     /// apart — the dead letter first, then the row.
-    fn dead_letter(&mut self, dead_letter: DeadLetter, ctx: &mut Context<Self>) {
+    fn record_dead_letter(&mut self, dead_letter: DeadLetter, ctx: &mut Context<Self>) {
+        if let (DeadLetterReason::RetriesExhausted | DeadLetterReason::Permanent, Some(failure)) =
+            (&dead_letter.reason, self.delivery.failures.last())
+        {
+            tracing::warn!(parent: &self.span, error = %failure, "attempt failed");
+        }
+        tracing::error!(parent: &self.span, reason = %dead_letter.reason, "message dead-lettered");
         let worker = Arc::clone(&self.worker);
-        let id = self.envelope.id;
-        let reason = dead_letter.reason.clone();
-        tracing::error!(parent: &self.span, %reason, "message dead-lettered");
+        let id = self.delivery.envelope.id;
         let release_claims = worker.claims.is_some() && worker.shared.claims_in_store;
         let work = async move {
             if !worker.shared.dead_letters_apart {
@@ -547,53 +441,61 @@ impl DeliverySupervisor {
                 _ => Ok(Fenced::OwnedElsewhere),
             }
         };
-        ctx.spawn(work.into_actor(self).map(move |fenced, actor, ctx| match fenced {
-            Ok(Fenced::Written) => {
-                actor
-                    .worker
-                    .shared
-                    .stats
-                    .writer(actor.worker.index)
-                    .bump(Counter::DeadLettered);
-                actor.settle(Outcome::DeadLettered(reason), Vec::new(), ctx);
-            }
-            Ok(_) => actor.owned_elsewhere(ctx),
-            // The letter with its failures was refused: try the bare envelope once.
-            Err(error) if !matches!(reason, DeadLetterReason::StoreRejected(_)) => {
-                let now = actor.now();
-                let bare = DeadLetter::rejected(
-                    actor.envelope.clone(),
-                    DeadLetterReason::StoreRejected(error.to_string()),
-                    now,
-                );
-                actor.dead_letter(bare, ctx);
-            }
-            Err(error) => {
-                // Nothing of it can be stored: say so loudly and free its slot. Its row stays
-                // unsettled for an operator to see.
-                tracing::error!(
-                    parent: &actor.span,
-                    %error,
-                    "the store refuses even the dead letter of this delivery; it is given up"
-                );
-                actor.settle(
-                    Outcome::Discarded(DiscardReason::StoreRejected),
-                    Vec::new(),
-                    ctx,
-                );
-            }
+        ctx.spawn(work.into_actor(self).map(|answer, actor, ctx| {
+            actor.apply(Event::DeadLetterRecorded(answer), ctx);
         }));
     }
 
-    fn settle(&mut self, outcome: Outcome, cascaded: Vec<Envelope>, ctx: &mut Context<Self>) {
+    /// Settles a delivery of a type nobody handles, configured to be discarded.
+    fn record_discard(&mut self, ctx: &mut Context<Self>) {
+        tracing::warn!(parent: &self.span, "no handler for this message type; discarded");
+        let worker = Arc::clone(&self.worker);
+        let id = self.delivery.envelope.id;
+        let work = async move {
+            persist("mark handled", id, || worker.inbox.settle_handled(id, &[])).await
+        };
+        ctx.spawn(work.into_actor(self).map(|answer, actor, ctx| {
+            actor.apply(Event::HandledRecorded(answer), ctx);
+        }));
+    }
+
+    /// Reports the outcome, frees the delivery's slot and stops.
+    fn finish(&mut self, outcome: Outcome, ctx: &mut Context<Self>) {
+        let counters = self.worker.shared.stats.writer(self.worker.index);
+        let mut cascaded = Vec::new();
+        match &outcome {
+            Outcome::Handled => {
+                counters.bump(Counter::Handled);
+                cascaded = std::mem::take(&mut self.delivery.cascaded);
+                tracing::info!(parent: &self.span, cascaded = cascaded.len(), "delivery handled");
+            }
+            Outcome::DeadLettered(_) => counters.bump(Counter::DeadLettered),
+            Outcome::Discarded(DiscardReason::NoHandler) => counters.bump(Counter::Discarded),
+            Outcome::Discarded(DiscardReason::OwnedElsewhere) => {
+                tracing::info!(
+                    parent: &self.span,
+                    attempt = self.delivery.envelope.attempts,
+                    "delivery owned by another node now; this node stops it"
+                );
+            }
+            Outcome::Discarded(DiscardReason::StoreRejected) => {
+                // Its row stays unsettled for an operator to see.
+                tracing::error!(
+                    parent: &self.span,
+                    "the store refuses even the dead letter of this delivery; it is given up"
+                );
+            }
+            _ => {}
+        }
+        let envelope = &self.delivery.envelope;
         if let Some(reply) = self.reply.take() {
             let _ = reply.send(DeliveryReport {
-                envelope_id: self.envelope.id,
-                message_type: self.envelope.message_type.to_string(),
+                envelope_id: envelope.id,
+                message_type: envelope.message_type.to_string(),
                 outcome,
-                attempts: self.envelope.attempts,
-                failures: std::mem::take(&mut self.failures),
-                attempt_offsets: if self.envelope.attempts == 0 {
+                attempts: envelope.attempts,
+                failures: std::mem::take(&mut self.delivery.failures),
+                attempt_offsets: if envelope.attempts == 0 {
                     Vec::new()
                 } else {
                     std::iter::once(Duration::ZERO)
@@ -610,14 +512,54 @@ impl DeliverySupervisor {
         }
         ctx.stop();
     }
-}
 
-/// `delay` after `now`, saturating instead of overflowing the calendar.
-fn later(now: DateTime<Utc>, delay: Duration) -> DateTime<Utc> {
-    chrono::Duration::from_std(delay)
-        .ok()
-        .and_then(|delay| now.checked_add_signed(delay))
-        .unwrap_or(DateTime::<Utc>::MAX_UTC)
+    /// Checks the envelope before anything runs: how the delivery starts.
+    fn check(&mut self) -> Start {
+        let shared = &*self.worker.shared;
+        let size = self.delivery.envelope.size();
+        if size > shared.max_envelope_size {
+            return Start::Reject(DeadLetterReason::TooLarge {
+                size,
+                limit: shared.max_envelope_size,
+            });
+        }
+        let message_type = self.delivery.envelope.message_type.clone();
+        let route = match self.worker.registry.route(&message_type) {
+            None if shared.unknown_message_types == UnknownMessageTypes::Discard => {
+                return Start::Discard;
+            }
+            None => return Start::Reject(DeadLetterReason::NoHandler(message_type.to_string())),
+            Some(route) => Arc::clone(route),
+        };
+        let message = match route.decode(&self.delivery.envelope.payload) {
+            Ok(message) => message,
+            Err(error) => {
+                return Start::Reject(DeadLetterReason::MalformedPayload(error.to_string()));
+            }
+        };
+        if shared.retry_scope == RetryScope::FailedHandlers {
+            self.delivery.succeeded = route
+                .handlers()
+                .iter()
+                .map(|h| self.succeeded_before.contains(&h.id.to_string()))
+                .collect();
+        }
+        if let Err(handler) = self.read_deduplication_keys(&route, &message) {
+            return Start::Reject(DeadLetterReason::MissingDeduplicationId(handler));
+        }
+        self.route = Some(route);
+        self.message = Some(message);
+        match self.resume.take() {
+            Some(Resume::Due(due_at)) => Start::At(due_at),
+            Some(Resume::Interrupted) => Start::Interrupted,
+            // Scheduled for later, in an inbox that keeps no schedule (in memory): its
+            // delivery waits on the timer, holding its slot.
+            None => match self.delivery.envelope.scheduled_for {
+                Some(due_at) if due_at > self.now() => Start::At(due_at),
+                _ => Start::Now,
+            },
+        }
+    }
 }
 
 /// How a recovered delivery picks up again.
@@ -672,109 +614,17 @@ impl Actor for DeliverySupervisor {
         self.ticket = Some(
             shared
                 .tracker
-                .supervise(self.worker.index, self.envelope.id),
+                .supervise(self.worker.index, self.delivery.envelope.id),
         );
         if self.recovered {
             shared
                 .resuming
                 .lock()
                 .unwrap_or_else(std::sync::PoisonError::into_inner)
-                .remove(&self.envelope.id);
+                .remove(&self.delivery.envelope.id);
         }
-        let size = self.envelope.size();
-        let rejected = if size > shared.max_envelope_size {
-            Some(DeadLetterReason::TooLarge {
-                size,
-                limit: shared.max_envelope_size,
-            })
-        } else {
-            match self.worker.registry.route(&self.envelope.message_type) {
-                None if shared.unknown_message_types == UnknownMessageTypes::Discard => {
-                    tracing::warn!(parent: &self.span, "no handler for this message type; discarded");
-                    shared
-                        .stats
-                        .writer(self.worker.index)
-                        .bump(Counter::Discarded);
-                    let id = self.envelope.id;
-                    let worker = Arc::clone(&self.worker);
-                    let work = async move {
-                        persist("mark handled", id, || worker.inbox.settle_handled(id, &[])).await
-                    };
-                    ctx.spawn(work.into_actor(self).map(|handled, actor, ctx| {
-                        if let Ok(Handled::Written { .. }) = handled {
-                            actor.settle(
-                                Outcome::Discarded(DiscardReason::NoHandler),
-                                Vec::new(),
-                                ctx,
-                            );
-                        } else {
-                            actor.owned_elsewhere(ctx);
-                        }
-                    }));
-                    return;
-                }
-                None => Some(DeadLetterReason::NoHandler(
-                    self.envelope.message_type.to_string(),
-                )),
-                Some(route) => match route.decode(&self.envelope.payload) {
-                    Ok(message) => {
-                        if shared.retry_scope == RetryScope::FailedHandlers {
-                            self.succeeded = route
-                                .handlers()
-                                .iter()
-                                .map(|h| self.succeeded_before.contains(&h.id.to_string()))
-                                .collect();
-                        }
-                        self.route = Some(Arc::clone(route));
-                        self.message = Some(message);
-                        None
-                    }
-                    Err(error) => Some(DeadLetterReason::MalformedPayload(error.to_string())),
-                },
-            }
-        };
-        let rejected = rejected.or_else(|| {
-            let (route, message) = (self.route.clone()?, self.message.clone()?);
-            self.read_deduplication_keys(&route, &message)
-                .err()
-                .map(DeadLetterReason::MissingDeduplicationId)
-        });
-        match rejected {
-            None => match self.resume.take() {
-                // Scheduled for later, in an inbox that keeps no schedule (in memory): its
-                // delivery waits on the timer, holding its slot.
-                None => match self.envelope.scheduled_for.filter(|at| *at > self.now()) {
-                    Some(due_at) => {
-                        let delay = (due_at - self.now()).to_std().unwrap_or_default();
-                        self.cool_down(due_at, delay, ctx);
-                    }
-                    None => self.start_attempt(ctx),
-                },
-                Some(Resume::Due(due_at)) => {
-                    let delay = (due_at - self.now()).to_std().unwrap_or_default();
-                    self.cool_down(due_at, delay, ctx);
-                }
-                Some(Resume::Interrupted) => {
-                    let failure = AggregateError {
-                        message_type: self.envelope.message_type.to_string(),
-                        message_id: self.envelope.id,
-                        attempt: self.envelope.attempts,
-                        failures: vec![HandlerFailure {
-                            module: "dacapo".into(),
-                            handler: "runtime".into(),
-                            error: "the runtime stopped while this attempt ran".into(),
-                            kind: FailureKind::Error,
-                        }],
-                        failed_at: self.now(),
-                    };
-                    self.attempt_failed(failure, ctx);
-                }
-            },
-            Some(reason) => {
-                let dead_letter = DeadLetter::rejected(self.envelope.clone(), reason, self.now());
-                self.dead_letter(dead_letter, ctx);
-            }
-        }
+        let start = self.check();
+        self.apply(Event::Started(start), ctx);
     }
 }
 
@@ -800,7 +650,7 @@ impl actix::Handler<RetryDue> for DeliverySupervisor {
             .ticket
             .is_some_and(|ticket| self.worker.shared.tracker.resume(ticket))
         {
-            self.start_attempt(ctx);
+            self.apply(Event::Due, ctx);
         } else {
             // Handed back by a shutdown while cooling down: the report owns it now.
             ctx.stop();
