@@ -52,8 +52,6 @@ pub struct Runtime {
     transport: InProcess,
     inbox: Arc<dyn Inbox>,
     dead_letters: Arc<dyn DeadLetterStore>,
-    /// Whether the dead letters are kept apart from the inbox.
-    dead_letters_apart: bool,
     clock: Arc<dyn dacapo_actors::ports::Clock>,
     outbox: Option<Arc<dyn OutboxStore>>,
     max_envelope_size: usize,

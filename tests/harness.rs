@@ -7,8 +7,12 @@ mod support;
 use std::sync::Arc;
 use std::time::Duration;
 
-use dacapo::ports::DeadLetterStore;
+use dacapo::ports::{
+    DeadLetterStore, Fenced, Handled, Inbox, Receipt, Replay, ReplayTo, RetryRecord,
+    ScheduledEnvelope,
+};
 use dacapo::prelude::*;
+use dacapo::store::MemoryInbox;
 use dacapo::testing::{Fault, Recorder, TestHarness};
 use dacapo::{
     DeadLetter, DeadLetterReason, DiscardReason, EngineError, Error, FailureKind, Outcome,
@@ -216,12 +220,12 @@ async fn the_same_envelope_delivered_concurrently_is_handled_once() {
 
 #[tokio::test]
 async fn a_delivery_that_cannot_settle_in_time_is_reported_not_awaited_forever() {
-    // The dead letter store never answers, so the dead-lettered delivery never settles; no
+    // The inbox never answers the dead letter, so the dead-lettered delivery never settles; no
     // timer is pending, so virtual time cannot move it along either.
     let harness = TestHarness::builder()
         .module(Module::new("m").handle_named::<MemberRemoved, _>("h", Counter::default()))
         .fault("m", "h", Fault::fail_permanently())
-        .configure(|runtime| runtime.dead_letter_store(Arc::new(SilentStore)))
+        .configure(|runtime| runtime.inbox(Arc::new(SilentDeadLetters::default())))
         .settle_timeout(Duration::from_millis(200))
         .build()
         .unwrap();
@@ -229,23 +233,65 @@ async fn a_delivery_that_cannot_settle_in_time_is_reported_not_awaited_forever()
     assert!(matches!(error, Error::NotSettled { .. }), "{error}");
 }
 
-struct SilentStore;
+/// An inbox in memory whose dead-letter transition never answers.
+struct SilentDeadLetters(MemoryInbox);
+
+impl Default for SilentDeadLetters {
+    fn default() -> Self {
+        Self(MemoryInbox::new(
+            Duration::from_secs(300),
+            Arc::new(dacapo::ports::SystemClock),
+        ))
+    }
+}
 
 #[async_trait::async_trait]
-impl DeadLetterStore for SilentStore {
-    async fn put(&self, _: DeadLetter) -> Result<(), EngineError> {
+impl Inbox for SilentDeadLetters {
+    async fn receive(&self, envelope: &Envelope) -> Result<Receipt, EngineError> {
+        self.0.receive(envelope).await
+    }
+    async fn begin_attempt(&self, id: Uuid, attempt: u32) -> Result<Fenced, EngineError> {
+        self.0.begin_attempt(id, attempt).await
+    }
+    async fn schedule_retry(&self, record: RetryRecord<'_>) -> Result<Fenced, EngineError> {
+        self.0.schedule_retry(record).await
+    }
+    async fn settle_handled(
+        &self,
+        id: Uuid,
+        cascaded: &[Envelope],
+    ) -> Result<Handled, EngineError> {
+        self.0.settle_handled(id, cascaded).await
+    }
+    async fn dead_letter(&self, _: &DeadLetter, _: bool) -> Result<Fenced, EngineError> {
         std::future::pending().await
+    }
+    async fn replay(&self, id: Uuid, to: ReplayTo) -> Result<Replay, EngineError> {
+        self.0.replay(id, to).await
+    }
+    async fn scheduled(&self, limit: usize) -> Result<Vec<ScheduledEnvelope>, EngineError> {
+        self.0.scheduled(limit).await
+    }
+    async fn cancel_scheduled(&self, id: Uuid) -> Result<bool, EngineError> {
+        self.0.cancel_scheduled(id).await
+    }
+}
+
+#[async_trait::async_trait]
+impl DeadLetterStore for SilentDeadLetters {
+    async fn put(&self, letter: DeadLetter) -> Result<(), EngineError> {
+        self.0.put(letter).await
     }
     async fn list(&self) -> Result<Vec<DeadLetter>, EngineError> {
-        std::future::pending().await
+        self.0.list().await
     }
-    async fn get(&self, _: Uuid) -> Result<Option<DeadLetter>, EngineError> {
-        std::future::pending().await
+    async fn get(&self, id: Uuid) -> Result<Option<DeadLetter>, EngineError> {
+        self.0.get(id).await
     }
-    async fn remove(&self, _: Uuid) -> Result<Option<DeadLetter>, EngineError> {
-        std::future::pending().await
+    async fn remove(&self, id: Uuid) -> Result<Option<DeadLetter>, EngineError> {
+        self.0.remove(id).await
     }
     async fn purge(&self) -> Result<u64, EngineError> {
-        std::future::pending().await
+        self.0.purge().await
     }
 }

@@ -721,3 +721,151 @@ on_both_backends!(
         drop(new_owner);
     }
 );
+
+/// One node's view of the database's stores, under the node name `node`.
+async fn node_store(
+    db: &support_stores::TestDatabase,
+    node: &str,
+) -> (
+    Box<dyn dacapo::ports::Inbox>,
+    Box<dyn dacapo::ports::Claims>,
+) {
+    match db.backend {
+        Backend::Sqlite => (
+            Box::new(db.sqlite().await.node_id(node)),
+            Box::new(db.sqlite().await.node_id(node)),
+        ),
+        Backend::Postgres => (
+            Box::new(db.postgres().await.node_id(node)),
+            Box::new(db.postgres().await.node_id(node)),
+        ),
+    }
+}
+
+fn claim_for(envelope: &Envelope) -> dacapo::ports::Claim {
+    dacapo::ports::Claim::new(
+        "projections/rebuild".into(),
+        "rebuild|tonight".into(),
+        envelope.id,
+        &envelope.payload,
+        chrono::Utc::now(),
+        Duration::from_secs(3600),
+    )
+}
+
+on_both_backends!(
+    a_claim_a_live_node_holds_for_the_same_delivery_is_neither_taken_nor_reported_done_sqlite,
+    a_claim_a_live_node_holds_for_the_same_delivery_is_neither_taken_nor_reported_done_postgres,
+    |db| {
+        use dacapo::ports::ClaimOutcome;
+        let envelope = Envelope::for_message(&member_removed()).unwrap();
+        let (a_inbox, a_claims) = node_store(&db, "node-a").await;
+        let (b_inbox, b_claims) = node_store(&db, "node-b").await;
+        a_inbox.heartbeat().await.unwrap();
+        b_inbox.heartbeat().await.unwrap();
+        assert_eq!(
+            a_claims.claim(&claim_for(&envelope)).await.unwrap(),
+            ClaimOutcome::Claimed
+        );
+
+        // Node b resumes the same delivery while node a's attempt may still run.
+        let refused = b_claims.claim(&claim_for(&envelope)).await;
+        assert!(
+            matches!(&refused, Err(e) if e.is_retryable()),
+            "not Completed, not taken: this attempt waits ({refused:?})"
+        );
+
+        // Node a stops heartbeating: it is taken for dead, and its claim taken over.
+        db.execute("UPDATE dacapo_nodes SET heartbeat_at = 0 WHERE id = 'node-a'")
+            .await;
+        assert_eq!(
+            b_claims.claim(&claim_for(&envelope)).await.unwrap(),
+            ClaimOutcome::Claimed
+        );
+        // Node a wakes up: it can neither complete nor release what it lost.
+        let lost = a_claims.complete(&claim_for(&envelope)).await.unwrap_err();
+        assert!(!lost.is_retryable(), "{lost}");
+        a_claims.release(&claim_for(&envelope)).await.unwrap();
+        assert_eq!(
+            db.scalar("SELECT count(*) FROM dacapo_deduplication WHERE node = 'node-b'")
+                .await,
+            1,
+            "node b's claim stands"
+        );
+        b_claims.complete(&claim_for(&envelope)).await.unwrap();
+        assert_eq!(
+            b_claims.claim(&claim_for(&envelope)).await.unwrap(),
+            ClaimOutcome::Completed,
+            "completed by this delivery: its work is done"
+        );
+    }
+);
+
+on_both_backends!(
+    a_node_restarted_under_its_name_frees_the_claims_its_previous_run_left_uncompleted_sqlite,
+    a_node_restarted_under_its_name_frees_the_claims_its_previous_run_left_uncompleted_postgres,
+    |db| {
+        use dacapo::ports::ClaimOutcome;
+        let envelope = Envelope::for_message(&member_removed()).unwrap();
+        let (_, before_crash) = node_store(&db, "node-a").await;
+        before_crash.claim(&claim_for(&envelope)).await.unwrap();
+        drop(before_crash);
+        let (inbox, restarted) = node_store(&db, "node-a").await;
+        inbox.heartbeat().await.unwrap();
+        restarted.provision().await.unwrap();
+        assert_eq!(
+            db.scalar("SELECT count(*) FROM dacapo_deduplication").await,
+            0
+        );
+        let (_, other) = node_store(&db, "node-b").await;
+        assert_eq!(
+            other.claim(&claim_for(&envelope)).await.unwrap(),
+            ClaimOutcome::Claimed,
+            "another node resuming the delivery gets the claim at once"
+        );
+    }
+);
+
+on_both_backends!(
+    an_attempt_starts_once_even_when_two_runners_of_one_node_ask_sqlite,
+    an_attempt_starts_once_even_when_two_runners_of_one_node_ask_postgres,
+    |db| {
+        use dacapo::ports::Fenced;
+        let (inbox, _) = node_store(&db, "node-a").await;
+        let envelope = Envelope::for_message(&member_removed()).unwrap();
+        inbox.receive(&envelope).await.unwrap();
+        assert_eq!(
+            inbox.begin_attempt(envelope.id, 2).await.unwrap(),
+            Fenced::Written
+        );
+        assert_eq!(
+            inbox.begin_attempt(envelope.id, 2).await.unwrap(),
+            Fenced::OwnedElsewhere,
+            "the second runner of attempt 2 finds it started"
+        );
+    }
+);
+
+on_both_backends!(
+    an_unreadable_row_does_not_stop_the_recovery_of_the_others_sqlite,
+    an_unreadable_row_does_not_stop_the_recovery_of_the_others_postgres,
+    |db| {
+        let (dead, _) = node_store(&db, "dead-node").await;
+        let first = Envelope::for_message(&member_removed()).unwrap();
+        let second = Envelope::for_message(&member_removed()).unwrap();
+        dead.receive(&first).await.unwrap();
+        dead.receive(&second).await.unwrap();
+        // One row's recorded failures were damaged by hand.
+        db.execute("UPDATE dacapo_inbox SET received_at = 0, failures = 'not json'")
+            .await;
+        db.execute("UPDATE dacapo_inbox SET failures = NULL WHERE received_at = 0 AND id = (SELECT max(id) FROM dacapo_inbox)")
+            .await;
+        let (survivor, _) = node_store(&db, "survivor").await;
+        survivor.heartbeat().await.unwrap();
+        let resumed = survivor
+            .recover(10, chrono::DateTime::<chrono::Utc>::MAX_UTC)
+            .await
+            .unwrap();
+        assert_eq!(resumed.len(), 1, "the readable row resumes");
+    }
+);

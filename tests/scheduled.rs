@@ -91,7 +91,7 @@ on_both_backends!(
         let calls = timed.calls();
         assert_eq!(calls.len(), 1);
         assert!(
-            calls[0] >= due_at,
+            not_before(calls[0], due_at),
             "not before it was due: {} < {due_at}",
             calls[0]
         );

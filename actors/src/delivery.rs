@@ -35,8 +35,8 @@ pub(crate) enum Phase {
         reason: DeadLetterReason,
         bare: bool,
     },
-    /// Waiting for the store to settle it as discarded.
-    Discarding,
+    /// Waiting for the store to settle it as discarded, for this reason.
+    Discarding(DiscardReason),
     /// Over: reported, nothing more to do.
     Done,
 }
@@ -194,13 +194,19 @@ impl Delivery {
                 Ok(_) => self.owned_elsewhere(),
                 Err(error) => self.store_rejected(&error, rules),
             },
-            (P::Discarding, Event::HandledRecorded(answer)) => match answer {
-                Ok(Handled::Written { .. }) => {
-                    self.finish(Outcome::Discarded(DiscardReason::NoHandler))
+            (P::Discarding(reason), Event::HandledRecorded(answer)) => {
+                let reason = reason.clone();
+                match answer {
+                    Ok(Handled::Written { .. }) => self.finish(Outcome::Discarded(reason)),
+                    Ok(_) => self.owned_elsewhere(),
+                    // Not even settled: its row stays for an operator (and for this node's
+                    // sweep of rows nothing runs, which tries again).
+                    Err(_) if reason == DiscardReason::StoreRejected => {
+                        self.finish(Outcome::Discarded(reason))
+                    }
+                    Err(error) => self.store_rejected(&error, rules),
                 }
-                Ok(_) => self.owned_elsewhere(),
-                Err(error) => self.store_rejected(&error, rules),
-            },
+            }
             (P::DeadLettering { reason, bare }, Event::DeadLetterRecorded(answer)) => {
                 let (reason, bare) = (reason.clone(), *bare);
                 match answer {
@@ -214,9 +220,13 @@ impl Delivery {
                         self.phase = P::DeadLettering { reason, bare: true };
                         Effect::RecordDeadLetter(Box::new(letter))
                     }
-                    // Nothing of it can be stored: give it up rather than hold its slot
-                    // forever (the supervisor logs it loudly).
-                    Err(_) => self.finish(Outcome::Discarded(DiscardReason::StoreRejected)),
+                    // Nothing of it can be stored: settle it without a letter rather than hold
+                    // its slot forever, or run it again at every sweep (the supervisor logs
+                    // it loudly, with the envelope's id and type).
+                    Err(_) => {
+                        self.phase = P::Discarding(DiscardReason::StoreRejected);
+                        Effect::RecordDiscard
+                    }
                 }
             }
             _ => return None,
@@ -251,7 +261,7 @@ impl Delivery {
                 self.dead_letter(letter)
             }
             Start::Discard => {
-                self.phase = Phase::Discarding;
+                self.phase = Phase::Discarding(DiscardReason::NoHandler);
                 Effect::RecordDiscard
             }
         }
@@ -623,10 +633,16 @@ mod tests {
         assert!(bare.failures.is_empty());
         assert_eq!(
             d.step(Event::DeadLetterRecorded(Err(Error::rejected("still")))),
+            Some(Effect::RecordDiscard),
+            "settled without a letter rather than holding its slot"
+        );
+        assert_eq!(
+            d.step(Event::HandledRecorded(Ok(Handled::Written {
+                in_outbox: true
+            }))),
             Some(Effect::Finish(Outcome::Discarded(
                 DiscardReason::StoreRejected
-            ))),
-            "given up rather than holding its slot"
+            )))
         );
     }
 

@@ -6,7 +6,7 @@ use tokio::sync::oneshot;
 
 use crate::capacity::Capacity;
 
-use crate::ports::{Claims, Clock, DeadLetterStore, Inbox, Receipt, Resumable};
+use crate::ports::{Claims, Clock, Inbox, Receipt, Resumable};
 use crate::report::DiscardReason;
 use crate::stats::Counter;
 use crate::tracker::Tracker;
@@ -48,8 +48,6 @@ pub(crate) struct Shared {
     pub(crate) store: Option<Arc<dyn std::any::Any + Send + Sync>>,
     /// Whether the deduplication claims live in that store.
     pub(crate) claims_in_store: bool,
-    /// Whether the dead letters are kept apart from the inbox (two writes to dead-letter).
-    pub(crate) dead_letters_apart: bool,
     /// Recovered deliveries handed to a worker whose supervisor has not started yet: running,
     /// for the orphan sweep, though the tracker does not list them yet.
     pub(crate) resuming: std::sync::Mutex<std::collections::HashSet<uuid::Uuid>>,
@@ -77,7 +75,6 @@ pub(crate) struct Worker {
     pub(crate) arbiter: ArbiterHandle,
     pub(crate) registry: Registry,
     pub(crate) inbox: Arc<dyn Inbox>,
-    pub(crate) dead_letters: Arc<dyn DeadLetterStore>,
     /// Publisher-side sources of logical ids, for cascaded messages.
     pub(crate) rules: crate::DeduplicationRules,
     /// Logical deduplication claims, when the runtime enabled them.
@@ -239,6 +236,11 @@ impl Dispatcher {
         if !self.shared.tracker.admit(true) {
             return Err(Error::ShuttingDown(Box::new(resumable.envelope)));
         }
+        self.shared
+            .resuming
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .insert(resumable.envelope.id);
         let worker = Arc::clone(self.next_worker());
         let on = worker.arbiter.clone();
         on.spawn(async move {

@@ -9,7 +9,7 @@ use crate::capacity::Capacity;
 use uuid::Uuid;
 
 use crate::dispatcher::{Shared, UnknownMessageTypes, Worker};
-use crate::ports::{Claims, Clock, DeadLetterStore, Inbox, OutboxStore};
+use crate::ports::{Claims, Clock, Inbox, OutboxStore};
 use crate::tracker::{PendingRetry, Tracker};
 use crate::{
     CleanupActor, DeduplicationRules, Dispatcher, Error, ReaperActor, RecoveryActor, Registry,
@@ -139,8 +139,6 @@ pub struct EngineParts {
     pub registry: Registry,
     /// Envelope-id deduplication.
     pub inbox: Arc<dyn Inbox>,
-    /// Where given-up messages go.
-    pub dead_letters: Arc<dyn DeadLetterStore>,
     /// Wall-clock time.
     pub clock: Arc<dyn Clock>,
     /// Logical deduplication claims (`None`: deduplication is off).
@@ -155,9 +153,6 @@ pub struct EngineParts {
     /// Whether the deduplication claims live in that store, so a handler transaction can
     /// complete its claim in the same transaction as its work.
     pub claims_in_store: bool,
-    /// Whether the dead letters are kept apart from the inbox, so that dead-lettering takes
-    /// two writes instead of the inbox's one transaction.
-    pub dead_letters_apart: bool,
 }
 
 impl Engine {
@@ -203,7 +198,6 @@ impl Engine {
                         recovering: tokio::sync::Mutex::new(()),
                         store: parts.store.clone(),
                         claims_in_store: parts.claims_in_store,
-                        dead_letters_apart: parts.dead_letters_apart,
                         resuming: std::sync::Mutex::default(),
                     });
                     let workers = arbiters
@@ -216,7 +210,6 @@ impl Engine {
                                 arbiter,
                                 registry: parts.registry.replicate(),
                                 inbox: Arc::clone(&parts.inbox),
-                                dead_letters: Arc::clone(&parts.dead_letters),
                                 claims: parts.claims.clone(),
                                 rules: parts.rules.clone(),
                                 deduplication_window: config.deduplication_window,

@@ -42,15 +42,14 @@ async fn resume_orphaned(dispatcher: &Dispatcher, batch: usize) {
     if slots.is_empty() {
         return;
     }
-    let mut running = shared.tracker.supervised();
-    running.extend(
-        shared
-            .resuming
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
-            .iter()
-            .copied(),
-    );
+    // `resuming` first: a supervisor moves from it to the tracker (listed there before it
+    // leaves `resuming`), so read in this order it is in one set or the other, never neither.
+    let mut running: std::collections::HashSet<uuid::Uuid> = shared
+        .resuming
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+        .clone();
+    running.extend(shared.tracker.supervised());
     match shared.inbox.orphaned(before, &running, slots.len()).await {
         Ok(orphans) => {
             if !orphans.is_empty() {

@@ -118,39 +118,30 @@ impl RelayActor {
         let (outbox, dispatcher) = (Arc::clone(&self.outbox), self.dispatcher.clone());
         let (batch, interval) = (self.batch, self.interval);
         let round = async move {
-            let now = dispatcher.shared.clock.now();
-            let lease = chrono::Duration::from_std(interval * 10).unwrap_or(chrono::TimeDelta::MAX);
-            match outbox
-                .lease(now, now.checked_add_signed(lease).unwrap_or(now))
-                .await
-            {
+            let mut lease = Lease::new(Arc::clone(&outbox), &dispatcher, interval * 10);
+            match lease.take().await {
                 Ok(true) => {}
-                Ok(false) => return Some(interval * 10),
+                Ok(false) => return Some(lease.length),
                 Err(error) => {
                     tracing::warn!(%error, "outbox lease failed; retrying on the next round");
                     return None;
                 }
             }
             let mut published = 0usize;
+            let mut lost = false;
             let mut next = outbox.unpublished(i64::MIN, batch).await;
             let mut first = true;
             loop {
-                // The lease is renewed before every batch but the first (just taken): a long
-                // round keeps it, and a relay that lost it stops before publishing more, so
-                // two nodes never publish the same rows side by side.
+                // The lease is renewed before every batch but the first (just taken), and within
+                // a batch once half of it has passed (publishing can wait for the engine's
+                // capacity): a long round keeps it, and a relay that lost it stops before
+                // publishing more, so two nodes never publish the same rows side by side.
                 if !std::mem::take(&mut first) {
-                    let now = dispatcher.shared.clock.now();
-                    match outbox
-                        .lease(now, now.checked_add_signed(lease).unwrap_or(now))
-                        .await
-                    {
+                    match lease.take().await {
                         Ok(true) => {}
                         Ok(false) => {
-                            tracing::info!(
-                                published,
-                                "outbox lease taken by another node; this relay stops"
-                            );
-                            return Some(interval * 10);
+                            lost = true;
+                            break;
                         }
                         Err(error) => {
                             tracing::warn!(%error, "renewing the outbox lease failed; retrying on the next round");
@@ -168,6 +159,19 @@ impl RelayActor {
                 let count = rows.len();
                 let mut positions = Vec::with_capacity(count);
                 for (position, envelope) in rows {
+                    if lease.half_gone() {
+                        match lease.take().await {
+                            Ok(true) => {}
+                            Ok(false) => {
+                                lost = true;
+                                break;
+                            }
+                            Err(error) => {
+                                tracing::warn!(%error, "renewing the outbox lease failed; retrying on the next round");
+                                break;
+                            }
+                        }
+                    }
                     let id = envelope.id;
                     if let Err(error) = dispatcher.dispatch(envelope, None).await {
                         tracing::warn!(messaging.message.id = %id, %error, "publishing from the outbox failed; retrying on the next round");
@@ -179,7 +183,9 @@ impl RelayActor {
                 let Some(&last) = positions.last() else {
                     break;
                 };
-                let more = done == batch && done == count;
+                let more = !lost && done == batch && done == count;
+                // What was published is marked even after the lease was lost: the new holder
+                // then does not publish it again.
                 let mark = outbox.mark_published(&positions, dispatcher.shared.clock.now());
                 // Mark this batch while reading the next: the read starts after this batch's
                 // last position, so it never sees this batch again.
@@ -204,6 +210,13 @@ impl RelayActor {
             if published > 0 {
                 tracing::debug!(published, "outbox envelopes published");
             }
+            if lost {
+                tracing::info!(
+                    published,
+                    "outbox lease taken by another node; this relay stops"
+                );
+                return Some(lease.length);
+            }
             None
         };
         ctx.spawn(round.into_actor(self).map(|elsewhere, actor, ctx| {
@@ -214,6 +227,46 @@ impl RelayActor {
                 actor.tick(ctx);
             }
         }));
+    }
+}
+
+/// The relay's hold on the outbox lease during one round, timed on the engine's clock for
+/// what it writes and on a local instant for when to renew.
+struct Lease {
+    outbox: Arc<dyn OutboxStore>,
+    clock: Arc<dyn crate::ports::Clock>,
+    length: Duration,
+    taken_at: Option<tokio::time::Instant>,
+}
+
+impl Lease {
+    fn new(outbox: Arc<dyn OutboxStore>, dispatcher: &Dispatcher, length: Duration) -> Self {
+        Self {
+            outbox,
+            clock: Arc::clone(&dispatcher.shared.clock),
+            length,
+            taken_at: None,
+        }
+    }
+
+    /// Takes or renews the lease; false while another node holds it.
+    async fn take(&mut self) -> Result<bool, crate::Error> {
+        let now = self.clock.now();
+        let until = chrono::Duration::from_std(self.length)
+            .ok()
+            .and_then(|length| now.checked_add_signed(length))
+            .unwrap_or(chrono::DateTime::<chrono::Utc>::MAX_UTC);
+        let taken = self.outbox.lease(now, until).await?;
+        if taken {
+            self.taken_at = Some(tokio::time::Instant::now());
+        }
+        Ok(taken)
+    }
+
+    /// Whether half of the lease has passed since it was last taken.
+    fn half_gone(&self) -> bool {
+        self.taken_at
+            .is_none_or(|taken_at| taken_at.elapsed() > self.length / 2)
     }
 }
 

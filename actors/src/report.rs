@@ -26,8 +26,9 @@ pub enum DiscardReason {
     DuplicateEnvelope,
     /// No handler handles the type, and the runtime is set to discard such messages.
     NoHandler,
-    /// The store refused to record even the delivery's dead letter (the error is logged); the
-    /// delivery was given up so as not to hold its capacity slot forever.
+    /// The store refused to record even the delivery's dead letter (the error is logged with
+    /// the envelope's id and type); the delivery was settled without one rather than hold its
+    /// capacity slot forever.
     StoreRejected,
     /// Another node took the delivery over (this node's heartbeat had expired), or handled
     /// it, before this node's next attempt: this node stopped, and the owner carries on.

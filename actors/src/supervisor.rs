@@ -11,10 +11,10 @@ use tracing::field::Empty;
 use crate::RetryScope;
 use crate::capacity::Slot;
 use crate::context::{Scope, TakeCascaded};
-use crate::delivery::{Delivery, Effect, Event, Rules, Start};
+use crate::delivery::{Delivery, Effect, Event, Phase, Rules, Start};
 use crate::dispatcher::{UnknownMessageTypes, Worker};
 use crate::handler_actor::{HandlerFinished, PendingClaim};
-use crate::ports::{Claim, Fenced, Handled, Resumable, RetryRecord};
+use crate::ports::{Claim, Handled, Resumable, RetryRecord};
 use crate::report::DiscardReason;
 use crate::stats::Counter;
 use crate::timer::{RetryDue, Schedule};
@@ -412,9 +412,8 @@ impl DeliverySupervisor {
         }));
     }
 
-    /// Dead-letters the delivery: in one transaction of the inbox's store (the dead letter,
-    /// the row settled, the envelope's uncompleted claims released), or — dead letters kept
-    /// apart — the dead letter first, then the row.
+    /// Dead-letters the delivery in one transaction of the inbox's store: the dead letter, the
+    /// row settled, the envelope's uncompleted claims released.
     fn record_dead_letter(&mut self, dead_letter: DeadLetter, ctx: &mut Context<Self>) {
         if let (DeadLetterReason::RetriesExhausted | DeadLetterReason::Permanent, Some(failure)) =
             (&dead_letter.reason, self.delivery.failures.last())
@@ -426,29 +425,30 @@ impl DeliverySupervisor {
         let id = self.delivery.envelope.id;
         let release_claims = worker.claims.is_some() && worker.shared.claims_in_store;
         let work = async move {
-            if !worker.shared.dead_letters_apart {
-                return persist("dead letter", id, || {
-                    worker.inbox.dead_letter(&dead_letter, release_claims)
-                })
-                .await;
-            }
             persist("dead letter", id, || {
-                worker.dead_letters.put(dead_letter.clone())
+                worker.inbox.dead_letter(&dead_letter, release_claims)
             })
-            .await?;
-            match persist("mark handled", id, || worker.inbox.settle_handled(id, &[])).await? {
-                Handled::Written { .. } => Ok(Fenced::Written),
-                _ => Ok(Fenced::OwnedElsewhere),
-            }
+            .await
         };
         ctx.spawn(work.into_actor(self).map(|answer, actor, ctx| {
             actor.apply(Event::DeadLetterRecorded(answer), ctx);
         }));
     }
 
-    /// Settles a delivery of a type nobody handles, configured to be discarded.
+    /// Settles a delivery without running it: a type nobody handles, configured to be
+    /// discarded, or one whose every record the store refused.
     fn record_discard(&mut self, ctx: &mut Context<Self>) {
-        tracing::warn!(parent: &self.span, "no handler for this message type; discarded");
+        if matches!(
+            self.delivery.phase(),
+            Phase::Discarding(DiscardReason::StoreRejected)
+        ) {
+            tracing::error!(
+                parent: &self.span,
+                "the store refuses even the dead letter of this delivery; it is settled without one"
+            );
+        } else {
+            tracing::warn!(parent: &self.span, "no handler for this message type; discarded");
+        }
         let worker = Arc::clone(&self.worker);
         let id = self.delivery.envelope.id;
         let work = async move {
@@ -476,13 +476,6 @@ impl DeliverySupervisor {
                     parent: &self.span,
                     attempt = self.delivery.envelope.attempts,
                     "delivery owned by another node now; this node stops it"
-                );
-            }
-            Outcome::Discarded(DiscardReason::StoreRejected) => {
-                // Its row stays unsettled for an operator to see.
-                tracing::error!(
-                    parent: &self.span,
-                    "the store refuses even the dead letter of this delivery; it is given up"
                 );
             }
             _ => {}

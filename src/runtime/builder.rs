@@ -8,7 +8,7 @@ use dacapo_actors::{
     Message, Module, Registry, RetryPolicy, RetryScope, UnknownMessageTypes,
 };
 
-use crate::store::{MemoryClaims, MemoryDeadLetters, MemoryInbox};
+use crate::store::{MemoryClaims, MemoryInbox};
 use crate::transport::InProcess;
 use crate::{Error, Runtime};
 
@@ -35,10 +35,6 @@ pub struct RuntimeBuilder {
     deduplication_policies: Vec<(HandlerFilter, Deduplication)>,
     deduplication_rules: DeduplicationRules,
     dead_letters: Option<Arc<dyn DeadLetterStore>>,
-    /// Whether the dead letters are kept apart from the inbox (set with
-    /// [`dead_letter_store`](Self::dead_letter_store) or [`inbox`](Self::inbox)), so that
-    /// dead-lettering is two writes instead of the inbox's one transaction.
-    dead_letters_apart: bool,
     clock: Arc<dyn Clock>,
 }
 
@@ -61,7 +57,6 @@ impl Default for RuntimeBuilder {
             deduplication_policies: Vec::new(),
             deduplication_rules: DeduplicationRules::default(),
             dead_letters: None,
-            dead_letters_apart: false,
             clock: Arc::new(SystemClock),
         }
     }
@@ -168,14 +163,14 @@ impl RuntimeBuilder {
         self
     }
 
-    /// The inbox to deduplicate envelope ids with (default: in memory). Its dead letters are
-    /// then kept apart (in memory, or in a [`dead_letter_store`](Self::dead_letter_store)):
-    /// dead-lettering takes two writes instead of one transaction, so prefer
-    /// [`store`](Self::store), which keeps both together.
+    /// The inbox to deduplicate envelope ids with, which keeps the dead letters of the
+    /// deliveries it settles (default: a [`MemoryInbox`]). Dead-lettering is one transition of
+    /// the inbox — the letter written and the envelope settled together — so the two live in
+    /// one store. A durable store is set with [`store`](Self::store) instead.
     #[must_use]
-    pub fn inbox(mut self, inbox: Arc<dyn Inbox>) -> Self {
-        self.inbox = Some(inbox);
-        self.dead_letters_apart = true;
+    pub fn inbox<S: Inbox + DeadLetterStore>(mut self, inbox: Arc<S>) -> Self {
+        self.inbox = Some(Arc::clone(&inbox) as Arc<dyn Inbox>);
+        self.dead_letters = Some(inbox);
         self
     }
 
@@ -196,7 +191,6 @@ impl RuntimeBuilder {
             self.claims_in_store = true;
         }
         self.dead_letters = Some(store);
-        self.dead_letters_apart = false;
         self.engine
             .durability
             .get_or_insert_with(Durability::default);
@@ -293,16 +287,6 @@ impl RuntimeBuilder {
         if let Some(durability) = &mut self.engine.durability {
             durability.keep_after_handling = self.keep_after_handling;
         }
-    }
-
-    /// Where dead letters are kept, apart from the inbox (default: with the inbox). Apart,
-    /// dead-lettering takes two writes — the dead letter, then the inbox row — instead of the
-    /// inbox's one transaction.
-    #[must_use]
-    pub fn dead_letter_store(mut self, store: Arc<dyn DeadLetterStore>) -> Self {
-        self.dead_letters = Some(store);
-        self.dead_letters_apart = true;
-        self
     }
 
     /// The wall clock used for timestamps and retention (default: the system's).
@@ -425,26 +409,30 @@ impl RuntimeBuilder {
     }
 
     pub(crate) fn start(self, registry: Registry) -> Result<Runtime, Error> {
-        let mut dead_letters = self.dead_letters;
-        let inbox = self.inbox.unwrap_or_else(|| {
-            let memory = MemoryInbox::new(self.keep_after_handling, Arc::clone(&self.clock));
-            dead_letters.get_or_insert_with(|| memory.dead_letters());
-            Arc::new(memory)
-        });
-        let dead_letters = dead_letters.unwrap_or_else(|| Arc::new(MemoryDeadLetters::default()));
+        let (inbox, dead_letters) = match (self.inbox, self.dead_letters) {
+            (Some(inbox), Some(dead_letters)) => (inbox, dead_letters),
+            _ => {
+                let memory = Arc::new(MemoryInbox::new(
+                    self.keep_after_handling,
+                    Arc::clone(&self.clock),
+                ));
+                (
+                    Arc::clone(&memory) as Arc<dyn Inbox>,
+                    memory as Arc<dyn DeadLetterStore>,
+                )
+            }
+        };
         let max_envelope_size = self.engine.max_envelope_size;
         let engine = Engine::start(
             self.engine,
             EngineParts {
                 registry,
                 inbox: Arc::clone(&inbox),
-                dead_letters: Arc::clone(&dead_letters),
                 clock: Arc::clone(&self.clock),
                 rules: self.deduplication_rules,
                 outbox: self.outbox.clone(),
                 store: self.store,
                 claims_in_store: self.claims_in_store,
-                dead_letters_apart: self.dead_letters_apart,
                 claims: self.deduplication.then(|| {
                     self.claims
                         .unwrap_or_else(|| Arc::new(MemoryClaims::default()) as Arc<dyn Claims>)
@@ -457,7 +445,6 @@ impl RuntimeBuilder {
             transport,
             inbox,
             dead_letters,
-            dead_letters_apart: self.dead_letters_apart,
             clock: Arc::clone(&self.clock),
             outbox: self.outbox,
             max_envelope_size,

@@ -48,12 +48,10 @@ impl<'a> DeadLetters<'a> {
     /// Sends the dead letter's envelope back to the inbox with the same envelope id and a
     /// fresh attempt count, and runs it on this node.
     ///
-    /// With the runtime's store the move is one transaction: the dead letter is removed and the
-    /// inbox row rewritten together, or neither. A replay that fails again at once therefore
-    /// leaves its new dead letter, and a replay while the envelope is being delivered (a second
-    /// replay of the same letter) is refused and changes nothing. With dead letters kept apart
-    /// from the inbox ([`RuntimeBuilder::dead_letter_store`](crate::RuntimeBuilder::dead_letter_store)),
-    /// the letter is removed, then received again, and put back if the inbox refuses it.
+    /// The move is one transition of the inbox: the dead letter is removed and the inbox row
+    /// rewritten together, or neither. A replay that fails again at once therefore leaves its
+    /// new dead letter, and a replay while the envelope is being delivered (a second replay of
+    /// the same letter) is refused and changes nothing.
     ///
     /// # Errors
     ///
@@ -66,38 +64,24 @@ impl<'a> DeadLetters<'a> {
     /// and runs now or at this node's next start) or did not (the dead letter stays).
     pub async fn replay(&self, id: Uuid) -> Result<(), Error> {
         let runtime = self.runtime;
-        if runtime.dead_letters_apart {
-            let letter = runtime
-                .dead_letters
-                .remove(id)
-                .await?
-                .ok_or(Error::DeadLetterNotFound(id))?;
-            let mut envelope = letter.envelope.clone();
-            envelope.attempts = 0;
-            if let Err(error) = runtime.receive(envelope).await {
-                runtime.dead_letters.put(letter).await?;
-                return Err(error);
-            }
-        } else {
-            let dispatcher = runtime.engine.dispatcher();
-            if dispatcher.is_closing() {
-                let letter = runtime.dead_letters.get(id).await?;
-                let letter = letter.ok_or(Error::DeadLetterNotFound(id))?;
-                return Err(EngineError::ShuttingDown(Box::new(letter.envelope)).into());
-            }
-            match runtime.inbox.replay(id, ReplayTo::ThisNode).await? {
-                // Refused only by a shutdown that began meanwhile: the row is this node's, and
-                // its next start runs it.
-                Replay::Replayed(envelope) => dispatcher.resume(Resumable::new(
-                    envelope,
-                    None,
-                    Vec::new(),
-                    Vec::new(),
-                    Vec::new(),
-                ))?,
-                Replay::InProgress => return Err(Error::ReplayInProgress(id)),
-                _ => return Err(Error::DeadLetterNotFound(id)),
-            }
+        let dispatcher = runtime.engine.dispatcher();
+        if dispatcher.is_closing() {
+            let letter = runtime.dead_letters.get(id).await?;
+            let letter = letter.ok_or(Error::DeadLetterNotFound(id))?;
+            return Err(EngineError::ShuttingDown(Box::new(letter.envelope)).into());
+        }
+        match runtime.inbox.replay(id, ReplayTo::ThisNode).await? {
+            // Refused only by a shutdown that began meanwhile: the row is this node's, and its
+            // next start runs it.
+            Replay::Replayed(envelope) => dispatcher.resume(Resumable::new(
+                envelope,
+                None,
+                Vec::new(),
+                Vec::new(),
+                Vec::new(),
+            ))?,
+            Replay::InProgress => return Err(Error::ReplayInProgress(id)),
+            _ => return Err(Error::DeadLetterNotFound(id)),
         }
         tracing::info!(messaging.message.id = %id, "dead letter replayed");
         Ok(())

@@ -176,6 +176,30 @@ fn no_schedule() -> Error {
     )
 }
 
+/// The dead letters this inbox settled deliveries into.
+#[async_trait]
+impl DeadLetterStore for MemoryInbox {
+    async fn put(&self, dead_letter: DeadLetter) -> Result<(), Error> {
+        self.dead_letters.put(dead_letter).await
+    }
+
+    async fn list(&self) -> Result<Vec<DeadLetter>, Error> {
+        self.dead_letters.list().await
+    }
+
+    async fn get(&self, id: Uuid) -> Result<Option<DeadLetter>, Error> {
+        self.dead_letters.get(id).await
+    }
+
+    async fn remove(&self, id: Uuid) -> Result<Option<DeadLetter>, Error> {
+        self.dead_letters.remove(id).await
+    }
+
+    async fn purge(&self) -> Result<u64, Error> {
+        self.dead_letters.purge().await
+    }
+}
+
 /// Dead letters in memory, lost with the process; the durable stores keep them.
 #[derive(Debug, Default)]
 pub struct MemoryDeadLetters {

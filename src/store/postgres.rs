@@ -15,7 +15,10 @@ sql_store!(
     begin = "BEGIN",
     migrations = MIGRATIONS,
     // Nodes starting together apply the schema once: the first holds the lock.
-    lock_migrations = ["SELECT pg_advisory_xact_lock(7215143920911461)"]
+    lock_migrations = ["SELECT pg_advisory_xact_lock(7215143920911461)"],
+    claims_has_node = "SELECT count(*) FROM information_schema.columns \
+        WHERE table_schema = current_schema() AND table_name = 'dacapo_deduplication' \
+        AND column_name = 'node'"
 );
 
 /// The channel the outbox's insert trigger notifies at every commit that enlisted.

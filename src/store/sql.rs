@@ -48,9 +48,12 @@ pub(crate) const ENQUEUE: &str = "INSERT INTO dacapo_inbox \
 // running late must neither start it again next to the new owner nor overwrite the new owner's
 // state. Its late settlement (handled, or dead-lettered) is still recorded: the attempt ran,
 // and the new owner's next attempt then finds the envelope settled and stops.
+//
+// It is also a compare-and-set on the attempt count: attempt N starts only over a row that
+// counts N - 1 started, so two runners of one delivery (even on one node) never both start it.
 pub(crate) const BEGIN_ATTEMPT: &str = "UPDATE dacapo_inbox \
     SET status = 'incoming', attempts = $2, execute_at = NULL \
-    WHERE id = $1 AND status <> 'handled' AND owner = $3";
+    WHERE id = $1 AND status <> 'handled' AND owner = $3 AND attempts = $4";
 
 pub(crate) const SCHEDULE_RETRY: &str = "UPDATE dacapo_inbox \
     SET status = 'scheduled', attempts = $2, execute_at = $3, failures = $4, succeeded = $5, \
@@ -164,8 +167,18 @@ pub(crate) const CLAIM: &str = "INSERT INTO dacapo_deduplication \
             OR dacapo_deduplication.node NOT IN \
                 (SELECT id FROM dacapo_nodes WHERE heartbeat_at >= $9)))";
 
-pub(crate) const CLAIM_HOLDER: &str = "SELECT fingerprint, envelope_id FROM dacapo_deduplication \
-    WHERE handler = $1 AND key_hash = $2";
+pub(crate) const CLAIM_HOLDER: &str = "SELECT fingerprint, envelope_id, completed, node \
+    FROM dacapo_deduplication WHERE handler = $1 AND key_hash = $2";
+
+/// Claims a previous run under this node's name made and never completed: that run is over
+/// (one process per node name), so they are released when this run provisions the claims,
+/// before it claims anything — another node resuming those deliveries then gets them.
+pub(crate) const RELEASE_OWN_UNCOMPLETED_CLAIMS: &str = "DELETE FROM dacapo_deduplication \
+    WHERE node = $1 AND completed = 0";
+
+/// The claims table as an earlier version created it, without the claiming node.
+pub(crate) const ADD_CLAIMS_NODE: &str =
+    "ALTER TABLE dacapo_deduplication ADD COLUMN node TEXT NOT NULL DEFAULT ''";
 
 // A completed claim stays: the handler's transaction committed its work with it, even if
 // the handler failed afterwards.
@@ -322,8 +335,9 @@ fn rejects_data(code: &str) -> bool {
 }
 
 /// A claim this node no longer holds: another node took it over (this one was taken for dead).
+/// No retry can bring it back.
 pub(crate) fn claim_lost(claim: &dacapo_actors::ports::Claim) -> Error {
-    Error::store(format!(
+    Error::rejected(format!(
         "the deduplication claim of handler {} on {:?} was taken over by another node",
         claim.handler, claim.key
     ))
@@ -467,7 +481,8 @@ macro_rules! sql_store {
     (
         $(#[$meta:meta])*
         $store:ident, $db:ty, $pool:ty, claim = $claim:expr, begin = $begin:expr,
-        migrations = $migrations:expr, lock_migrations = $lock:expr
+        migrations = $migrations:expr, lock_migrations = $lock:expr,
+        claims_has_node = $claims_has_node:expr
     ) => {
         $(#[$meta])*
         #[derive(Clone)]
@@ -601,6 +616,21 @@ macro_rules! sql_store {
                 ))
             }
 
+            /// A claimed row as a delivery to resume; a row that cannot be read (a column
+            /// written by hand, say) is logged and left, owned by this node, instead of
+            /// stopping the recovery of every row after it.
+            fn readable(row: &<$db as sqlx::Database>::Row) -> Option<dacapo_actors::ports::Resumable> {
+                match Self::unsettled(row) {
+                    Ok(resumable) => Some(resumable),
+                    Err(error) => {
+                        use sqlx::Row;
+                        let id: Option<String> = row.try_get("id").ok();
+                        tracing::error!(messaging.message.id = ?id, %error, "an unsettled inbox row cannot be read; it is left for an operator");
+                        None
+                    }
+                }
+            }
+
             fn dead_letter_row(row: &<$db as sqlx::Database>::Row) -> Result<dacapo_actors::DeadLetter, dacapo_actors::Error> {
                 use sqlx::Row;
                 use $crate::store::sql::*;
@@ -691,6 +721,7 @@ macro_rules! sql_store {
                     .bind(id_text(id))
                     .bind(stored_attempts(attempt))
                     .bind(&*self.node)
+                    .bind(stored_attempts(attempt.saturating_sub(1)))
                     .execute(&self.pool)
                     .await
                     .map_err($crate::store::sql::db_error)?
@@ -868,7 +899,7 @@ macro_rules! sql_store {
                     .await
                     .map_err($crate::store::sql::db_error)?;
                 tx.commit().await.map_err($crate::store::sql::db_error)?;
-                rows.iter().map(Self::unsettled).collect()
+                Ok(rows.iter().filter_map(Self::readable).collect())
             }
 
             async fn delete_idempotency_keys_before(
@@ -948,8 +979,8 @@ macro_rules! sql_store {
                         .fetch_optional(&self.pool)
                         .await
                         .map_err(store_error)?;
-                    if let Some(row) = row {
-                        orphans.push(Self::unsettled(&row)?);
+                    if let Some(resumable) = row.as_ref().and_then(Self::readable) {
+                        orphans.push(resumable);
                     }
                 }
                 Ok(orphans)
@@ -1027,6 +1058,18 @@ macro_rules! sql_store {
                         for statement in PROVISION_CLAIMS {
                             sqlx::query(statement).execute(&mut *tx).await.map_err($crate::store::sql::db_error)?;
                         }
+                        let has_node: i64 = sqlx::query_scalar($claims_has_node)
+                            .fetch_one(&mut *tx)
+                            .await
+                            .map_err($crate::store::sql::db_error)?;
+                        if has_node == 0 {
+                            sqlx::query(ADD_CLAIMS_NODE).execute(&mut *tx).await.map_err($crate::store::sql::db_error)?;
+                        }
+                        sqlx::query(RELEASE_OWN_UNCOMPLETED_CLAIMS)
+                            .bind(&*self.node)
+                            .execute(&mut *tx)
+                            .await
+                            .map_err($crate::store::sql::db_error)?;
                         tx.commit().await.map_err($crate::store::sql::db_error)
                     })
                     .await?;
@@ -1060,16 +1103,26 @@ macro_rules! sql_store {
                     }
                     // The insert decided; this read only tells a duplicate from a conflict, and
                     // both from this envelope's own completed claim.
-                    let holder: Option<(String, String)> = sqlx::query_as(CLAIM_HOLDER)
+                    let holder: Option<(String, String, i32, String)> = sqlx::query_as(CLAIM_HOLDER)
                         .bind(&claim.handler)
                         .bind(&claim.key_hash)
                         .fetch_optional(&self.pool)
                         .await
                         .map_err($crate::store::sql::db_error)?;
-                    if let Some((fingerprint, envelope_id)) = holder {
-                        // Its own claim is taken over unless completed: held, it is completed.
+                    if let Some((fingerprint, envelope_id, completed, node)) = holder {
                         if envelope_id == claim.envelope_id {
-                            return Ok(dacapo_actors::ports::ClaimOutcome::Completed);
+                            if completed != 0 {
+                                return Ok(dacapo_actors::ports::ClaimOutcome::Completed);
+                            }
+                            // Uncompleted, and not taken over: a live node's attempt of this
+                            // very delivery may still run it. This attempt fails and retries
+                            // until that one ends (it completes or releases the claim) or its
+                            // node is taken for dead.
+                            return Err(dacapo_actors::Error::store(format!(
+                                "the deduplication claim of {} on {:?} is held by an attempt \
+                                 of this delivery still running on node {node}",
+                                claim.handler, claim.key
+                            )));
                         }
                         return Ok(dacapo_actors::ports::ClaimOutcome::Held {
                             same_payload: fingerprint == claim.fingerprint,

@@ -20,7 +20,9 @@ sql_store!(
     claim = CLAIM_SQLITE,
     begin = "BEGIN IMMEDIATE",
     migrations = MIGRATIONS,
-    lock_migrations = [] as [&'static str; 0]
+    lock_migrations = [] as [&'static str; 0],
+    claims_has_node =
+        "SELECT count(*) FROM pragma_table_info('dacapo_deduplication') WHERE name = 'node'"
 );
 
 impl SqliteStore {
