@@ -206,6 +206,11 @@ on_both_backends!(
     two_nodes_taking_over_a_dead_nodes_rows_each_resume_a_row_once_sqlite,
     two_nodes_taking_over_a_dead_nodes_rows_each_resume_a_row_once_postgres,
     |db| {
+        // Warnings (a store write retried, a recovery round failed) show if this test fails.
+        let _ = tracing_subscriber::fmt()
+            .with_env_filter("warn")
+            .with_test_writer()
+            .try_init();
         let stuck = Stuck::default();
         let dead = db
             .store(Runtime::builder(), "dead", Duration::from_millis(500))
