@@ -391,8 +391,8 @@ on_both_backends!(
     completions_leave_with_their_settled_envelope_but_stay_while_it_may_run_again_sqlite,
     completions_leave_with_their_settled_envelope_but_stay_while_it_may_run_again_postgres,
     |db| {
-        use dacapo::ports::{DeadLetterStore, Inbox};
-        let store: (Box<dyn Inbox>, Box<dyn DeadLetterStore>) = match db.backend {
+        use dacapo::ports::{DeadLetterStore, DurableInbox};
+        let store: (Box<dyn DurableInbox>, Box<dyn DeadLetterStore>) = match db.backend {
             Backend::Sqlite => (Box::new(db.sqlite().await), Box::new(db.sqlite().await)),
             Backend::Postgres => (Box::new(db.postgres().await), Box::new(db.postgres().await)),
         };

@@ -536,9 +536,8 @@ on_both_backends!(
         // node's, and nothing in the process runs it.
         let envelope = Envelope::for_message(&member_removed()).unwrap();
         let inbox = match db.backend {
-            Backend::Sqlite => {
-                Box::new(db.sqlite().await.node_id("node-a")) as Box<dyn dacapo::ports::Inbox>
-            }
+            Backend::Sqlite => Box::new(db.sqlite().await.node_id("node-a"))
+                as Box<dyn dacapo::ports::DurableInbox>,
             Backend::Postgres => Box::new(db.postgres().await.node_id("node-a")),
         };
         inbox.receive(&envelope).await.unwrap();
@@ -727,7 +726,7 @@ async fn node_store(
     db: &support_stores::TestDatabase,
     node: &str,
 ) -> (
-    Box<dyn dacapo::ports::Inbox>,
+    Box<dyn dacapo::ports::DurableInbox>,
     Box<dyn dacapo::ports::Claims>,
 ) {
     match db.backend {

@@ -4,12 +4,12 @@ use std::time::Duration;
 use actix::{Actor, ActorFutureExt, AsyncContext, Context, WrapFuture};
 
 use crate::batches::delete_in_batches;
-use crate::ports::{Clock, Inbox};
+use crate::ports::{Clock, DurableInbox};
 
 /// Removes handled envelopes, and idempotency keys, once their retention is over, in bounded
 /// batches, on its own timer, and logs how many it removed.
 pub struct CleanupActor {
-    inbox: Arc<dyn Inbox>,
+    inbox: Arc<dyn DurableInbox>,
     clock: Arc<dyn Clock>,
     keep_after_handling: Duration,
     key_retention: Duration,
@@ -30,7 +30,7 @@ impl std::fmt::Debug for CleanupActor {
 
 impl CleanupActor {
     pub(crate) fn new(
-        inbox: Arc<dyn Inbox>,
+        inbox: Arc<dyn DurableInbox>,
         clock: Arc<dyn Clock>,
         keep_after_handling: Duration,
         key_retention: Duration,

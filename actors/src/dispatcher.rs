@@ -28,7 +28,8 @@ pub enum UnknownMessageTypes {
 
 /// Everything the engine's actors share.
 pub(crate) struct Shared {
-    pub(crate) inbox: Arc<dyn Inbox>,
+    /// The inbox as a durable one, when it is (its rows are released at shutdown).
+    pub(crate) durable: Option<Arc<dyn crate::ports::DurableInbox>>,
     pub(crate) clock: Arc<dyn Clock>,
     pub(crate) timer: Addr<TimerActor>,
     pub(crate) tracker: Tracker,

@@ -9,7 +9,7 @@ use crate::capacity::Capacity;
 use uuid::Uuid;
 
 use crate::dispatcher::{Shared, UnknownMessageTypes, Worker};
-use crate::ports::{Claims, Clock, Inbox, OutboxStore};
+use crate::ports::{Claims, Clock, DurableInbox, Inbox, OutboxStore};
 use crate::tracker::{PendingRetry, Tracker};
 use crate::{
     CleanupActor, DeduplicationRules, Dispatcher, Error, ReaperActor, RecoveryActor, Registry,
@@ -139,6 +139,9 @@ pub struct EngineParts {
     pub registry: Registry,
     /// Envelope-id deduplication.
     pub inbox: Arc<dyn Inbox>,
+    /// The same inbox as a durable one, shared by nodes (`None` in memory): its deliveries are
+    /// recovered, its nodes heartbeat, and its settled rows are removed after their retention.
+    pub durable: Option<Arc<dyn DurableInbox>>,
     /// Wall-clock time.
     pub clock: Arc<dyn Clock>,
     /// Logical deduplication claims (`None`: deduplication is off).
@@ -184,7 +187,7 @@ impl Engine {
                         workers.iter().map(Arbiter::handle).collect()
                     };
                     let shared = Arc::new(Shared {
-                        inbox: Arc::clone(&parts.inbox),
+                        durable: parts.durable.clone(),
                         clock: parts.clock,
                         timer,
                         tracker: Tracker::new(arbiters.len()),
@@ -238,15 +241,16 @@ impl Engine {
                         RelayActor::new(Arc::clone(outbox), dispatcher.clone(), durability.clone())
                         .start();
                     }
-                    if let Some(durability) = &config.durability {
+                    if let (Some(durability), Some(durable)) = (&config.durability, &parts.durable) {
                         RecoveryActor::new(
                             dispatcher.clone(),
+                            Arc::clone(durable),
                             durability.recovery_interval,
                             durability.recovery_batch,
                         )
                         .start();
                         CleanupActor::new(
-                            Arc::clone(&dispatcher.shared.inbox),
+                            Arc::clone(durable),
                             Arc::clone(&dispatcher.shared.clock),
                             durability.keep_after_handling,
                             durability.idempotency_key_retention,
@@ -326,7 +330,9 @@ impl Engine {
             .await
             .ok();
         // Hand this node's unsettled deliveries (the retries above) to whoever starts next.
-        if let Err(error) = self.dispatcher.shared.inbox.release().await {
+        if let Some(durable) = &self.dispatcher.shared.durable
+            && let Err(error) = durable.release().await
+        {
             tracing::warn!(%error, "could not release unsettled deliveries; they resume once this node's heartbeat expires");
         }
         drop(recovering);

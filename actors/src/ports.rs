@@ -171,21 +171,6 @@ pub trait Inbox: Send + Sync + 'static {
     /// [`Error::Store`] when the store cannot answer; the envelope must then not be acked.
     async fn receive(&self, envelope: &Envelope) -> Result<Receipt, Error>;
 
-    /// Records `envelope` as incoming for any node to run — unowned, with no attempt started —
-    /// or reports that its id is already known. Tools use it to hand work to running nodes
-    /// (a dead letter replayed from the command line).
-    ///
-    /// # Errors
-    ///
-    /// [`Error::Store`] when the store cannot record it, or cannot hand work to other nodes at
-    /// all (an inbox in memory).
-    async fn enqueue(&self, envelope: &Envelope) -> Result<Receipt, Error> {
-        let _ = envelope;
-        Err(Error::store(
-            "this inbox cannot hand envelopes to other nodes",
-        ))
-    }
-
     /// Records that attempt `attempt` of envelope `id` starts, so a crash during it counts it.
     /// Fenced: [`Fenced::OwnedElsewhere`] when this node no longer owns the delivery — another
     /// node recovered it after this node's heartbeat expired, or it was settled meanwhile — and
@@ -240,23 +225,6 @@ pub trait Inbox: Send + Sync + 'static {
     /// [`Error::Store`] when the transaction fails; nothing of it took effect.
     async fn replay(&self, id: Uuid, to: ReplayTo) -> Result<Replay, Error>;
 
-    /// Claims for this node up to `limit` deliveries left unsettled by a runtime that stopped —
-    /// released at a graceful shutdown, or owned by a node whose heartbeat expired — or
-    /// scheduled for later, so they resume here; only those due before `due_before` (a
-    /// delivery cooling down, or scheduled, further ahead stays for a later round).
-    ///
-    /// # Errors
-    ///
-    /// [`Error::Store`] when the store cannot answer.
-    async fn recover(
-        &self,
-        limit: usize,
-        due_before: DateTime<Utc>,
-    ) -> Result<Vec<Resumable>, Error> {
-        let _ = (limit, due_before);
-        Ok(Vec::new())
-    }
-
     /// Up to `limit` envelopes scheduled for later and not started, soonest first.
     ///
     /// # Errors
@@ -273,93 +241,6 @@ pub trait Inbox: Send + Sync + 'static {
     ///
     /// [`Error::Store`] when the store cannot answer, or keeps no schedule (in memory).
     async fn cancel_scheduled(&self, id: Uuid) -> Result<bool, Error>;
-
-    /// This node's own unsettled deliveries, received before `before`, that nothing in this
-    /// process runs (`running` lists what does) — at most `limit`: an accept whose commit
-    /// succeeded although its caller saw an error, a cancelled publish. They resume here.
-    ///
-    /// # Errors
-    ///
-    /// [`Error::Store`] when the store cannot answer.
-    async fn orphaned(
-        &self,
-        before: DateTime<Utc>,
-        running: &std::collections::HashSet<Uuid>,
-        limit: usize,
-    ) -> Result<Vec<Resumable>, Error> {
-        let _ = (before, running, limit);
-        Ok(Vec::new())
-    }
-
-    /// Gives up this node's deliveries received before `started_at`: a previous run under
-    /// the same node name left them, and [`recover`](Inbox::recover) then resumes them at
-    /// once. Deliveries this run received are not touched.
-    ///
-    /// # Errors
-    ///
-    /// [`Error::Store`] when it cannot be recorded.
-    async fn release_before(&self, started_at: DateTime<Utc>) -> Result<(), Error> {
-        let _ = started_at;
-        Ok(())
-    }
-
-    /// Records that this node is alive; other nodes recover the deliveries of a node that
-    /// stops doing so.
-    ///
-    /// # Errors
-    ///
-    /// [`Error::Store`] when it cannot be recorded.
-    async fn heartbeat(&self) -> Result<(), Error> {
-        Ok(())
-    }
-
-    /// How long this node may go without a heartbeat before other nodes take its deliveries
-    /// over; `None` for a store that nodes do not share. The engine heartbeats well within it,
-    /// however long its recovery interval.
-    fn node_timeout(&self) -> Option<std::time::Duration> {
-        None
-    }
-
-    /// Gives up this node's unsettled deliveries (at a graceful shutdown), so the next runtime
-    /// on the store resumes them at once instead of waiting for the heartbeat to expire.
-    ///
-    /// # Errors
-    ///
-    /// [`Error::Store`] when it cannot be recorded.
-    async fn release(&self) -> Result<(), Error> {
-        Ok(())
-    }
-
-    /// Deletes at most `limit` envelopes handled before `before`, and as many of the records
-    /// the store keeps for settled envelopes (handler completions); returns how many rows it
-    /// deleted.
-    ///
-    /// # Errors
-    ///
-    /// [`Error::Store`] when the store cannot answer.
-    async fn delete_handled_before(
-        &self,
-        before: DateTime<Utc>,
-        limit: usize,
-    ) -> Result<u64, Error> {
-        let _ = (before, limit);
-        Ok(0)
-    }
-
-    /// Deletes at most `limit` idempotency keys recorded before `before` (see
-    /// `dacapo::idempotency`); returns how many.
-    ///
-    /// # Errors
-    ///
-    /// [`Error::Store`] when the store cannot answer.
-    async fn delete_idempotency_keys_before(
-        &self,
-        before: DateTime<Utc>,
-        limit: usize,
-    ) -> Result<u64, Error> {
-        let _ = (before, limit);
-        Ok(0)
-    }
 
     /// [`receive`](Inbox::receive) for stores that answer without waiting (in memory): `None`
     /// means "ask the async method". The engine tries it first to spare a future per envelope.
@@ -388,6 +269,95 @@ pub enum Handled {
     },
     /// The row is no longer this node's: nothing changed.
     OwnedElsewhere,
+}
+
+/// What a durable inbox adds to an [`Inbox`]: each row has an owner (this node), nodes
+/// heartbeat, the deliveries a stopped node left are recovered, and settled rows are removed
+/// after their retention. Every method is required: a durable store that forgets one does not
+/// compile, and the engine never takes a silent default for a guarantee.
+#[async_trait]
+pub trait DurableInbox: Inbox {
+    /// Claims for this node up to `limit` deliveries left unsettled by a runtime that stopped —
+    /// released at a graceful shutdown, or owned by a node whose heartbeat expired — or
+    /// scheduled for later, so they resume here; only those due before `due_before` (a
+    /// delivery cooling down, or scheduled, further ahead stays for a later round).
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Store`] when the store cannot answer.
+    async fn recover(
+        &self,
+        limit: usize,
+        due_before: DateTime<Utc>,
+    ) -> Result<Vec<Resumable>, Error>;
+
+    /// This node's own unsettled deliveries, received before `before`, that nothing in this
+    /// process runs (`running` lists what does) — at most `limit`: an accept whose commit
+    /// succeeded although its caller saw an error, a cancelled publish. They resume here.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Store`] when the store cannot answer.
+    async fn orphaned(
+        &self,
+        before: DateTime<Utc>,
+        running: &std::collections::HashSet<Uuid>,
+        limit: usize,
+    ) -> Result<Vec<Resumable>, Error>;
+
+    /// Gives up this node's deliveries received before `started_at`: a previous run under
+    /// the same node name left them, and [`recover`](Inbox::recover) then resumes them at
+    /// once. Deliveries this run received are not touched.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Store`] when it cannot be recorded.
+    async fn release_before(&self, started_at: DateTime<Utc>) -> Result<(), Error>;
+
+    /// Records that this node is alive; other nodes recover the deliveries of a node that
+    /// stops doing so.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Store`] when it cannot be recorded.
+    async fn heartbeat(&self) -> Result<(), Error>;
+
+    /// How long this node may go without a heartbeat before other nodes take its deliveries
+    /// over. The engine heartbeats well within it, however long its recovery interval.
+    fn node_timeout(&self) -> std::time::Duration;
+
+    /// Gives up this node's unsettled deliveries (at a graceful shutdown), so the next runtime
+    /// on the store resumes them at once instead of waiting for the heartbeat to expire.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Store`] when it cannot be recorded.
+    async fn release(&self) -> Result<(), Error>;
+
+    /// Deletes at most `limit` envelopes handled before `before`, and as many of the records
+    /// the store keeps for settled envelopes (handler completions); returns how many rows it
+    /// deleted.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Store`] when the store cannot answer.
+    async fn delete_handled_before(
+        &self,
+        before: DateTime<Utc>,
+        limit: usize,
+    ) -> Result<u64, Error>;
+
+    /// Deletes at most `limit` idempotency keys recorded before `before` (see
+    /// `dacapo::idempotency`); returns how many.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Store`] when the store cannot answer.
+    async fn delete_idempotency_keys_before(
+        &self,
+        before: DateTime<Utc>,
+        limit: usize,
+    ) -> Result<u64, Error>;
 }
 
 /// Keeps messages the runtime gave up on.

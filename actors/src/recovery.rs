@@ -2,7 +2,10 @@ use std::time::Duration;
 
 use actix::{Actor, ActorFutureExt, AsyncContext, Context, WrapFuture};
 
+use std::sync::Arc;
+
 use crate::Dispatcher;
+use crate::ports::DurableInbox;
 
 /// How soon a claim cut short by a full engine continues.
 const CONTINUE_AFTER: Duration = Duration::from_millis(50);
@@ -29,11 +32,9 @@ impl Round {
 /// commit succeeded although its caller saw an error, a cancelled publish. Only rows older
 /// than the node timeout are looked at, so a delivery just received and not yet started is
 /// never taken for an orphan.
-async fn resume_orphaned(dispatcher: &Dispatcher, batch: usize) {
+async fn resume_orphaned(dispatcher: &Dispatcher, inbox: &dyn DurableInbox, batch: usize) {
     let shared = &dispatcher.shared;
-    let Some(timeout) = shared.inbox.node_timeout() else {
-        return;
-    };
+    let timeout = inbox.node_timeout();
     let before = chrono::Duration::from_std(timeout)
         .ok()
         .and_then(|timeout| shared.clock.now().checked_sub_signed(timeout))
@@ -50,7 +51,7 @@ async fn resume_orphaned(dispatcher: &Dispatcher, batch: usize) {
         .unwrap_or_else(std::sync::PoisonError::into_inner)
         .clone();
     running.extend(shared.tracker.supervised());
-    match shared.inbox.orphaned(before, &running, slots.len()).await {
+    match inbox.orphaned(before, &running, slots.len()).await {
         Ok(orphans) => {
             if !orphans.is_empty() {
                 tracing::info!(
@@ -72,9 +73,9 @@ async fn resume_orphaned(dispatcher: &Dispatcher, batch: usize) {
 /// The heartbeat also has a timer of its own, a third of the store's node timeout, whenever
 /// that is shorter than the recovery interval: a live node is never taken for dead because
 /// its recovery rounds are far apart.
-#[derive(Debug)]
 pub struct RecoveryActor {
     dispatcher: Dispatcher,
+    inbox: Arc<dyn DurableInbox>,
     interval: Duration,
     batch: usize,
     busy: bool,
@@ -84,11 +85,26 @@ pub struct RecoveryActor {
     started_at: Option<chrono::DateTime<chrono::Utc>>,
 }
 
+impl std::fmt::Debug for RecoveryActor {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RecoveryActor")
+            .field("interval", &self.interval)
+            .field("batch", &self.batch)
+            .finish_non_exhaustive()
+    }
+}
+
 impl RecoveryActor {
-    pub(crate) fn new(dispatcher: Dispatcher, interval: Duration, batch: usize) -> Self {
+    pub(crate) fn new(
+        dispatcher: Dispatcher,
+        inbox: Arc<dyn DurableInbox>,
+        interval: Duration,
+        batch: usize,
+    ) -> Self {
         let started_at = Some(dispatcher.shared.clock.now());
         Self {
             dispatcher,
+            inbox,
             interval,
             batch: batch.max(1),
             busy: false,
@@ -115,6 +131,7 @@ impl RecoveryActor {
         }
         self.busy = true;
         let dispatcher = self.dispatcher.clone();
+        let inbox = Arc::clone(&self.inbox);
         let (batch, interval) = (self.batch, self.interval);
         let started_at = self.started_at;
         let round = async move {
@@ -123,7 +140,6 @@ impl RecoveryActor {
             if shared.tracker.is_closing() {
                 return Round::default();
             }
-            let inbox = &shared.inbox;
             if let Some(started_at) = started_at
                 && let Err(error) = inbox.release_before(started_at).await
             {
@@ -136,7 +152,7 @@ impl RecoveryActor {
                     tracing::warn!(%error, "heartbeat failed; retrying on the next round");
                     return Round::released();
                 }
-                resume_orphaned(&dispatcher, batch).await;
+                resume_orphaned(&dispatcher, &*inbox, batch).await;
             }
             let mut resumed = 0usize;
             let mut limited = false;
@@ -199,9 +215,9 @@ impl RecoveryActor {
             return;
         }
         self.beating = true;
-        let dispatcher = self.dispatcher.clone();
+        let inbox = Arc::clone(&self.inbox);
         let beat = async move {
-            if let Err(error) = dispatcher.shared.inbox.heartbeat().await {
+            if let Err(error) = inbox.heartbeat().await {
                 tracing::warn!(%error, "heartbeat failed; retrying");
             }
         };
@@ -218,9 +234,8 @@ impl Actor for RecoveryActor {
     fn started(&mut self, ctx: &mut Context<Self>) {
         self.tick(ctx);
         ctx.run_interval(self.interval, Self::tick);
-        if let Some(timeout) = self.dispatcher.shared.inbox.node_timeout()
-            && timeout / 3 < self.interval
-        {
+        let timeout = self.inbox.node_timeout();
+        if timeout / 3 < self.interval {
             ctx.run_interval(timeout / 3, Self::beat);
         }
     }

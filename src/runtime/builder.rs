@@ -2,7 +2,9 @@ use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Duration;
 
-use dacapo_actors::ports::{Claims, Clock, DeadLetterStore, Inbox, OutboxStore, SystemClock};
+use dacapo_actors::ports::{
+    Claims, Clock, DeadLetterStore, DurableInbox, Inbox, OutboxStore, SystemClock,
+};
 use dacapo_actors::{
     Deduplication, DeduplicationRules, Durability, Engine, EngineConfig, EngineParts, HandlerId,
     Message, Module, Registry, RetryPolicy, RetryScope, UnknownMessageTypes,
@@ -25,6 +27,8 @@ pub struct RuntimeBuilder {
     drain_timeout: Duration,
     keep_after_handling: Duration,
     inbox: Option<Arc<dyn Inbox>>,
+    /// The store's inbox as a durable one, set with [`store`](Self::store).
+    durable: Option<Arc<dyn DurableInbox>>,
     claims: Option<Arc<dyn Claims>>,
     outbox: Option<Arc<dyn OutboxStore>>,
     /// The store given to [`store`](Self::store), for handler transactions.
@@ -49,6 +53,7 @@ impl Default for RuntimeBuilder {
             drain_timeout: Duration::from_secs(30),
             keep_after_handling: Duration::from_secs(5 * 60),
             inbox: None,
+            durable: None,
             claims: None,
             outbox: None,
             store: None,
@@ -170,6 +175,7 @@ impl RuntimeBuilder {
     #[must_use]
     pub fn inbox<S: Inbox + DeadLetterStore>(mut self, inbox: Arc<S>) -> Self {
         self.inbox = Some(Arc::clone(&inbox) as Arc<dyn Inbox>);
+        self.durable = None;
         self.dead_letters = Some(inbox);
         self
     }
@@ -180,10 +186,14 @@ impl RuntimeBuilder {
     /// count as received, retries survive restarts, handled envelopes are cleaned up after
     /// their retention, and the deliveries of a node that stops are resumed.
     #[must_use]
-    pub fn store<S: Inbox + DeadLetterStore + Claims + OutboxStore>(mut self, store: S) -> Self {
+    pub fn store<S: DurableInbox + DeadLetterStore + Claims + OutboxStore>(
+        mut self,
+        store: S,
+    ) -> Self {
         let store = Arc::new(store);
         self.store = Some(Arc::clone(&store) as Arc<dyn std::any::Any + Send + Sync>);
         self.inbox = Some(Arc::clone(&store) as Arc<dyn Inbox>);
+        self.durable = Some(Arc::clone(&store) as Arc<dyn DurableInbox>);
         self.outbox = Some(Arc::clone(&store) as Arc<dyn OutboxStore>);
         // Claims set explicitly with `claims` stay.
         if self.claims.is_none() {
@@ -428,6 +438,7 @@ impl RuntimeBuilder {
             EngineParts {
                 registry,
                 inbox: Arc::clone(&inbox),
+                durable: self.durable,
                 clock: Arc::clone(&self.clock),
                 rules: self.deduplication_rules,
                 outbox: self.outbox.clone(),

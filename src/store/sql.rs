@@ -37,12 +37,6 @@ pub(crate) const CANCEL_SCHEDULED: &str = "UPDATE dacapo_inbox \
     SET status = 'handled', handled_at = $2, owner = NULL \
     WHERE id = $1 AND status = 'scheduled' AND attempts = 0";
 
-pub(crate) const ENQUEUE: &str = "INSERT INTO dacapo_inbox \
-    (id, message_type, payload, headers, deduplication_id, correlation_id, causation_id, sent_at, \
-     scheduled_for, status, attempts, owner, received_at) \
-    VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, 'incoming', $10, NULL, $11) \
-    ON CONFLICT (id) DO NOTHING";
-
 // An attempt's start and its retry record never take an envelope back from handled, and only
 // the owner writes them: a node that lost a delivery to recovery while it was cooling down or
 // running late must neither start it again next to the new owner nor overwrite the new owner's
@@ -691,26 +685,6 @@ macro_rules! sql_store {
                 })
             }
 
-            async fn enqueue(
-                &self,
-                envelope: &dacapo_actors::Envelope,
-            ) -> Result<dacapo_actors::ports::Receipt, dacapo_actors::Error> {
-                use $crate::store::sql::*;
-                let c = EnvelopeColumns::of(envelope)?;
-                let inserted = $crate::store::sql::bind_envelope!(sqlx::query(ENQUEUE), c)
-                    .bind(stored_attempts(envelope.attempts))
-                    .bind(millis(self.clock.now()))
-                    .execute(&self.pool)
-                    .await
-                    .map_err($crate::store::sql::db_error)?
-                    .rows_affected();
-                Ok(if inserted == 1 {
-                    dacapo_actors::ports::Receipt::New
-                } else {
-                    dacapo_actors::ports::Receipt::Duplicate
-                })
-            }
-
             async fn begin_attempt(
                 &self,
                 id: uuid::Uuid,
@@ -882,41 +856,6 @@ macro_rules! sql_store {
                 Ok(Replay::Replayed(envelope))
             }
 
-            async fn recover(
-                &self,
-                limit: usize,
-                due_before: chrono::DateTime<chrono::Utc>,
-            ) -> Result<Vec<dacapo_actors::ports::Resumable>, dacapo_actors::Error> {
-                use $crate::store::sql::*;
-                let alive_since = self.alive_since();
-                let mut tx = self.pool.begin_with($begin).await.map_err($crate::store::sql::db_error)?;
-                let rows = sqlx::query($claim)
-                    .bind(&*self.node)
-                    .bind(millis(alive_since))
-                    .bind(i64::try_from(limit).unwrap_or(i64::MAX))
-                    .bind(millis(due_before))
-                    .fetch_all(&mut *tx)
-                    .await
-                    .map_err($crate::store::sql::db_error)?;
-                tx.commit().await.map_err($crate::store::sql::db_error)?;
-                Ok(rows.iter().filter_map(Self::readable).collect())
-            }
-
-            async fn delete_idempotency_keys_before(
-                &self,
-                before: chrono::DateTime<chrono::Utc>,
-                limit: usize,
-            ) -> Result<u64, dacapo_actors::Error> {
-                use $crate::store::sql::*;
-                Ok(sqlx::query(DELETE_IDEMPOTENCY_KEYS)
-                    .bind(millis(before))
-                    .bind(i64::try_from(limit).unwrap_or(i64::MAX))
-                    .execute(&self.pool)
-                    .await
-                    .map_err($crate::store::sql::db_error)?
-                    .rows_affected())
-            }
-
             async fn scheduled(
                 &self,
                 limit: usize,
@@ -951,6 +890,44 @@ macro_rules! sql_store {
                     .map_err($crate::store::sql::db_error)?
                     .rows_affected();
                 Ok(rows == 1)
+            }
+        }
+
+        #[async_trait::async_trait]
+        impl dacapo_actors::ports::DurableInbox for $store {
+            async fn recover(
+                &self,
+                limit: usize,
+                due_before: chrono::DateTime<chrono::Utc>,
+            ) -> Result<Vec<dacapo_actors::ports::Resumable>, dacapo_actors::Error> {
+                use $crate::store::sql::*;
+                let alive_since = self.alive_since();
+                let mut tx = self.pool.begin_with($begin).await.map_err($crate::store::sql::db_error)?;
+                let rows = sqlx::query($claim)
+                    .bind(&*self.node)
+                    .bind(millis(alive_since))
+                    .bind(i64::try_from(limit).unwrap_or(i64::MAX))
+                    .bind(millis(due_before))
+                    .fetch_all(&mut *tx)
+                    .await
+                    .map_err($crate::store::sql::db_error)?;
+                tx.commit().await.map_err($crate::store::sql::db_error)?;
+                Ok(rows.iter().filter_map(Self::readable).collect())
+            }
+
+            async fn delete_idempotency_keys_before(
+                &self,
+                before: chrono::DateTime<chrono::Utc>,
+                limit: usize,
+            ) -> Result<u64, dacapo_actors::Error> {
+                use $crate::store::sql::*;
+                Ok(sqlx::query(DELETE_IDEMPOTENCY_KEYS)
+                    .bind(millis(before))
+                    .bind(i64::try_from(limit).unwrap_or(i64::MAX))
+                    .execute(&self.pool)
+                    .await
+                    .map_err($crate::store::sql::db_error)?
+                    .rows_affected())
             }
 
             async fn orphaned(
@@ -1011,8 +988,8 @@ macro_rules! sql_store {
                 Ok(())
             }
 
-            fn node_timeout(&self) -> Option<std::time::Duration> {
-                Some(self.node_timeout)
+            fn node_timeout(&self) -> std::time::Duration {
+                self.node_timeout
             }
 
             async fn release(&self) -> Result<(), dacapo_actors::Error> {

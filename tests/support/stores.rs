@@ -250,7 +250,7 @@ impl TestDatabase {
 
 impl TestDatabase {
     /// This database's store, as the engine's inbox sees it.
-    pub async fn sqlite_or_postgres_inbox(&self) -> Box<dyn dacapo::ports::Inbox> {
+    pub async fn sqlite_or_postgres_inbox(&self) -> Box<dyn dacapo::ports::DurableInbox> {
         match self.backend {
             Backend::Sqlite => Box::new(self.sqlite().await),
             Backend::Postgres => Box::new(self.postgres().await),
