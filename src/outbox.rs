@@ -23,7 +23,7 @@ use uuid::Uuid;
 
 use crate::{Error, Runtime};
 
-use crate::store::sql::{ENLIST, EnvelopeColumns, millis};
+use crate::store::sql::{ENLIST, EnvelopeColumns, Value, bind, millis};
 
 mod sealed {
     pub trait Sealed {}
@@ -46,9 +46,11 @@ macro_rules! enlist_in {
 
         impl Enlist for sqlx::Transaction<'_, $db> {
             async fn insert(&mut self, envelope: &Envelope) -> Result<(), Error> {
-                let c = EnvelopeColumns::of(envelope)?;
-                crate::store::sql::bind_envelope!(sqlx::query(ENLIST), c)
-                    .bind(millis(chrono::Utc::now()))
+                let columns = EnvelopeColumns::of(envelope)?;
+                let [v1, v2, v3, v4, v5, v6, v7, v8, v9] = columns.values();
+                let now = Value::Int(millis(chrono::Utc::now()));
+                let values = [v1, v2, v3, v4, v5, v6, v7, v8, v9, now];
+                bind(sqlx::query(ENLIST), &values)
                     .execute(&mut **self)
                     .await
                     .map_err(crate::store::sql::db_error)?;

@@ -249,6 +249,7 @@ impl Runtime {
     }
 
     /// Wakes the outbox relay: envelopes were just committed to the outbox.
+    #[cfg(any(feature = "sqlite", feature = "postgres"))]
     pub(crate) fn wake_outbox(&self) {
         self.engine.dispatcher().wake_outbox();
     }

@@ -50,7 +50,7 @@ use uuid::Uuid;
 
 use crate::Error;
 use crate::store::sql::{
-    COMPLETE_CLAIM, ENLIST_ONCE, EnvelopeColumns, claim_lost, id_text, millis,
+    COMPLETE_CLAIM, ENLIST_ONCE, EnvelopeColumns, Value, bind, claim_lost, id_text, millis,
 };
 
 pub(crate) const RECORD_COMPLETION: &str = "INSERT INTO dacapo_handler_completions \
@@ -347,9 +347,11 @@ macro_rules! backend {
                 transaction: &mut HandlerTransaction<Self>,
                 envelope: &Envelope,
             ) -> Result<(), Error> {
-                let c = EnvelopeColumns::of(envelope)?;
-                crate::store::sql::bind_envelope!(sqlx::query(ENLIST_ONCE), c)
-                    .bind(millis(chrono::Utc::now()))
+                let columns = EnvelopeColumns::of(envelope)?;
+                let [v1, v2, v3, v4, v5, v6, v7, v8, v9] = columns.values();
+                let now = Value::Int(millis(chrono::Utc::now()));
+                let values = [v1, v2, v3, v4, v5, v6, v7, v8, v9, now];
+                bind(sqlx::query(ENLIST_ONCE), &values)
                     .execute(&mut *transaction.tx)
                     .await
                     .map_err(crate::store::sql::db_error)?;

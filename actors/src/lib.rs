@@ -2,7 +2,7 @@
 //!
 //! Applications depend on `dacapo`, which re-exports what they need; this crate holds every
 //! actix actor ([`DeliverySupervisor`], [`HandlerActor`], [`ContextActor`], [`TimerActor`]),
-//! the types they exchange, and the [ports](ports) through which they reach storage and the
+//! the types they exchange, and the [ports] through which they reach storage and the
 //! clock. It knows no database, broker or socket.
 
 mod aggregate;

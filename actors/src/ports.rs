@@ -306,7 +306,7 @@ pub trait DurableInbox: Inbox {
     ) -> Result<Vec<Resumable>, Error>;
 
     /// Gives up this node's deliveries received before `started_at`: a previous run under
-    /// the same node name left them, and [`recover`](Inbox::recover) then resumes them at
+    /// the same node name left them, and [`recover`](DurableInbox::recover) then resumes them at
     /// once. Deliveries this run received are not touched.
     ///
     /// # Errors

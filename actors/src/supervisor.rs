@@ -24,7 +24,7 @@ use crate::{
     Error, HandlerActor, HandlerEntry, HandlerFailure, Outcome, RetryPolicy, Route,
 };
 
-/// Owns one delivery from acceptance to settlement. The decisions are the [`Delivery`] state
+/// Owns one delivery from acceptance to settlement. The decisions are the `Delivery` state
 /// machine's; this actor is the shell that runs what it decides: it starts a handler actor per
 /// handler on each attempt and collects their failures, writes each transition to the store,
 /// asks the [`TimerActor`](crate::TimerActor) for cooldowns, and reports the outcome.

@@ -2,24 +2,14 @@ use dacapo_actors::Error;
 use futures::stream::BoxStream;
 use sqlx::postgres::{PgListener, PgPool, PgPoolOptions};
 
-use crate::store::sql::{Migration, migrations, sql_store};
+use crate::store::sql::{Database, Migration, SqlStore, migrations};
 
-const MIGRATIONS: &[Migration] = migrations!("postgres");
+pub(crate) const MIGRATIONS: &[Migration] = migrations!("postgres");
 
-sql_store!(
-    /// The durable inbox and dead letters in PostgreSQL, for fleets: several nodes share one
-    /// database, each owning the deliveries it runs, and take over from nodes that stop.
-    #[cfg_attr(docsrs, doc(cfg(feature = "postgres")))]
-    PostgresStore, sqlx::Postgres, PgPool,
-    claim = CLAIM_POSTGRES,
-    begin = "BEGIN",
-    migrations = MIGRATIONS,
-    // Nodes starting together apply the schema once: the first holds the lock.
-    lock_migrations = ["SELECT pg_advisory_xact_lock(7215143920911461)"],
-    claims_has_node = "SELECT count(*) FROM information_schema.columns \
-        WHERE table_schema = current_schema() AND table_name = 'dacapo_deduplication' \
-        AND column_name = 'node'"
-);
+/// The durable inbox, dead letters, claims and outbox in PostgreSQL, for fleets: several nodes
+/// share one database, each owning the deliveries it runs, and take over from nodes that stop.
+#[cfg_attr(docsrs, doc(cfg(feature = "postgres")))]
+pub type PostgresStore = SqlStore<sqlx::Postgres>;
 
 /// The channel the outbox's insert trigger notifies at every commit that enlisted.
 const OUTBOX_CHANNEL: &str = "dacapo_outbox";
@@ -33,29 +23,37 @@ async fn listen(pool: &PgPool) -> Result<PgListener, Error> {
     Ok(listener)
 }
 
-impl PostgresStore {
-    /// A `NOTIFY` on the outbox channel per commit that enlisted, on one connection kept for
-    /// it: a notification sent between two polls of the stream is queued, not lost.
-    fn enlisted_signals(&self) -> Option<BoxStream<'static, Result<(), Error>>> {
-        let pool = self.pool.clone();
-        let signals = futures::stream::unfold(None, move |listener: Option<PgListener>| {
-            let pool = pool.clone();
-            async move {
-                let mut listener = match listener {
-                    Some(listener) => listener,
-                    None => match listen(&pool).await {
-                        Ok(listener) => listener,
-                        Err(error) => return Some((Err(error), None)),
-                    },
-                };
-                match listener.recv().await {
-                    Ok(_) => Some((Ok(()), Some(listener))),
-                    // Listen again on a fresh connection next time.
-                    Err(error) => Some((Err(Error::store(error)), None)),
-                }
+/// A `NOTIFY` on the outbox channel per commit that enlisted, on one connection kept for it: a
+/// notification sent between two polls of the stream is queued, not lost.
+pub(crate) fn enlisted_signals(pool: PgPool) -> BoxStream<'static, Result<(), Error>> {
+    let signals = futures::stream::unfold(None, move |listener: Option<PgListener>| {
+        let pool = pool.clone();
+        async move {
+            let mut listener = match listener {
+                Some(listener) => listener,
+                None => match listen(&pool).await {
+                    Ok(listener) => listener,
+                    Err(error) => return Some((Err(error), None)),
+                },
+            };
+            match listener.recv().await {
+                Ok(_) => Some((Ok(()), Some(listener))),
+                // Listen again on a fresh connection next time.
+                Err(error) => Some((Err(Error::store(error)), None)),
             }
-        });
-        Some(Box::pin(signals))
+        }
+    });
+    Box::pin(signals)
+}
+
+impl SqlStore<sqlx::Postgres> {
+    /// A store over `pool`, whose schema is created (or brought up to date) first.
+    ///
+    /// # Errors
+    ///
+    /// The database's error when the schema cannot be applied.
+    pub async fn with_pool(pool: PgPool) -> Result<Self, Error> {
+        Self::open_on(pool.clone(), Database::Postgres(pool)).await
     }
 
     /// Connects to the PostgreSQL database at `url` and brings its schema up to date.

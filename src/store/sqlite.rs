@@ -6,31 +6,25 @@ use sqlx::sqlite::{
     SqliteConnectOptions, SqliteJournalMode, SqlitePool, SqlitePoolOptions, SqliteSynchronous,
 };
 
-use crate::store::sql::{Migration, migrations, sql_store};
+use crate::store::sql::{Database, Migration, SqlStore, migrations};
 
-const MIGRATIONS: &[Migration] = migrations!("sqlite");
+pub(crate) const MIGRATIONS: &[Migration] = migrations!("sqlite");
 
-sql_store!(
-    /// The durable inbox and dead letters in a SQLite file: the embedded default.
+/// The durable inbox, dead letters, claims and outbox in a SQLite file: the embedded default.
+///
+/// WAL journal, `synchronous = FULL` (a handled envelope survives a power cut), and
+/// `BEGIN IMMEDIATE` for write transactions.
+#[cfg_attr(docsrs, doc(cfg(feature = "sqlite")))]
+pub type SqliteStore = SqlStore<sqlx::Sqlite>;
+
+impl SqlStore<sqlx::Sqlite> {
+    /// A store over `pool`, whose schema is created (or brought up to date) first.
     ///
-    /// WAL journal, `synchronous = FULL` (a handled envelope survives a power cut), and
-    /// `BEGIN IMMEDIATE` for write transactions.
-    #[cfg_attr(docsrs, doc(cfg(feature = "sqlite")))]
-    SqliteStore, sqlx::Sqlite, SqlitePool,
-    claim = CLAIM_SQLITE,
-    begin = "BEGIN IMMEDIATE",
-    migrations = MIGRATIONS,
-    lock_migrations = [] as [&'static str; 0],
-    claims_has_node =
-        "SELECT count(*) FROM pragma_table_info('dacapo_deduplication') WHERE name = 'node'"
-);
-
-impl SqliteStore {
-    /// SQLite cannot tell of enlists made by other processes: the relay polls, and local
-    /// enlists wake it directly.
-    #[allow(clippy::unused_self)]
-    fn enlisted_signals(&self) -> Option<futures::stream::BoxStream<'static, Result<(), Error>>> {
-        None
+    /// # Errors
+    ///
+    /// The database's error when the schema cannot be applied.
+    pub async fn with_pool(pool: SqlitePool) -> Result<Self, Error> {
+        Self::open_on(pool.clone(), Database::Sqlite(pool)).await
     }
 
     /// Opens (creating if needed) the SQLite database at `path` — a file path, or a

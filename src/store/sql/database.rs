@@ -1,0 +1,388 @@
+//! One handle on the database, whichever the backend: statements bound with [`Value`]s, rows
+//! read by column name. The store's code is written once against it; only this file knows
+//! which sqlx driver runs underneath.
+
+use dacapo_actors::Error;
+use sqlx::Row as _;
+
+use super::db_error;
+
+/// A statement parameter.
+#[derive(Clone, Copy, Debug)]
+pub(crate) enum Value<'a> {
+    Text(&'a str),
+    OptionalText(Option<&'a str>),
+    Int(i64),
+    OptionalInt(Option<i64>),
+    SmallInt(i32),
+    Bytes(&'a [u8]),
+}
+
+/// Binds `values` in order to `query`.
+pub(crate) fn bind<'q, DB>(
+    mut query: sqlx::query::Query<'q, DB, <DB as sqlx::Database>::Arguments>,
+    values: &[Value<'q>],
+) -> sqlx::query::Query<'q, DB, <DB as sqlx::Database>::Arguments>
+where
+    DB: sqlx::Database,
+    &'q str: sqlx::Encode<'q, DB> + sqlx::Type<DB>,
+    Option<&'q str>: sqlx::Encode<'q, DB> + sqlx::Type<DB>,
+    i64: sqlx::Encode<'q, DB> + sqlx::Type<DB>,
+    Option<i64>: sqlx::Encode<'q, DB> + sqlx::Type<DB>,
+    i32: sqlx::Encode<'q, DB> + sqlx::Type<DB>,
+    &'q [u8]: sqlx::Encode<'q, DB> + sqlx::Type<DB>,
+{
+    for value in values {
+        query = match *value {
+            Value::Text(text) => query.bind(text),
+            Value::OptionalText(text) => query.bind(text),
+            Value::Int(number) => query.bind(number),
+            Value::OptionalInt(number) => query.bind(number),
+            Value::SmallInt(number) => query.bind(number),
+            Value::Bytes(bytes) => query.bind(bytes),
+        };
+    }
+    query
+}
+
+/// The connection pool, whichever the backend.
+#[derive(Clone, Debug)]
+pub(crate) enum Database {
+    #[cfg(feature = "sqlite")]
+    Sqlite(sqlx::SqlitePool),
+    #[cfg(feature = "postgres")]
+    Postgres(sqlx::PgPool),
+}
+
+/// A write transaction on a [`Database`].
+#[derive(Debug)]
+pub(crate) enum Tx {
+    #[cfg(feature = "sqlite")]
+    Sqlite(sqlx::Transaction<'static, sqlx::Sqlite>),
+    #[cfg(feature = "postgres")]
+    Postgres(sqlx::Transaction<'static, sqlx::Postgres>),
+}
+
+/// A row read back, whichever the backend; columns are read by name.
+#[derive(Debug)]
+pub(crate) enum Row {
+    #[cfg(feature = "sqlite")]
+    Sqlite(sqlx::sqlite::SqliteRow),
+    #[cfg(feature = "postgres")]
+    Postgres(sqlx::postgres::PgRow),
+}
+
+/// A column type the store reads.
+pub(crate) trait Column: Sized {
+    #[cfg(feature = "sqlite")]
+    fn from_sqlite(row: &sqlx::sqlite::SqliteRow, name: &str) -> Result<Self, sqlx::Error>;
+    #[cfg(feature = "postgres")]
+    fn from_postgres(row: &sqlx::postgres::PgRow, name: &str) -> Result<Self, sqlx::Error>;
+}
+
+/// Implements [`Column`] for a type both drivers decode: the two bodies are the same call on
+/// each driver's row.
+macro_rules! column {
+    ($($ty:ty),*) => {$(
+        impl Column for $ty {
+            #[cfg(feature = "sqlite")]
+            fn from_sqlite(row: &sqlx::sqlite::SqliteRow, name: &str) -> Result<Self, sqlx::Error> {
+                row.try_get(name)
+            }
+            #[cfg(feature = "postgres")]
+            fn from_postgres(row: &sqlx::postgres::PgRow, name: &str) -> Result<Self, sqlx::Error> {
+                row.try_get(name)
+            }
+        }
+    )*};
+}
+
+column!(String, Option<String>, i64, Option<i64>, i32, Vec<u8>);
+
+impl Row {
+    /// The value of column `name`.
+    pub(crate) fn get<T: Column>(&self, name: &str) -> Result<T, Error> {
+        let value = match self {
+            #[cfg(feature = "sqlite")]
+            Self::Sqlite(row) => T::from_sqlite(row, name),
+            #[cfg(feature = "postgres")]
+            Self::Postgres(row) => T::from_postgres(row, name),
+        };
+        value.map_err(|error| Error::store(format!("column {name}: {error}")))
+    }
+}
+
+impl Database {
+    /// Opens a write transaction: `BEGIN IMMEDIATE` on SQLite, which takes the write lock at
+    /// once (a transaction that reads, then writes, would otherwise fail as busy).
+    pub(crate) async fn begin(&self) -> Result<Tx, Error> {
+        Ok(match self {
+            #[cfg(feature = "sqlite")]
+            Self::Sqlite(pool) => {
+                Tx::Sqlite(pool.begin_with("BEGIN IMMEDIATE").await.map_err(db_error)?)
+            }
+            #[cfg(feature = "postgres")]
+            Self::Postgres(pool) => Tx::Postgres(pool.begin().await.map_err(db_error)?),
+        })
+    }
+
+    /// Runs `sql` on a connection of the pool; how many rows it changed.
+    pub(crate) async fn execute(
+        &self,
+        sql: &'static str,
+        values: &[Value<'_>],
+    ) -> Result<u64, Error> {
+        let done = match self {
+            #[cfg(feature = "sqlite")]
+            Self::Sqlite(pool) => bind(sqlx::query(sql), values)
+                .execute(pool)
+                .await
+                .map(|done| done.rows_affected()),
+            #[cfg(feature = "postgres")]
+            Self::Postgres(pool) => bind(sqlx::query(sql), values)
+                .execute(pool)
+                .await
+                .map(|done| done.rows_affected()),
+        };
+        done.map_err(db_error)
+    }
+
+    /// [`execute`](Self::execute) for a statement built at run time from trusted parts.
+    pub(crate) async fn execute_built(
+        &self,
+        sql: String,
+        values: &[Value<'_>],
+    ) -> Result<u64, Error> {
+        let done = match self {
+            #[cfg(feature = "sqlite")]
+            Self::Sqlite(pool) => bind(sqlx::query(sqlx::AssertSqlSafe(sql)), values)
+                .execute(pool)
+                .await
+                .map(|done| done.rows_affected()),
+            #[cfg(feature = "postgres")]
+            Self::Postgres(pool) => bind(sqlx::query(sqlx::AssertSqlSafe(sql)), values)
+                .execute(pool)
+                .await
+                .map(|done| done.rows_affected()),
+        };
+        done.map_err(db_error)
+    }
+
+    /// Every row `sql` answers.
+    pub(crate) async fn fetch_all(
+        &self,
+        sql: &'static str,
+        values: &[Value<'_>],
+    ) -> Result<Vec<Row>, Error> {
+        let rows = match self {
+            #[cfg(feature = "sqlite")]
+            Self::Sqlite(pool) => bind(sqlx::query(sql), values)
+                .fetch_all(pool)
+                .await
+                .map(|rows| rows.into_iter().map(Row::Sqlite).collect()),
+            #[cfg(feature = "postgres")]
+            Self::Postgres(pool) => bind(sqlx::query(sql), values)
+                .fetch_all(pool)
+                .await
+                .map(|rows| rows.into_iter().map(Row::Postgres).collect()),
+        };
+        rows.map_err(db_error)
+    }
+
+    /// The row `sql` answers, if any.
+    pub(crate) async fn fetch_optional(
+        &self,
+        sql: &'static str,
+        values: &[Value<'_>],
+    ) -> Result<Option<Row>, Error> {
+        let row = match self {
+            #[cfg(feature = "sqlite")]
+            Self::Sqlite(pool) => bind(sqlx::query(sql), values)
+                .fetch_optional(pool)
+                .await
+                .map(|row| row.map(Row::Sqlite)),
+            #[cfg(feature = "postgres")]
+            Self::Postgres(pool) => bind(sqlx::query(sql), values)
+                .fetch_optional(pool)
+                .await
+                .map(|row| row.map(Row::Postgres)),
+        };
+        row.map_err(db_error)
+    }
+
+    /// The one row `sql` answers.
+    pub(crate) async fn fetch_one(
+        &self,
+        sql: &'static str,
+        values: &[Value<'_>],
+    ) -> Result<Row, Error> {
+        self.fetch_optional(sql, values)
+            .await?
+            .ok_or_else(|| Error::store(format!("no row answered: {sql}")))
+    }
+}
+
+impl Tx {
+    /// Runs `sql` in the transaction; how many rows it changed.
+    pub(crate) async fn execute(
+        &mut self,
+        sql: &'static str,
+        values: &[Value<'_>],
+    ) -> Result<u64, Error> {
+        let done = match self {
+            #[cfg(feature = "sqlite")]
+            Self::Sqlite(tx) => bind(sqlx::query(sql), values)
+                .execute(&mut **tx)
+                .await
+                .map(|done| done.rows_affected()),
+            #[cfg(feature = "postgres")]
+            Self::Postgres(tx) => bind(sqlx::query(sql), values)
+                .execute(&mut **tx)
+                .await
+                .map(|done| done.rows_affected()),
+        };
+        done.map_err(db_error)
+    }
+
+    /// Runs a script of several statements (a migration) in the transaction.
+    pub(crate) async fn execute_script(&mut self, script: &'static str) -> Result<(), Error> {
+        let done = match self {
+            #[cfg(feature = "sqlite")]
+            Self::Sqlite(tx) => sqlx::raw_sql(script).execute(&mut **tx).await.map(drop),
+            #[cfg(feature = "postgres")]
+            Self::Postgres(tx) => sqlx::raw_sql(script).execute(&mut **tx).await.map(drop),
+        };
+        done.map_err(db_error)
+    }
+
+    /// Every row `sql` answers in the transaction.
+    pub(crate) async fn fetch_all(
+        &mut self,
+        sql: &'static str,
+        values: &[Value<'_>],
+    ) -> Result<Vec<Row>, Error> {
+        let rows = match self {
+            #[cfg(feature = "sqlite")]
+            Self::Sqlite(tx) => bind(sqlx::query(sql), values)
+                .fetch_all(&mut **tx)
+                .await
+                .map(|rows| rows.into_iter().map(Row::Sqlite).collect()),
+            #[cfg(feature = "postgres")]
+            Self::Postgres(tx) => bind(sqlx::query(sql), values)
+                .fetch_all(&mut **tx)
+                .await
+                .map(|rows| rows.into_iter().map(Row::Postgres).collect()),
+        };
+        rows.map_err(db_error)
+    }
+
+    /// The row `sql` answers in the transaction, if any.
+    pub(crate) async fn fetch_optional(
+        &mut self,
+        sql: &'static str,
+        values: &[Value<'_>],
+    ) -> Result<Option<Row>, Error> {
+        let row = match self {
+            #[cfg(feature = "sqlite")]
+            Self::Sqlite(tx) => bind(sqlx::query(sql), values)
+                .fetch_optional(&mut **tx)
+                .await
+                .map(|row| row.map(Row::Sqlite)),
+            #[cfg(feature = "postgres")]
+            Self::Postgres(tx) => bind(sqlx::query(sql), values)
+                .fetch_optional(&mut **tx)
+                .await
+                .map(|row| row.map(Row::Postgres)),
+        };
+        row.map_err(db_error)
+    }
+
+    /// The one row `sql` answers in the transaction.
+    pub(crate) async fn fetch_one(
+        &mut self,
+        sql: &'static str,
+        values: &[Value<'_>],
+    ) -> Result<Row, Error> {
+        self.fetch_optional(sql, values)
+            .await?
+            .ok_or_else(|| Error::store(format!("no row answered: {sql}")))
+    }
+
+    pub(crate) async fn commit(self) -> Result<(), Error> {
+        match self {
+            #[cfg(feature = "sqlite")]
+            Self::Sqlite(tx) => tx.commit().await,
+            #[cfg(feature = "postgres")]
+            Self::Postgres(tx) => tx.commit().await,
+        }
+        .map_err(db_error)
+    }
+
+    pub(crate) async fn rollback(self) -> Result<(), Error> {
+        match self {
+            #[cfg(feature = "sqlite")]
+            Self::Sqlite(tx) => tx.rollback().await,
+            #[cfg(feature = "postgres")]
+            Self::Postgres(tx) => tx.rollback().await,
+        }
+        .map_err(db_error)
+    }
+}
+
+/// What tells the backends apart, chosen by the pool's kind.
+impl Database {
+    /// The statement that claims unsettled rows for this node: SQLite's single writer needs no
+    /// row locks; PostgreSQL skips the rows another node is claiming at this moment.
+    pub(crate) fn claim_statement(&self) -> &'static str {
+        match self {
+            #[cfg(feature = "sqlite")]
+            Self::Sqlite(_) => super::statements::CLAIM_SQLITE,
+            #[cfg(feature = "postgres")]
+            Self::Postgres(_) => super::statements::CLAIM_POSTGRES,
+        }
+    }
+
+    /// Statements that make nodes starting together apply schema changes one at a time.
+    pub(crate) fn lock_migrations(&self) -> &'static [&'static str] {
+        match self {
+            // `BEGIN IMMEDIATE` already holds the database's one write lock.
+            #[cfg(feature = "sqlite")]
+            Self::Sqlite(_) => &[],
+            #[cfg(feature = "postgres")]
+            Self::Postgres(_) => &[super::statements::LOCK_MIGRATIONS_POSTGRES],
+        }
+    }
+
+    /// The query that tells whether the claims table has its `node` column.
+    pub(crate) fn claims_have_node(&self) -> &'static str {
+        match self {
+            #[cfg(feature = "sqlite")]
+            Self::Sqlite(_) => super::statements::CLAIMS_HAVE_NODE_SQLITE,
+            #[cfg(feature = "postgres")]
+            Self::Postgres(_) => super::statements::CLAIMS_HAVE_NODE_POSTGRES,
+        }
+    }
+
+    /// This backend's schema changes.
+    pub(crate) fn migrations(&self) -> &'static [super::Migration] {
+        match self {
+            #[cfg(feature = "sqlite")]
+            Self::Sqlite(_) => crate::store::sqlite::MIGRATIONS,
+            #[cfg(feature = "postgres")]
+            Self::Postgres(_) => crate::store::postgres::MIGRATIONS,
+        }
+    }
+
+    /// Signals of enlists made by other processes: PostgreSQL's `NOTIFY`; SQLite has none, so
+    /// its relay polls (local enlists wake it directly).
+    pub(crate) fn enlisted_signals(
+        &self,
+    ) -> Option<futures::stream::BoxStream<'static, Result<(), Error>>> {
+        match self {
+            #[cfg(feature = "sqlite")]
+            Self::Sqlite(_) => None,
+            #[cfg(feature = "postgres")]
+            Self::Postgres(pool) => Some(crate::store::postgres::enlisted_signals(pool.clone())),
+        }
+    }
+}

@@ -1,0 +1,264 @@
+//! The SQL the stores run, one text for both backends: `$N` parameters, which SQLite and
+//! PostgreSQL both accept; ids as text, times as milliseconds, JSON as text. Where the two
+//! must differ (how a claim of unsettled rows locks), each backend has its own statement.
+
+pub(crate) const RECEIVE: &str = "INSERT INTO dacapo_inbox \
+    (id, message_type, payload, headers, deduplication_id, correlation_id, causation_id, sent_at, \
+     scheduled_for, status, attempts, owner, received_at) \
+    VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, 'incoming', $10, $11, $12) \
+    ON CONFLICT (id) DO NOTHING";
+
+/// An envelope scheduled for later: unowned, no attempt started, due at `$10`.
+pub(crate) const RECEIVE_SCHEDULED: &str = "INSERT INTO dacapo_inbox \
+    (id, message_type, payload, headers, deduplication_id, correlation_id, causation_id, sent_at, \
+     scheduled_for, status, attempts, execute_at, owner, received_at) \
+    VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, 'scheduled', 0, $10, NULL, $11) \
+    ON CONFLICT (id) DO NOTHING";
+
+/// Envelopes scheduled for later and not started, soonest first.
+pub(crate) const LIST_SCHEDULED: &str = "SELECT id, message_type, payload, headers, \
+    deduplication_id, correlation_id, causation_id, sent_at, scheduled_for, execute_at \
+    FROM dacapo_inbox WHERE status = 'scheduled' AND attempts = 0 \
+    ORDER BY execute_at, id LIMIT $1";
+
+/// Settles a scheduled envelope that has not started; its row stays for the retention, so a
+/// redelivery is discarded, and a node waiting to run it finds it settled.
+pub(crate) const CANCEL_SCHEDULED: &str = "UPDATE dacapo_inbox \
+    SET status = 'handled', handled_at = $2, owner = NULL \
+    WHERE id = $1 AND status = 'scheduled' AND attempts = 0";
+
+// An attempt's start and its retry record never take an envelope back from handled, and only
+// the owner writes them: a node that lost a delivery to recovery while it was cooling down or
+// running late must neither start it again next to the new owner nor overwrite the new owner's
+// state. Its late settlement (handled, or dead-lettered) is still recorded: the attempt ran,
+// and the new owner's next attempt then finds the envelope settled and stops.
+//
+// It is also a compare-and-set on the attempt count: attempt N starts only over a row that
+// counts N - 1 started, so two runners of one delivery (even on one node) never both start it.
+pub(crate) const BEGIN_ATTEMPT: &str = "UPDATE dacapo_inbox \
+    SET status = 'incoming', attempts = $2, execute_at = NULL \
+    WHERE id = $1 AND status <> 'handled' AND owner = $3 AND attempts = $4";
+
+pub(crate) const SCHEDULE_RETRY: &str = "UPDATE dacapo_inbox \
+    SET status = 'scheduled', attempts = $2, execute_at = $3, failures = $4, succeeded = $5, \
+    cascaded = $7 \
+    WHERE id = $1 AND status <> 'handled' AND owner = $6";
+
+/// Settles a delivery, handled or dead-lettered; only its owner does, and only once.
+pub(crate) const MARK_HANDLED: &str = "UPDATE dacapo_inbox \
+    SET status = 'handled', handled_at = $2, owner = NULL \
+    WHERE id = $1 AND status <> 'handled' AND owner = $3";
+
+/// A replayed dead letter back in the inbox, fresh attempt count: a new row if the settled one
+/// was cleaned up, the settled one rewritten otherwise — never a row still being delivered.
+pub(crate) const REPLAY: &str = "INSERT INTO dacapo_inbox \
+    (id, message_type, payload, headers, deduplication_id, correlation_id, causation_id, sent_at, \
+     scheduled_for, status, attempts, owner, received_at) \
+    VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, 'incoming', 0, $10, $11) \
+    ON CONFLICT (id) DO UPDATE SET status = 'incoming', attempts = 0, execute_at = NULL, \
+    failures = NULL, succeeded = NULL, cascaded = NULL, owner = excluded.owner, \
+    received_at = excluded.received_at, handled_at = NULL \
+    WHERE dacapo_inbox.status = 'handled'";
+
+/// Releases the uncompleted claims of a dead-lettered envelope, whichever node made them: the
+/// work never happened, so the logical id must be free for a message that will do it.
+pub(crate) const RELEASE_ENVELOPE_CLAIMS: &str = "DELETE FROM dacapo_deduplication \
+    WHERE envelope_id = $1 AND completed = 0";
+
+pub(crate) const HEARTBEAT: &str = "INSERT INTO dacapo_nodes (id, heartbeat_at) VALUES ($1, $2) \
+    ON CONFLICT (id) DO UPDATE SET heartbeat_at = excluded.heartbeat_at";
+
+pub(crate) const RELEASE: &str = "UPDATE dacapo_inbox SET owner = NULL \
+    WHERE owner = $1 AND status IN ('incoming', 'scheduled')";
+
+pub(crate) const RELEASE_BEFORE: &str = "UPDATE dacapo_inbox SET owner = NULL \
+    WHERE owner = $1 AND status IN ('incoming', 'scheduled') AND received_at < $2";
+
+pub(crate) const FORGET_NODE: &str = "DELETE FROM dacapo_nodes WHERE id = $1";
+
+pub(crate) const DELETE_HANDLED: &str = "DELETE FROM dacapo_inbox WHERE id IN \
+    (SELECT id FROM dacapo_inbox WHERE status = 'handled' AND handled_at < $1 LIMIT $2)";
+
+pub(crate) const PUT_DEAD_LETTER: &str = "INSERT INTO dacapo_dead_letters \
+    (id, message_type, payload, headers, deduplication_id, correlation_id, causation_id, sent_at, \
+     scheduled_for, reason, failures, attempts, first_failure_at, last_failure_at) \
+    VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14) \
+    ON CONFLICT (id) DO UPDATE SET reason = excluded.reason, failures = excluded.failures, \
+    attempts = excluded.attempts, first_failure_at = excluded.first_failure_at, \
+    last_failure_at = excluded.last_failure_at";
+
+pub(crate) const LIST_DEAD_LETTERS: &str = "SELECT id, message_type, payload, headers, \
+    deduplication_id, correlation_id, causation_id, sent_at, scheduled_for, reason, failures, \
+    attempts, first_failure_at, last_failure_at \
+    FROM dacapo_dead_letters ORDER BY first_failure_at, id";
+
+pub(crate) const GET_DEAD_LETTER: &str = "SELECT id, message_type, payload, headers, \
+    deduplication_id, correlation_id, causation_id, sent_at, scheduled_for, reason, failures, \
+    attempts, first_failure_at, last_failure_at \
+    FROM dacapo_dead_letters WHERE id = $1";
+
+pub(crate) const REMOVE_DEAD_LETTER: &str = "DELETE FROM dacapo_dead_letters WHERE id = $1 \
+    RETURNING id, message_type, payload, headers, deduplication_id, correlation_id, causation_id, \
+    sent_at, scheduled_for, reason, failures, attempts, first_failure_at, last_failure_at";
+
+pub(crate) const PURGE_DEAD_LETTERS: &str = "DELETE FROM dacapo_dead_letters";
+
+/// This node's own unsettled rows received before `$2`, oldest first.
+pub(crate) const OWN_UNSETTLED: &str = "SELECT id FROM dacapo_inbox \
+    WHERE owner = $1 AND status IN ('incoming', 'scheduled') AND received_at < $2 \
+    ORDER BY received_at LIMIT $3";
+
+/// One of this node's own unsettled rows, as recovery reads them.
+pub(crate) const OWN_UNSETTLED_ROW: &str = "SELECT id, message_type, payload, headers, \
+    deduplication_id, correlation_id, causation_id, sent_at, scheduled_for, attempts, execute_at, \
+    failures, succeeded, cascaded FROM dacapo_inbox \
+    WHERE id = $1 AND owner = $2 AND status IN ('incoming', 'scheduled')";
+
+pub(crate) const DELETE_IDEMPOTENCY_KEYS: &str = "DELETE FROM dacapo_idempotency_keys \
+    WHERE key IN (SELECT key FROM dacapo_idempotency_keys WHERE recorded_at < $1 LIMIT $2)";
+
+pub(crate) const INBOX_STATUS: &str = "SELECT status FROM dacapo_inbox WHERE id = $1";
+
+/// The claims table, created only when a runtime enables deduplication: with the feature off
+/// the schema does not change at all.
+pub(crate) const PROVISION_CLAIMS: [&str; 3] = [
+    "CREATE TABLE IF NOT EXISTS dacapo_deduplication (\
+        handler TEXT NOT NULL, key_hash TEXT NOT NULL, key TEXT NOT NULL, \
+        fingerprint TEXT NOT NULL, envelope_id TEXT NOT NULL, node TEXT NOT NULL, \
+        completed INTEGER NOT NULL, \
+        claimed_at BIGINT NOT NULL, expires_at BIGINT NOT NULL, \
+        PRIMARY KEY (handler, key_hash))",
+    "CREATE INDEX IF NOT EXISTS dacapo_deduplication_expires ON dacapo_deduplication (expires_at)",
+    "CREATE INDEX IF NOT EXISTS dacapo_deduplication_envelope ON dacapo_deduplication (envelope_id)",
+];
+
+/// A claim is this one insert: the primary key rejects a held id. The same statement takes
+/// over, atomically, a claim whose window ended, or one the same envelope made and never
+/// completed in an attempt that certainly ended: this node's own earlier attempt (a node runs a
+/// delivery once at a time), or one of a node whose heartbeat expired — the rule by which the
+/// delivery itself was taken over. A live node's running attempt keeps its claim.
+pub(crate) const CLAIM: &str = "INSERT INTO dacapo_deduplication \
+    (handler, key_hash, key, fingerprint, envelope_id, node, completed, claimed_at, expires_at) \
+    VALUES ($1, $2, $3, $4, $5, $8, 0, $6, $7) \
+    ON CONFLICT (handler, key_hash) DO UPDATE SET key = excluded.key, \
+    fingerprint = excluded.fingerprint, envelope_id = excluded.envelope_id, \
+    node = excluded.node, completed = 0, \
+    claimed_at = excluded.claimed_at, expires_at = excluded.expires_at \
+    WHERE dacapo_deduplication.expires_at <= excluded.claimed_at \
+    OR (dacapo_deduplication.envelope_id = excluded.envelope_id \
+        AND dacapo_deduplication.completed = 0 \
+        AND (dacapo_deduplication.node = excluded.node \
+            OR dacapo_deduplication.node NOT IN \
+                (SELECT id FROM dacapo_nodes WHERE heartbeat_at >= $9)))";
+
+pub(crate) const CLAIM_HOLDER: &str = "SELECT fingerprint, envelope_id, completed, node \
+    FROM dacapo_deduplication WHERE handler = $1 AND key_hash = $2";
+
+/// Claims a previous run under this node's name made and never completed: that run is over
+/// (one process per node name), so they are released when this run provisions the claims,
+/// before it claims anything — another node resuming those deliveries then gets them.
+/// Whether the claims table has its `node` column (an earlier version created it without).
+#[cfg(feature = "sqlite")]
+pub(crate) const CLAIMS_HAVE_NODE_SQLITE: &str = "SELECT count(*) AS present \
+    FROM pragma_table_info('dacapo_deduplication') WHERE name = 'node'";
+
+/// Whether the claims table has its `node` column (an earlier version created it without).
+#[cfg(feature = "postgres")]
+pub(crate) const CLAIMS_HAVE_NODE_POSTGRES: &str = "SELECT count(*) AS present \
+    FROM information_schema.columns WHERE table_schema = current_schema() \
+    AND table_name = 'dacapo_deduplication' AND column_name = 'node'";
+
+/// Nodes starting together apply the schema once: the first holds this lock.
+#[cfg(feature = "postgres")]
+pub(crate) const LOCK_MIGRATIONS_POSTGRES: &str = "SELECT pg_advisory_xact_lock(7215143920911461)";
+
+pub(crate) const RELEASE_OWN_UNCOMPLETED_CLAIMS: &str = "DELETE FROM dacapo_deduplication \
+    WHERE node = $1 AND completed = 0";
+
+/// The claims table as an earlier version created it, without the claiming node.
+pub(crate) const ADD_CLAIMS_NODE: &str =
+    "ALTER TABLE dacapo_deduplication ADD COLUMN node TEXT NOT NULL DEFAULT ''";
+
+// A completed claim stays: the handler's transaction committed its work with it, even if
+// the handler failed afterwards.
+pub(crate) const RELEASE_CLAIM: &str = "DELETE FROM dacapo_deduplication \
+    WHERE handler = $1 AND key_hash = $2 AND envelope_id = $3 AND completed = 0 AND node = $4";
+
+/// Fenced on the node: a node whose claim was taken over (it was taken for dead) completes
+/// nothing, and its handler transaction fails instead of committing a second effect.
+pub(crate) const COMPLETE_CLAIM: &str = "UPDATE dacapo_deduplication SET completed = 1 \
+    WHERE handler = $1 AND key_hash = $2 AND envelope_id = $3 AND node = $4";
+
+pub(crate) const REAP_CLAIMS: &str = "DELETE FROM dacapo_deduplication \
+    WHERE (handler, key_hash) IN (SELECT handler, key_hash FROM dacapo_deduplication \
+    WHERE expires_at <= $1 LIMIT $2)";
+
+pub(crate) const ENLIST: &str = "INSERT INTO dacapo_outbox \
+    (id, message_type, payload, headers, deduplication_id, correlation_id, causation_id, sent_at, \
+     scheduled_for, enlisted_at) VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10)";
+
+pub(crate) const ENLIST_ONCE: &str = "INSERT INTO dacapo_outbox \
+    (id, message_type, payload, headers, deduplication_id, correlation_id, causation_id, sent_at, \
+     scheduled_for, enlisted_at) VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10) \
+    ON CONFLICT (id) DO NOTHING";
+
+pub(crate) const BACKLOG: &str = "SELECT count(*) AS depth, min(enlisted_at) AS oldest \
+    FROM dacapo_outbox \
+    WHERE published_at IS NULL";
+
+pub(crate) const DELETE_PUBLISHED: &str = "DELETE FROM dacapo_outbox WHERE seq IN \
+    (SELECT seq FROM dacapo_outbox WHERE published_at < $1 LIMIT $2)";
+
+pub(crate) const LEASE: &str = "INSERT INTO dacapo_outbox_lease (id, owner, expires_at) \
+    VALUES (1, $1, $3) ON CONFLICT (id) DO UPDATE SET owner = excluded.owner, \
+    expires_at = excluded.expires_at \
+    WHERE dacapo_outbox_lease.owner = excluded.owner OR dacapo_outbox_lease.expires_at <= $2";
+
+pub(crate) const UNPUBLISHED: &str = "SELECT seq, id, message_type, payload, headers, \
+    deduplication_id, correlation_id, causation_id, sent_at, scheduled_for \
+    FROM dacapo_outbox WHERE published_at IS NULL AND seq > $2 ORDER BY seq LIMIT $1";
+
+/// `UPDATE … WHERE seq IN ($2, $3, …)` for `count` positions.
+pub(crate) fn mark_published(count: usize) -> String {
+    let positions: Vec<String> = (2..count + 2).map(|n| format!("${n}")).collect();
+    format!(
+        "UPDATE dacapo_outbox SET published_at = $1 WHERE seq IN ({})",
+        positions.join(", ")
+    )
+}
+
+pub(crate) const MIGRATIONS_TABLE: &str = "CREATE TABLE IF NOT EXISTS dacapo_migrations (\
+    version BIGINT PRIMARY KEY NOT NULL, description TEXT NOT NULL, applied_at BIGINT NOT NULL)";
+
+pub(crate) const APPLIED_MIGRATION: &str =
+    "SELECT count(*) AS applied FROM dacapo_migrations WHERE version = $1";
+
+pub(crate) const RECORD_MIGRATION: &str =
+    "INSERT INTO dacapo_migrations (version, description, applied_at) VALUES ($1, $2, $3)";
+
+/// Claims unsettled rows with plain `UPDATE … RETURNING`; the caller's `BEGIN IMMEDIATE`
+/// already holds SQLite's single write lock.
+///
+/// A row is claimable when released (no owner), or when its owner has not heartbeaten within
+/// the node timeout *and* the row is older than that: a node that just started may receive
+/// before its first heartbeat is written, and its fresh rows must not look orphaned.
+#[cfg(feature = "sqlite")]
+pub(crate) const CLAIM_SQLITE: &str = "UPDATE dacapo_inbox SET owner = $1 WHERE id IN (\
+    SELECT id FROM dacapo_inbox WHERE status IN ('incoming', 'scheduled') \
+    AND (owner IS NULL OR (owner <> $1 AND received_at < $2 \
+    AND owner NOT IN (SELECT id FROM dacapo_nodes WHERE heartbeat_at >= $2))) \
+    AND (execute_at IS NULL OR execute_at < $4) \
+    ORDER BY received_at LIMIT $3) \
+    RETURNING id, message_type, payload, headers, deduplication_id, correlation_id, causation_id, \
+    sent_at, scheduled_for, attempts, execute_at, failures, succeeded, cascaded";
+
+/// Claims unsettled rows, skipping those another node is claiming at this moment.
+#[cfg(feature = "postgres")]
+pub(crate) const CLAIM_POSTGRES: &str = "UPDATE dacapo_inbox SET owner = $1 WHERE id IN (\
+    SELECT id FROM dacapo_inbox WHERE status IN ('incoming', 'scheduled') \
+    AND (owner IS NULL OR (owner <> $1 AND received_at < $2 \
+    AND owner NOT IN (SELECT id FROM dacapo_nodes WHERE heartbeat_at >= $2))) \
+    AND (execute_at IS NULL OR execute_at < $4) \
+    ORDER BY received_at LIMIT $3 FOR UPDATE SKIP LOCKED) \
+    RETURNING id, message_type, payload, headers, deduplication_id, correlation_id, causation_id, \
+    sent_at, scheduled_for, attempts, execute_at, failures, succeeded, cascaded";

@@ -1,0 +1,763 @@
+//! The durable store, written once for both backends against [`Database`].
+
+use std::collections::HashSet;
+use std::marker::PhantomData;
+use std::sync::Arc;
+use std::time::Duration;
+
+use async_trait::async_trait;
+use chrono::{DateTime, Utc};
+use dacapo_actors::ports::{
+    Claim, ClaimOutcome, Claims, Clock, DeadLetterStore, DurableInbox, Fenced, Handled, Inbox,
+    OutboxBacklog, OutboxStore, Receipt, Replay, ReplayTo, Resumable, RetryRecord,
+    ScheduledEnvelope, SystemClock,
+};
+use dacapo_actors::{DeadLetter, Envelope, Error};
+use futures::stream::BoxStream;
+use uuid::Uuid;
+
+use super::columns::{
+    EnvelopeColumns, attempts, failures_from, from_json, id_text, json, millis, parse_id,
+    reason_json, stored_attempts, time,
+};
+use super::database::{Database, Row, Value};
+use super::statements::*;
+use super::{Dialect, claim_lost};
+
+/// The durable inbox, dead letters, deduplication claims and outbox in one SQL database:
+/// [`SqliteStore`](crate::store::SqliteStore) (`SqlStore<sqlx::Sqlite>`) or
+/// [`PostgresStore`](crate::store::PostgresStore) (`SqlStore<sqlx::Postgres>`).
+///
+/// Tables are prefixed `dacapo_` and created by the store's own migrations when it opens, so
+/// they sit beside the application's tables; [`pool`](Self::pool) is the application's too.
+pub struct SqlStore<D: Dialect> {
+    pool: sqlx::Pool<D>,
+    db: Database,
+    node: Arc<str>,
+    node_timeout: Duration,
+    clock: Arc<dyn Clock>,
+    /// Set once the claims table exists, so a claim never meets a missing table.
+    claims_ready: Arc<tokio::sync::OnceCell<()>>,
+    dialect: PhantomData<fn() -> D>,
+}
+
+impl<D: Dialect> Clone for SqlStore<D> {
+    fn clone(&self) -> Self {
+        Self {
+            pool: self.pool.clone(),
+            db: self.db.clone(),
+            node: Arc::clone(&self.node),
+            node_timeout: self.node_timeout,
+            clock: Arc::clone(&self.clock),
+            claims_ready: Arc::clone(&self.claims_ready),
+            dialect: PhantomData,
+        }
+    }
+}
+
+impl<D: Dialect> std::fmt::Debug for SqlStore<D> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SqlStore")
+            .field("database", &<D as sqlx::Database>::NAME)
+            .field("node", &self.node)
+            .field("node_timeout", &self.node_timeout)
+            .finish_non_exhaustive()
+    }
+}
+
+impl<D: Dialect> SqlStore<D> {
+    /// A store over `pool` (the same pool as `db`), whose schema is created or brought up to
+    /// date first.
+    pub(crate) async fn open_on(pool: sqlx::Pool<D>, db: Database) -> Result<Self, Error> {
+        let store = Self {
+            pool,
+            db,
+            node: Arc::from(format!("node-{}", Uuid::new_v4().simple())),
+            node_timeout: Duration::from_secs(30),
+            clock: Arc::new(SystemClock),
+            claims_ready: Arc::default(),
+            dialect: PhantomData,
+        };
+        store.migrate().await?;
+        Ok(store)
+    }
+
+    /// This node's name in the store (default: random per process). Give each node of a fleet
+    /// its own; a node restarted under the same name resumes its own deliveries at once.
+    #[must_use]
+    pub fn node_id(mut self, node: impl Into<Arc<str>>) -> Self {
+        self.node = node.into();
+        self
+    }
+
+    /// How long a node may miss heartbeats before other nodes take over its unsettled
+    /// deliveries (default 30 s). Keep it well above the runtime's recovery interval (default
+    /// 10 s), which is how often a node heartbeats.
+    #[must_use]
+    pub fn node_timeout(mut self, timeout: Duration) -> Self {
+        self.node_timeout = timeout;
+        self
+    }
+
+    /// The wall clock used for stored times (default: the system's).
+    #[must_use]
+    pub fn clock(mut self, clock: Arc<dyn Clock>) -> Self {
+        self.clock = clock;
+        self
+    }
+
+    /// This node's name.
+    pub fn node(&self) -> &str {
+        &self.node
+    }
+
+    /// The connection pool, for the application's own queries.
+    pub fn pool(&self) -> &sqlx::Pool<D> {
+        &self.pool
+    }
+
+    /// The current time on the store's clock.
+    pub(crate) fn now(&self) -> DateTime<Utc> {
+        self.clock.now()
+    }
+
+    /// A node that heartbeat since then is alive; others are taken for dead.
+    fn alive_since(&self) -> DateTime<Utc> {
+        chrono::Duration::from_std(self.node_timeout)
+            .ok()
+            .and_then(|timeout| self.now().checked_sub_signed(timeout))
+            .unwrap_or(DateTime::<Utc>::MIN_UTC)
+    }
+
+    async fn migrate(&self) -> Result<(), Error> {
+        let mut tx = self.db.begin().await?;
+        for lock in self.db.lock_migrations() {
+            tx.execute(lock, &[]).await?;
+        }
+        tx.execute(MIGRATIONS_TABLE, &[]).await?;
+        for migration in self.db.migrations() {
+            let version = Value::Int(migration.version);
+            let applied: i64 = tx
+                .fetch_one(APPLIED_MIGRATION, &[version])
+                .await?
+                .get("applied")?;
+            if applied > 0 {
+                continue;
+            }
+            tx.execute_script(migration.sql).await?;
+            let now = Value::Int(millis(self.now()));
+            let description = Value::Text(migration.description);
+            tx.execute(RECORD_MIGRATION, &[version, description, now])
+                .await?;
+        }
+        tx.commit().await
+    }
+
+    /// An unsettled row as a delivery to resume.
+    fn unsettled(row: &Row) -> Result<Resumable, Error> {
+        let stored: i32 = row.get("attempts")?;
+        let execute_at: Option<i64> = row.get("execute_at")?;
+        let failures: Option<String> = row.get("failures")?;
+        let succeeded: Option<String> = row.get("succeeded")?;
+        let cascaded: Option<String> = row.get("cascaded")?;
+        Ok(Resumable::new(
+            EnvelopeColumns::read(row)?.into_envelope(attempts(stored))?,
+            execute_at.map(time).transpose()?,
+            failures_from(failures.as_deref())?,
+            succeeded
+                .as_deref()
+                .map(from_json)
+                .transpose()?
+                .unwrap_or_default(),
+            cascaded
+                .as_deref()
+                .map(from_json)
+                .transpose()?
+                .unwrap_or_default(),
+        ))
+    }
+
+    /// A claimed row as a delivery to resume; a row that cannot be read (a column written by
+    /// hand, say) is logged and left, owned by this node, instead of stopping the recovery of
+    /// every row after it.
+    fn readable(row: &Row) -> Option<Resumable> {
+        match Self::unsettled(row) {
+            Ok(resumable) => Some(resumable),
+            Err(error) => {
+                let id: Option<String> = row.get("id").ok();
+                tracing::error!(
+                    messaging.message.id = ?id,
+                    %error,
+                    "an unsettled inbox row cannot be read; it is left for an operator"
+                );
+                None
+            }
+        }
+    }
+
+    fn dead_letter_row(row: &Row) -> Result<DeadLetter, Error> {
+        let reason: String = row.get("reason")?;
+        let failures: String = row.get("failures")?;
+        let stored: i32 = row.get("attempts")?;
+        let first: i64 = row.get("first_failure_at")?;
+        let last: i64 = row.get("last_failure_at")?;
+        let mut letter = DeadLetter::failed(
+            EnvelopeColumns::read(row)?.into_envelope(0)?,
+            from_json(&reason)?,
+            from_json(&failures)?,
+            time(first)?,
+            time(last)?,
+        );
+        letter.attempts = attempts(stored);
+        Ok(letter)
+    }
+
+    fn limit(limit: usize) -> Value<'static> {
+        Value::Int(i64::try_from(limit).unwrap_or(i64::MAX))
+    }
+}
+
+/// What one insert of an inbox row answered.
+fn receipt(inserted: u64, new: Receipt) -> Receipt {
+    if inserted == 1 {
+        new
+    } else {
+        Receipt::Duplicate
+    }
+}
+
+#[async_trait]
+impl<D: Dialect> Inbox for SqlStore<D> {
+    async fn receive(&self, envelope: &Envelope) -> Result<Receipt, Error> {
+        let columns = EnvelopeColumns::of(envelope)?;
+        let [v1, v2, v3, v4, v5, v6, v7, v8, v9] = columns.values();
+        let now = self.now();
+        if let Some(due_at) = envelope.scheduled_for.filter(|at| *at > now) {
+            let values = [
+                v1,
+                v2,
+                v3,
+                v4,
+                v5,
+                v6,
+                v7,
+                v8,
+                v9,
+                Value::Int(millis(due_at)),
+                Value::Int(millis(now)),
+            ];
+            let inserted = self.db.execute(RECEIVE_SCHEDULED, &values).await?;
+            return Ok(receipt(inserted, Receipt::Scheduled));
+        }
+        let values = [
+            v1,
+            v2,
+            v3,
+            v4,
+            v5,
+            v6,
+            v7,
+            v8,
+            v9,
+            // The engine starts the first attempt right after: a crash from here counts it.
+            Value::SmallInt(stored_attempts(envelope.attempts.saturating_add(1))),
+            Value::Text(&self.node),
+            Value::Int(millis(now)),
+        ];
+        let inserted = self.db.execute(RECEIVE, &values).await?;
+        Ok(receipt(inserted, Receipt::New))
+    }
+
+    async fn begin_attempt(&self, id: Uuid, attempt: u32) -> Result<Fenced, Error> {
+        let id = id_text(id);
+        let values = [
+            Value::Text(&id),
+            Value::SmallInt(stored_attempts(attempt)),
+            Value::Text(&self.node),
+            Value::SmallInt(stored_attempts(attempt.saturating_sub(1))),
+        ];
+        Ok(Fenced::from_rows(
+            self.db.execute(BEGIN_ATTEMPT, &values).await?,
+        ))
+    }
+
+    async fn schedule_retry(&self, record: RetryRecord<'_>) -> Result<Fenced, Error> {
+        let id = id_text(record.envelope.id);
+        let failures = json(&record.failures)?;
+        let succeeded = json(&record.succeeded)?;
+        let cascaded = if record.cascaded.is_empty() {
+            None
+        } else {
+            Some(json(&record.cascaded)?)
+        };
+        let values = [
+            Value::Text(&id),
+            Value::SmallInt(stored_attempts(record.envelope.attempts)),
+            Value::Int(millis(record.due_at)),
+            Value::Text(&failures),
+            Value::Text(&succeeded),
+            Value::Text(&self.node),
+            Value::OptionalText(cascaded.as_deref()),
+        ];
+        Ok(Fenced::from_rows(
+            self.db.execute(SCHEDULE_RETRY, &values).await?,
+        ))
+    }
+
+    async fn settle_handled(&self, id: Uuid, cascaded: &[Envelope]) -> Result<Handled, Error> {
+        let id = id_text(id);
+        let now = millis(self.now());
+        let mark = [Value::Text(&id), Value::Int(now), Value::Text(&self.node)];
+        if cascaded.is_empty() {
+            return Ok(match self.db.execute(MARK_HANDLED, &mark).await? {
+                0 => Handled::OwnedElsewhere,
+                _ => Handled::Written { in_outbox: true },
+            });
+        }
+        let mut tx = self.db.begin().await?;
+        if tx.execute(MARK_HANDLED, &mark).await? == 0 {
+            tx.rollback().await?;
+            return Ok(Handled::OwnedElsewhere);
+        }
+        for envelope in cascaded {
+            let columns = EnvelopeColumns::of(envelope)?;
+            let [v1, v2, v3, v4, v5, v6, v7, v8, v9] = columns.values();
+            // A retry of this commit writes the same deterministic ids: keep the first.
+            let values = [v1, v2, v3, v4, v5, v6, v7, v8, v9, Value::Int(now)];
+            tx.execute(ENLIST_ONCE, &values).await?;
+        }
+        tx.commit().await?;
+        Ok(Handled::Written { in_outbox: true })
+    }
+
+    async fn dead_letter(
+        &self,
+        letter: &DeadLetter,
+        release_claims: bool,
+    ) -> Result<Fenced, Error> {
+        if release_claims {
+            self.provision().await?;
+        }
+        let id = id_text(letter.envelope.id);
+        let mut tx = self.db.begin().await?;
+        let mark = [
+            Value::Text(&id),
+            Value::Int(millis(self.now())),
+            Value::Text(&self.node),
+        ];
+        if tx.execute(MARK_HANDLED, &mark).await? == 0 {
+            tx.rollback().await?;
+            return Ok(Fenced::OwnedElsewhere);
+        }
+        let columns = EnvelopeColumns::of(&letter.envelope)?;
+        let [v1, v2, v3, v4, v5, v6, v7, v8, v9] = columns.values();
+        let (reason, failures) = (reason_json(&letter.reason)?, json(&letter.failures)?);
+        let values = [
+            v1,
+            v2,
+            v3,
+            v4,
+            v5,
+            v6,
+            v7,
+            v8,
+            v9,
+            Value::Text(&reason),
+            Value::Text(&failures),
+            Value::SmallInt(stored_attempts(letter.attempts)),
+            Value::Int(millis(letter.first_failure_at)),
+            Value::Int(millis(letter.last_failure_at)),
+        ];
+        tx.execute(PUT_DEAD_LETTER, &values).await?;
+        if release_claims {
+            tx.execute(RELEASE_ENVELOPE_CLAIMS, &[Value::Text(&id)])
+                .await?;
+        }
+        tx.commit().await?;
+        Ok(Fenced::Written)
+    }
+
+    async fn replay(&self, id: Uuid, to: ReplayTo) -> Result<Replay, Error> {
+        let id = id_text(id);
+        let mut tx = self.db.begin().await?;
+        // Removed first, in the transaction: a concurrent replay waits for this one and then
+        // finds nothing to remove.
+        let Some(row) = tx
+            .fetch_optional(REMOVE_DEAD_LETTER, &[Value::Text(&id)])
+            .await?
+        else {
+            let status = tx.fetch_optional(INBOX_STATUS, &[Value::Text(&id)]).await?;
+            tx.rollback().await?;
+            let status: Option<String> = status.map(|row| row.get("status")).transpose()?;
+            return Ok(match status.as_deref() {
+                Some("incoming" | "scheduled") => Replay::InProgress,
+                _ => Replay::NotFound,
+            });
+        };
+        let mut envelope = Self::dead_letter_row(&row)?.envelope;
+        envelope.attempts = 0;
+        let owner = match to {
+            ReplayTo::ThisNode => Some(&*self.node),
+            _ => None,
+        };
+        let columns = EnvelopeColumns::of(&envelope)?;
+        let [v1, v2, v3, v4, v5, v6, v7, v8, v9] = columns.values();
+        let values = [
+            v1,
+            v2,
+            v3,
+            v4,
+            v5,
+            v6,
+            v7,
+            v8,
+            v9,
+            Value::OptionalText(owner),
+            Value::Int(millis(self.now())),
+        ];
+        if tx.execute(REPLAY, &values).await? == 0 {
+            tx.rollback().await?;
+            return Ok(Replay::InProgress);
+        }
+        tx.commit().await?;
+        Ok(Replay::Replayed(envelope))
+    }
+
+    async fn scheduled(&self, limit: usize) -> Result<Vec<ScheduledEnvelope>, Error> {
+        let rows = self
+            .db
+            .fetch_all(LIST_SCHEDULED, &[Self::limit(limit)])
+            .await?;
+        rows.iter()
+            .map(|row| {
+                let due_at: i64 = row.get("execute_at")?;
+                let envelope = EnvelopeColumns::read(row)?.into_envelope(0)?;
+                Ok(ScheduledEnvelope::new(envelope, time(due_at)?))
+            })
+            .collect()
+    }
+
+    async fn cancel_scheduled(&self, id: Uuid) -> Result<bool, Error> {
+        let id = id_text(id);
+        let values = [Value::Text(&id), Value::Int(millis(self.now()))];
+        Ok(self.db.execute(CANCEL_SCHEDULED, &values).await? == 1)
+    }
+}
+
+#[async_trait]
+impl<D: Dialect> DurableInbox for SqlStore<D> {
+    async fn recover(
+        &self,
+        limit: usize,
+        due_before: DateTime<Utc>,
+    ) -> Result<Vec<Resumable>, Error> {
+        let values = [
+            Value::Text(&self.node),
+            Value::Int(millis(self.alive_since())),
+            Self::limit(limit),
+            Value::Int(millis(due_before)),
+        ];
+        let mut tx = self.db.begin().await?;
+        let rows = tx.fetch_all(self.db.claim_statement(), &values).await?;
+        tx.commit().await?;
+        Ok(rows.iter().filter_map(Self::readable).collect())
+    }
+
+    async fn orphaned(
+        &self,
+        before: DateTime<Utc>,
+        running: &HashSet<Uuid>,
+        limit: usize,
+    ) -> Result<Vec<Resumable>, Error> {
+        let values = [
+            Value::Text(&self.node),
+            Value::Int(millis(before)),
+            Self::limit(running.len().saturating_add(limit)),
+        ];
+        let candidates = self.db.fetch_all(OWN_UNSETTLED, &values).await?;
+        let mut orphans = Vec::new();
+        for candidate in candidates {
+            let id: String = candidate.get("id")?;
+            if orphans.len() == limit || running.contains(&parse_id(&id)?) {
+                continue;
+            }
+            let values = [Value::Text(&id), Value::Text(&self.node)];
+            let row = self.db.fetch_optional(OWN_UNSETTLED_ROW, &values).await?;
+            if let Some(orphan) = row.as_ref().and_then(Self::readable) {
+                orphans.push(orphan);
+            }
+        }
+        Ok(orphans)
+    }
+
+    async fn release_before(&self, started_at: DateTime<Utc>) -> Result<(), Error> {
+        let values = [Value::Text(&self.node), Value::Int(millis(started_at))];
+        self.db.execute(RELEASE_BEFORE, &values).await?;
+        Ok(())
+    }
+
+    async fn heartbeat(&self) -> Result<(), Error> {
+        let values = [Value::Text(&self.node), Value::Int(millis(self.now()))];
+        self.db.execute(HEARTBEAT, &values).await?;
+        Ok(())
+    }
+
+    fn node_timeout(&self) -> Duration {
+        self.node_timeout
+    }
+
+    async fn release(&self) -> Result<(), Error> {
+        let mut tx = self.db.begin().await?;
+        tx.execute(RELEASE, &[Value::Text(&self.node)]).await?;
+        tx.execute(FORGET_NODE, &[Value::Text(&self.node)]).await?;
+        tx.commit().await
+    }
+
+    async fn delete_handled_before(
+        &self,
+        before: DateTime<Utc>,
+        limit: usize,
+    ) -> Result<u64, Error> {
+        let values = [Value::Int(millis(before)), Self::limit(limit)];
+        let mut removed = 0;
+        for statement in [DELETE_HANDLED, crate::transaction::DELETE_COMPLETIONS] {
+            removed += self.db.execute(statement, &values).await?;
+        }
+        Ok(removed)
+    }
+
+    async fn delete_idempotency_keys_before(
+        &self,
+        before: DateTime<Utc>,
+        limit: usize,
+    ) -> Result<u64, Error> {
+        let values = [Value::Int(millis(before)), Self::limit(limit)];
+        self.db.execute(DELETE_IDEMPOTENCY_KEYS, &values).await
+    }
+}
+
+#[async_trait]
+impl<D: Dialect> Claims for SqlStore<D> {
+    async fn provision(&self) -> Result<(), Error> {
+        self.claims_ready
+            .get_or_try_init(|| async {
+                // Under the migrations' lock: nodes starting together create it once.
+                let mut tx = self.db.begin().await?;
+                for lock in self.db.lock_migrations() {
+                    tx.execute(lock, &[]).await?;
+                }
+                for statement in PROVISION_CLAIMS {
+                    tx.execute(statement, &[]).await?;
+                }
+                let has_node: i64 = tx
+                    .fetch_one(self.db.claims_have_node(), &[])
+                    .await?
+                    .get("present")?;
+                if has_node == 0 {
+                    tx.execute(ADD_CLAIMS_NODE, &[]).await?;
+                }
+                tx.execute(RELEASE_OWN_UNCOMPLETED_CLAIMS, &[Value::Text(&self.node)])
+                    .await?;
+                tx.commit().await
+            })
+            .await?;
+        Ok(())
+    }
+
+    async fn claim(&self, claim: &Claim) -> Result<ClaimOutcome, Error> {
+        self.provision().await?;
+        let values = [
+            Value::Text(&claim.handler),
+            Value::Text(&claim.key_hash),
+            Value::Text(&claim.key),
+            Value::Text(&claim.fingerprint),
+            Value::Text(&claim.envelope_id),
+            Value::Int(millis(claim.claimed_at)),
+            Value::Int(millis(claim.expires_at)),
+            Value::Text(&self.node),
+            Value::Int(millis(self.alive_since())),
+        ];
+        let holder = [Value::Text(&claim.handler), Value::Text(&claim.key_hash)];
+        // A claim released between the insert and the read is free: claim again.
+        for _ in 0..3 {
+            if self.db.execute(CLAIM, &values).await? == 1 {
+                return Ok(ClaimOutcome::Claimed);
+            }
+            // The insert decided; this read only tells a duplicate from a conflict, and both
+            // from this delivery's own claim.
+            let Some(row) = self.db.fetch_optional(CLAIM_HOLDER, &holder).await? else {
+                continue;
+            };
+            let envelope_id: String = row.get("envelope_id")?;
+            if envelope_id == claim.envelope_id {
+                let completed: i32 = row.get("completed")?;
+                if completed != 0 {
+                    return Ok(ClaimOutcome::Completed);
+                }
+                // Uncompleted, and not taken over: a live node's attempt of this very delivery
+                // may still run it. This attempt fails and retries until that one ends (it
+                // completes or releases the claim) or its node is taken for dead.
+                let node: String = row.get("node")?;
+                return Err(Error::store(format!(
+                    "the deduplication claim of {} on {:?} is held by an attempt of this \
+                     delivery still running on node {node}",
+                    claim.handler, claim.key
+                )));
+            }
+            let fingerprint: String = row.get("fingerprint")?;
+            return Ok(ClaimOutcome::Held {
+                same_payload: fingerprint == claim.fingerprint,
+            });
+        }
+        Err(Error::store(
+            "a deduplication claim kept being released while claiming",
+        ))
+    }
+
+    async fn release(&self, claim: &Claim) -> Result<(), Error> {
+        self.provision().await?;
+        let values = [
+            Value::Text(&claim.handler),
+            Value::Text(&claim.key_hash),
+            Value::Text(&claim.envelope_id),
+            Value::Text(&self.node),
+        ];
+        self.db.execute(RELEASE_CLAIM, &values).await?;
+        Ok(())
+    }
+
+    async fn complete(&self, claim: &Claim) -> Result<(), Error> {
+        let values = [
+            Value::Text(&claim.handler),
+            Value::Text(&claim.key_hash),
+            Value::Text(&claim.envelope_id),
+            Value::Text(&self.node),
+        ];
+        if self.db.execute(COMPLETE_CLAIM, &values).await? == 0 {
+            return Err(claim_lost(claim));
+        }
+        Ok(())
+    }
+
+    async fn reap(&self, now: DateTime<Utc>, limit: usize) -> Result<u64, Error> {
+        self.provision().await?;
+        let mut tx = self.db.begin().await?;
+        let values = [Value::Int(millis(now)), Self::limit(limit)];
+        let removed = tx.execute(REAP_CLAIMS, &values).await?;
+        tx.commit().await?;
+        Ok(removed)
+    }
+}
+
+#[async_trait]
+impl<D: Dialect> OutboxStore for SqlStore<D> {
+    async fn lease(&self, now: DateTime<Utc>, until: DateTime<Utc>) -> Result<bool, Error> {
+        let values = [
+            Value::Text(&self.node),
+            Value::Int(millis(now)),
+            Value::Int(millis(until)),
+        ];
+        Ok(self.db.execute(LEASE, &values).await? == 1)
+    }
+
+    fn enlisted(&self) -> Option<BoxStream<'static, Result<(), Error>>> {
+        self.db.enlisted_signals()
+    }
+
+    async fn unpublished(&self, after: i64, limit: usize) -> Result<Vec<(i64, Envelope)>, Error> {
+        let values = [Self::limit(limit), Value::Int(after)];
+        let rows = self.db.fetch_all(UNPUBLISHED, &values).await?;
+        rows.iter()
+            .map(|row| {
+                let position: i64 = row.get("seq")?;
+                Ok((position, EnvelopeColumns::read(row)?.into_envelope(0)?))
+            })
+            .collect()
+    }
+
+    async fn backlog(&self) -> Result<OutboxBacklog, Error> {
+        let row = self.db.fetch_one(BACKLOG, &[]).await?;
+        let depth: i64 = row.get("depth")?;
+        let oldest: Option<i64> = row.get("oldest")?;
+        Ok(OutboxBacklog::new(
+            u64::try_from(depth).unwrap_or(0),
+            oldest.map(time).transpose()?,
+        ))
+    }
+
+    async fn delete_published_before(
+        &self,
+        before: DateTime<Utc>,
+        limit: usize,
+    ) -> Result<u64, Error> {
+        let values = [Value::Int(millis(before)), Self::limit(limit)];
+        self.db.execute(DELETE_PUBLISHED, &values).await
+    }
+
+    async fn mark_published(&self, positions: &[i64], at: DateTime<Utc>) -> Result<(), Error> {
+        if positions.is_empty() {
+            return Ok(());
+        }
+        let values: Vec<Value<'_>> = std::iter::once(Value::Int(millis(at)))
+            .chain(positions.iter().map(|position| Value::Int(*position)))
+            .collect();
+        self.db
+            .execute_built(mark_published(positions.len()), &values)
+            .await?;
+        Ok(())
+    }
+}
+
+#[async_trait]
+impl<D: Dialect> DeadLetterStore for SqlStore<D> {
+    async fn put(&self, letter: DeadLetter) -> Result<(), Error> {
+        let columns = EnvelopeColumns::of(&letter.envelope)?;
+        let [v1, v2, v3, v4, v5, v6, v7, v8, v9] = columns.values();
+        let (reason, failures) = (reason_json(&letter.reason)?, json(&letter.failures)?);
+        let values = [
+            v1,
+            v2,
+            v3,
+            v4,
+            v5,
+            v6,
+            v7,
+            v8,
+            v9,
+            Value::Text(&reason),
+            Value::Text(&failures),
+            Value::SmallInt(stored_attempts(letter.attempts)),
+            Value::Int(millis(letter.first_failure_at)),
+            Value::Int(millis(letter.last_failure_at)),
+        ];
+        self.db.execute(PUT_DEAD_LETTER, &values).await?;
+        Ok(())
+    }
+
+    async fn list(&self) -> Result<Vec<DeadLetter>, Error> {
+        let rows = self.db.fetch_all(LIST_DEAD_LETTERS, &[]).await?;
+        rows.iter().map(Self::dead_letter_row).collect()
+    }
+
+    async fn get(&self, id: Uuid) -> Result<Option<DeadLetter>, Error> {
+        let id = id_text(id);
+        let row = self
+            .db
+            .fetch_optional(GET_DEAD_LETTER, &[Value::Text(&id)])
+            .await?;
+        row.as_ref().map(Self::dead_letter_row).transpose()
+    }
+
+    async fn remove(&self, id: Uuid) -> Result<Option<DeadLetter>, Error> {
+        let id = id_text(id);
+        let row = self
+            .db
+            .fetch_optional(REMOVE_DEAD_LETTER, &[Value::Text(&id)])
+            .await?;
+        row.as_ref().map(Self::dead_letter_row).transpose()
+    }
+
+    async fn purge(&self) -> Result<u64, Error> {
+        self.db.execute(PURGE_DEAD_LETTERS, &[]).await
+    }
+}
