@@ -130,25 +130,7 @@ impl RelayActor {
             let mut published = 0usize;
             let mut lost = false;
             let mut next = outbox.unpublished(i64::MIN, batch).await;
-            let mut first = true;
             loop {
-                // The lease is renewed before every batch but the first (just taken), and within
-                // a batch once half of it has passed (publishing can wait for the engine's
-                // capacity): a long round keeps it, and a relay that lost it stops before
-                // publishing more, so two nodes never publish the same rows side by side.
-                if !std::mem::take(&mut first) {
-                    match lease.take().await {
-                        Ok(true) => {}
-                        Ok(false) => {
-                            lost = true;
-                            break;
-                        }
-                        Err(error) => {
-                            tracing::warn!(%error, "renewing the outbox lease failed; retrying on the next round");
-                            break;
-                        }
-                    }
-                }
                 let rows = match std::mem::replace(&mut next, Ok(Vec::new())) {
                     Ok(rows) => rows,
                     Err(error) => {
@@ -159,6 +141,10 @@ impl RelayActor {
                 let count = rows.len();
                 let mut positions = Vec::with_capacity(count);
                 for (position, envelope) in rows {
+                    // Renewed once half of it has passed, checked before each publication (a
+                    // batch can wait for the engine's capacity): a long round keeps the lease,
+                    // a relay paused past it learns it lost it before publishing more, and
+                    // two nodes never publish the same rows side by side.
                     if lease.half_gone() {
                         match lease.take().await {
                             Ok(true) => {}
