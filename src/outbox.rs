@@ -48,7 +48,7 @@ macro_rules! enlist_in {
             async fn insert(&mut self, envelope: &Envelope) -> Result<(), Error> {
                 let columns = EnvelopeColumns::of(envelope)?;
                 let [v1, v2, v3, v4, v5, v6, v7, v8, v9] = columns.values();
-                let now = Value::Int(millis(chrono::Utc::now()));
+                let now = Value::Int64(millis(chrono::Utc::now()));
                 let values = [v1, v2, v3, v4, v5, v6, v7, v8, v9, now];
                 bind(sqlx::query(ENLIST), &values)
                     .execute(&mut **self)

@@ -868,3 +868,32 @@ on_both_backends!(
         assert_eq!(resumed.len(), 1, "the readable row resumes");
     }
 );
+
+on_both_backends!(
+    an_envelope_counted_elsewhere_starts_its_own_count_here_sqlite,
+    an_envelope_counted_elsewhere_starts_its_own_count_here_postgres,
+    |db| {
+        let calls = Recorder::<MemberRemoved>::new();
+        let runtime = db
+            .store(Runtime::builder(), "node-a", Duration::from_secs(30))
+            .await
+            .module(
+                Module::new("billing").handle_named::<MemberRemoved, _>("charge", calls.clone()),
+            )
+            .build()
+            .unwrap();
+        // Another system's broker delivered it three times already.
+        let mut envelope = Envelope::for_message(&member_removed()).unwrap();
+        envelope.attempts = 3;
+        let report = runtime
+            .receive_tracked(envelope)
+            .await
+            .unwrap()
+            .await
+            .unwrap();
+        assert_eq!(report.outcome, Outcome::Handled);
+        assert_eq!(report.attempts, 1);
+        assert_eq!(calls.calls()[0].attempt, 1);
+        runtime.shutdown().await;
+    }
+);

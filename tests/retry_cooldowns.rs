@@ -3,6 +3,9 @@
 #[path = "support/messages.rs"]
 mod support;
 
+use std::sync::Arc;
+use std::time::Duration;
+
 use dacapo::prelude::*;
 use dacapo::testing::{Fault, Recorder, TestHarness};
 use dacapo::{DeadLetterReason, FailureKind, Outcome};
@@ -115,4 +118,44 @@ impl Handler<MemberRemoved> for Slow {
         }
         Ok(())
     }
+}
+
+/// Fails the first call for each message, then succeeds.
+#[derive(Clone, Default)]
+struct FailsFirstCall(Arc<std::sync::Mutex<std::collections::HashSet<uuid::Uuid>>>);
+
+impl Handler<MemberRemoved> for FailsFirstCall {
+    async fn handle(&self, _: &MemberRemoved, ctx: &MessageContext) -> Result<(), HandlerError> {
+        let id = ctx.message_id().unwrap_or_default();
+        if self.0.lock().unwrap().insert(id) {
+            return Err("first call fails".into());
+        }
+        Ok(())
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_retry_due_at_once_is_never_lost_between_the_timer_and_its_supervisor() {
+    // A zero cooldown makes the timer answer while the supervisor is still finishing the step
+    // that asked for it: the supervisor must not stop with that answer in its mailbox.
+    let no_pause = RetryPolicy {
+        min_retry_interval: Duration::ZERO,
+        retry_interval_delta: Duration::ZERO,
+        ..RetryPolicy::default()
+    };
+    let runtime = Runtime::builder()
+        .retry_policy(no_pause)
+        .module(Module::new("m").handle_named::<MemberRemoved, _>("h", FailsFirstCall::default()))
+        .build()
+        .unwrap();
+    for _ in 0..2000 {
+        runtime.publish(&member_removed()).await.unwrap();
+    }
+    tokio::time::timeout(Duration::from_secs(30), runtime.idle())
+        .await
+        .expect("every retried delivery settled");
+    let stats = runtime.stats();
+    assert_eq!(stats.handled, 2000);
+    assert_eq!(stats.retried, 2000);
+    runtime.shutdown().await;
 }

@@ -84,7 +84,7 @@ pub(crate) enum Event {
 pub(crate) enum Effect {
     /// Record that attempt `n` starts (fenced), then report [`Event::AttemptRecorded`].
     RecordAttempt(u32),
-    /// Run the handlers whose index is not in `skip` (those that already succeeded), as
+    /// Run the handlers, but those that already succeeded (see [`Delivery::skips`]), as
     /// attempt `attempt`; report [`Event::AttemptEnded`].
     RunHandlers { attempt: u32 },
     /// Record the failed attempt, the state a resume needs, and `due_at` (fenced); report

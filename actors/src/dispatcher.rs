@@ -104,6 +104,10 @@ impl Worker {
         let counters = shared.stats.dispatching();
         counters.bump(Counter::Received);
         let permit = shared.capacity.acquire().await;
+        // The attempts another system counted are not this runtime's: a received envelope
+        // starts its own count here.
+        let mut envelope = envelope;
+        envelope.attempts = 0;
         let receipt = match self.inbox.receive_now(&envelope) {
             Some(receipt) => receipt?,
             None => self.inbox.receive(&envelope).await?,

@@ -155,10 +155,10 @@ pub enum Replay {
     InProgress,
 }
 
-/// Remembers envelope ids so that a redelivered envelope is discarded, not handled again.
-///
-/// The required methods are all an in-memory inbox needs. A durable inbox also persists the
-/// state of each delivery (the provided methods), so that a restart resumes it.
+/// Remembers envelope ids so that a redelivered envelope is discarded, not handled again, and
+/// records each transition of a delivery's state (fenced, where rows have owners). A durable
+/// inbox shared by nodes also implements [`DurableInbox`], and says so with
+/// [`durable`](Inbox::durable).
 #[async_trait]
 pub trait Inbox: Send + Sync + 'static {
     /// Records `envelope` as incoming, or reports that its id is already known.
@@ -207,8 +207,8 @@ pub trait Inbox: Send + Sync + 'static {
     /// envelope's uncompleted deduplication claims released, so the logical id is free for a
     /// message that will do the work. Fenced like [`begin_attempt`](Inbox::begin_attempt).
     ///
-    /// Only called on a store that keeps the runtime's dead letters itself; an inbox that
-    /// keeps none answers [`Error::Store`].
+    /// The inbox keeps the runtime's dead letters: the runtime lists and replays them through
+    /// the same store ([`DeadLetterStore`]).
     ///
     /// # Errors
     ///
@@ -241,6 +241,13 @@ pub trait Inbox: Send + Sync + 'static {
     ///
     /// [`Error::Store`] when the store cannot answer, or keeps no schedule (in memory).
     async fn cancel_scheduled(&self, id: Uuid) -> Result<bool, Error>;
+
+    /// This inbox as a [`DurableInbox`], when it is one: the runtime then recovers its
+    /// deliveries, heartbeats and cleans it up. `None` (the default) for an inbox whose
+    /// deliveries live and die with the process.
+    fn durable(self: std::sync::Arc<Self>) -> Option<std::sync::Arc<dyn DurableInbox>> {
+        None
+    }
 
     /// [`receive`](Inbox::receive) for stores that answer without waiting (in memory): `None`
     /// means "ask the async method". The engine tries it first to spare a future per envelope.

@@ -159,11 +159,26 @@ impl RelayActor {
                         }
                     }
                     let id = envelope.id;
-                    if let Err(error) = dispatcher.dispatch(envelope, None).await {
-                        tracing::warn!(messaging.message.id = %id, %error, "publishing from the outbox failed; retrying on the next round");
-                        break;
+                    // Publishing waits for the engine's capacity: never past the lease, after
+                    // which another node may be publishing the same rows. Cut short, the
+                    // envelope may or may not be in the inbox; it is not marked, so a later
+                    // round publishes it again and the inbox discards the duplicate.
+                    let published = tokio::time::timeout(
+                        lease.remaining(),
+                        dispatcher.dispatch(envelope, None),
+                    )
+                    .await;
+                    match published {
+                        Ok(Ok(())) => positions.push(position),
+                        Ok(Err(error)) => {
+                            tracing::warn!(messaging.message.id = %id, %error, "publishing from the outbox failed; retrying on the next round");
+                            break;
+                        }
+                        Err(_) => {
+                            tracing::info!(messaging.message.id = %id, "the engine stayed full for the whole outbox lease; this relay round stops");
+                            break;
+                        }
                     }
-                    positions.push(position);
                 }
                 let done = positions.len();
                 let Some(&last) = positions.last() else {
@@ -242,11 +257,20 @@ impl Lease {
             .ok()
             .and_then(|length| now.checked_add_signed(length))
             .unwrap_or(chrono::DateTime::<chrono::Utc>::MAX_UTC);
+        // Timed from before the write: a slow write must not look like more lease left.
+        let asked_at = tokio::time::Instant::now();
         let taken = self.outbox.lease(now, until).await?;
         if taken {
-            self.taken_at = Some(tokio::time::Instant::now());
+            self.taken_at = Some(asked_at);
         }
         Ok(taken)
+    }
+
+    /// How long the lease lasts from now.
+    fn remaining(&self) -> Duration {
+        self.taken_at.map_or(Duration::ZERO, |taken_at| {
+            self.length.saturating_sub(taken_at.elapsed())
+        })
     }
 
     /// Whether half of the lease has passed since it was last taken.

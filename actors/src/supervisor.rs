@@ -55,6 +55,12 @@ pub struct DeliverySupervisor {
     reply: Option<oneshot::Sender<DeliveryReport>>,
     permit: Option<Slot>,
     span: tracing::Span,
+    /// The supervisor's own address, held from start to finish. Actix stops an actor whose
+    /// addresses are all gone once nothing of its own is pending — even with a message queued:
+    /// a cooldown timer that fires at once and drops its address would otherwise stop the
+    /// supervisor with the `RetryDue` it just sent still in its mailbox, and the delivery would
+    /// never settle. It stops by `finish` (or a shutdown's hand-back) only.
+    me: Option<actix::Addr<Self>>,
 }
 
 impl std::fmt::Debug for DeliverySupervisor {
@@ -109,6 +115,7 @@ impl DeliverySupervisor {
             reply,
             permit: Some(permit),
             span,
+            me: None,
         }
     }
 
@@ -329,7 +336,8 @@ impl DeliverySupervisor {
             .stats
             .writer(self.worker.index)
             .bump(Counter::Retried);
-        tracing::info!(parent: &self.span, %due_at, "retry scheduled");
+        let delay = (due_at - self.now()).to_std().unwrap_or_default();
+        tracing::info!(parent: &self.span, ?delay, %due_at, "retry scheduled");
         let worker = Arc::clone(&self.worker);
         let delivery = &self.delivery;
         let (envelope, failures) = (delivery.envelope.clone(), delivery.failures.clone());
@@ -444,6 +452,8 @@ impl DeliverySupervisor {
         ) {
             tracing::error!(
                 parent: &self.span,
+                messaging.message.id = %self.delivery.envelope.id,
+                dacapo.message_type = %self.delivery.envelope.message_type,
                 "the store refuses even the dead letter of this delivery; it is settled without one"
             );
         } else {
@@ -499,6 +509,7 @@ impl DeliverySupervisor {
             });
         }
         self.permit.take();
+        self.me = None;
         match self.ticket {
             Some(ticket) => self.worker.shared.tracker.finish(ticket),
             None => self.worker.shared.tracker.release(),
@@ -603,6 +614,7 @@ impl Actor for DeliverySupervisor {
         // Read on the engine's own clock (virtual under the harness), not the dispatching
         // caller's.
         self.started_at = Instant::now();
+        self.me = Some(ctx.address());
         let shared = &*self.worker.shared;
         self.ticket = Some(
             shared

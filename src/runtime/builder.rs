@@ -171,11 +171,19 @@ impl RuntimeBuilder {
     /// The inbox to deduplicate envelope ids with, which keeps the dead letters of the
     /// deliveries it settles (default: a [`MemoryInbox`]). Dead-lettering is one transition of
     /// the inbox — the letter written and the envelope settled together — so the two live in
-    /// one store. A durable store is set with [`store`](Self::store) instead.
+    /// one store. An inbox that is durable ([`Inbox::durable`]) is recovered, heartbeaten and
+    /// cleaned up as with [`store`](Self::store), which also sets the outbox, the claims and
+    /// handler transactions on the same store: prefer it for a durable one.
     #[must_use]
     pub fn inbox<S: Inbox + DeadLetterStore>(mut self, inbox: Arc<S>) -> Self {
         self.inbox = Some(Arc::clone(&inbox) as Arc<dyn Inbox>);
-        self.durable = None;
+        self.durable = Arc::clone(&inbox).durable();
+        if self.durable.is_some() {
+            self.engine
+                .durability
+                .get_or_insert_with(Durability::default);
+            self.sync_retention();
+        }
         self.dead_letters = Some(inbox);
         self
     }

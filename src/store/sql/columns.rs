@@ -64,8 +64,8 @@ impl EnvelopeColumns {
             Value::OptionalText(self.deduplication_id.as_deref()),
             Value::OptionalText(self.correlation_id.as_deref()),
             Value::OptionalText(self.causation_id.as_deref()),
-            Value::Int(self.sent_at),
-            Value::OptionalInt(self.scheduled_for),
+            Value::Int64(self.sent_at),
+            Value::OptionalInt64(self.scheduled_for),
         ]
     }
 

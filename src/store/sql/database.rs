@@ -12,9 +12,9 @@ use super::db_error;
 pub(crate) enum Value<'a> {
     Text(&'a str),
     OptionalText(Option<&'a str>),
-    Int(i64),
-    OptionalInt(Option<i64>),
-    SmallInt(i32),
+    Int64(i64),
+    OptionalInt64(Option<i64>),
+    Int32(i32),
     Bytes(&'a [u8]),
 }
 
@@ -36,9 +36,9 @@ where
         query = match *value {
             Value::Text(text) => query.bind(text),
             Value::OptionalText(text) => query.bind(text),
-            Value::Int(number) => query.bind(number),
-            Value::OptionalInt(number) => query.bind(number),
-            Value::SmallInt(number) => query.bind(number),
+            Value::Int64(number) => query.bind(number),
+            Value::OptionalInt64(number) => query.bind(number),
+            Value::Int32(number) => query.bind(number),
             Value::Bytes(bytes) => query.bind(bytes),
         };
     }

@@ -154,9 +154,6 @@ pub(crate) const CLAIM: &str = "INSERT INTO dacapo_deduplication \
 pub(crate) const CLAIM_HOLDER: &str = "SELECT fingerprint, envelope_id, completed, node \
     FROM dacapo_deduplication WHERE handler = $1 AND key_hash = $2";
 
-/// Claims a previous run under this node's name made and never completed: that run is over
-/// (one process per node name), so they are released when this run provisions the claims,
-/// before it claims anything — another node resuming those deliveries then gets them.
 /// Whether the claims table has its `node` column (an earlier version created it without).
 #[cfg(feature = "sqlite")]
 pub(crate) const CLAIMS_HAVE_NODE_SQLITE: &str = "SELECT count(*) AS present \
@@ -172,6 +169,9 @@ pub(crate) const CLAIMS_HAVE_NODE_POSTGRES: &str = "SELECT count(*) AS present \
 #[cfg(feature = "postgres")]
 pub(crate) const LOCK_MIGRATIONS_POSTGRES: &str = "SELECT pg_advisory_xact_lock(7215143920911461)";
 
+/// Claims a previous run under this node's name made and never completed: that run is over
+/// (one process per node name), so they are released when this run provisions the claims,
+/// before it claims anything — another node resuming those deliveries then gets them.
 pub(crate) const RELEASE_OWN_UNCOMPLETED_CLAIMS: &str = "DELETE FROM dacapo_deduplication \
     WHERE node = $1 AND completed = 0";
 

@@ -136,7 +136,7 @@ impl<D: Dialect> SqlStore<D> {
         }
         tx.execute(MIGRATIONS_TABLE, &[]).await?;
         for migration in self.db.migrations() {
-            let version = Value::Int(migration.version);
+            let version = Value::Int64(migration.version);
             let applied: i64 = tx
                 .fetch_one(APPLIED_MIGRATION, &[version])
                 .await?
@@ -145,7 +145,7 @@ impl<D: Dialect> SqlStore<D> {
                 continue;
             }
             tx.execute_script(migration.sql).await?;
-            let now = Value::Int(millis(self.now()));
+            let now = Value::Int64(millis(self.now()));
             let description = Value::Text(migration.description);
             tx.execute(RECORD_MIGRATION, &[version, description, now])
                 .await?;
@@ -213,7 +213,7 @@ impl<D: Dialect> SqlStore<D> {
     }
 
     fn limit(limit: usize) -> Value<'static> {
-        Value::Int(i64::try_from(limit).unwrap_or(i64::MAX))
+        Value::Int64(i64::try_from(limit).unwrap_or(i64::MAX))
     }
 }
 
@@ -243,8 +243,8 @@ impl<D: Dialect> Inbox for SqlStore<D> {
                 v7,
                 v8,
                 v9,
-                Value::Int(millis(due_at)),
-                Value::Int(millis(now)),
+                Value::Int64(millis(due_at)),
+                Value::Int64(millis(now)),
             ];
             let inserted = self.db.execute(RECEIVE_SCHEDULED, &values).await?;
             return Ok(receipt(inserted, Receipt::Scheduled));
@@ -260,9 +260,9 @@ impl<D: Dialect> Inbox for SqlStore<D> {
             v8,
             v9,
             // The engine starts the first attempt right after: a crash from here counts it.
-            Value::SmallInt(stored_attempts(envelope.attempts.saturating_add(1))),
+            Value::Int32(stored_attempts(envelope.attempts.saturating_add(1))),
             Value::Text(&self.node),
-            Value::Int(millis(now)),
+            Value::Int64(millis(now)),
         ];
         let inserted = self.db.execute(RECEIVE, &values).await?;
         Ok(receipt(inserted, Receipt::New))
@@ -272,9 +272,9 @@ impl<D: Dialect> Inbox for SqlStore<D> {
         let id = id_text(id);
         let values = [
             Value::Text(&id),
-            Value::SmallInt(stored_attempts(attempt)),
+            Value::Int32(stored_attempts(attempt)),
             Value::Text(&self.node),
-            Value::SmallInt(stored_attempts(attempt.saturating_sub(1))),
+            Value::Int32(stored_attempts(attempt.saturating_sub(1))),
         ];
         Ok(Fenced::from_rows(
             self.db.execute(BEGIN_ATTEMPT, &values).await?,
@@ -292,8 +292,8 @@ impl<D: Dialect> Inbox for SqlStore<D> {
         };
         let values = [
             Value::Text(&id),
-            Value::SmallInt(stored_attempts(record.envelope.attempts)),
-            Value::Int(millis(record.due_at)),
+            Value::Int32(stored_attempts(record.envelope.attempts)),
+            Value::Int64(millis(record.due_at)),
             Value::Text(&failures),
             Value::Text(&succeeded),
             Value::Text(&self.node),
@@ -307,7 +307,7 @@ impl<D: Dialect> Inbox for SqlStore<D> {
     async fn settle_handled(&self, id: Uuid, cascaded: &[Envelope]) -> Result<Handled, Error> {
         let id = id_text(id);
         let now = millis(self.now());
-        let mark = [Value::Text(&id), Value::Int(now), Value::Text(&self.node)];
+        let mark = [Value::Text(&id), Value::Int64(now), Value::Text(&self.node)];
         if cascaded.is_empty() {
             return Ok(match self.db.execute(MARK_HANDLED, &mark).await? {
                 0 => Handled::OwnedElsewhere,
@@ -323,7 +323,7 @@ impl<D: Dialect> Inbox for SqlStore<D> {
             let columns = EnvelopeColumns::of(envelope)?;
             let [v1, v2, v3, v4, v5, v6, v7, v8, v9] = columns.values();
             // A retry of this commit writes the same deterministic ids: keep the first.
-            let values = [v1, v2, v3, v4, v5, v6, v7, v8, v9, Value::Int(now)];
+            let values = [v1, v2, v3, v4, v5, v6, v7, v8, v9, Value::Int64(now)];
             tx.execute(ENLIST_ONCE, &values).await?;
         }
         tx.commit().await?;
@@ -342,7 +342,7 @@ impl<D: Dialect> Inbox for SqlStore<D> {
         let mut tx = self.db.begin().await?;
         let mark = [
             Value::Text(&id),
-            Value::Int(millis(self.now())),
+            Value::Int64(millis(self.now())),
             Value::Text(&self.node),
         ];
         if tx.execute(MARK_HANDLED, &mark).await? == 0 {
@@ -364,9 +364,9 @@ impl<D: Dialect> Inbox for SqlStore<D> {
             v9,
             Value::Text(&reason),
             Value::Text(&failures),
-            Value::SmallInt(stored_attempts(letter.attempts)),
-            Value::Int(millis(letter.first_failure_at)),
-            Value::Int(millis(letter.last_failure_at)),
+            Value::Int32(stored_attempts(letter.attempts)),
+            Value::Int64(millis(letter.first_failure_at)),
+            Value::Int64(millis(letter.last_failure_at)),
         ];
         tx.execute(PUT_DEAD_LETTER, &values).await?;
         if release_claims {
@@ -413,7 +413,7 @@ impl<D: Dialect> Inbox for SqlStore<D> {
             v8,
             v9,
             Value::OptionalText(owner),
-            Value::Int(millis(self.now())),
+            Value::Int64(millis(self.now())),
         ];
         if tx.execute(REPLAY, &values).await? == 0 {
             tx.rollback().await?;
@@ -437,9 +437,13 @@ impl<D: Dialect> Inbox for SqlStore<D> {
             .collect()
     }
 
+    fn durable(self: Arc<Self>) -> Option<Arc<dyn DurableInbox>> {
+        Some(self)
+    }
+
     async fn cancel_scheduled(&self, id: Uuid) -> Result<bool, Error> {
         let id = id_text(id);
-        let values = [Value::Text(&id), Value::Int(millis(self.now()))];
+        let values = [Value::Text(&id), Value::Int64(millis(self.now()))];
         Ok(self.db.execute(CANCEL_SCHEDULED, &values).await? == 1)
     }
 }
@@ -453,9 +457,9 @@ impl<D: Dialect> DurableInbox for SqlStore<D> {
     ) -> Result<Vec<Resumable>, Error> {
         let values = [
             Value::Text(&self.node),
-            Value::Int(millis(self.alive_since())),
+            Value::Int64(millis(self.alive_since())),
             Self::limit(limit),
-            Value::Int(millis(due_before)),
+            Value::Int64(millis(due_before)),
         ];
         let mut tx = self.db.begin().await?;
         let rows = tx.fetch_all(self.db.claim_statement(), &values).await?;
@@ -471,7 +475,7 @@ impl<D: Dialect> DurableInbox for SqlStore<D> {
     ) -> Result<Vec<Resumable>, Error> {
         let values = [
             Value::Text(&self.node),
-            Value::Int(millis(before)),
+            Value::Int64(millis(before)),
             Self::limit(running.len().saturating_add(limit)),
         ];
         let candidates = self.db.fetch_all(OWN_UNSETTLED, &values).await?;
@@ -491,13 +495,13 @@ impl<D: Dialect> DurableInbox for SqlStore<D> {
     }
 
     async fn release_before(&self, started_at: DateTime<Utc>) -> Result<(), Error> {
-        let values = [Value::Text(&self.node), Value::Int(millis(started_at))];
+        let values = [Value::Text(&self.node), Value::Int64(millis(started_at))];
         self.db.execute(RELEASE_BEFORE, &values).await?;
         Ok(())
     }
 
     async fn heartbeat(&self) -> Result<(), Error> {
-        let values = [Value::Text(&self.node), Value::Int(millis(self.now()))];
+        let values = [Value::Text(&self.node), Value::Int64(millis(self.now()))];
         self.db.execute(HEARTBEAT, &values).await?;
         Ok(())
     }
@@ -518,7 +522,7 @@ impl<D: Dialect> DurableInbox for SqlStore<D> {
         before: DateTime<Utc>,
         limit: usize,
     ) -> Result<u64, Error> {
-        let values = [Value::Int(millis(before)), Self::limit(limit)];
+        let values = [Value::Int64(millis(before)), Self::limit(limit)];
         let mut removed = 0;
         for statement in [DELETE_HANDLED, crate::transaction::DELETE_COMPLETIONS] {
             removed += self.db.execute(statement, &values).await?;
@@ -531,7 +535,7 @@ impl<D: Dialect> DurableInbox for SqlStore<D> {
         before: DateTime<Utc>,
         limit: usize,
     ) -> Result<u64, Error> {
-        let values = [Value::Int(millis(before)), Self::limit(limit)];
+        let values = [Value::Int64(millis(before)), Self::limit(limit)];
         self.db.execute(DELETE_IDEMPOTENCY_KEYS, &values).await
     }
 }
@@ -572,10 +576,10 @@ impl<D: Dialect> Claims for SqlStore<D> {
             Value::Text(&claim.key),
             Value::Text(&claim.fingerprint),
             Value::Text(&claim.envelope_id),
-            Value::Int(millis(claim.claimed_at)),
-            Value::Int(millis(claim.expires_at)),
+            Value::Int64(millis(claim.claimed_at)),
+            Value::Int64(millis(claim.expires_at)),
             Value::Text(&self.node),
-            Value::Int(millis(self.alive_since())),
+            Value::Int64(millis(self.alive_since())),
         ];
         let holder = [Value::Text(&claim.handler), Value::Text(&claim.key_hash)];
         // A claim released between the insert and the read is free: claim again.
@@ -642,7 +646,7 @@ impl<D: Dialect> Claims for SqlStore<D> {
     async fn reap(&self, now: DateTime<Utc>, limit: usize) -> Result<u64, Error> {
         self.provision().await?;
         let mut tx = self.db.begin().await?;
-        let values = [Value::Int(millis(now)), Self::limit(limit)];
+        let values = [Value::Int64(millis(now)), Self::limit(limit)];
         let removed = tx.execute(REAP_CLAIMS, &values).await?;
         tx.commit().await?;
         Ok(removed)
@@ -654,8 +658,8 @@ impl<D: Dialect> OutboxStore for SqlStore<D> {
     async fn lease(&self, now: DateTime<Utc>, until: DateTime<Utc>) -> Result<bool, Error> {
         let values = [
             Value::Text(&self.node),
-            Value::Int(millis(now)),
-            Value::Int(millis(until)),
+            Value::Int64(millis(now)),
+            Value::Int64(millis(until)),
         ];
         Ok(self.db.execute(LEASE, &values).await? == 1)
     }
@@ -665,7 +669,7 @@ impl<D: Dialect> OutboxStore for SqlStore<D> {
     }
 
     async fn unpublished(&self, after: i64, limit: usize) -> Result<Vec<(i64, Envelope)>, Error> {
-        let values = [Self::limit(limit), Value::Int(after)];
+        let values = [Self::limit(limit), Value::Int64(after)];
         let rows = self.db.fetch_all(UNPUBLISHED, &values).await?;
         rows.iter()
             .map(|row| {
@@ -690,7 +694,7 @@ impl<D: Dialect> OutboxStore for SqlStore<D> {
         before: DateTime<Utc>,
         limit: usize,
     ) -> Result<u64, Error> {
-        let values = [Value::Int(millis(before)), Self::limit(limit)];
+        let values = [Value::Int64(millis(before)), Self::limit(limit)];
         self.db.execute(DELETE_PUBLISHED, &values).await
     }
 
@@ -698,8 +702,8 @@ impl<D: Dialect> OutboxStore for SqlStore<D> {
         if positions.is_empty() {
             return Ok(());
         }
-        let values: Vec<Value<'_>> = std::iter::once(Value::Int(millis(at)))
-            .chain(positions.iter().map(|position| Value::Int(*position)))
+        let values: Vec<Value<'_>> = std::iter::once(Value::Int64(millis(at)))
+            .chain(positions.iter().map(|position| Value::Int64(*position)))
             .collect();
         self.db
             .execute_built(mark_published(positions.len()), &values)
@@ -726,9 +730,9 @@ impl<D: Dialect> DeadLetterStore for SqlStore<D> {
             v9,
             Value::Text(&reason),
             Value::Text(&failures),
-            Value::SmallInt(stored_attempts(letter.attempts)),
-            Value::Int(millis(letter.first_failure_at)),
-            Value::Int(millis(letter.last_failure_at)),
+            Value::Int32(stored_attempts(letter.attempts)),
+            Value::Int64(millis(letter.first_failure_at)),
+            Value::Int64(millis(letter.last_failure_at)),
         ];
         self.db.execute(PUT_DEAD_LETTER, &values).await?;
         Ok(())
