@@ -293,8 +293,10 @@ macro_rules! backend {
                             stringify!($store)
                         ))
                     })?;
+                // On the runtime's own pool: a connection opened here, on the runtime's threads,
+                // never ends up in the application's pool.
                 let mut tx = store
-                    .pool()
+                    .engine_pool()
                     .begin_with($begin)
                     .await
                     .map_err(crate::store::sql::db_error)?;

@@ -352,3 +352,70 @@ on_both_backends!(
         late.shutdown().await;
     }
 );
+
+/// Runs `SELECT 1` on `pool` `times` times.
+async fn select_one<DB: sqlx::Database>(
+    pool: &sqlx::Pool<DB>,
+    times: usize,
+) -> Result<(), sqlx::Error>
+where
+    for<'c> &'c sqlx::Pool<DB>: sqlx::Executor<'c, Database = DB>,
+    <DB as sqlx::Database>::Arguments: for<'q> sqlx::IntoArguments<DB>,
+{
+    for _ in 0..times {
+        sqlx::query("SELECT 1").execute(pool).await?;
+    }
+    Ok(())
+}
+
+on_both_backends!(
+    the_applications_pool_outlives_the_runtime_sqlite,
+    the_applications_pool_outlives_the_runtime_postgres,
+    |db| {
+        let calls = Recorder::<MemberRemoved>::new();
+        let module = || Module::new("m").handle_named::<MemberRemoved, _>("h", calls.clone());
+        let message = member_removed();
+        // Enough concurrent work that the runtime opens connections of its own.
+        match db.backend {
+            support_stores::Backend::Sqlite => {
+                let store = db.sqlite().await;
+                let pool = store.pool().clone();
+                let runtime = Runtime::builder()
+                    .store(store)
+                    .module(module())
+                    .build()
+                    .unwrap();
+                let publishes: Vec<_> = (0..64).map(|_| runtime.publish(&message)).collect();
+                for published in futures::future::join_all(publishes).await {
+                    published.unwrap();
+                }
+                tokio::time::timeout(WAIT, runtime.idle()).await.unwrap();
+                runtime.shutdown().await;
+                drop(runtime);
+                select_one(&pool, 100)
+                    .await
+                    .expect("the pool works after the shutdown");
+            }
+            support_stores::Backend::Postgres => {
+                let store = db.postgres().await;
+                let pool = store.pool().clone();
+                let runtime = Runtime::builder()
+                    .store(store)
+                    .module(module())
+                    .build()
+                    .unwrap();
+                let publishes: Vec<_> = (0..64).map(|_| runtime.publish(&message)).collect();
+                for published in futures::future::join_all(publishes).await {
+                    published.unwrap();
+                }
+                tokio::time::timeout(WAIT, runtime.idle()).await.unwrap();
+                runtime.shutdown().await;
+                drop(runtime);
+                select_one(&pool, 100)
+                    .await
+                    .expect("the pool works after the shutdown");
+            }
+        }
+        assert_eq!(calls.count(), 64);
+    }
+);

@@ -53,7 +53,10 @@ impl SqlStore<sqlx::Postgres> {
     ///
     /// The database's error when the schema cannot be applied.
     pub async fn with_pool(pool: PgPool) -> Result<Self, Error> {
-        Self::open_on(pool.clone(), Database::Postgres(pool)).await
+        let engine = PgPoolOptions::new()
+            .max_connections(pool.options().get_max_connections())
+            .connect_lazy_with((*pool.connect_options()).clone());
+        Self::open_on(pool, engine, Database::Postgres).await
     }
 
     /// Connects to the PostgreSQL database at `url` and brings its schema up to date.

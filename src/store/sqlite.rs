@@ -24,7 +24,16 @@ impl SqlStore<sqlx::Sqlite> {
     ///
     /// The database's error when the schema cannot be applied.
     pub async fn with_pool(pool: SqlitePool) -> Result<Self, Error> {
-        Self::open_on(pool.clone(), Database::Sqlite(pool)).await
+        let options = pool.options();
+        // A one-connection pool (an in-memory database is one) cannot be split in two.
+        let engine = if options.get_max_connections() <= 1 {
+            pool.clone()
+        } else {
+            SqlitePoolOptions::new()
+                .max_connections(options.get_max_connections())
+                .connect_lazy_with((*pool.connect_options()).clone())
+        };
+        Self::open_on(pool, engine, Database::Sqlite).await
     }
 
     /// Opens (creating if needed) the SQLite database at `path` — a file path, or a

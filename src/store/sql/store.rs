@@ -32,6 +32,9 @@ use super::{Dialect, claim_lost};
 /// they sit beside the application's tables; [`pool`](Self::pool) is the application's too.
 pub struct SqlStore<D: Dialect> {
     pool: sqlx::Pool<D>,
+    /// The runtime's own pool (the application's when it has one connection only).
+    engine: sqlx::Pool<D>,
+    /// `engine`, as the store's code reaches it.
     db: Database,
     node: Arc<str>,
     node_timeout: Duration,
@@ -45,6 +48,7 @@ impl<D: Dialect> Clone for SqlStore<D> {
     fn clone(&self) -> Self {
         Self {
             pool: self.pool.clone(),
+            engine: self.engine.clone(),
             db: self.db.clone(),
             node: Arc::clone(&self.node),
             node_timeout: self.node_timeout,
@@ -66,20 +70,24 @@ impl<D: Dialect> std::fmt::Debug for SqlStore<D> {
 }
 
 impl<D: Dialect> SqlStore<D> {
-    /// A store over `pool` (the same pool as `db`), whose schema is created or brought up to
-    /// date first.
-    pub(crate) async fn open_on(pool: sqlx::Pool<D>, db: Database) -> Result<Self, Error> {
-        let store = Self {
+    /// A store whose schema is created or brought up to date first, through the application's
+    /// `pool`, and which runs on `engine`; `database` makes either a [`Database`].
+    pub(crate) async fn open_on(
+        pool: sqlx::Pool<D>,
+        engine: sqlx::Pool<D>,
+        database: fn(sqlx::Pool<D>) -> Database,
+    ) -> Result<Self, Error> {
+        migrate(&database(pool.clone())).await?;
+        Ok(Self {
+            db: database(engine.clone()),
             pool,
-            db,
+            engine,
             node: Arc::from(format!("node-{}", Uuid::new_v4().simple())),
             node_timeout: Duration::from_secs(30),
             clock: Arc::new(SystemClock),
             claims_ready: Arc::default(),
             dialect: PhantomData,
-        };
-        store.migrate().await?;
-        Ok(store)
+        })
     }
 
     /// This node's name in the store (default: random per process). Give each node of a fleet
@@ -111,9 +119,17 @@ impl<D: Dialect> SqlStore<D> {
         &self.node
     }
 
-    /// The connection pool, for the application's own queries.
+    /// The connection pool, for the application's own queries. The runtime runs on a pool of
+    /// its own with the same options (but for a one-connection pool, such as an in-memory
+    /// SQLite database, which it shares): connections it opens on its own threads never end
+    /// up in the application's pool, which therefore outlives the runtime's shutdown.
     pub fn pool(&self) -> &sqlx::Pool<D> {
         &self.pool
+    }
+
+    /// The runtime's own pool, which handler transactions run on.
+    pub(crate) fn engine_pool(&self) -> &sqlx::Pool<D> {
+        &self.engine
     }
 
     /// The current time on the store's clock.
@@ -127,30 +143,6 @@ impl<D: Dialect> SqlStore<D> {
             .ok()
             .and_then(|timeout| self.now().checked_sub_signed(timeout))
             .unwrap_or(DateTime::<Utc>::MIN_UTC)
-    }
-
-    async fn migrate(&self) -> Result<(), Error> {
-        let mut tx = self.db.begin().await?;
-        for lock in self.db.lock_migrations() {
-            tx.execute(lock, &[]).await?;
-        }
-        tx.execute(MIGRATIONS_TABLE, &[]).await?;
-        for migration in self.db.migrations() {
-            let version = Value::Int64(migration.version);
-            let applied: i64 = tx
-                .fetch_one(APPLIED_MIGRATION, &[version])
-                .await?
-                .get("applied")?;
-            if applied > 0 {
-                continue;
-            }
-            tx.execute_script(migration.sql).await?;
-            let now = Value::Int64(millis(self.now()));
-            let description = Value::Text(migration.description);
-            tx.execute(RECORD_MIGRATION, &[version, description, now])
-                .await?;
-        }
-        tx.commit().await
     }
 
     /// An unsettled row as a delivery to resume.
@@ -215,6 +207,32 @@ impl<D: Dialect> SqlStore<D> {
     fn limit(limit: usize) -> Value<'static> {
         Value::Int64(i64::try_from(limit).unwrap_or(i64::MAX))
     }
+}
+
+/// Creates the schema, or brings it up to date, in one transaction (under a lock where nodes
+/// may start together).
+async fn migrate(db: &Database) -> Result<(), Error> {
+    let mut tx = db.begin().await?;
+    for lock in db.lock_migrations() {
+        tx.execute(lock, &[]).await?;
+    }
+    tx.execute(MIGRATIONS_TABLE, &[]).await?;
+    for migration in db.migrations() {
+        let version = Value::Int64(migration.version);
+        let applied: i64 = tx
+            .fetch_one(APPLIED_MIGRATION, &[version])
+            .await?
+            .get("applied")?;
+        if applied > 0 {
+            continue;
+        }
+        tx.execute_script(migration.sql).await?;
+        let now = Value::Int64(millis(Utc::now()));
+        let description = Value::Text(migration.description);
+        tx.execute(RECORD_MIGRATION, &[version, description, now])
+            .await?;
+    }
+    tx.commit().await
 }
 
 /// What one insert of an inbox row answered.
