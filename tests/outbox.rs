@@ -468,6 +468,8 @@ async fn a_relay_without_the_lease_does_not_contend_for_it_on_every_wake() {
          VALUES (1, 'relaying-elsewhere', 9000000000000000)",
     )
     .await;
+    // Something waits, so the first round asks for the lease.
+    db.outbox_transaction(&[removed(100)], true).await;
     let (leases, signals) = (Arc::new(AtomicUsize::new(0)), Arc::new(AtomicUsize::new(0)));
     let outbox = Counting {
         inner: db.sqlite_or_postgres_outbox().await,
@@ -511,7 +513,7 @@ async fn a_relay_without_the_lease_does_not_contend_for_it_on_every_wake() {
     // time to act (each would be a round, so a lease request, within milliseconds).
     tokio::time::sleep(Duration::from_millis(300)).await;
     let backlog = runtime.outbox_backlog().await.unwrap().unwrap();
-    assert_eq!(backlog.depth, 10, "nothing published by this node");
+    assert_eq!(backlog.depth, 11, "nothing published by this node");
     assert_eq!(
         leases.load(Ordering::SeqCst),
         1,
@@ -550,8 +552,9 @@ impl dacapo::ports::OutboxStore for LeaseLostAfterFirst {
         after: i64,
         limit: usize,
     ) -> Result<Vec<(i64, Envelope)>, dacapo::EngineError> {
+        // Read 0 finds the outbox not empty, read 1 is the first batch, read 2 the second.
         let read = self.reads.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
-        if read == 1 {
+        if read == 2 {
             // A slow store: the lease (ten polls of 100 ms) is more than half gone after this,
             // while the first batch took a small part of it.
             tokio::time::sleep(Duration::from_millis(600)).await;
@@ -612,6 +615,81 @@ on_both_backends!(
             "the first batch published, nothing after the lease was lost"
         );
         assert!(requests.load(std::sync::atomic::Ordering::SeqCst) >= 2);
+        runtime.shutdown().await;
+    }
+);
+
+/// The store's outbox, counting the relay's reads and lease requests.
+struct CountingReads {
+    inner: Box<dyn dacapo::ports::OutboxStore>,
+    reads: Arc<std::sync::atomic::AtomicUsize>,
+    leases: Arc<std::sync::atomic::AtomicUsize>,
+}
+
+#[async_trait::async_trait]
+impl dacapo::ports::OutboxStore for CountingReads {
+    async fn lease(
+        &self,
+        now: chrono::DateTime<chrono::Utc>,
+        until: chrono::DateTime<chrono::Utc>,
+    ) -> Result<bool, dacapo::EngineError> {
+        self.leases
+            .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        self.inner.lease(now, until).await
+    }
+    async fn unpublished(
+        &self,
+        after: i64,
+        limit: usize,
+    ) -> Result<Vec<(i64, Envelope)>, dacapo::EngineError> {
+        self.reads.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        self.inner.unpublished(after, limit).await
+    }
+    async fn backlog(&self) -> Result<dacapo::ports::OutboxBacklog, dacapo::EngineError> {
+        self.inner.backlog().await
+    }
+    async fn delete_published_before(
+        &self,
+        before: chrono::DateTime<chrono::Utc>,
+        limit: usize,
+    ) -> Result<u64, dacapo::EngineError> {
+        self.inner.delete_published_before(before, limit).await
+    }
+    async fn mark_published(
+        &self,
+        positions: &[i64],
+        at: chrono::DateTime<chrono::Utc>,
+    ) -> Result<(), dacapo::EngineError> {
+        self.inner.mark_published(positions, at).await
+    }
+}
+
+on_both_backends!(
+    an_idle_relay_reads_and_writes_nothing_sqlite,
+    an_idle_relay_reads_and_writes_nothing_postgres,
+    |db| {
+        use std::sync::atomic::Ordering;
+        let (reads, leases) = (Arc::default(), Arc::default());
+        let outbox = CountingReads {
+            inner: db.sqlite_or_postgres_outbox().await,
+            reads: Arc::clone(&reads),
+            leases: Arc::clone(&leases),
+        };
+        let runtime = Runtime::builder()
+            .outbox_store(Arc::new(outbox))
+            .relay_interval(Duration::from_millis(10))
+            .build()
+            .unwrap();
+        until(|| reads.load(Ordering::SeqCst) >= 10).await;
+        assert_eq!(
+            leases.load(Ordering::SeqCst),
+            0,
+            "ten polls of an empty outbox took no lease (no write)"
+        );
+        // Something to publish: the next poll takes the lease and publishes it.
+        db.outbox_transaction(&[removed(1)], true).await;
+        until(|| leases.load(Ordering::SeqCst) >= 1).await;
+        tokio::time::timeout(WAIT, runtime.idle()).await.unwrap();
         runtime.shutdown().await;
     }
 );

@@ -118,6 +118,16 @@ impl RelayActor {
         let (outbox, dispatcher) = (Arc::clone(&self.outbox), self.dispatcher.clone());
         let (batch, interval) = (self.batch, self.interval);
         let round = async move {
+            // An idle node writes nothing: a read finds the outbox empty before any lease is
+            // taken (on SQLite a lease is a commit, so an fsync, every poll).
+            match outbox.unpublished(i64::MIN, 1).await {
+                Ok(rows) if rows.is_empty() => return None,
+                Ok(_) => {}
+                Err(error) => {
+                    tracing::warn!(%error, "reading the outbox failed; retrying on the next round");
+                    return None;
+                }
+            }
             let mut lease = Lease::new(Arc::clone(&outbox), &dispatcher, interval * 10);
             match lease.take().await {
                 Ok(true) => {}
