@@ -47,9 +47,7 @@ macro_rules! enlist_in {
         impl Enlist for sqlx::Transaction<'_, $db> {
             async fn insert(&mut self, envelope: &Envelope) -> Result<(), Error> {
                 let columns = EnvelopeColumns::of(envelope)?;
-                let [v1, v2, v3, v4, v5, v6, v7, v8, v9] = columns.values();
-                let now = Value::Int64(millis(chrono::Utc::now()));
-                let values = [v1, v2, v3, v4, v5, v6, v7, v8, v9, now];
+                let values = columns.values_and(&[Value::Int64(millis(chrono::Utc::now()))]);
                 bind(sqlx::query(ENLIST), &values)
                     .execute(&mut **self)
                     .await

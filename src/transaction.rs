@@ -350,9 +350,7 @@ macro_rules! backend {
                 envelope: &Envelope,
             ) -> Result<(), Error> {
                 let columns = EnvelopeColumns::of(envelope)?;
-                let [v1, v2, v3, v4, v5, v6, v7, v8, v9] = columns.values();
-                let now = Value::Int64(millis(chrono::Utc::now()));
-                let values = [v1, v2, v3, v4, v5, v6, v7, v8, v9, now];
+                let values = columns.values_and(&[Value::Int64(millis(chrono::Utc::now()))]);
                 bind(sqlx::query(ENLIST_ONCE), &values)
                     .execute(&mut *transaction.tx)
                     .await

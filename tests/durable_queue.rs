@@ -353,69 +353,48 @@ on_both_backends!(
     }
 );
 
-/// Runs `SELECT 1` on `pool` `times` times.
-async fn select_one<DB: sqlx::Database>(
-    pool: &sqlx::Pool<DB>,
-    times: usize,
-) -> Result<(), sqlx::Error>
+/// Runs a runtime on `store` through enough concurrent work that it opens connections of its
+/// own, shuts it down, then queries the application's pool 100 times.
+async fn use_the_pool_after_a_shutdown<D: dacapo::store::Dialect>(store: dacapo::store::SqlStore<D>)
 where
-    for<'c> &'c sqlx::Pool<DB>: sqlx::Executor<'c, Database = DB>,
-    <DB as sqlx::Database>::Arguments: for<'q> sqlx::IntoArguments<DB>,
+    for<'c> &'c sqlx::Pool<D>: sqlx::Executor<'c, Database = D>,
+    <D as sqlx::Database>::Arguments: sqlx::IntoArguments<D>,
 {
-    for _ in 0..times {
-        sqlx::query("SELECT 1").execute(pool).await?;
+    let calls = Recorder::<MemberRemoved>::new();
+    let pool = store.pool().clone();
+    let runtime = Runtime::builder()
+        .store(store)
+        .module(Module::new("m").handle_named::<MemberRemoved, _>("h", calls.clone()))
+        .build()
+        .unwrap();
+    let message = member_removed();
+    let publishes: Vec<_> = (0..64).map(|_| runtime.publish(&message)).collect();
+    for published in futures::future::join_all(publishes).await {
+        published.unwrap();
     }
-    Ok(())
+    tokio::time::timeout(WAIT, runtime.idle()).await.unwrap();
+    assert_eq!(calls.count(), 64);
+    runtime.shutdown().await;
+    drop(runtime);
+    for _ in 0..100 {
+        sqlx::query("SELECT 1")
+            .execute(&pool)
+            .await
+            .expect("the pool works after the shutdown");
+    }
 }
 
 on_both_backends!(
     the_applications_pool_outlives_the_runtime_sqlite,
     the_applications_pool_outlives_the_runtime_postgres,
     |db| {
-        let calls = Recorder::<MemberRemoved>::new();
-        let module = || Module::new("m").handle_named::<MemberRemoved, _>("h", calls.clone());
-        let message = member_removed();
-        // Enough concurrent work that the runtime opens connections of its own.
         match db.backend {
             support_stores::Backend::Sqlite => {
-                let store = db.sqlite().await;
-                let pool = store.pool().clone();
-                let runtime = Runtime::builder()
-                    .store(store)
-                    .module(module())
-                    .build()
-                    .unwrap();
-                let publishes: Vec<_> = (0..64).map(|_| runtime.publish(&message)).collect();
-                for published in futures::future::join_all(publishes).await {
-                    published.unwrap();
-                }
-                tokio::time::timeout(WAIT, runtime.idle()).await.unwrap();
-                runtime.shutdown().await;
-                drop(runtime);
-                select_one(&pool, 100)
-                    .await
-                    .expect("the pool works after the shutdown");
+                use_the_pool_after_a_shutdown(db.sqlite().await).await
             }
             support_stores::Backend::Postgres => {
-                let store = db.postgres().await;
-                let pool = store.pool().clone();
-                let runtime = Runtime::builder()
-                    .store(store)
-                    .module(module())
-                    .build()
-                    .unwrap();
-                let publishes: Vec<_> = (0..64).map(|_| runtime.publish(&message)).collect();
-                for published in futures::future::join_all(publishes).await {
-                    published.unwrap();
-                }
-                tokio::time::timeout(WAIT, runtime.idle()).await.unwrap();
-                runtime.shutdown().await;
-                drop(runtime);
-                select_one(&pool, 100)
-                    .await
-                    .expect("the pool works after the shutdown");
+                use_the_pool_after_a_shutdown(db.postgres().await).await
             }
         }
-        assert_eq!(calls.count(), 64);
     }
 );

@@ -4,7 +4,7 @@
 use std::collections::BTreeMap;
 
 use chrono::{DateTime, Utc};
-use dacapo_actors::{AggregateError, DeadLetterReason, Envelope, Error};
+use dacapo_actors::{AggregateError, DeadLetter, DeadLetterReason, Envelope, Error};
 use uuid::Uuid;
 
 use super::database::{Row, Value};
@@ -69,6 +69,13 @@ impl EnvelopeColumns {
         ]
     }
 
+    /// The nine columns, then `more`, as the parameters of one statement.
+    pub(crate) fn values_and<'a>(&'a self, more: &[Value<'a>]) -> Vec<Value<'a>> {
+        let mut values = self.values().to_vec();
+        values.extend_from_slice(more);
+        values
+    }
+
     /// The envelope columns of `row`, by name.
     pub(crate) fn read(row: &Row) -> Result<Self, Error> {
         Ok(Self {
@@ -109,6 +116,40 @@ impl EnvelopeColumns {
         envelope.sent_at = time(self.sent_at)?;
         envelope.scheduled_for = self.scheduled_for.map(time).transpose()?;
         Ok(envelope)
+    }
+}
+
+/// A dead letter's columns, as stored: its envelope's, then why and when it failed.
+pub(crate) struct DeadLetterColumns {
+    envelope: EnvelopeColumns,
+    reason: String,
+    failures: String,
+    attempts: i32,
+    first_failure_at: i64,
+    last_failure_at: i64,
+}
+
+impl DeadLetterColumns {
+    pub(crate) fn of(letter: &DeadLetter) -> Result<Self, Error> {
+        Ok(Self {
+            envelope: EnvelopeColumns::of(&letter.envelope)?,
+            reason: reason_json(&letter.reason)?,
+            failures: json(&letter.failures)?,
+            attempts: stored_attempts(letter.attempts),
+            first_failure_at: millis(letter.first_failure_at),
+            last_failure_at: millis(letter.last_failure_at),
+        })
+    }
+
+    /// The fourteen columns in the order the dead-letter table declares them.
+    pub(crate) fn values(&self) -> Vec<Value<'_>> {
+        self.envelope.values_and(&[
+            Value::Text(&self.reason),
+            Value::Text(&self.failures),
+            Value::Int32(self.attempts),
+            Value::Int64(self.first_failure_at),
+            Value::Int64(self.last_failure_at),
+        ])
     }
 }
 

@@ -17,8 +17,8 @@ use futures::stream::BoxStream;
 use uuid::Uuid;
 
 use super::columns::{
-    EnvelopeColumns, attempts, failures_from, from_json, id_text, json, millis, parse_id,
-    reason_json, stored_attempts, time,
+    DeadLetterColumns, EnvelopeColumns, attempts, failures_from, from_json, id_text, json, millis,
+    parse_id, stored_attempts, time,
 };
 use super::database::{Database, Row, Value};
 use super::statements::*;
@@ -248,40 +248,19 @@ fn receipt(inserted: u64, new: Receipt) -> Receipt {
 impl<D: Dialect> Inbox for SqlStore<D> {
     async fn receive(&self, envelope: &Envelope) -> Result<Receipt, Error> {
         let columns = EnvelopeColumns::of(envelope)?;
-        let [v1, v2, v3, v4, v5, v6, v7, v8, v9] = columns.values();
         let now = self.now();
         if let Some(due_at) = envelope.scheduled_for.filter(|at| *at > now) {
-            let values = [
-                v1,
-                v2,
-                v3,
-                v4,
-                v5,
-                v6,
-                v7,
-                v8,
-                v9,
-                Value::Int64(millis(due_at)),
-                Value::Int64(millis(now)),
-            ];
+            let values =
+                columns.values_and(&[Value::Int64(millis(due_at)), Value::Int64(millis(now))]);
             let inserted = self.db.execute(RECEIVE_SCHEDULED, &values).await?;
             return Ok(receipt(inserted, Receipt::Scheduled));
         }
-        let values = [
-            v1,
-            v2,
-            v3,
-            v4,
-            v5,
-            v6,
-            v7,
-            v8,
-            v9,
+        let values = columns.values_and(&[
             // The engine starts the first attempt right after: a crash from here counts it.
             Value::Int32(stored_attempts(envelope.attempts.saturating_add(1))),
             Value::Text(&self.node),
             Value::Int64(millis(now)),
-        ];
+        ]);
         let inserted = self.db.execute(RECEIVE, &values).await?;
         Ok(receipt(inserted, Receipt::New))
     }
@@ -339,9 +318,8 @@ impl<D: Dialect> Inbox for SqlStore<D> {
         }
         for envelope in cascaded {
             let columns = EnvelopeColumns::of(envelope)?;
-            let [v1, v2, v3, v4, v5, v6, v7, v8, v9] = columns.values();
             // A retry of this commit writes the same deterministic ids: keep the first.
-            let values = [v1, v2, v3, v4, v5, v6, v7, v8, v9, Value::Int64(now)];
+            let values = columns.values_and(&[Value::Int64(now)]);
             tx.execute(ENLIST_ONCE, &values).await?;
         }
         tx.commit().await?;
@@ -367,25 +345,8 @@ impl<D: Dialect> Inbox for SqlStore<D> {
             tx.rollback().await?;
             return Ok(Fenced::OwnedElsewhere);
         }
-        let columns = EnvelopeColumns::of(&letter.envelope)?;
-        let [v1, v2, v3, v4, v5, v6, v7, v8, v9] = columns.values();
-        let (reason, failures) = (reason_json(&letter.reason)?, json(&letter.failures)?);
-        let values = [
-            v1,
-            v2,
-            v3,
-            v4,
-            v5,
-            v6,
-            v7,
-            v8,
-            v9,
-            Value::Text(&reason),
-            Value::Text(&failures),
-            Value::Int32(stored_attempts(letter.attempts)),
-            Value::Int64(millis(letter.first_failure_at)),
-            Value::Int64(millis(letter.last_failure_at)),
-        ];
+        let columns = DeadLetterColumns::of(letter)?;
+        let values = columns.values();
         tx.execute(PUT_DEAD_LETTER, &values).await?;
         if release_claims {
             tx.execute(RELEASE_ENVELOPE_CLAIMS, &[Value::Text(&id)])
@@ -419,20 +380,8 @@ impl<D: Dialect> Inbox for SqlStore<D> {
             _ => None,
         };
         let columns = EnvelopeColumns::of(&envelope)?;
-        let [v1, v2, v3, v4, v5, v6, v7, v8, v9] = columns.values();
-        let values = [
-            v1,
-            v2,
-            v3,
-            v4,
-            v5,
-            v6,
-            v7,
-            v8,
-            v9,
-            Value::OptionalText(owner),
-            Value::Int64(millis(self.now())),
-        ];
+        let values =
+            columns.values_and(&[Value::OptionalText(owner), Value::Int64(millis(self.now()))]);
         if tx.execute(REPLAY, &values).await? == 0 {
             tx.rollback().await?;
             return Ok(Replay::InProgress);
@@ -733,25 +682,8 @@ impl<D: Dialect> OutboxStore for SqlStore<D> {
 #[async_trait]
 impl<D: Dialect> DeadLetterStore for SqlStore<D> {
     async fn put(&self, letter: DeadLetter) -> Result<(), Error> {
-        let columns = EnvelopeColumns::of(&letter.envelope)?;
-        let [v1, v2, v3, v4, v5, v6, v7, v8, v9] = columns.values();
-        let (reason, failures) = (reason_json(&letter.reason)?, json(&letter.failures)?);
-        let values = [
-            v1,
-            v2,
-            v3,
-            v4,
-            v5,
-            v6,
-            v7,
-            v8,
-            v9,
-            Value::Text(&reason),
-            Value::Text(&failures),
-            Value::Int32(stored_attempts(letter.attempts)),
-            Value::Int64(millis(letter.first_failure_at)),
-            Value::Int64(millis(letter.last_failure_at)),
-        ];
+        let columns = DeadLetterColumns::of(&letter)?;
+        let values = columns.values();
         self.db.execute(PUT_DEAD_LETTER, &values).await?;
         Ok(())
     }
