@@ -897,3 +897,40 @@ on_both_backends!(
         runtime.shutdown().await;
     }
 );
+
+on_both_backends!(
+    a_resumed_delivery_whose_handlers_all_succeeded_settles_without_running_them_sqlite,
+    a_resumed_delivery_whose_handlers_all_succeeded_settles_without_running_them_postgres,
+    |db| {
+        // A node recorded a retry in which every handler had succeeded (its failure was the
+        // runtime's), then died.
+        let (dead, _) = node_store(&db, "dead-node").await;
+        let envelope = Envelope::for_message(&member_removed()).unwrap();
+        dead.receive(&envelope).await.unwrap();
+        let succeeded = ["billing/charge".to_owned()];
+        let record =
+            dacapo::ports::RetryRecord::new(&envelope, chrono::Utc::now(), &[], &succeeded, &[]);
+        dead.schedule_retry(record).await.unwrap();
+
+        let calls = Recorder::<MemberRemoved>::new();
+        let survivor = db
+            .store(Runtime::builder(), "survivor", Duration::from_millis(300))
+            .await
+            .retry_scope(RetryScope::FailedHandlers)
+            .recovery_interval(Duration::from_millis(50))
+            .module(
+                Module::new("billing").handle_named::<MemberRemoved, _>("charge", calls.clone()),
+            )
+            .build()
+            .unwrap();
+        tokio::time::timeout(WAIT, async {
+            while db.inbox_status(envelope.id).await.as_deref() != Some("handled") {
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+        })
+        .await
+        .expect("settled");
+        assert_eq!(calls.count(), 0, "nothing left to run");
+        survivor.shutdown().await;
+    }
+);

@@ -263,6 +263,11 @@ impl DeliverySupervisor {
             )
             .start();
         }
+        // Every handler already succeeded (a resume under RetryScope::FailedHandlers): the
+        // attempt is over at once.
+        if self.pending == 0 {
+            self.finish_attempt(ctx);
+        }
     }
 
     /// The claim handler `index` makes before it runs, if it deduplicates and the message has
