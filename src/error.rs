@@ -33,6 +33,9 @@ pub enum Error {
     /// envelope back in its shutdown report.
     #[error("delivery of envelope {0} was abandoned by a shutdown before it settled")]
     Abandoned(Uuid),
+    /// The builder's settings do not fit together; nothing was started.
+    #[error("invalid configuration: {0}")]
+    Configuration(String),
     /// A table or column name given to a query helper is not a plain SQL identifier
     /// (letters, digits and `_`, optionally `schema.name`); nothing was run.
     #[error("{0:?} is not a plain SQL identifier")]

@@ -169,26 +169,15 @@ impl RelayActor {
                         }
                     }
                     let id = envelope.id;
-                    // Publishing waits for the engine's capacity: never past the lease, after
-                    // which another node may be publishing the same rows. Cut short, the
-                    // envelope may or may not be in the inbox; it is not marked, so a later
-                    // round publishes it again and the inbox discards the duplicate.
-                    let published = tokio::time::timeout(
-                        lease.remaining(),
-                        dispatcher.dispatch(envelope, None),
-                    )
-                    .await;
-                    match published {
-                        Ok(Ok(())) => positions.push(position),
-                        Ok(Err(error)) => {
-                            tracing::warn!(messaging.message.id = %id, %error, "publishing from the outbox failed; retrying on the next round");
-                            break;
-                        }
-                        Err(_) => {
-                            tracing::info!(messaging.message.id = %id, "the engine stayed full for the whole outbox lease; this relay round stops");
-                            break;
-                        }
+                    // Not cut short: a publication cancelled inside the inbox's write could
+                    // leave its row recorded with nothing running it. One that waited for the
+                    // engine's capacity past the lease may overlap another node's relay; the
+                    // receiving inbox discards the duplicate by envelope id.
+                    if let Err(error) = dispatcher.dispatch(envelope, None).await {
+                        tracing::warn!(messaging.message.id = %id, %error, "publishing from the outbox failed; retrying on the next round");
+                        break;
                     }
+                    positions.push(position);
                 }
                 let done = positions.len();
                 let Some(&last) = positions.last() else {
@@ -274,13 +263,6 @@ impl Lease {
             self.taken_at = Some(asked_at);
         }
         Ok(taken)
-    }
-
-    /// How long the lease lasts from now.
-    fn remaining(&self) -> Duration {
-        self.taken_at.map_or(Duration::ZERO, |taken_at| {
-            self.length.saturating_sub(taken_at.elapsed())
-        })
     }
 
     /// Whether half of the lease has passed since it was last taken.

@@ -29,6 +29,8 @@ pub struct RuntimeBuilder {
     inbox: Option<Arc<dyn Inbox>>,
     /// The store's inbox as a durable one, set with [`store`](Self::store).
     durable: Option<Arc<dyn DurableInbox>>,
+    /// A durable inbox given to [`inbox`](Self::inbox), which `build` refuses.
+    durable_as_inbox: bool,
     claims: Option<Arc<dyn Claims>>,
     outbox: Option<Arc<dyn OutboxStore>>,
     /// The store given to [`store`](Self::store), for handler transactions.
@@ -54,6 +56,7 @@ impl Default for RuntimeBuilder {
             keep_after_handling: Duration::from_secs(5 * 60),
             inbox: None,
             durable: None,
+            durable_as_inbox: false,
             claims: None,
             outbox: None,
             store: None,
@@ -168,22 +171,19 @@ impl RuntimeBuilder {
         self
     }
 
-    /// The inbox to deduplicate envelope ids with, which keeps the dead letters of the
-    /// deliveries it settles (default: a [`MemoryInbox`]). Dead-lettering is one transition of
-    /// the inbox — the letter written and the envelope settled together — so the two live in
-    /// one store. An inbox that is durable ([`Inbox::durable`]) is recovered, heartbeaten and
-    /// cleaned up as with [`store`](Self::store), which also sets the outbox, the claims and
-    /// handler transactions on the same store: prefer it for a durable one.
+    /// An inbox whose deliveries live with the process, to deduplicate envelope ids with; it
+    /// keeps the dead letters of the deliveries it settles (default: a [`MemoryInbox`]).
+    /// Dead-lettering is one transition of the inbox — the letter written and the envelope
+    /// settled together — so the two live in one store.
+    ///
+    /// A durable store ([`Inbox::durable`]: a `SqliteStore`, a `PostgresStore`) is given with
+    /// [`store`](Self::store), which also runs its recovery, its outbox relay, its claims and
+    /// handler transactions on it; [`build`](Self::build) refuses one given here.
     #[must_use]
     pub fn inbox<S: Inbox + DeadLetterStore>(mut self, inbox: Arc<S>) -> Self {
         self.inbox = Some(Arc::clone(&inbox) as Arc<dyn Inbox>);
-        self.durable = Arc::clone(&inbox).durable();
-        if self.durable.is_some() {
-            self.engine
-                .durability
-                .get_or_insert_with(Durability::default);
-            self.sync_retention();
-        }
+        self.durable_as_inbox = Arc::clone(&inbox).durable().is_some();
+        self.durable = None;
         self.dead_letters = Some(inbox);
         self
     }
@@ -202,6 +202,7 @@ impl RuntimeBuilder {
         self.store = Some(Arc::clone(&store) as Arc<dyn std::any::Any + Send + Sync>);
         self.inbox = Some(Arc::clone(&store) as Arc<dyn Inbox>);
         self.durable = Some(Arc::clone(&store) as Arc<dyn DurableInbox>);
+        self.durable_as_inbox = false;
         self.outbox = Some(Arc::clone(&store) as Arc<dyn OutboxStore>);
         // Claims set explicitly with `claims` stay.
         if self.claims.is_none() {
@@ -398,6 +399,13 @@ impl RuntimeBuilder {
 
     /// The handler registry this builder would run, to adjust before starting.
     pub(crate) fn into_parts(self) -> Result<(Registry, Self), Error> {
+        if self.durable_as_inbox {
+            return Err(Error::Configuration(
+                "a durable store was given to RuntimeBuilder::inbox; give it to \
+                 RuntimeBuilder::store, which also runs its recovery, outbox and claims"
+                    .into(),
+            ));
+        }
         let mut this = self;
         let modules = std::mem::take(&mut this.modules);
         let mut registry = Registry::new(
@@ -420,7 +428,8 @@ impl RuntimeBuilder {
     /// # Errors
     ///
     /// [`Error::Registry`] for inconsistent registrations (a handler registered twice, a
-    /// policy for a type nobody handles), and [`Error::Engine`] if threads cannot start.
+    /// policy for a type nobody handles), [`Error::Configuration`] for a durable store given to
+    /// [`inbox`](Self::inbox), and [`Error::Engine`] if threads cannot start.
     pub fn build(self) -> Result<Runtime, Error> {
         let (registry, this) = self.into_parts()?;
         this.start(registry)

@@ -53,8 +53,10 @@ impl SqlStore<sqlx::Postgres> {
     ///
     /// The database's error when the schema cannot be applied.
     pub async fn with_pool(pool: PgPool) -> Result<Self, Error> {
-        let engine = PgPoolOptions::new()
-            .max_connections(pool.options().get_max_connections())
+        // The runtime's own pool, with every option of the application's (timeouts, hooks).
+        let engine = pool
+            .options()
+            .clone()
             .connect_lazy_with((*pool.connect_options()).clone());
         Self::open_on(pool, engine, Database::Postgres).await
     }

@@ -24,13 +24,13 @@ impl SqlStore<sqlx::Sqlite> {
     ///
     /// The database's error when the schema cannot be applied.
     pub async fn with_pool(pool: SqlitePool) -> Result<Self, Error> {
-        let options = pool.options();
-        // A one-connection pool (an in-memory database is one) cannot be split in two.
-        let engine = if options.get_max_connections() <= 1 {
+        // The runtime's own pool, with every option of the application's (timeouts, hooks);
+        // a one-connection pool (an in-memory database is one) is shared instead.
+        let engine = if pool.options().get_max_connections() <= 1 {
             pool.clone()
         } else {
-            SqlitePoolOptions::new()
-                .max_connections(options.get_max_connections())
+            pool.options()
+                .clone()
                 .connect_lazy_with((*pool.connect_options()).clone())
         };
         Self::open_on(pool, engine, Database::Sqlite).await

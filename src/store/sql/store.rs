@@ -120,9 +120,12 @@ impl<D: Dialect> SqlStore<D> {
     }
 
     /// The connection pool, for the application's own queries. The runtime runs on a pool of
-    /// its own with the same options (but for a one-connection pool, such as an in-memory
-    /// SQLite database, which it shares): connections it opens on its own threads never end
-    /// up in the application's pool, which therefore outlives the runtime's shutdown.
+    /// its own with the same options — so up to twice the connections — (a one-connection
+    /// SQLite pool, such as an in-memory database, is shared): the connections the runtime
+    /// opens for its own writes and handler transactions, on its own threads, never end up in
+    /// the application's pool. Queries a handler runs on this pool do open connections on
+    /// the runtime's threads: give handlers [`transaction`](crate::transaction) instead, or a
+    /// pool of their own.
     pub fn pool(&self) -> &sqlx::Pool<D> {
         &self.pool
     }
