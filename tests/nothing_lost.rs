@@ -449,51 +449,63 @@ impl Handler<MemberRemoved> for Gate {
     }
 }
 
+/// Node a starts a delivery with `stale` (which reports on `started`, then waits); node b,
+/// which takes a node silent for 300 ms for dead, takes it over and runs it (and waits too).
+/// Returns node a, the report of node a's delivery, node b, and the envelope id.
+async fn taken_over<H: Handler<MemberRemoved>>(
+    db: &support_stores::TestDatabase,
+    stale: H,
+    started: oneshot::Receiver<()>,
+) -> (
+    Runtime,
+    oneshot::Receiver<dacapo::DeliveryReport>,
+    Runtime,
+    uuid::Uuid,
+) {
+    // Node a heartbeats every 10 s.
+    let slow = db
+        .store(Runtime::builder(), "node-a", Duration::from_secs(30))
+        .await
+        .module(Module::new("billing").handle_named::<MemberRemoved, _>("charge", stale))
+        .build()
+        .unwrap();
+    let envelope = Envelope::for_message(&member_removed()).unwrap();
+    let id = envelope.id;
+    let report = slow.receive_tracked(envelope).await.unwrap();
+    tokio::time::timeout(WAIT, started).await.unwrap().unwrap();
+
+    let (b_started, b_started_rx) = oneshot::channel();
+    let new_owner = db
+        .store(Runtime::builder(), "node-b", Duration::from_millis(300))
+        .await
+        .recovery_interval(Duration::from_millis(100))
+        .module(Module::new("billing").handle_named::<MemberRemoved, _>(
+            "charge",
+            Gate {
+                started: Arc::new(Mutex::new(Some(b_started))),
+                open: Arc::new(Notify::new()),
+            },
+        ))
+        .build()
+        .unwrap();
+    tokio::time::timeout(WAIT, b_started_rx)
+        .await
+        .unwrap()
+        .unwrap();
+    (slow, report, new_owner, id)
+}
+
 on_both_backends!(
     a_node_taken_for_dead_cannot_settle_the_delivery_its_new_owner_runs_sqlite,
     a_node_taken_for_dead_cannot_settle_the_delivery_its_new_owner_runs_postgres,
     |db| {
         let (started, started_rx) = oneshot::channel();
         let open = Arc::new(Notify::new());
-        // Node a heartbeats every 10 s; node b takes a node silent for 300 ms for dead.
-        let slow = db
-            .store(Runtime::builder(), "node-a", Duration::from_secs(30))
-            .await
-            .module(Module::new("billing").handle_named::<MemberRemoved, _>(
-                "charge",
-                Gate {
-                    started: Arc::new(Mutex::new(Some(started))),
-                    open: Arc::clone(&open),
-                },
-            ))
-            .build()
-            .unwrap();
-        let envelope = Envelope::for_message(&member_removed()).unwrap();
-        let id = envelope.id;
-        let report = slow.receive_tracked(envelope).await.unwrap();
-        tokio::time::timeout(WAIT, started_rx)
-            .await
-            .unwrap()
-            .unwrap();
-
-        let (b_started, b_started_rx) = oneshot::channel();
-        let new_owner = db
-            .store(Runtime::builder(), "node-b", Duration::from_millis(300))
-            .await
-            .recovery_interval(Duration::from_millis(100))
-            .module(Module::new("billing").handle_named::<MemberRemoved, _>(
-                "charge",
-                Gate {
-                    started: Arc::new(Mutex::new(Some(b_started))),
-                    open: Arc::new(Notify::new()),
-                },
-            ))
-            .build()
-            .unwrap();
-        tokio::time::timeout(WAIT, b_started_rx)
-            .await
-            .unwrap()
-            .unwrap();
+        let stale = Gate {
+            started: Arc::new(Mutex::new(Some(started))),
+            open: Arc::clone(&open),
+        };
+        let (slow, report, new_owner, id) = taken_over(&db, stale, started_rx).await;
 
         // Node a wakes up and finishes its attempt late.
         open.notify_one();
@@ -665,44 +677,11 @@ on_both_backends!(
     |db| {
         let (started, started_rx) = oneshot::channel();
         let open = Arc::new(Notify::new());
-        let slow = db
-            .store(Runtime::builder(), "node-a", Duration::from_secs(30))
-            .await
-            .module(Module::new("billing").handle_named::<MemberRemoved, _>(
-                "charge",
-                GateThenPermanent {
-                    started: Arc::new(Mutex::new(Some(started))),
-                    open: Arc::clone(&open),
-                },
-            ))
-            .build()
-            .unwrap();
-        let envelope = Envelope::for_message(&member_removed()).unwrap();
-        let id = envelope.id;
-        let report = slow.receive_tracked(envelope).await.unwrap();
-        tokio::time::timeout(WAIT, started_rx)
-            .await
-            .unwrap()
-            .unwrap();
-
-        let (b_started, b_started_rx) = oneshot::channel();
-        let new_owner = db
-            .store(Runtime::builder(), "node-b", Duration::from_millis(300))
-            .await
-            .recovery_interval(Duration::from_millis(100))
-            .module(Module::new("billing").handle_named::<MemberRemoved, _>(
-                "charge",
-                Gate {
-                    started: Arc::new(Mutex::new(Some(b_started))),
-                    open: Arc::new(Notify::new()),
-                },
-            ))
-            .build()
-            .unwrap();
-        tokio::time::timeout(WAIT, b_started_rx)
-            .await
-            .unwrap()
-            .unwrap();
+        let stale = GateThenPermanent {
+            started: Arc::new(Mutex::new(Some(started))),
+            open: Arc::clone(&open),
+        };
+        let (slow, report, new_owner, id) = taken_over(&db, stale, started_rx).await;
 
         // Node a's late attempt fails for good: its dead-letter transition is fenced whole.
         open.notify_one();

@@ -173,6 +173,14 @@ impl Worker {
     }
 }
 
+/// Starts the supervisor of a resumed delivery on its worker.
+fn start_resumed(worker: Arc<Worker>, resumable: Resumable, permit: crate::capacity::Slot) {
+    let on = worker.arbiter.clone();
+    DeliverySupervisor::start_in_arbiter(&on, move |_| {
+        DeliverySupervisor::resumed(worker, resumable, permit)
+    });
+}
+
 /// The entry point of received envelopes: it asks the inbox, waits for capacity, and starts a
 /// [`DeliverySupervisor`] on one of the engine's workers.
 #[derive(Clone)]
@@ -237,42 +245,38 @@ impl Dispatcher {
     /// [`Error::ShuttingDown`] with the envelope when the runtime is closing: its recorded
     /// state is resumed at the next start on the same store.
     pub fn resume(&self, resumable: Resumable) -> Result<(), Error> {
-        // A closing runtime hands its work back rather than taking more.
-        if !self.shared.tracker.admit(true) {
+        let Some(worker) = self.admit_resume(resumable.envelope.id) else {
             return Err(Error::ShuttingDown(Box::new(resumable.envelope)));
-        }
-        self.shared
-            .resuming
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
-            .insert(resumable.envelope.id);
-        let worker = Arc::clone(self.next_worker());
+        };
         let on = worker.arbiter.clone();
         on.spawn(async move {
             let permit = worker.shared.capacity.acquire().await;
-            let on = worker.arbiter.clone();
-            DeliverySupervisor::start_in_arbiter(&on, move |_| {
-                DeliverySupervisor::resumed(worker, resumable, permit)
-            });
+            start_resumed(worker, resumable, permit);
         });
         Ok(())
     }
 
     /// Resumes a recovered delivery on a slot the caller already holds.
     pub(crate) fn resume_on(&self, resumable: Resumable, permit: crate::capacity::Slot) {
+        // Refused only by a shutdown, which leaves the row to the next start.
+        if let Some(worker) = self.admit_resume(resumable.envelope.id) {
+            start_resumed(worker, resumable, permit);
+        }
+    }
+
+    /// Counts a resumed delivery in and lists it as resuming (its supervisor takes it off the
+    /// list when it starts); the worker that will run it, `None` once a shutdown began.
+    fn admit_resume(&self, id: uuid::Uuid) -> Option<Arc<Worker>> {
+        // A closing runtime hands its work back rather than taking more.
         if !self.shared.tracker.admit(true) {
-            return;
+            return None;
         }
         self.shared
             .resuming
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner)
-            .insert(resumable.envelope.id);
-        let worker = Arc::clone(self.next_worker());
-        let on = worker.arbiter.clone();
-        DeliverySupervisor::start_in_arbiter(&on, move |_| {
-            DeliverySupervisor::resumed(worker, resumable, permit)
-        });
+            .insert(id);
+        Some(Arc::clone(self.next_worker()))
     }
 
     /// Whether the runtime is shutting down (it accepts nothing more).
