@@ -432,11 +432,22 @@ on_both_backends!(
     }
 );
 
-/// Waits to be released, then succeeds.
+/// Reports that it started, waits to be released, then succeeds — or fails for good.
 #[derive(Clone)]
 struct Gate {
     started: Arc<Mutex<Option<oneshot::Sender<()>>>>,
     open: Arc<Notify>,
+    fails_for_good: bool,
+}
+
+impl Gate {
+    fn new(started: oneshot::Sender<()>, open: Arc<Notify>) -> Self {
+        Self {
+            started: Arc::new(Mutex::new(Some(started))),
+            open,
+            fails_for_good: false,
+        }
+    }
 }
 
 impl Handler<MemberRemoved> for Gate {
@@ -445,6 +456,9 @@ impl Handler<MemberRemoved> for Gate {
             let _ = started.send(());
         }
         self.open.notified().await;
+        if self.fails_for_good {
+            return Err(HandlerError::permanent("this can never pass"));
+        }
         Ok(())
     }
 }
@@ -481,10 +495,7 @@ async fn taken_over<H: Handler<MemberRemoved>>(
         .recovery_interval(Duration::from_millis(100))
         .module(Module::new("billing").handle_named::<MemberRemoved, _>(
             "charge",
-            Gate {
-                started: Arc::new(Mutex::new(Some(b_started))),
-                open: Arc::new(Notify::new()),
-            },
+            Gate::new(b_started, Arc::new(Notify::new())),
         ))
         .build()
         .unwrap();
@@ -501,10 +512,7 @@ on_both_backends!(
     |db| {
         let (started, started_rx) = oneshot::channel();
         let open = Arc::new(Notify::new());
-        let stale = Gate {
-            started: Arc::new(Mutex::new(Some(started))),
-            open: Arc::clone(&open),
-        };
+        let stale = Gate::new(started, Arc::clone(&open));
         let (slow, report, new_owner, id) = taken_over(&db, stale, started_rx).await;
 
         // Node a wakes up and finishes its attempt late.
@@ -654,32 +662,15 @@ on_both_backends!(
     }
 );
 
-/// Waits to be released, then fails for good.
-#[derive(Clone)]
-struct GateThenPermanent {
-    started: Arc<Mutex<Option<oneshot::Sender<()>>>>,
-    open: Arc<Notify>,
-}
-
-impl Handler<MemberRemoved> for GateThenPermanent {
-    async fn handle(&self, _: &MemberRemoved, _: &MessageContext) -> Result<(), HandlerError> {
-        if let Some(started) = self.started.lock().unwrap().take() {
-            let _ = started.send(());
-        }
-        self.open.notified().await;
-        Err(HandlerError::permanent("this can never pass"))
-    }
-}
-
 on_both_backends!(
     a_node_taken_for_dead_writes_no_dead_letter_for_the_delivery_its_new_owner_runs_sqlite,
     a_node_taken_for_dead_writes_no_dead_letter_for_the_delivery_its_new_owner_runs_postgres,
     |db| {
         let (started, started_rx) = oneshot::channel();
         let open = Arc::new(Notify::new());
-        let stale = GateThenPermanent {
-            started: Arc::new(Mutex::new(Some(started))),
-            open: Arc::clone(&open),
+        let stale = Gate {
+            fails_for_good: true,
+            ..Gate::new(started, Arc::clone(&open))
         };
         let (slow, report, new_owner, id) = taken_over(&db, stale, started_rx).await;
 

@@ -11,6 +11,7 @@ mod support_stores;
 mod support_warnings;
 
 use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
 use dacapo::Envelope;
@@ -401,22 +402,45 @@ on_both_backends!(
     }
 );
 
-/// The store's outbox, counting lease requests and the enlist signals the store gives.
-struct Counting {
+/// The store's outbox as the relay sees it, observed: lease requests, reads and enlist signals
+/// are counted; every lease after the first can be refused (as if another node took it at
+/// once), and one read can be slow.
+struct Observed {
     inner: Box<dyn dacapo::ports::OutboxStore>,
-    leases: Arc<std::sync::atomic::AtomicUsize>,
-    signals: Arc<std::sync::atomic::AtomicUsize>,
+    leases: Arc<AtomicUsize>,
+    reads: Arc<AtomicUsize>,
+    signals: Arc<AtomicUsize>,
+    /// Told when a lease after the first is refused.
+    lease_lost_after_first: Option<Arc<tokio::sync::Notify>>,
+    /// The read (counted from 0) that takes this long.
+    slow_read: Option<(usize, Duration)>,
+}
+
+impl Observed {
+    fn new(inner: Box<dyn dacapo::ports::OutboxStore>) -> Self {
+        Self {
+            inner,
+            leases: Arc::default(),
+            reads: Arc::default(),
+            signals: Arc::default(),
+            lease_lost_after_first: None,
+            slow_read: None,
+        }
+    }
 }
 
 #[async_trait::async_trait]
-impl dacapo::ports::OutboxStore for Counting {
+impl dacapo::ports::OutboxStore for Observed {
     async fn lease(
         &self,
         now: chrono::DateTime<chrono::Utc>,
         until: chrono::DateTime<chrono::Utc>,
     ) -> Result<bool, dacapo::EngineError> {
-        self.leases
-            .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        let before = self.leases.fetch_add(1, Ordering::SeqCst);
+        if let Some(lost) = self.lease_lost_after_first.as_ref().filter(|_| before > 0) {
+            lost.notify_one();
+            return Ok(false);
+        }
         self.inner.lease(now, until).await
     }
     async fn unpublished(
@@ -424,6 +448,10 @@ impl dacapo::ports::OutboxStore for Counting {
         after: i64,
         limit: usize,
     ) -> Result<Vec<(i64, Envelope)>, dacapo::EngineError> {
+        let read = self.reads.fetch_add(1, Ordering::SeqCst);
+        if let Some((_, pause)) = self.slow_read.filter(|(slow, _)| *slow == read) {
+            tokio::time::sleep(pause).await;
+        }
         self.inner.unpublished(after, limit).await
     }
     async fn backlog(&self) -> Result<dacapo::ports::OutboxBacklog, dacapo::EngineError> {
@@ -452,7 +480,7 @@ impl dacapo::ports::OutboxStore for Counting {
         Some(
             stream
                 .inspect(move |_| {
-                    signals.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                    signals.fetch_add(1, Ordering::SeqCst);
                 })
                 .boxed(),
         )
@@ -461,7 +489,6 @@ impl dacapo::ports::OutboxStore for Counting {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_relay_without_the_lease_does_not_contend_for_it_on_every_wake() {
-    use std::sync::atomic::{AtomicUsize, Ordering};
     let db = support_stores::TestDatabase::new(support_stores::Backend::Postgres).await;
     db.execute(
         "INSERT INTO dacapo_outbox_lease (id, owner, expires_at) \
@@ -470,12 +497,8 @@ async fn a_relay_without_the_lease_does_not_contend_for_it_on_every_wake() {
     .await;
     // Something waits, so the first round asks for the lease.
     db.outbox_transaction(&[removed(100)], true).await;
-    let (leases, signals) = (Arc::new(AtomicUsize::new(0)), Arc::new(AtomicUsize::new(0)));
-    let outbox = Counting {
-        inner: db.sqlite_or_postgres_outbox().await,
-        leases: Arc::clone(&leases),
-        signals: Arc::clone(&signals),
-    };
+    let outbox = Observed::new(db.sqlite_or_postgres_outbox().await);
+    let (leases, signals) = (Arc::clone(&outbox.leases), Arc::clone(&outbox.signals));
     let runtime = db
         .store(Runtime::builder(), "standby", Duration::from_secs(30))
         .await
@@ -522,64 +545,6 @@ async fn a_relay_without_the_lease_does_not_contend_for_it_on_every_wake() {
     runtime.shutdown().await;
 }
 
-/// The store's outbox, as if another node took the lease as soon as this relay had it once,
-/// and whose read of the second batch is slow: longer than half the relay's lease.
-struct LeaseLostAfterFirst {
-    inner: Box<dyn dacapo::ports::OutboxStore>,
-    requests: Arc<std::sync::atomic::AtomicUsize>,
-    reads: std::sync::atomic::AtomicUsize,
-    lost: Arc<tokio::sync::Notify>,
-}
-
-#[async_trait::async_trait]
-impl dacapo::ports::OutboxStore for LeaseLostAfterFirst {
-    async fn lease(
-        &self,
-        now: chrono::DateTime<chrono::Utc>,
-        until: chrono::DateTime<chrono::Utc>,
-    ) -> Result<bool, dacapo::EngineError> {
-        let before = self
-            .requests
-            .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
-        if before == 0 {
-            return self.inner.lease(now, until).await;
-        }
-        self.lost.notify_one();
-        Ok(false)
-    }
-    async fn unpublished(
-        &self,
-        after: i64,
-        limit: usize,
-    ) -> Result<Vec<(i64, Envelope)>, dacapo::EngineError> {
-        // Read 0 finds the outbox not empty, read 1 is the first batch, read 2 the second.
-        let read = self.reads.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
-        if read == 2 {
-            // A slow store: the lease (ten polls of 100 ms) is more than half gone after this,
-            // while the first batch took a small part of it.
-            tokio::time::sleep(Duration::from_millis(600)).await;
-        }
-        self.inner.unpublished(after, limit).await
-    }
-    async fn backlog(&self) -> Result<dacapo::ports::OutboxBacklog, dacapo::EngineError> {
-        self.inner.backlog().await
-    }
-    async fn delete_published_before(
-        &self,
-        before: chrono::DateTime<chrono::Utc>,
-        limit: usize,
-    ) -> Result<u64, dacapo::EngineError> {
-        self.inner.delete_published_before(before, limit).await
-    }
-    async fn mark_published(
-        &self,
-        positions: &[i64],
-        at: chrono::DateTime<chrono::Utc>,
-    ) -> Result<(), dacapo::EngineError> {
-        self.inner.mark_published(positions, at).await
-    }
-}
-
 on_both_backends!(
     a_relay_renews_its_lease_during_a_long_round_and_stops_the_moment_it_is_lost_sqlite,
     a_relay_renews_its_lease_during_a_long_round_and_stops_the_moment_it_is_lost_postgres,
@@ -587,13 +552,15 @@ on_both_backends!(
         let messages: Vec<MemberRemoved> = (0..300).map(removed).collect();
         db.outbox_transaction(&messages, true).await;
         let lost = Arc::new(tokio::sync::Notify::new());
-        let requests = Arc::new(std::sync::atomic::AtomicUsize::new(0));
-        let outbox = LeaseLostAfterFirst {
-            inner: db.sqlite_or_postgres_outbox().await,
-            requests: Arc::clone(&requests),
-            reads: std::sync::atomic::AtomicUsize::new(0),
-            lost: Arc::clone(&lost),
+        let outbox = Observed {
+            lease_lost_after_first: Some(Arc::clone(&lost)),
+            // Read 0 finds the outbox not empty, read 1 is the first batch, read 2 the second:
+            // after it the lease (ten polls of 100 ms) is more than half gone, while the first
+            // batch took a small part of it.
+            slow_read: Some((2, Duration::from_millis(600))),
+            ..Observed::new(db.sqlite_or_postgres_outbox().await)
         };
+        let requests = Arc::clone(&outbox.leases);
         // The receiving inbox in memory: publishing a batch takes no time next to the read.
         let runtime = Runtime::builder()
             .outbox_store(Arc::new(outbox))
@@ -614,67 +581,17 @@ on_both_backends!(
             backlog.depth, 200,
             "the first batch published, nothing after the lease was lost"
         );
-        assert!(requests.load(std::sync::atomic::Ordering::SeqCst) >= 2);
+        assert!(requests.load(Ordering::SeqCst) >= 2);
         runtime.shutdown().await;
     }
 );
-
-/// The store's outbox, counting the relay's reads and lease requests.
-struct CountingReads {
-    inner: Box<dyn dacapo::ports::OutboxStore>,
-    reads: Arc<std::sync::atomic::AtomicUsize>,
-    leases: Arc<std::sync::atomic::AtomicUsize>,
-}
-
-#[async_trait::async_trait]
-impl dacapo::ports::OutboxStore for CountingReads {
-    async fn lease(
-        &self,
-        now: chrono::DateTime<chrono::Utc>,
-        until: chrono::DateTime<chrono::Utc>,
-    ) -> Result<bool, dacapo::EngineError> {
-        self.leases
-            .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
-        self.inner.lease(now, until).await
-    }
-    async fn unpublished(
-        &self,
-        after: i64,
-        limit: usize,
-    ) -> Result<Vec<(i64, Envelope)>, dacapo::EngineError> {
-        self.reads.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
-        self.inner.unpublished(after, limit).await
-    }
-    async fn backlog(&self) -> Result<dacapo::ports::OutboxBacklog, dacapo::EngineError> {
-        self.inner.backlog().await
-    }
-    async fn delete_published_before(
-        &self,
-        before: chrono::DateTime<chrono::Utc>,
-        limit: usize,
-    ) -> Result<u64, dacapo::EngineError> {
-        self.inner.delete_published_before(before, limit).await
-    }
-    async fn mark_published(
-        &self,
-        positions: &[i64],
-        at: chrono::DateTime<chrono::Utc>,
-    ) -> Result<(), dacapo::EngineError> {
-        self.inner.mark_published(positions, at).await
-    }
-}
 
 on_both_backends!(
     an_idle_relay_reads_and_writes_nothing_sqlite,
     an_idle_relay_reads_and_writes_nothing_postgres,
     |db| {
-        use std::sync::atomic::Ordering;
-        let (reads, leases) = (Arc::default(), Arc::default());
-        let outbox = CountingReads {
-            inner: db.sqlite_or_postgres_outbox().await,
-            reads: Arc::clone(&reads),
-            leases: Arc::clone(&leases),
-        };
+        let outbox = Observed::new(db.sqlite_or_postgres_outbox().await);
+        let (reads, leases) = (Arc::clone(&outbox.reads), Arc::clone(&outbox.leases));
         let runtime = Runtime::builder()
             .outbox_store(Arc::new(outbox))
             .relay_interval(Duration::from_millis(10))
