@@ -295,9 +295,9 @@ macro_rules! backend {
                     })?;
                 // On the runtime's own pool: a connection opened here, on the runtime's threads,
                 // never ends up in the application's pool.
-                let mut tx = store
-                    .engine_pool()
-                    .begin_with($begin)
+                let pool = store.engine_pool();
+                let tries = pool.options().get_max_connections().saturating_add(1);
+                let mut tx = crate::store::sql::on_live_session(tries, || pool.begin_with($begin))
                     .await
                     .map_err(crate::store::sql::db_error)?;
                 let handler = handler.to_string();

@@ -7,87 +7,27 @@
 mod support;
 #[path = "support/stores.rs"]
 mod support_stores;
+#[path = "support/proxy.rs"]
+mod support_proxy;
 
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use dacapo::prelude::*;
 use dacapo::store::PostgresStore;
 use dacapo::{EngineError, Error};
 use support::{MemberRemoved, member_removed};
-use tokio::net::{TcpListener, TcpStream};
-use tokio::sync::{Notify, Semaphore};
-use tokio::task::JoinSet;
+use support_proxy::Proxy;
+use tokio::sync::Semaphore;
 
 const WAIT: Duration = Duration::from_secs(30);
-
-/// A TCP proxy to PostgreSQL that can be cut (every connection dropped, new ones refused) and
-/// restored.
-struct Proxy {
-    port: u16,
-    up: Arc<AtomicBool>,
-    cut: Arc<Notify>,
-}
-
-impl Proxy {
-    /// A proxy to the PostgreSQL server at `upstream` (`host:port`).
-    async fn start(upstream: String) -> Self {
-        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let port = listener.local_addr().unwrap().port();
-        let up = Arc::new(AtomicBool::new(true));
-        let cut = Arc::new(Notify::new());
-        let (up_, cut_) = (Arc::clone(&up), Arc::clone(&cut));
-        tokio::spawn(async move {
-            let mut connections = JoinSet::new();
-            loop {
-                tokio::select! {
-                    accepted = listener.accept() => {
-                        let Ok((mut client, _)) = accepted else { continue };
-                        if !up_.load(Ordering::SeqCst) {
-                            continue; // dropped: refused
-                        }
-                        let upstream = upstream.clone();
-                        connections.spawn(async move {
-                            if let Ok(mut server) = TcpStream::connect(upstream.as_str()).await {
-                                let _ = tokio::io::copy_bidirectional(&mut client, &mut server).await;
-                            }
-                        });
-                    }
-                    () = cut_.notified() => connections.abort_all(),
-                }
-            }
-        });
-        Self { port, up, cut }
-    }
-
-    fn cut(&self) {
-        self.up.store(false, Ordering::SeqCst);
-        self.cut.notify_one();
-    }
-
-    fn restore(&self) {
-        self.up.store(true, Ordering::SeqCst);
-    }
-}
 
 /// A proxy to `db`'s server, and a pool that reaches `db` through it.
 async fn proxied(
     db: &support_stores::TestDatabase,
     acquire_timeout: Duration,
 ) -> (Proxy, sqlx::PgPool) {
-    // The server behind the test URL: postgres://user@HOST:PORT/database.
-    let authority = db
-        .url
-        .split('@')
-        .nth(1)
-        .and_then(|rest| rest.split('/').next())
-        .unwrap()
-        .to_owned();
-    let proxy = Proxy::start(authority.clone()).await;
-    let through_proxy = db
-        .url
-        .replacen(&authority, &format!("127.0.0.1:{}", proxy.port), 1);
+    let (proxy, through_proxy) = Proxy::to(&db.url).await;
     let pool = sqlx::postgres::PgPoolOptions::new()
         .acquire_timeout(acquire_timeout)
         .connect(&through_proxy)

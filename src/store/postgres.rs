@@ -53,10 +53,13 @@ impl SqlStore<sqlx::Postgres> {
     ///
     /// The database's error when the schema cannot be applied.
     pub async fn with_pool(pool: PgPool) -> Result<Self, Error> {
-        // The runtime's own pool, with every option of the application's (timeouts, hooks).
+        // The runtime's own pool, with every option of the application's (timeouts, hooks) but
+        // the ping before each use: a round trip per statement. A connection the server closed
+        // meanwhile is found by the statement, which runs again on another (`on_live_session`).
         let engine = pool
             .options()
             .clone()
+            .test_before_acquire(false)
             .connect_lazy_with((*pool.connect_options()).clone());
         Self::open_on(pool, engine, Database::Postgres).await
     }

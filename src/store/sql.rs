@@ -116,6 +116,40 @@ fn rejects_data(code: &str) -> bool {
         .is_ok_and(|code| matches!(code & 0xff, 18..=20))
 }
 
+/// Whether the server ended the connection's session before it ran anything of ours:
+/// PostgreSQL's SQLSTATE 57P01 to 57P05 (terminated by an administrator, a crash, a shutdown,
+/// an idle timeout). The server sends that notice on the idle connection as it closes it, so
+/// the first statement sent there reads it back instead of running; a commit under way when
+/// the notice came finishes and answers first. Such a failure is safe to run again on another
+/// connection.
+pub(crate) fn session_ended(error: &sqlx::Error) -> bool {
+    matches!(error, sqlx::Error::Database(database)
+        if database.code().is_some_and(|code| code.starts_with("57P0")))
+}
+
+/// Runs `attempt` until it does not fail with [`session_ended`], at most `tries` times.
+///
+/// The runtime's pools take a connection without a ping (a round trip each time), so a
+/// connection the server closed while it sat idle is found by the statement that uses it;
+/// each idle connection is found that way at most once, so `tries` of one more than the
+/// pool's size reaches a live one.
+pub(crate) async fn on_live_session<T, F, Fut>(tries: u32, mut attempt: F) -> Result<T, sqlx::Error>
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Result<T, sqlx::Error>>,
+{
+    let mut tried = 1;
+    loop {
+        match attempt().await {
+            Err(error) if session_ended(&error) && tried < tries => {
+                tracing::debug!(%error, "the server ended an idle connection's session; running on another");
+                tried += 1;
+            }
+            done => return done,
+        }
+    }
+}
+
 /// A claim this node no longer holds: another node took it over (this one was taken for dead).
 /// No retry can bring it back.
 pub(crate) fn claim_lost(claim: &dacapo_actors::ports::Claim) -> Error {

@@ -24,13 +24,15 @@ impl SqlStore<sqlx::Sqlite> {
     ///
     /// The database's error when the schema cannot be applied.
     pub async fn with_pool(pool: SqlitePool) -> Result<Self, Error> {
-        // The runtime's own pool, with every option of the application's (timeouts, hooks);
-        // a one-connection pool (an in-memory database is one) is shared instead.
+        // The runtime's own pool, with every option of the application's (timeouts, hooks) but
+        // the ping before each use, which a file the process holds open has no need of; a
+        // one-connection pool (an in-memory database is one) is shared instead.
         let engine = if pool.options().get_max_connections() <= 1 {
             pool.clone()
         } else {
             pool.options()
                 .clone()
+                .test_before_acquire(false)
                 .connect_lazy_with((*pool.connect_options()).clone())
         };
         Self::open_on(pool, engine, Database::Sqlite).await

@@ -5,7 +5,7 @@
 use dacapo_actors::Error;
 use sqlx::Row as _;
 
-use super::db_error;
+use super::{db_error, on_live_session};
 
 /// A statement parameter.
 #[derive(Clone, Copy, Debug)]
@@ -113,16 +113,33 @@ impl Row {
 }
 
 impl Database {
+    /// How many times a statement is tried on connections whose session the server ended.
+    fn tries(&self) -> u32 {
+        let size = match self {
+            #[cfg(feature = "sqlite")]
+            Self::Sqlite(pool) => pool.options().get_max_connections(),
+            #[cfg(feature = "postgres")]
+            Self::Postgres(pool) => pool.options().get_max_connections(),
+        };
+        size.saturating_add(1)
+    }
+
     /// Opens a write transaction: `BEGIN IMMEDIATE` on SQLite, which takes the write lock at
     /// once (a transaction that reads, then writes, would otherwise fail as busy).
     pub(crate) async fn begin(&self) -> Result<Tx, Error> {
         Ok(match self {
             #[cfg(feature = "sqlite")]
-            Self::Sqlite(pool) => {
-                Tx::Sqlite(pool.begin_with("BEGIN IMMEDIATE").await.map_err(db_error)?)
-            }
+            Self::Sqlite(pool) => Tx::Sqlite(
+                on_live_session(self.tries(), || pool.begin_with("BEGIN IMMEDIATE"))
+                    .await
+                    .map_err(db_error)?,
+            ),
             #[cfg(feature = "postgres")]
-            Self::Postgres(pool) => Tx::Postgres(pool.begin().await.map_err(db_error)?),
+            Self::Postgres(pool) => Tx::Postgres(
+                on_live_session(self.tries(), || pool.begin())
+                    .await
+                    .map_err(db_error)?,
+            ),
         })
     }
 
@@ -134,13 +151,15 @@ impl Database {
     ) -> Result<u64, Error> {
         let done = match self {
             #[cfg(feature = "sqlite")]
-            Self::Sqlite(pool) => bind(sqlx::query(sql), values)
-                .execute(pool)
+            Self::Sqlite(pool) => on_live_session(self.tries(), || {
+                bind(sqlx::query(sql), values).execute(pool)
+            })
                 .await
                 .map(|done| done.rows_affected()),
             #[cfg(feature = "postgres")]
-            Self::Postgres(pool) => bind(sqlx::query(sql), values)
-                .execute(pool)
+            Self::Postgres(pool) => on_live_session(self.tries(), || {
+                bind(sqlx::query(sql), values).execute(pool)
+            })
                 .await
                 .map(|done| done.rows_affected()),
         };
@@ -155,13 +174,15 @@ impl Database {
     ) -> Result<u64, Error> {
         let done = match self {
             #[cfg(feature = "sqlite")]
-            Self::Sqlite(pool) => bind(sqlx::query(sqlx::AssertSqlSafe(sql)), values)
-                .execute(pool)
+            Self::Sqlite(pool) => on_live_session(self.tries(), || {
+                bind(sqlx::query(sqlx::AssertSqlSafe(sql.clone())), values).execute(pool)
+            })
                 .await
                 .map(|done| done.rows_affected()),
             #[cfg(feature = "postgres")]
-            Self::Postgres(pool) => bind(sqlx::query(sqlx::AssertSqlSafe(sql)), values)
-                .execute(pool)
+            Self::Postgres(pool) => on_live_session(self.tries(), || {
+                bind(sqlx::query(sqlx::AssertSqlSafe(sql.clone())), values).execute(pool)
+            })
                 .await
                 .map(|done| done.rows_affected()),
         };
@@ -176,13 +197,15 @@ impl Database {
     ) -> Result<Vec<Row>, Error> {
         let rows = match self {
             #[cfg(feature = "sqlite")]
-            Self::Sqlite(pool) => bind(sqlx::query(sql), values)
-                .fetch_all(pool)
+            Self::Sqlite(pool) => on_live_session(self.tries(), || {
+                bind(sqlx::query(sql), values).fetch_all(pool)
+            })
                 .await
                 .map(|rows| rows.into_iter().map(Row::Sqlite).collect()),
             #[cfg(feature = "postgres")]
-            Self::Postgres(pool) => bind(sqlx::query(sql), values)
-                .fetch_all(pool)
+            Self::Postgres(pool) => on_live_session(self.tries(), || {
+                bind(sqlx::query(sql), values).fetch_all(pool)
+            })
                 .await
                 .map(|rows| rows.into_iter().map(Row::Postgres).collect()),
         };
@@ -197,13 +220,15 @@ impl Database {
     ) -> Result<Option<Row>, Error> {
         let row = match self {
             #[cfg(feature = "sqlite")]
-            Self::Sqlite(pool) => bind(sqlx::query(sql), values)
-                .fetch_optional(pool)
+            Self::Sqlite(pool) => on_live_session(self.tries(), || {
+                bind(sqlx::query(sql), values).fetch_optional(pool)
+            })
                 .await
                 .map(|row| row.map(Row::Sqlite)),
             #[cfg(feature = "postgres")]
-            Self::Postgres(pool) => bind(sqlx::query(sql), values)
-                .fetch_optional(pool)
+            Self::Postgres(pool) => on_live_session(self.tries(), || {
+                bind(sqlx::query(sql), values).fetch_optional(pool)
+            })
                 .await
                 .map(|row| row.map(Row::Postgres)),
         };

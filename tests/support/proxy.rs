@@ -1,0 +1,140 @@
+//! A TCP proxy to the PostgreSQL server that a test can cut (every connection dropped, new
+//! ones refused) and restore, and which counts round trips: the `ReadyForQuery` messages the
+//! server sends, one per statement, transaction command or ping the client waited for.
+#![allow(dead_code, unreachable_pub)]
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::Notify;
+use tokio::task::JoinSet;
+
+pub struct Proxy {
+    pub port: u16,
+    up: Arc<AtomicBool>,
+    cut: Arc<Notify>,
+    round_trips: Arc<AtomicU64>,
+}
+
+impl Proxy {
+    /// A proxy to the PostgreSQL server at `upstream` (`host:port`).
+    pub async fn start(upstream: String) -> Self {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let port = listener.local_addr().unwrap().port();
+        let up = Arc::new(AtomicBool::new(true));
+        let cut = Arc::new(Notify::new());
+        let round_trips = Arc::new(AtomicU64::new(0));
+        let (up_, cut_, round_trips_) = (
+            Arc::clone(&up),
+            Arc::clone(&cut),
+            Arc::clone(&round_trips),
+        );
+        tokio::spawn(async move {
+            let mut connections = JoinSet::new();
+            loop {
+                tokio::select! {
+                    accepted = listener.accept() => {
+                        let Ok((client, _)) = accepted else { continue };
+                        if !up_.load(Ordering::SeqCst) {
+                            continue; // dropped: refused
+                        }
+                        let upstream = upstream.clone();
+                        let round_trips = Arc::clone(&round_trips_);
+                        connections.spawn(async move {
+                            if let Ok(server) = TcpStream::connect(upstream.as_str()).await {
+                                relay(client, server, round_trips).await;
+                            }
+                        });
+                    }
+                    () = cut_.notified() => connections.abort_all(),
+                }
+            }
+        });
+        Self {
+            port,
+            up,
+            cut,
+            round_trips,
+        }
+    }
+
+    /// A proxy to the server of `url` (`postgres://user@HOST:PORT/database`), and `url`
+    /// rewritten to go through it, without TLS so the proxy can read the messages.
+    pub async fn to(url: &str) -> (Self, String) {
+        let authority = url
+            .split('@')
+            .nth(1)
+            .and_then(|rest| rest.split('/').next())
+            .expect("a postgres://user@host:port/database url")
+            .to_owned();
+        let proxy = Self::start(authority.clone()).await;
+        let through = url.replacen(&authority, &format!("127.0.0.1:{}", proxy.port), 1);
+        let separator = if through.contains('?') { '&' } else { '?' };
+        (proxy, format!("{through}{separator}sslmode=disable"))
+    }
+
+    pub fn cut(&self) {
+        self.up.store(false, Ordering::SeqCst);
+        self.cut.notify_one();
+    }
+
+    pub fn restore(&self) {
+        self.up.store(true, Ordering::SeqCst);
+    }
+
+    /// Round trips made through the proxy so far.
+    pub fn round_trips(&self) -> u64 {
+        self.round_trips.load(Ordering::SeqCst)
+    }
+}
+
+/// Copies both ways; reads the server's side as protocol messages (a type byte, then a
+/// big-endian length that counts itself) to count `ReadyForQuery` (`Z`).
+async fn relay(client: TcpStream, server: TcpStream, round_trips: Arc<AtomicU64>) {
+    let (mut client_read, mut client_write) = client.into_split();
+    let (mut server_read, mut server_write) = server.into_split();
+    let upstream = async {
+        let _ = tokio::io::copy(&mut client_read, &mut server_write).await;
+        let _ = server_write.shutdown().await;
+    };
+    let downstream = async {
+        let mut buffer = vec![0u8; 64 * 1024];
+        // Bytes of the current message still to skip, and the header being read.
+        let mut skip = 0usize;
+        let mut header = Vec::with_capacity(5);
+        loop {
+            let Ok(read) = server_read.read(&mut buffer).await else {
+                break;
+            };
+            if read == 0 {
+                break;
+            }
+            let mut at = 0;
+            while at < read {
+                if skip > 0 {
+                    let taken = skip.min(read - at);
+                    skip -= taken;
+                    at += taken;
+                    continue;
+                }
+                header.push(buffer[at]);
+                at += 1;
+                if header.len() == 5 {
+                    if header[0] == b'Z' {
+                        round_trips.fetch_add(1, Ordering::SeqCst);
+                    }
+                    let length = u32::from_be_bytes([header[1], header[2], header[3], header[4]]);
+                    skip = (length as usize).saturating_sub(4);
+                    header.clear();
+                }
+            }
+            if client_write.write_all(&buffer[..read]).await.is_err() {
+                break;
+            }
+        }
+        let _ = client_write.shutdown().await;
+    };
+    tokio::join!(upstream, downstream);
+}
