@@ -83,7 +83,10 @@ async fn every_idle_connection_closed_by_the_server_is_replaced_without_an_error
     .fetch_one(admin.pool())
     .await
     .unwrap();
-    assert!(killed > 1, "several idle connections were killed ({killed})");
+    assert!(
+        killed > 1,
+        "several idle connections were killed ({killed})"
+    );
 
     // Every publish finds a dead connection first, until none is left: none fails.
     for _ in 0..20 {

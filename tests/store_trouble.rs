@@ -5,10 +5,10 @@
 
 #[path = "support/messages.rs"]
 mod support;
-#[path = "support/stores.rs"]
-mod support_stores;
 #[path = "support/proxy.rs"]
 mod support_proxy;
+#[path = "support/stores.rs"]
+mod support_stores;
 
 use std::sync::Arc;
 use std::time::Duration;

@@ -26,11 +26,8 @@ impl Proxy {
         let up = Arc::new(AtomicBool::new(true));
         let cut = Arc::new(Notify::new());
         let round_trips = Arc::new(AtomicU64::new(0));
-        let (up_, cut_, round_trips_) = (
-            Arc::clone(&up),
-            Arc::clone(&cut),
-            Arc::clone(&round_trips),
-        );
+        let (up_, cut_, round_trips_) =
+            (Arc::clone(&up), Arc::clone(&cut), Arc::clone(&round_trips));
         tokio::spawn(async move {
             let mut connections = JoinSet::new();
             loop {
@@ -104,10 +101,7 @@ async fn relay(client: TcpStream, server: TcpStream, round_trips: Arc<AtomicU64>
         // Bytes of the current message still to skip, and the header being read.
         let mut skip = 0usize;
         let mut header = Vec::with_capacity(5);
-        loop {
-            let Ok(read) = server_read.read(&mut buffer).await else {
-                break;
-            };
+        while let Ok(read) = server_read.read(&mut buffer).await {
             if read == 0 {
                 break;
             }

@@ -154,14 +154,14 @@ impl Database {
             Self::Sqlite(pool) => on_live_session(self.tries(), || {
                 bind(sqlx::query(sql), values).execute(pool)
             })
-                .await
-                .map(|done| done.rows_affected()),
+            .await
+            .map(|done| done.rows_affected()),
             #[cfg(feature = "postgres")]
             Self::Postgres(pool) => on_live_session(self.tries(), || {
                 bind(sqlx::query(sql), values).execute(pool)
             })
-                .await
-                .map(|done| done.rows_affected()),
+            .await
+            .map(|done| done.rows_affected()),
         };
         done.map_err(db_error)
     }
@@ -177,14 +177,14 @@ impl Database {
             Self::Sqlite(pool) => on_live_session(self.tries(), || {
                 bind(sqlx::query(sqlx::AssertSqlSafe(sql.clone())), values).execute(pool)
             })
-                .await
-                .map(|done| done.rows_affected()),
+            .await
+            .map(|done| done.rows_affected()),
             #[cfg(feature = "postgres")]
             Self::Postgres(pool) => on_live_session(self.tries(), || {
                 bind(sqlx::query(sqlx::AssertSqlSafe(sql.clone())), values).execute(pool)
             })
-                .await
-                .map(|done| done.rows_affected()),
+            .await
+            .map(|done| done.rows_affected()),
         };
         done.map_err(db_error)
     }
@@ -200,14 +200,14 @@ impl Database {
             Self::Sqlite(pool) => on_live_session(self.tries(), || {
                 bind(sqlx::query(sql), values).fetch_all(pool)
             })
-                .await
-                .map(|rows| rows.into_iter().map(Row::Sqlite).collect()),
+            .await
+            .map(|rows| rows.into_iter().map(Row::Sqlite).collect()),
             #[cfg(feature = "postgres")]
             Self::Postgres(pool) => on_live_session(self.tries(), || {
                 bind(sqlx::query(sql), values).fetch_all(pool)
             })
-                .await
-                .map(|rows| rows.into_iter().map(Row::Postgres).collect()),
+            .await
+            .map(|rows| rows.into_iter().map(Row::Postgres).collect()),
         };
         rows.map_err(db_error)
     }
@@ -223,14 +223,14 @@ impl Database {
             Self::Sqlite(pool) => on_live_session(self.tries(), || {
                 bind(sqlx::query(sql), values).fetch_optional(pool)
             })
-                .await
-                .map(|row| row.map(Row::Sqlite)),
+            .await
+            .map(|row| row.map(Row::Sqlite)),
             #[cfg(feature = "postgres")]
             Self::Postgres(pool) => on_live_session(self.tries(), || {
                 bind(sqlx::query(sql), values).fetch_optional(pool)
             })
-                .await
-                .map(|row| row.map(Row::Postgres)),
+            .await
+            .map(|row| row.map(Row::Postgres)),
         };
         row.map_err(db_error)
     }
