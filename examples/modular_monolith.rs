@@ -33,8 +33,29 @@ use dacapo::{DiscardReason, Outcome};
 
 use crate::events::{MemberRemoved, WebhookDeliveryRequested};
 
-#[tokio::main]
-async fn main() -> Result<(), Box<dyn std::error::Error>> {
+fn main() -> std::process::ExitCode {
+    let target = match parse_args(std::env::args().skip(1)) {
+        Ok(Args::Run { database }) => database,
+        Ok(Args::Help) => {
+            println!("{USAGE}");
+            return std::process::ExitCode::SUCCESS;
+        }
+        Err(error) => {
+            eprintln!("modular_monolith: {error}\n\n{USAGE}");
+            return std::process::ExitCode::from(2);
+        }
+    };
+    let runtime = tokio::runtime::Runtime::new().expect("a tokio runtime");
+    match runtime.block_on(run(target)) {
+        Ok(()) => std::process::ExitCode::SUCCESS,
+        Err(error) => {
+            eprintln!("modular_monolith: {error}");
+            std::process::ExitCode::FAILURE
+        }
+    }
+}
+
+async fn run(target: String) -> Result<(), Box<dyn std::error::Error>> {
     tracing_subscriber::fmt()
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "warn".into()),
@@ -43,7 +64,6 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
 
     // One database holds the runtime's inbox and dead letters and the modules' own tables: a
     // SQLite file by default, PostgreSQL when given a URL.
-    let target = database_target();
     let postgres = target.starts_with("postgres://") || target.starts_with("postgresql://");
     let (builder, store_pool) = runtime_with_store(&target, postgres).await?;
     let db = db::Db::connect(&target, postgres).await?;
@@ -190,15 +210,98 @@ async fn runtime_with_store(
     }
 }
 
-/// `--database TARGET`: a SQLite file path (default `dacapo.db`) or a `postgres://` URL.
-fn database_target() -> String {
-    let mut args = std::env::args().skip(1);
+const USAGE: &str = "\
+The main job: a modular monolith whose modules react to organization.member_removed; a retry
+reruns every handler and writes no duplicate.
+
+Usage: modular_monolith [--database TARGET]
+
+Options:
+  --database TARGET  a SQLite file path (default dacapo.db) or a postgres:// URL
+                     (PostgreSQL needs --features postgres)
+  -h, --help         print this help
+
+Logs: RUST_LOG (default warn), e.g. RUST_LOG=dacapo=info.";
+
+/// What the command line asks for.
+#[derive(Debug)]
+enum Args {
+    Run { database: String },
+    Help,
+}
+
+/// `--database TARGET` (default `dacapo.db`), `--help`; anything else is refused.
+fn parse_args(mut args: impl Iterator<Item = String>) -> Result<Args, String> {
+    let mut database = None;
     while let Some(arg) = args.next() {
-        if arg == "--database"
-            && let Some(target) = args.next()
-        {
-            return target;
+        match arg.as_str() {
+            "-h" | "--help" => return Ok(Args::Help),
+            "--database" => match args.next() {
+                Some(target) if !target.starts_with("--") => database = Some(target),
+                _ => {
+                    return Err(
+                        "--database needs a value: a SQLite file path or a postgres:// URL"
+                            .to_owned(),
+                    );
+                }
+            },
+            other => {
+                if let Some(target) = other.strip_prefix("--database=") {
+                    database = Some(target.to_owned());
+                } else {
+                    return Err(format!("unknown argument {other:?}"));
+                }
+            }
         }
     }
-    "dacapo.db".to_owned()
+    Ok(Args::Run {
+        database: database.unwrap_or_else(|| "dacapo.db".to_owned()),
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{Args, parse_args};
+
+    fn parse(args: &[&str]) -> Result<Args, String> {
+        parse_args(args.iter().map(|a| (*a).to_owned()))
+    }
+
+    #[test]
+    fn help_is_answered_instead_of_running() {
+        assert!(matches!(parse(&["--help"]), Ok(Args::Help)));
+        assert!(matches!(
+            parse(&["--database", "x.db", "-h"]),
+            Ok(Args::Help)
+        ));
+    }
+
+    #[test]
+    fn the_database_defaults_to_a_file_and_is_taken_in_both_spellings() {
+        assert!(matches!(parse(&[]), Ok(Args::Run { database }) if database == "dacapo.db"));
+        assert!(
+            matches!(parse(&["--database", "a.db"]), Ok(Args::Run { database }) if database == "a.db")
+        );
+        assert!(
+            matches!(parse(&["--database=b.db"]), Ok(Args::Run { database }) if database == "b.db")
+        );
+    }
+
+    #[test]
+    fn unknown_flags_and_a_missing_value_are_refused() {
+        assert_eq!(
+            parse(&["--databse", "a.db"]).err().unwrap(),
+            "unknown argument \"--databse\""
+        );
+        assert!(
+            parse(&["--database"])
+                .unwrap_err()
+                .contains("needs a value")
+        );
+        assert!(
+            parse(&["--database", "--help"])
+                .unwrap_err()
+                .contains("needs a value")
+        );
+    }
 }

@@ -1,19 +1,70 @@
-use dacapo_actors::{HandlerId, RegistryError};
+use dacapo_actors::{Envelope, HandlerId, RegistryError};
 use uuid::Uuid;
 
-/// Errors of the dacapo runtime.
+/// What can go wrong in dacapo, in one enum to match on.
+///
+/// Where an operation refused an envelope (too large, no route, shutting down) the envelope
+/// is handed back: [`envelope`](Self::envelope), [`into_envelope`](Self::into_envelope).
+/// [`is_retryable`](Self::is_retryable) says whether the same call may pass later. `Debug`
+/// shows an envelope's payload size, never its bytes, so `?` in `main` prints a short line.
+///
+/// Store ports ([`ports`](crate::ports)), which a store implementation writes, speak the
+/// engine's own [`EngineError`](crate::EngineError); it converts into this one with `?`.
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum Error {
-    /// The engine refused or failed an operation (shutting down, store failure, too large…).
-    #[error(transparent)]
-    Engine(#[from] dacapo_actors::Error),
+    /// A store failed; the operation did not take effect. It may pass later (a lost
+    /// connection, a server restarting): it is retryable.
+    #[error("store failed: {0}")]
+    Store(#[source] Box<dyn std::error::Error + Send + Sync>),
+    /// The store refused the data itself (a value it cannot hold, a constraint it enforces):
+    /// nothing took effect, and trying again cannot help.
+    #[error("store rejected the data: {0}")]
+    Rejected(#[source] Box<dyn std::error::Error + Send + Sync>),
+    /// The database has no dacapo schema (or an older one) and was opened without creating
+    /// or migrating it; nothing was written.
+    #[error("no dacapo schema at {at}")]
+    NoSchema {
+        /// The SQLite path or the PostgreSQL URL, without its password.
+        at: String,
+    },
+    /// The runtime is shutting down or stopped; the envelope, handed back, was not accepted.
+    #[error("the runtime is shutting down; envelope {} was not accepted", .0.id)]
+    ShuttingDown(Box<Envelope>),
+    /// A context operation needs a delivery, and this context is detached from one.
+    #[error("this message context is detached from any delivery")]
+    Detached,
+    /// The message could not be serialized.
+    #[error("message could not be serialized: {0}")]
+    Serialize(#[source] serde_json::Error),
+    /// The envelope, handed back, is over the size limit and was not sent.
+    #[error("envelope {} of type {} is {size} bytes, over the limit of {limit}", .envelope.id, .envelope.message_type)]
+    TooLarge {
+        /// The refused envelope.
+        envelope: Box<Envelope>,
+        /// Its size in bytes ([`Envelope::size`]).
+        size: usize,
+        /// The configured limit.
+        limit: usize,
+    },
+    /// `send` needs a handler for the message type and none is registered; the envelope is
+    /// handed back.
+    #[error("no handler is registered for {}; envelope {} was not sent", .0.message_type, .0.id)]
+    NoRoute(Box<Envelope>),
+    /// The engine's threads could not be started.
+    #[error("the engine could not start: {0}")]
+    Startup(String),
     /// The handler registrations are inconsistent.
     #[error("invalid registration: {0}")]
     Registry(#[from] RegistryError),
     /// A handler was named (to inject a fault, say) that no module registered.
-    #[error("no handler {0} is registered")]
-    UnknownHandler(HandlerId),
+    #[error("no handler {handler} is registered; the registered ones are: {}", registered_list(.registered))]
+    UnknownHandler {
+        /// The handler named.
+        handler: HandlerId,
+        /// Every registered handler, as `module/name`.
+        registered: Vec<HandlerId>,
+    },
     /// No dead letter has this id.
     #[error("no dead letter with id {0}")]
     DeadLetterNotFound(Uuid),
@@ -40,4 +91,77 @@ pub enum Error {
     /// (letters, digits and `_`, optionally `schema.name`); nothing was run.
     #[error("{0:?} is not a plain SQL identifier")]
     InvalidIdentifier(String),
+}
+
+fn registered_list(handlers: &[HandlerId]) -> String {
+    if handlers.is_empty() {
+        return "none".to_owned();
+    }
+    handlers
+        .iter()
+        .map(ToString::to_string)
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
+impl Error {
+    /// Whether the same call may pass if made again later: a store failure may (the
+    /// database was unreachable, a connection died); a refused value, a closed runtime, a
+    /// registration or configuration mistake will not.
+    pub fn is_retryable(&self) -> bool {
+        matches!(self, Self::Store(_))
+    }
+
+    /// The envelope the operation refused, where one was handed back.
+    pub fn envelope(&self) -> Option<&Envelope> {
+        match self {
+            Self::ShuttingDown(envelope)
+            | Self::NoRoute(envelope)
+            | Self::TooLarge { envelope, .. } => Some(envelope),
+            _ => None,
+        }
+    }
+
+    /// The envelope the operation refused, taken back out of the error.
+    pub fn into_envelope(self) -> Option<Envelope> {
+        match self {
+            Self::ShuttingDown(envelope)
+            | Self::NoRoute(envelope)
+            | Self::TooLarge { envelope, .. } => Some(*envelope),
+            _ => None,
+        }
+    }
+}
+
+impl From<dacapo_actors::Error> for Error {
+    fn from(error: dacapo_actors::Error) -> Self {
+        use dacapo_actors::Error as Engine;
+        match error {
+            Engine::Store(error) => Self::Store(error),
+            Engine::Rejected(error) => Self::Rejected(error),
+            Engine::ShuttingDown(envelope) => Self::ShuttingDown(envelope),
+            Engine::Detached => Self::Detached,
+            Engine::Serialize(error) => Self::Serialize(error),
+            Engine::TooLarge {
+                envelope,
+                size,
+                limit,
+            } => Self::TooLarge {
+                envelope,
+                size,
+                limit,
+            },
+            Engine::NoRoute(envelope) => Self::NoRoute(envelope),
+            Engine::Startup(reason) => Self::Startup(reason),
+            // The engine's error grows with the engine; what it adds is a store's failure to
+            // the caller until it has a variant here.
+            other => Self::Store(Box::new(other)),
+        }
+    }
+}
+
+impl From<serde_json::Error> for Error {
+    fn from(error: serde_json::Error) -> Self {
+        Self::Serialize(error)
+    }
 }

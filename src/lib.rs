@@ -23,10 +23,11 @@ pub mod transport;
 pub use dacapo_actors::Error as EngineError;
 pub use dacapo_actors::ports;
 pub use dacapo_actors::{
-    AggregateError, Conflicts, DeadLetter, DeadLetterReason, Deduplication, DeliveryReport,
-    DiscardReason, Disposition, Envelope, FailureKind, Handler, HandlerError, HandlerFailure,
-    HandlerId, Message, MessageContext, Module, Outcome, PendingRetry, RetryPolicy, RetryScope,
-    SendOptions, ShutdownReport, StatsSnapshot, UnknownMessageTypes,
+    AggregateError, Conflicts, DeadLetter, DeadLetterFilter, DeadLetterReason, Deduplication,
+    DeliveryReport, DiscardReason, Disposition, Envelope, FailureKind, Handler, HandlerError,
+    HandlerFailure, HandlerId, MAX_MESSAGE_TYPE_LEN, Message, MessageContext, Module, Outcome,
+    PendingRetry, RetryPolicy, RetryScope, SendOptions, ShutdownReport, StatsSnapshot,
+    UnknownMessageTypes,
 };
 pub use error::Error;
 pub use runtime::{DeadLetters, Runtime, RuntimeBuilder, Scheduled};

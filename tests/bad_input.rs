@@ -5,7 +5,7 @@ mod support;
 
 use dacapo::prelude::*;
 use dacapo::testing::TestHarness;
-use dacapo::{DeadLetterReason, DiscardReason, EngineError, Error, Outcome, UnknownMessageTypes};
+use dacapo::{DeadLetterReason, DiscardReason, Error, Outcome, UnknownMessageTypes};
 use support::{Counter, MemberRemoved, member_removed};
 
 fn harness_with(counter: &Counter) -> TestHarness {
@@ -106,11 +106,11 @@ async fn an_oversized_message_is_refused_at_publish_and_handed_back() {
         .await
         .unwrap_err();
 
-    let Error::Engine(EngineError::TooLarge {
+    let Error::TooLarge {
         envelope,
         size,
         limit,
-    }) = error
+    } = error
     else {
         panic!("expected TooLarge, got {error}");
     };
@@ -141,7 +141,7 @@ async fn an_oversized_envelope_is_dead_lettered_at_receive() {
 async fn send_refuses_a_type_without_handler_at_the_call_site() {
     let harness = TestHarness::builder().build().unwrap();
     let error = harness.runtime().send(&member_removed()).await.unwrap_err();
-    let Error::Engine(EngineError::NoRoute(envelope)) = error else {
+    let Error::NoRoute(envelope) = error else {
         panic!("expected NoRoute, got {error}")
     };
     assert_eq!(envelope.message_type, "organization.member_removed");
@@ -190,9 +190,173 @@ fn two_rust_types_for_one_message_type_are_refused() {
 }
 
 #[test]
-fn a_fault_for_an_unknown_handler_is_refused() {
+fn a_fault_for_an_unknown_handler_is_refused_naming_the_registered_ones() {
     let result = TestHarness::builder()
-        .fault("nobody", "nothing", dacapo::testing::Fault::always_fail())
+        .module(
+            Module::new("billing")
+                .handle_named::<MemberRemoved, _>("charge", Counter::default())
+                .handle_named::<MemberRemoved, _>("refund", Counter::default()),
+        )
+        .fault("billing", "chrage", dacapo::testing::Fault::always_fail())
         .build();
-    assert!(matches!(result, Err(Error::UnknownHandler(_))));
+    let Err(error @ Error::UnknownHandler { .. }) = result else {
+        panic!("expected UnknownHandler");
+    };
+    assert_eq!(
+        error.to_string(),
+        "no handler billing/chrage is registered; the registered ones are: billing/charge, \
+         billing/refund"
+    );
+}
+
+#[derive(serde::Serialize, serde::Deserialize)]
+struct Untyped;
+
+impl Message for Untyped {
+    const TYPE: &'static str = "";
+}
+
+#[derive(serde::Serialize, serde::Deserialize)]
+struct Spaced;
+
+impl Message for Spaced {
+    const TYPE: &'static str = "billing charge";
+}
+
+#[derive(serde::Serialize, serde::Deserialize)]
+struct LongNamed;
+
+impl Message for LongNamed {
+    const TYPE: &'static str = concat!(
+        "a.type.name.that.goes.on.and.on.and.on.and.on.and.on.and.on.and.on.and.on.and.on.and.",
+        "on.and.on.and.on.and.on.and.on.and.on.and.on.and.on.and.on.and.on.and.on.and.on.and.on.",
+        "and.on.and.on.and.on.and.on.and.on.and.on.and.on.and.on.and.on.and.on.and.on.and.on.and.",
+        "on.and.on.and.on.and.on.and.on"
+    );
+}
+
+struct Ignores;
+
+impl<M: Message> Handler<M> for Ignores {
+    async fn handle(&self, _: &M, _: &MessageContext) -> Result<(), HandlerError> {
+        Ok(())
+    }
+}
+
+#[test]
+fn a_message_type_name_that_is_empty_too_long_or_spaced_is_refused_at_build() {
+    assert!(LongNamed::TYPE.len() > dacapo::MAX_MESSAGE_TYPE_LEN);
+    let refused = [
+        Runtime::builder()
+            .module(Module::new("m").handle::<Untyped, _>(Ignores))
+            .build(),
+        Runtime::builder()
+            .module(Module::new("m").handle::<Spaced, _>(Ignores))
+            .build(),
+        Runtime::builder()
+            .module(Module::new("m").handle::<LongNamed, _>(Ignores))
+            .build(),
+    ];
+    for result in refused {
+        let Err(Error::Registry(error)) = result else {
+            panic!("expected a registry error");
+        };
+        assert!(
+            error.to_string().contains("a type name is 1 to 255 bytes"),
+            "{error}"
+        );
+    }
+}
+
+#[derive(serde::Serialize, serde::Deserialize)]
+struct Tiny;
+
+impl Message for Tiny {
+    const TYPE: &'static str = concat!(
+        "tiny.payload.with.a.long.type.name.long.type.name.long.type.name.long.type.name.",
+        "long.type.name.long.type.name.long.type.name"
+    );
+}
+
+#[tokio::test]
+async fn the_size_limit_counts_the_type_name() {
+    let runtime = Runtime::builder()
+        .max_envelope_size(64)
+        .module(Module::new("m").handle::<Tiny, _>(Ignores))
+        .build()
+        .unwrap();
+    // The payload (`null`) is 4 bytes; the type name is over the limit by itself.
+    let error = runtime.publish(&Tiny).await.unwrap_err();
+    let Error::TooLarge { size, limit, .. } = &error else {
+        panic!("expected TooLarge, got {error}");
+    };
+    assert_eq!((*size, *limit), (Tiny::TYPE.len() + 4, 64));
+    assert!(!error.is_retryable());
+    assert_eq!(error.into_envelope().unwrap().message_type, Tiny::TYPE);
+    runtime.shutdown().await;
+}
+
+#[derive(serde::Serialize, serde::Deserialize)]
+struct Blob(String);
+
+impl Message for Blob {
+    const TYPE: &'static str = "tests.blob";
+}
+
+#[tokio::test]
+async fn an_error_that_hands_back_a_large_envelope_prints_its_size_not_its_bytes() {
+    let runtime = Runtime::builder()
+        .max_envelope_size(1024)
+        .module(Module::new("m").handle::<Blob, _>(Ignores))
+        .build()
+        .unwrap();
+    let blob = Blob("x".repeat(2 * 1024 * 1024));
+    let error = runtime.publish(&blob).await.unwrap_err();
+    let debug = format!("{error:?}");
+    assert!(debug.len() < 2_000, "{} bytes of Debug", debug.len());
+    let payload = serde_json::to_vec(&blob).unwrap();
+    assert!(
+        debug.contains(&format!("<{} bytes>", payload.len())),
+        "{debug}"
+    );
+    runtime.shutdown().await;
+}
+
+#[tokio::test]
+async fn an_empty_sqlite_path_is_refused() {
+    for path in ["", "sqlite:", "sqlite://", "  "] {
+        let error = dacapo::store::SqliteStore::open(path).await.unwrap_err();
+        assert!(
+            matches!(&error, Error::Configuration(text) if text.contains("empty SQLite path")),
+            "{path:?}: {error}"
+        );
+    }
+}
+
+#[cfg(feature = "postgres")]
+#[tokio::test]
+async fn a_url_that_is_not_postgresql_is_refused_by_postgres_store() {
+    for url in [
+        "mysql://root@127.0.0.1/app",
+        "sqlite://app.db",
+        "127.0.0.1:5432",
+    ] {
+        let error = dacapo::store::PostgresStore::connect(url)
+            .await
+            .unwrap_err();
+        assert!(
+            matches!(&error, Error::Configuration(text) if text.contains("is not a PostgreSQL URL")),
+            "{url}: {error}"
+        );
+        assert!(!error.is_retryable());
+    }
+    let unreachable = dacapo::store::PostgresStore::connect("postgres://app:pw@127.0.0.1:1/app")
+        .await
+        .unwrap_err();
+    assert!(unreachable.is_retryable(), "{unreachable}");
+    let text = unreachable.to_string();
+    assert!(
+        text.contains("127.0.0.1:1") && !text.contains(":pw@"),
+        "{text}"
+    );
 }

@@ -10,7 +10,7 @@ use std::time::Duration;
 
 use dacapo::prelude::*;
 use dacapo::testing::Recorder;
-use support::{MemberRemoved, member_removed};
+use support::{MemberRemoved, WebhookQueued, member_removed};
 
 const WAIT: Duration = Duration::from_secs(20);
 
@@ -22,17 +22,29 @@ impl Handler<MemberRemoved> for AlwaysFails {
     }
 }
 
-/// Runs the tool; returns its standard output, or panics with its standard error.
-async fn dacapo(args: &[&str]) -> String {
+/// Runs the tool with `args` and the environment variables `env`, without
+/// `DACAPO_DATABASE_URL` unless `env` sets it; stdin is not a terminal.
+async fn run_tool(args: &[&str], env: &[(&str, &str)]) -> std::process::Output {
     let args: Vec<String> = args.iter().map(|a| (*a).to_owned()).collect();
-    let output = tokio::task::spawn_blocking(move || {
+    let env: Vec<(String, String)> = env
+        .iter()
+        .map(|(k, v)| ((*k).to_owned(), (*v).to_owned()))
+        .collect();
+    tokio::task::spawn_blocking(move || {
         std::process::Command::new(env!("CARGO_BIN_EXE_dacapo"))
             .args(&args)
+            .env_remove("DACAPO_DATABASE_URL")
+            .envs(env)
             .output()
     })
     .await
     .unwrap()
-    .expect("the tool runs");
+    .expect("the tool runs")
+}
+
+/// Runs the tool; returns its standard output, or panics with its standard error.
+async fn dacapo(args: &[&str]) -> String {
+    let output = run_tool(args, &[]).await;
     assert!(
         output.status.success(),
         "{}",
@@ -84,7 +96,15 @@ on_both_backends!(
             &url,
         ])
         .await;
-        let purged = dacapo(&["dead-letters", "purge", "--database", &url, "--json"]).await;
+        let purged = dacapo(&[
+            "dead-letters",
+            "purge",
+            "--yes",
+            "--database",
+            &url,
+            "--json",
+        ])
+        .await;
         assert_eq!(
             serde_json::from_str::<serde_json::Value>(&purged).unwrap()["purged"],
             0
@@ -118,16 +138,17 @@ on_both_backends!(
 async fn an_unknown_id_is_a_clear_error() {
     let db = support_stores::TestDatabase::new(support_stores::Backend::Sqlite).await;
     let _ = db.sqlite().await;
-    let output = std::process::Command::new(env!("CARGO_BIN_EXE_dacapo"))
-        .args([
+    let output = run_tool(
+        &[
             "dead-letters",
             "show",
             &uuid::Uuid::new_v4().to_string(),
             "--database",
             &db.url,
-        ])
-        .output()
-        .unwrap();
+        ],
+        &[],
+    )
+    .await;
     assert!(!output.status.success());
     assert!(String::from_utf8_lossy(&output.stderr).contains("no dead letter with id"));
 }
@@ -149,7 +170,7 @@ on_both_backends!(
         tokio::time::timeout(WAIT, failing.idle()).await.unwrap();
         failing.shutdown().await;
         let url = db.url.clone();
-        let purged = dacapo(&["dead-letters", "purge", "--database", &url]).await;
+        let purged = dacapo(&["dead-letters", "purge", "--yes", "--database", &url]).await;
         assert_eq!(purged.trim(), "purged 2 dead letter(s)");
         assert_eq!(
             dacapo(&["dead-letters", "list", "--database", &url])
@@ -191,3 +212,324 @@ on_both_backends!(
         assert_eq!(db.inbox_status(id).await.as_deref(), Some("handled"));
     }
 );
+
+fn stderr(output: &std::process::Output) -> String {
+    String::from_utf8_lossy(&output.stderr).into_owned()
+}
+
+/// Fails every `MemberRemoved` and panics on every `WebhookQueued`.
+struct FailsOrPanics;
+
+impl Handler<MemberRemoved> for FailsOrPanics {
+    async fn handle(&self, _: &MemberRemoved, _: &MessageContext) -> Result<(), HandlerError> {
+        Err("the downstream service is down".into())
+    }
+}
+
+impl Handler<WebhookQueued> for FailsOrPanics {
+    async fn handle(&self, _: &WebhookQueued, _: &MessageContext) -> Result<(), HandlerError> {
+        panic!("the webhook table is gone")
+    }
+}
+
+/// `members` dead letters of `MemberRemoved` and `webhooks` of `WebhookQueued` in `db`.
+async fn dead_letters_of_two_types(
+    db: &support_stores::TestDatabase,
+    members: usize,
+    webhooks: usize,
+) {
+    let failing = db
+        .store(Runtime::builder(), "node-a", Duration::from_secs(30))
+        .await
+        .retry_policy(RetryPolicy::no_retries())
+        .module(
+            Module::new("billing")
+                .handle_named::<MemberRemoved, _>("charge", FailsOrPanics)
+                .handle_named::<WebhookQueued, _>("notify", FailsOrPanics),
+        )
+        .build()
+        .unwrap();
+    for _ in 0..members {
+        failing.publish(&member_removed()).await.unwrap();
+    }
+    for n in 0..webhooks {
+        failing
+            .publish(&WebhookQueued {
+                delivery_id: n.to_string(),
+            })
+            .await
+            .unwrap();
+    }
+    tokio::time::timeout(WAIT, failing.idle()).await.unwrap();
+    failing.shutdown().await;
+}
+
+on_both_backends!(
+    reading_a_database_without_the_schema_creates_and_migrates_nothing_sqlite,
+    reading_a_database_without_the_schema_creates_and_migrates_nothing_postgres,
+    |db| {
+        for args in [
+            &["dead-letters", "list"][..],
+            &["dead-letters", "purge", "--yes"][..],
+            &["scheduled", "list"][..],
+        ] {
+            let mut args = args.to_vec();
+            args.extend(["--database", db.url.as_str()]);
+            let output = run_tool(&args, &[]).await;
+            assert_eq!(output.status.code(), Some(1), "{args:?}");
+            assert!(
+                stderr(&output).contains("no dacapo schema at"),
+                "{args:?}: {}",
+                stderr(&output)
+            );
+        }
+        match db.backend {
+            support_stores::Backend::Sqlite => assert!(
+                !std::path::Path::new(&db.url).exists(),
+                "the SQLite file was not created"
+            ),
+            support_stores::Backend::Postgres => {
+                // Looked at with a plain connection: opening a store would create the schema.
+                let pool = sqlx::PgPool::connect(&db.url).await.unwrap();
+                let tables: i64 = sqlx::query_scalar(
+                    "SELECT count(*) FROM information_schema.tables WHERE table_name LIKE 'dacapo%'",
+                )
+                .fetch_one(&pool)
+                .await
+                .unwrap();
+                assert_eq!(tables, 0, "no schema created");
+            }
+        }
+    }
+);
+
+#[tokio::test]
+async fn an_unreachable_server_fails_within_seconds_naming_it_and_the_cause() {
+    let started = std::time::Instant::now();
+    let output = run_tool(
+        &[
+            "dead-letters",
+            "list",
+            "--database",
+            "postgres://postgres:secret@127.0.0.1:1/app",
+        ],
+        &[],
+    )
+    .await;
+    assert!(started.elapsed() < Duration::from_secs(10));
+    assert_eq!(output.status.code(), Some(1));
+    let error = stderr(&output);
+    assert!(error.contains("127.0.0.1:1"), "{error}");
+    assert!(error.to_lowercase().contains("refused"), "{error}");
+    assert!(
+        !error.contains("secret"),
+        "the password is not shown: {error}"
+    );
+
+    // With --json, the error is JSON too.
+    let output = run_tool(
+        &[
+            "dead-letters",
+            "list",
+            "--json",
+            "--database",
+            "postgres://postgres@127.0.0.1:1/app",
+        ],
+        &[],
+    )
+    .await;
+    let error: serde_json::Value = serde_json::from_str(stderr(&output).trim()).unwrap();
+    assert!(error["error"].as_str().unwrap().contains("127.0.0.1:1"));
+}
+
+#[tokio::test]
+async fn a_database_url_of_an_unsupported_kind_is_refused_by_name() {
+    let output = run_tool(
+        &[
+            "dead-letters",
+            "list",
+            "--database",
+            "mysql://root@127.0.0.1/app",
+        ],
+        &[],
+    )
+    .await;
+    assert_eq!(output.status.code(), Some(1));
+    assert!(
+        stderr(&output).contains("mysql:// databases are not supported"),
+        "{}",
+        stderr(&output)
+    );
+    // No database at all names both ways to give one.
+    let output = run_tool(&["dead-letters", "list"], &[]).await;
+    assert_eq!(output.status.code(), Some(1));
+    assert!(stderr(&output).contains("DACAPO_DATABASE_URL"));
+}
+
+on_both_backends!(
+    the_database_comes_from_dacapo_database_url_sqlite,
+    the_database_comes_from_dacapo_database_url_postgres,
+    |db| {
+        dead_letters_of_two_types(&db, 1, 0).await;
+        let output = run_tool(
+            &["dead-letters", "list", "--json"],
+            &[("DACAPO_DATABASE_URL", &db.url)],
+        )
+        .await;
+        assert!(output.status.success(), "{}", stderr(&output));
+        let rows: serde_json::Value = serde_json::from_slice(&output.stdout).unwrap();
+        assert_eq!(rows.as_array().unwrap().len(), 1);
+    }
+);
+
+#[tokio::test]
+async fn a_reader_that_goes_away_ends_the_tool_quietly() {
+    let db = support_stores::TestDatabase::new(support_stores::Backend::Sqlite).await;
+    dead_letters_of_two_types(&db, 3, 0).await;
+    let url = db.url.clone();
+    let output = tokio::task::spawn_blocking(move || {
+        let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_dacapo"))
+            .args(["dead-letters", "list", "--database", &url])
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .unwrap();
+        // The reader closes its end before the tool writes, as `| head -0` would.
+        drop(child.stdout.take());
+        child.wait_with_output().unwrap()
+    })
+    .await
+    .unwrap();
+    assert!(output.status.success(), "{}", stderr(&output));
+    assert_eq!(stderr(&output), "");
+}
+
+on_both_backends!(
+    purge_without_a_terminal_needs_yes_and_removes_nothing_sqlite,
+    purge_without_a_terminal_needs_yes_and_removes_nothing_postgres,
+    |db| {
+        dead_letters_of_two_types(&db, 2, 0).await;
+        let output = run_tool(&["dead-letters", "purge", "--database", &db.url], &[]).await;
+        assert_eq!(output.status.code(), Some(1));
+        assert!(stderr(&output).contains("--yes"), "{}", stderr(&output));
+        assert_eq!(
+            db.scalar("SELECT count(*) FROM dacapo_dead_letters").await,
+            2
+        );
+    }
+);
+
+on_both_backends!(
+    show_names_a_panic_once_sqlite,
+    show_names_a_panic_once_postgres,
+    |db| {
+        dead_letters_of_two_types(&db, 0, 1).await;
+        let listed: serde_json::Value = serde_json::from_str(
+            &dacapo(&["dead-letters", "list", "--json", "--database", &db.url]).await,
+        )
+        .unwrap();
+        let id = listed[0]["id"].as_str().unwrap().to_owned();
+        let shown = dacapo(&["dead-letters", "show", &id, "--database", &db.url]).await;
+        assert!(
+            shown.contains("billing/notify panicked: the webhook table is gone"),
+            "{shown}"
+        );
+        assert!(!shown.contains("panicked: panicked"), "{shown}");
+    }
+);
+
+on_both_backends!(
+    dead_letters_are_listed_replayed_and_purged_in_bulk_sqlite,
+    dead_letters_are_listed_replayed_and_purged_in_bulk_postgres,
+    |db| {
+        dead_letters_of_two_types(&db, 3, 2).await;
+        let url = db.url.clone();
+        assert_eq!(count(&url, &["dead-letters", "list"]).await, 5);
+        assert_eq!(
+            count(
+                &url,
+                &["dead-letters", "list", "--type", "webhooks.delivery_queued"]
+            )
+            .await,
+            2
+        );
+        assert_eq!(
+            count(&url, &["dead-letters", "list", "--limit", "4"]).await,
+            4
+        );
+        assert_eq!(
+            count(&url, &["dead-letters", "list", "--since", "1h"]).await,
+            5
+        );
+        let tomorrow = (chrono::Utc::now() + chrono::Duration::days(1)).to_rfc3339();
+        assert_eq!(
+            count(&url, &["dead-letters", "list", "--since", &tomorrow]).await,
+            0
+        );
+        let bad = run_tool(
+            &[
+                "dead-letters",
+                "list",
+                "--since",
+                "yesterday",
+                "--database",
+                &url,
+            ],
+            &[],
+        )
+        .await;
+        assert_eq!(bad.status.code(), Some(2), "a usage error");
+
+        let replayed: serde_json::Value = serde_json::from_str(
+            &dacapo(&[
+                "dead-letters",
+                "replay",
+                "--type",
+                "organization.member_removed",
+                "--json",
+                "--database",
+                &url,
+            ])
+            .await,
+        )
+        .unwrap();
+        assert_eq!(replayed["replayed"], 3);
+        assert_eq!(count(&url, &["dead-letters", "list"]).await, 2);
+        assert_eq!(
+            db.scalar(
+                "SELECT count(*) FROM dacapo_inbox WHERE status = 'incoming' AND owner IS NULL"
+            )
+            .await,
+            3,
+            "back in the inbox for any node"
+        );
+
+        let purged = dacapo(&[
+            "dead-letters",
+            "purge",
+            "--type",
+            "webhooks.delivery_queued",
+            "--yes",
+            "--database",
+            &url,
+        ])
+        .await;
+        assert_eq!(purged.trim(), "purged 2 dead letter(s)");
+        assert_eq!(count(&url, &["dead-letters", "list"]).await, 0);
+
+        // --all replays whatever is left: nothing now.
+        let replayed = dacapo(&["dead-letters", "replay", "--all", "--database", &url]).await;
+        assert!(replayed.contains("replayed 0 dead letter(s)"), "{replayed}");
+        // An id, --type and --all exclude one another; one of them is needed.
+        let neither = run_tool(&["dead-letters", "replay", "--database", &url], &[]).await;
+        assert_eq!(neither.status.code(), Some(2));
+    }
+);
+
+/// How many rows `args` list, as JSON.
+async fn count(url: &str, args: &[&str]) -> usize {
+    let mut args = args.to_vec();
+    args.extend(["--json", "--database", url]);
+    let rows: serde_json::Value = serde_json::from_str(&dacapo(&args).await).unwrap();
+    rows.as_array().unwrap().len()
+}

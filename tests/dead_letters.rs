@@ -145,10 +145,7 @@ async fn a_failed_replay_puts_the_dead_letter_back() {
         .await
         .unwrap_err();
 
-    assert!(
-        matches!(error, Error::Engine(dacapo::EngineError::ShuttingDown(_))),
-        "{error}"
-    );
+    assert!(matches!(error, Error::ShuttingDown(_)), "{error}");
     assert!(
         harness
             .runtime()

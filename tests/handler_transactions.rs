@@ -349,10 +349,7 @@ async fn a_detached_context_opens_no_transaction() {
         .transaction::<sqlx::Sqlite>()
         .await
         .unwrap_err();
-    assert!(
-        matches!(error, dacapo::Error::Engine(dacapo::EngineError::Detached)),
-        "{error}"
-    );
+    assert!(matches!(error, dacapo::Error::Detached), "{error}");
 }
 
 /// Records that handler `m/h` committed for `envelope`, `age` ago.

@@ -15,7 +15,8 @@ use dacapo::prelude::*;
 use dacapo::store::MemoryInbox;
 use dacapo::testing::{Fault, Recorder, TestHarness};
 use dacapo::{
-    DeadLetter, DeadLetterReason, DiscardReason, EngineError, Error, FailureKind, Outcome,
+    DeadLetter, DeadLetterFilter, DeadLetterReason, DiscardReason, EngineError, Error, FailureKind,
+    Outcome,
 };
 use support::{Counter, MemberRemoved, member_removed};
 use uuid::Uuid;
@@ -282,8 +283,8 @@ impl DeadLetterStore for SilentDeadLetters {
     async fn put(&self, letter: DeadLetter) -> Result<(), EngineError> {
         self.0.put(letter).await
     }
-    async fn list(&self) -> Result<Vec<DeadLetter>, EngineError> {
-        self.0.list().await
+    async fn list(&self, filter: &DeadLetterFilter) -> Result<Vec<DeadLetter>, EngineError> {
+        self.0.list(filter).await
     }
     async fn get(&self, id: Uuid) -> Result<Option<DeadLetter>, EngineError> {
         self.0.get(id).await
@@ -291,7 +292,7 @@ impl DeadLetterStore for SilentDeadLetters {
     async fn remove(&self, id: Uuid) -> Result<Option<DeadLetter>, EngineError> {
         self.0.remove(id).await
     }
-    async fn purge(&self) -> Result<u64, EngineError> {
-        self.0.purge().await
+    async fn purge(&self, filter: &DeadLetterFilter) -> Result<u64, EngineError> {
+        self.0.purge(filter).await
     }
 }

@@ -8,7 +8,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
 use dacapo::prelude::*;
-use dacapo::{EngineError, Error};
+use dacapo::Error;
 use support::{MemberRemoved, member_removed};
 use tokio::sync::{Notify, oneshot};
 
@@ -63,7 +63,7 @@ async fn shutdown_waits_for_running_deliveries_and_refuses_new_ones() {
         finished.load(Ordering::SeqCst),
         "the running delivery finished before the engine stopped"
     );
-    let Err(Error::Engine(EngineError::ShuttingDown(envelope))) = refused else {
+    let Err(Error::ShuttingDown(envelope)) = refused else {
         panic!("expected ShuttingDown, got {refused:?}");
     };
     assert_eq!(envelope.message_type, "organization.member_removed");

@@ -11,9 +11,9 @@ mod support_stores;
 
 use std::time::Duration;
 
+use dacapo::DeadLetterReason;
 use dacapo::prelude::*;
 use dacapo::testing::Recorder;
-use dacapo::{DeadLetterReason, EngineError};
 use serde::{Deserialize, Serialize};
 use support::{MemberRemoved, member_removed};
 use support_stores::{Backend, TestDatabase};
@@ -86,10 +86,7 @@ on_both_backends!(
             .await
             .expect("refused at once, not retried")
             .unwrap_err();
-        assert!(
-            matches!(&refused, dacapo::Error::Engine(EngineError::Rejected(_))),
-            "{refused}"
-        );
+        assert!(matches!(&refused, dacapo::Error::Rejected(_)), "{refused}");
         assert!(!refused.to_string().is_empty());
         assert_eq!(
             listener.pauses(),
@@ -119,10 +116,7 @@ async fn postgres_refuses_a_nul_byte_in_a_message_type_and_the_listener_says_so_
         .await
         .expect("refused at once, not retried")
         .unwrap_err();
-    assert!(
-        matches!(&refused, dacapo::Error::Engine(EngineError::Rejected(_))),
-        "{refused}"
-    );
+    assert!(matches!(&refused, dacapo::Error::Rejected(_)), "{refused}");
     assert_eq!(listener.pauses(), 0);
     assert_eq!(db.inbox_rows().await, 0, "nothing stored");
     runtime.shutdown().await;

@@ -13,9 +13,9 @@ mod support_stores;
 use std::sync::Arc;
 use std::time::Duration;
 
+use dacapo::Error;
 use dacapo::prelude::*;
 use dacapo::store::PostgresStore;
-use dacapo::{EngineError, Error};
 use support::{MemberRemoved, member_removed};
 use support_proxy::Proxy;
 use tokio::sync::Semaphore;
@@ -65,7 +65,7 @@ async fn an_unreachable_database_loses_nothing_and_handling_resumes_by_itself() 
     let refused = tokio::time::timeout(WAIT, runtime.publish(&member_removed()))
         .await
         .unwrap();
-    let Err(Error::Engine(EngineError::Store(_))) = refused else {
+    let Err(Error::Store(_)) = refused else {
         panic!("expected a store error, got {refused:?}");
     };
     // The running delivery finishes its handler; marking it handled now fails and is retried.

@@ -70,6 +70,55 @@ pub struct DeadLetter {
     pub last_failure_at: DateTime<Utc>,
 }
 
+/// Which dead letters a listing or a purge takes: all by default, narrowed by message type,
+/// by when they were dead-lettered, and by a count (oldest failure first).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct DeadLetterFilter {
+    /// Only this message type.
+    pub message_type: Option<String>,
+    /// Only letters whose last failure was at or after this time.
+    pub since: Option<DateTime<Utc>>,
+    /// At most this many, oldest failure first.
+    pub limit: Option<usize>,
+}
+
+impl DeadLetterFilter {
+    /// Every dead letter.
+    pub fn all() -> Self {
+        Self::default()
+    }
+
+    /// Only dead letters of `message_type`.
+    #[must_use]
+    pub fn message_type(mut self, message_type: impl Into<String>) -> Self {
+        self.message_type = Some(message_type.into());
+        self
+    }
+
+    /// Only dead letters whose last failure was at or after `at`.
+    #[must_use]
+    pub fn since(mut self, at: DateTime<Utc>) -> Self {
+        self.since = Some(at);
+        self
+    }
+
+    /// At most `count` dead letters, oldest failure first.
+    #[must_use]
+    pub fn limit(mut self, count: usize) -> Self {
+        self.limit = Some(count);
+        self
+    }
+
+    /// Whether `letter` passes the type and time conditions (the limit aside).
+    pub fn matches(&self, letter: &DeadLetter) -> bool {
+        self.message_type
+            .as_deref()
+            .is_none_or(|t| letter.envelope.message_type == t)
+            && self.since.is_none_or(|at| letter.last_failure_at >= at)
+    }
+}
+
 impl DeadLetter {
     /// A dead letter for input rejected before any handler ran.
     pub fn rejected(envelope: Envelope, reason: DeadLetterReason, at: DateTime<Utc>) -> Self {

@@ -11,7 +11,10 @@ use crate::Message;
 ///
 /// The `id` is the identity of the delivery: it stays the same across broker redeliveries and
 /// retries, which is what inboxes deduplicate on and what handlers derive row ids from.
-#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+///
+/// Its `Debug` shows the payload's size, never its bytes: an error that hands an envelope back
+/// can be printed with `{:?}` whatever the payload holds.
+#[derive(Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[non_exhaustive]
 pub struct Envelope {
     /// Identity of this envelope, the same on every redelivery and retry.
@@ -35,6 +38,23 @@ pub struct Envelope {
     pub sent_at: DateTime<Utc>,
     /// When the envelope should be handled, if not now.
     pub scheduled_for: Option<DateTime<Utc>>,
+}
+
+impl std::fmt::Debug for Envelope {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Envelope")
+            .field("id", &self.id)
+            .field("message_type", &self.message_type)
+            .field("payload", &format_args!("<{} bytes>", self.payload.len()))
+            .field("headers", &self.headers.len())
+            .field("deduplication_id", &self.deduplication_id)
+            .field("correlation_id", &self.correlation_id)
+            .field("causation_id", &self.causation_id)
+            .field("attempts", &self.attempts)
+            .field("sent_at", &self.sent_at)
+            .field("scheduled_for", &self.scheduled_for)
+            .finish()
+    }
 }
 
 impl Envelope {
@@ -64,9 +84,13 @@ impl Envelope {
         Ok(Self::new(M::TYPE, serde_json::to_vec(message)?))
     }
 
-    /// Bytes the envelope occupies for the size limit: payload, headers and deduplication id.
+    /// Bytes the envelope occupies for the size limit: type name, payload, headers and
+    /// deduplication id — everything of variable length that a store writes.
     pub fn size(&self) -> usize {
         let headers: usize = self.headers.iter().map(|(k, v)| k.len() + v.len()).sum();
-        self.payload.len() + headers + self.deduplication_id.as_ref().map_or(0, String::len)
+        self.message_type.len()
+            + self.payload.len()
+            + headers
+            + self.deduplication_id.as_ref().map_or(0, String::len)
     }
 }

@@ -279,12 +279,13 @@ impl Actor for HandlerActor {
     }
 }
 
+/// The panic's message; the failure's kind already says it panicked.
 fn panic_text(panic: &(dyn std::any::Any + Send)) -> String {
     if let Some(text) = panic.downcast_ref::<&str>() {
-        format!("panicked: {text}")
+        (*text).to_owned()
     } else if let Some(text) = panic.downcast_ref::<String>() {
-        format!("panicked: {text}")
+        text.clone()
     } else {
-        "panicked with a non-text payload".to_owned()
+        "(a payload that is not text)".to_owned()
     }
 }

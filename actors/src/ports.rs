@@ -6,7 +6,7 @@ use async_trait::async_trait;
 use chrono::{DateTime, Utc};
 use uuid::Uuid;
 
-use crate::{AggregateError, DeadLetter, Envelope, Error};
+use crate::{AggregateError, DeadLetter, DeadLetterFilter, Envelope, Error};
 
 /// What the inbox says of a received envelope.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -377,12 +377,12 @@ pub trait DeadLetterStore: Send + Sync + 'static {
     /// [`Error::Store`] when it cannot be stored.
     async fn put(&self, dead_letter: DeadLetter) -> Result<(), Error>;
 
-    /// Every dead letter, oldest failure first.
+    /// The dead letters `filter` takes, oldest failure first.
     ///
     /// # Errors
     ///
     /// [`Error::Store`] when the store cannot answer.
-    async fn list(&self) -> Result<Vec<DeadLetter>, Error>;
+    async fn list(&self, filter: &DeadLetterFilter) -> Result<Vec<DeadLetter>, Error>;
 
     /// The dead letter of envelope `id`, if any.
     ///
@@ -398,12 +398,12 @@ pub trait DeadLetterStore: Send + Sync + 'static {
     /// [`Error::Store`] when the store cannot answer.
     async fn remove(&self, id: Uuid) -> Result<Option<DeadLetter>, Error>;
 
-    /// Removes every dead letter and says how many there were.
+    /// Removes the dead letters `filter` takes and says how many there were.
     ///
     /// # Errors
     ///
     /// [`Error::Store`] when the store cannot answer.
-    async fn purge(&self) -> Result<u64, Error>;
+    async fn purge(&self, filter: &DeadLetterFilter) -> Result<u64, Error>;
 }
 
 /// Wall-clock time as the engine sees it, so a harness can make it virtual.

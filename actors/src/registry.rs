@@ -76,6 +76,27 @@ pub enum RegistryError {
     /// A retry policy was set for a message type no handler handles.
     #[error("a retry policy was set for {0}, which no handler handles")]
     PolicyWithoutHandler(String),
+    /// A message type's `TYPE` is empty, longer than [`MAX_MESSAGE_TYPE_LEN`] bytes, or holds
+    /// whitespace or control characters: it names the message in stores and on the wire.
+    #[error(
+        "message type {rust_type} has TYPE {shown:?}: a type name is 1 to {MAX_MESSAGE_TYPE_LEN} bytes without whitespace or control characters"
+    )]
+    InvalidMessageType {
+        /// The Rust type whose `TYPE` it is.
+        rust_type: &'static str,
+        /// The start of the `TYPE` given (at most 64 characters of it).
+        shown: String,
+    },
+}
+
+/// The longest `Message::TYPE` a module may register, in bytes.
+pub const MAX_MESSAGE_TYPE_LEN: usize = 255;
+
+/// Whether `name` may be a message type name.
+fn valid_message_type(name: &str) -> bool {
+    !name.is_empty()
+        && name.len() <= MAX_MESSAGE_TYPE_LEN
+        && !name.chars().any(|c| c.is_whitespace() || c.is_control())
 }
 
 impl Registry {
@@ -99,6 +120,12 @@ impl Registry {
         }
         let mut routes: HashMap<&'static str, Route> = HashMap::new();
         for entry in modules.into_iter().flat_map(Module::into_handlers) {
+            if !valid_message_type(entry.message_type) {
+                return Err(RegistryError::InvalidMessageType {
+                    rust_type: entry.rust_type.1,
+                    shown: entry.message_type.chars().take(64).collect(),
+                });
+            }
             let route = routes.entry(entry.message_type).or_insert_with(|| Route {
                 message_type: entry.message_type,
                 decode: entry.decode,

@@ -2,23 +2,28 @@
 //! command line.
 //!
 //! ```text
-//! dacapo dead-letters list        --database dacapo.db
-//! dacapo dead-letters show ID     --database postgres://postgres@127.0.0.1/app
-//! dacapo dead-letters replay ID   --database dacapo.db
-//! dacapo dead-letters purge       --database dacapo.db
-//! dacapo scheduled list           --database dacapo.db
-//! dacapo scheduled cancel ID      --database dacapo.db
+//! dacapo dead-letters list [--type T] [--since 1h|2026-12-01T10:00:00Z] [--limit N]
+//! dacapo dead-letters show ID
+//! dacapo dead-letters replay ID | --type T | --all
+//! dacapo dead-letters purge [--type T] [--since …] [--yes]
+//! dacapo scheduled list
+//! dacapo scheduled cancel ID
 //! ```
 //!
-//! `--json` prints machine-readable output. A replay hands the envelope back to the inbox,
-//! unowned and with a fresh attempt count, for a running node to pick up.
+//! The database comes from `--database` (a SQLite file path, a `sqlite:` URL, or a
+//! `postgres://` URL) or `DACAPO_DATABASE_URL`. The tool never creates or migrates a schema:
+//! a database without one is an error. `--json` prints machine-readable output, errors
+//! included. A replay hands the envelope back to the inbox, unowned and with a fresh attempt
+//! count, for a running node to pick up.
 
+use std::io::{IsTerminal, Write};
 use std::process::ExitCode;
 
+use chrono::{DateTime, Utc};
 use clap::{Args, Parser, Subcommand};
-use dacapo::DeadLetter;
 use dacapo::ports::{DeadLetterStore, Inbox, Replay, ReplayTo};
 use dacapo::store::{PostgresStore, SqliteStore};
+use dacapo::{DeadLetter, DeadLetterFilter};
 use uuid::Uuid;
 
 #[derive(Debug, Parser)]
@@ -28,6 +33,12 @@ use uuid::Uuid;
     about = "Inspect and replay dacapo dead letters; list and cancel scheduled envelopes"
 )]
 struct Cli {
+    /// A SQLite file path (or `sqlite:` URL), or a `postgres://` URL.
+    #[arg(long, global = true, env = "DACAPO_DATABASE_URL")]
+    database: Option<String>,
+    /// Print JSON instead of text, errors included.
+    #[arg(long, global = true)]
+    json: bool,
     #[command(subcommand)]
     command: Command,
 }
@@ -45,61 +56,132 @@ enum Command {
 #[derive(Debug, Subcommand)]
 enum Scheduled {
     /// Every scheduled envelope, soonest first.
-    List(Target),
+    List,
     /// Cancels a scheduled envelope that has not started: it is settled and never runs.
     Cancel {
         /// The envelope id.
         id: Uuid,
-        #[command(flatten)]
-        target: Target,
     },
 }
 
 #[derive(Debug, Subcommand)]
 enum DeadLetters {
-    /// Every dead letter, oldest failure first.
-    List(Target),
+    /// Dead letters, oldest failure first.
+    List(Filter),
     /// One dead letter: its envelope, reason and every attempt's failures.
     Show {
         /// The envelope id.
         id: Uuid,
-        #[command(flatten)]
-        target: Target,
     },
-    /// Hands the envelope back to the inbox (same id, fresh attempt count) for a running node.
+    /// Hands envelopes back to the inbox (same id, fresh attempt count) for a running node.
     Replay {
-        /// The envelope id.
-        id: Uuid,
+        /// The envelope id (or `--type`, or `--all`).
+        #[arg(required_unless_present_any = ["message_type", "all"], conflicts_with_all = ["message_type", "all"])]
+        id: Option<Uuid>,
+        /// Every dead letter (narrowed by `--since`, `--limit`).
+        #[arg(long, conflicts_with = "message_type")]
+        all: bool,
         #[command(flatten)]
-        target: Target,
+        filter: Filter,
     },
-    /// Removes every dead letter.
-    Purge(Target),
+    /// Removes dead letters for good (all of them unless narrowed).
+    Purge {
+        #[command(flatten)]
+        filter: Filter,
+        /// Do not ask for confirmation (needed when standard input is not a terminal).
+        #[arg(long)]
+        yes: bool,
+    },
 }
 
 #[derive(Debug, Args)]
-struct Target {
-    /// A SQLite file path (or `sqlite:` URL), or a `postgres://` URL.
-    #[arg(long)]
-    database: String,
-    /// Print JSON instead of text.
-    #[arg(long)]
-    json: bool,
+struct Filter {
+    /// Only this message type.
+    #[arg(long = "type", value_name = "TYPE")]
+    message_type: Option<String>,
+    /// Only letters whose last failure is this recent: a duration ago (`90s`, `30m`, `2h`,
+    /// `7d`) or an RFC 3339 time.
+    #[arg(long, value_parser = parse_since, value_name = "WHEN")]
+    since: Option<DateTime<Utc>>,
+    /// At most this many, oldest failure first.
+    #[arg(long, value_name = "N")]
+    limit: Option<usize>,
 }
 
-/// The store behind `--database`.
+impl Filter {
+    fn to_filter(&self) -> DeadLetterFilter {
+        let mut filter = DeadLetterFilter::all();
+        if let Some(message_type) = &self.message_type {
+            filter = filter.message_type(message_type.clone());
+        }
+        if let Some(since) = self.since {
+            filter = filter.since(since);
+        }
+        if let Some(limit) = self.limit {
+            filter = filter.limit(limit);
+        }
+        filter
+    }
+}
+
+fn parse_since(text: &str) -> Result<DateTime<Utc>, String> {
+    let unit = |suffix: char, seconds: i64| {
+        text.strip_suffix(suffix)
+            .and_then(|n| n.parse::<i64>().ok())
+            .and_then(|n| n.checked_mul(seconds))
+    };
+    let ago = unit('s', 1)
+        .or_else(|| unit('m', 60))
+        .or_else(|| unit('h', 3_600))
+        .or_else(|| unit('d', 86_400));
+    if let Some(seconds) = ago {
+        return chrono::TimeDelta::try_seconds(seconds)
+            .and_then(|ago| Utc::now().checked_sub_signed(ago))
+            .ok_or_else(|| format!("{text} is too far back"));
+    }
+    DateTime::parse_from_rfc3339(text)
+        .map(|at| at.with_timezone(&Utc))
+        .map_err(|_| {
+            format!("{text:?} is neither a duration (90s, 30m, 2h, 7d) nor an RFC 3339 time")
+        })
+}
+
+/// Why the tool stopped, to tell the user.
+struct Failure(String);
+
+impl<E: std::fmt::Display> From<E> for Failure {
+    fn from(error: E) -> Self {
+        Self(error.to_string())
+    }
+}
+
+/// The store behind `--database`, opened without creating or migrating anything.
 enum Store {
     Sqlite(SqliteStore),
     Postgres(PostgresStore),
 }
 
 impl Store {
-    async fn open(database: &str) -> Result<Self, dacapo::EngineError> {
+    async fn open(database: Option<&str>) -> Result<Self, Failure> {
+        let Some(database) = database.filter(|d| !d.is_empty()) else {
+            return Err(Failure(
+                "no database given: pass --database, or set DACAPO_DATABASE_URL".to_owned(),
+            ));
+        };
         if database.starts_with("postgres://") || database.starts_with("postgresql://") {
-            Ok(Self::Postgres(PostgresStore::connect(database).await?))
-        } else {
-            Ok(Self::Sqlite(SqliteStore::open(database).await?))
+            return Ok(Self::Postgres(
+                PostgresStore::connect_existing(database).await?,
+            ));
         }
+        if let Some((kind, _)) = database.split_once("://")
+            && kind != "sqlite"
+        {
+            return Err(Failure(format!(
+                "{kind}:// databases are not supported: give a SQLite file path, a sqlite: URL \
+                 or a postgres:// URL"
+            )));
+        }
+        Ok(Self::Sqlite(SqliteStore::open_existing(database).await?))
     }
 
     fn dead_letters(&self) -> &dyn DeadLetterStore {
@@ -119,38 +201,79 @@ impl Store {
 
 #[tokio::main(flavor = "current_thread")]
 async fn main() -> ExitCode {
-    match run(Cli::parse()).await {
+    let cli = Cli::parse();
+    let json = cli.json;
+    let mut out = String::new();
+    let result = run(cli, &mut out).await;
+    // What was gathered is printed even after a failure; a reader that went away (`| head`)
+    // ends the tool quietly.
+    let written = std::io::stdout()
+        .lock()
+        .write_all(out.as_bytes())
+        .and_then(|()| std::io::stdout().flush());
+    if written
+        .as_ref()
+        .is_err_and(|e| e.kind() == std::io::ErrorKind::BrokenPipe)
+    {
+        return ExitCode::SUCCESS;
+    }
+    match result {
         Ok(()) => ExitCode::SUCCESS,
-        Err(error) => {
-            eprintln!("dacapo: {error}");
+        Err(Failure(message)) => {
+            if json {
+                eprintln!("{}", serde_json::json!({ "error": message }));
+            } else {
+                eprintln!("dacapo: {message}");
+            }
             ExitCode::FAILURE
         }
     }
 }
 
-async fn run(cli: Cli) -> Result<(), Box<dyn std::error::Error>> {
-    let command = match cli.command {
-        Command::DeadLetters(command) => command,
-        Command::Scheduled(command) => return scheduled(command).await,
-    };
+/// Appends a line to the output.
+macro_rules! say {
+    ($out:expr, $($arg:tt)*) => {{
+        use std::fmt::Write as _;
+        let _ = writeln!($out, $($arg)*);
+    }};
+}
+
+async fn run(cli: Cli, out: &mut String) -> Result<(), Failure> {
+    let database = cli.database.as_deref();
+    let json = cli.json;
+    match cli.command {
+        Command::DeadLetters(command) => dead_letters(command, database, json, out).await,
+        Command::Scheduled(command) => scheduled(command, database, json, out).await,
+    }
+}
+
+async fn dead_letters(
+    command: DeadLetters,
+    database: Option<&str>,
+    json: bool,
+    out: &mut String,
+) -> Result<(), Failure> {
+    let store = Store::open(database).await?;
     match command {
-        DeadLetters::List(target) => {
-            let store = Store::open(&target.database).await?;
-            let letters = store.dead_letters().list().await?;
-            if target.json {
-                println!(
-                    "{}",
-                    serde_json::to_string_pretty(&letters.iter().map(summary).collect::<Vec<_>>())?
-                );
+        DeadLetters::List(filter) => {
+            let letters = store.dead_letters().list(&filter.to_filter()).await?;
+            if json {
+                let rows: Vec<_> = letters.iter().map(summary).collect();
+                say!(out, "{}", serde_json::to_string_pretty(&rows)?);
             } else if letters.is_empty() {
-                println!("no dead letters");
+                say!(out, "no dead letters");
             } else {
-                println!(
+                say!(
+                    out,
                     "{:<32}  {:<32}  {:>8}  {:<25}  reason",
-                    "id", "type", "attempts", "last failure"
+                    "id",
+                    "type",
+                    "attempts",
+                    "last failure"
                 );
                 for letter in &letters {
-                    println!(
+                    say!(
+                        out,
                         "{:<32}  {:<32}  {:>8}  {:<25}  {}",
                         letter.envelope.id.simple(),
                         letter.envelope.message_type,
@@ -163,61 +286,127 @@ async fn run(cli: Cli) -> Result<(), Box<dyn std::error::Error>> {
                 }
             }
         }
-        DeadLetters::Show { id, target } => {
-            let store = Store::open(&target.database).await?;
+        DeadLetters::Show { id } => {
             let letter = store
                 .dead_letters()
                 .get(id)
                 .await?
                 .ok_or_else(|| format!("no dead letter with id {id}"))?;
-            if target.json {
-                println!("{}", serde_json::to_string_pretty(&detail(&letter))?);
+            if json {
+                say!(out, "{}", serde_json::to_string_pretty(&detail(&letter))?);
             } else {
-                print_detail(&letter);
+                print_detail(&letter, out);
             }
         }
-        DeadLetters::Replay { id, target } => {
-            let store = Store::open(&target.database).await?;
-            // One transaction: the letter leaves the dead letters exactly when its envelope
-            // is back in the inbox, unowned, for a running node to pick up.
-            match store.inbox().replay(id, ReplayTo::AnyNode).await? {
-                Replay::Replayed(_) => {}
-                Replay::InProgress => {
-                    return Err(format!(
-                        "{id} is being delivered right now (replayed already); nothing was replayed"
-                    )
-                    .into());
+        DeadLetters::Replay { id, all, filter } => {
+            let ids = match id {
+                Some(id) => vec![id],
+                None => {
+                    debug_assert!(all || filter.message_type.is_some());
+                    let letters = store.dead_letters().list(&filter.to_filter()).await?;
+                    letters.iter().map(|l| l.envelope.id).collect()
                 }
-                _ => return Err(format!("no dead letter with id {id}").into()),
+            };
+            let single = id.is_some();
+            let (mut replayed, mut skipped) = (Vec::new(), Vec::new());
+            for id in ids {
+                // One transaction each: the letter leaves the dead letters exactly when its
+                // envelope is back in the inbox, unowned, for a running node to pick up.
+                match store.inbox().replay(id, ReplayTo::AnyNode).await? {
+                    Replay::Replayed(_) => replayed.push(id),
+                    Replay::InProgress if single => {
+                        return Err(Failure(format!(
+                            "{id} is being delivered right now (replayed already); nothing \
+                             was replayed"
+                        )));
+                    }
+                    _ if single => {
+                        return Err(Failure(format!("no dead letter with id {id}")));
+                    }
+                    // Replayed or removed by someone else since the listing.
+                    _ => skipped.push(id),
+                }
             }
-            if target.json {
-                println!("{}", serde_json::json!({ "replayed": id }));
+            if json {
+                say!(
+                    out,
+                    "{}",
+                    serde_json::json!({
+                        "replayed": replayed.len(),
+                        "ids": replayed,
+                        "skipped": skipped,
+                    })
+                );
             } else {
-                println!(
-                    "replayed {}: back in the inbox for a running node, attempts reset",
-                    id.simple()
+                for id in &replayed {
+                    say!(out, "replayed {}", id.simple());
+                }
+                for id in &skipped {
+                    say!(
+                        out,
+                        "skipped {}: replayed or removed meanwhile",
+                        id.simple()
+                    );
+                }
+                say!(
+                    out,
+                    "replayed {} dead letter(s): back in the inbox for a running node, \
+                     attempts reset",
+                    replayed.len()
                 );
             }
         }
-        DeadLetters::Purge(target) => {
-            let store = Store::open(&target.database).await?;
-            let purged = store.dead_letters().purge().await?;
-            if target.json {
-                println!("{}", serde_json::json!({ "purged": purged }));
+        DeadLetters::Purge { filter, yes } => {
+            let filter = filter.to_filter();
+            if !yes {
+                confirm_purge(&store, &filter, database.unwrap_or_default()).await?;
+            }
+            let purged = store.dead_letters().purge(&filter).await?;
+            if json {
+                say!(out, "{}", serde_json::json!({ "purged": purged }));
             } else {
-                println!("purged {purged} dead letter(s)");
+                say!(out, "purged {purged} dead letter(s)");
             }
         }
     }
     Ok(())
 }
 
-async fn scheduled(command: Scheduled) -> Result<(), Box<dyn std::error::Error>> {
+/// Asks on the terminal before a purge; refuses without a terminal to ask on.
+async fn confirm_purge(
+    store: &Store,
+    filter: &DeadLetterFilter,
+    database: &str,
+) -> Result<(), Failure> {
+    if !std::io::stdin().is_terminal() {
+        return Err(Failure(
+            "purge removes dead letters for good: pass --yes to confirm (standard input is \
+             not a terminal to ask on)"
+                .to_owned(),
+        ));
+    }
+    let count = store.dead_letters().list(filter).await?.len();
+    eprint!("remove {count} dead letter(s) from {database} for good? [y/N] ");
+    let mut answer = String::new();
+    std::io::stdin().read_line(&mut answer)?;
+    if matches!(answer.trim(), "y" | "Y" | "yes" | "YES" | "Yes") {
+        Ok(())
+    } else {
+        Err(Failure("nothing purged".to_owned()))
+    }
+}
+
+async fn scheduled(
+    command: Scheduled,
+    database: Option<&str>,
+    json: bool,
+    out: &mut String,
+) -> Result<(), Failure> {
+    let store = Store::open(database).await?;
     match command {
-        Scheduled::List(target) => {
-            let store = Store::open(&target.database).await?;
+        Scheduled::List => {
             let waiting = store.inbox().scheduled(usize::MAX).await?;
-            if target.json {
+            if json {
                 let rows: Vec<serde_json::Value> = waiting
                     .iter()
                     .map(|s| {
@@ -228,13 +417,14 @@ async fn scheduled(command: Scheduled) -> Result<(), Box<dyn std::error::Error>>
                         })
                     })
                     .collect();
-                println!("{}", serde_json::to_string_pretty(&rows)?);
+                say!(out, "{}", serde_json::to_string_pretty(&rows)?);
             } else if waiting.is_empty() {
-                println!("no scheduled envelopes");
+                say!(out, "no scheduled envelopes");
             } else {
-                println!("{:<32}  {:<32}  due at", "id", "type");
+                say!(out, "{:<32}  {:<32}  due at", "id", "type");
                 for s in &waiting {
-                    println!(
+                    say!(
+                        out,
                         "{:<32}  {:<32}  {}",
                         s.envelope.id.simple(),
                         s.envelope.message_type,
@@ -243,18 +433,16 @@ async fn scheduled(command: Scheduled) -> Result<(), Box<dyn std::error::Error>>
                 }
             }
         }
-        Scheduled::Cancel { id, target } => {
-            let store = Store::open(&target.database).await?;
+        Scheduled::Cancel { id } => {
             if !store.inbox().cancel_scheduled(id).await? {
-                return Err(format!(
+                return Err(Failure(format!(
                     "no scheduled envelope {id} waits (unknown, started, or settled)"
-                )
-                .into());
+                )));
             }
-            if target.json {
-                println!("{}", serde_json::json!({ "cancelled": id }));
+            if json {
+                say!(out, "{}", serde_json::json!({ "cancelled": id }));
             } else {
-                println!("cancelled {}: it will not run", id.simple());
+                say!(out, "cancelled {}: it will not run", id.simple());
             }
         }
     }
@@ -283,25 +471,34 @@ fn detail(letter: &DeadLetter) -> serde_json::Value {
     value
 }
 
-fn print_detail(letter: &DeadLetter) {
+fn print_detail(letter: &DeadLetter, out: &mut String) {
     let envelope = &letter.envelope;
-    println!("dead letter {}", envelope.id);
-    println!("  type            {}", envelope.message_type);
-    println!("  reason          {}", letter.reason);
-    println!("  attempts        {}", letter.attempts);
-    println!("  first failure   {}", letter.first_failure_at.to_rfc3339());
-    println!("  last failure    {}", letter.last_failure_at.to_rfc3339());
+    say!(out, "dead letter {}", envelope.id);
+    say!(out, "  type            {}", envelope.message_type);
+    say!(out, "  reason          {}", letter.reason);
+    say!(out, "  attempts        {}", letter.attempts);
+    say!(
+        out,
+        "  first failure   {}",
+        letter.first_failure_at.to_rfc3339()
+    );
+    say!(
+        out,
+        "  last failure    {}",
+        letter.last_failure_at.to_rfc3339()
+    );
     if let Some(id) = envelope.correlation_id {
-        println!("  correlation id  {id}");
+        say!(out, "  correlation id  {id}");
     }
-    println!(
+    say!(
+        out,
         "  payload         {}",
         String::from_utf8_lossy(&envelope.payload)
     );
     for failure in &letter.failures {
-        println!("  attempt {}: {}", failure.attempt, failure);
+        say!(out, "  attempt {}: {}", failure.attempt, failure);
         for handler in &failure.failures {
-            println!("    - {handler}");
+            say!(out, "    - {handler}");
         }
     }
 }

@@ -1,8 +1,8 @@
-use dacapo_actors::DeadLetter;
 use dacapo_actors::ports::{Replay, ReplayTo, Resumable};
+use dacapo_actors::{DeadLetter, DeadLetterFilter};
 use uuid::Uuid;
 
-use crate::{EngineError, Error, Runtime};
+use crate::{Error, Runtime};
 
 /// The runtime's dead letters: messages it gave up on, kept to be inspected and replayed.
 #[derive(Debug)]
@@ -25,7 +25,20 @@ impl<'a> DeadLetters<'a> {
     ///
     /// Cancel safe: it only reads.
     pub async fn list(&self) -> Result<Vec<DeadLetter>, Error> {
-        Ok(self.runtime.dead_letters.list().await?)
+        self.list_matching(&DeadLetterFilter::all()).await
+    }
+
+    /// The dead letters `filter` takes (by message type, time, count), oldest failure first.
+    ///
+    /// # Errors
+    ///
+    /// The store's failure.
+    ///
+    /// # Cancel safety
+    ///
+    /// Cancel safe: it only reads.
+    pub async fn list_matching(&self, filter: &DeadLetterFilter) -> Result<Vec<DeadLetter>, Error> {
+        Ok(self.runtime.dead_letters.list(filter).await?)
     }
 
     /// The dead letter of envelope `id`.
@@ -68,7 +81,7 @@ impl<'a> DeadLetters<'a> {
         if dispatcher.is_closing() {
             let letter = runtime.dead_letters.get(id).await?;
             let letter = letter.ok_or(Error::DeadLetterNotFound(id))?;
-            return Err(EngineError::ShuttingDown(Box::new(letter.envelope)).into());
+            return Err(Error::ShuttingDown(Box::new(letter.envelope)));
         }
         match runtime.inbox.replay(id, ReplayTo::ThisNode).await? {
             // Refused only by a shutdown that began meanwhile: the row is this node's, and its
@@ -97,6 +110,19 @@ impl<'a> DeadLetters<'a> {
     ///
     /// Cancelled, some or all dead letters may be gone.
     pub async fn purge(&self) -> Result<u64, Error> {
-        Ok(self.runtime.dead_letters.purge().await?)
+        self.purge_matching(&DeadLetterFilter::all()).await
+    }
+
+    /// Removes the dead letters `filter` takes; returns how many there were.
+    ///
+    /// # Errors
+    ///
+    /// The store's failure.
+    ///
+    /// # Cancel safety
+    ///
+    /// Cancelled, some or all of them may be gone.
+    pub async fn purge_matching(&self, filter: &DeadLetterFilter) -> Result<u64, Error> {
+        Ok(self.runtime.dead_letters.purge(filter).await?)
     }
 }

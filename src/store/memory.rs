@@ -9,7 +9,7 @@ use dacapo_actors::ports::{
     Claim, ClaimOutcome, Claims, Clock, DeadLetterStore, Fenced, Handled, Inbox, Receipt, Replay,
     ReplayTo, RetryRecord, ScheduledEnvelope,
 };
-use dacapo_actors::{DeadLetter, Envelope, Error};
+use dacapo_actors::{DeadLetter, DeadLetterFilter, Envelope, Error};
 use uuid::Uuid;
 
 fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -183,8 +183,8 @@ impl DeadLetterStore for MemoryInbox {
         self.dead_letters.put(dead_letter).await
     }
 
-    async fn list(&self) -> Result<Vec<DeadLetter>, Error> {
-        self.dead_letters.list().await
+    async fn list(&self, filter: &DeadLetterFilter) -> Result<Vec<DeadLetter>, Error> {
+        self.dead_letters.list(filter).await
     }
 
     async fn get(&self, id: Uuid) -> Result<Option<DeadLetter>, Error> {
@@ -195,8 +195,8 @@ impl DeadLetterStore for MemoryInbox {
         self.dead_letters.remove(id).await
     }
 
-    async fn purge(&self) -> Result<u64, Error> {
-        self.dead_letters.purge().await
+    async fn purge(&self, filter: &DeadLetterFilter) -> Result<u64, Error> {
+        self.dead_letters.purge(filter).await
     }
 }
 
@@ -227,9 +227,14 @@ impl DeadLetterStore for MemoryDeadLetters {
         Ok(())
     }
 
-    async fn list(&self) -> Result<Vec<DeadLetter>, Error> {
-        let mut letters = lock(&self.letters).clone();
-        letters.sort_by_key(|l| l.first_failure_at);
+    async fn list(&self, filter: &DeadLetterFilter) -> Result<Vec<DeadLetter>, Error> {
+        let mut letters: Vec<_> = lock(&self.letters)
+            .iter()
+            .filter(|l| filter.matches(l))
+            .cloned()
+            .collect();
+        letters.sort_by_key(|l| (l.first_failure_at, l.envelope.id.simple().to_string()));
+        letters.truncate(filter.limit.unwrap_or(usize::MAX));
         Ok(letters)
     }
 
@@ -244,11 +249,11 @@ impl DeadLetterStore for MemoryDeadLetters {
         Ok(self.take(id))
     }
 
-    async fn purge(&self) -> Result<u64, Error> {
+    async fn purge(&self, filter: &DeadLetterFilter) -> Result<u64, Error> {
+        let taken = self.list(filter).await?;
         let mut letters = lock(&self.letters);
-        let count = letters.len() as u64;
-        letters.clear();
-        Ok(count)
+        letters.retain(|l| !taken.iter().any(|t| t.envelope.id == l.envelope.id));
+        Ok(taken.len() as u64)
     }
 }
 

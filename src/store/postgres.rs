@@ -1,8 +1,12 @@
+use std::str::FromStr;
+use std::time::Duration;
+
 use dacapo_actors::Error;
 use futures::stream::BoxStream;
-use sqlx::postgres::{PgListener, PgPool, PgPoolOptions};
+use sqlx::Connection;
+use sqlx::postgres::{PgConnectOptions, PgConnection, PgListener, PgPool, PgPoolOptions};
 
-use crate::store::sql::{Database, Migration, SqlStore, migrations};
+use crate::store::sql::{Database, Migration, SqlStore, migrations, redacted};
 
 pub(crate) const MIGRATIONS: &[Migration] = migrations!("postgres");
 
@@ -46,35 +50,82 @@ pub(crate) fn enlisted_signals(pool: PgPool) -> BoxStream<'static, Result<(), Er
     Box::pin(signals)
 }
 
+/// How long opening a store waits for the server's first connection.
+const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
+
 impl SqlStore<sqlx::Postgres> {
     /// A store over `pool`, whose schema is created (or brought up to date) first.
     ///
     /// # Errors
     ///
     /// The database's error when the schema cannot be applied.
-    pub async fn with_pool(pool: PgPool) -> Result<Self, Error> {
-        // The runtime's own pool, with every option of the application's (timeouts, hooks) but
-        // the ping before each use: a round trip per statement. A connection the server closed
-        // meanwhile is found by the statement, which runs again on another (`on_live_session`).
-        let engine = pool
-            .options()
-            .clone()
-            .test_before_acquire(false)
-            .connect_lazy_with((*pool.connect_options()).clone());
-        Self::open_on(pool, engine, Database::Postgres).await
+    pub async fn with_pool(pool: PgPool) -> Result<Self, crate::Error> {
+        let engine = engine_pool(&pool);
+        Ok(Self::open_on(pool, engine, Database::Postgres).await?)
     }
 
-    /// Connects to the PostgreSQL database at `url` and brings its schema up to date.
+    /// Connects to the PostgreSQL database at `url` (`postgres://` or `postgresql://`) and
+    /// brings its schema up to date.
     ///
     /// # Errors
     ///
-    /// [`Error::Store`] when the server cannot be reached or the schema applied.
-    pub async fn connect(url: &str) -> Result<Self, Error> {
-        let pool = PgPoolOptions::new()
-            .max_connections(8)
-            .connect(url)
-            .await
-            .map_err(Error::store)?;
+    /// [`Error::Configuration`](crate::Error::Configuration) for a URL of another kind or one
+    /// that does not parse; [`Error::Store`](crate::Error::Store) naming the server (the URL
+    /// without its password) and the cause when it cannot be reached within 5 seconds, or
+    /// when the schema cannot be applied.
+    pub async fn connect(url: &str) -> Result<Self, crate::Error> {
+        let pool = pool(url).await?;
         Self::with_pool(pool).await
     }
+
+    /// Connects to the PostgreSQL database at `url` without creating or migrating anything:
+    /// for tools that only read or act on what a runtime wrote (the `dacapo` command line).
+    ///
+    /// # Errors
+    ///
+    /// [`Error::NoSchema`](crate::Error::NoSchema) when the database holds no dacapo schema
+    /// of this version, and the errors of [`connect`](Self::connect).
+    pub async fn connect_existing(url: &str) -> Result<Self, crate::Error> {
+        let pool = pool(url).await?;
+        let engine = engine_pool(&pool);
+        Self::existing_on(pool, engine, Database::Postgres, redacted(url)).await
+    }
+}
+
+/// The application's pool for `url`, after one connection proved the server is there: a
+/// pool's own error for an unreachable server is a timeout that hides the cause.
+async fn pool(url: &str) -> Result<PgPool, crate::Error> {
+    if !(url.starts_with("postgres://") || url.starts_with("postgresql://")) {
+        let kind = url.split_once("://").map_or(url, |(scheme, _)| scheme);
+        return Err(crate::Error::Configuration(format!(
+            "{kind:?} is not a PostgreSQL URL: PostgresStore connects to postgres:// or \
+             postgresql:// URLs only"
+        )));
+    }
+    let options = PgConnectOptions::from_str(url)
+        .map_err(|error| crate::Error::Configuration(format!("{}: {error}", redacted(url))))?;
+    let unreachable = |cause: String| {
+        crate::Error::Store(
+            format!("cannot connect to PostgreSQL at {}: {cause}", redacted(url)).into(),
+        )
+    };
+    let probe = tokio::time::timeout(CONNECT_TIMEOUT, PgConnection::connect_with(&options))
+        .await
+        .map_err(|_| unreachable(format!("no answer within {CONNECT_TIMEOUT:?}")))?
+        .map_err(|error| unreachable(error.to_string()))?;
+    let _ = probe.close().await;
+    Ok(PgPoolOptions::new()
+        .max_connections(8)
+        .acquire_timeout(Duration::from_secs(10))
+        .connect_lazy_with(options))
+}
+
+/// The runtime's own pool, with every option of the application's (timeouts, hooks) but the
+/// ping before each use: a round trip per statement. A connection the server closed meanwhile
+/// is found by the statement, which runs again on another (`on_live_session`).
+fn engine_pool(pool: &PgPool) -> PgPool {
+    pool.options()
+        .clone()
+        .test_before_acquire(false)
+        .connect_lazy_with((*pool.connect_options()).clone())
 }

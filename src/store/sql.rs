@@ -150,6 +150,23 @@ where
     }
 }
 
+/// `url` without its password, to name a database in an error or a log.
+#[cfg(feature = "postgres")]
+pub(crate) fn redacted(url: &str) -> String {
+    let Some((scheme, rest)) = url.split_once("://") else {
+        return url.to_owned();
+    };
+    let authority_end = rest.find(['/', '?']).unwrap_or(rest.len());
+    let (authority, tail) = rest.split_at(authority_end);
+    match authority.rsplit_once('@') {
+        Some((credentials, host)) => match credentials.split_once(':') {
+            Some((user, _password)) => format!("{scheme}://{user}:***@{host}{tail}"),
+            None => url.to_owned(),
+        },
+        None => url.to_owned(),
+    }
+}
+
 /// A claim this node no longer holds: another node took it over (this one was taken for dead).
 /// No retry can bring it back.
 pub(crate) fn claim_lost(claim: &dacapo_actors::ports::Claim) -> Error {
@@ -157,4 +174,22 @@ pub(crate) fn claim_lost(claim: &dacapo_actors::ports::Claim) -> Error {
         "the deduplication claim of handler {} on {:?} was taken over by another node",
         claim.handler, claim.key
     ))
+}
+
+#[cfg(all(test, feature = "postgres"))]
+mod tests {
+    use super::redacted;
+
+    #[test]
+    fn a_url_is_named_without_its_password() {
+        assert_eq!(
+            redacted("postgres://app:s3cr@t@db.internal:5432/app?sslmode=require"),
+            "postgres://app:***@db.internal:5432/app?sslmode=require"
+        );
+        assert_eq!(
+            redacted("postgres://app@db.internal/app"),
+            "postgres://app@db.internal/app"
+        );
+        assert_eq!(redacted("postgres://db.internal"), "postgres://db.internal");
+    }
 }

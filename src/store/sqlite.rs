@@ -1,7 +1,6 @@
 use std::str::FromStr;
 use std::time::Duration;
 
-use dacapo_actors::Error;
 use sqlx::sqlite::{
     SqliteConnectOptions, SqliteJournalMode, SqlitePool, SqlitePoolOptions, SqliteSynchronous,
 };
@@ -23,54 +22,108 @@ impl SqlStore<sqlx::Sqlite> {
     /// # Errors
     ///
     /// The database's error when the schema cannot be applied.
-    pub async fn with_pool(pool: SqlitePool) -> Result<Self, Error> {
-        // The runtime's own pool, with every option of the application's (timeouts, hooks) but
-        // the ping before each use, which a file the process holds open has no need of; a
-        // one-connection pool (an in-memory database is one) is shared instead.
-        let engine = if pool.options().get_max_connections() <= 1 {
-            pool.clone()
-        } else {
-            pool.options()
-                .clone()
-                .test_before_acquire(false)
-                .connect_lazy_with((*pool.connect_options()).clone())
-        };
-        Self::open_on(pool, engine, Database::Sqlite).await
+    pub async fn with_pool(pool: SqlitePool) -> Result<Self, crate::Error> {
+        let engine = engine_pool(&pool);
+        Ok(Self::open_on(pool, engine, Database::Sqlite).await?)
     }
 
     /// Opens (creating if needed) the SQLite database at `path` — a file path, or a
-    /// `sqlite:` URL — and brings its schema up to date.
+    /// `sqlite:` URL such as `sqlite::memory:` — and brings its schema up to date.
     ///
     /// # Errors
     ///
-    /// [`Error::Store`] when the file cannot be opened or the schema applied.
-    pub async fn open(path: &str) -> Result<Self, Error> {
-        let url = if path.starts_with("sqlite:") {
-            path.to_owned()
-        } else {
-            format!("sqlite://{path}")
-        };
-        let memory = url.contains(":memory:");
-        let options = SqliteConnectOptions::from_str(&url)
-            .map_err(Error::store)?
-            .create_if_missing(true)
-            .journal_mode(if memory {
-                SqliteJournalMode::Memory
-            } else {
-                SqliteJournalMode::Wal
-            })
-            .synchronous(SqliteSynchronous::Full)
-            .busy_timeout(Duration::from_secs(10));
-        // An in-memory database exists once per connection: keep exactly one.
-        let mut pool = SqlitePoolOptions::new().max_connections(if memory { 1 } else { 4 });
-        if memory {
-            // The database lives and dies with its one connection: never recycle it.
-            pool = pool
-                .min_connections(1)
-                .idle_timeout(None)
-                .max_lifetime(None);
-        }
-        let pool = pool.connect_with(options).await.map_err(Error::store)?;
+    /// [`Error::Configuration`](crate::Error::Configuration) for an empty path (SQLite would
+    /// open a temporary database, deleted on close); [`Error::Store`](crate::Error::Store),
+    /// naming the path, when the file cannot be opened or the schema applied.
+    pub async fn open(path: &str) -> Result<Self, crate::Error> {
+        let (options, memory) = options(path)?;
+        let pool = pool_options(memory)
+            .connect_with(options.create_if_missing(true))
+            .await
+            .map_err(|error| open_error(path, error))?;
         Self::with_pool(pool).await
     }
+
+    /// Opens the SQLite database at `path` without creating or migrating anything: for tools
+    /// that only read or act on what a runtime wrote (the `dacapo` command line).
+    ///
+    /// # Errors
+    ///
+    /// [`Error::NoSchema`](crate::Error::NoSchema) when the file does not exist or holds no
+    /// dacapo schema of this version, and the errors of [`open`](Self::open).
+    pub async fn open_existing(path: &str) -> Result<Self, crate::Error> {
+        let (options, memory) = options(path)?;
+        if memory || !options.get_filename().exists() {
+            return Err(crate::Error::NoSchema {
+                at: path.to_owned(),
+            });
+        }
+        let pool = pool_options(memory)
+            .connect_with(options.create_if_missing(false))
+            .await
+            .map_err(|error| open_error(path, error))?;
+        let engine = engine_pool(&pool);
+        Self::existing_on(pool, engine, Database::Sqlite, path.to_owned()).await
+    }
+}
+
+/// The runtime's own pool, with every option of the application's (timeouts, hooks) but the
+/// ping before each use, which a file the process holds open has no need of; a
+/// one-connection pool (an in-memory database is one) is shared instead.
+fn engine_pool(pool: &SqlitePool) -> SqlitePool {
+    if pool.options().get_max_connections() <= 1 {
+        pool.clone()
+    } else {
+        pool.options()
+            .clone()
+            .test_before_acquire(false)
+            .connect_lazy_with((*pool.connect_options()).clone())
+    }
+}
+
+/// The connection options of `path`, and whether it is an in-memory database.
+fn options(path: &str) -> Result<(SqliteConnectOptions, bool), crate::Error> {
+    let file = path
+        .strip_prefix("sqlite://")
+        .or_else(|| path.strip_prefix("sqlite:"))
+        .unwrap_or(path);
+    if file.split('?').next().unwrap_or("").trim().is_empty() {
+        return Err(crate::Error::Configuration(format!(
+            "an empty SQLite path ({path:?}) would open a temporary database, deleted when it \
+             closes: give a file path, or sqlite::memory: for an in-memory database"
+        )));
+    }
+    let url = if path.starts_with("sqlite:") {
+        path.to_owned()
+    } else {
+        format!("sqlite://{path}")
+    };
+    let memory = url.contains(":memory:");
+    let options = SqliteConnectOptions::from_str(&url)
+        .map_err(|error| open_error(path, error))?
+        .journal_mode(if memory {
+            SqliteJournalMode::Memory
+        } else {
+            SqliteJournalMode::Wal
+        })
+        .synchronous(SqliteSynchronous::Full)
+        .busy_timeout(Duration::from_secs(10));
+    Ok((options, memory))
+}
+
+fn pool_options(memory: bool) -> SqlitePoolOptions {
+    // An in-memory database exists once per connection: keep exactly one.
+    let pool = SqlitePoolOptions::new().max_connections(if memory { 1 } else { 4 });
+    if memory {
+        // The database lives and dies with its one connection: never recycle it.
+        pool.min_connections(1)
+            .idle_timeout(None)
+            .max_lifetime(None)
+    } else {
+        pool
+    }
+}
+
+fn open_error(path: &str, error: sqlx::Error) -> crate::Error {
+    crate::Error::Store(format!("cannot open the SQLite database {path}: {error}").into())
 }

@@ -68,13 +68,19 @@ impl TestHarnessBuilder {
     ///
     /// # Errors
     ///
-    /// The runtime's build errors, and [`Error::Registry`] when a fault names a handler that
-    /// is not registered.
+    /// The runtime's build errors, and [`Error::UnknownHandler`] (which lists the registered
+    /// handlers) when a fault names a handler that is not registered.
     pub fn build(self) -> Result<TestHarness, Error> {
         let (mut registry, runtime) = self.runtime.virtual_time().into_parts()?;
         for (id, fault) in self.faults {
             if !registry.wrap_handler(&id, |inner| fault.clone().wrap(inner)) {
-                return Err(Error::UnknownHandler(id));
+                let mut registered: Vec<_> = registry.entries().map(|e| e.id.clone()).collect();
+                registered.sort_by_key(ToString::to_string);
+                registered.dedup();
+                return Err(Error::UnknownHandler {
+                    handler: id,
+                    registered,
+                });
             }
         }
         Ok(TestHarness {

@@ -4,7 +4,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use dacapo_actors::{Backoff, Envelope};
 
 use super::InProcess;
-use crate::{EngineError, Error};
+use crate::Error;
 
 /// What a transport's listener does with each envelope it receives: hand it to the runtime,
 /// and acknowledge it to the broker only once this returns `Ok` — the inbox recorded it, or
@@ -59,7 +59,7 @@ impl Listener {
     ///
     /// # Errors
     ///
-    /// [`EngineError::ShuttingDown`] (the envelope handed back) and the other refusals that
+    /// [`Error::ShuttingDown`] (the envelope handed back) and the other refusals that
     /// waiting cannot cure; never a store failure, which it waits out.
     ///
     /// # Cancel safety
@@ -70,7 +70,7 @@ impl Listener {
         let mut failures = 0u32;
         loop {
             match self.transport.send(envelope.clone(), None).await {
-                Err(Error::Engine(EngineError::Store(error))) => {
+                Err(Error::Store(error)) => {
                     failures = failures.saturating_add(1);
                     let pause = self.backoff.pause(failures);
                     self.pauses.fetch_add(1, Ordering::Relaxed);

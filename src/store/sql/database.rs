@@ -388,6 +388,16 @@ impl Database {
         }
     }
 
+    /// The query that tells whether the schema's migrations table exists.
+    pub(crate) fn has_schema(&self) -> &'static str {
+        match self {
+            #[cfg(feature = "sqlite")]
+            Self::Sqlite(_) => super::statements::HAS_SCHEMA_SQLITE,
+            #[cfg(feature = "postgres")]
+            Self::Postgres(_) => super::statements::HAS_SCHEMA_POSTGRES,
+        }
+    }
+
     /// This backend's schema changes.
     pub(crate) fn migrations(&self) -> &'static [super::Migration] {
         match self {

@@ -90,7 +90,9 @@ pub(crate) const PUT_DEAD_LETTER: &str = "INSERT INTO dacapo_dead_letters \
 pub(crate) const LIST_DEAD_LETTERS: &str = "SELECT id, message_type, payload, headers, \
     deduplication_id, correlation_id, causation_id, sent_at, scheduled_for, reason, failures, \
     attempts, first_failure_at, last_failure_at \
-    FROM dacapo_dead_letters ORDER BY first_failure_at, id";
+    FROM dacapo_dead_letters \
+    WHERE ($1 IS NULL OR message_type = $1) AND ($2 IS NULL OR last_failure_at >= $2) \
+    ORDER BY first_failure_at, id LIMIT $3";
 
 pub(crate) const GET_DEAD_LETTER: &str = "SELECT id, message_type, payload, headers, \
     deduplication_id, correlation_id, causation_id, sent_at, scheduled_for, reason, failures, \
@@ -101,7 +103,10 @@ pub(crate) const REMOVE_DEAD_LETTER: &str = "DELETE FROM dacapo_dead_letters WHE
     RETURNING id, message_type, payload, headers, deduplication_id, correlation_id, causation_id, \
     sent_at, scheduled_for, reason, failures, attempts, first_failure_at, last_failure_at";
 
-pub(crate) const PURGE_DEAD_LETTERS: &str = "DELETE FROM dacapo_dead_letters";
+pub(crate) const PURGE_DEAD_LETTERS: &str = "DELETE FROM dacapo_dead_letters WHERE id IN (\
+    SELECT id FROM dacapo_dead_letters \
+    WHERE ($1 IS NULL OR message_type = $1) AND ($2 IS NULL OR last_failure_at >= $2) \
+    ORDER BY first_failure_at, id LIMIT $3)";
 
 /// This node's own unsettled rows received before `$2`, oldest first.
 pub(crate) const OWN_UNSETTLED: &str = "SELECT id FROM dacapo_inbox \
@@ -232,6 +237,21 @@ pub(crate) const MIGRATIONS_TABLE: &str = "CREATE TABLE IF NOT EXISTS dacapo_mig
 
 pub(crate) const APPLIED_MIGRATION: &str =
     "SELECT count(*) AS applied FROM dacapo_migrations WHERE version = $1";
+
+/// The newest schema version applied, 0 when none is.
+pub(crate) const SCHEMA_VERSION: &str =
+    "SELECT coalesce(max(version), 0) AS version FROM dacapo_migrations";
+
+/// Whether the migrations table exists.
+#[cfg(feature = "sqlite")]
+pub(crate) const HAS_SCHEMA_SQLITE: &str = "SELECT count(*) AS present FROM sqlite_master \
+    WHERE type = 'table' AND name = 'dacapo_migrations'";
+
+/// Whether the migrations table exists in the connection's schema.
+#[cfg(feature = "postgres")]
+pub(crate) const HAS_SCHEMA_POSTGRES: &str = "SELECT count(*) AS present \
+    FROM information_schema.tables WHERE table_schema = current_schema() \
+    AND table_name = 'dacapo_migrations'";
 
 pub(crate) const RECORD_MIGRATION: &str =
     "INSERT INTO dacapo_migrations (version, description, applied_at) VALUES ($1, $2, $3)";

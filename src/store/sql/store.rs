@@ -12,7 +12,7 @@ use dacapo_actors::ports::{
     OutboxBacklog, OutboxStore, Receipt, Replay, ReplayTo, Resumable, RetryRecord,
     ScheduledEnvelope, SystemClock,
 };
-use dacapo_actors::{DeadLetter, Envelope, Error};
+use dacapo_actors::{DeadLetter, DeadLetterFilter, Envelope, Error};
 use futures::stream::BoxStream;
 use uuid::Uuid;
 
@@ -78,7 +78,45 @@ impl<D: Dialect> SqlStore<D> {
         database: fn(sqlx::Pool<D>) -> Database,
     ) -> Result<Self, Error> {
         migrate(&database(pool.clone())).await?;
-        Ok(Self {
+        Ok(Self::on(pool, engine, database))
+    }
+
+    /// A store on a database whose schema must already be this version's: nothing is created
+    /// or migrated. `at` names the database in the error.
+    pub(crate) async fn existing_on(
+        pool: sqlx::Pool<D>,
+        engine: sqlx::Pool<D>,
+        database: fn(sqlx::Pool<D>) -> Database,
+        at: String,
+    ) -> Result<Self, crate::Error> {
+        let db = database(pool.clone());
+        let present: i64 = db.fetch_one(db.has_schema(), &[]).await?.get("present")?;
+        let version: i64 = if present > 0 {
+            db.fetch_one(SCHEMA_VERSION, &[]).await?.get("version")?
+        } else {
+            0
+        };
+        let newest = db.migrations().last().map_or(0, |m| m.version);
+        if version < newest {
+            let at = if version == 0 {
+                at
+            } else {
+                format!(
+                    "{at} (it is at version {version}, this build needs {newest}: start the \
+                     application once, which migrates it)"
+                )
+            };
+            return Err(crate::Error::NoSchema { at });
+        }
+        Ok(Self::on(pool, engine, database))
+    }
+
+    fn on(
+        pool: sqlx::Pool<D>,
+        engine: sqlx::Pool<D>,
+        database: fn(sqlx::Pool<D>) -> Database,
+    ) -> Self {
+        Self {
             db: database(engine.clone()),
             pool,
             engine,
@@ -87,7 +125,7 @@ impl<D: Dialect> SqlStore<D> {
             clock: Arc::new(SystemClock),
             claims_ready: Arc::default(),
             dialect: PhantomData,
-        })
+        }
     }
 
     /// This node's name in the store (default: random per process). Give each node of a fleet
@@ -691,8 +729,11 @@ impl<D: Dialect> DeadLetterStore for SqlStore<D> {
         Ok(())
     }
 
-    async fn list(&self) -> Result<Vec<DeadLetter>, Error> {
-        let rows = self.db.fetch_all(LIST_DEAD_LETTERS, &[]).await?;
+    async fn list(&self, filter: &DeadLetterFilter) -> Result<Vec<DeadLetter>, Error> {
+        let rows = self
+            .db
+            .fetch_all(LIST_DEAD_LETTERS, &filter_values(filter))
+            .await?;
         rows.iter().map(Self::dead_letter_row).collect()
     }
 
@@ -714,7 +755,23 @@ impl<D: Dialect> DeadLetterStore for SqlStore<D> {
         row.as_ref().map(Self::dead_letter_row).transpose()
     }
 
-    async fn purge(&self) -> Result<u64, Error> {
-        self.db.execute(PURGE_DEAD_LETTERS, &[]).await
+    async fn purge(&self, filter: &DeadLetterFilter) -> Result<u64, Error> {
+        self.db
+            .execute(PURGE_DEAD_LETTERS, &filter_values(filter))
+            .await
     }
+}
+
+/// The parameters of a dead-letter query: type, time, limit (`i64::MAX`, no limit, in both
+/// databases).
+fn filter_values(filter: &DeadLetterFilter) -> [Value<'_>; 3] {
+    [
+        Value::OptionalText(filter.message_type.as_deref()),
+        Value::OptionalInt64(filter.since.map(millis)),
+        Value::Int64(
+            filter
+                .limit
+                .map_or(i64::MAX, |n| i64::try_from(n).unwrap_or(i64::MAX)),
+        ),
+    ]
 }
