@@ -165,3 +165,13 @@ impl From<serde_json::Error> for Error {
         Self::Serialize(error)
     }
 }
+
+/// A database error from the application's own queries on the store's pool: a refusal of the
+/// data (a constraint, a value the column cannot hold) is [`Error::Rejected`], anything else
+/// (a lost connection, a timeout) [`Error::Store`], as for the runtime's own writes.
+#[cfg(any(feature = "sqlite", feature = "postgres"))]
+impl From<sqlx::Error> for Error {
+    fn from(error: sqlx::Error) -> Self {
+        crate::store::sql::db_error(error).into()
+    }
+}

@@ -3,6 +3,7 @@
 //! two transactions recording one key at the same moment get one `true` between them.
 //!
 //! ```no_run
+//! use dacapo::{sqlx, uuid};
 //! # async fn charge(pool: &sqlx::SqlitePool, message_id: uuid::Uuid) -> Result<(), Box<dyn std::error::Error>> {
 //! use dacapo::idempotency;
 //!
@@ -115,6 +116,7 @@ pub async fn record_key<T: KeyTransaction>(tx: &mut T, key: &str) -> Result<bool
 /// already done then writes nothing, commits nothing and publishes nothing.
 ///
 /// ```no_run
+/// use dacapo::{sqlx, uuid};
 /// # async fn queue(pool: &sqlx::SqlitePool, message_id: uuid::Uuid, webhooks: &[i64]) -> Result<(), Box<dyn std::error::Error>> {
 /// use dacapo::{idempotency, ids};
 ///

@@ -8,7 +8,7 @@
 //!
 //! ```
 //! use dacapo::ids;
-//! use uuid::Uuid;
+//! use dacapo::uuid::Uuid;
 //!
 //! let message_id = Uuid::parse_str("0f8fad5b-d9cb-469f-a165-70867728950e").unwrap();
 //! assert_eq!(ids::derive(message_id, "42"), "7b17695fedeb468ac621b60044fac70d");

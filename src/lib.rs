@@ -26,8 +26,20 @@ pub use dacapo_actors::{
     AggregateError, Conflicts, DeadLetter, DeadLetterFilter, DeadLetterReason, Deduplication,
     DeliveryReport, DiscardReason, Disposition, Envelope, FailureKind, Handler, HandlerError,
     HandlerFailure, HandlerId, MAX_MESSAGE_TYPE_LEN, Message, MessageContext, Module, Outcome,
-    PendingRetry, RetryPolicy, RetryScope, SendOptions, ShutdownReport, StatsSnapshot,
-    UnknownMessageTypes,
+    PendingRetry, RetryDecision, RetryPolicy, RetryScope, SendOptions, ShutdownReport,
+    StatsSnapshot, UnknownMessageTypes, quiet_handler_panics,
 };
+
+// The crates whose types appear in dacapo's signatures, so an application uses the very
+// versions dacapo was built with (another sqlx minor is another `Pool` type).
+pub use async_trait;
+pub use chrono;
 pub use error::Error;
+pub use futures;
 pub use runtime::{DeadLetters, Runtime, RuntimeBuilder, Scheduled};
+pub use serde;
+pub use serde_json;
+#[cfg(any(feature = "sqlite", feature = "postgres"))]
+#[cfg_attr(docsrs, doc(cfg(any(feature = "sqlite", feature = "postgres"))))]
+pub use sqlx;
+pub use uuid;

@@ -2,6 +2,7 @@
 //! it announces. One commit: both land or neither does. The runtime's relay then publishes it.
 //!
 //! ```no_run
+//! use dacapo::sqlx;
 //! # use dacapo::prelude::*;
 //! use dacapo::outbox::Outbox;
 //! # use serde::{Deserialize, Serialize};
@@ -114,6 +115,7 @@ impl Outbox {
 /// deduplication rules and size limit, and [`commit`](Self::commit) wakes its relay.
 ///
 /// ```no_run
+/// use dacapo::sqlx;
 /// # use dacapo::prelude::*;
 /// # use serde::{Deserialize, Serialize};
 /// # #[derive(Serialize, Deserialize)] struct OrderPlaced { reference: String }

@@ -1,6 +1,6 @@
 //! What a module author needs, in one import: `use dacapo::prelude::*;`.
 
 pub use crate::{
-    Deduplication, Envelope, Handler, HandlerError, Message, MessageContext, Module, RetryPolicy,
-    Runtime, SendOptions, ids,
+    DeadLetterReason, Deduplication, DiscardReason, Envelope, FailureKind, Handler, HandlerError,
+    Message, MessageContext, Module, Outcome, RetryPolicy, Runtime, SendOptions, ids,
 };

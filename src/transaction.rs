@@ -15,6 +15,7 @@
 //! the first one's completion record.
 //!
 //! ```no_run
+//! use dacapo::sqlx;
 //! use dacapo::prelude::*;
 //! use dacapo::transaction::HandlerTransactions;
 //! # use serde::{Deserialize, Serialize};

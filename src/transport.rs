@@ -4,5 +4,5 @@ mod in_process;
 mod listener;
 
 pub use dacapo_actors::Backoff;
-pub use in_process::InProcess;
+pub(crate) use in_process::InProcess;
 pub use listener::Listener;

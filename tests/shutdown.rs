@@ -7,8 +7,8 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
-use dacapo::prelude::*;
 use dacapo::Error;
+use dacapo::prelude::*;
 use support::{MemberRemoved, member_removed};
 use tokio::sync::{Notify, oneshot};
 

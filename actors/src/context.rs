@@ -303,12 +303,15 @@ impl MessageContext {
     /// if it deduplicates and the claims live in the runtime's store. A handler transaction
     /// completes it in the handler's own transaction, so the claim and the handler's effects
     /// commit together (claims kept elsewhere are completed after the handler returns).
+    #[doc(hidden)]
     pub fn deduplication_claim(&self) -> Option<&Claim> {
         self.scope.as_ref().and_then(|a| a.claim.as_deref())
     }
 
-    /// The runtime's store (a `dacapo::SqliteStore`, a `dacapo::PostgresStore`, …), for
-    /// adapters that open a transaction on it; `None` outside a consumer or without a store.
+    /// The runtime's store (a `dacapo::store::SqliteStore`, a `dacapo::store::PostgresStore`,
+    /// …), for adapters that open a transaction on it; `None` outside a consumer or without a
+    /// store. Handlers use `dacapo::transaction` instead.
+    #[doc(hidden)]
     pub fn store(&self) -> Option<&(dyn std::any::Any + Send + Sync)> {
         self.scope
             .as_ref()
@@ -348,6 +351,7 @@ impl MessageContext {
     /// Tells the runtime's outbox relay that this handler just committed envelopes to the
     /// outbox in a transaction of its own, so they are published now rather than at the
     /// relay's next poll. Does nothing outside a consumer.
+    #[doc(hidden)]
     pub fn wake_outbox(&self) {
         if let Some(attached) = &self.scope {
             attached.scope.worker.shared.outbox_enlisted.notify_one();
@@ -391,7 +395,8 @@ impl MessageContext {
     ///
     /// What a handler cascades in an attempt where *it* succeeded is kept even if a sibling
     /// handler failed that attempt, since its effects are done; what it cascades in an attempt
-    /// where it failed is dropped. Cascaded ids are deterministic (see [`ContextActor`]), so the
+    /// where it failed is dropped. Cascaded ids are derived from this message's id and what is
+    /// cascaded (the n-th message of a type from this handler), so the
     /// same message cascaded again on a retry is sent once, and a handler that finds its work
     /// already done on a retry may cascade nothing without losing what it cascaded before.
     ///
@@ -458,7 +463,7 @@ impl MessageContext {
 /// Per-send settings: deduplication id, headers, correlation id.
 ///
 /// ```
-/// use dacapo_actors::SendOptions;
+/// use dacapo::SendOptions;
 ///
 /// let options = SendOptions::new()
 ///     .deduplication_id("rebuild|2026-11-30T03:00:00Z")
@@ -514,6 +519,7 @@ impl SendOptions {
     }
 
     /// Writes these options into `envelope`.
+    #[doc(hidden)]
     pub fn apply(self, envelope: &mut Envelope) {
         if let Some(at) = self.deliver_at {
             envelope.scheduled_for = Some(at);

@@ -121,6 +121,7 @@ impl DeadLetterFilter {
 
 impl DeadLetter {
     /// A dead letter for input rejected before any handler ran.
+    #[doc(hidden)]
     pub fn rejected(envelope: Envelope, reason: DeadLetterReason, at: DateTime<Utc>) -> Self {
         Self {
             envelope,
@@ -133,6 +134,7 @@ impl DeadLetter {
     }
 
     /// A dead letter for a message whose handlers failed.
+    #[doc(hidden)]
     pub fn failed(
         envelope: Envelope,
         reason: DeadLetterReason,

@@ -32,7 +32,7 @@ pub enum Conflicts {
 /// deduplicating the same message do not take each other's claim.
 ///
 /// ```
-/// use dacapo_actors::Deduplication;
+/// use dacapo::Deduplication;
 ///
 /// // The envelope's deduplication id, required (the default).
 /// let strict = Deduplication::from_envelope();
@@ -115,6 +115,7 @@ impl Deduplication {
     }
 
     /// The logical id of `envelope` for this handler, if it has one.
+    #[doc(hidden)]
     pub fn key(&self, envelope: &Envelope, decoded: &Decoded) -> Option<String> {
         let key = match &self.source {
             Source::Envelope => envelope.deduplication_id.clone(),

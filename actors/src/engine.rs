@@ -150,8 +150,7 @@ pub struct EngineParts {
     pub rules: DeduplicationRules,
     /// The outbox to relay (`None`: no outbox).
     pub outbox: Option<Arc<dyn OutboxStore>>,
-    /// The store itself, for handlers that open transactions on it (see
-    /// [`MessageContext::store`](crate::MessageContext::store)); `None` without one.
+    /// The store itself, for handlers that open transactions on it; `None` without one.
     pub store: Option<Arc<dyn std::any::Any + Send + Sync>>,
     /// Whether the deduplication claims live in that store, so a handler transaction can
     /// complete its claim in the same transaction as its work.

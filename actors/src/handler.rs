@@ -14,7 +14,7 @@ use crate::{Message, MessageContext};
 /// [`MessageContext::message_id`], or record an idempotency key in its own transaction.
 ///
 /// ```
-/// use dacapo_actors::{Handler, HandlerError, Message, MessageContext};
+/// use dacapo::{Handler, HandlerError, Message, MessageContext};
 /// # use serde::{Deserialize, Serialize};
 /// # #[derive(Serialize, Deserialize)] struct MemberRemoved { member_id: u64 }
 /// # impl Message for MemberRemoved { const TYPE: &'static str = "organization.member_removed"; }
@@ -134,7 +134,11 @@ pub enum FailureKind {
     Permanent,
     /// The handler returned an error asking for a retry after a delay.
     RetryAfter(Duration),
-    /// The handler panicked.
+    /// The handler panicked. The panic is caught: it fails this handler's attempt (retried
+    /// under the policy, like an error), with the panic's message as the failure's text, and
+    /// nothing else. Rust's panic hook still prints it to standard error as it happens (with
+    /// a backtrace under `RUST_BACKTRACE`); [`quiet_handler_panics`](crate::quiet_handler_panics)
+    /// turns that into a `debug` event for handler panics only.
     Panicked,
     /// The handler did not finish within its timeout.
     TimedOut(Duration),

@@ -6,6 +6,7 @@ use actix::{Actor, ActorContext, ActorFutureExt, Addr, AsyncContext, Context, Wr
 use futures::FutureExt;
 use tracing::Instrument;
 
+use crate::panics::{HandlerCode, as_handler};
 use crate::ports::{Claim, ClaimOutcome, Claims};
 use crate::supervisor::persist;
 use crate::{
@@ -159,10 +160,12 @@ impl HandlerActor {
                     })
                 }
                 Ok(ClaimOutcome::Claimed) => {
-                    let result =
-                        tokio::time::timeout(timeout, AssertUnwindSafe(call).catch_unwind())
-                            .instrument(span)
-                            .await;
+                    let result = tokio::time::timeout(
+                        timeout,
+                        AssertUnwindSafe(HandlerCode(call)).catch_unwind(),
+                    )
+                    .instrument(span)
+                    .await;
                     let failure = failure_of(result, timeout);
                     // A refused write is logged by `persist`: the claim then waits for its window
                     // (released with the dead letter, if it comes to that).
@@ -250,7 +253,9 @@ impl Actor for HandlerActor {
         // timeout and the actor's future machinery only for those that have to wait.
         let first = {
             let _entered = self.span.enter();
-            std::panic::catch_unwind(AssertUnwindSafe(|| call.as_mut().now_or_never()))
+            std::panic::catch_unwind(AssertUnwindSafe(|| {
+                as_handler(|| call.as_mut().now_or_never())
+            }))
         };
         match first {
             Ok(Some(result)) => {
@@ -265,7 +270,10 @@ impl Actor for HandlerActor {
             }
             Ok(None) => {}
         }
-        let guarded = tokio::time::timeout(self.timeout, AssertUnwindSafe(call).catch_unwind());
+        let guarded = tokio::time::timeout(
+            self.timeout,
+            AssertUnwindSafe(HandlerCode(call)).catch_unwind(),
+        );
         let guarded: futures::future::BoxFuture<'static, HandlerResult> = if self.span.is_disabled()
         {
             Box::pin(guarded)

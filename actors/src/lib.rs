@@ -1,9 +1,15 @@
-//! The actors of [dacapo](https://docs.rs/dacapo) and the vocabulary they speak.
+//! The engine of [dacapo](https://docs.rs/dacapo): an implementation crate.
 //!
-//! Applications depend on `dacapo`, which re-exports what they need; this crate holds every
-//! actix actor ([`DeliverySupervisor`], [`HandlerActor`], [`ContextActor`], [`TimerActor`]),
-//! the types they exchange, and the [ports] through which they reach storage and the
-//! clock. It knows no database, broker or socket.
+//! **Depend on `dacapo`, not on this crate.** `dacapo` re-exports every type a module author,
+//! a tester or a store implementer uses, and its documentation is the one to read; the
+//! examples here are written against it. What this crate makes public beyond that (the
+//! actors, the registry, the engine's parts) exists for `dacapo` alone and may change in any
+//! release.
+//!
+//! It holds every actix actor (the delivery supervisor, handler, context, timer, recovery,
+//! relay and cleanup actors), the delivery's pure state machine they drive, the types they
+//! exchange, and the [ports] through which they reach storage and the clock. It knows no
+//! database, broker or socket.
 
 mod aggregate;
 mod backoff;
@@ -22,6 +28,7 @@ mod handler;
 mod handler_actor;
 mod message;
 mod module;
+mod panics;
 pub mod ports;
 mod reaper;
 mod recovery;
@@ -36,25 +43,47 @@ mod tracker;
 
 pub use aggregate::AggregateError;
 pub use backoff::Backoff;
+#[doc(hidden)]
 pub use cleanup::CleanupActor;
-pub use context::{ContextActor, MessageContext, SendOptions};
+#[doc(hidden)]
+pub use context::ContextActor;
+pub use context::{MessageContext, SendOptions};
 pub use dead_letter::{DeadLetter, DeadLetterFilter, DeadLetterReason};
-pub use deduplication::{Conflicts, Deduplication, DeduplicationRules};
-pub use dispatcher::{Dispatcher, UnknownMessageTypes};
-pub use engine::{Durability, Engine, EngineConfig, EngineParts, ShutdownReport};
+#[doc(hidden)]
+pub use deduplication::DeduplicationRules;
+pub use deduplication::{Conflicts, Deduplication};
+#[doc(hidden)]
+pub use dispatcher::Dispatcher;
+pub use dispatcher::UnknownMessageTypes;
+pub use engine::ShutdownReport;
+#[doc(hidden)]
+pub use engine::{Durability, Engine, EngineConfig, EngineParts};
 pub use envelope::Envelope;
 pub use error::Error;
 pub use handler::{Disposition, FailureKind, Handler, HandlerError, HandlerFailure};
+#[doc(hidden)]
 pub use handler_actor::HandlerActor;
 pub use message::Message;
-pub use module::{Decoded, HandlerEntry, HandlerId, Invoke, Module};
+#[doc(hidden)]
+pub use module::{Decoded, HandlerEntry, Invoke};
+pub use module::{HandlerId, Module};
+pub use panics::quiet_handler_panics;
+#[doc(hidden)]
 pub use reaper::ReaperActor;
+#[doc(hidden)]
 pub use recovery::RecoveryActor;
-pub use registry::{MAX_MESSAGE_TYPE_LEN, Registry, RegistryError, Route};
+pub use registry::{MAX_MESSAGE_TYPE_LEN, RegistryError};
+#[doc(hidden)]
+pub use registry::{Registry, Route};
+#[doc(hidden)]
 pub use relay::RelayActor;
 pub use report::{DeliveryReport, DiscardReason, Outcome};
 pub use retry::{RetryDecision, RetryPolicy, RetryScope};
-pub use stats::{Stats, StatsSnapshot};
+#[doc(hidden)]
+pub use stats::Stats;
+pub use stats::StatsSnapshot;
+#[doc(hidden)]
 pub use supervisor::DeliverySupervisor;
+#[doc(hidden)]
 pub use timer::TimerActor;
 pub use tracker::PendingRetry;

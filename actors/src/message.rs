@@ -8,7 +8,7 @@ use serde::de::DeserializeOwned;
 /// Rust type is renamed or moved.
 ///
 /// ```
-/// use dacapo_actors::Message;
+/// use dacapo::Message;
 /// use serde::{Deserialize, Serialize};
 ///
 /// #[derive(Serialize, Deserialize)]
@@ -26,8 +26,9 @@ pub trait Message: Serialize + DeserializeOwned + Send + Sync + 'static {
     const TYPE: &'static str;
 
     /// The logical identity of this message's intent, declared once by the type so that every
-    /// publisher sets it (see [`DeduplicationRules`](crate::DeduplicationRules) for what wins
-    /// when several sources apply). `None` or an empty string: no id.
+    /// publisher sets it. An id given at publish time (`SendOptions::deduplication_id`) wins
+    /// over this one, and this one over a rule set on the runtime's builder
+    /// (`deduplicate_by`). `None` or an empty string: no id.
     fn deduplication_id(&self) -> Option<String> {
         None
     }

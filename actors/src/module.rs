@@ -10,7 +10,7 @@ use crate::{Deduplication, Handler, HandlerError, Message, MessageContext, Retry
 /// A decoded message, shared by every handler of one delivery.
 pub type Decoded = Arc<dyn Any + Send + Sync>;
 
-/// A type-erased handler call: what a [`HandlerActor`](crate::HandlerActor) runs for the
+/// A type-erased handler call: what the engine runs for the
 /// handler at `index` in the route, with the decoded message and its context.
 ///
 /// The call reaches its handler through the route rather than through a handle of its own,
@@ -81,7 +81,7 @@ impl std::fmt::Debug for HandlerEntry {
 /// every delivery of it.
 ///
 /// ```
-/// use dacapo_actors::{Handler, HandlerError, Message, MessageContext, Module, RetryPolicy};
+/// use dacapo::{Handler, HandlerError, Message, MessageContext, Module, RetryPolicy};
 /// # use serde::{Deserialize, Serialize};
 /// # #[derive(Serialize, Deserialize)] struct MemberRemoved { member_id: u64 }
 /// # impl Message for MemberRemoved { const TYPE: &'static str = "organization.member_removed"; }
@@ -143,7 +143,16 @@ impl Module {
         self
     }
 
-    /// Registers `handler` for messages of type `M`, named after its Rust type.
+    /// Registers `handler` for messages of type `M`, named after its Rust type: the last
+    /// segment of its path, without generic parameters (`billing::ChargeCard<Live>` is
+    /// `ChargeCard`). The handler's id is then `module/ChargeCard`: the name stored with its
+    /// completions and claims, shown in failures and reports, and given to
+    /// [`TestHarness`](https://docs.rs/dacapo/latest/dacapo/testing/struct.TestHarness.html)
+    /// faults. Renaming the type renames the handler, so a handler whose stored state must
+    /// survive refactoring takes [`handle_named`](Self::handle_named) instead.
+    ///
+    /// Two handlers of one type in one module need `handle_named`; the build refuses the
+    /// duplicate name.
     #[must_use]
     pub fn handle<M: Message, H: Handler<M>>(self, handler: H) -> Self {
         let name = short_type_name::<H>();
@@ -206,16 +215,19 @@ impl Module {
     }
 
     /// Handler names given to [`deduplicate`](Self::deduplicate) that no handler has.
+    #[doc(hidden)]
     pub fn unknown_deduplications(&self) -> &[String] {
         &self.unknown_deduplications
     }
 
     /// The registered handlers, in registration order.
+    #[doc(hidden)]
     pub fn handlers(&self) -> &[HandlerEntry] {
         &self.handlers
     }
 
     /// Takes the registered handlers out of the module.
+    #[doc(hidden)]
     pub fn into_handlers(self) -> Vec<HandlerEntry> {
         self.handlers
     }

@@ -11,7 +11,7 @@ use crate::{AggregateError, FailureKind};
 ///
 /// ```
 /// use std::time::Duration;
-/// use dacapo_actors::RetryPolicy;
+/// use dacapo::RetryPolicy;
 ///
 /// let seconds: Vec<u64> = RetryPolicy::default().intervals().iter().map(Duration::as_secs).collect();
 /// assert_eq!(seconds, [1, 6, 16, 36, 60]);

@@ -429,7 +429,7 @@ impl RuntimeBuilder {
     ///
     /// [`Error::Registry`] for inconsistent registrations (a handler registered twice, a
     /// policy for a type nobody handles), [`Error::Configuration`] for a durable store given to
-    /// [`inbox`](Self::inbox), and [`Error::Engine`] if threads cannot start.
+    /// [`inbox`](Self::inbox), and [`Error::Startup`] if threads cannot start.
     pub fn build(self) -> Result<Runtime, Error> {
         let (registry, this) = self.into_parts()?;
         this.start(registry)

@@ -8,7 +8,7 @@ use crate::Error;
 /// It has the same contract as a broker listener: an envelope counts as sent once the engine
 /// accepted it (the inbox recorded it), never before.
 #[derive(Clone, Debug)]
-pub struct InProcess {
+pub(crate) struct InProcess {
     dispatcher: Dispatcher,
 }
 
@@ -26,8 +26,10 @@ impl InProcess {
     ///
     /// # Cancel safety
     ///
-    /// Not cancel safe: see [`Dispatcher::dispatch`].
-    pub async fn send(
+    /// Cancelled while waiting for capacity, nothing happened. Cancelled while the inbox
+    /// records the envelope, it may be recorded but not handled: a durable inbox resumes it
+    /// after a restart (or once this node's heartbeat expires), the in-memory one never does.
+    pub(crate) async fn send(
         &self,
         envelope: Envelope,
         reply: Option<oneshot::Sender<DeliveryReport>>,
