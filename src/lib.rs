@@ -2,6 +2,9 @@
 #![cfg_attr(docsrs, feature(doc_cfg))]
 
 mod error;
+#[cfg(all(feature = "http", any(feature = "sqlite", feature = "postgres")))]
+#[cfg_attr(docsrs, doc(cfg(feature = "http")))]
+pub mod http;
 #[cfg(any(feature = "sqlite", feature = "postgres"))]
 #[cfg_attr(docsrs, doc(cfg(any(feature = "sqlite", feature = "postgres"))))]
 pub mod idempotency;

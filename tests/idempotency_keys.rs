@@ -201,6 +201,10 @@ on_both_backends!(
                 "dacapo_outbox_published",
             ),
             (
+                "SELECT id FROM dacapo_http_keys WHERE expires_at <= 1 LIMIT 10",
+                "dacapo_http_keys_expires",
+            ),
+            (
                 "SELECT id FROM dacapo_inbox WHERE status = 'handled' AND handled_at < 1 LIMIT 10",
                 "dacapo_inbox_handled",
             ),

@@ -77,6 +77,15 @@ macro_rules! migrations {
                     "/0006_delivery_state.sql"
                 )),
             },
+            $crate::store::sql::Migration {
+                version: 7,
+                description: "responses kept for HTTP idempotency keys",
+                sql: include_str!(concat!(
+                    "../../migrations/",
+                    $backend,
+                    "/0007_http_keys.sql"
+                )),
+            },
         ]
     };
 }

@@ -122,6 +122,10 @@ pub(crate) const OWN_UNSETTLED_ROW: &str = "SELECT id, message_type, payload, he
 pub(crate) const DELETE_IDEMPOTENCY_KEYS: &str = "DELETE FROM dacapo_idempotency_keys \
     WHERE key IN (SELECT key FROM dacapo_idempotency_keys WHERE recorded_at < $1 LIMIT $2)";
 
+/// HTTP responses kept for idempotency keys whose retention ended.
+pub(crate) const DELETE_EXPIRED_HTTP_KEYS: &str = "DELETE FROM dacapo_http_keys \
+    WHERE id IN (SELECT id FROM dacapo_http_keys WHERE expires_at <= $1 LIMIT $2)";
+
 pub(crate) const INBOX_STATUS: &str = "SELECT status FROM dacapo_inbox WHERE id = $1";
 
 /// The claims table, created only when a runtime enables deduplication: with the feature off

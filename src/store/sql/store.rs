@@ -544,7 +544,11 @@ impl<D: Dialect> DurableInbox for SqlStore<D> {
         limit: usize,
     ) -> Result<u64, Error> {
         let values = [Value::Int64(millis(before)), Self::limit(limit)];
-        self.db.execute(DELETE_IDEMPOTENCY_KEYS, &values).await
+        let keys = self.db.execute(DELETE_IDEMPOTENCY_KEYS, &values).await?;
+        // HTTP keys carry their own expiry, set by the layer that recorded them.
+        let values = [Value::Int64(millis(self.now())), Self::limit(limit)];
+        let http_keys = self.db.execute(DELETE_EXPIRED_HTTP_KEYS, &values).await?;
+        Ok(keys + http_keys)
     }
 }
 

@@ -1,0 +1,79 @@
+//! Idempotency-Key for HTTP endpoints: a client that retries a `POST` after a timeout, or a
+//! provider that redelivers a webhook, gets the first response again instead of a second
+//! effect.
+//!
+//! [`IdempotencyLayer`] is a tower layer (axum, hyper, tonic) that keeps responses in the
+//! same SQLite or PostgreSQL store as the runtime. On the routes it wraps, for `POST` and
+//! `PATCH` by default:
+//!
+//! | the request | the answer |
+//! | --- | --- |
+//! | no `Idempotency-Key` where one is required | 400, problem `idempotency-key-missing` |
+//! | an empty, repeated, non-ASCII or over-long key | 400, problem `idempotency-key-invalid` |
+//! | a body over the limit | 413, problem `request-too-large` |
+//! | a new key | the endpoint runs; its answer is kept with a fingerprint of the request |
+//! | the same key and fingerprint, answered before | the kept answer, byte for byte, with `Idempotent-Replayed: true`; the endpoint does not run |
+//! | the same key while its first request runs | 409, problem `idempotency-key-in-flight`, `Retry-After: 1` |
+//! | the same key, another fingerprint | 422, problem `idempotency-key-reused` |
+//! | the store unreachable | 503, problem `idempotency-store-unavailable`, `Retry-After: 1`; nothing ran or was kept |
+//! | an intent already carried out ([`RequestTransaction::enlist_once`]) | 409, problem `duplicate-intent`, answered by the endpoint |
+//!
+//! Problems are RFC 9457 `application/problem+json` bodies whose `type` is
+//! `urn:dacapo:problem:<name>`. Keys are scoped to the route by default; give
+//! [`scope`](IdempotencyLayer::scope) the caller's principal so one tenant's key never
+//! replays another's answer. A 4xx answer is kept (the same request would fail the same
+//! way); a 5xx is not, unless [`keep_server_errors`](IdempotencyLayer::keep_server_errors):
+//! it rolls the request back and leaves the key free for the retry.
+//!
+//! An endpoint that takes the request's [`RequestTransaction`] from its extensions writes its
+//! rows and outbox messages in the transaction that keeps the answer: they commit together
+//! after the endpoint answered, or not at all (a crash, a dropped connection, a 5xx), and
+//! the client's retry then runs it again. Work done outside that transaction is not covered.
+//!
+//! ```no_run
+//! use axum::{Extension, Router, http::StatusCode, routing::post};
+//! use dacapo::http::{IdempotencyLayer, RequestTransaction};
+//! use dacapo::sqlx::{self, Sqlite};
+//! use dacapo::store::SqliteStore;
+//!
+//! async fn place_order(Extension(tx): Extension<RequestTransaction<Sqlite>>) -> StatusCode {
+//!     let Ok(mut tx) = tx.get().await else {
+//!         return StatusCode::SERVICE_UNAVAILABLE;
+//!     };
+//!     match sqlx::query("INSERT INTO orders (id) VALUES ('A-1')").execute(&mut **tx).await {
+//!         Ok(_) => StatusCode::CREATED, // committed with the kept answer, after this returns
+//!         Err(_) => StatusCode::INTERNAL_SERVER_ERROR, // rolled back, key left free
+//!     }
+//! }
+//!
+//! # async fn serve() -> Result<(), Box<dyn std::error::Error>> {
+//! let store = SqliteStore::open("app.db").await?;
+//! let app: Router = Router::new()
+//!     .route("/orders", post(place_order))
+//!     .route_layer(IdempotencyLayer::new(store));
+//! # Ok(())
+//! # }
+//! ```
+//!
+//! On SQLite, requests with one key are kept apart within the process (one process per
+//! database file); on PostgreSQL the request's transaction also holds a lock on the key, so
+//! nodes sharing the database answer 409 to each other's requests in progress.
+
+mod backend;
+mod key;
+mod layer;
+mod problem;
+mod record;
+mod request;
+
+pub use backend::Backend;
+pub use layer::{Idempotency, IdempotencyLayer};
+pub use problem::Problem;
+pub use request::{Intent, RequestTransaction, RequestTx};
+
+/// Marks a replayed answer.
+pub const REPLAYED: &str = "idempotent-replayed";
+
+/// Marks an answer whose body was over the size limit and is not kept (a replay has an
+/// empty body).
+pub const BODY_NOT_STORED: &str = "idempotency-body-not-stored";

@@ -1,0 +1,85 @@
+//! The layer's own answers, as RFC 9457 problem details (`application/problem+json`).
+
+use bytes::Bytes;
+use http::{HeaderValue, Response, StatusCode, header};
+
+/// A problem the layer answers for, with its status code.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Problem {
+    /// 400: the route requires an `Idempotency-Key` and the request has none.
+    KeyMissing,
+    /// 400: the `Idempotency-Key` is empty, too long, repeated or not visible ASCII.
+    KeyInvalid,
+    /// 409: a request with the same key is still running; retry later.
+    InFlight,
+    /// 422: the key was used before for a different request (method, path or body).
+    KeyReused,
+    /// 413: the request body is over the layer's limit.
+    RequestTooLarge,
+    /// 409: the intent was carried out already (its deduplication id was claimed by an
+    /// earlier request); the client should not retry it.
+    DuplicateIntent,
+    /// 503: the store could not be reached; nothing was done, retry with the same key.
+    StoreUnavailable,
+}
+
+impl Problem {
+    /// Its status code.
+    pub fn status(self) -> StatusCode {
+        match self {
+            Self::KeyMissing | Self::KeyInvalid => StatusCode::BAD_REQUEST,
+            Self::InFlight | Self::DuplicateIntent => StatusCode::CONFLICT,
+            Self::KeyReused => StatusCode::UNPROCESSABLE_ENTITY,
+            Self::RequestTooLarge => StatusCode::PAYLOAD_TOO_LARGE,
+            Self::StoreUnavailable => StatusCode::SERVICE_UNAVAILABLE,
+        }
+    }
+
+    /// Its `type` URI.
+    pub fn type_uri(self) -> &'static str {
+        match self {
+            Self::KeyMissing => "urn:dacapo:problem:idempotency-key-missing",
+            Self::KeyInvalid => "urn:dacapo:problem:idempotency-key-invalid",
+            Self::InFlight => "urn:dacapo:problem:idempotency-key-in-flight",
+            Self::KeyReused => "urn:dacapo:problem:idempotency-key-reused",
+            Self::RequestTooLarge => "urn:dacapo:problem:request-too-large",
+            Self::DuplicateIntent => "urn:dacapo:problem:duplicate-intent",
+            Self::StoreUnavailable => "urn:dacapo:problem:idempotency-store-unavailable",
+        }
+    }
+
+    fn title(self) -> &'static str {
+        match self {
+            Self::KeyMissing => "Idempotency-Key missing",
+            Self::KeyInvalid => "Idempotency-Key invalid",
+            Self::InFlight => "A request with this Idempotency-Key is in progress",
+            Self::KeyReused => "Idempotency-Key reused for a different request",
+            Self::RequestTooLarge => "Request body too large",
+            Self::DuplicateIntent => "Duplicate intent",
+            Self::StoreUnavailable => "Idempotency store unavailable",
+        }
+    }
+
+    /// The response, with `detail` for the client.
+    pub fn response<B: From<Bytes>>(self, detail: &str) -> Response<B> {
+        let body = serde_json::json!({
+            "type": self.type_uri(),
+            "title": self.title(),
+            "status": self.status().as_u16(),
+            "detail": detail,
+        });
+        let mut response = Response::new(B::from(Bytes::from(body.to_string())));
+        *response.status_mut() = self.status();
+        response.headers_mut().insert(
+            header::CONTENT_TYPE,
+            HeaderValue::from_static("application/problem+json"),
+        );
+        if matches!(self, Self::InFlight | Self::StoreUnavailable) {
+            response
+                .headers_mut()
+                .insert(header::RETRY_AFTER, HeaderValue::from_static("1"));
+        }
+        response
+    }
+}

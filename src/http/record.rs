@@ -1,0 +1,156 @@
+//! A response as the store keeps it for replay.
+
+use bytes::Bytes;
+use http::{HeaderMap, HeaderName, HeaderValue, Response, StatusCode, header};
+
+/// Headers never kept, whatever the configuration: they describe one connection or one
+/// transfer, not the response.
+const PER_TRANSFER: [HeaderName; 4] = [
+    header::CONNECTION,
+    header::TRANSFER_ENCODING,
+    header::CONTENT_LENGTH,
+    header::DATE,
+];
+
+/// Headers kept only when the layer is told to: they carry a session or credentials that a
+/// replay must not hand to whoever sends the key again.
+const SENSITIVE: [HeaderName; 3] = [
+    header::SET_COOKIE,
+    header::AUTHORIZATION,
+    header::PROXY_AUTHENTICATE,
+];
+
+/// A stored response (the layer's own; public only as part of the sealed [`Backend`](super::Backend)).
+#[derive(Debug)]
+#[doc(hidden)]
+pub struct Record {
+    pub(crate) fingerprint: String,
+    pub(crate) status: u16,
+    /// Name and raw value of each kept header, in order.
+    pub(crate) headers: Vec<(String, Vec<u8>)>,
+    /// `None` when it was over the size limit and not kept.
+    pub(crate) body: Option<Vec<u8>>,
+}
+
+impl Record {
+    /// What of `status`, `headers` and `body` is kept.
+    pub(crate) fn of(
+        fingerprint: String,
+        status: StatusCode,
+        headers: &HeaderMap,
+        body: Option<&[u8]>,
+        keep_sensitive: bool,
+    ) -> Self {
+        let headers = headers
+            .iter()
+            .filter(|(name, _)| !PER_TRANSFER.contains(name))
+            .filter(|(name, _)| keep_sensitive || !SENSITIVE.contains(name))
+            .map(|(name, value)| (name.as_str().to_owned(), value.as_bytes().to_vec()))
+            .collect();
+        Self {
+            fingerprint,
+            status: status.as_u16(),
+            headers,
+            body: body.map(<[u8]>::to_vec),
+        }
+    }
+
+    /// The headers as stored: a JSON list of `[name, [bytes]]`, exact for any value.
+    pub(crate) fn headers_json(&self) -> String {
+        serde_json::to_string(&self.headers).unwrap_or_else(|_| "[]".to_owned())
+    }
+
+    /// Headers read back from [`headers_json`](Self::headers_json).
+    pub(crate) fn headers_from_json(text: &str) -> Vec<(String, Vec<u8>)> {
+        serde_json::from_str(text).unwrap_or_default()
+    }
+
+    /// The replay: the stored status, headers and body, marked as a replay.
+    pub(crate) fn replay<B: From<Bytes>>(self) -> Response<B> {
+        let stored = self.body.is_some();
+        let mut response = Response::new(B::from(Bytes::from(self.body.unwrap_or_default())));
+        *response.status_mut() = StatusCode::from_u16(self.status).unwrap_or(StatusCode::OK);
+        for (name, value) in self.headers {
+            if let (Ok(name), Ok(value)) = (
+                HeaderName::from_bytes(name.as_bytes()),
+                HeaderValue::from_bytes(&value),
+            ) {
+                response.headers_mut().append(name, value);
+            }
+        }
+        response
+            .headers_mut()
+            .insert(super::REPLAYED, HeaderValue::from_static("true"));
+        if !stored {
+            response
+                .headers_mut()
+                .insert(super::BODY_NOT_STORED, HeaderValue::from_static("true"));
+        }
+        response
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn headers() -> HeaderMap {
+        let mut headers = HeaderMap::new();
+        headers.insert(header::LOCATION, HeaderValue::from_static("/orders/1"));
+        headers.insert(header::SET_COOKIE, HeaderValue::from_static("session=s"));
+        headers.insert(header::AUTHORIZATION, HeaderValue::from_static("Bearer t"));
+        headers.insert(header::CONTENT_LENGTH, HeaderValue::from_static("2"));
+        headers
+    }
+
+    fn names(record: &Record) -> Vec<&str> {
+        record
+            .headers
+            .iter()
+            .map(|(name, _)| name.as_str())
+            .collect()
+    }
+
+    #[test]
+    fn cookies_and_credentials_are_kept_only_when_asked() {
+        let plain = Record::of(
+            String::new(),
+            StatusCode::CREATED,
+            &headers(),
+            Some(b"{}"),
+            false,
+        );
+        assert_eq!(names(&plain), ["location"]);
+        let all = Record::of(
+            String::new(),
+            StatusCode::CREATED,
+            &headers(),
+            Some(b"{}"),
+            true,
+        );
+        assert_eq!(names(&all), ["location", "set-cookie", "authorization"]);
+    }
+
+    #[test]
+    fn a_replay_gives_back_status_headers_and_body_exactly() {
+        let mut headers = HeaderMap::new();
+        headers.insert("x-opaque", HeaderValue::from_bytes(&[0xfe, b'a']).unwrap());
+        let record = Record::of(
+            String::new(),
+            StatusCode::ACCEPTED,
+            &headers,
+            Some(b"\x00\xff"),
+            false,
+        );
+        let stored = record.headers_json();
+        let record = Record {
+            headers: Record::headers_from_json(&stored),
+            ..record
+        };
+        let replay: Response<Bytes> = record.replay();
+        assert_eq!(replay.status(), StatusCode::ACCEPTED);
+        assert_eq!(replay.headers()["x-opaque"].as_bytes(), [0xfe, b'a']);
+        assert_eq!(replay.headers()[super::super::REPLAYED], "true");
+        assert_eq!(replay.body().as_ref(), b"\x00\xff");
+    }
+}

@@ -1,0 +1,242 @@
+//! The request's store transaction, which an endpoint takes from the layer.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use dacapo_actors::ports::Claims;
+use dacapo_actors::{Envelope, Message, SendOptions};
+use sha2::{Digest, Sha256};
+use tokio::sync::{Mutex, MutexGuard};
+use uuid::Uuid;
+
+use super::backend::{Backend, IntentClaim, Slot};
+use crate::Error;
+use crate::store::sql::{SqlStore, db_error, millis};
+
+/// The store transaction of one request under the Idempotency-Key layer, found in the
+/// request's extensions (with axum: `Extension<RequestTransaction<Sqlite>>`).
+///
+/// What the endpoint writes in it — its rows, its outbox messages, its intent claims — commits
+/// together with the response the layer keeps for the key, after the endpoint answered. A
+/// crash, a dropped connection or a 5xx answer before that rolls everything back and leaves
+/// the key free, so the client's retry runs the endpoint again; after it, the retry gets the
+/// kept response. The endpoint never commits it.
+///
+/// On SQLite the transaction starts (`BEGIN IMMEDIATE`, the database's one write lock) when
+/// the endpoint first asks for it: ask late, and keep slow calls out of it.
+pub struct RequestTransaction<DB: Backend> {
+    slot: Arc<Mutex<Slot<DB>>>,
+    store: SqlStore<DB>,
+    retention: Duration,
+}
+
+impl<DB: Backend> Clone for RequestTransaction<DB> {
+    fn clone(&self) -> Self {
+        Self {
+            slot: Arc::clone(&self.slot),
+            store: self.store.clone(),
+            retention: self.retention,
+        }
+    }
+}
+
+impl<DB: Backend> std::fmt::Debug for RequestTransaction<DB> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RequestTransaction").finish_non_exhaustive()
+    }
+}
+
+/// The request's transaction, held by the endpoint: run queries on `&mut **tx`. Drop it
+/// before answering (and before [`RequestTransaction::enlist`], which takes it too).
+pub struct RequestTx<'a, DB: Backend> {
+    /// Holds a begun transaction: [`RequestTransaction::get`] begins it before making this,
+    /// and nothing takes it while this holds the lock.
+    slot: MutexGuard<'a, Slot<DB>>,
+}
+
+impl<DB: Backend> std::fmt::Debug for RequestTx<'_, DB> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RequestTx").finish_non_exhaustive()
+    }
+}
+
+impl<DB: Backend> std::ops::Deref for RequestTx<'_, DB> {
+    type Target = sqlx::Transaction<'static, DB>;
+
+    fn deref(&self) -> &Self::Target {
+        match &self.slot.tx {
+            Some(tx) => tx,
+            None => unreachable!("a RequestTx is made only over a begun transaction"),
+        }
+    }
+}
+
+impl<DB: Backend> std::ops::DerefMut for RequestTx<'_, DB> {
+    fn deref_mut(&mut self) -> &mut Self::Target {
+        match &mut self.slot.tx {
+            Some(tx) => tx,
+            None => unreachable!("a RequestTx is made only over a begun transaction"),
+        }
+    }
+}
+
+/// What [`RequestTransaction::enlist_once`] did.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Intent {
+    /// The intent is new: the message is enlisted under this envelope id.
+    New(Uuid),
+    /// An earlier request carried out this intent within its window: nothing was enlisted.
+    /// Answer [`Problem::DuplicateIntent`](super::Problem::DuplicateIntent) (409).
+    Duplicate,
+}
+
+impl<DB: Backend> RequestTransaction<DB> {
+    pub(crate) fn new(slot: Slot<DB>, store: SqlStore<DB>, retention: Duration) -> Self {
+        Self {
+            slot: Arc::new(Mutex::new(slot)),
+            store,
+            retention,
+        }
+    }
+
+    pub(crate) fn slot(&self) -> &Arc<Mutex<Slot<DB>>> {
+        &self.slot
+    }
+
+    /// The transaction, begun if it was not yet.
+    ///
+    /// # Errors
+    ///
+    /// The database's error when it cannot begin; [`Error::Configuration`] once the layer
+    /// has committed or rolled it back (the handle outlived its request).
+    ///
+    /// # Cancel safety
+    ///
+    /// Cancel safe: a transaction begun meanwhile stays with the request.
+    pub async fn get(&self) -> Result<RequestTx<'_, DB>, Error> {
+        let mut slot = self.slot.lock().await;
+        if slot.ended {
+            return Err(ended());
+        }
+        DB::begin(&mut slot).await.map_err(db_error)?;
+        if slot.tx.is_none() {
+            return Err(ended());
+        }
+        Ok(RequestTx { slot })
+    }
+
+    /// Enlists `message` in the outbox, in the request's transaction: it is published once
+    /// the request commits, and never if it rolls back. Returns its envelope id.
+    ///
+    /// # Errors
+    ///
+    /// The serializer's or the database's error: answer with an error status (5xx rolls the
+    /// request back).
+    ///
+    /// # Cancel safety
+    ///
+    /// Cancelled, the row may be written in the transaction or not; the request then ends
+    /// without committing.
+    pub async fn enlist<M: Message>(&self, message: &M) -> Result<Uuid, Error> {
+        self.enlist_with(message, SendOptions::new()).await
+    }
+
+    /// [`enlist`](Self::enlist) with headers, a correlation id or a deduplication id.
+    ///
+    /// # Errors
+    ///
+    /// As [`enlist`](Self::enlist).
+    ///
+    /// # Cancel safety
+    ///
+    /// As [`enlist`](Self::enlist).
+    pub async fn enlist_with<M: Message>(
+        &self,
+        message: &M,
+        options: SendOptions,
+    ) -> Result<Uuid, Error> {
+        let mut envelope = Envelope::for_message(message)?;
+        options.apply(&mut envelope);
+        let mut slot = self.slot.lock().await;
+        if slot.ended {
+            return Err(ended());
+        }
+        DB::begin(&mut slot).await.map_err(db_error)?;
+        let tx = slot.tx.as_mut().ok_or_else(ended)?;
+        DB::enlist(tx, &envelope).await?;
+        Ok(envelope.id)
+    }
+
+    /// Enlists `message` in the outbox under `deduplication_id`, unless an earlier request
+    /// carried out the same intent: a claim on the id is written in the request's
+    /// transaction, in the deduplication claims table that message handlers use (under the
+    /// handler name `http:<message type>`), completed at once and kept for the layer's
+    /// retention.
+    ///
+    /// # Errors
+    ///
+    /// The serializer's or the database's error: answer with an error status (5xx rolls the
+    /// request back).
+    ///
+    /// # Cancel safety
+    ///
+    /// Cancelled, the claim and the row may be written in the transaction or not; the request
+    /// then ends without committing.
+    pub async fn enlist_once<M: Message>(
+        &self,
+        message: &M,
+        deduplication_id: impl Into<String>,
+    ) -> Result<Intent, Error> {
+        let deduplication_id = deduplication_id.into();
+        let mut envelope = Envelope::for_message(message)?;
+        SendOptions::new()
+            .deduplication_id(deduplication_id.clone())
+            .apply(&mut envelope);
+        // The claims table is created on first use, for runtimes that deduplicate too.
+        self.store.provision().await?;
+        let now = self.store.now();
+        let expires =
+            now + chrono::TimeDelta::from_std(self.retention).unwrap_or(chrono::TimeDelta::MAX);
+        let handler = format!("http:{}", M::TYPE);
+        let key_hash = hex(&Sha256::digest(deduplication_id.as_bytes()));
+        let fingerprint = hex(&Sha256::digest(&envelope.payload));
+        let mut slot = self.slot.lock().await;
+        if slot.ended {
+            return Err(ended());
+        }
+        let claimed = DB::claim_intent(
+            &mut slot,
+            IntentClaim {
+                handler: &handler,
+                key_hash: &key_hash,
+                key: &deduplication_id,
+                fingerprint: &fingerprint,
+                envelope: &envelope,
+                node: self.store.node(),
+                now: millis(now),
+                expires_at: millis(expires),
+            },
+        )
+        .await
+        .map_err(db_error)?;
+        if !claimed {
+            return Ok(Intent::Duplicate);
+        }
+        let tx = slot.tx.as_mut().ok_or_else(ended)?;
+        DB::enlist(tx, &envelope).await?;
+        Ok(Intent::New(envelope.id))
+    }
+}
+
+fn ended() -> Error {
+    Error::Configuration(
+        "the request's transaction has ended: the Idempotency-Key layer committed or rolled it \
+         back after the endpoint answered"
+            .to_owned(),
+    )
+}
+
+pub(crate) fn hex(bytes: &[u8]) -> String {
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
+}

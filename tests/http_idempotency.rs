@@ -1,0 +1,656 @@
+//! The Idempotency-Key layer through a real HTTP client, against an axum server on 127.0.0.1
+//! and a real store (a SQLite file, a PostgreSQL database): one test per answer of the
+//! status-code table, the request's transaction, concurrency, scoping and what is never kept.
+#![cfg(all(
+    feature = "http",
+    feature = "sqlite",
+    feature = "postgres",
+    feature = "testing"
+))]
+
+#[path = "support/stores.rs"]
+mod support_stores;
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::Duration;
+
+use axum::extract::State;
+use axum::http::StatusCode;
+use axum::response::IntoResponse;
+use axum::routing::post;
+use axum::{Extension, Router};
+use dacapo::http::{IdempotencyLayer, Intent, Problem, RequestTransaction};
+use dacapo::store::SqlStore;
+use dacapo::{Message, sqlx};
+use serde::{Deserialize, Serialize};
+use support_stores::{Backend as Which, TestDatabase};
+use tokio::sync::Notify;
+
+#[derive(Serialize, Deserialize)]
+struct OrderPlaced {
+    reference: String,
+}
+
+impl Message for OrderPlaced {
+    const TYPE: &'static str = "orders.placed";
+}
+
+/// What the endpoints count and wait on.
+#[derive(Clone, Default)]
+struct App {
+    runs: Arc<AtomicUsize>,
+    release: Arc<Notify>,
+    entered: Arc<Notify>,
+}
+
+/// Waits until released, then answers.
+async fn slow(State(app): State<App>) -> StatusCode {
+    app.runs.fetch_add(1, Ordering::SeqCst);
+    app.entered.notify_one();
+    app.release.notified().await;
+    StatusCode::OK
+}
+
+/// 500 on its first run, 201 after.
+async fn flaky(State(app): State<App>) -> StatusCode {
+    if app.runs.fetch_add(1, Ordering::SeqCst) == 0 {
+        StatusCode::INTERNAL_SERVER_ERROR
+    } else {
+        StatusCode::CREATED
+    }
+}
+
+async fn not_found(State(app): State<App>) -> (StatusCode, String) {
+    let run = app.runs.fetch_add(1, Ordering::SeqCst) + 1;
+    (StatusCode::NOT_FOUND, format!("no such thing (run {run})"))
+}
+
+async fn big(State(app): State<App>) -> String {
+    app.runs.fetch_add(1, Ordering::SeqCst);
+    "x".repeat(64 * 1024)
+}
+
+async fn listing(State(app): State<App>) -> String {
+    app.runs.fetch_add(1, Ordering::SeqCst);
+    "[]".to_owned()
+}
+
+/// The endpoints and router for one backend (axum handlers are concrete functions).
+macro_rules! endpoints {
+    ($module:ident, $db:ty) => {
+        mod $module {
+            use super::*;
+
+            /// An order: a row of its own (an idempotency key stands in for the application's table)
+            /// and an outbox message, in the request's transaction; a body that differs on every run.
+            async fn place(
+                State(app): State<App>,
+                Extension(request): Extension<RequestTransaction<$db>>,
+                body: String,
+            ) -> axum::response::Response {
+                let run = app.runs.fetch_add(1, Ordering::SeqCst) + 1;
+                let effect = format!("order:{}", uuid::Uuid::new_v4());
+                let written = match request.get().await {
+                    Ok(mut tx) => sqlx::query(
+                        "INSERT INTO dacapo_idempotency_keys (key, recorded_at) VALUES ($1, 0)",
+                    )
+                    .bind(effect)
+                    .execute(&mut **tx)
+                    .await
+                    .is_ok(),
+                    Err(_) => false,
+                };
+                if !written
+                    || request
+                        .enlist(&OrderPlaced { reference: body })
+                        .await
+                        .is_err()
+                {
+                    return StatusCode::INTERNAL_SERVER_ERROR.into_response();
+                }
+                // Long enough for concurrent requests with the same key to meet this one.
+                tokio::time::sleep(Duration::from_millis(20)).await;
+                (
+                    StatusCode::CREATED,
+                    [
+                        ("location", format!("/orders/{run}")),
+                        ("set-cookie", "session=secret".to_owned()),
+                        ("x-run", run.to_string()),
+                    ],
+                    format!("{{\"order\":{run}}}"),
+                )
+                    .into_response()
+            }
+
+            /// Writes in the request's transaction, then never answers (the client gives up).
+            async fn hang(
+                State(app): State<App>,
+                Extension(request): Extension<RequestTransaction<$db>>,
+            ) -> StatusCode {
+                app.runs.fetch_add(1, Ordering::SeqCst);
+                let _ = request
+                    .enlist(&OrderPlaced {
+                        reference: "hang".into(),
+                    })
+                    .await;
+                if app.runs.load(Ordering::SeqCst) == 1 {
+                    std::future::pending::<()>().await;
+                }
+                StatusCode::CREATED
+            }
+
+            /// Publishes with the body as its deduplication id: 201 once per id, 409 after.
+            async fn intent(
+                Extension(request): Extension<RequestTransaction<$db>>,
+                body: String,
+            ) -> axum::response::Response {
+                match request
+                    .enlist_once(
+                        &OrderPlaced {
+                            reference: body.clone(),
+                        },
+                        body,
+                    )
+                    .await
+                {
+                    Ok(Intent::New(_)) => StatusCode::CREATED.into_response(),
+                    Ok(Intent::Duplicate) => Problem::DuplicateIntent
+                        .response::<axum::body::Body>("this order was placed already")
+                        .into_response(),
+                    Ok(_) | Err(_) => StatusCode::INTERNAL_SERVER_ERROR.into_response(),
+                }
+            }
+
+            pub(super) fn router(store: SqlStore<$db>, app: App) -> Router {
+                let layer = IdempotencyLayer::new(store.clone()).max_stored_body(16 * 1024);
+                let by_tenant = IdempotencyLayer::new(store).scope(|parts| {
+                    let tenant = parts
+                        .headers
+                        .get("x-tenant")
+                        .and_then(|v| v.to_str().ok())
+                        .unwrap_or("anonymous");
+                    format!("tenant {tenant}")
+                });
+                Router::new()
+                    .route("/orders", post(place).get(listing))
+                    .route("/slow", post(slow))
+                    .route("/flaky", post(flaky))
+                    .route("/missing", post(not_found))
+                    .route("/big", post(big))
+                    .route("/hang", post(hang))
+                    .route("/intent", post(intent))
+                    .route_layer(layer)
+                    .merge(
+                        Router::new()
+                            .route("/tenant", post(place))
+                            .route_layer(by_tenant),
+                    )
+                    .route("/open", post(listing))
+                    .with_state(app)
+            }
+        }
+    };
+}
+
+endpoints!(on_sqlite, sqlx::Sqlite);
+endpoints!(on_postgres, sqlx::Postgres);
+
+/// A server on 127.0.0.1 for `db`'s store; its base URL and its endpoints' counters.
+async fn serve(db: &TestDatabase) -> (String, App) {
+    let app = App::default();
+    let router = match db.backend {
+        Which::Sqlite => on_sqlite::router(db.sqlite().await, app.clone()),
+        Which::Postgres => on_postgres::router(db.postgres().await, app.clone()),
+    };
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let address = listener.local_addr().unwrap();
+    tokio::spawn(async move { axum::serve(listener, router).await });
+    (format!("http://{address}"), app)
+}
+
+async fn post_with(
+    client: &reqwest::Client,
+    url: &str,
+    key: Option<&str>,
+    body: &str,
+    headers: &[(&str, &str)],
+) -> reqwest::Response {
+    let mut request = client.post(url).body(body.to_owned());
+    if let Some(key) = key {
+        request = request.header("idempotency-key", key);
+    }
+    for (name, value) in headers {
+        request = request.header(*name, *value);
+    }
+    request.send().await.unwrap()
+}
+
+async fn problem(response: reqwest::Response) -> (StatusCode, String, serde_json::Value) {
+    let status = StatusCode::from_u16(response.status().as_u16()).unwrap();
+    let content_type = response.headers()["content-type"]
+        .to_str()
+        .unwrap()
+        .to_owned();
+    (
+        status,
+        content_type,
+        serde_json::from_slice(&response.bytes().await.unwrap()).unwrap(),
+    )
+}
+
+fn replayed(headers: &reqwest::header::HeaderMap) -> bool {
+    headers
+        .get("idempotent-replayed")
+        .is_some_and(|v| v == "true")
+}
+
+macro_rules! on_both {
+    ($($name:ident),* $(,)?) => {
+        mod sqlite {
+            $(
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                async fn $name() {
+                    let db = super::TestDatabase::new(super::Which::Sqlite).await;
+                    super::$name(&db).await;
+                }
+            )*
+        }
+        mod postgres {
+            $(
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                async fn $name() {
+                    let db = super::TestDatabase::new(super::Which::Postgres).await;
+                    super::$name(&db).await;
+                }
+            )*
+        }
+    };
+}
+
+on_both!(
+    a_missing_key_is_400_with_a_problem,
+    a_retry_gets_the_first_answer_byte_for_byte_without_running_again,
+    the_same_key_while_the_first_runs_is_409,
+    the_same_key_for_another_body_is_422,
+    one_tenants_key_never_replays_anothers_answer,
+    a_5xx_leaves_the_key_free_and_a_4xx_is_kept,
+    an_answer_over_the_size_limit_is_given_but_not_kept,
+    a_request_dropped_before_its_commit_leaves_the_key_free_and_its_work_undone,
+    fifty_concurrent_requests_with_one_key_make_one_effect,
+    bad_keys_are_400_and_routes_that_do_not_opt_in_keep_nothing,
+    a_repeated_intent_is_409_from_the_claims_table,
+);
+
+async fn a_missing_key_is_400_with_a_problem(db: &TestDatabase) {
+    let (base, app) = serve(db).await;
+    let client = reqwest::Client::new();
+    let response = post_with(&client, &format!("{base}/orders"), None, "A-1", &[]).await;
+    let (status, content_type, body) = problem(response).await;
+    assert_eq!(status, StatusCode::BAD_REQUEST);
+    assert_eq!(content_type, "application/problem+json");
+    assert_eq!(body["type"], "urn:dacapo:problem:idempotency-key-missing");
+    assert_eq!(body["status"], 400);
+    assert!(body["detail"].as_str().unwrap().contains("Idempotency-Key"));
+    assert_eq!(app.runs.load(Ordering::SeqCst), 0);
+}
+
+async fn a_retry_gets_the_first_answer_byte_for_byte_without_running_again(db: &TestDatabase) {
+    let (base, app) = serve(db).await;
+    let client = reqwest::Client::new();
+    let url = format!("{base}/orders");
+    let first = post_with(&client, &url, Some("k-1"), "A-1", &[]).await;
+    assert_eq!(first.status(), 201);
+    assert!(!replayed(first.headers()));
+    assert!(first.headers().contains_key("set-cookie"));
+    let first_location = first.headers()["location"].clone();
+    let first_body = first.bytes().await.unwrap();
+
+    for _ in 0..3 {
+        let again = post_with(&client, &url, Some("k-1"), "A-1", &[]).await;
+        assert_eq!(again.status(), 201);
+        assert!(replayed(again.headers()));
+        assert_eq!(again.headers()["location"], first_location);
+        assert!(
+            !again.headers().contains_key("set-cookie"),
+            "a session cookie is never replayed by default"
+        );
+        assert_eq!(again.bytes().await.unwrap(), first_body);
+    }
+    assert_eq!(app.runs.load(Ordering::SeqCst), 1);
+    assert_eq!(db.scalar("SELECT count(*) FROM dacapo_outbox").await, 1);
+    assert_eq!(
+        db.scalar("SELECT count(*) FROM dacapo_idempotency_keys")
+            .await,
+        1
+    );
+}
+
+async fn the_same_key_while_the_first_runs_is_409(db: &TestDatabase) {
+    let (base, app) = serve(db).await;
+    let client = reqwest::Client::new();
+    let url = format!("{base}/slow");
+    let entered = app.entered.notified();
+    let first = tokio::spawn({
+        let (client, url) = (client.clone(), url.clone());
+        async move { post_with(&client, &url, Some("k-slow"), "", &[]).await }
+    });
+    entered.await;
+    let (status, _, body) = problem(post_with(&client, &url, Some("k-slow"), "", &[]).await).await;
+    assert_eq!(status, StatusCode::CONFLICT);
+    assert_eq!(body["type"], "urn:dacapo:problem:idempotency-key-in-flight");
+    app.release.notify_one();
+    assert_eq!(first.await.unwrap().status(), 200);
+    let after = post_with(&client, &url, Some("k-slow"), "", &[]).await;
+    assert_eq!(after.status(), 200);
+    assert!(replayed(after.headers()));
+    assert_eq!(app.runs.load(Ordering::SeqCst), 1);
+}
+
+async fn the_same_key_for_another_body_is_422(db: &TestDatabase) {
+    let (base, app) = serve(db).await;
+    let client = reqwest::Client::new();
+    let url = format!("{base}/orders");
+    assert_eq!(
+        post_with(&client, &url, Some("k-2"), "A-1", &[])
+            .await
+            .status(),
+        201
+    );
+    let (status, content_type, body) =
+        problem(post_with(&client, &url, Some("k-2"), "B-2", &[]).await).await;
+    assert_eq!(status, StatusCode::UNPROCESSABLE_ENTITY);
+    assert_eq!(content_type, "application/problem+json");
+    assert_eq!(body["type"], "urn:dacapo:problem:idempotency-key-reused");
+    assert_eq!(app.runs.load(Ordering::SeqCst), 1);
+}
+
+async fn one_tenants_key_never_replays_anothers_answer(db: &TestDatabase) {
+    let (base, app) = serve(db).await;
+    let client = reqwest::Client::new();
+    let url = format!("{base}/tenant");
+    let acme = post_with(&client, &url, Some("k-3"), "A-1", &[("x-tenant", "acme")]).await;
+    let globex = post_with(&client, &url, Some("k-3"), "A-1", &[("x-tenant", "globex")]).await;
+    assert!(!replayed(acme.headers()) && !replayed(globex.headers()));
+    assert_ne!(acme.headers()["x-run"], globex.headers()["x-run"]);
+    let acme_again = post_with(&client, &url, Some("k-3"), "A-1", &[("x-tenant", "acme")]).await;
+    assert!(replayed(acme_again.headers()));
+    assert_eq!(acme_again.headers()["x-run"], acme.headers()["x-run"]);
+    assert_eq!(app.runs.load(Ordering::SeqCst), 2);
+}
+
+async fn a_5xx_leaves_the_key_free_and_a_4xx_is_kept(db: &TestDatabase) {
+    let (base, app) = serve(db).await;
+    let client = reqwest::Client::new();
+    let url = format!("{base}/flaky");
+    assert_eq!(
+        post_with(&client, &url, Some("k-4"), "", &[])
+            .await
+            .status(),
+        500
+    );
+    let retried = post_with(&client, &url, Some("k-4"), "", &[]).await;
+    assert_eq!(retried.status(), 201);
+    assert!(!replayed(retried.headers()), "the 500 was not kept");
+    let again = post_with(&client, &url, Some("k-4"), "", &[]).await;
+    assert!(replayed(again.headers()));
+    assert_eq!(app.runs.load(Ordering::SeqCst), 2);
+
+    let url = format!("{base}/missing");
+    let first = post_with(&client, &url, Some("k-5"), "", &[]).await;
+    assert_eq!(first.status(), 404);
+    let first_body = first.text().await.unwrap();
+    let again = post_with(&client, &url, Some("k-5"), "", &[]).await;
+    assert_eq!(again.status(), 404);
+    assert!(replayed(again.headers()));
+    assert_eq!(again.text().await.unwrap(), first_body);
+    assert_eq!(app.runs.load(Ordering::SeqCst), 3);
+}
+
+async fn an_answer_over_the_size_limit_is_given_but_not_kept(db: &TestDatabase) {
+    let (base, app) = serve(db).await;
+    let client = reqwest::Client::new();
+    let url = format!("{base}/big");
+    let first = post_with(&client, &url, Some("k-6"), "", &[]).await;
+    assert_eq!(first.status(), 200);
+    assert_eq!(first.headers()["idempotency-body-not-stored"], "true");
+    assert_eq!(first.bytes().await.unwrap().len(), 64 * 1024);
+    let again = post_with(&client, &url, Some("k-6"), "", &[]).await;
+    assert_eq!(again.status(), 200);
+    assert!(replayed(again.headers()));
+    assert_eq!(again.headers()["idempotency-body-not-stored"], "true");
+    assert!(again.bytes().await.unwrap().is_empty());
+    assert_eq!(
+        app.runs.load(Ordering::SeqCst),
+        1,
+        "the work is not repeated"
+    );
+    assert_eq!(
+        db.scalar("SELECT count(*) FROM dacapo_http_keys WHERE body IS NULL")
+            .await,
+        1
+    );
+}
+
+async fn a_request_dropped_before_its_commit_leaves_the_key_free_and_its_work_undone(
+    db: &TestDatabase,
+) {
+    let (base, app) = serve(db).await;
+    let impatient = reqwest::Client::builder()
+        .timeout(Duration::from_millis(300))
+        .build()
+        .unwrap();
+    let url = format!("{base}/hang");
+    let gave_up = impatient
+        .post(&url)
+        .header("idempotency-key", "k-7")
+        .send()
+        .await;
+    assert!(gave_up.is_err(), "the client timed out");
+    // The server drops the request when the client goes: its transaction rolls back.
+    let client = reqwest::Client::new();
+    let retried = tokio::time::timeout(Duration::from_secs(20), async {
+        loop {
+            let response = post_with(&client, &url, Some("k-7"), "", &[]).await;
+            if response.status() != 409 {
+                return response;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    })
+    .await
+    .expect("the key was freed");
+    assert_eq!(retried.status(), 201);
+    assert!(!replayed(retried.headers()));
+    assert_eq!(app.runs.load(Ordering::SeqCst), 2);
+    assert_eq!(
+        db.scalar("SELECT count(*) FROM dacapo_outbox").await,
+        1,
+        "the dropped request's row was rolled back"
+    );
+}
+
+async fn fifty_concurrent_requests_with_one_key_make_one_effect(db: &TestDatabase) {
+    let (base, app) = serve(db).await;
+    let client = reqwest::Client::new();
+    let url = format!("{base}/orders");
+    let requests = (0..50).map(|_| {
+        let (client, url) = (client.clone(), url.clone());
+        tokio::spawn(async move {
+            let response = post_with(&client, &url, Some("k-many"), "A-1", &[]).await;
+            (response.status().as_u16(), replayed(response.headers()))
+        })
+    });
+    let answers: Vec<(u16, bool)> = futures::future::join_all(requests)
+        .await
+        .into_iter()
+        .map(Result::unwrap)
+        .collect();
+    let fresh = answers.iter().filter(|(s, r)| *s == 201 && !r).count();
+    let replays = answers.iter().filter(|(s, r)| *s == 201 && *r).count();
+    let conflicts = answers.iter().filter(|(s, _)| *s == 409).count();
+    assert_eq!(fresh, 1, "{answers:?}");
+    assert_eq!(replays + conflicts, 49, "{answers:?}");
+    assert_eq!(app.runs.load(Ordering::SeqCst), 1);
+    assert_eq!(db.scalar("SELECT count(*) FROM dacapo_outbox").await, 1);
+}
+
+async fn bad_keys_are_400_and_routes_that_do_not_opt_in_keep_nothing(db: &TestDatabase) {
+    let (base, app) = serve(db).await;
+    let client = reqwest::Client::new();
+    let url = format!("{base}/orders");
+    let long = "k".repeat(256);
+    for key in [long.as_str(), "\"\""] {
+        let (status, _, body) =
+            problem(post_with(&client, &url, Some(key), "A-1", &[]).await).await;
+        assert_eq!(status, StatusCode::BAD_REQUEST);
+        assert_eq!(body["type"], "urn:dacapo:problem:idempotency-key-invalid");
+    }
+    let non_ascii = client
+        .post(&url)
+        .header(
+            "idempotency-key",
+            reqwest::header::HeaderValue::from_bytes("clé".as_bytes()).unwrap(),
+        )
+        .body("A-1")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(non_ascii.status(), 400);
+    // GET is not covered, and /open has no layer: the key is ignored and nothing is kept.
+    for _ in 0..2 {
+        let listed = client
+            .get(&url)
+            .header("idempotency-key", "k-8")
+            .send()
+            .await
+            .unwrap();
+        assert!(!replayed(listed.headers()));
+        let open = post_with(&client, &format!("{base}/open"), Some("k-8"), "", &[]).await;
+        assert!(!replayed(open.headers()));
+    }
+    assert_eq!(app.runs.load(Ordering::SeqCst), 4);
+    assert_eq!(db.scalar("SELECT count(*) FROM dacapo_http_keys").await, 0);
+}
+
+async fn a_repeated_intent_is_409_from_the_claims_table(db: &TestDatabase) {
+    let (base, _app) = serve(db).await;
+    let client = reqwest::Client::new();
+    let url = format!("{base}/intent");
+    // Two different keys (a double click) carrying one intent: one effect.
+    let first = post_with(&client, &url, Some("k-9"), "order-42", &[]).await;
+    assert_eq!(first.status(), 201);
+    let (status, _, body) =
+        problem(post_with(&client, &url, Some("k-10"), "order-42", &[]).await).await;
+    assert_eq!(status, StatusCode::CONFLICT);
+    assert_eq!(body["type"], "urn:dacapo:problem:duplicate-intent");
+    assert_eq!(db.scalar("SELECT count(*) FROM dacapo_outbox").await, 1);
+    assert_eq!(
+        db.scalar("SELECT count(*) FROM dacapo_deduplication WHERE handler = 'http:orders.placed'")
+            .await,
+        1
+    );
+    // Another intent is its own.
+    let other = post_with(&client, &url, Some("k-11"), "order-43", &[]).await;
+    assert_eq!(other.status(), 201);
+}
+
+/// Two nodes on one PostgreSQL database: each keeps its own requests apart in its process, and
+/// the key's lock in the database keeps them apart from each other's.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_nodes_answer_409_to_each_others_request_in_progress_and_make_one_effect() {
+    let db = TestDatabase::new(Which::Postgres).await;
+    let (node_a, app_a) = serve(&db).await;
+    let (node_b, app_b) = serve(&db).await;
+    let client = reqwest::Client::new();
+
+    let entered = app_a.entered.notified();
+    let first = tokio::spawn({
+        let (client, url) = (client.clone(), format!("{node_a}/slow"));
+        async move { post_with(&client, &url, Some("k-nodes"), "", &[]).await }
+    });
+    entered.await;
+    let (status, _, body) =
+        problem(post_with(&client, &format!("{node_b}/slow"), Some("k-nodes"), "", &[]).await)
+            .await;
+    assert_eq!(status, StatusCode::CONFLICT);
+    assert_eq!(body["type"], "urn:dacapo:problem:idempotency-key-in-flight");
+    app_a.release.notify_one();
+    assert_eq!(first.await.unwrap().status(), 200);
+    let replay = post_with(&client, &format!("{node_b}/slow"), Some("k-nodes"), "", &[]).await;
+    assert!(replayed(replay.headers()));
+    assert_eq!(app_b.runs.load(Ordering::SeqCst), 0);
+
+    // Fifty requests with one key, spread over both nodes: one effect.
+    let requests = (0..50).map(|n| {
+        let client = client.clone();
+        let url = format!("{}/orders", if n % 2 == 0 { &node_a } else { &node_b });
+        tokio::spawn(async move {
+            let response = post_with(&client, &url, Some("k-spread"), "A-1", &[]).await;
+            (response.status().as_u16(), replayed(response.headers()))
+        })
+    });
+    let answers: Vec<(u16, bool)> = futures::future::join_all(requests)
+        .await
+        .into_iter()
+        .map(Result::unwrap)
+        .collect();
+    let fresh = answers.iter().filter(|(s, r)| *s == 201 && !r).count();
+    assert_eq!(fresh, 1, "{answers:?}");
+    assert!(
+        answers.iter().all(|(s, _)| *s == 409 || *s == 201),
+        "{answers:?}"
+    );
+    assert_eq!(db.scalar("SELECT count(*) FROM dacapo_outbox").await, 1);
+}
+
+/// A kept answer expires after the layer's retention: the key is free again, and the
+/// runtime's cleanup removes the row.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_expired_answer_is_not_replayed_and_the_cleanup_removes_it() {
+    let db = TestDatabase::new(Which::Sqlite).await;
+    let store = db.sqlite().await;
+    let app = App::default();
+    let router = Router::new()
+        .route("/flaky", post(flaky))
+        .route_layer(IdempotencyLayer::new(store.clone()).retention(Duration::ZERO))
+        .with_state(app.clone());
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}/flaky", listener.local_addr().unwrap());
+    tokio::spawn(async move { axum::serve(listener, router).await });
+    let client = reqwest::Client::new();
+    assert_eq!(
+        post_with(&client, &url, Some("k-old"), "", &[])
+            .await
+            .status(),
+        500
+    );
+    // The 500 was not kept; the 201 is, already expired.
+    assert_eq!(
+        post_with(&client, &url, Some("k-old"), "", &[])
+            .await
+            .status(),
+        201
+    );
+    let again = post_with(&client, &url, Some("k-old"), "", &[]).await;
+    assert!(
+        !replayed(again.headers()),
+        "an expired answer is not replayed"
+    );
+    assert_eq!(app.runs.load(Ordering::SeqCst), 3);
+    assert_eq!(db.scalar("SELECT count(*) FROM dacapo_http_keys").await, 1);
+
+    let runtime = dacapo::Runtime::builder()
+        .store(store)
+        .cleanup_interval(Duration::from_millis(20))
+        .build()
+        .unwrap();
+    tokio::time::timeout(Duration::from_secs(20), async {
+        while db.scalar("SELECT count(*) FROM dacapo_http_keys").await > 0 {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    })
+    .await
+    .expect("the cleanup removed the expired answer");
+    runtime.shutdown().await;
+}
