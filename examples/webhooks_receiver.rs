@@ -8,14 +8,15 @@
 //! - The provider's event id (`webhook-id`) is the deduplication id: in one transaction the
 //!   receiver records it as an idempotency key and enlists the event in the outbox, and
 //!   answers 200 once that committed. A redelivery finds the key and enlists nothing.
-//! - A module handles `payments.payment_succeeded` from the outbox: the effect, counted.
+//! - A module handles `payments.payment_succeeded` from the outbox: it credits the payment,
+//!   one row per payment, in its handler transaction — so even the outbox's or the inbox's
+//!   own redelivery after a crash credits once.
 //!
 //! `cargo run --features http --example webhooks_receiver` starts the receiver on an SQLite
 //! file (`webhooks.db`, or `-- --database PATH`), plays the provider — ten redeliveries of one
 //! event, five of them at once, and a forged one — and prints what happened.
 
 use std::sync::Arc;
-use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
 use axum::Router;
@@ -25,6 +26,7 @@ use axum::http::{HeaderMap, StatusCode};
 use axum::routing::post;
 use dacapo::prelude::*;
 use dacapo::store::SqliteStore;
+use dacapo::transaction::HandlerTransactions;
 use dacapo::{idempotency, sqlx};
 use hmac::{Hmac, Mac};
 use serde::{Deserialize, Serialize};
@@ -44,17 +46,34 @@ impl Message for PaymentSucceeded {
     const TYPE: &'static str = "payments.payment_succeeded";
 }
 
-/// The downstream effect: each payment credited once.
+/// The downstream effect: each payment credited once, in the handler's transaction.
 #[derive(Clone, Default)]
-struct Credit {
-    credited: Arc<AtomicUsize>,
-}
+struct Credit;
 
 impl Handler<PaymentSucceeded> for Credit {
-    async fn handle(&self, _: &PaymentSucceeded, _: &MessageContext) -> Result<(), HandlerError> {
-        self.credited.fetch_add(1, Ordering::SeqCst);
+    async fn handle(
+        &self,
+        event: &PaymentSucceeded,
+        ctx: &MessageContext,
+    ) -> Result<(), HandlerError> {
+        let Some(mut tx) = ctx.transaction::<sqlx::Sqlite>().await? else {
+            return Ok(()); // an earlier attempt committed the credit
+        };
+        sqlx::query("INSERT INTO credits (payment_id, amount_cents) VALUES ($1, $2)")
+            .bind(&event.payment_id)
+            .bind(event.amount_cents)
+            .execute(&mut **tx)
+            .await?;
+        tx.commit().await?;
         Ok(())
     }
+}
+
+/// Payments credited so far.
+async fn credited(pool: &sqlx::SqlitePool) -> Result<i64, sqlx::Error> {
+    sqlx::query_scalar("SELECT count(*) FROM credits")
+        .fetch_one(pool)
+        .await
 }
 
 /// What the receiver needs.
@@ -144,8 +163,13 @@ async fn receive(
         }
     };
     let Ok(event) = serde_json::from_slice::<PaymentSucceeded>(&body) else {
-        // Signed by the provider but not an event we know: a redelivery would not help.
-        return (StatusCode::UNPROCESSABLE_ENTITY, "not a payment event");
+        // Signed by the provider but not an event this receiver knows: a non-2xx would make
+        // the provider redeliver it for days, and no redelivery can help.
+        tracing::warn!(
+            webhook.id = id,
+            "a signed event of a kind this receiver ignores"
+        );
+        return (StatusCode::OK, "ignored");
     };
     match record(&receiver, id, &event).await {
         Ok(true) => (StatusCode::OK, "accepted"),
@@ -176,31 +200,49 @@ async fn record(
     Ok(true)
 }
 
-/// A receiver on `database`, with the module that credits payments.
+/// A receiver on `database`, with the module that credits payments; the pool, to count them.
 async fn start(
     database: &str,
     secret: &[u8],
-) -> Result<(Router, Arc<Runtime>, Credit), dacapo::Error> {
+) -> Result<(Router, Arc<Runtime>, sqlx::SqlitePool), dacapo::Error> {
     let store = SqliteStore::open(database).await?;
     let pool = store.pool().clone();
-    let credit = Credit::default();
+    sqlx::query(
+        "CREATE TABLE IF NOT EXISTS credits (payment_id TEXT PRIMARY KEY, amount_cents INTEGER)",
+    )
+    .execute(&pool)
+    .await?;
     let runtime = Arc::new(
         Runtime::builder()
             .store(store)
-            .module(
-                Module::new("payments")
-                    .handle_named::<PaymentSucceeded, _>("credit", credit.clone()),
-            )
+            .module(Module::new("payments").handle_named::<PaymentSucceeded, _>("credit", Credit))
             .build()?,
     );
     let router = Router::new()
         .route("/webhooks/payments", post(receive))
         .with_state(Receiver {
             runtime: Arc::clone(&runtime),
-            pool,
+            pool: pool.clone(),
             secret: Arc::from(secret),
         });
-    Ok((router, runtime, credit))
+    Ok((router, runtime, pool))
+}
+
+/// Waits (boundedly) until `count` payments are credited and the runtime is idle.
+async fn until_credited(
+    runtime: &Runtime,
+    pool: &sqlx::SqlitePool,
+    count: i64,
+) -> Result<i64, Box<dyn std::error::Error>> {
+    tokio::time::timeout(Duration::from_secs(10), async {
+        while credited(pool).await? < count {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        Ok::<_, sqlx::Error>(())
+    })
+    .await??;
+    runtime.idle().await;
+    Ok(credited(pool).await?)
 }
 
 /// Sends one delivery of `body` under event `id`, signed with `secret`.
@@ -247,7 +289,8 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
         .init();
     let database = database_arg()?;
     let secret = b"whsec_example_only";
-    let (router, runtime, credit) = start(&database, secret).await?;
+    let (router, runtime, pool) = start(&database, secret).await?;
+    let before = credited(&pool).await?;
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await?;
     let url = format!("http://{}/webhooks/payments", listener.local_addr()?);
     tokio::spawn(async move { axum::serve(listener, router).await });
@@ -256,7 +299,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let client = reqwest::Client::new();
     let id = format!("evt_{}", uuid::Uuid::new_v4().simple());
     let body = serde_json::to_vec(&PaymentSucceeded {
-        payment_id: "pay_1".into(),
+        payment_id: format!("pay_{}", uuid::Uuid::new_v4().simple()),
         amount_cents: 4_200,
     })?;
     let now = chrono::Utc::now().timestamp();
@@ -270,14 +313,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     }
     let forged = deliver(&client, &url, b"not the secret", &id, now, &body).await?;
     let stale = deliver(&client, &url, secret, &id, now - 3_600, &body).await?;
-    tokio::time::timeout(Duration::from_secs(10), async {
-        while credit.credited.load(Ordering::SeqCst) == 0 {
-            tokio::time::sleep(Duration::from_millis(10)).await;
-        }
-    })
-    .await?;
-    runtime.idle().await;
-    let credited = credit.credited.load(Ordering::SeqCst);
+    let credited = until_credited(&runtime, &pool, before + 1).await? - before;
     println!("10 deliveries of {id} answered {answers:?}");
     println!("a forged signature answered {forged}, a stale one {stale}");
     println!("payments credited: {credited}");
@@ -316,17 +352,16 @@ mod tests {
             .unwrap()
     }
 
-    async fn served() -> (String, Arc<Runtime>, Credit, Scratch) {
+    async fn served() -> (String, Arc<Runtime>, sqlx::SqlitePool, Scratch) {
         let file = std::env::temp_dir().join(format!("webhooks-{}.db", uuid::Uuid::new_v4()));
-        let (router, runtime, credit) =
-            start(&file.display().to_string(), b"secret").await.unwrap();
+        let (router, runtime, pool) = start(&file.display().to_string(), b"secret").await.unwrap();
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
         let url = format!(
             "http://{}/webhooks/payments",
             listener.local_addr().unwrap()
         );
         tokio::spawn(async move { axum::serve(listener, router).await });
-        (url, runtime, credit, Scratch(file))
+        (url, runtime, pool, Scratch(file))
     }
 
     fn event() -> Vec<u8> {
@@ -339,7 +374,7 @@ mod tests {
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn ten_redeliveries_one_after_another_and_at_once_make_one_effect() {
-        let (url, runtime, credit, file) = served().await;
+        let (url, runtime, pool, file) = served().await;
         let client = reqwest::Client::new();
         let now = chrono::Utc::now().timestamp();
         let body = event();
@@ -355,44 +390,30 @@ mod tests {
         for answer in futures::future::join_all(at_once).await {
             assert_eq!(answer.unwrap(), 200);
         }
-        tokio::time::timeout(Duration::from_secs(10), async {
-            while credit.credited.load(Ordering::SeqCst) == 0 {
-                tokio::time::sleep(Duration::from_millis(10)).await;
-            }
-        })
-        .await
-        .unwrap();
-        runtime.idle().await;
+        assert_eq!(until_credited(&runtime, &pool, 1).await.unwrap(), 1);
         // Another event still goes through: the barrier that shows nothing else was pending.
+        let other = serde_json::to_vec(&PaymentSucceeded {
+            payment_id: "pay_10".into(),
+            amount_cents: 200,
+        })
+        .unwrap();
         assert_eq!(
-            deliver(&client, &url, b"secret", "evt_2", now, &body)
+            deliver(&client, &url, b"secret", "evt_2", now, &other)
                 .await
                 .unwrap(),
             200
         );
-        tokio::time::timeout(Duration::from_secs(10), async {
-            while credit.credited.load(Ordering::SeqCst) < 2 {
-                tokio::time::sleep(Duration::from_millis(10)).await;
-            }
-        })
-        .await
-        .unwrap();
-        runtime.idle().await;
-        assert_eq!(
-            credit.credited.load(Ordering::SeqCst),
-            2,
-            "one effect per event"
-        );
+        assert_eq!(until_credited(&runtime, &pool, 2).await.unwrap(), 2);
         assert_eq!(enlisted(&file, "evt_1").await, 1);
         runtime.shutdown().await;
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn a_bad_or_stale_signature_is_401_and_the_body_is_never_parsed() {
-        let (url, runtime, credit, _file) = served().await;
+        let (url, runtime, pool, file) = served().await;
         let client = reqwest::Client::new();
         let now = chrono::Utc::now().timestamp();
-        // Not JSON at all: a parse would answer 422, so 401 shows it was never parsed.
+        // Not JSON at all: read, it would be ignored with a 200; a 401 shows it was not read.
         let garbage = b"not json".to_vec();
         let forged = deliver(&client, &url, b"wrong", "evt_3", now, &garbage)
             .await
@@ -413,13 +434,15 @@ mod tests {
             (forged, stale, future, unsigned.status().as_u16()),
             (401, 401, 401, 401)
         );
-        // Signed properly, the same bytes are read — and refused as no event.
+        // Signed properly, the same bytes are read — and ignored with a 2xx, so the provider
+        // stops redelivering what no redelivery can make pass.
         let signed = deliver(&client, &url, b"secret", "evt_3", now, &garbage)
             .await
             .unwrap();
-        assert_eq!(signed, 422);
+        assert_eq!(signed, 200);
         runtime.idle().await;
-        assert_eq!(credit.credited.load(Ordering::SeqCst), 0);
+        assert_eq!(credited(&pool).await.unwrap(), 0);
+        assert_eq!(enlisted(&file, "evt_3").await, 0);
         runtime.shutdown().await;
     }
 

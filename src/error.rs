@@ -87,6 +87,10 @@ pub enum Error {
     /// The builder's settings do not fit together; nothing was started.
     #[error("invalid configuration: {0}")]
     Configuration(String),
+    /// An HTTP request's store transaction cannot be had: it is borrowed (a `RequestTx` is
+    /// still held) or has ended (the Idempotency-Key layer committed or rolled it back).
+    #[error("the request's transaction {0}")]
+    RequestTransaction(&'static str),
     /// A table or column name given to a query helper is not a plain SQL identifier
     /// (letters, digits and `_`, optionally `schema.name`); nothing was run.
     #[error("{0:?} is not a plain SQL identifier")]

@@ -16,14 +16,17 @@
 //! | the same key while its first request runs | 409, problem `idempotency-key-in-flight`, `Retry-After: 1` |
 //! | the same key, another fingerprint | 422, problem `idempotency-key-reused` |
 //! | the store unreachable | 503, problem `idempotency-store-unavailable`, `Retry-After: 1`; nothing ran or was kept |
+//! | a request body that cannot be read | 400, problem `request-unreadable` |
+//! | an endpoint answer that fails midway | 502, problem `response-unreadable`; nothing kept |
 //! | an intent already carried out ([`RequestTransaction::enlist_once`]) | 409, problem `duplicate-intent`, answered by the endpoint |
 //!
 //! Problems are RFC 9457 `application/problem+json` bodies whose `type` is
 //! `urn:dacapo:problem:<name>`. Keys are scoped to the route by default; give
 //! [`scope`](IdempotencyLayer::scope) the caller's principal so one tenant's key never
-//! replays another's answer. A 4xx answer is kept (the same request would fail the same
-//! way); a 5xx is not, unless [`keep_server_errors`](IdempotencyLayer::keep_server_errors):
-//! it rolls the request back and leaves the key free for the retry.
+//! replays another's answer. Which answers are kept is [`keep`](IdempotencyLayer::keep)'s:
+//! by default every one but a 5xx and the client errors a retry may pass (401, 403, 408,
+//! 409, 425, 429), which roll the request back and leave the key free. A kept 4xx is kept
+//! without the endpoint's database work, which is undone.
 //!
 //! An endpoint that takes the request's [`RequestTransaction`] from its extensions writes its
 //! rows and outbox messages in the transaction that keeps the answer: they commit together
@@ -55,9 +58,16 @@
 //! # }
 //! ```
 //!
-//! On SQLite, requests with one key are kept apart within the process (one process per
-//! database file); on PostgreSQL the request's transaction also holds a lock on the key, so
-//! nodes sharing the database answer 409 to each other's requests in progress.
+//! On SQLite, requests with one key are kept apart within the process, by every layer on the
+//! store (one process per database file); on PostgreSQL the request's transaction also holds
+//! a lock on the key, so nodes sharing the database answer 409 to each other's requests in
+//! progress. Each covered request in progress holds one connection of the store's pool on
+//! PostgreSQL (its transaction), and on SQLite the database's write lock from the moment the
+//! endpoint first takes its transaction: size the pool for the requests you serve at once,
+//! and take the transaction late. An answer is read up to the kept-body limit before it is
+//! kept and sent; a longer one is streamed after its head is kept. With
+//! [`required(false)`](IdempotencyLayer::required), a request without a key carries no
+//! `RequestTransaction`: take it as `Option<Extension<…>>`.
 
 mod backend;
 mod key;
@@ -67,7 +77,7 @@ mod record;
 mod request;
 
 pub use backend::Backend;
-pub use layer::{Idempotency, IdempotencyLayer};
+pub use layer::{Idempotency, IdempotencyLayer, ResponseBody, keeps_by_default};
 pub use problem::Problem;
 pub use request::{Intent, RequestTransaction, RequestTx};
 

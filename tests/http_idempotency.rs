@@ -52,10 +52,19 @@ async fn slow(State(app): State<App>) -> StatusCode {
     StatusCode::OK
 }
 
-/// 500 on its first run, 201 after.
+/// 500 on its first run, 201 after; writes nothing.
 async fn flaky(State(app): State<App>) -> StatusCode {
     if app.runs.fetch_add(1, Ordering::SeqCst) == 0 {
         StatusCode::INTERNAL_SERVER_ERROR
+    } else {
+        StatusCode::CREATED
+    }
+}
+
+/// 401 on its first run (an expired token, say), 201 after.
+async fn unauthorized_first(State(app): State<App>) -> StatusCode {
+    if app.runs.fetch_add(1, Ordering::SeqCst) == 0 {
+        StatusCode::UNAUTHORIZED
     } else {
         StatusCode::CREATED
     }
@@ -128,16 +137,115 @@ macro_rules! endpoints {
                 State(app): State<App>,
                 Extension(request): Extension<RequestTransaction<$db>>,
             ) -> StatusCode {
-                app.runs.fetch_add(1, Ordering::SeqCst);
+                let run = app.runs.fetch_add(1, Ordering::SeqCst);
                 let _ = request
                     .enlist(&OrderPlaced {
                         reference: "hang".into(),
                     })
                     .await;
-                if app.runs.load(Ordering::SeqCst) == 1 {
+                if run == 0 {
+                    app.entered.notify_one();
                     std::future::pending::<()>().await;
                 }
                 StatusCode::CREATED
+            }
+
+            /// Enlists a message, then fails with a 500 on its first run: the message must go
+            /// with the rollback.
+            async fn fails_after_writing(
+                State(app): State<App>,
+                Extension(request): Extension<RequestTransaction<$db>>,
+            ) -> StatusCode {
+                let run = app.runs.fetch_add(1, Ordering::SeqCst);
+                if request
+                    .enlist(&OrderPlaced {
+                        reference: format!("run {run}"),
+                    })
+                    .await
+                    .is_err()
+                {
+                    return StatusCode::SERVICE_UNAVAILABLE;
+                }
+                if run == 0 {
+                    StatusCode::INTERNAL_SERVER_ERROR
+                } else {
+                    StatusCode::CREATED
+                }
+            }
+
+            /// Enlists, then a statement fails (a duplicate key): answers 400. On PostgreSQL
+            /// the failed statement aborts the transaction the answer is kept in.
+            async fn rejects_after_a_failed_statement(
+                State(app): State<App>,
+                Extension(request): Extension<RequestTransaction<$db>>,
+            ) -> StatusCode {
+                app.runs.fetch_add(1, Ordering::SeqCst);
+                if request
+                    .enlist(&OrderPlaced {
+                        reference: "before the failure".into(),
+                    })
+                    .await
+                    .is_err()
+                {
+                    return StatusCode::SERVICE_UNAVAILABLE;
+                }
+                let Ok(mut tx) = request.get().await else {
+                    return StatusCode::SERVICE_UNAVAILABLE;
+                };
+                for _ in 0..2 {
+                    let inserted = sqlx::query(
+                        "INSERT INTO dacapo_idempotency_keys (key, recorded_at) VALUES ('dup', 0)",
+                    )
+                    .execute(&mut **tx)
+                    .await;
+                    if inserted.is_err() {
+                        return StatusCode::BAD_REQUEST;
+                    }
+                }
+                StatusCode::CREATED
+            }
+
+            /// Takes the transaction, writes, lets it go, then claims an intent; and shows a
+            /// second borrow while one is held is refused instead of waiting forever.
+            async fn writes_then_claims(
+                Extension(request): Extension<RequestTransaction<$db>>,
+                body: String,
+            ) -> StatusCode {
+                {
+                    let Ok(mut tx) = request.get().await else {
+                        return StatusCode::SERVICE_UNAVAILABLE;
+                    };
+                    if sqlx::query(
+                        "INSERT INTO dacapo_idempotency_keys (key, recorded_at) VALUES ('w', 0)",
+                    )
+                    .execute(&mut **tx)
+                    .await
+                    .is_err()
+                    {
+                        return StatusCode::INTERNAL_SERVER_ERROR;
+                    }
+                    match request
+                        .enlist(&OrderPlaced {
+                            reference: "x".into(),
+                        })
+                        .await
+                    {
+                        Err(dacapo::Error::RequestTransaction(_)) => {}
+                        _ => return StatusCode::INTERNAL_SERVER_ERROR,
+                    }
+                }
+                match request
+                    .enlist_once(
+                        &OrderPlaced {
+                            reference: body.clone(),
+                        },
+                        body,
+                    )
+                    .await
+                {
+                    Ok(Intent::New(_)) => StatusCode::CREATED,
+                    _ => StatusCode::INTERNAL_SERVER_ERROR,
+                }
             }
 
             /// Publishes with the body as its deduplication id: 201 once per id, 409 after.
@@ -180,6 +288,10 @@ macro_rules! endpoints {
                     .route("/big", post(big))
                     .route("/hang", post(hang))
                     .route("/intent", post(intent))
+                    .route("/fails-after-writing", post(fails_after_writing))
+                    .route("/rejects", post(rejects_after_a_failed_statement))
+                    .route("/writes-then-claims", post(writes_then_claims))
+                    .route("/unauthorized-first", post(unauthorized_first))
                     .route_layer(layer)
                     .merge(
                         Router::new()
@@ -280,7 +392,92 @@ on_both!(
     fifty_concurrent_requests_with_one_key_make_one_effect,
     bad_keys_are_400_and_routes_that_do_not_opt_in_keep_nothing,
     a_repeated_intent_is_409_from_the_claims_table,
+    a_5xx_rolls_the_endpoints_writes_back,
+    a_kept_4xx_is_kept_without_the_endpoints_work_even_after_a_failed_statement,
+    an_endpoint_writes_then_claims_and_a_second_borrow_is_refused,
+    a_401_is_not_kept,
 );
+
+async fn a_5xx_rolls_the_endpoints_writes_back(db: &TestDatabase) {
+    let (base, app) = serve(db).await;
+    let client = reqwest::Client::new();
+    let url = format!("{base}/fails-after-writing");
+    assert_eq!(
+        post_with(&client, &url, Some("k-20"), "", &[])
+            .await
+            .status(),
+        500
+    );
+    assert_eq!(db.scalar("SELECT count(*) FROM dacapo_outbox").await, 0);
+    assert_eq!(
+        post_with(&client, &url, Some("k-20"), "", &[])
+            .await
+            .status(),
+        201
+    );
+    assert_eq!(db.scalar("SELECT count(*) FROM dacapo_outbox").await, 1);
+    assert_eq!(app.runs.load(Ordering::SeqCst), 2);
+}
+
+async fn a_kept_4xx_is_kept_without_the_endpoints_work_even_after_a_failed_statement(
+    db: &TestDatabase,
+) {
+    let (base, app) = serve(db).await;
+    let client = reqwest::Client::new();
+    let url = format!("{base}/rejects");
+    let first = post_with(&client, &url, Some("k-21"), "", &[]).await;
+    assert_eq!(first.status(), 400, "kept, not a 503");
+    assert!(!replayed(first.headers()));
+    let again = post_with(&client, &url, Some("k-21"), "", &[]).await;
+    assert_eq!(again.status(), 400);
+    assert!(replayed(again.headers()));
+    assert_eq!(app.runs.load(Ordering::SeqCst), 1);
+    assert_eq!(
+        db.scalar("SELECT count(*) FROM dacapo_outbox").await,
+        0,
+        "the message enlisted before the failure is undone"
+    );
+    assert_eq!(
+        db.scalar("SELECT count(*) FROM dacapo_idempotency_keys")
+            .await,
+        0
+    );
+}
+
+async fn an_endpoint_writes_then_claims_and_a_second_borrow_is_refused(db: &TestDatabase) {
+    let (base, _app) = serve(db).await;
+    let client = reqwest::Client::new();
+    let url = format!("{base}/writes-then-claims");
+    let answer = tokio::time::timeout(
+        Duration::from_secs(5),
+        post_with(&client, &url, Some("k-22"), "order-77", &[]),
+    )
+    .await
+    .expect("no wait on the request's own lock");
+    assert_eq!(answer.status(), 201);
+    assert_eq!(db.scalar("SELECT count(*) FROM dacapo_outbox").await, 1);
+    assert_eq!(
+        db.scalar("SELECT count(*) FROM dacapo_idempotency_keys")
+            .await,
+        1
+    );
+}
+
+async fn a_401_is_not_kept(db: &TestDatabase) {
+    let (base, app) = serve(db).await;
+    let client = reqwest::Client::new();
+    let url = format!("{base}/unauthorized-first");
+    assert_eq!(
+        post_with(&client, &url, Some("k-23"), "", &[])
+            .await
+            .status(),
+        401
+    );
+    let retried = post_with(&client, &url, Some("k-23"), "", &[]).await;
+    assert_eq!(retried.status(), 201);
+    assert!(!replayed(retried.headers()));
+    assert_eq!(app.runs.load(Ordering::SeqCst), 2);
+}
 
 async fn a_missing_key_is_400_with_a_problem(db: &TestDatabase) {
     let (base, app) = serve(db).await;
@@ -436,17 +633,19 @@ async fn a_request_dropped_before_its_commit_leaves_the_key_free_and_its_work_un
     db: &TestDatabase,
 ) {
     let (base, app) = serve(db).await;
-    let impatient = reqwest::Client::builder()
-        .timeout(Duration::from_millis(300))
-        .build()
-        .unwrap();
     let url = format!("{base}/hang");
-    let gave_up = impatient
-        .post(&url)
-        .header("idempotency-key", "k-7")
-        .send()
-        .await;
-    assert!(gave_up.is_err(), "the client timed out");
+    let entered = app.entered.notified();
+    let first = tokio::spawn({
+        let url = url.clone();
+        async move {
+            let client = reqwest::Client::new();
+            post_with(&client, &url, Some("k-7"), "", &[]).await
+        }
+    });
+    // The endpoint wrote in the request's transaction and hangs: the client goes away.
+    entered.await;
+    first.abort();
+    let _ = first.await;
     // The server drops the request when the client goes: its transaction rolls back.
     let client = reqwest::Client::new();
     let retried = tokio::time::timeout(Duration::from_secs(20), async {
@@ -653,4 +852,97 @@ async fn an_expired_answer_is_not_replayed_and_the_cleanup_removes_it() {
     .await
     .expect("the cleanup removed the expired answer");
     runtime.shutdown().await;
+}
+
+/// 413 for a body over the limit, read no further; 503 when the store cannot be reached,
+/// with nothing run.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_body_over_the_limit_is_413_and_an_unreachable_store_is_503() {
+    let db = TestDatabase::new(Which::Sqlite).await;
+    let store = db.sqlite().await;
+    let app = App::default();
+    let router = Router::new()
+        .route("/flaky", post(flaky))
+        .route_layer(IdempotencyLayer::new(store.clone()).max_request_body(1024))
+        .with_state(app.clone());
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}/flaky", listener.local_addr().unwrap());
+    tokio::spawn(async move { axum::serve(listener, router).await });
+    let client = reqwest::Client::new();
+
+    let (status, _, body) =
+        problem(post_with(&client, &url, Some("k-big"), &"x".repeat(4096), &[]).await).await;
+    assert_eq!(status, StatusCode::PAYLOAD_TOO_LARGE);
+    assert_eq!(body["type"], "urn:dacapo:problem:request-too-large");
+
+    // The store's pool closed under the layer: nothing can be looked up or kept.
+    store.pool().close().await;
+    let response = post_with(&client, &url, Some("k-down"), "", &[]).await;
+    assert_eq!(response.headers()["retry-after"], "1");
+    let (status, _, body) = problem(response).await;
+    assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE);
+    assert_eq!(
+        body["type"],
+        "urn:dacapo:problem:idempotency-store-unavailable"
+    );
+    assert_eq!(app.runs.load(Ordering::SeqCst), 0, "nothing ran");
+}
+
+/// Two layers on one SQLite store keep one key's requests apart: the set of keys in progress
+/// is the store's, not the layer's.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_layers_on_one_store_answer_409_to_each_others_request_in_progress() {
+    let db = TestDatabase::new(Which::Sqlite).await;
+    let store = db.sqlite().await;
+    let app = App::default();
+    let same_scope = |_: &axum::http::request::Parts| "account 1".to_owned();
+    let router = Router::new()
+        .route("/a", post(slow))
+        .route_layer(IdempotencyLayer::new(store.clone()).scope(same_scope))
+        .merge(
+            Router::new()
+                .route("/b", post(slow))
+                .route_layer(IdempotencyLayer::new(store).scope(same_scope)),
+        )
+        .with_state(app.clone());
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let base = format!("http://{}", listener.local_addr().unwrap());
+    tokio::spawn(async move { axum::serve(listener, router).await });
+    let client = reqwest::Client::new();
+    let entered = app.entered.notified();
+    let first = tokio::spawn({
+        let (client, url) = (client.clone(), format!("{base}/a"));
+        async move { post_with(&client, &url, Some("k-shared"), "", &[]).await }
+    });
+    entered.await;
+    let second = post_with(&client, &format!("{base}/b"), Some("k-shared"), "", &[]).await;
+    assert_eq!(second.status(), 409);
+    app.release.notify_one();
+    assert_eq!(first.await.unwrap().status(), 200);
+    assert_eq!(app.runs.load(Ordering::SeqCst), 1);
+}
+
+/// `keep` decides what is kept: here 5xx answers too.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_layer_told_to_keep_server_errors_replays_them() {
+    let db = TestDatabase::new(Which::Sqlite).await;
+    let app = App::default();
+    let router = Router::new()
+        .route("/flaky", post(flaky))
+        .route_layer(IdempotencyLayer::new(db.sqlite().await).keep(|_| true))
+        .with_state(app.clone());
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}/flaky", listener.local_addr().unwrap());
+    tokio::spawn(async move { axum::serve(listener, router).await });
+    let client = reqwest::Client::new();
+    assert_eq!(
+        post_with(&client, &url, Some("k-30"), "", &[])
+            .await
+            .status(),
+        500
+    );
+    let again = post_with(&client, &url, Some("k-30"), "", &[]).await;
+    assert_eq!(again.status(), 500);
+    assert!(replayed(again.headers()));
+    assert_eq!(app.runs.load(Ordering::SeqCst), 1);
 }

@@ -64,57 +64,68 @@ pub(crate) struct IntentClaim<'a> {
     pub(crate) expires_at: i64,
 }
 
-mod sealed {
-    pub trait Sealed {}
-}
+pub(crate) mod sealed {
+    use super::*;
 
-/// A database the Idempotency-Key layer can keep responses in: SQLite or PostgreSQL.
-// Sealed: its methods are the layer's, written with the layer's own types, which no one
-// outside can name, call or implement.
-#[allow(private_interfaces)]
-pub trait Backend: Dialect + sealed::Sealed {
-    #[doc(hidden)]
-    fn open(
-        store: &SqlStore<Self>,
-        lock: i64,
-    ) -> impl Future<Output = Result<Option<Slot<Self>>, sqlx::Error>> + Send;
-
-    #[doc(hidden)]
+    /// What the layer does in the database; sealed, so that no one outside can implement it
+    /// or call it.
     #[allow(private_interfaces)]
-    fn lookup(
-        slot: &mut Slot<Self>,
-        id: &str,
-        now: i64,
-    ) -> impl Future<Output = Result<Option<Record>, sqlx::Error>> + Send;
+    pub trait Ops: Dialect {
+        /// The request's database state: on PostgreSQL a transaction holding the key's lock
+        /// (`None` when another node holds it).
+        fn open(
+            store: &SqlStore<Self>,
+            lock: i64,
+        ) -> impl Future<Output = Result<Option<Slot<Self>>, sqlx::Error>> + Send;
 
-    #[doc(hidden)]
-    fn begin(slot: &mut Slot<Self>) -> impl Future<Output = Result<(), sqlx::Error>> + Send;
+        /// The kept answer for `id`, if one is kept and not expired; in the transaction when
+        /// there is one.
+        #[allow(private_interfaces)]
+        fn lookup(
+            slot: &mut Slot<Self>,
+            id: &str,
+            now: i64,
+        ) -> impl Future<Output = Result<Option<Record>, sqlx::Error>> + Send;
 
-    #[doc(hidden)]
-    fn record(
-        slot: &mut Slot<Self>,
-        row: Row<'_>,
-    ) -> impl Future<Output = Result<bool, sqlx::Error>> + Send;
+        /// Marks where the endpoint's work starts, to undo just that work later.
+        fn mark(slot: &mut Slot<Self>) -> impl Future<Output = Result<(), sqlx::Error>> + Send;
 
-    #[doc(hidden)]
-    fn claim_intent(
-        slot: &mut Slot<Self>,
-        claim: IntentClaim<'_>,
-    ) -> impl Future<Output = Result<bool, sqlx::Error>> + Send;
+        /// Undoes the endpoint's work, keeping the request's lock.
+        fn undo(slot: &mut Slot<Self>) -> impl Future<Output = Result<(), sqlx::Error>> + Send;
 
-    #[doc(hidden)]
-    fn enlist(
-        tx: &mut sqlx::Transaction<'static, Self>,
-        envelope: &Envelope,
-    ) -> impl Future<Output = Result<(), crate::Error>> + Send;
+        /// Begins the transaction if there is none.
+        fn begin(slot: &mut Slot<Self>) -> impl Future<Output = Result<(), sqlx::Error>> + Send;
+
+        /// Keeps an answer; whether it was written (not when another request kept one).
+        fn record(
+            slot: &mut Slot<Self>,
+            row: Row<'_>,
+        ) -> impl Future<Output = Result<bool, sqlx::Error>> + Send;
+
+        /// Claims an intent; whether it was new.
+        fn claim_intent(
+            slot: &mut Slot<Self>,
+            claim: IntentClaim<'_>,
+        ) -> impl Future<Output = Result<bool, sqlx::Error>> + Send;
+
+        /// Writes an outbox row in the transaction.
+        fn enlist(
+            tx: &mut sqlx::Transaction<'static, Self>,
+            envelope: &Envelope,
+        ) -> impl Future<Output = Result<(), crate::Error>> + Send;
+    }
 }
+
+/// A database the Idempotency-Key layer can keep answers in: SQLite or PostgreSQL.
+pub trait Backend: sealed::Ops {}
 
 macro_rules! backend {
-    ($db:ty, $begin:expr, $row:ty, |$store:ident, $lock:ident| $open:expr) => {
-        impl sealed::Sealed for $db {}
+    ($db:ty, $begin:expr, $row:ty, |$store:ident, $lock:ident| $open:expr,
+     mark = |$marked:ident| $mark:expr, undo = |$undone:ident| $undo:expr) => {
+        impl Backend for $db {}
 
         #[allow(private_interfaces)]
-        impl Backend for $db {
+        impl sealed::Ops for $db {
             async fn open(
                 $store: &SqlStore<Self>,
                 $lock: i64,
@@ -142,6 +153,14 @@ macro_rules! backend {
                     })
                 })
                 .transpose()
+            }
+
+            async fn mark($marked: &mut Slot<Self>) -> Result<(), sqlx::Error> {
+                $mark
+            }
+
+            async fn undo($undone: &mut Slot<Self>) -> Result<(), sqlx::Error> {
+                $undo
             }
 
             async fn begin(slot: &mut Slot<Self>) -> Result<(), sqlx::Error> {
@@ -204,6 +223,11 @@ macro_rules! backend {
     };
 }
 
+#[cfg(feature = "postgres")]
+const MARK: &str = "SAVEPOINT dacapo_endpoint";
+#[cfg(feature = "postgres")]
+const UNDO: &str = "ROLLBACK TO SAVEPOINT dacapo_endpoint";
+
 // SQLite has one writer and one process: requests are kept apart in the process, and the
 // transaction starts (`BEGIN IMMEDIATE`) only when there is something to write.
 #[cfg(feature = "sqlite")]
@@ -215,7 +239,14 @@ backend!(
         pool: store.pool().clone(),
         tx: None,
         ended: false,
-    }))
+    })),
+    // The endpoint's transaction is the request's only one: undoing its work is rolling it
+    // back, and the answer is kept in a new one.
+    mark = |_slot| Ok(()),
+    undo = |slot| match slot.tx.take() {
+        Some(tx) => tx.rollback().await,
+        None => Ok(()),
+    }
 );
 
 // PostgreSQL serves several nodes: the request's transaction takes a lock on its key first,
@@ -237,5 +268,15 @@ backend!(
             tx: Some(tx),
             ended: false,
         }))
+    },
+    // A savepoint keeps the key's lock while the endpoint's work (even a failed statement,
+    // which aborts a PostgreSQL transaction) is undone.
+    mark = |slot| match slot.tx.as_mut() {
+        Some(tx) => sqlx::query(MARK).execute(&mut **tx).await.map(drop),
+        None => Ok(()),
+    },
+    undo = |slot| match slot.tx.as_mut() {
+        Some(tx) => sqlx::query(UNDO).execute(&mut **tx).await.map(drop),
+        None => Ok(()),
     }
 );

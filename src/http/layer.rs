@@ -1,21 +1,24 @@
 //! The tower layer: what it does with each request.
 
-use std::collections::HashSet;
 use std::future::Future;
 use std::pin::Pin;
-use std::sync::{Arc, Mutex, PoisonError};
+use std::sync::{Arc, PoisonError};
 use std::task::{Context, Poll};
 use std::time::Duration;
 
-use bytes::Bytes;
+use bytes::{Bytes, BytesMut};
+use chrono::{DateTime, Utc};
+use dacapo_actors::ports::Claims;
+use futures::StreamExt;
 use http::request::Parts;
-use http::{HeaderValue, Method, Request, Response};
-use http_body::Body;
-use http_body_util::{BodyExt, LengthLimitError, Limited};
+use http::{HeaderValue, Method, Request, Response, StatusCode};
+use http_body::{Body, Frame};
+use http_body_util::combinators::UnsyncBoxBody;
+use http_body_util::{BodyExt, BodyStream, Full, LengthLimitError, Limited, StreamBody};
 use sha2::{Digest, Sha256};
 use tower::{Layer, Service};
 
-use super::backend::{Backend, Row};
+use super::backend::{Backend, Row, Slot};
 use super::key::{self, Key, constant_time_eq};
 use super::problem::Problem;
 use super::record::Record;
@@ -25,6 +28,14 @@ use crate::store::sql::{SqlStore, millis};
 type BoxError = Box<dyn std::error::Error + Send + Sync>;
 type Scope = Arc<dyn Fn(&Parts) -> String + Send + Sync>;
 type Fingerprint = Arc<dyn Fn(&Parts, &[u8]) -> String + Send + Sync>;
+type Keep = Arc<dyn Fn(StatusCode) -> bool + Send + Sync>;
+
+/// The default of [`IdempotencyLayer::keep`]: every answer but a server error and the client
+/// errors that say "not now" or "not you" rather than "never" (401, 403, 408, 409, 425, 429),
+/// which a retry may pass.
+pub fn keeps_by_default(status: StatusCode) -> bool {
+    !status.is_server_error() && !matches!(status.as_u16(), 401 | 403 | 408 | 409 | 425 | 429)
+}
 
 /// The layer's settings, shared by every clone of its service.
 #[derive(Clone)]
@@ -35,7 +46,7 @@ struct Settings {
     max_key_len: usize,
     max_request_body: usize,
     max_stored_body: usize,
-    keep_server_errors: bool,
+    keep: Keep,
     keep_sensitive_headers: bool,
     scope: Scope,
     fingerprint: Fingerprint,
@@ -46,9 +57,6 @@ struct Settings {
 pub struct IdempotencyLayer<DB: Backend> {
     store: SqlStore<DB>,
     settings: Settings,
-    /// Keys of this process's requests in progress, shared by every route the layer wraps
-    /// (a scope other than the route may span several).
-    in_flight: Arc<Mutex<HashSet<String>>>,
 }
 
 impl<DB: Backend> std::fmt::Debug for IdempotencyLayer<DB> {
@@ -62,7 +70,8 @@ impl<DB: Backend> std::fmt::Debug for IdempotencyLayer<DB> {
     }
 }
 
-/// The route, as the default scope: the same key on two routes is two keys.
+/// The route, as the default scope: the same key on two routes is two keys. Behind a router
+/// that strips a prefix (axum's `nest`), give a scope of your own.
 fn route(parts: &Parts) -> String {
     format!("{} {}", parts.method, parts.uri.path())
 }
@@ -99,12 +108,11 @@ impl<DB: Backend> IdempotencyLayer<DB> {
                 max_key_len: 255,
                 max_request_body: 1024 * 1024,
                 max_stored_body: 1024 * 1024,
-                keep_server_errors: false,
+                keep: Arc::new(keeps_by_default),
                 keep_sensitive_headers: false,
                 scope: Arc::new(route),
                 fingerprint: Arc::new(request_digest),
             },
-            in_flight: Arc::default(),
         }
     }
 
@@ -154,11 +162,13 @@ impl<DB: Backend> IdempotencyLayer<DB> {
         self
     }
 
-    /// Whether a 5xx answer is kept like any other (default no: it rolls the request's
-    /// transaction back and leaves the key free for the client's retry).
+    /// Which answers are kept and replayed (default [`keeps_by_default`]). An answer not kept
+    /// rolls the request's transaction back and leaves the key free for the client's retry;
+    /// a kept client error (4xx) is kept without the endpoint's database work, which is
+    /// undone.
     #[must_use]
-    pub fn keep_server_errors(mut self, keep: bool) -> Self {
-        self.settings.keep_server_errors = keep;
+    pub fn keep(mut self, keep: impl Fn(StatusCode) -> bool + Send + Sync + 'static) -> Self {
+        self.settings.keep = Arc::new(keep);
         self
     }
 
@@ -170,9 +180,11 @@ impl<DB: Backend> IdempotencyLayer<DB> {
         self
     }
 
-    /// Who the key belongs to (default: the route, `METHOD /path`). Give the caller's
-    /// principal — a tenant or user id from an authenticated header or extension — so one
-    /// caller's key never replays another's response.
+    /// Who the key belongs to (default: the route, `METHOD /path`). **Give the caller's
+    /// principal** — a tenant or account id from an authenticated extension — whenever
+    /// several callers share a route: with the default, a caller who sends another's key and
+    /// body gets the other's answer. A credential that changes (a refreshed token) is not a
+    /// principal: the retry would run again.
     #[must_use]
     pub fn scope(mut self, scope: impl Fn(&Parts) -> String + Send + Sync + 'static) -> Self {
         self.settings.scope = Arc::new(scope);
@@ -196,7 +208,6 @@ impl<DB: Backend> IdempotencyLayer<DB> {
 struct Shared<DB: Backend> {
     store: SqlStore<DB>,
     settings: Settings,
-    in_flight: Arc<Mutex<HashSet<String>>>,
 }
 
 impl<DB: Backend, S> Layer<S> for IdempotencyLayer<DB> {
@@ -208,7 +219,6 @@ impl<DB: Backend, S> Layer<S> for IdempotencyLayer<DB> {
             shared: Arc::new(Shared {
                 store: self.store.clone(),
                 settings: self.settings.clone(),
-                in_flight: Arc::clone(&self.in_flight),
             }),
         }
     }
@@ -219,7 +229,6 @@ impl<DB: Backend> Clone for IdempotencyLayer<DB> {
         Self {
             store: self.store.clone(),
             settings: self.settings.clone(),
-            in_flight: Arc::clone(&self.in_flight),
         }
     }
 }
@@ -254,7 +263,8 @@ struct InFlight<DB: Backend> {
 impl<DB: Backend> InFlight<DB> {
     fn enter(shared: &Arc<Shared<DB>>, id: &str) -> Option<Self> {
         let mut keys = shared
-            .in_flight
+            .store
+            .http_in_flight()
             .lock()
             .unwrap_or_else(PoisonError::into_inner);
         keys.insert(id.to_owned()).then(|| Self {
@@ -267,12 +277,16 @@ impl<DB: Backend> InFlight<DB> {
 impl<DB: Backend> Drop for InFlight<DB> {
     fn drop(&mut self) {
         self.shared
-            .in_flight
+            .store
+            .http_in_flight()
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
             .remove(&self.id);
     }
 }
+
+/// The body of the layer's answers: the endpoint's, or the layer's own.
+pub type ResponseBody = UnsyncBoxBody<Bytes, BoxError>;
 
 impl<S, DB, ReqBody, ResBody> Service<Request<ReqBody>> for Idempotency<S, DB>
 where
@@ -283,13 +297,12 @@ where
     ReqBody: Body + From<Bytes> + Send + 'static,
     ReqBody::Data: Send,
     ReqBody::Error: Into<BoxError>,
-    ResBody: Body + From<Bytes> + Send + 'static,
-    ResBody::Data: Send,
+    ResBody: Body<Data = Bytes> + Send + 'static,
     ResBody::Error: Into<BoxError>,
 {
-    type Response = Response<ResBody>;
+    type Response = Response<ResponseBody>;
     type Error = S::Error;
-    type Future = Pin<Box<dyn Future<Output = Result<Response<ResBody>, S::Error>> + Send>>;
+    type Future = Pin<Box<dyn Future<Output = Result<Response<ResponseBody>, S::Error>> + Send>>;
 
     fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
         self.inner.poll_ready(cx)
@@ -304,49 +317,120 @@ where
     }
 }
 
+fn full(bytes: Bytes) -> ResponseBody {
+    Full::new(bytes)
+        .map_err(|never| match never {})
+        .boxed_unsync()
+}
+
+fn boxed<B>(response: Response<B>) -> Response<ResponseBody>
+where
+    B: Body<Data = Bytes> + Send + 'static,
+    B::Error: Into<BoxError>,
+{
+    response.map(|body| body.map_err(Into::into).boxed_unsync())
+}
+
+fn problem(problem: Problem, detail: &str) -> Response<ResponseBody> {
+    boxed(problem.response::<Full<Bytes>>(detail))
+}
+
+/// An endpoint's answer read up to a limit: what was read, and the rest if it went over.
+struct Read<B> {
+    head: Bytes,
+    rest: Option<B>,
+}
+
+/// Reads `body` until it ends or passes `limit` bytes; trailers are not kept.
+async fn read_up_to<B>(mut body: B, limit: usize) -> Result<Read<B>, BoxError>
+where
+    B: Body<Data = Bytes> + Unpin,
+    B::Error: Into<BoxError>,
+{
+    let mut head = BytesMut::new();
+    while let Some(frame) = body.frame().await {
+        if let Ok(data) = frame.map_err(Into::into)?.into_data() {
+            head.extend_from_slice(&data);
+            if head.len() > limit {
+                return Ok(Read {
+                    head: head.freeze(),
+                    rest: Some(body),
+                });
+            }
+        }
+    }
+    Ok(Read {
+        head: head.freeze(),
+        rest: None,
+    })
+}
+
+/// What was read, followed by the rest of the endpoint's body, streamed.
+fn rejoined<B>(read: Read<B>) -> ResponseBody
+where
+    B: Body<Data = Bytes> + Send + Unpin + 'static,
+    B::Error: Into<BoxError>,
+{
+    match read.rest {
+        None => full(read.head),
+        Some(rest) => {
+            let head = futures::stream::once(async move { Ok(Frame::data(read.head)) });
+            let rest = BodyStream::new(rest.map_err(Into::into));
+            StreamBody::new(head.chain(rest)).boxed_unsync()
+        }
+    }
+}
+
 async fn handle<S, DB, ReqBody, ResBody>(
     shared: Arc<Shared<DB>>,
     mut inner: S,
     request: Request<ReqBody>,
-) -> Result<Response<ResBody>, S::Error>
+) -> Result<Response<ResponseBody>, S::Error>
 where
     S: Service<Request<ReqBody>, Response = Response<ResBody>>,
     DB: Backend,
     ReqBody: Body + From<Bytes>,
     ReqBody::Error: Into<BoxError>,
-    ResBody: Body + From<Bytes>,
+    ResBody: Body<Data = Bytes> + Send + 'static,
     ResBody::Error: Into<BoxError>,
 {
     let settings = &shared.settings;
     if !settings.methods.contains(request.method()) {
-        return inner.call(request).await;
+        return inner.call(request).await.map(boxed);
     }
     let key = match key::read(request.headers(), settings.max_key_len) {
         Key::Valid(key) => key,
-        Key::Missing if !settings.required => return inner.call(request).await,
+        Key::Missing if !settings.required => return inner.call(request).await.map(boxed),
         Key::Missing => {
-            return Ok(Problem::KeyMissing.response(
+            return Ok(problem(
+                Problem::KeyMissing,
                 "this route requires an Idempotency-Key header: a unique value per operation, \
                  sent again unchanged with every retry",
             ));
         }
-        Key::Invalid(reason) => return Ok(Problem::KeyInvalid.response(&reason)),
+        Key::Invalid(reason) => return Ok(problem(Problem::KeyInvalid, &reason)),
     };
     let (mut parts, body) = request.into_parts();
-    let body = match Limited::new(body, settings.max_request_body)
+    let collected = Limited::new(body, settings.max_request_body)
         .collect()
         .await
-    {
-        Ok(collected) => collected.to_bytes(),
+        .map(http_body_util::Collected::to_bytes);
+    let body = match collected {
+        Ok(body) => body,
         Err(error) if error.is::<LengthLimitError>() => {
-            return Ok(Problem::RequestTooLarge.response(&format!(
-                "the request body is over {} bytes",
-                settings.max_request_body
-            )));
+            return Ok(problem(
+                Problem::RequestTooLarge,
+                &format!(
+                    "the request body is over {} bytes",
+                    settings.max_request_body
+                ),
+            ));
         }
-        Err(error) => {
-            return Ok(Problem::KeyInvalid
-                .response(&format!("the request body could not be read: {error}")));
+        Err(_) => {
+            return Ok(problem(
+                Problem::RequestUnreadable,
+                "the request body could not be read to its end",
+            ));
         }
     };
     let scope = (settings.scope)(&parts);
@@ -359,10 +443,15 @@ where
     let id = hex(&digest);
     let lock = i64::from_be_bytes(digest[..8].try_into().unwrap_or_default());
 
+    let store = &shared.store;
+    // The claims table exists before any request's transaction may need it (`enlist_once`):
+    // creating it from inside one would wait for that transaction's own write lock.
+    if let Err(error) = store.provision().await {
+        return Ok(unavailable(&error));
+    }
     let Some(_in_flight) = InFlight::enter(&shared, &id) else {
         return Ok(in_flight());
     };
-    let store = &shared.store;
     let mut slot = match DB::open(store, lock).await {
         Ok(Some(slot)) => slot,
         Ok(None) => return Ok(in_flight()),
@@ -370,16 +459,11 @@ where
     };
     match DB::lookup(&mut slot, &id, millis(store.now())).await {
         Err(error) => return Ok(unavailable(&error)),
-        Ok(Some(kept))
-            if !constant_time_eq(kept.fingerprint.as_bytes(), fingerprint.as_bytes()) =>
-        {
-            return Ok(Problem::KeyReused.response(
-                "this Idempotency-Key was used for a different request (method, path or \
-                 body); use a new key for a new operation",
-            ));
-        }
-        Ok(Some(kept)) => return Ok(kept.replay()),
+        Ok(Some(kept)) => return Ok(answer_kept(kept, &fingerprint)),
         Ok(None) => {}
+    }
+    if let Err(error) = DB::mark(&mut slot).await {
+        return Ok(unavailable(&error));
     }
 
     let transaction = RequestTransaction::new(slot, store.clone(), settings.retention);
@@ -387,67 +471,114 @@ where
     let response = inner
         .call(Request::from_parts(parts, ReqBody::from(body)))
         .await?;
-    let (mut response, body) = response.into_parts();
-    let collected = body.collect().await.map_err(Into::<BoxError>::into);
-    let body = match collected {
-        Ok(collected) => collected.to_bytes(),
+    let (mut head, body) = response.into_parts();
+    let read = match read_up_to(Box::pin(body), settings.max_stored_body).await {
+        Ok(read) => read,
         Err(error) => {
-            tracing::warn!(%error, "an endpoint's response body failed; its request is rolled back");
+            tracing::warn!(%error, "an endpoint's answer failed; its request is rolled back");
             roll_back(&transaction).await;
-            return Ok(Problem::StoreUnavailable
-                .response("the endpoint's answer could not be read; nothing was kept"));
+            return Ok(problem(
+                Problem::ResponseUnreadable,
+                "the endpoint's answer failed before its end; nothing was kept",
+            ));
         }
     };
-    if response.status.is_server_error() && !settings.keep_server_errors {
+    if !(settings.keep)(head.status) {
         roll_back(&transaction).await;
-        return Ok(Response::from_parts(response, ResBody::from(body)));
+        return Ok(Response::from_parts(head, rejoined(read)));
     }
-    let keep_body = body.len() <= settings.max_stored_body;
+    let keep_body = read.rest.is_none();
     let record = Record::of(
-        fingerprint,
-        response.status,
-        &response.headers,
-        keep_body.then_some(&body[..]),
+        fingerprint.clone(),
+        head.status,
+        &head.headers,
+        keep_body.then_some(&read.head[..]),
         settings.keep_sensitive_headers,
     );
     let now = store.now();
-    let expires =
-        now + chrono::TimeDelta::from_std(settings.retention).unwrap_or(chrono::TimeDelta::MAX);
     let row = Row {
         id: &id,
         scope: &scope,
         key: &key,
         record: &record,
         now: millis(now),
-        expires_at: millis(expires),
+        expires_at: millis(expiry(now, settings.retention)),
     };
     let mut slot = transaction.slot().lock().await;
-    let kept = DB::record(&mut slot, row).await;
+    slot.ended = true;
+    // A client error is kept, but not the work that led to it.
+    let undone = if head.status.is_client_error() {
+        DB::undo(&mut slot).await
+    } else {
+        Ok(())
+    };
+    let kept = match undone {
+        Ok(()) => DB::record(&mut slot, row).await,
+        Err(error) => Err(error),
+    };
     let committed = match kept {
         Ok(true) => match slot.tx.take() {
             Some(tx) => tx.commit().await,
             None => Ok(()),
         },
-        // Another process kept a response for this key meanwhile: this one's work is undone
-        // (the transaction rolls back as it drops).
         Ok(false) => {
-            slot.ended = true;
+            // Another process kept an answer for this key meanwhile: this one's work is
+            // undone (the transaction rolls back as it drops), and that answer given.
             slot.tx = None;
-            return Ok(in_flight());
+            drop(slot);
+            return Ok(answer_kept_since(store, &id, &fingerprint).await);
         }
         Err(error) => Err(error),
     };
-    slot.ended = true;
     drop(slot);
     if let Err(error) = committed {
         return Ok(unavailable(&error));
     }
     if !keep_body {
-        response
-            .headers
+        head.headers
             .insert(super::BODY_NOT_STORED, HeaderValue::from_static("true"));
     }
-    Ok(Response::from_parts(response, ResBody::from(body)))
+    Ok(Response::from_parts(head, rejoined(read)))
+}
+
+/// When an answer kept now expires; the furthest time there is for a retention too long to
+/// add.
+fn expiry(now: DateTime<Utc>, retention: Duration) -> DateTime<Utc> {
+    chrono::TimeDelta::from_std(retention)
+        .ok()
+        .and_then(|retention| now.checked_add_signed(retention))
+        .unwrap_or(DateTime::<Utc>::MAX_UTC)
+}
+
+/// The kept answer, or 422 when it was kept for another request.
+fn answer_kept(kept: Record, fingerprint: &str) -> Response<ResponseBody> {
+    if constant_time_eq(kept.fingerprint.as_bytes(), fingerprint.as_bytes()) {
+        boxed(kept.replay::<Full<Bytes>>())
+    } else {
+        problem(
+            Problem::KeyReused,
+            "this Idempotency-Key was used for a different request (method, path or body); use \
+             a new key for a new operation",
+        )
+    }
+}
+
+/// The answer another process kept for `id` while this one ran.
+async fn answer_kept_since<DB: Backend>(
+    store: &SqlStore<DB>,
+    id: &str,
+    fingerprint: &str,
+) -> Response<ResponseBody> {
+    let mut slot = Slot {
+        pool: store.pool().clone(),
+        tx: None,
+        ended: true,
+    };
+    match DB::lookup(&mut slot, id, millis(store.now())).await {
+        Ok(Some(kept)) => answer_kept(kept, fingerprint),
+        Ok(None) => in_flight(),
+        Err(error) => unavailable(&error),
+    }
 }
 
 /// Rolls the request's transaction back: the endpoint's work is undone, the key left free.
@@ -461,14 +592,17 @@ async fn roll_back<DB: Backend>(transaction: &RequestTransaction<DB>) {
     }
 }
 
-fn in_flight<B: From<Bytes>>() -> Response<B> {
-    Problem::InFlight
-        .response("a request with this Idempotency-Key is in progress; retry once it has answered")
+fn in_flight() -> Response<ResponseBody> {
+    problem(
+        Problem::InFlight,
+        "a request with this Idempotency-Key is in progress; retry once it has answered",
+    )
 }
 
-fn unavailable<B: From<Bytes>>(error: &dyn std::fmt::Display) -> Response<B> {
+fn unavailable(error: &dyn std::fmt::Display) -> Response<ResponseBody> {
     tracing::warn!(%error, "the Idempotency-Key store failed; the request was not run or is rolled back");
-    Problem::StoreUnavailable.response(
+    problem(
+        Problem::StoreUnavailable,
         "the idempotency store could not be reached; nothing was kept: retry with the same key",
     )
 }

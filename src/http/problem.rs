@@ -17,6 +17,10 @@ pub enum Problem {
     KeyReused,
     /// 413: the request body is over the layer's limit.
     RequestTooLarge,
+    /// 400: the request body could not be read to its end.
+    RequestUnreadable,
+    /// 502: the endpoint's answer failed before its end; nothing was kept, the key is free.
+    ResponseUnreadable,
     /// 409: the intent was carried out already (its deduplication id was claimed by an
     /// earlier request); the client should not retry it.
     DuplicateIntent,
@@ -28,7 +32,10 @@ impl Problem {
     /// Its status code.
     pub fn status(self) -> StatusCode {
         match self {
-            Self::KeyMissing | Self::KeyInvalid => StatusCode::BAD_REQUEST,
+            Self::KeyMissing | Self::KeyInvalid | Self::RequestUnreadable => {
+                StatusCode::BAD_REQUEST
+            }
+            Self::ResponseUnreadable => StatusCode::BAD_GATEWAY,
             Self::InFlight | Self::DuplicateIntent => StatusCode::CONFLICT,
             Self::KeyReused => StatusCode::UNPROCESSABLE_ENTITY,
             Self::RequestTooLarge => StatusCode::PAYLOAD_TOO_LARGE,
@@ -44,6 +51,8 @@ impl Problem {
             Self::InFlight => "urn:dacapo:problem:idempotency-key-in-flight",
             Self::KeyReused => "urn:dacapo:problem:idempotency-key-reused",
             Self::RequestTooLarge => "urn:dacapo:problem:request-too-large",
+            Self::RequestUnreadable => "urn:dacapo:problem:request-unreadable",
+            Self::ResponseUnreadable => "urn:dacapo:problem:response-unreadable",
             Self::DuplicateIntent => "urn:dacapo:problem:duplicate-intent",
             Self::StoreUnavailable => "urn:dacapo:problem:idempotency-store-unavailable",
         }
@@ -56,6 +65,8 @@ impl Problem {
             Self::InFlight => "A request with this Idempotency-Key is in progress",
             Self::KeyReused => "Idempotency-Key reused for a different request",
             Self::RequestTooLarge => "Request body too large",
+            Self::RequestUnreadable => "Request body unreadable",
+            Self::ResponseUnreadable => "The endpoint's answer failed",
             Self::DuplicateIntent => "Duplicate intent",
             Self::StoreUnavailable => "Idempotency store unavailable",
         }

@@ -5,11 +5,25 @@ use http::{HeaderMap, HeaderName, HeaderValue, Response, StatusCode, header};
 
 /// Headers never kept, whatever the configuration: they describe one connection or one
 /// transfer, not the response.
-const PER_TRANSFER: [HeaderName; 4] = [
-    header::CONNECTION,
-    header::TRANSFER_ENCODING,
-    header::CONTENT_LENGTH,
-    header::DATE,
+const PER_TRANSFER: [&str; 9] = [
+    "connection",
+    "keep-alive",
+    "proxy-connection",
+    "transfer-encoding",
+    "te",
+    "trailer",
+    "upgrade",
+    "content-length",
+    "date",
+];
+
+/// Headers that describe a body: a replay whose body was not kept has none.
+const ABOUT_THE_BODY: [&str; 5] = [
+    "content-type",
+    "content-encoding",
+    "content-range",
+    "etag",
+    "last-modified",
 ];
 
 /// Headers kept only when the layer is told to: they carry a session or credentials that a
@@ -43,7 +57,8 @@ impl Record {
     ) -> Self {
         let headers = headers
             .iter()
-            .filter(|(name, _)| !PER_TRANSFER.contains(name))
+            .filter(|(name, _)| !PER_TRANSFER.contains(&name.as_str()))
+            .filter(|(name, _)| body.is_some() || !ABOUT_THE_BODY.contains(&name.as_str()))
             .filter(|(name, _)| keep_sensitive || !SENSITIVE.contains(name))
             .map(|(name, value)| (name.as_str().to_owned(), value.as_bytes().to_vec()))
             .collect();

@@ -3,7 +3,6 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use dacapo_actors::ports::Claims;
 use dacapo_actors::{Envelope, Message, SendOptions};
 use sha2::{Digest, Sha256};
 use tokio::sync::{Mutex, MutexGuard};
@@ -104,21 +103,33 @@ impl<DB: Backend> RequestTransaction<DB> {
         &self.slot
     }
 
+    /// The request's state for the endpoint: refused while another borrow holds it (waiting
+    /// would never end: the holder is the same endpoint) and once the request ended.
+    fn borrow(&self) -> Result<MutexGuard<'_, Slot<DB>>, Error> {
+        let slot = self.slot.try_lock().map_err(|_| {
+            Error::RequestTransaction(
+                "is in use: a RequestTx of this request is still held; drop it first",
+            )
+        })?;
+        if slot.ended {
+            return Err(ended());
+        }
+        Ok(slot)
+    }
+
     /// The transaction, begun if it was not yet.
     ///
     /// # Errors
     ///
-    /// The database's error when it cannot begin; [`Error::Configuration`] once the layer
-    /// has committed or rolled it back (the handle outlived its request).
+    /// The database's error when it cannot begin; [`Error::RequestTransaction`] while another
+    /// [`RequestTx`] of the request is held (drop it first: the transaction is one) or once
+    /// the layer has committed or rolled it back (the handle outlived its request).
     ///
     /// # Cancel safety
     ///
     /// Cancel safe: a transaction begun meanwhile stays with the request.
     pub async fn get(&self) -> Result<RequestTx<'_, DB>, Error> {
-        let mut slot = self.slot.lock().await;
-        if slot.ended {
-            return Err(ended());
-        }
+        let mut slot = self.borrow()?;
         DB::begin(&mut slot).await.map_err(db_error)?;
         if slot.tx.is_none() {
             return Err(ended());
@@ -158,10 +169,7 @@ impl<DB: Backend> RequestTransaction<DB> {
     ) -> Result<Uuid, Error> {
         let mut envelope = Envelope::for_message(message)?;
         options.apply(&mut envelope);
-        let mut slot = self.slot.lock().await;
-        if slot.ended {
-            return Err(ended());
-        }
+        let mut slot = self.borrow()?;
         DB::begin(&mut slot).await.map_err(db_error)?;
         let tx = slot.tx.as_mut().ok_or_else(ended)?;
         DB::enlist(tx, &envelope).await?;
@@ -193,18 +201,13 @@ impl<DB: Backend> RequestTransaction<DB> {
         SendOptions::new()
             .deduplication_id(deduplication_id.clone())
             .apply(&mut envelope);
-        // The claims table is created on first use, for runtimes that deduplicate too.
-        self.store.provision().await?;
         let now = self.store.now();
         let expires =
             now + chrono::TimeDelta::from_std(self.retention).unwrap_or(chrono::TimeDelta::MAX);
         let handler = format!("http:{}", M::TYPE);
         let key_hash = hex(&Sha256::digest(deduplication_id.as_bytes()));
         let fingerprint = hex(&Sha256::digest(&envelope.payload));
-        let mut slot = self.slot.lock().await;
-        if slot.ended {
-            return Err(ended());
-        }
+        let mut slot = self.borrow()?;
         let claimed = DB::claim_intent(
             &mut slot,
             IntentClaim {
@@ -230,10 +233,9 @@ impl<DB: Backend> RequestTransaction<DB> {
 }
 
 fn ended() -> Error {
-    Error::Configuration(
-        "the request's transaction has ended: the Idempotency-Key layer committed or rolled it \
-         back after the endpoint answered"
-            .to_owned(),
+    Error::RequestTransaction(
+        "has ended: the Idempotency-Key layer committed or rolled it back after the endpoint \
+         answered",
     )
 }
 

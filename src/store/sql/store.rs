@@ -41,6 +41,10 @@ pub struct SqlStore<D: Dialect> {
     clock: Arc<dyn Clock>,
     /// Set once the claims table exists, so a claim never meets a missing table.
     claims_ready: Arc<tokio::sync::OnceCell<()>>,
+    /// Idempotency keys of this process's HTTP requests in progress, shared by every layer
+    /// on this store.
+    #[cfg(feature = "http")]
+    http_in_flight: Arc<std::sync::Mutex<HashSet<String>>>,
     dialect: PhantomData<fn() -> D>,
 }
 
@@ -54,6 +58,8 @@ impl<D: Dialect> Clone for SqlStore<D> {
             node_timeout: self.node_timeout,
             clock: Arc::clone(&self.clock),
             claims_ready: Arc::clone(&self.claims_ready),
+            #[cfg(feature = "http")]
+            http_in_flight: Arc::clone(&self.http_in_flight),
             dialect: PhantomData,
         }
     }
@@ -124,6 +130,8 @@ impl<D: Dialect> SqlStore<D> {
             node_timeout: Duration::from_secs(30),
             clock: Arc::new(SystemClock),
             claims_ready: Arc::default(),
+            #[cfg(feature = "http")]
+            http_in_flight: Arc::default(),
             dialect: PhantomData,
         }
     }
@@ -166,6 +174,12 @@ impl<D: Dialect> SqlStore<D> {
     /// pool of their own.
     pub fn pool(&self) -> &sqlx::Pool<D> {
         &self.pool
+    }
+
+    /// Idempotency keys of this process's HTTP requests in progress.
+    #[cfg(feature = "http")]
+    pub(crate) fn http_in_flight(&self) -> &Arc<std::sync::Mutex<HashSet<String>>> {
+        &self.http_in_flight
     }
 
     /// The runtime's own pool, which handler transactions run on.
