@@ -1,10 +1,13 @@
 //! The test harness: a runtime on virtual time, faults injected into handlers, duplicate
 //! deliveries, and publishing that waits for the delivery to settle and reports what happened.
 //!
-//! The engine under the harness runs on a paused tokio clock that jumps to the next timer as
-//! soon as the engine is idle, so a 60 s cooldown passes at once and the report's
-//! [`attempt_offsets`](crate::DeliveryReport::attempt_offsets) show exact virtual times.
-//! The test itself runs on an ordinary (not paused) tokio runtime: the harness's waits are
+//! The engine under the harness runs its own timers (cooldowns, handler timeouts, background
+//! rounds) on a virtual clock that moves to a delivery's next timer as soon as nothing in the
+//! engine is working — no handler running, no store write under way — or as far as
+//! [`TestHarness::advance`] says, so a 60 s cooldown passes at once and the report's
+//! [`attempt_offsets`](crate::DeliveryReport::attempt_offsets) show exact virtual times. It
+//! never moves a pool's, a driver's or a handler's own tokio timers: a handler doing real I/O
+//! runs in real time. The test itself runs on an ordinary tokio runtime: the harness's waits are
 //! bounded in real time.
 //!
 //! ```

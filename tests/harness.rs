@@ -296,3 +296,60 @@ impl DeadLetterStore for SilentDeadLetters {
         self.0.purge(filter).await
     }
 }
+
+/// Cascades a `WebhookQueued` per call, then fails its first attempt.
+struct CascadesThenFailsOnce(Arc<std::sync::atomic::AtomicUsize>);
+
+impl Handler<MemberRemoved> for CascadesThenFailsOnce {
+    async fn handle(
+        &self,
+        event: &MemberRemoved,
+        ctx: &MessageContext,
+    ) -> Result<(), HandlerError> {
+        ctx.publish(&support::WebhookQueued {
+            delivery_id: format!("member-{}", event.member_id),
+        })
+        .await?;
+        if self.0.fetch_add(1, std::sync::atomic::Ordering::SeqCst) == 0 {
+            return Err("the first attempt fails".into());
+        }
+        Ok(())
+    }
+}
+
+#[tokio::test]
+async fn a_report_gives_its_failures_flat_and_its_cascaded_messages_typed() {
+    let harness = TestHarness::builder()
+        .module(
+            Module::new("m")
+                .handle_named::<MemberRemoved, _>("cascades", CascadesThenFailsOnce(Arc::default()))
+                .handle_named::<MemberRemoved, _>("flaky", Recorder::new()),
+        )
+        .fault("m", "flaky", Fault::fail_times(2))
+        .build()
+        .unwrap();
+    let report = harness.publish(&member_removed()).await.unwrap();
+    assert!(report.is_handled());
+    let failures: Vec<(u32, String)> = report
+        .failures()
+        .map(|(attempt, f)| (attempt, f.handler.clone()))
+        .collect();
+    assert_eq!(
+        failures,
+        [
+            (1, "cascades".to_owned()),
+            (1, "flaky".to_owned()),
+            (2, "flaky".to_owned())
+        ]
+    );
+    let queued: Vec<support::WebhookQueued> = report.cascaded().unwrap();
+    assert_eq!(
+        queued,
+        [support::WebhookQueued {
+            delivery_id: "member-7".to_owned()
+        }],
+        "the cascade of the attempt that succeeded, once"
+    );
+    assert!(report.cascaded::<MemberRemoved>().unwrap().is_empty());
+    harness.shutdown().await;
+}

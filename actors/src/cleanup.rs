@@ -15,6 +15,8 @@ pub struct CleanupActor {
     key_retention: Duration,
     interval: Duration,
     batch: usize,
+    /// The engine's timers, which its rounds run on.
+    timers: crate::Timers,
     busy: bool,
 }
 
@@ -36,6 +38,7 @@ impl CleanupActor {
         key_retention: Duration,
         interval: Duration,
         batch: usize,
+        timers: crate::Timers,
     ) -> Self {
         Self {
             inbox,
@@ -45,6 +48,7 @@ impl CleanupActor {
             interval,
             batch,
             busy: false,
+            timers,
         }
     }
 
@@ -102,6 +106,6 @@ impl Actor for CleanupActor {
     type Context = Context<Self>;
 
     fn started(&mut self, ctx: &mut Context<Self>) {
-        ctx.run_interval(self.interval, Self::tick);
+        self.timers.every(self.interval, ctx, Self::tick);
     }
 }

@@ -4,6 +4,7 @@ use std::sync::{Arc, OnceLock};
 use actix::{Actor, ActorContext, Addr, Context};
 use uuid::Uuid;
 
+use crate::clock::Running;
 use crate::dispatcher::Worker;
 use crate::ports::Claim;
 use crate::{Envelope, Error, HandlerId, Message, Route};
@@ -100,6 +101,7 @@ impl ContextActor {
         scope: Arc<Scope>,
         route: Arc<Route>,
         handler: usize,
+        running: Running,
         claim: Option<Claim>,
     ) -> MessageContext {
         MessageContext {
@@ -108,6 +110,7 @@ impl ContextActor {
                 route,
                 handler,
                 claim: claim.map(Arc::new),
+                running,
             }),
         }
     }
@@ -232,6 +235,8 @@ struct Attached {
     route: Arc<Route>,
     handler: usize,
     claim: Option<Arc<Claim>>,
+    /// The handler's token of work for the engine's timers.
+    running: Running,
 }
 
 /// What a handler knows about the message it handles, and how it cascades new messages.
@@ -306,6 +311,17 @@ impl MessageContext {
     #[doc(hidden)]
     pub fn deduplication_claim(&self) -> Option<&Claim> {
         self.scope.as_ref().and_then(|a| a.claim.as_deref())
+    }
+
+    /// Waits forever, as a handler that hangs — without holding the harness's virtual clock,
+    /// so the handler's timeout comes at its exact virtual time. For fault injection; a
+    /// handler of your own never needs it.
+    #[doc(hidden)]
+    pub async fn hang(&self) {
+        if let Some(attached) = &self.scope {
+            attached.running.give_up();
+        }
+        std::future::pending::<()>().await;
     }
 
     /// The runtime's store (a `dacapo::store::SqliteStore`, a `dacapo::store::PostgresStore`,

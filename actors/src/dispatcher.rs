@@ -31,6 +31,8 @@ pub(crate) struct Shared {
     /// The inbox as a durable one, when it is (its rows are released at shutdown).
     pub(crate) durable: Option<Arc<dyn crate::ports::DurableInbox>>,
     pub(crate) clock: Arc<dyn Clock>,
+    /// The engine's own timers (virtual under the test harness).
+    pub(crate) timers: crate::Timers,
     pub(crate) timer: Addr<TimerActor>,
     pub(crate) tracker: Tracker,
     /// One set of counters per worker, then one for dispatching.
@@ -104,6 +106,9 @@ impl Worker {
         let counters = shared.stats.dispatching();
         counters.bump(Counter::Received);
         let permit = shared.capacity.acquire().await;
+        // Work from here on holds the virtual clock (not while waiting for capacity, which a
+        // delivery cooling down may hold).
+        let busy = shared.timers.busy();
         // The attempts another system counted are not this runtime's: a received envelope
         // starts its own count here.
         let mut envelope = envelope;
@@ -145,7 +150,7 @@ impl Worker {
         let worker = Arc::clone(self);
         // Built on its worker: only the parts travel, not the whole supervisor.
         DeliverySupervisor::start_in_arbiter(&self.arbiter, move |_| {
-            DeliverySupervisor::new(worker, envelope, permit, reply)
+            DeliverySupervisor::new(worker, envelope, permit, reply, busy)
         });
         Ok(())
     }
@@ -176,8 +181,9 @@ impl Worker {
 /// Starts the supervisor of a resumed delivery on its worker.
 fn start_resumed(worker: Arc<Worker>, resumable: Resumable, permit: crate::capacity::Slot) {
     let on = worker.arbiter.clone();
+    let busy = worker.shared.timers.busy();
     DeliverySupervisor::start_in_arbiter(&on, move |_| {
-        DeliverySupervisor::resumed(worker, resumable, permit)
+        DeliverySupervisor::resumed(worker, resumable, permit, busy)
     });
 }
 

@@ -39,9 +39,8 @@ pub struct EngineConfig {
     pub deduplication_reap_batch: usize,
     /// Recovery and cleanup, for a durable inbox (`None` for one in memory).
     pub durability: Option<Durability>,
-    /// Run on a paused tokio clock that jumps to the next timer whenever the engine is idle.
-    #[cfg(feature = "testing")]
-    pub virtual_time: bool,
+    /// The engine's own timers: tokio's, or the test harness's virtual clock.
+    pub timers: crate::Timers,
 }
 
 /// How the engine looks after a durable inbox.
@@ -102,8 +101,7 @@ impl Default for EngineConfig {
             deduplication_reap_interval: Duration::from_secs(5 * 60),
             deduplication_reap_batch: 1000,
             durability: None,
-            #[cfg(feature = "testing")]
-            virtual_time: false,
+            timers: crate::Timers::Real,
         }
     }
 }
@@ -166,10 +164,6 @@ impl Engine {
     pub fn start(config: EngineConfig, parts: EngineParts) -> Result<Self, Error> {
         let mut builder = tokio::runtime::Builder::new_current_thread();
         builder.enable_all();
-        #[cfg(feature = "testing")]
-        if config.virtual_time {
-            builder.start_paused(true);
-        }
         let runtime = builder.build().map_err(|e| Error::Startup(e.to_string()))?;
         let (ready_tx, ready_rx) = std::sync::mpsc::channel();
         let (stopped_tx, stopped_rx) = oneshot::channel();
@@ -179,7 +173,7 @@ impl Engine {
                 let runner = System::with_tokio_rt(move || runtime);
                 let workers: Vec<Arbiter> = (0..config.workers).map(|_| Arbiter::new()).collect();
                 let started = runner.block_on(async {
-                    let timer = TimerActor.start();
+                    let timer = TimerActor::new(config.timers.clone()).start();
                     let arbiters = if workers.is_empty() {
                         vec![Arbiter::current()]
                     } else {
@@ -188,6 +182,7 @@ impl Engine {
                     let shared = Arc::new(Shared {
                         durable: parts.durable.clone(),
                         clock: parts.clock,
+                        timers: config.timers.clone(),
                         timer,
                         tracker: Tracker::new(arbiters.len()),
                         stats: Arc::new(Stats::new(arbiters.len() + 1)),
@@ -225,6 +220,7 @@ impl Engine {
                             Arc::clone(&dispatcher.shared.clock),
                             config.deduplication_reap_interval,
                             config.deduplication_reap_batch,
+                            config.timers.clone(),
                         )
                         .start();
                     } else {
@@ -255,6 +251,7 @@ impl Engine {
                             durability.idempotency_key_retention,
                             durability.cleanup_interval,
                             durability.cleanup_batch,
+                            config.timers.clone(),
                         )
                         .start();
                     }

@@ -6,6 +6,7 @@ use actix::{Actor, ActorContext, ActorFutureExt, Addr, AsyncContext, Context, Wr
 use futures::FutureExt;
 use tracing::Instrument;
 
+use crate::clock::{Busy, Running, TimedOut, Timers, within};
 use crate::panics::{HandlerCode, as_handler};
 use crate::ports::{Claim, ClaimOutcome, Claims};
 use crate::supervisor::persist;
@@ -30,6 +31,10 @@ pub struct HandlerActor {
     /// The logical id this handler must claim before it runs, if it deduplicates (boxed:
     /// most handlers do not, and every byte of the actor is moved when it starts).
     claim: Option<Box<PendingClaim>>,
+    /// Its token of work for the engine's timers, handed on with its report.
+    running: Running,
+    /// The engine's timers, which its timeout runs on.
+    timers: Timers,
 }
 
 /// A deduplicated handler's claim, and where to make it.
@@ -56,6 +61,8 @@ impl HandlerActor {
         supervisor: Addr<DeliverySupervisor>,
         span: tracing::Span,
         claim: Option<Box<PendingClaim>>,
+        running: Running,
+        timers: Timers,
     ) -> Self {
         Self {
             route,
@@ -66,6 +73,8 @@ impl HandlerActor {
             supervisor,
             span,
             claim,
+            running,
+            timers,
         }
     }
 
@@ -87,6 +96,7 @@ impl HandlerActor {
         self.supervisor.do_send(HandlerFinished {
             index: self.index,
             failure,
+            busy: self.running.take(),
         });
     }
 
@@ -103,6 +113,7 @@ impl HandlerActor {
         let timeout = self.timeout;
         let span = self.span.clone();
         let message_id = self.context.message_id().unwrap_or_default();
+        let (timers, running) = (self.timers(), self.running.clone());
         let work = async move {
             let PendingClaim {
                 claim,
@@ -160,8 +171,9 @@ impl HandlerActor {
                     })
                 }
                 Ok(ClaimOutcome::Claimed) => {
-                    let result = tokio::time::timeout(
-                        timeout,
+                    let result = within(
+                        timers.sleep(timeout),
+                        &running,
                         AssertUnwindSafe(HandlerCode(call)).catch_unwind(),
                     )
                     .instrument(span)
@@ -210,10 +222,14 @@ fn failure_of(result: HandlerResult, timeout: Duration) -> Failure {
     }
 }
 
-type HandlerResult = Result<
-    Result<Result<(), HandlerError>, Box<dyn std::any::Any + Send>>,
-    tokio::time::error::Elapsed,
->;
+type HandlerResult =
+    Result<Result<Result<(), HandlerError>, Box<dyn std::any::Any + Send>>, TimedOut>;
+
+impl HandlerActor {
+    fn timers(&self) -> Timers {
+        self.timers.clone()
+    }
+}
 
 impl std::fmt::Debug for HandlerActor {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -228,6 +244,8 @@ impl std::fmt::Debug for HandlerActor {
 pub(crate) struct HandlerFinished {
     pub(crate) index: usize,
     pub(crate) failure: Option<HandlerFailure>,
+    /// The handler's token of work, which the supervisor takes over with its last report.
+    pub(crate) busy: Option<Busy>,
 }
 
 impl actix::Message for HandlerFinished {
@@ -249,8 +267,11 @@ impl Actor for HandlerActor {
             self.message.clone(),
             self.context.clone(),
         );
+        // The timeout runs from before the first poll: a handler that gives its token up at
+        // once (an injected hang) must find its deadline already set.
+        let deadline = self.timers.sleep(self.timeout);
         // Many handlers finish without waiting on anything: poll once here, and arm the
-        // timeout and the actor's future machinery only for those that have to wait.
+        // actor's future machinery only for those that have to wait.
         let first = {
             let _entered = self.span.enter();
             std::panic::catch_unwind(AssertUnwindSafe(|| {
@@ -270,10 +291,15 @@ impl Actor for HandlerActor {
             }
             Ok(None) => {}
         }
-        let guarded = tokio::time::timeout(
-            self.timeout,
-            AssertUnwindSafe(HandlerCode(call)).catch_unwind(),
-        );
+        let running = self.running.clone();
+        let guarded = async move {
+            within(
+                deadline,
+                &running,
+                AssertUnwindSafe(HandlerCode(call)).catch_unwind(),
+            )
+            .await
+        };
         let guarded: futures::future::BoxFuture<'static, HandlerResult> = if self.span.is_disabled()
         {
             Box::pin(guarded)

@@ -16,6 +16,7 @@ mod backoff;
 mod batches;
 mod capacity;
 mod cleanup;
+mod clock;
 mod context;
 mod dead_letter;
 mod deduplication;
@@ -45,6 +46,8 @@ pub use aggregate::AggregateError;
 pub use backoff::Backoff;
 #[doc(hidden)]
 pub use cleanup::CleanupActor;
+#[doc(hidden)]
+pub use clock::{Busy, Timers, VirtualClock};
 #[doc(hidden)]
 pub use context::ContextActor;
 pub use context::{MessageContext, SendOptions};

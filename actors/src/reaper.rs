@@ -15,6 +15,8 @@ pub struct ReaperActor {
     clock: Arc<dyn Clock>,
     interval: Duration,
     batch: usize,
+    /// The engine's timers, which its rounds run on.
+    timers: crate::Timers,
     busy: bool,
 }
 
@@ -33,6 +35,7 @@ impl ReaperActor {
         clock: Arc<dyn Clock>,
         interval: Duration,
         batch: usize,
+        timers: crate::Timers,
     ) -> Self {
         Self {
             claims,
@@ -40,6 +43,7 @@ impl ReaperActor {
             interval,
             batch,
             busy: false,
+            timers,
         }
     }
 
@@ -77,6 +81,6 @@ impl Actor for ReaperActor {
             }
         };
         ctx.spawn(provision.into_actor(self));
-        ctx.run_interval(self.interval, Self::tick);
+        self.timers.every(self.interval, ctx, Self::tick);
     }
 }

@@ -233,10 +233,11 @@ impl Actor for RecoveryActor {
 
     fn started(&mut self, ctx: &mut Context<Self>) {
         self.tick(ctx);
-        ctx.run_interval(self.interval, Self::tick);
+        let timers = self.dispatcher.shared.timers.clone();
+        timers.every(self.interval, ctx, Self::tick);
         let timeout = self.inbox.node_timeout();
         if timeout / 3 < self.interval {
-            ctx.run_interval(timeout / 3, Self::beat);
+            timers.every(timeout / 3, ctx, Self::beat);
         }
     }
 }

@@ -277,9 +277,11 @@ impl Actor for RelayActor {
 
     fn started(&mut self, ctx: &mut Context<Self>) {
         self.tick(ctx);
-        ctx.run_interval(self.interval, Self::tick);
-        ctx.run_interval(
+        let timers = self.dispatcher.shared.timers.clone();
+        timers.every(self.interval, ctx, Self::tick);
+        timers.every(
             HOUSEKEEPING.min(self.retention.max(self.interval)),
+            ctx,
             Self::housekeeping,
         );
         // Polling is the fallback: a local enlist (a delivery, a handler transaction, a

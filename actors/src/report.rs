@@ -2,7 +2,7 @@ use std::time::Duration;
 
 use uuid::Uuid;
 
-use crate::{AggregateError, DeadLetterReason, Envelope};
+use crate::{AggregateError, DeadLetterReason, Envelope, HandlerFailure, Message};
 
 /// How a delivery ended.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -85,6 +85,28 @@ impl DeliveryReport {
         self.attempt_offsets
             .windows(2)
             .map(|w| w[1] - w[0])
+            .collect()
+    }
+
+    /// Every handler failure of every attempt, oldest attempt first, with its attempt number
+    /// (the field [`failures`](Self::failures) groups them by attempt).
+    pub fn failures(&self) -> impl Iterator<Item = (u32, &HandlerFailure)> {
+        self.failures
+            .iter()
+            .flat_map(|attempt| attempt.failures().iter().map(|f| (attempt.attempt, f)))
+    }
+
+    /// The messages of type `M` the delivery's handlers cascaded, decoded, in the order they
+    /// were published.
+    ///
+    /// # Errors
+    ///
+    /// The deserializer's error for an envelope of `M`'s type whose payload is not an `M`.
+    pub fn cascaded<M: Message>(&self) -> Result<Vec<M>, serde_json::Error> {
+        self.cascaded
+            .iter()
+            .filter(|envelope| envelope.message_type == M::TYPE)
+            .map(|envelope| serde_json::from_slice(&envelope.payload))
             .collect()
     }
 }

@@ -5,11 +5,11 @@ use std::time::Duration;
 use actix::{Actor, ActorContext, ActorFutureExt, AsyncContext, Context, WrapFuture};
 use chrono::{DateTime, Utc};
 use tokio::sync::oneshot;
-use tokio::time::Instant;
 use tracing::field::Empty;
 
 use crate::RetryScope;
 use crate::capacity::Slot;
+use crate::clock::{Busy, Mark, Running};
 use crate::context::{Scope, TakeCascaded};
 use crate::delivery::{Delivery, Effect, Event, Phase, Rules, Start};
 use crate::dispatcher::{UnknownMessageTypes, Worker};
@@ -48,7 +48,10 @@ pub struct DeliverySupervisor {
     /// Handlers a durable inbox says succeeded before a restart (`module/name`).
     succeeded_before: Vec<String>,
     pending: usize,
-    started_at: Instant,
+    started_at: Mark,
+    /// Held while the supervisor works (not while it waits for its handlers or its timer), so
+    /// the harness's virtual clock waits for it; nothing on real timers.
+    busy: Option<Busy>,
     /// When each retry started, from the first attempt's start.
     retry_offsets: Vec<Duration>,
     scope: Option<Arc<Scope>>,
@@ -79,6 +82,7 @@ impl DeliverySupervisor {
         envelope: Envelope,
         permit: Slot,
         reply: Option<oneshot::Sender<DeliveryReport>>,
+        busy: Busy,
     ) -> Self {
         // Without a subscriber that wants INFO, even a disabled span costs a little per
         // delivery; skip building it.
@@ -109,7 +113,8 @@ impl DeliverySupervisor {
             deduplication_keys: Vec::new(),
             succeeded_before: Vec::new(),
             pending: 0,
-            started_at: Instant::now(),
+            started_at: Mark::Virtual(Duration::ZERO),
+            busy: Some(busy),
             retry_offsets: Vec::new(),
             scope: None,
             reply,
@@ -120,7 +125,12 @@ impl DeliverySupervisor {
     }
 
     /// A supervisor for a delivery a durable inbox handed back after a restart.
-    pub(crate) fn resumed(worker: Arc<Worker>, resumable: Resumable, permit: Slot) -> Self {
+    pub(crate) fn resumed(
+        worker: Arc<Worker>,
+        resumable: Resumable,
+        permit: Slot,
+        busy: Busy,
+    ) -> Self {
         let Resumable {
             envelope,
             due_at,
@@ -135,7 +145,7 @@ impl DeliverySupervisor {
             None if envelope.attempts as usize > failures.len() => Resume::Interrupted,
             None => Resume::Due(worker.shared.clock.now()),
         };
-        let mut supervisor = Self::new(worker, envelope, permit, None);
+        let mut supervisor = Self::new(worker, envelope, permit, None, busy);
         let envelope = supervisor.delivery.envelope.clone();
         supervisor.delivery = Delivery::new(envelope, failures, Vec::new(), cascaded);
         supervisor.succeeded_before = succeeded;
@@ -206,7 +216,8 @@ impl DeliverySupervisor {
             .writer(self.worker.index)
             .bump(Counter::Attempts);
         if attempt > 1 {
-            self.retry_offsets.push(self.started_at.elapsed());
+            self.retry_offsets
+                .push(self.worker.shared.timers.since(self.started_at));
         }
         if !self.span.is_disabled() {
             self.span.record("dacapo.attempt", attempt);
@@ -240,10 +251,12 @@ impl DeliverySupervisor {
                 )
             };
             let claim = self.pending_claim(index, entry);
+            let running = Running::new(shared.timers.busy());
             let handle = ContextActor::handle_for(
                 Arc::clone(&scope),
                 Arc::clone(&route),
                 index,
+                running.clone(),
                 // A handler transaction completes the claim with its work only where the
                 // claim lives: in the runtime's store.
                 claim
@@ -260,13 +273,17 @@ impl DeliverySupervisor {
                 me.clone(),
                 span,
                 claim,
+                running,
+                shared.timers.clone(),
             )
             .start();
         }
         // Every handler already succeeded (a resume under RetryScope::FailedHandlers): the
-        // attempt is over at once.
+        // attempt is over at once. Otherwise the handlers work now, and the supervisor waits.
         if self.pending == 0 {
             self.finish_attempt(ctx);
+        } else {
+            self.busy = None;
         }
     }
 
@@ -386,6 +403,7 @@ impl DeliverySupervisor {
         shared.timer.do_send(Schedule {
             delay,
             target: ctx.address().recipient(),
+            busy: self.busy.take(),
         });
     }
 
@@ -515,6 +533,7 @@ impl DeliverySupervisor {
         }
         self.permit.take();
         self.me = None;
+        self.busy = None;
         match self.ticket {
             Some(ticket) => self.worker.shared.tracker.finish(ticket),
             None => self.worker.shared.tracker.release(),
@@ -616,9 +635,8 @@ impl Actor for DeliverySupervisor {
     type Context = Context<Self>;
 
     fn started(&mut self, ctx: &mut Context<Self>) {
-        // Read on the engine's own clock (virtual under the harness), not the dispatching
-        // caller's.
-        self.started_at = Instant::now();
+        // Read on the engine's own timers (virtual under the harness).
+        self.started_at = self.worker.shared.timers.mark();
         self.me = Some(ctx.address());
         let shared = &*self.worker.shared;
         self.ticket = Some(
@@ -647,6 +665,8 @@ impl actix::Handler<HandlerFinished> for DeliverySupervisor {
         }
         self.pending = self.pending.saturating_sub(1);
         if self.pending == 0 {
+            // The last handler's token passes to the supervisor's work.
+            self.busy = finished.busy;
             self.finish_attempt(ctx);
         }
     }
@@ -655,7 +675,8 @@ impl actix::Handler<HandlerFinished> for DeliverySupervisor {
 impl actix::Handler<RetryDue> for DeliverySupervisor {
     type Result = ();
 
-    fn handle(&mut self, _: RetryDue, ctx: &mut Context<Self>) {
+    fn handle(&mut self, RetryDue(busy): RetryDue, ctx: &mut Context<Self>) {
+        self.busy = Some(busy);
         if self
             .ticket
             .is_some_and(|ticket| self.worker.shared.tracker.resume(ticket))

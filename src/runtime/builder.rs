@@ -42,6 +42,8 @@ pub struct RuntimeBuilder {
     deduplication_rules: DeduplicationRules,
     dead_letters: Option<Arc<dyn DeadLetterStore>>,
     clock: Arc<dyn Clock>,
+    /// Whether [`clock`](Self::clock) was called (the test harness keeps that clock).
+    clock_given: bool,
 }
 
 impl Default for RuntimeBuilder {
@@ -66,6 +68,7 @@ impl Default for RuntimeBuilder {
             deduplication_rules: DeduplicationRules::default(),
             dead_letters: None,
             clock: Arc::new(SystemClock),
+            clock_given: false,
         }
     }
 }
@@ -312,12 +315,18 @@ impl RuntimeBuilder {
     #[must_use]
     pub fn clock(mut self, clock: Arc<dyn Clock>) -> Self {
         self.clock = clock;
+        self.clock_given = true;
         self
     }
 
+    /// Runs the engine's timers on `clock`, and the wall clock it stamps with too unless one
+    /// was given.
     #[cfg(feature = "testing")]
-    pub(crate) fn virtual_time(mut self) -> Self {
-        self.engine.virtual_time = true;
+    pub(crate) fn virtual_time(mut self, clock: Arc<dacapo_actors::VirtualClock>) -> Self {
+        self.engine.timers = dacapo_actors::Timers::Virtual(Arc::clone(&clock));
+        if !self.clock_given {
+            self.clock = clock;
+        }
         self.engine.workers = 0;
         self
     }

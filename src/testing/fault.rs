@@ -136,7 +136,7 @@ impl Fault {
                                 return Err(HandlerError::permanent("injected permanent failure"));
                             }
                             Effect::Panic => panic!("injected panic (attempt {attempt})"),
-                            Effect::Hang => futures::future::pending::<()>().await,
+                            Effect::Hang => context.hang().await,
                         }
                     }
                     inner(route, index, decoded, context).await

@@ -1,3 +1,4 @@
+use std::sync::Arc;
 use std::time::Duration;
 
 use dacapo_actors::{
@@ -71,7 +72,8 @@ impl TestHarnessBuilder {
     /// The runtime's build errors, and [`Error::UnknownHandler`] (which lists the registered
     /// handlers) when a fault names a handler that is not registered.
     pub fn build(self) -> Result<TestHarness, Error> {
-        let (mut registry, runtime) = self.runtime.virtual_time().into_parts()?;
+        let clock = dacapo_actors::VirtualClock::new();
+        let (mut registry, runtime) = self.runtime.virtual_time(Arc::clone(&clock)).into_parts()?;
         for (id, fault) in self.faults {
             if !registry.wrap_handler(&id, |inner| fault.clone().wrap(inner)) {
                 let mut registered: Vec<_> = registry.entries().map(|e| e.id.clone()).collect();
@@ -86,6 +88,7 @@ impl TestHarnessBuilder {
         Ok(TestHarness {
             runtime: runtime.start(registry)?,
             settle_timeout: self.settle_timeout,
+            clock,
         })
     }
 }
@@ -96,6 +99,7 @@ impl TestHarnessBuilder {
 pub struct TestHarness {
     runtime: Runtime,
     settle_timeout: Duration,
+    clock: Arc<dacapo_actors::VirtualClock>,
 }
 
 impl TestHarness {
@@ -111,6 +115,19 @@ impl TestHarness {
     /// The runtime under test.
     pub fn runtime(&self) -> &Runtime {
         &self.runtime
+    }
+
+    /// Moves the runtime's virtual clock forward by `by`, running every cooldown and handler
+    /// timeout due on the way, in order. The clock also moves by itself, to the next due
+    /// timer, whenever nothing in the runtime is working (no handler running, no store write
+    /// under way); this moves it further, for what waits on time with the runtime idle.
+    pub fn advance(&self, by: Duration) {
+        self.clock.advance(by);
+    }
+
+    /// Time elapsed on the runtime's virtual clock since the harness started.
+    pub fn elapsed(&self) -> Duration {
+        self.clock.elapsed()
     }
 
     /// Publishes `message` and waits until its delivery settles.

@@ -1,0 +1,428 @@
+//! The engine's own timers: cooldowns, handler timeouts and the attempt times in reports.
+//!
+//! In production they are tokio's. Under the test harness they are a [`VirtualClock`], which
+//! moves only for the engine's timers: when the test advances it, or by itself to the next due
+//! timer once no part of the engine is working — a handler running, a supervisor writing to
+//! its store, a delivery being accepted. Each such piece of work holds a [`Busy`] token, handed
+//! from one actor to the next with the message that passes the work on, so the count never
+//! drops to zero between two steps of one delivery. Nothing else is virtual: a pool's, a
+//! driver's and a handler's own tokio timers keep real time, so a handler doing real I/O under
+//! the harness behaves as in production.
+
+use std::collections::BTreeMap;
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::{Arc, Mutex, PoisonError};
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use chrono::{DateTime, Utc};
+use tokio::sync::oneshot;
+
+use crate::ports::Clock;
+
+/// Real (tokio) or virtual timers.
+#[derive(Clone, Debug, Default)]
+pub enum Timers {
+    /// Tokio's clock.
+    #[default]
+    Real,
+    /// A virtual clock, under the test harness.
+    Virtual(Arc<VirtualClock>),
+}
+
+/// A point in time on [`Timers`], to measure from.
+#[derive(Clone, Copy, Debug)]
+pub(crate) enum Mark {
+    Real(tokio::time::Instant),
+    Virtual(Duration),
+}
+
+impl Timers {
+    /// A token saying the engine is working: it moves to the next due timer once nothing in the engine is working, or when advanced.
+    pub fn busy(&self) -> Busy {
+        match self {
+            Self::Real => Busy(None),
+            Self::Virtual(clock) => clock.busy(),
+        }
+    }
+
+    pub(crate) fn mark(&self) -> Mark {
+        match self {
+            Self::Real => Mark::Real(tokio::time::Instant::now()),
+            Self::Virtual(clock) => Mark::Virtual(clock.elapsed()),
+        }
+    }
+
+    pub(crate) fn since(&self, mark: Mark) -> Duration {
+        match (self, mark) {
+            (Self::Virtual(clock), Mark::Virtual(at)) => clock.elapsed().saturating_sub(at),
+            (_, Mark::Real(at)) => at.elapsed(),
+            (Self::Real, Mark::Virtual(_)) => Duration::ZERO,
+        }
+    }
+
+    /// Calls `tick` on the actor every `interval`: tokio's interval on real timers; on a virtual
+    /// clock, a tick each time the clock passes the next one, which it never moves to by
+    /// itself.
+    pub(crate) fn every<A, F>(&self, interval: Duration, ctx: &mut actix::Context<A>, tick: F)
+    where
+        A: actix::Actor<Context = actix::Context<A>>,
+        F: FnMut(&mut A, &mut actix::Context<A>) + 'static,
+    {
+        use actix::AsyncContext;
+        match self {
+            Self::Real => {
+                ctx.run_interval(interval, tick);
+            }
+            Self::Virtual(clock) => {
+                let tick = std::rc::Rc::new(std::cell::RefCell::new(tick));
+                next_tick(Arc::clone(clock), interval, tick, ctx);
+            }
+        }
+    }
+
+    /// Waits `delay`; yields the token of the work that resumes. The timer is set when this
+    /// is called, not when the future is first polled, so the caller may drop its own token
+    /// right after.
+    pub(crate) fn sleep(&self, delay: Duration) -> Sleep {
+        match self {
+            Self::Real => Sleep::Real(Box::pin(tokio::time::sleep(delay))),
+            Self::Virtual(clock) => clock.sleep(delay),
+        }
+    }
+}
+
+/// The engine is working while one is held (nothing, on real timers).
+#[must_use = "the engine counts as idle once the token is dropped"]
+pub struct Busy(Option<Arc<VirtualClock>>);
+
+impl std::fmt::Debug for Busy {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Busy")
+    }
+}
+
+impl Drop for Busy {
+    fn drop(&mut self) {
+        if let Some(clock) = self.0.take() {
+            clock.release();
+        }
+    }
+}
+
+/// A wait on [`Timers`].
+pub(crate) enum Sleep {
+    Real(Pin<Box<tokio::time::Sleep>>),
+    Virtual {
+        clock: Arc<VirtualClock>,
+        id: (Duration, u64),
+        woken: oneshot::Receiver<Busy>,
+    },
+}
+
+impl Future for Sleep {
+    type Output = Busy;
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Busy> {
+        match self.get_mut() {
+            Self::Real(sleep) => sleep.as_mut().poll(cx).map(|()| Busy(None)),
+            Self::Virtual { woken, .. } => match Pin::new(woken).poll(cx) {
+                Poll::Ready(Ok(busy)) => Poll::Ready(busy),
+                // The clock is gone with its engine: nothing will wake this.
+                Poll::Ready(Err(_)) => Poll::Pending,
+                Poll::Pending => Poll::Pending,
+            },
+        }
+    }
+}
+
+impl Drop for Sleep {
+    fn drop(&mut self) {
+        // A wait given up (a handler that finished before its timeout) is no timer to move to.
+        if let Self::Virtual { clock, id, .. } = self {
+            clock.cancel(*id);
+        }
+    }
+}
+
+/// Sets the next background tick on `clock`, and the one after when it comes.
+fn next_tick<A, F>(
+    clock: Arc<VirtualClock>,
+    interval: Duration,
+    tick: std::rc::Rc<std::cell::RefCell<F>>,
+    ctx: &mut actix::Context<A>,
+) where
+    A: actix::Actor<Context = actix::Context<A>>,
+    F: FnMut(&mut A, &mut actix::Context<A>) + 'static,
+{
+    use actix::{ActorFutureExt, AsyncContext};
+    let due = clock.set(interval, false);
+    ctx.spawn(
+        actix::fut::wrap_future::<_, A>(due).map(move |busy, actor, ctx| {
+            (tick.borrow_mut())(actor, ctx);
+            drop(busy);
+            next_tick(clock, interval, tick, ctx);
+        }),
+    );
+}
+
+/// A running handler's token, which it gives up while it waits on the clock alone (a hang the
+/// harness injects), so that its timeout can come.
+#[derive(Clone, Debug, Default)]
+pub(crate) struct Running(Arc<Mutex<Option<Busy>>>);
+
+impl Running {
+    pub(crate) fn new(busy: Busy) -> Self {
+        Self(Arc::new(Mutex::new(Some(busy))))
+    }
+
+    fn slot(&self) -> std::sync::MutexGuard<'_, Option<Busy>> {
+        self.0.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Takes the token, to hand it on with the handler's report.
+    pub(crate) fn take(&self) -> Option<Busy> {
+        self.slot().take()
+    }
+
+    /// Gives the token up: the handler waits on nothing but the clock.
+    pub(crate) fn give_up(&self) {
+        let busy = self.slot().take();
+        drop(busy);
+    }
+
+    fn put(&self, busy: Busy) {
+        let previous = self.slot().replace(busy);
+        drop(previous);
+    }
+}
+
+/// The handler's call timed out.
+#[derive(Debug)]
+pub(crate) struct TimedOut;
+
+/// `work`, or [`TimedOut`] once `deadline` (set before `work` was first polled) comes; the
+/// deadline's token then goes to `running`.
+pub(crate) async fn within<F: Future>(
+    deadline: Sleep,
+    running: &Running,
+    work: F,
+) -> Result<F::Output, TimedOut> {
+    let sleep = deadline;
+    let work = std::pin::pin!(work);
+    match futures::future::select(work, sleep).await {
+        futures::future::Either::Left((done, _)) => Ok(done),
+        futures::future::Either::Right((busy, _)) => {
+            running.put(busy);
+            Err(TimedOut)
+        }
+    }
+}
+
+/// Time that moves only for the engine's own timers: it moves to the next due timer once nothing in the engine is working, or when advanced.
+#[derive(Debug)]
+pub struct VirtualClock {
+    /// The wall-clock time the virtual clock started at.
+    epoch: DateTime<Utc>,
+    state: Mutex<State>,
+}
+
+#[derive(Debug, Default)]
+struct State {
+    elapsed: Duration,
+    busy: usize,
+    next_id: u64,
+    /// Waiting timers by deadline (then by order of setting), and whether each drives the
+    /// clock: a delivery's timers do; the background rounds' ticks (recovery, relay, cleanup,
+    /// reaping) only fire as the clock passes them, or an idle runtime would spin through
+    /// virtual time.
+    timers: BTreeMap<(Duration, u64), (oneshot::Sender<Busy>, bool)>,
+}
+
+impl VirtualClock {
+    /// A clock at zero, whose wall time starts now.
+    pub fn new() -> Arc<Self> {
+        Arc::new(Self {
+            epoch: Utc::now(),
+            state: Mutex::default(),
+        })
+    }
+
+    fn state(&self) -> std::sync::MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Time elapsed on this clock.
+    pub fn elapsed(&self) -> Duration {
+        self.state().elapsed
+    }
+
+    fn busy(self: &Arc<Self>) -> Busy {
+        self.state().busy += 1;
+        Busy(Some(Arc::clone(self)))
+    }
+
+    fn release(self: &Arc<Self>) {
+        let mut state = self.state();
+        state.busy = state.busy.saturating_sub(1);
+        self.run_idle(state);
+    }
+
+    fn sleep(self: &Arc<Self>, delay: Duration) -> Sleep {
+        self.set(delay, true)
+    }
+
+    fn set(self: &Arc<Self>, delay: Duration, drives: bool) -> Sleep {
+        let (wake, woken) = oneshot::channel();
+        let mut state = self.state();
+        let id = (state.elapsed.saturating_add(delay), state.next_id);
+        state.next_id += 1;
+        state.timers.insert(id, (wake, drives));
+        self.run_idle(state);
+        Sleep::Virtual {
+            clock: Arc::clone(self),
+            id,
+            woken,
+        }
+    }
+
+    fn cancel(&self, id: (Duration, u64)) {
+        self.state().timers.remove(&id);
+    }
+
+    /// Moves the clock forward by `by`, waking every timer due on the way, in order.
+    pub fn advance(self: &Arc<Self>, by: Duration) {
+        let mut state = self.state();
+        let until = state.elapsed.saturating_add(by);
+        while let Some(entry) = state.timers.first_entry() {
+            if entry.key().0 > until {
+                break;
+            }
+            let ((at, _), (wake, _)) = entry.remove_entry();
+            state.elapsed = state.elapsed.max(at);
+            self.wake(&mut state, wake);
+        }
+        state.elapsed = until;
+    }
+
+    /// With nothing working, moves to the next timer and wakes every timer due then.
+    fn run_idle(self: &Arc<Self>, mut state: std::sync::MutexGuard<'_, State>) {
+        if state.busy > 0 {
+            return;
+        }
+        let Some(&(at, _)) = state
+            .timers
+            .iter()
+            .find(|(_, (_, drives))| *drives)
+            .map(|(id, _)| id)
+        else {
+            return;
+        };
+        state.elapsed = state.elapsed.max(at);
+        while let Some(entry) = state.timers.first_entry() {
+            if entry.key().0 > at {
+                break;
+            }
+            let (wake, _) = entry.remove();
+            self.wake(&mut state, wake);
+        }
+    }
+
+    /// Hands a token to the woken work, counted before the lock is let go.
+    fn wake(self: &Arc<Self>, state: &mut State, wake: oneshot::Sender<Busy>) {
+        state.busy += 1;
+        let busy = Busy(Some(Arc::clone(self)));
+        if let Err(mut busy) = wake.send(busy) {
+            // Nobody waits any more: the token goes uncounted here, since dropping it would
+            // take the lock held here.
+            busy.0 = None;
+            state.busy -= 1;
+        }
+    }
+}
+
+impl Clock for VirtualClock {
+    fn now(&self) -> DateTime<Utc> {
+        let elapsed = chrono::TimeDelta::from_std(self.elapsed()).unwrap_or(chrono::TimeDelta::MAX);
+        self.epoch + elapsed
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn virtual_timers() -> (Arc<VirtualClock>, Timers) {
+        let clock = VirtualClock::new();
+        (Arc::clone(&clock), Timers::Virtual(clock))
+    }
+
+    #[tokio::test]
+    async fn an_idle_engine_moves_to_its_next_timer_at_once() {
+        let (clock, timers) = virtual_timers();
+        let busy = timers.sleep(Duration::from_secs(6)).await;
+        assert_eq!(clock.elapsed(), Duration::from_secs(6));
+        drop(busy);
+    }
+
+    #[tokio::test]
+    async fn the_clock_stays_while_work_is_under_way() {
+        let (clock, timers) = virtual_timers();
+        let working = timers.busy();
+        let mut sleep = Box::pin(timers.sleep(Duration::from_secs(1)));
+        assert!(futures::poll!(sleep.as_mut()).is_pending());
+        assert_eq!(clock.elapsed(), Duration::ZERO);
+        drop(working);
+        let _resumed = sleep.await;
+        assert_eq!(clock.elapsed(), Duration::from_secs(1));
+    }
+
+    #[tokio::test]
+    async fn a_woken_timer_holds_the_clock_until_its_work_is_done() {
+        let (clock, timers) = virtual_timers();
+        let first = timers.sleep(Duration::from_secs(1));
+        let second = timers.sleep(Duration::from_secs(16));
+        let resumed = first.await;
+        assert_eq!(clock.elapsed(), Duration::from_secs(1));
+        // The first timer's work holds the clock: the second waits for it.
+        let mut second = Box::pin(second);
+        assert!(futures::poll!(second.as_mut()).is_pending());
+        drop(resumed);
+        let _ = second.await;
+        // Set at 1 s, for 16 s.
+        assert_eq!(clock.elapsed(), Duration::from_secs(17));
+    }
+
+    #[tokio::test]
+    async fn a_wait_given_up_is_no_timer_to_move_to() {
+        let (clock, timers) = virtual_timers();
+        let working = timers.busy();
+        drop(timers.sleep(Duration::from_secs(30)));
+        drop(working);
+        assert_eq!(clock.elapsed(), Duration::ZERO);
+    }
+
+    #[test]
+    fn advancing_wakes_due_timers_in_order_and_leaves_later_ones() {
+        let (clock, timers) = virtual_timers();
+        let working = timers.busy();
+        let mut late = timers.sleep(Duration::from_secs(10));
+        let mut early = timers.sleep(Duration::from_secs(2));
+        clock.advance(Duration::from_secs(5));
+        assert_eq!(clock.elapsed(), Duration::from_secs(5));
+        let waker = futures::task::noop_waker();
+        let mut cx = Context::from_waker(&waker);
+        assert!(Pin::new(&mut early).poll(&mut cx).is_ready());
+        assert!(Pin::new(&mut late).poll(&mut cx).is_pending());
+        drop(working);
+    }
+
+    #[test]
+    fn wall_time_follows_the_virtual_clock() {
+        let (clock, _) = virtual_timers();
+        let start = clock.now();
+        clock.advance(Duration::from_secs(60));
+        assert_eq!(clock.now() - start, chrono::TimeDelta::seconds(60));
+    }
+}

@@ -1,0 +1,159 @@
+//! Handlers that do real I/O under the harness: a query through the store's pool, a reply from
+//! another thread, a real sleep. The harness's clock is the runtime's own and moves only for
+//! the runtime's timers, never while a handler runs, so none of this times out or races —
+//! while cooldowns still pass at once, at their exact virtual times.
+#![cfg(all(feature = "sqlite", feature = "postgres", feature = "testing"))]
+
+#[path = "support/messages.rs"]
+mod support;
+#[path = "support/stores.rs"]
+mod support_stores;
+
+use std::time::Duration;
+
+use dacapo::prelude::*;
+use dacapo::testing::{Fault, TestHarness};
+use support::{MemberRemoved, member_removed};
+use support_stores::{Backend, TestDatabase};
+
+/// Queries the store, waits for a reply from a thread of its own, and sleeps a little: all in
+/// real time, with a timeout (2 s) far above what that takes and far below a cooldown.
+struct RealIo<P>(P);
+
+async fn reply_from_a_thread() -> u64 {
+    let (reply, replied) = tokio::sync::oneshot::channel();
+    std::thread::spawn(move || {
+        std::thread::sleep(Duration::from_millis(2));
+        let _ = reply.send(42);
+    });
+    replied.await.unwrap_or_default()
+}
+
+impl Handler<MemberRemoved> for RealIo<dacapo::sqlx::SqlitePool> {
+    async fn handle(&self, _: &MemberRemoved, _: &MessageContext) -> Result<(), HandlerError> {
+        let one: i64 = dacapo::sqlx::query_scalar("SELECT 1")
+            .fetch_one(&self.0)
+            .await?;
+        assert_eq!(reply_from_a_thread().await, 42);
+        tokio::time::sleep(Duration::from_millis(1)).await;
+        assert_eq!(one, 1);
+        Ok(())
+    }
+}
+
+impl Handler<MemberRemoved> for RealIo<dacapo::sqlx::PgPool> {
+    async fn handle(&self, _: &MemberRemoved, _: &MessageContext) -> Result<(), HandlerError> {
+        let one: i32 = dacapo::sqlx::query_scalar("SELECT 1")
+            .fetch_one(&self.0)
+            .await?;
+        assert_eq!(reply_from_a_thread().await, 42);
+        tokio::time::sleep(Duration::from_millis(1)).await;
+        assert_eq!(one, 1);
+        Ok(())
+    }
+}
+
+/// Publishes 100 messages, one after another, and expects each handled on its first attempt.
+async fn check(harness: &TestHarness) {
+    for run in 0..100 {
+        let report = harness.publish(&member_removed()).await.unwrap();
+        assert!(
+            report.is_handled() && report.attempts == 1,
+            "run {run}: {report:?}"
+        );
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_handler_doing_real_io_passes_a_hundred_runs_in_a_hundred_on_sqlite() {
+    let db = TestDatabase::new(Backend::Sqlite).await;
+    let store = db.sqlite().await;
+    let pool = store.pool().clone();
+    let harness = TestHarness::builder()
+        .configure(|builder| builder.store(store))
+        .handler_timeout(Duration::from_secs(2))
+        .module(Module::new("m").handle_named::<MemberRemoved, _>("io", RealIo(pool)))
+        .build()
+        .unwrap();
+    check(&harness).await;
+    harness.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_handler_doing_real_io_passes_a_hundred_runs_in_a_hundred_on_postgres() {
+    let db = TestDatabase::new(Backend::Postgres).await;
+    let store = db.postgres().await;
+    let pool = store.pool().clone();
+    let harness = TestHarness::builder()
+        .configure(|builder| builder.store(store))
+        .handler_timeout(Duration::from_secs(2))
+        .module(Module::new("m").handle_named::<MemberRemoved, _>("io", RealIo(pool)))
+        .build()
+        .unwrap();
+    check(&harness).await;
+    harness.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cooldowns_beside_real_io_pass_at_once_at_their_exact_virtual_times() {
+    let db = TestDatabase::new(Backend::Sqlite).await;
+    let store = db.sqlite().await;
+    let pool = store.pool().clone();
+    let harness = TestHarness::builder()
+        .configure(|builder| builder.store(store))
+        .module(
+            Module::new("m")
+                .handle_named::<MemberRemoved, _>("io", RealIo(pool))
+                .handle_named::<MemberRemoved, _>("flaky", dacapo::testing::Recorder::new()),
+        )
+        .fault("m", "flaky", Fault::fail_times(3))
+        .build()
+        .unwrap();
+    let started = std::time::Instant::now();
+    let report = harness.publish(&member_removed()).await.unwrap();
+    assert!(report.is_handled(), "{report:?}");
+    assert_eq!(
+        report.cooldowns(),
+        [
+            Duration::from_secs(1),
+            Duration::from_secs(6),
+            Duration::from_secs(16)
+        ]
+    );
+    assert!(
+        started.elapsed() < Duration::from_secs(10),
+        "23 virtual seconds, not real ones"
+    );
+    assert!(harness.elapsed() >= Duration::from_secs(23));
+    harness.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_hung_handler_times_out_at_its_exact_virtual_time() {
+    let harness = TestHarness::builder()
+        .handler_timeout(Duration::from_secs(30))
+        .retry_policy(RetryPolicy::no_retries())
+        .module(
+            Module::new("m")
+                .handle_named::<MemberRemoved, _>("stuck", dacapo::testing::Recorder::new()),
+        )
+        .fault("m", "stuck", Fault::always_hang())
+        .build()
+        .unwrap();
+    let started = std::time::Instant::now();
+    let report = harness.publish(&member_removed()).await.unwrap();
+    let failure = report.failures[0].failures[0].clone();
+    assert_eq!(failure.kind, FailureKind::TimedOut(Duration::from_secs(30)));
+    assert_eq!(harness.elapsed(), Duration::from_secs(30));
+    assert!(started.elapsed() < Duration::from_secs(10));
+    harness.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn advancing_the_clock_moves_it_by_exactly_that() {
+    let harness = TestHarness::builder().build().unwrap();
+    assert_eq!(harness.elapsed(), Duration::ZERO);
+    harness.advance(Duration::from_secs(90));
+    assert_eq!(harness.elapsed(), Duration::from_secs(90));
+    harness.shutdown().await;
+}
