@@ -30,7 +30,7 @@ pub use dacapo_actors::{
     DeliveryReport, DiscardReason, Disposition, Envelope, FailureKind, Handler, HandlerError,
     HandlerFailure, HandlerId, MAX_MESSAGE_TYPE_LEN, Message, MessageContext, Module, Outcome,
     PendingRetry, RetryDecision, RetryPolicy, RetryScope, SendOptions, ShutdownReport,
-    StatsSnapshot, UnknownMessageTypes, quiet_handler_panics,
+    StatsSnapshot, TestContext, UnknownMessageTypes, quiet_handler_panics,
 };
 
 // The crates whose types appear in dacapo's signatures, so an application uses the very

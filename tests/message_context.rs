@@ -389,3 +389,87 @@ impl Handler<MemberRemoved> for SendUnrouted {
         }
     }
 }
+
+/// Publishes one `WebhookQueued` per member removed.
+struct QueuesWebhook;
+
+impl Handler<MemberRemoved> for QueuesWebhook {
+    async fn handle(
+        &self,
+        event: &MemberRemoved,
+        ctx: &MessageContext,
+    ) -> Result<(), HandlerError> {
+        assert_eq!(ctx.attempt(), 3);
+        assert_eq!(
+            ctx.headers().get("tenant").map(String::as_str),
+            Some("acme")
+        );
+        assert_eq!(ctx.deduplication_id(), Some("remove-7"));
+        ctx.publish(&support::WebhookQueued {
+            delivery_id: format!("member-{}", event.member_id),
+        })
+        .await?;
+        Ok(())
+    }
+}
+
+#[tokio::test]
+async fn a_handler_is_unit_tested_with_a_context_of_the_tests_choosing() {
+    let message_id = uuid::Uuid::new_v4();
+    let correlation = uuid::Uuid::new_v4();
+    let ctx = MessageContext::for_test()
+        .message_id(message_id)
+        .attempt(3)
+        .header("tenant", "acme")
+        .deduplication_id("remove-7")
+        .correlation_id(correlation)
+        .handler("webhooks", "queue")
+        .build();
+    assert_eq!(ctx.message_id(), Some(message_id));
+    assert_eq!(
+        ctx.handler().map(ToString::to_string).as_deref(),
+        Some("webhooks/queue")
+    );
+    QueuesWebhook.handle(&member_removed(), &ctx).await.unwrap();
+    let published = ctx.published();
+    assert_eq!(published.len(), 1);
+    assert_eq!(published[0].message_type, "webhooks.delivery_queued");
+    assert_eq!(published[0].causation_id, Some(message_id));
+    assert_eq!(published[0].correlation_id, Some(correlation));
+
+    // The id is the one a delivery of the same message gives the same handler's cascade.
+    let harness = dacapo::testing::TestHarness::builder()
+        .module(
+            Module::new("webhooks")
+                .handle_named::<MemberRemoved, _>("queue", QueuesWebhookAnyAttempt),
+        )
+        .build()
+        .unwrap();
+    let mut envelope = harness
+        .runtime()
+        .envelope(&member_removed(), SendOptions::new())
+        .unwrap();
+    envelope.id = message_id;
+    let report = harness.deliver(envelope).await.unwrap();
+    assert_eq!(report.cascaded[0].id, published[0].id);
+    harness.shutdown().await;
+
+    assert!(MessageContext::detached().published().is_empty());
+}
+
+/// As [`QueuesWebhook`], on any attempt and without expectations.
+struct QueuesWebhookAnyAttempt;
+
+impl Handler<MemberRemoved> for QueuesWebhookAnyAttempt {
+    async fn handle(
+        &self,
+        event: &MemberRemoved,
+        ctx: &MessageContext,
+    ) -> Result<(), HandlerError> {
+        ctx.publish(&support::WebhookQueued {
+            delivery_id: format!("member-{}", event.member_id),
+        })
+        .await?;
+        Ok(())
+    }
+}

@@ -20,8 +20,11 @@ pub(crate) struct Scope {
     pub(crate) deduplication_id: Option<String>,
     pub(crate) headers: BTreeMap<String, String>,
     pub(crate) max_envelope_size: usize,
-    /// The supervisor's worker, on whose arbiter the context actor runs.
-    worker: Arc<Worker>,
+    /// The supervisor's worker, on whose arbiter the context actor runs; `None` for a
+    /// handler under a unit test ([`MessageContext::for_test`]).
+    worker: Option<Arc<Worker>>,
+    /// What a handler under a unit test published, in order.
+    published: std::sync::Mutex<Vec<(HandlerId, Envelope)>>,
     /// Started on the first cascade: most attempts cascade nothing and need no actor.
     actor: OnceLock<Addr<ContextActor>>,
     /// Set when the attempt is over; cascading then fails.
@@ -44,7 +47,8 @@ impl Scope {
             deduplication_id: envelope.deduplication_id.clone(),
             headers: envelope.headers.clone(),
             max_envelope_size,
-            worker,
+            worker: Some(worker),
+            published: std::sync::Mutex::default(),
             actor: OnceLock::new(),
             closed: std::sync::atomic::AtomicBool::new(false),
         }
@@ -58,13 +62,34 @@ impl Scope {
         self.actor.get()
     }
 
-    fn actor_or_start(&self) -> &Addr<ContextActor> {
-        let message_id = self.message_id;
-        self.actor.get_or_init(|| {
-            ContextActor::start_in_arbiter(&self.worker.arbiter, move |_| {
-                ContextActor::new(message_id)
+    /// Keeps what a handler under a unit test published, with the id a delivery would give it.
+    fn keep_published(&self, handler: HandlerId, mut envelope: Envelope) -> Uuid {
+        let mut published = self
+            .published
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        let occurrence = published
+            .iter()
+            .filter(|(h, e)| {
+                *h == handler
+                    && e.message_type == envelope.message_type
+                    && e.payload == envelope.payload
             })
-        })
+            .count();
+        envelope.id = cascade_id(self.message_id, &handler, &envelope, occurrence);
+        let id = envelope.id;
+        published.push((handler, envelope));
+        id
+    }
+
+    /// The context actor, started on the worker's arbiter by the first cascade; `None` under
+    /// a unit test, which keeps cascades in `published`.
+    fn actor_or_start(&self) -> Option<&Addr<ContextActor>> {
+        let worker = self.worker.as_ref()?;
+        let message_id = self.message_id;
+        Some(self.actor.get_or_init(|| {
+            ContextActor::start_in_arbiter(&worker.arbiter, move |_| ContextActor::new(message_id))
+        }))
     }
 }
 
@@ -107,8 +132,7 @@ impl ContextActor {
         MessageContext {
             scope: Some(Attached {
                 scope,
-                route,
-                handler,
+                handler: HandlerRef::InRoute(route, handler),
                 claim: claim.map(Arc::new),
                 running,
             }),
@@ -146,17 +170,28 @@ impl actix::Handler<Cascade> for ContextActor {
             .chain(&self.committed)
             .filter(same)
             .count();
-        let mut name = format!(
-            "dacapo.cascade:{}/{}:{}:{occurrence}:",
-            handler.module, handler.name, envelope.message_type
-        )
-        .into_bytes();
-        name.extend_from_slice(&envelope.payload);
-        envelope.id = Uuid::new_v5(&self.message_id, &name);
+        envelope.id = cascade_id(self.message_id, &handler, &envelope, occurrence);
         let id = envelope.id;
         self.cascaded.push((handler, envelope));
         actix::MessageResult(id)
     }
+}
+
+/// The id of a cascaded envelope: a UUID v5 of the message id, the handler, the cascaded
+/// type and payload, and how many identical ones the handler cascaded before.
+fn cascade_id(
+    message_id: Uuid,
+    handler: &HandlerId,
+    envelope: &Envelope,
+    occurrence: usize,
+) -> Uuid {
+    let mut name = format!(
+        "dacapo.cascade:{}/{}:{}:{occurrence}:",
+        handler.module, handler.name, envelope.message_type
+    )
+    .into_bytes();
+    name.extend_from_slice(&envelope.payload);
+    Uuid::new_v5(&message_id, &name)
 }
 
 /// Hands one handler's cascades so far to its handler transaction, which commits them.
@@ -232,11 +267,28 @@ impl actix::Handler<TakeCascaded> for ContextActor {
 #[derive(Clone, Debug)]
 struct Attached {
     scope: Arc<Scope>,
-    route: Arc<Route>,
-    handler: usize,
+    handler: HandlerRef,
     claim: Option<Arc<Claim>>,
     /// The handler's token of work for the engine's timers.
     running: Running,
+}
+
+/// Which handler a context was given to.
+#[derive(Clone, Debug)]
+enum HandlerRef {
+    /// The handler at this index of a route, in a delivery.
+    InRoute(Arc<Route>, usize),
+    /// A handler under a unit test.
+    Named(HandlerId),
+}
+
+impl HandlerRef {
+    fn id(&self) -> &HandlerId {
+        match self {
+            Self::InRoute(route, index) => &route.handlers()[*index].id,
+            Self::Named(id) => id,
+        }
+    }
 }
 
 /// What a handler knows about the message it handles, and how it cascades new messages.
@@ -256,6 +308,67 @@ impl MessageContext {
     /// A context outside any delivery.
     pub fn detached() -> Self {
         Self { scope: None }
+    }
+
+    /// A context for calling a handler directly in a unit test, outside any runtime: the
+    /// message id, attempt, headers, correlation and deduplication ids are the test's (by
+    /// default a random message id, attempt 1, handler `test/handler`), and what the handler
+    /// publishes is kept for [`published`](Self::published) — with the ids a delivery would
+    /// give it.
+    ///
+    /// ```
+    /// use dacapo::prelude::*;
+    /// # use serde::{Deserialize, Serialize};
+    /// # #[derive(Serialize, Deserialize)] struct OrderPlaced { order: u64 }
+    /// # impl Message for OrderPlaced { const TYPE: &'static str = "orders.placed"; }
+    /// # #[derive(Serialize, Deserialize)] struct InvoiceDue { order: u64 }
+    /// # impl Message for InvoiceDue { const TYPE: &'static str = "billing.invoice_due"; }
+    /// struct Bill;
+    ///
+    /// impl Handler<OrderPlaced> for Bill {
+    ///     async fn handle(&self, event: &OrderPlaced, ctx: &MessageContext) -> Result<(), HandlerError> {
+    ///         ctx.publish(&InvoiceDue { order: event.order }).await?;
+    ///         Ok(())
+    ///     }
+    /// }
+    ///
+    /// # #[tokio::main(flavor = "current_thread")]
+    /// # async fn main() {
+    /// let ctx = MessageContext::for_test().attempt(2).header("tenant", "acme").build();
+    /// Bill.handle(&OrderPlaced { order: 7 }, &ctx).await.unwrap();
+    /// let published = ctx.published();
+    /// assert_eq!(published[0].message_type, "billing.invoice_due");
+    /// assert_eq!(published[0].causation_id, ctx.message_id());
+    /// # }
+    /// ```
+    pub fn for_test() -> TestContext {
+        TestContext {
+            message_id: Uuid::new_v4(),
+            message_type: "test.message".to_owned(),
+            attempt: 1,
+            correlation_id: None,
+            causation_id: None,
+            deduplication_id: None,
+            headers: BTreeMap::new(),
+            handler: HandlerId {
+                module: Arc::from("test"),
+                name: Arc::from("handler"),
+            },
+        }
+    }
+
+    /// What the handler published through this context, in order: for a context made with
+    /// [`for_test`](Self::for_test); empty for any other.
+    pub fn published(&self) -> Vec<Envelope> {
+        self.scope().map_or_else(Vec::new, |scope| {
+            scope
+                .published
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner)
+                .iter()
+                .map(|(_, envelope)| envelope.clone())
+                .collect()
+        })
     }
 
     fn scope(&self) -> Option<&Scope> {
@@ -299,9 +412,7 @@ impl MessageContext {
 
     /// The handler this context was given to.
     pub fn handler(&self) -> Option<&HandlerId> {
-        self.scope
-            .as_ref()
-            .map(|a| &a.route.handlers()[a.handler].id)
+        self.scope.as_ref().map(|a| a.handler.id())
     }
 
     /// The deduplication claim this handler holds on the message's logical id while it runs,
@@ -331,7 +442,7 @@ impl MessageContext {
     pub fn store(&self) -> Option<&(dyn std::any::Any + Send + Sync)> {
         self.scope
             .as_ref()
-            .and_then(|a| a.scope.worker.shared.store.as_deref())
+            .and_then(|a| a.scope.worker.as_ref()?.shared.store.as_deref())
     }
 
     /// Takes what this handler published so far in this attempt, for its handler transaction
@@ -344,7 +455,7 @@ impl MessageContext {
         let Some(actor) = attached.scope.actor.get() else {
             return Vec::new();
         };
-        let handler = attached.route.handlers()[attached.handler].id.clone();
+        let handler = attached.handler.id().clone();
         actor.send(TakePublished(handler)).await.unwrap_or_default()
     }
 
@@ -359,7 +470,7 @@ impl MessageContext {
             return;
         };
         if let Some(actor) = attached.scope.actor.get() {
-            let handler = attached.route.handlers()[attached.handler].id.clone();
+            let handler = attached.handler.id().clone();
             let _ = actor.send(RestorePublished(handler, envelopes)).await;
         }
     }
@@ -369,8 +480,8 @@ impl MessageContext {
     /// relay's next poll. Does nothing outside a consumer.
     #[doc(hidden)]
     pub fn wake_outbox(&self) {
-        if let Some(attached) = &self.scope {
-            attached.scope.worker.shared.outbox_enlisted.notify_one();
+        if let Some(worker) = self.scope.as_ref().and_then(|a| a.scope.worker.as_ref()) {
+            worker.shared.outbox_enlisted.notify_one();
         }
     }
 
@@ -394,7 +505,11 @@ impl MessageContext {
         envelope.correlation_id = scope.correlation_id.or(Some(scope.message_id));
         envelope.causation_id = Some(scope.message_id);
         options.apply(&mut envelope);
-        scope.worker.rules.apply(message, &mut envelope);
+        match &scope.worker {
+            Some(worker) => worker.rules.apply(message, &mut envelope),
+            // A unit test has no runtime: the message type's own declaration gives the id.
+            None => crate::DeduplicationRules::default().apply(message, &mut envelope),
+        }
         let size = envelope.size();
         if size > scope.max_envelope_size {
             return Err(Error::TooLarge {
@@ -439,8 +554,8 @@ impl MessageContext {
     ///
     /// As [`publish`](Self::publish).
     pub async fn send<M: Message>(&self, message: &M) -> Result<Uuid, Error> {
-        if let Some(attached) = &self.scope
-            && !attached.scope.worker.registry.handles(M::TYPE)
+        if let Some(worker) = self.scope.as_ref().and_then(|a| a.scope.worker.as_ref())
+            && !worker.registry.handles(M::TYPE)
         {
             return Err(Error::NoRoute(Box::new(Envelope::for_message(message)?)));
         }
@@ -467,9 +582,11 @@ impl MessageContext {
         if scope.closed.load(std::sync::atomic::Ordering::Acquire) {
             return Err(Error::Detached);
         }
-        let handler = attached.route.handlers()[attached.handler].id.clone();
-        scope
-            .actor_or_start()
+        let handler = attached.handler.id().clone();
+        let Some(actor) = scope.actor_or_start() else {
+            return Ok(scope.keep_published(handler, envelope));
+        };
+        actor
             .send(Cascade(handler, envelope))
             .await
             .map_err(|_| Error::Detached)
@@ -547,5 +664,105 @@ impl SendOptions {
             envelope.correlation_id = Some(id);
         }
         envelope.headers.extend(self.headers);
+    }
+}
+
+/// Builds a [`MessageContext`] for a unit test; see [`MessageContext::for_test`].
+#[derive(Clone, Debug)]
+pub struct TestContext {
+    message_id: Uuid,
+    message_type: String,
+    attempt: u32,
+    correlation_id: Option<Uuid>,
+    causation_id: Option<Uuid>,
+    deduplication_id: Option<String>,
+    headers: BTreeMap<String, String>,
+    handler: HandlerId,
+}
+
+impl TestContext {
+    /// The message's id (default: a random one).
+    #[must_use]
+    pub fn message_id(mut self, id: Uuid) -> Self {
+        self.message_id = id;
+        self
+    }
+
+    /// The message's type name (default `test.message`).
+    #[must_use]
+    pub fn message_type(mut self, message_type: impl Into<String>) -> Self {
+        self.message_type = message_type.into();
+        self
+    }
+
+    /// The attempt the handler runs in (default 1).
+    #[must_use]
+    pub fn attempt(mut self, attempt: u32) -> Self {
+        self.attempt = attempt;
+        self
+    }
+
+    /// The conversation's id (default: none, so published messages take the message id).
+    #[must_use]
+    pub fn correlation_id(mut self, id: Uuid) -> Self {
+        self.correlation_id = Some(id);
+        self
+    }
+
+    /// The id of the message that caused this one.
+    #[must_use]
+    pub fn causation_id(mut self, id: Uuid) -> Self {
+        self.causation_id = Some(id);
+        self
+    }
+
+    /// The message's deduplication id.
+    #[must_use]
+    pub fn deduplication_id(mut self, id: impl Into<String>) -> Self {
+        self.deduplication_id = Some(id.into());
+        self
+    }
+
+    /// A header of the message.
+    #[must_use]
+    pub fn header(mut self, name: impl Into<String>, value: impl Into<String>) -> Self {
+        self.headers.insert(name.into(), value.into());
+        self
+    }
+
+    /// The handler the context is given to (default `test/handler`).
+    #[must_use]
+    pub fn handler(mut self, module: &str, name: &str) -> Self {
+        self.handler = HandlerId {
+            module: Arc::from(module),
+            name: Arc::from(name),
+        };
+        self
+    }
+
+    /// The context.
+    pub fn build(self) -> MessageContext {
+        let scope = Scope {
+            message_id: self.message_id,
+            message_type: std::borrow::Cow::Owned(self.message_type),
+            attempt: self.attempt,
+            correlation_id: self.correlation_id,
+            causation_id: self.causation_id,
+            deduplication_id: self.deduplication_id,
+            headers: self.headers,
+            max_envelope_size: usize::MAX,
+            worker: None,
+            published: std::sync::Mutex::default(),
+            actor: OnceLock::new(),
+            closed: std::sync::atomic::AtomicBool::new(false),
+        };
+        MessageContext {
+            scope: Some(Attached {
+                scope: Arc::new(scope),
+                handler: HandlerRef::Named(self.handler),
+                claim: None,
+                running: Running::default(),
+            }),
+        }
     }
 }
