@@ -464,7 +464,7 @@ async fn first_reaping_round(batch: usize) -> Vec<(usize, u64)> {
             }
             // Reaping rounds come every 60 s of the runtime's clock, which moves by itself
             // only for deliveries: move it on.
-            harness.advance(Duration::from_secs(60));
+            harness.advance(Duration::from_secs(60)).await;
             tokio::time::sleep(Duration::from_millis(10)).await;
         }
     })

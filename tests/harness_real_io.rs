@@ -153,7 +153,7 @@ async fn a_hung_handler_times_out_at_its_exact_virtual_time() {
 async fn advancing_the_clock_moves_it_by_exactly_that() {
     let harness = TestHarness::builder().build().unwrap();
     assert_eq!(harness.elapsed(), Duration::ZERO);
-    harness.advance(Duration::from_secs(90));
+    harness.advance(Duration::from_secs(90)).await;
     assert_eq!(harness.elapsed(), Duration::from_secs(90));
     harness.shutdown().await;
 }

@@ -82,6 +82,14 @@ impl Timers {
         }
     }
 
+    /// A handler's timeout of `timeout`; see [`Deadline`].
+    pub(crate) fn deadline(&self, timeout: Duration) -> Deadline {
+        match self {
+            Self::Real => Deadline::Real(timeout),
+            Self::Virtual(clock) => Deadline::Virtual(clock.sleep(timeout)),
+        }
+    }
+
     /// Waits `delay`; yields the token of the work that resumes. The timer is set when this
     /// is called, not when the future is first polled, so the caller may drop its own token
     /// right after.
@@ -169,32 +177,37 @@ fn next_tick<A, F>(
 
 /// A running handler's token, which it gives up while it waits on the clock alone (a hang the
 /// harness injects), so that its timeout can come.
+/// Nothing at all on real timers, whose tokens count nothing.
 #[derive(Clone, Debug, Default)]
-pub(crate) struct Running(Arc<Mutex<Option<Busy>>>);
+pub(crate) struct Running(Option<Arc<Mutex<Option<Busy>>>>);
 
 impl Running {
     pub(crate) fn new(busy: Busy) -> Self {
-        Self(Arc::new(Mutex::new(Some(busy))))
-    }
-
-    fn slot(&self) -> std::sync::MutexGuard<'_, Option<Busy>> {
-        self.0.lock().unwrap_or_else(PoisonError::into_inner)
+        match busy.0 {
+            Some(_) => Self(Some(Arc::new(Mutex::new(Some(busy))))),
+            None => Self(None),
+        }
     }
 
     /// Takes the token, to hand it on with the handler's report.
     pub(crate) fn take(&self) -> Option<Busy> {
-        self.slot().take()
+        let slot = self.0.as_ref()?;
+        slot.lock().unwrap_or_else(PoisonError::into_inner).take()
     }
 
     /// Gives the token up: the handler waits on nothing but the clock.
     pub(crate) fn give_up(&self) {
-        let busy = self.slot().take();
-        drop(busy);
+        drop(self.take());
     }
 
     fn put(&self, busy: Busy) {
-        let previous = self.slot().replace(busy);
-        drop(previous);
+        if let Some(slot) = &self.0 {
+            let previous = slot
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner)
+                .replace(busy);
+            drop(previous);
+        }
     }
 }
 
@@ -202,20 +215,36 @@ impl Running {
 #[derive(Debug)]
 pub(crate) struct TimedOut;
 
-/// `work`, or [`TimedOut`] once `deadline` (set before `work` was first polled) comes; the
-/// deadline's token then goes to `running`.
+/// A handler's timeout: on real timers just its length, armed only if the handler has to
+/// wait; on a virtual clock a timer set at once, before the handler is first polled (a handler
+/// that gives its token up at once, an injected hang, must find it set).
+pub(crate) enum Deadline {
+    Real(Duration),
+    Virtual(Sleep),
+}
+
+/// `work`, or [`TimedOut`] once `deadline` comes; on a virtual clock the deadline's token then
+/// goes to `running`.
 pub(crate) async fn within<F: Future>(
-    deadline: Sleep,
+    deadline: Deadline,
     running: &Running,
     work: F,
 ) -> Result<F::Output, TimedOut> {
-    let sleep = deadline;
-    let work = std::pin::pin!(work);
-    match futures::future::select(work, sleep).await {
-        futures::future::Either::Left((done, _)) => Ok(done),
-        futures::future::Either::Right((busy, _)) => {
-            running.put(busy);
-            Err(TimedOut)
+    match deadline {
+        // Tokio's own timeout fires even when the work has used up the task's budget.
+        Deadline::Real(timeout) => tokio::time::timeout(timeout, work)
+            .await
+            .map_err(|_| TimedOut),
+        Deadline::Virtual(sleep) => {
+            let work = std::pin::pin!(work);
+            let sleep = tokio::task::unconstrained(sleep);
+            match futures::future::select(work, sleep).await {
+                futures::future::Either::Left((done, _)) => Ok(done),
+                futures::future::Either::Right((busy, _)) => {
+                    running.put(busy);
+                    Err(TimedOut)
+                }
+            }
         }
     }
 }
@@ -226,6 +255,8 @@ pub struct VirtualClock {
     /// The wall-clock time the virtual clock started at.
     epoch: DateTime<Utc>,
     state: Mutex<State>,
+    /// Told whenever the last token goes.
+    idle: tokio::sync::Notify,
 }
 
 #[derive(Debug, Default)]
@@ -246,6 +277,7 @@ impl VirtualClock {
         Arc::new(Self {
             epoch: Utc::now(),
             state: Mutex::default(),
+            idle: tokio::sync::Notify::new(),
         })
     }
 
@@ -266,7 +298,23 @@ impl VirtualClock {
     fn release(self: &Arc<Self>) {
         let mut state = self.state();
         state.busy = state.busy.saturating_sub(1);
+        if state.busy == 0 {
+            self.idle.notify_waiters();
+        }
         self.run_idle(state);
+    }
+
+    /// Returns once nothing in the engine works.
+    async fn until_idle(&self) {
+        loop {
+            let notified = self.idle.notified();
+            let mut notified = std::pin::pin!(notified);
+            notified.as_mut().enable();
+            if self.state().busy == 0 {
+                return;
+            }
+            notified.await;
+        }
     }
 
     fn sleep(self: &Arc<Self>, delay: Duration) -> Sleep {
@@ -291,19 +339,30 @@ impl VirtualClock {
         self.state().timers.remove(&id);
     }
 
-    /// Moves the clock forward by `by`, waking every timer due on the way, in order.
-    pub fn advance(self: &Arc<Self>, by: Duration) {
-        let mut state = self.state();
-        let until = state.elapsed.saturating_add(by);
-        while let Some(entry) = state.timers.first_entry() {
-            if entry.key().0 > until {
-                break;
+    /// Moves the clock forward by `by`, timer by timer: each timer due on the way is woken at
+    /// its own deadline, once the engine is idle — a handler at work is waited for, never
+    /// timed out by the jump — and what it sets within the span is woken in turn.
+    pub async fn advance(self: &Arc<Self>, by: Duration) {
+        let until = self.elapsed().saturating_add(by);
+        loop {
+            self.until_idle().await;
+            let mut state = self.state();
+            if state.busy > 0 {
+                continue;
             }
-            let ((at, _), (wake, _)) = entry.remove_entry();
+            let Some(&(at, _)) = state.timers.keys().next().filter(|(at, _)| *at <= until) else {
+                state.elapsed = state.elapsed.max(until);
+                return;
+            };
             state.elapsed = state.elapsed.max(at);
-            self.wake(&mut state, wake);
+            while let Some(entry) = state.timers.first_entry() {
+                if entry.key().0 > at {
+                    break;
+                }
+                let (wake, _) = entry.remove();
+                self.wake(&mut state, wake);
+            }
         }
-        state.elapsed = until;
     }
 
     /// With nothing working, moves to the next timer and wakes every timer due then.
@@ -403,26 +462,55 @@ mod tests {
         assert_eq!(clock.elapsed(), Duration::ZERO);
     }
 
-    #[test]
-    fn advancing_wakes_due_timers_in_order_and_leaves_later_ones() {
-        let (clock, timers) = virtual_timers();
-        let working = timers.busy();
-        let mut late = timers.sleep(Duration::from_secs(10));
-        let mut early = timers.sleep(Duration::from_secs(2));
-        clock.advance(Duration::from_secs(5));
+    #[tokio::test]
+    async fn advancing_wakes_due_timers_in_order_at_their_own_times_and_leaves_later_ones() {
+        let (clock, _) = virtual_timers();
+        // Background ticks: the clock never moves to them by itself.
+        let late = clock.set(Duration::from_secs(10), false);
+        let early = clock.set(Duration::from_secs(2), false);
+        let seen = Arc::new(Mutex::new(Vec::new()));
+        let watcher = {
+            let (clock, seen) = (Arc::clone(&clock), Arc::clone(&seen));
+            tokio::spawn(async move {
+                let busy = early.await;
+                seen.lock().unwrap().push(clock.elapsed());
+                drop(busy);
+            })
+        };
+        clock.advance(Duration::from_secs(5)).await;
+        watcher.await.unwrap();
+        assert_eq!(
+            *seen.lock().unwrap(),
+            [Duration::from_secs(2)],
+            "woken at its own time"
+        );
         assert_eq!(clock.elapsed(), Duration::from_secs(5));
-        let waker = futures::task::noop_waker();
-        let mut cx = Context::from_waker(&waker);
-        assert!(Pin::new(&mut early).poll(&mut cx).is_ready());
-        assert!(Pin::new(&mut late).poll(&mut cx).is_pending());
-        drop(working);
+        let mut late = Box::pin(late);
+        assert!(futures::poll!(late.as_mut()).is_pending());
     }
 
-    #[test]
-    fn wall_time_follows_the_virtual_clock() {
+    #[tokio::test]
+    async fn advancing_waits_for_work_under_way_instead_of_timing_it_out() {
+        let (clock, timers) = virtual_timers();
+        let working = timers.busy();
+        let deadline = clock.set(Duration::from_secs(1), true);
+        let advance = tokio::spawn({
+            let clock = Arc::clone(&clock);
+            async move { clock.advance(Duration::from_secs(5)).await }
+        });
+        tokio::task::yield_now().await;
+        assert_eq!(clock.elapsed(), Duration::ZERO, "the work holds the clock");
+        drop(working);
+        let _ = deadline.await;
+        advance.await.unwrap();
+        assert_eq!(clock.elapsed(), Duration::from_secs(5));
+    }
+
+    #[tokio::test]
+    async fn wall_time_follows_the_virtual_clock() {
         let (clock, _) = virtual_timers();
         let start = clock.now();
-        clock.advance(Duration::from_secs(60));
+        clock.advance(Duration::from_secs(60)).await;
         assert_eq!(clock.now() - start, chrono::TimeDelta::seconds(60));
     }
 }

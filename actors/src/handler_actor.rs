@@ -172,7 +172,7 @@ impl HandlerActor {
                 }
                 Ok(ClaimOutcome::Claimed) => {
                     let result = within(
-                        timers.sleep(timeout),
+                        timers.deadline(timeout),
                         &running,
                         AssertUnwindSafe(HandlerCode(call)).catch_unwind(),
                     )
@@ -269,7 +269,7 @@ impl Actor for HandlerActor {
         );
         // The timeout runs from before the first poll: a handler that gives its token up at
         // once (an injected hang) must find its deadline already set.
-        let deadline = self.timers.sleep(self.timeout);
+        let deadline = self.timers.deadline(self.timeout);
         // Many handlers finish without waiting on anything: poll once here, and arm the
         // actor's future machinery only for those that have to wait.
         let first = {

@@ -52,6 +52,11 @@ pub struct DeliverySupervisor {
     /// Held while the supervisor works (not while it waits for its handlers or its timer), so
     /// the harness's virtual clock waits for it; nothing on real timers.
     busy: Option<Busy>,
+    /// When the state machine last decided, on the wall clock and on the engine's timers: a
+    /// cooldown runs from then, however long the store took to record it.
+    stepped_at: (DateTime<Utc>, Mark),
+    /// When the retry now being recorded was decided: its cooldown runs from then.
+    cooldown_from: Option<(DateTime<Utc>, Mark)>,
     /// When each retry started, from the first attempt's start.
     retry_offsets: Vec<Duration>,
     scope: Option<Arc<Scope>>,
@@ -115,6 +120,8 @@ impl DeliverySupervisor {
             pending: 0,
             started_at: Mark::Virtual(Duration::ZERO),
             busy: Some(busy),
+            stepped_at: (DateTime::<Utc>::MIN_UTC, Mark::Virtual(Duration::ZERO)),
+            cooldown_from: None,
             retry_offsets: Vec::new(),
             scope: None,
             reply,
@@ -168,8 +175,10 @@ impl DeliverySupervisor {
                 None => registry.default_policy(),
             }
         };
+        let now = self.now();
+        self.stepped_at = (now, self.worker.shared.timers.mark());
         let rules = Rules {
-            now: self.now(),
+            now,
             first_attempt_recorded: !self.recovered,
             policy: &policy,
         };
@@ -350,6 +359,7 @@ impl DeliverySupervisor {
 
     /// Records the failed attempt, with everything a resume needs, before the cooldown.
     fn record_retry(&mut self, due_at: DateTime<Utc>, ctx: &mut Context<Self>) {
+        self.cooldown_from = Some(self.stepped_at);
         if let Some(failure) = self.delivery.failures.last() {
             tracing::warn!(parent: &self.span, error = %failure, "attempt failed");
         }
@@ -399,7 +409,11 @@ impl DeliverySupervisor {
             };
             shared.tracker.cooling(ticket, pending);
         }
-        let delay = (due_at - self.now()).to_std().unwrap_or_default();
+        let (decided_at, mark) = self.cooldown_from.take().unwrap_or(self.stepped_at);
+        let delay = (due_at - decided_at)
+            .to_std()
+            .unwrap_or_default()
+            .saturating_sub(shared.timers.since(mark));
         shared.timer.do_send(Schedule {
             delay,
             target: ctx.address().recipient(),
@@ -665,8 +679,13 @@ impl actix::Handler<HandlerFinished> for DeliverySupervisor {
         }
         self.pending = self.pending.saturating_sub(1);
         if self.pending == 0 {
-            // The last handler's token passes to the supervisor's work.
-            self.busy = finished.busy;
+            // The last handler's token passes to the supervisor's work (a fresh one if the
+            // handler gave its own up and finished anyway).
+            self.busy = Some(
+                finished
+                    .busy
+                    .unwrap_or_else(|| self.worker.shared.timers.busy()),
+            );
             self.finish_attempt(ctx);
         }
     }

@@ -319,12 +319,13 @@ impl RuntimeBuilder {
         self
     }
 
-    /// Runs the engine's timers on `clock`, and the wall clock it stamps with too unless one
-    /// was given.
+    /// Runs the engine's timers on `clock`, and the wall clock it stamps with too — unless a
+    /// clock was given, or a durable store keeps time of its own: its stamps (received,
+    /// handled, due) and the runtime's cutoffs must read one clock.
     #[cfg(feature = "testing")]
     pub(crate) fn virtual_time(mut self, clock: Arc<dacapo_actors::VirtualClock>) -> Self {
         self.engine.timers = dacapo_actors::Timers::Virtual(Arc::clone(&clock));
-        if !self.clock_given {
+        if !self.clock_given && self.durable.is_none() {
             self.clock = clock;
         }
         self.engine.workers = 0;

@@ -117,12 +117,18 @@ impl TestHarness {
         &self.runtime
     }
 
-    /// Moves the runtime's virtual clock forward by `by`, running every cooldown and handler
-    /// timeout due on the way, in order. The clock also moves by itself, to the next due
-    /// timer, whenever nothing in the runtime is working (no handler running, no store write
-    /// under way); this moves it further, for what waits on time with the runtime idle.
-    pub fn advance(&self, by: Duration) {
-        self.clock.advance(by);
+    /// Moves the runtime's virtual clock forward by `by`, timer by timer: each cooldown,
+    /// handler timeout and background round due on the way runs at its own time, once the
+    /// runtime is idle (a handler at work is waited for, never timed out by the jump). The
+    /// clock also moves by itself to a delivery's next timer whenever nothing in the runtime
+    /// works; this moves it further, for what waits on time with the runtime idle (background
+    /// rounds: recovery, the outbox relay, cleanup, reaping).
+    ///
+    /// # Cancel safety
+    ///
+    /// Cancelled, the clock stays where the last woken timer put it.
+    pub async fn advance(&self, by: Duration) {
+        self.clock.advance(by).await;
     }
 
     /// Time elapsed on the runtime's virtual clock since the harness started.
