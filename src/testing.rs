@@ -38,7 +38,12 @@
 mod fault;
 mod harness;
 mod recorder;
+#[cfg(any(feature = "sqlite", feature = "postgres"))]
+mod scratch;
 
 pub use fault::Fault;
 pub use harness::{TestHarness, TestHarnessBuilder};
 pub use recorder::{Call, Recorder};
+#[cfg(any(feature = "sqlite", feature = "postgres"))]
+#[cfg_attr(docsrs, doc(cfg(any(feature = "sqlite", feature = "postgres"))))]
+pub use scratch::ScratchDatabase;

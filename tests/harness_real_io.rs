@@ -157,3 +157,39 @@ async fn advancing_the_clock_moves_it_by_exactly_that() {
     assert_eq!(harness.elapsed(), Duration::from_secs(90));
     harness.shutdown().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_scratch_database_is_fresh_per_test_and_gone_afterwards() {
+    use dacapo::testing::ScratchDatabase;
+
+    let sqlite = ScratchDatabase::sqlite();
+    let store = sqlite.sqlite_store().await.unwrap();
+    let rows: i64 = dacapo::sqlx::query_scalar("SELECT count(*) FROM dacapo_inbox")
+        .fetch_one(store.pool())
+        .await
+        .unwrap();
+    assert_eq!(rows, 0);
+    let file = std::path::PathBuf::from(sqlite.url());
+    assert!(file.exists());
+    store.pool().close().await;
+    drop(store);
+    drop(sqlite);
+    assert!(!file.exists(), "the file is removed with it");
+
+    let admin = std::env::var("DACAPO_TEST_POSTGRES")
+        .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/postgres".to_owned());
+    let postgres = ScratchDatabase::postgres(&admin).await.unwrap();
+    let name = postgres.url().rsplit('/').next().unwrap().to_owned();
+    let store = postgres.postgres_store().await.unwrap();
+    store.pool().close().await;
+    drop(store);
+    drop(postgres);
+    let admin_pool = dacapo::sqlx::PgPool::connect(&admin).await.unwrap();
+    let left: i64 =
+        dacapo::sqlx::query_scalar("SELECT count(*) FROM pg_database WHERE datname = $1")
+            .bind(&name)
+            .fetch_one(&admin_pool)
+            .await
+            .unwrap();
+    assert_eq!(left, 0, "the database is dropped with it");
+}

@@ -1,0 +1,143 @@
+//! Databases that exist for one test.
+
+use uuid::Uuid;
+
+use crate::Error;
+
+/// A database that exists for one test — a temporary SQLite file, or a scratch PostgreSQL
+/// database created from an admin URL — removed when dropped, so each test starts empty and
+/// leaves nothing behind.
+///
+/// ```no_run
+/// # async fn test() -> Result<(), dacapo::Error> {
+/// use dacapo::testing::{ScratchDatabase, TestHarness};
+///
+/// let db = ScratchDatabase::sqlite();
+/// let store = db.sqlite_store().await?;
+/// let harness = TestHarness::builder()
+///     .configure(|runtime| runtime.store(store))
+///     .build()?;
+/// # Ok(())
+/// # }
+/// ```
+#[derive(Debug)]
+pub struct ScratchDatabase {
+    url: String,
+    kind: Kind,
+}
+
+#[derive(Debug)]
+enum Kind {
+    #[cfg(feature = "sqlite")]
+    Sqlite(std::path::PathBuf),
+    #[cfg(feature = "postgres")]
+    Postgres { admin: String, name: String },
+}
+
+impl ScratchDatabase {
+    /// A SQLite file of its own in the temporary directory (created when a store opens it).
+    #[cfg(feature = "sqlite")]
+    #[cfg_attr(docsrs, doc(cfg(feature = "sqlite")))]
+    pub fn sqlite() -> Self {
+        let path =
+            std::env::temp_dir().join(format!("dacapo-scratch-{}.db", Uuid::new_v4().simple()));
+        Self {
+            url: path.display().to_string(),
+            kind: Kind::Sqlite(path),
+        }
+    }
+
+    /// A new, empty PostgreSQL database on the server of `admin_url` (a URL whose user may
+    /// create databases, such as `postgres://postgres@127.0.0.1:5432/postgres`).
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Store`] when the server cannot be reached or refuses to create it.
+    #[cfg(feature = "postgres")]
+    #[cfg_attr(docsrs, doc(cfg(feature = "postgres")))]
+    pub async fn postgres(admin_url: &str) -> Result<Self, Error> {
+        use sqlx::Connection;
+        let name = format!("dacapo_scratch_{}", Uuid::new_v4().simple());
+        let mut admin = sqlx::PgConnection::connect(admin_url).await?;
+        sqlx::query(sqlx::AssertSqlSafe(format!("CREATE DATABASE {name}")))
+            .execute(&mut admin)
+            .await?;
+        let _ = admin.close().await;
+        let (base, _) = admin_url
+            .split('?')
+            .next()
+            .unwrap_or(admin_url)
+            .rsplit_once('/')
+            .ok_or_else(|| Error::Configuration(format!("{admin_url:?} names no database")))?;
+        Ok(Self {
+            url: format!("{base}/{name}"),
+            kind: Kind::Postgres {
+                admin: admin_url.to_owned(),
+                name,
+            },
+        })
+    }
+
+    /// Where it is: the SQLite file's path, or the PostgreSQL URL.
+    pub fn url(&self) -> &str {
+        &self.url
+    }
+
+    /// A store on it.
+    ///
+    /// # Errors
+    ///
+    /// As [`SqliteStore::open`](crate::store::SqliteStore::open).
+    #[cfg(feature = "sqlite")]
+    #[cfg_attr(docsrs, doc(cfg(feature = "sqlite")))]
+    pub async fn sqlite_store(&self) -> Result<crate::store::SqliteStore, Error> {
+        crate::store::SqliteStore::open(&self.url).await
+    }
+
+    /// A store on it.
+    ///
+    /// # Errors
+    ///
+    /// As [`PostgresStore::connect`](crate::store::PostgresStore::connect).
+    #[cfg(feature = "postgres")]
+    #[cfg_attr(docsrs, doc(cfg(feature = "postgres")))]
+    pub async fn postgres_store(&self) -> Result<crate::store::PostgresStore, Error> {
+        crate::store::PostgresStore::connect(&self.url).await
+    }
+}
+
+impl Drop for ScratchDatabase {
+    fn drop(&mut self) {
+        match &self.kind {
+            #[cfg(feature = "sqlite")]
+            Kind::Sqlite(path) => {
+                for suffix in ["", "-wal", "-shm"] {
+                    let _ = std::fs::remove_file(format!("{}{suffix}", path.display()));
+                }
+            }
+            #[cfg(feature = "postgres")]
+            Kind::Postgres { admin, name } => {
+                let (admin, name) = (admin.clone(), name.clone());
+                // Drop may run on a runtime's thread, or on none: a thread of its own, with a
+                // runtime of its own, drops the database.
+                let _ = std::thread::spawn(move || {
+                    let runtime = tokio::runtime::Builder::new_current_thread()
+                        .enable_all()
+                        .build()
+                        .ok()?;
+                    runtime.block_on(async {
+                        use sqlx::Connection;
+                        let mut admin = sqlx::PgConnection::connect(&admin).await.ok()?;
+                        sqlx::query(sqlx::AssertSqlSafe(format!(
+                            "DROP DATABASE IF EXISTS {name} WITH (FORCE)"
+                        )))
+                        .execute(&mut admin)
+                        .await
+                        .ok()
+                    })
+                })
+                .join();
+            }
+        }
+    }
+}
