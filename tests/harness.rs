@@ -353,3 +353,47 @@ async fn a_report_gives_its_failures_flat_and_its_cascaded_messages_typed() {
     assert!(report.cascaded::<MemberRemoved>().unwrap().is_empty());
     harness.shutdown().await;
 }
+
+/// Fails its first attempt of each message.
+#[derive(Clone, Default)]
+struct FailsFirst(Arc<std::sync::Mutex<std::collections::HashSet<Option<Uuid>>>>);
+
+impl Handler<support::WebhookQueued> for FailsFirst {
+    async fn handle(
+        &self,
+        _: &support::WebhookQueued,
+        ctx: &MessageContext,
+    ) -> Result<(), HandlerError> {
+        if self.0.lock().unwrap().insert(ctx.message_id()) {
+            return Err("first attempt".into());
+        }
+        Ok(())
+    }
+}
+
+#[tokio::test]
+async fn cascaded_deliveries_are_tracked_and_reported_too() {
+    let harness = TestHarness::builder()
+        .module(
+            Module::new("m")
+                .handle_named::<MemberRemoved, _>(
+                    "cascades",
+                    CascadesThenFailsOnce(Arc::new(1.into())),
+                )
+                .handle_named::<support::WebhookQueued, _>("sends", FailsFirst::default()),
+        )
+        .build()
+        .unwrap();
+    let parent = harness.publish(&member_removed()).await.unwrap();
+    harness.idle().await.unwrap();
+    let reports = harness.reports();
+    assert_eq!(reports.len(), 2, "{reports:?}");
+    assert_eq!(reports[0].envelope_id, parent.envelope_id);
+    let child = &reports[1];
+    assert_eq!(child.envelope_id, parent.cascaded[0].id);
+    assert_eq!(child.message_type, "webhooks.delivery_queued");
+    assert!(child.is_handled());
+    assert_eq!(child.attempts, 2);
+    assert_eq!(child.cooldowns(), [Duration::from_secs(1)]);
+    harness.shutdown().await;
+}

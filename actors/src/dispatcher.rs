@@ -33,6 +33,8 @@ pub(crate) struct Shared {
     pub(crate) clock: Arc<dyn Clock>,
     /// The engine's own timers (virtual under the test harness).
     pub(crate) timers: crate::Timers,
+    /// Told of every settled delivery's report (the test harness's record).
+    pub(crate) reports: Option<crate::engine::ReportSink>,
     pub(crate) timer: Addr<TimerActor>,
     pub(crate) tracker: Tracker,
     /// One set of counters per worker, then one for dispatching.
@@ -54,6 +56,27 @@ pub(crate) struct Shared {
     /// Recovered deliveries handed to a worker whose supervisor has not started yet: running,
     /// for the orphan sweep, though the tracker does not list them yet.
     pub(crate) resuming: std::sync::Mutex<std::collections::HashSet<uuid::Uuid>>,
+}
+
+impl Shared {
+    /// Whether anyone is told of a report: the caller that asked, or the report sink.
+    pub(crate) fn wants_report(&self, reply: Option<&oneshot::Sender<DeliveryReport>>) -> bool {
+        reply.is_some() || self.reports.is_some()
+    }
+
+    /// Tells the report sink and the caller that asked.
+    pub(crate) fn report(
+        &self,
+        reply: Option<oneshot::Sender<DeliveryReport>>,
+        report: DeliveryReport,
+    ) {
+        if let Some(sink) = &self.reports {
+            (sink.0)(&report);
+        }
+        if let Some(reply) = reply {
+            let _ = reply.send(report);
+        }
+    }
 }
 
 /// A delivery counted in by the tracker and not yet handed to a supervisor. Dropped — the
@@ -124,12 +147,10 @@ impl Worker {
                 %due_at,
                 "envelope scheduled for later"
             );
-            if let Some(reply) = reply {
-                let _ = reply.send(DeliveryReport::accepted(
-                    &envelope,
-                    Outcome::Scheduled(due_at),
-                ));
-            }
+            shared.report(
+                reply,
+                DeliveryReport::accepted(&envelope, Outcome::Scheduled(due_at)),
+            );
             return Ok(());
         }
         if receipt == Receipt::Duplicate {
@@ -139,10 +160,10 @@ impl Worker {
                 dacapo.message_type = %envelope.message_type,
                 "duplicate envelope discarded"
             );
-            if let Some(reply) = reply {
-                let report = DeliveryReport::discarded(&envelope, DiscardReason::DuplicateEnvelope);
-                let _ = reply.send(report);
-            }
+            shared.report(
+                reply,
+                DeliveryReport::discarded(&envelope, DiscardReason::DuplicateEnvelope),
+            );
             return Ok(());
         }
         // From here the supervisor accounts for the delivery.

@@ -5,6 +5,7 @@ use std::time::Duration;
 use actix::{Actor, Arbiter, System};
 use tokio::sync::oneshot;
 
+use crate::DeliveryReport;
 use crate::capacity::Capacity;
 use uuid::Uuid;
 
@@ -41,6 +42,19 @@ pub struct EngineConfig {
     pub durability: Option<Durability>,
     /// The engine's own timers: tokio's, or the test harness's virtual clock.
     pub timers: crate::Timers,
+    /// Told of every delivery's report as it settles, cascaded ones included (the test
+    /// harness's record); `None` in production, where only a caller that asked gets one.
+    pub reports: Option<ReportSink>,
+}
+
+/// Where the engine tells every settled delivery's report.
+#[derive(Clone)]
+pub struct ReportSink(pub Arc<dyn Fn(&DeliveryReport) + Send + Sync>);
+
+impl std::fmt::Debug for ReportSink {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("ReportSink")
+    }
 }
 
 /// How the engine looks after a durable inbox.
@@ -102,6 +116,7 @@ impl Default for EngineConfig {
             deduplication_reap_batch: 1000,
             durability: None,
             timers: crate::Timers::Real,
+            reports: None,
         }
     }
 }
@@ -183,6 +198,7 @@ impl Engine {
                         durable: parts.durable.clone(),
                         clock: parts.clock,
                         timers: config.timers.clone(),
+                        reports: config.reports.clone(),
                         timer,
                         tracker: Tracker::new(arbiters.len()),
                         stats: Arc::new(Stats::new(arbiters.len() + 1)),

@@ -60,7 +60,7 @@ pub use dispatcher::Dispatcher;
 pub use dispatcher::UnknownMessageTypes;
 pub use engine::ShutdownReport;
 #[doc(hidden)]
-pub use engine::{Durability, Engine, EngineConfig, EngineParts};
+pub use engine::{Durability, Engine, EngineConfig, EngineParts, ReportSink};
 pub use envelope::Envelope;
 pub use error::Error;
 pub use handler::{Disposition, FailureKind, Handler, HandlerError, HandlerFailure};

@@ -528,8 +528,9 @@ impl DeliverySupervisor {
             _ => {}
         }
         let envelope = &self.delivery.envelope;
-        if let Some(reply) = self.reply.take() {
-            let _ = reply.send(DeliveryReport {
+        let shared = &*self.worker.shared;
+        if shared.wants_report(self.reply.as_ref()) {
+            let report = DeliveryReport {
                 envelope_id: envelope.id,
                 message_type: envelope.message_type.to_string(),
                 outcome,
@@ -543,7 +544,8 @@ impl DeliverySupervisor {
                         .collect()
                 },
                 cascaded,
-            });
+            };
+            shared.report(self.reply.take(), report);
         }
         self.permit.take();
         self.me = None;

@@ -319,6 +319,13 @@ impl RuntimeBuilder {
         self
     }
 
+    /// Tells `sink` of every delivery's report as it settles, cascaded deliveries included.
+    #[cfg(feature = "testing")]
+    pub(crate) fn report_to(mut self, sink: dacapo_actors::ReportSink) -> Self {
+        self.engine.reports = Some(sink);
+        self
+    }
+
     /// Runs the engine's timers on `clock`, and the wall clock it stamps with too — unless a
     /// clock was given, or a durable store keeps time of its own: its stamps (received,
     /// handled, due) and the runtime's cutoffs must read one clock.

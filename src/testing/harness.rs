@@ -1,4 +1,4 @@
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
 use dacapo_actors::{
@@ -73,7 +73,21 @@ impl TestHarnessBuilder {
     /// handlers) when a fault names a handler that is not registered.
     pub fn build(self) -> Result<TestHarness, Error> {
         let clock = dacapo_actors::VirtualClock::new();
-        let (mut registry, runtime) = self.runtime.virtual_time(Arc::clone(&clock)).into_parts()?;
+        let reports = Arc::new(Mutex::new(Vec::new()));
+        let sink = {
+            let reports = Arc::clone(&reports);
+            dacapo_actors::ReportSink(Arc::new(move |report: &DeliveryReport| {
+                reports
+                    .lock()
+                    .unwrap_or_else(PoisonError::into_inner)
+                    .push(report.clone());
+            }))
+        };
+        let (mut registry, runtime) = self
+            .runtime
+            .virtual_time(Arc::clone(&clock))
+            .report_to(sink)
+            .into_parts()?;
         for (id, fault) in self.faults {
             if !registry.wrap_handler(&id, |inner| fault.clone().wrap(inner)) {
                 let mut registered: Vec<_> = registry.entries().map(|e| e.id.clone()).collect();
@@ -89,6 +103,7 @@ impl TestHarnessBuilder {
             runtime: runtime.start(registry)?,
             settle_timeout: self.settle_timeout,
             clock,
+            reports,
         })
     }
 }
@@ -100,6 +115,8 @@ pub struct TestHarness {
     runtime: Runtime,
     settle_timeout: Duration,
     clock: Arc<dacapo_actors::VirtualClock>,
+    /// Every settled delivery's report, in the order they settled.
+    reports: Arc<Mutex<Vec<DeliveryReport>>>,
 }
 
 impl TestHarness {
@@ -129,6 +146,16 @@ impl TestHarness {
     /// Cancelled, the clock stays where the last woken timer put it.
     pub async fn advance(&self, by: Duration) {
         self.clock.advance(by).await;
+    }
+
+    /// The report of every delivery that settled so far, in the order they settled — the
+    /// messages handlers cascaded included, which no call of the test waited for. Call
+    /// [`idle`](Self::idle) first to have every one.
+    pub fn reports(&self) -> Vec<DeliveryReport> {
+        self.reports
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .clone()
     }
 
     /// Time elapsed on the runtime's virtual clock since the harness started.
