@@ -64,17 +64,29 @@ async fn check(harness: &TestHarness) {
     }
 }
 
+/// A harness on `store` whose one handler is `handler`, with a 2 s timeout.
+fn harness_with<S, H>(store: S, handler: H) -> TestHarness
+where
+    S: dacapo::ports::DurableInbox
+        + dacapo::ports::DeadLetterStore
+        + dacapo::ports::Claims
+        + dacapo::ports::OutboxStore,
+    H: Handler<MemberRemoved>,
+{
+    TestHarness::builder()
+        .configure(|builder| builder.store(store))
+        .handler_timeout(Duration::from_secs(2))
+        .module(Module::new("m").handle_named::<MemberRemoved, _>("io", handler))
+        .build()
+        .unwrap()
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_handler_doing_real_io_passes_a_hundred_runs_in_a_hundred_on_sqlite() {
     let db = TestDatabase::new(Backend::Sqlite).await;
     let store = db.sqlite().await;
     let pool = store.pool().clone();
-    let harness = TestHarness::builder()
-        .configure(|builder| builder.store(store))
-        .handler_timeout(Duration::from_secs(2))
-        .module(Module::new("m").handle_named::<MemberRemoved, _>("io", RealIo(pool)))
-        .build()
-        .unwrap();
+    let harness = harness_with(store, RealIo(pool));
     check(&harness).await;
     harness.shutdown().await;
 }
@@ -84,12 +96,7 @@ async fn a_handler_doing_real_io_passes_a_hundred_runs_in_a_hundred_on_postgres(
     let db = TestDatabase::new(Backend::Postgres).await;
     let store = db.postgres().await;
     let pool = store.pool().clone();
-    let harness = TestHarness::builder()
-        .configure(|builder| builder.store(store))
-        .handler_timeout(Duration::from_secs(2))
-        .module(Module::new("m").handle_named::<MemberRemoved, _>("io", RealIo(pool)))
-        .build()
-        .unwrap();
+    let harness = harness_with(store, RealIo(pool));
     check(&harness).await;
     harness.shutdown().await;
 }

@@ -308,6 +308,14 @@ macro_rules! endpoints {
 endpoints!(on_sqlite, sqlx::Sqlite);
 endpoints!(on_postgres, sqlx::Postgres);
 
+/// Serves `router` on 127.0.0.1; its base URL.
+async fn serve_router(router: Router) -> String {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let base = format!("http://{}", listener.local_addr().unwrap());
+    tokio::spawn(async move { axum::serve(listener, router).await });
+    base
+}
+
 /// A server on 127.0.0.1 for `db`'s store; its base URL and its endpoints' counters.
 async fn serve(db: &TestDatabase) -> (String, App) {
     let app = App::default();
@@ -315,10 +323,7 @@ async fn serve(db: &TestDatabase) -> (String, App) {
         Which::Sqlite => on_sqlite::router(db.sqlite().await, app.clone()),
         Which::Postgres => on_postgres::router(db.postgres().await, app.clone()),
     };
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let address = listener.local_addr().unwrap();
-    tokio::spawn(async move { axum::serve(listener, router).await });
-    (format!("http://{address}"), app)
+    (serve_router(router).await, app)
 }
 
 async fn post_with(
@@ -814,9 +819,7 @@ async fn an_expired_answer_is_not_replayed_and_the_cleanup_removes_it() {
         .route("/flaky", post(flaky))
         .route_layer(IdempotencyLayer::new(store.clone()).retention(Duration::ZERO))
         .with_state(app.clone());
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let url = format!("http://{}/flaky", listener.local_addr().unwrap());
-    tokio::spawn(async move { axum::serve(listener, router).await });
+    let url = format!("{}/flaky", serve_router(router).await);
     let client = reqwest::Client::new();
     assert_eq!(
         post_with(&client, &url, Some("k-old"), "", &[])
@@ -865,9 +868,7 @@ async fn a_body_over_the_limit_is_413_and_an_unreachable_store_is_503() {
         .route("/flaky", post(flaky))
         .route_layer(IdempotencyLayer::new(store.clone()).max_request_body(1024))
         .with_state(app.clone());
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let url = format!("http://{}/flaky", listener.local_addr().unwrap());
-    tokio::spawn(async move { axum::serve(listener, router).await });
+    let url = format!("{}/flaky", serve_router(router).await);
     let client = reqwest::Client::new();
 
     let (status, _, body) =
@@ -905,9 +906,7 @@ async fn two_layers_on_one_store_answer_409_to_each_others_request_in_progress()
                 .route_layer(IdempotencyLayer::new(store).scope(same_scope)),
         )
         .with_state(app.clone());
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let base = format!("http://{}", listener.local_addr().unwrap());
-    tokio::spawn(async move { axum::serve(listener, router).await });
+    let base = serve_router(router).await;
     let client = reqwest::Client::new();
     let entered = app.entered.notified();
     let first = tokio::spawn({
@@ -931,9 +930,7 @@ async fn a_layer_told_to_keep_server_errors_replays_them() {
         .route("/flaky", post(flaky))
         .route_layer(IdempotencyLayer::new(db.sqlite().await).keep(|_| true))
         .with_state(app.clone());
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let url = format!("http://{}/flaky", listener.local_addr().unwrap());
-    tokio::spawn(async move { axum::serve(listener, router).await });
+    let url = format!("{}/flaky", serve_router(router).await);
     let client = reqwest::Client::new();
     assert_eq!(
         post_with(&client, &url, Some("k-30"), "", &[])

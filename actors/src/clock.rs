@@ -354,14 +354,7 @@ impl VirtualClock {
                 state.elapsed = state.elapsed.max(until);
                 return;
             };
-            state.elapsed = state.elapsed.max(at);
-            while let Some(entry) = state.timers.first_entry() {
-                if entry.key().0 > at {
-                    break;
-                }
-                let (wake, _) = entry.remove();
-                self.wake(&mut state, wake);
-            }
+            self.wake_at(&mut state, at);
         }
     }
 
@@ -378,13 +371,18 @@ impl VirtualClock {
         else {
             return;
         };
+        self.wake_at(&mut state, at);
+    }
+
+    /// Moves the clock to `at` and wakes every timer due by then, in order.
+    fn wake_at(self: &Arc<Self>, state: &mut State, at: Duration) {
         state.elapsed = state.elapsed.max(at);
         while let Some(entry) = state.timers.first_entry() {
             if entry.key().0 > at {
                 break;
             }
             let (wake, _) = entry.remove();
-            self.wake(&mut state, wake);
+            self.wake(state, wake);
         }
     }
 
