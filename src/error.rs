@@ -84,6 +84,17 @@ pub enum Error {
     /// envelope back in its shutdown report.
     #[error("delivery of envelope {0} was abandoned by a shutdown before it settled")]
     Abandoned(Uuid),
+    /// The test harness crashed the runtime at a failpoint while the call waited: what it
+    /// waited for ends with the crashed process. [`TestHarness::restart`] starts the next one.
+    ///
+    /// [`TestHarness::restart`]: crate::testing::TestHarness::restart
+    #[cfg(feature = "testing")]
+    #[cfg_attr(docsrs, doc(cfg(feature = "testing")))]
+    #[error("the runtime crashed {at} (a failpoint of the test harness)")]
+    Crashed {
+        /// Where it crashed.
+        at: dacapo_actors::Failpoint,
+    },
     /// The builder's settings do not fit together; nothing was started.
     #[error("invalid configuration: {0}")]
     Configuration(String),

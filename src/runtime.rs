@@ -332,6 +332,19 @@ impl Runtime {
     }
 }
 
+#[cfg(feature = "testing")]
+impl Runtime {
+    /// Stops the engine at once, as a killed process: no drain, no release.
+    pub(crate) async fn kill(&self) {
+        self.engine.kill().await;
+    }
+
+    /// Returns once the first recovery round resumed what an earlier run left.
+    pub(crate) async fn first_recovery(&self) {
+        self.engine.first_recovery().await;
+    }
+}
+
 /// The runtime's scheduled envelopes: those published for a later time and not started.
 #[derive(Debug)]
 pub struct Scheduled<'a> {

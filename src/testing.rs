@@ -40,10 +40,14 @@ mod harness;
 mod recorder;
 #[cfg(any(feature = "sqlite", feature = "postgres"))]
 mod scratch;
+mod store_fault;
 
+pub use dacapo_actors::Failpoint;
 pub use fault::Fault;
-pub use harness::{TestHarness, TestHarnessBuilder};
+pub use harness::{SEED_VARIABLE, TestHarness, TestHarnessBuilder};
 pub use recorder::{Call, Recorder};
 #[cfg(any(feature = "sqlite", feature = "postgres"))]
 #[cfg_attr(docsrs, doc(cfg(any(feature = "sqlite", feature = "postgres"))))]
 pub use scratch::ScratchDatabase;
+pub(crate) use store_fault::StoreHooks;
+pub use store_fault::{StoreFault, StoreFaults};

@@ -47,6 +47,14 @@ impl Timers {
         }
     }
 
+    /// Puts `items`, which the engine would start together, in the virtual clock's seeded
+    /// order; leaves them as they came otherwise.
+    pub(crate) fn shuffle<T>(&self, items: &mut [T]) {
+        if let Self::Virtual(clock) = self {
+            clock.shuffle(items);
+        }
+    }
+
     pub(crate) fn mark(&self) -> Mark {
         match self {
             Self::Real => Mark::Real(tokio::time::Instant::now()),
@@ -254,6 +262,9 @@ pub(crate) async fn within<F: Future>(
 pub struct VirtualClock {
     /// The wall-clock time the virtual clock started at.
     epoch: DateTime<Utc>,
+    /// Orders what the engine would otherwise run together (timers due at one instant, a
+    /// batch of recovered deliveries): `None` keeps the order they came in.
+    seed: Option<u64>,
     state: Mutex<State>,
     /// Told whenever the last token goes.
     idle: tokio::sync::Notify,
@@ -264,6 +275,8 @@ struct State {
     elapsed: Duration,
     busy: usize,
     next_id: u64,
+    /// Draws of the seeded order so far.
+    draws: u64,
     /// Waiting timers by deadline (then by order of setting), and whether each drives the
     /// clock: a delivery's timers do; the background rounds' ticks (recovery, relay, cleanup,
     /// reaping) only fire as the clock passes them, or an idle runtime would spin through
@@ -274,11 +287,39 @@ struct State {
 impl VirtualClock {
     /// A clock at zero, whose wall time starts now.
     pub fn new() -> Arc<Self> {
+        Self::seeded(0)
+    }
+
+    /// A clock at zero whose choices of order follow `seed`: timers due at one instant wake
+    /// one at a time, each once the work of the one before is done, in an order drawn from
+    /// the seed, and recovered batches are shuffled by it. Seed 0 keeps the order things
+    /// came in, and wakes timers due together at once.
+    pub fn seeded(seed: u64) -> Arc<Self> {
         Arc::new(Self {
             epoch: Utc::now(),
+            seed: (seed != 0).then_some(seed),
             state: Mutex::default(),
             idle: tokio::sync::Notify::new(),
         })
+    }
+
+    /// The next number of the seeded order (`None` without a seed).
+    fn draw(&self, state: &mut State) -> Option<u64> {
+        let seed = self.seed?;
+        state.draws += 1;
+        Some(mix(seed ^ mix(state.draws)))
+    }
+
+    /// Shuffles `items` in the seeded order; leaves them as they are without a seed.
+    pub(crate) fn shuffle<T>(&self, items: &mut [T]) {
+        let mut state = self.state();
+        for last in (1..items.len()).rev() {
+            let Some(draw) = self.draw(&mut state) else {
+                return;
+            };
+            let pick = usize::try_from(draw % (last as u64 + 1)).unwrap_or(last);
+            items.swap(last, pick);
+        }
     }
 
     fn state(&self) -> std::sync::MutexGuard<'_, State> {
@@ -324,7 +365,11 @@ impl VirtualClock {
     fn set(self: &Arc<Self>, delay: Duration, drives: bool) -> Sleep {
         let (wake, woken) = oneshot::channel();
         let mut state = self.state();
-        let id = (state.elapsed.saturating_add(delay), state.next_id);
+        // Seeded, timers due together wake in the drawn order; the count keeps keys apart.
+        let order = self.draw(&mut state).map_or(state.next_id, |draw| {
+            draw & !0xFFFF_FFFF | state.next_id & 0xFFFF_FFFF
+        });
+        let id = (state.elapsed.saturating_add(delay), order);
         state.next_id += 1;
         state.timers.insert(id, (wake, drives));
         self.run_idle(state);
@@ -374,7 +419,8 @@ impl VirtualClock {
         self.wake_at(&mut state, at);
     }
 
-    /// Moves the clock to `at` and wakes every timer due by then, in order.
+    /// Moves the clock to `at` and wakes every timer due by then, in order — or, seeded, the
+    /// first one still waited for: the next wakes once its work is done.
     fn wake_at(self: &Arc<Self>, state: &mut State, at: Duration) {
         state.elapsed = state.elapsed.max(at);
         while let Some(entry) = state.timers.first_entry() {
@@ -382,12 +428,15 @@ impl VirtualClock {
                 break;
             }
             let (wake, _) = entry.remove();
-            self.wake(state, wake);
+            if self.wake(state, wake) && self.seed.is_some() {
+                break;
+            }
         }
     }
 
-    /// Hands a token to the woken work, counted before the lock is let go.
-    fn wake(self: &Arc<Self>, state: &mut State, wake: oneshot::Sender<Busy>) {
+    /// Hands a token to the woken work, counted before the lock is let go; `false` when
+    /// nobody waited any more.
+    fn wake(self: &Arc<Self>, state: &mut State, wake: oneshot::Sender<Busy>) -> bool {
         state.busy += 1;
         let busy = Busy(Some(Arc::clone(self)));
         if let Err(mut busy) = wake.send(busy) {
@@ -395,8 +444,18 @@ impl VirtualClock {
             // take the lock held here.
             busy.0 = None;
             state.busy -= 1;
+            return false;
         }
+        true
     }
+}
+
+/// SplitMix64's finalizer: a well-spread number from any input.
+fn mix(mut value: u64) -> u64 {
+    value = value.wrapping_add(0x9E37_79B9_7F4A_7C15);
+    value = (value ^ (value >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    value = (value ^ (value >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    value ^ (value >> 31)
 }
 
 impl Clock for VirtualClock {

@@ -56,9 +56,27 @@ pub(crate) struct Shared {
     /// Recovered deliveries handed to a worker whose supervisor has not started yet: running,
     /// for the orphan sweep, though the tracker does not list them yet.
     pub(crate) resuming: std::sync::Mutex<std::collections::HashSet<uuid::Uuid>>,
+    /// Where a test crashes the engine.
+    pub(crate) failpoints: Option<Arc<crate::Failpoints>>,
+    /// Recovery rounds finished so far.
+    pub(crate) recovery_rounds: tokio::sync::watch::Sender<u64>,
 }
 
 impl Shared {
+    /// Whether the engine crashes at `point` (or crashed before): the caller stops there.
+    pub(crate) fn crashes_at(&self, point: crate::Failpoint) -> bool {
+        self.failpoints
+            .as_ref()
+            .is_some_and(|failpoints| failpoints.reached(point))
+    }
+
+    /// Passes `point`, or never returns if the engine crashes there.
+    pub(crate) async fn pass(&self, point: crate::Failpoint) {
+        if let Some(failpoints) = &self.failpoints {
+            failpoints.pass(point).await;
+        }
+    }
+
     /// Whether anyone is told of a report: the caller that asked, or the report sink.
     pub(crate) fn wants_report(&self, reply: Option<&oneshot::Sender<DeliveryReport>>) -> bool {
         reply.is_some() || self.reports.is_some()
@@ -140,6 +158,7 @@ impl Worker {
             Some(receipt) => receipt?,
             None => self.inbox.receive(&envelope).await?,
         };
+        shared.pass(crate::Failpoint::BeforeAcknowledge).await;
         if receipt == Receipt::Scheduled {
             let due_at = envelope.scheduled_for.unwrap_or_else(|| shared.clock.now());
             tracing::debug!(

@@ -45,6 +45,8 @@ pub struct EngineConfig {
     /// Told of every delivery's report as it settles, cascaded ones included (the test
     /// harness's record); `None` in production, where only a caller that asked gets one.
     pub reports: Option<ReportSink>,
+    /// Where a test crashes the engine (`None`: nowhere).
+    pub failpoints: Option<Arc<crate::Failpoints>>,
 }
 
 /// Where the engine tells every settled delivery's report.
@@ -117,6 +119,7 @@ impl Default for EngineConfig {
             durability: None,
             timers: crate::Timers::Real,
             reports: None,
+            failpoints: None,
         }
     }
 }
@@ -199,6 +202,8 @@ impl Engine {
                         clock: parts.clock,
                         timers: config.timers.clone(),
                         reports: config.reports.clone(),
+                        failpoints: config.failpoints.clone(),
+                        recovery_rounds: tokio::sync::watch::Sender::new(0),
                         timer,
                         tracker: Tracker::new(arbiters.len()),
                         stats: Arc::new(Stats::new(arbiters.len() + 1)),
@@ -351,6 +356,33 @@ impl Engine {
         self.system.stop();
         let _ = stopped.await;
         report
+    }
+}
+
+impl Engine {
+    /// Stops the threads at once, as a killed process would: nothing drains, nothing of this
+    /// node is released, and the futures under way are dropped where they stand.
+    pub async fn kill(&self) {
+        let mut stopped = self.stopped.lock().await;
+        if let Some(stopped) = stopped.take() {
+            self.system.stop();
+            let _ = stopped.await;
+        }
+    }
+
+    /// Returns once the node's first recovery round is over (at once without a durable
+    /// store): what an earlier run under its name left is resumed by then.
+    ///
+    /// # Cancel safety
+    ///
+    /// Cancel safe.
+    pub async fn first_recovery(&self) {
+        let shared = &self.dispatcher.shared;
+        if shared.durable.is_none() {
+            return;
+        }
+        let mut rounds = shared.recovery_rounds.subscribe();
+        let _ = rounds.wait_for(|rounds| *rounds > 0).await;
     }
 }
 

@@ -25,6 +25,7 @@ mod dispatcher;
 mod engine;
 mod envelope;
 mod error;
+mod failpoint;
 mod handler;
 mod handler_actor;
 mod message;
@@ -63,6 +64,9 @@ pub use engine::ShutdownReport;
 pub use engine::{Durability, Engine, EngineConfig, EngineParts, ReportSink};
 pub use envelope::Envelope;
 pub use error::Error;
+pub use failpoint::Failpoint;
+#[doc(hidden)]
+pub use failpoint::Failpoints;
 pub use handler::{Disposition, FailureKind, Handler, HandlerError, HandlerFailure};
 #[doc(hidden)]
 pub use handler_actor::HandlerActor;

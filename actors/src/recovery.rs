@@ -134,7 +134,11 @@ impl RecoveryActor {
         let inbox = Arc::clone(&self.inbox);
         let (batch, interval) = (self.batch, self.interval);
         let started_at = self.started_at;
+        // The round holds a virtual clock until it has handed over what it resumed: advancing
+        // past its tick must not outrun it.
+        let busy = dispatcher.shared.timers.busy();
         let round = async move {
+            let _busy = busy;
             let _recovering = dispatcher.shared.recovering.lock().await;
             let shared = &dispatcher.shared;
             if shared.tracker.is_closing() {
@@ -170,7 +174,8 @@ impl RecoveryActor {
                     .and_then(|interval| shared.clock.now().checked_add_signed(interval))
                     .unwrap_or(chrono::DateTime::<chrono::Utc>::MAX_UTC);
                 match inbox.recover(wanted, due_before).await {
-                    Ok(deliveries) => {
+                    Ok(mut deliveries) => {
+                        shared.timers.shuffle(&mut deliveries);
                         let count = deliveries.len();
                         resumed += count;
                         for (delivery, slot) in deliveries.into_iter().zip(slots) {
@@ -199,6 +204,11 @@ impl RecoveryActor {
         };
         ctx.spawn(round.into_actor(self).map(|round, actor, ctx| {
             actor.busy = false;
+            actor
+                .dispatcher
+                .shared
+                .recovery_rounds
+                .send_modify(|rounds| *rounds += 1);
             if round.released {
                 actor.started_at = None;
             }

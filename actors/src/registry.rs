@@ -220,7 +220,7 @@ impl Registry {
 
     /// A copy for one worker thread: the same handlers behind routes of its own, so that the
     /// reference counts a delivery touches are not shared with other workers.
-    pub(crate) fn replicate(&self) -> Self {
+    pub fn replicate(&self) -> Self {
         Self {
             routes: self
                 .routes

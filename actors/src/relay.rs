@@ -184,6 +184,10 @@ impl RelayActor {
                     break;
                 };
                 let more = !lost && done == batch && done == count;
+                dispatcher
+                    .shared
+                    .pass(crate::Failpoint::BeforeOutboxMark)
+                    .await;
                 // What was published is marked even after the lease was lost: the new holder
                 // then does not publish it again.
                 let mark = outbox.mark_published(&positions, dispatcher.shared.clock.now());

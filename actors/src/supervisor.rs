@@ -401,6 +401,9 @@ impl DeliverySupervisor {
     /// Waits on the timer actor until the next attempt is due.
     fn cool_down(&mut self, due_at: DateTime<Utc>, ctx: &mut Context<Self>) {
         let shared = &*self.worker.shared;
+        if shared.crashes_at(crate::Failpoint::DuringCooldown) {
+            return;
+        }
         if let Some(ticket) = self.ticket {
             let pending = PendingRetry {
                 envelope: self.delivery.envelope.clone(),
@@ -424,6 +427,9 @@ impl DeliverySupervisor {
     /// Settles the delivery as handled, with what its handlers published.
     fn record_handled(&mut self, ctx: &mut Context<Self>) {
         let worker = &self.worker;
+        if worker.shared.crashes_at(crate::Failpoint::BeforeSettle) {
+            return;
+        }
         let id = self.delivery.envelope.id;
         // An in-memory inbox answers at once; only a store that waits needs the actor future.
         if self.delivery.cascaded.is_empty()
@@ -442,6 +448,14 @@ impl DeliverySupervisor {
             .await
         };
         ctx.spawn(work.into_actor(self).map(|answer, actor, ctx| {
+            if answer.is_ok()
+                && actor
+                    .worker
+                    .shared
+                    .crashes_at(crate::Failpoint::AfterSettle)
+            {
+                return;
+            }
             if let Ok(Handled::Written { in_outbox }) = answer {
                 let cascaded = &actor.delivery.cascaded;
                 if in_outbox {

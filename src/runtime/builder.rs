@@ -339,6 +339,46 @@ impl RuntimeBuilder {
         self
     }
 
+    /// What [`into_parts`](Self::into_parts) left, again: the settings to start another
+    /// runtime (a restart under the test harness), to which the store is given again.
+    #[cfg(feature = "testing")]
+    pub(crate) fn restartable(&self) -> Self {
+        Self {
+            modules: Vec::new(),
+            retry_policy: self.retry_policy,
+            message_policies: HashMap::new(),
+            handler_timeout: self.handler_timeout,
+            engine: self.engine.clone(),
+            drain_timeout: self.drain_timeout,
+            keep_after_handling: self.keep_after_handling,
+            inbox: self.inbox.clone(),
+            durable: self.durable.clone(),
+            durable_as_inbox: self.durable_as_inbox,
+            // The store's own claims go with the store given again.
+            claims: if self.claims_in_store {
+                None
+            } else {
+                self.claims.clone()
+            },
+            outbox: self.outbox.clone(),
+            store: self.store.clone(),
+            claims_in_store: self.claims_in_store,
+            deduplication: self.deduplication,
+            deduplication_policies: Vec::new(),
+            deduplication_rules: self.deduplication_rules.clone(),
+            dead_letters: self.dead_letters.clone(),
+            clock: Arc::clone(&self.clock),
+            clock_given: self.clock_given,
+        }
+    }
+
+    /// Crashes the engine where `failpoints` say.
+    #[cfg(feature = "testing")]
+    pub(crate) fn failpoints(mut self, failpoints: Arc<dacapo_actors::Failpoints>) -> Self {
+        self.engine.failpoints = Some(failpoints);
+        self
+    }
+
     /// Where deduplication claims are kept, instead of the store's (or memory).
     #[must_use]
     pub fn claims(mut self, claims: Arc<dyn Claims>) -> Self {

@@ -61,7 +61,7 @@ impl SqlStore<sqlx::Postgres> {
     /// The database's error when the schema cannot be applied.
     pub async fn with_pool(pool: PgPool) -> Result<Self, crate::Error> {
         let engine = engine_pool(&pool);
-        Ok(Self::open_on(pool, engine, Database::Postgres).await?)
+        Ok(Self::open_on(pool, engine, Database::postgres).await?)
     }
 
     /// Connects to the PostgreSQL database at `url` (`postgres://` or `postgresql://`) and
@@ -88,7 +88,7 @@ impl SqlStore<sqlx::Postgres> {
     pub async fn connect_existing(url: &str) -> Result<Self, crate::Error> {
         let pool = pool(url).await?;
         let engine = engine_pool(&pool);
-        Self::existing_on(pool, engine, Database::Postgres, redacted(url)).await
+        Self::existing_on(pool, engine, Database::postgres, redacted(url)).await
     }
 }
 

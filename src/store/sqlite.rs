@@ -24,7 +24,7 @@ impl SqlStore<sqlx::Sqlite> {
     /// The database's error when the schema cannot be applied.
     pub async fn with_pool(pool: SqlitePool) -> Result<Self, crate::Error> {
         let engine = engine_pool(&pool);
-        Ok(Self::open_on(pool, engine, Database::Sqlite).await?)
+        Ok(Self::open_on(pool, engine, Database::sqlite).await?)
     }
 
     /// Opens (creating if needed) the SQLite database at `path` — a file path, or a
@@ -63,7 +63,7 @@ impl SqlStore<sqlx::Sqlite> {
             .await
             .map_err(|error| open_error(path, error))?;
         let engine = engine_pool(&pool);
-        Self::existing_on(pool, engine, Database::Sqlite, path.to_owned()).await
+        Self::existing_on(pool, engine, Database::sqlite, path.to_owned()).await
     }
 }
 

@@ -1,21 +1,54 @@
+use std::future::Future;
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
 use dacapo_actors::{
-    DeliveryReport, Envelope, HandlerId, Message, Module, RetryPolicy, SendOptions, ShutdownReport,
+    DeliveryReport, Envelope, Failpoint, Failpoints, HandlerId, Invoke, Message, Module, Registry,
+    RetryPolicy, SendOptions, ShutdownReport,
 };
+use futures::FutureExt;
 use tokio::sync::oneshot;
 
-use crate::testing::Fault;
+use crate::testing::store_fault::StoreHooks;
+use crate::testing::{Fault, StoreFault, StoreFaults};
 use crate::{Error, Runtime, RuntimeBuilder};
 
+/// The environment variable that sets a harness's seed when the test does not: a number, or
+/// `random` for one drawn now (printed if the test fails).
+pub const SEED_VARIABLE: &str = "DACAPO_SEED";
+
 /// Configures a [`TestHarness`].
-#[derive(Debug)]
 pub struct TestHarnessBuilder {
     runtime: RuntimeBuilder,
     faults: Vec<(HandlerId, Fault)>,
     settle_timeout: Duration,
+    seed: Option<u64>,
+    failpoints: Arc<Failpoints>,
+    store_faults: StoreFaults,
+    /// The store given to [`store`](Self::store), which crashes and restarts need, put on
+    /// the virtual clock and the harness's hooks at build.
+    store: Option<PendingStore>,
 }
+
+impl std::fmt::Debug for TestHarnessBuilder {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("TestHarnessBuilder")
+            .field("runtime", &self.runtime)
+            .field("faults", &self.faults)
+            .field("settle_timeout", &self.settle_timeout)
+            .field("seed", &self.seed)
+            .field("store", &self.store.is_some())
+            .finish_non_exhaustive()
+    }
+}
+
+/// Puts the store on the harness's clock and hooks, and gives it to the runtime: each call
+/// on a runtime pool of its own, since a killed runtime's connections die with it.
+type PendingStore = Arc<
+    dyn Fn(RuntimeBuilder, Arc<dacapo_actors::VirtualClock>, Arc<StoreHooks>) -> RuntimeBuilder
+        + Send
+        + Sync,
+>;
 
 impl TestHarnessBuilder {
     /// Registers a module.
@@ -46,6 +79,45 @@ impl TestHarnessBuilder {
         self
     }
 
+    /// Runs the harness on a real store (a [`SqliteStore`](crate::store::SqliteStore) or a
+    /// [`PostgresStore`](crate::store::PostgresStore); see
+    /// [`ScratchDatabase`](crate::testing::ScratchDatabase) for a fresh one per test), with
+    /// what a store adds to the harness: [`crash_at`](TestHarness::crash_at) and
+    /// [`restart`](TestHarness::restart), and [`store_fault`](TestHarness::store_fault).
+    /// The store stamps its rows (received, due, handled, heartbeats) on the harness's
+    /// virtual clock, like the runtime's cutoffs: a retry due in an hour, or a scheduled
+    /// message, that a restart left in the store runs once
+    /// [`advance`](TestHarness::advance) reaches it.
+    #[cfg(any(feature = "sqlite", feature = "postgres"))]
+    #[cfg_attr(docsrs, doc(cfg(any(feature = "sqlite", feature = "postgres"))))]
+    #[must_use]
+    pub fn store<D: crate::store::Dialect>(mut self, store: crate::store::SqlStore<D>) -> Self {
+        let first = Mutex::new(Some(store.clone()));
+        self.store = Some(Arc::new(move |runtime: RuntimeBuilder, clock, hooks| {
+            let store = first
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner)
+                .take()
+                .unwrap_or_else(|| store.with_new_engine_pool());
+            let store = store
+                .clock(Arc::clone(&clock) as Arc<dyn dacapo_actors::ports::Clock>)
+                .with_test_hooks(hooks);
+            runtime.store(store).clock(clock)
+        }));
+        self
+    }
+
+    /// The seed of the orders the runtime chooses under the harness: timers due at the same
+    /// virtual instant run one at a time in an order drawn from it, and recovered batches are
+    /// shuffled by it. The same seed gives the same order; a failing test prints its seed.
+    /// Default: the `DACAPO_SEED` environment variable, else 0, which keeps the order things
+    /// came in (and runs timers due together at once).
+    #[must_use]
+    pub fn seed(mut self, seed: u64) -> Self {
+        self.seed = Some(seed);
+        self
+    }
+
     /// Injects `fault` in front of the handler `name` of `module`.
     #[must_use]
     pub fn fault(mut self, module: &str, name: &str, fault: Fault) -> Self {
@@ -72,7 +144,11 @@ impl TestHarnessBuilder {
     /// The runtime's build errors, and [`Error::UnknownHandler`] (which lists the registered
     /// handlers) when a fault names a handler that is not registered.
     pub fn build(self) -> Result<TestHarness, Error> {
-        let clock = dacapo_actors::VirtualClock::new();
+        let seed = match self.seed {
+            Some(seed) => seed,
+            None => seed_from_environment()?,
+        };
+        let clock = dacapo_actors::VirtualClock::seeded(seed);
         let reports = Arc::new(Mutex::new(Vec::new()));
         let sink = {
             let reports = Arc::clone(&reports);
@@ -83,10 +159,18 @@ impl TestHarnessBuilder {
                     .push(report.clone());
             }))
         };
-        let (mut registry, runtime) = self
-            .runtime
+        let hooks = Arc::new(StoreHooks {
+            failpoints: Arc::clone(&self.failpoints),
+            faults: self.store_faults.clone(),
+        });
+        let mut runtime = self.runtime;
+        if let Some(store) = &self.store {
+            runtime = store(runtime, Arc::clone(&clock), Arc::clone(&hooks));
+        }
+        let (mut registry, runtime) = runtime
             .virtual_time(Arc::clone(&clock))
             .report_to(sink)
+            .failpoints(Arc::clone(&self.failpoints))
             .into_parts()?;
         for (id, fault) in self.faults {
             if !registry.wrap_handler(&id, |inner| fault.clone().wrap(inner)) {
@@ -99,12 +183,78 @@ impl TestHarnessBuilder {
                 });
             }
         }
-        Ok(TestHarness {
-            runtime: runtime.start(registry)?,
+        let mut ids: Vec<HandlerId> = registry.entries().map(|e| e.id.clone()).collect();
+        ids.sort_by_key(ToString::to_string);
+        ids.dedup();
+        for id in &ids {
+            let failpoints = Arc::clone(&self.failpoints);
+            registry.wrap_handler(id, |inner| fenced(inner, Arc::clone(&failpoints)));
+        }
+        let restart = self.store.map(|store| Restart {
+            runtime: runtime.restartable(),
+            registry: registry.replicate(),
+            store,
+            hooks,
+        });
+        let mut harness = TestHarness {
+            runtime: Arc::new(runtime.start(registry)?),
             settle_timeout: self.settle_timeout,
             clock,
             reports,
-        })
+            seed,
+            failpoints: self.failpoints,
+            store_faults: self.store_faults,
+            restart,
+            killer: None,
+        };
+        harness.kill_on_crash();
+        Ok(harness)
+    }
+}
+
+/// The seed `DACAPO_SEED` sets (0 when unset).
+fn seed_from_environment() -> Result<u64, Error> {
+    let Ok(value) = std::env::var(SEED_VARIABLE) else {
+        return Ok(0);
+    };
+    let value = value.trim();
+    if value.eq_ignore_ascii_case("random") {
+        // Any nonzero number: zero means "no seed".
+        let random = uuid::Uuid::new_v4().as_u64_pair().0;
+        return Ok(random.max(1));
+    }
+    value.parse().map_err(|_| {
+        Error::Configuration(format!(
+            "{SEED_VARIABLE}={value:?} is neither a number nor \"random\""
+        ))
+    })
+}
+
+/// `inner`, except that a handler does not start once the runtime crashed: a process that is
+/// gone runs nothing.
+fn fenced(inner: Invoke, failpoints: Arc<Failpoints>) -> Invoke {
+    Arc::new(move |route, index, decoded, context| {
+        let inner = Arc::clone(&inner);
+        let failpoints = Arc::clone(&failpoints);
+        async move {
+            failpoints.fence().await;
+            inner(route, index, decoded, context).await
+        }
+        .boxed()
+    })
+}
+
+/// What a restart starts again: the runtime's settings on the same store, and its handlers.
+struct Restart {
+    runtime: RuntimeBuilder,
+    registry: Registry,
+    store: PendingStore,
+    hooks: Arc<StoreHooks>,
+}
+
+impl std::fmt::Debug for Restart {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Restart").finish_non_exhaustive()
     }
 }
 
@@ -112,11 +262,32 @@ impl TestHarnessBuilder {
 /// settle and report them.
 #[derive(Debug)]
 pub struct TestHarness {
-    runtime: Runtime,
+    runtime: Arc<Runtime>,
     settle_timeout: Duration,
     clock: Arc<dacapo_actors::VirtualClock>,
     /// Every settled delivery's report, in the order they settled.
     reports: Arc<Mutex<Vec<DeliveryReport>>>,
+    seed: u64,
+    failpoints: Arc<Failpoints>,
+    store_faults: StoreFaults,
+    /// `None` without a store given to the builder's `store`.
+    restart: Option<Restart>,
+    /// Stops the runtime's threads as soon as it crashes.
+    killer: Option<tokio::task::JoinHandle<()>>,
+}
+
+impl Drop for TestHarness {
+    fn drop(&mut self) {
+        if let Some(killer) = self.killer.take() {
+            killer.abort();
+        }
+        if std::thread::panicking() {
+            eprintln!(
+                "dacapo test harness: seed {seed} (rerun with {SEED_VARIABLE}={seed})",
+                seed = self.seed
+            );
+        }
+    }
 }
 
 impl TestHarness {
@@ -126,6 +297,140 @@ impl TestHarness {
             runtime: Runtime::builder(),
             faults: Vec::new(),
             settle_timeout: Duration::from_secs(10),
+            seed: None,
+            failpoints: Arc::default(),
+            store_faults: StoreFaults::default(),
+            store: None,
+        }
+    }
+
+    /// The seed of this harness's orders (see [`TestHarnessBuilder::seed`]).
+    pub fn seed(&self) -> u64 {
+        self.seed
+    }
+
+    /// Crashes the runtime the next time a delivery reaches `point`: there the process dies —
+    /// nothing after it runs, nothing drains, nothing of the node is released — and every
+    /// call waiting on the harness returns [`Error::Crashed`]. [`restart`](Self::restart)
+    /// then starts the next process on the same store under the same node id.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Configuration`] when the harness runs without a store given to
+    /// [`TestHarnessBuilder::store`]: a crash would lose everything held in memory.
+    pub fn crash_at(&self, point: Failpoint) -> Result<(), Error> {
+        if self.restart.is_none() {
+            return Err(Error::Configuration(
+                "crash_at needs a store given to TestHarnessBuilder::store: in memory, a \
+                 crash loses everything"
+                    .into(),
+            ));
+        }
+        self.failpoints.arm(point);
+        Ok(())
+    }
+
+    /// Where the runtime crashed, if it did and was not restarted since.
+    pub fn crashed(&self) -> Option<Failpoint> {
+        self.failpoints.crashed()
+    }
+
+    /// Starts a new runtime on the same store, under the same node id, with the same
+    /// handlers, faults and virtual clock — a process started again after a crash (or after
+    /// a shutdown) — and returns once its first recovery round resumed what the last one left.
+    /// A runtime still running is killed first, as by a crash.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Configuration`] without a store given to [`TestHarnessBuilder::store`], the
+    /// runtime's start errors, and [`Error::NotSettled`] (nil envelope id) when the first
+    /// recovery round does not end within the settle timeout.
+    pub async fn restart(&mut self) -> Result<(), Error> {
+        let Some(restart) = &self.restart else {
+            return Err(Error::Configuration(
+                "restart needs a store given to TestHarnessBuilder::store".into(),
+            ));
+        };
+        if let Some(killer) = self.killer.take() {
+            killer.abort();
+        }
+        self.runtime.kill().await;
+        // The next run takes back what this node's earlier run held, by received time in
+        // milliseconds: it starts a millisecond after the crash, as a real one would.
+        self.clock.advance(Duration::from_millis(1)).await;
+        self.failpoints.reset();
+        let runtime = (restart.store)(
+            restart.runtime.restartable(),
+            Arc::clone(&self.clock),
+            Arc::clone(&restart.hooks),
+        );
+        let runtime = runtime.start(restart.registry.replicate())?;
+        self.runtime = Arc::new(runtime);
+        self.kill_on_crash();
+        tokio::time::timeout(self.settle_timeout, self.runtime.first_recovery())
+            .await
+            .map_err(|_| Error::NotSettled {
+                envelope_id: uuid::Uuid::nil(),
+                waited: self.settle_timeout,
+            })
+    }
+
+    /// Starts `fault` on the runtime's store (see [`StoreFault`]), in place of any other.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Configuration`] when the harness runs without a store given to
+    /// [`TestHarnessBuilder::store`].
+    pub fn store_fault(&self, fault: StoreFault) -> Result<(), Error> {
+        self.store_faults()?.inject(fault);
+        Ok(())
+    }
+
+    /// The store's faults, to inject, end and count from anywhere (a handler included).
+    ///
+    /// # Errors
+    ///
+    /// As [`store_fault`](Self::store_fault).
+    pub fn store_faults(&self) -> Result<StoreFaults, Error> {
+        if self.restart.is_none() {
+            return Err(Error::Configuration(
+                "store faults need a store given to TestHarnessBuilder::store".into(),
+            ));
+        }
+        Ok(self.store_faults.clone())
+    }
+
+    /// Watches for a crash, and stops the runtime's threads when it comes.
+    fn kill_on_crash(&mut self) {
+        if self.restart.is_none() {
+            return;
+        }
+        let Ok(handle) = tokio::runtime::Handle::try_current() else {
+            // Outside tokio: the calls that wait, and the restart, stop it instead.
+            return;
+        };
+        let failpoints = Arc::clone(&self.failpoints);
+        let runtime = Arc::downgrade(&self.runtime);
+        self.killer = Some(handle.spawn(async move {
+            failpoints.until_crashed().await;
+            if let Some(runtime) = runtime.upgrade() {
+                runtime.kill().await;
+            }
+        }));
+    }
+
+    /// `work`, unless the runtime crashes first.
+    async fn unless_crashed<T>(
+        &self,
+        work: impl Future<Output = Result<T, Error>>,
+    ) -> Result<T, Error> {
+        tokio::select! {
+            biased;
+            at = self.failpoints.until_crashed() => {
+                self.runtime.kill().await;
+                Err(Error::Crashed { at })
+            }
+            done = work => done,
         }
     }
 
@@ -167,8 +472,8 @@ impl TestHarness {
     ///
     /// # Errors
     ///
-    /// [`Error::NotSettled`] past the settle timeout, and the errors of
-    /// [`Runtime::publish`].
+    /// [`Error::NotSettled`] past the settle timeout, [`Error::Crashed`] when the runtime
+    /// crashes at a failpoint first, and the errors of [`Runtime::publish`].
     ///
     /// # Cancel safety
     ///
@@ -207,8 +512,11 @@ impl TestHarness {
     /// As [`publish`](Self::publish).
     pub async fn deliver(&self, envelope: Envelope) -> Result<DeliveryReport, Error> {
         let id = envelope.id;
-        let report = self.runtime.receive_tracked(envelope).await?;
-        self.settled(id, report).await
+        self.unless_crashed(async {
+            let report = self.runtime.receive_tracked(envelope).await?;
+            self.settled(id, report).await
+        })
+        .await
     }
 
     /// Delivers the same envelope `copies` times, each copy accepted before any settles — a
@@ -228,15 +536,18 @@ impl TestHarness {
         copies: usize,
     ) -> Result<Vec<DeliveryReport>, Error> {
         let id = envelope.id;
-        let accepted = futures::future::join_all(
-            (0..copies).map(|_| self.runtime.receive_tracked(envelope.clone())),
-        )
-        .await;
-        let mut reports = Vec::with_capacity(copies);
-        for receiver in accepted {
-            reports.push(self.settled(id, receiver?).await?);
-        }
-        Ok(reports)
+        self.unless_crashed(async {
+            let accepted = futures::future::join_all(
+                (0..copies).map(|_| self.runtime.receive_tracked(envelope.clone())),
+            )
+            .await;
+            let mut reports = Vec::with_capacity(copies);
+            for receiver in accepted {
+                reports.push(self.settled(id, receiver?).await?);
+            }
+            Ok(reports)
+        })
+        .await
     }
 
     async fn settled(
@@ -259,18 +570,22 @@ impl TestHarness {
     ///
     /// # Errors
     ///
-    /// [`Error::NotSettled`] (with a nil envelope id) past the settle timeout.
+    /// [`Error::NotSettled`] (with a nil envelope id) past the settle timeout, and
+    /// [`Error::Crashed`] when the runtime crashes at a failpoint first.
     ///
     /// # Cancel safety
     ///
     /// Cancel safe: it only observes.
     pub async fn idle(&self) -> Result<(), Error> {
-        tokio::time::timeout(self.settle_timeout, self.runtime.idle())
-            .await
-            .map_err(|_| Error::NotSettled {
-                envelope_id: uuid::Uuid::nil(),
-                waited: self.settle_timeout,
-            })
+        self.unless_crashed(async {
+            tokio::time::timeout(self.settle_timeout, self.runtime.idle())
+                .await
+                .map_err(|_| Error::NotSettled {
+                    envelope_id: uuid::Uuid::nil(),
+                    waited: self.settle_timeout,
+                })
+        })
+        .await
     }
 
     /// Shuts the runtime down; see [`Runtime::shutdown`].

@@ -45,18 +45,41 @@ where
     query
 }
 
-/// The connection pool, whichever the backend.
+/// The connection pool, whichever the backend, and what a test does to its statements.
 #[derive(Clone, Debug)]
-pub(crate) enum Database {
+pub(crate) struct Database {
+    pool: Pool,
+    hooks: Hooks,
+}
+
+#[derive(Clone, Debug)]
+enum Pool {
     #[cfg(feature = "sqlite")]
     Sqlite(sqlx::SqlitePool),
     #[cfg(feature = "postgres")]
     Postgres(sqlx::PgPool),
 }
 
+/// What the test harness does to the runtime's statements: crash fences and store faults.
+#[cfg(feature = "testing")]
+type Hooks = Option<std::sync::Arc<crate::testing::StoreHooks>>;
+#[cfg(not(feature = "testing"))]
+type Hooks = NoHooks;
+
+/// Without the test harness, statements run as they are.
+#[cfg(not(feature = "testing"))]
+#[derive(Clone, Debug, Default)]
+struct NoHooks;
+
 /// A write transaction on a [`Database`].
 #[derive(Debug)]
-pub(crate) enum Tx {
+pub(crate) struct Tx {
+    inner: TxInner,
+    hooks: Hooks,
+}
+
+#[derive(Debug)]
+enum TxInner {
     #[cfg(feature = "sqlite")]
     Sqlite(sqlx::Transaction<'static, sqlx::Sqlite>),
     #[cfg(feature = "postgres")]
@@ -113,13 +136,61 @@ impl Row {
 }
 
 impl Database {
+    /// The SQLite pool `pool`.
+    #[cfg(feature = "sqlite")]
+    pub(crate) fn sqlite(pool: sqlx::SqlitePool) -> Self {
+        Self {
+            pool: Pool::Sqlite(pool),
+            hooks: Hooks::default(),
+        }
+    }
+
+    /// The PostgreSQL pool `pool`.
+    #[cfg(feature = "postgres")]
+    pub(crate) fn postgres(pool: sqlx::PgPool) -> Self {
+        Self {
+            pool: Pool::Postgres(pool),
+            hooks: Hooks::default(),
+        }
+    }
+
+    /// This database with the test harness's `hooks` on its statements.
+    #[cfg(feature = "testing")]
+    pub(crate) fn with_hooks(&self, hooks: std::sync::Arc<crate::testing::StoreHooks>) -> Self {
+        Self {
+            pool: self.pool.clone(),
+            hooks: Some(hooks),
+        }
+    }
+
+    /// The test harness's hooks on this database's statements.
+    #[cfg(feature = "testing")]
+    pub(crate) fn hooks(&self) -> Option<std::sync::Arc<crate::testing::StoreHooks>> {
+        self.hooks.clone()
+    }
+
+    /// Stops a crashed runtime's statement, or fails it as a faulty store would.
+    async fn before_statement(&self) -> Result<(), Error> {
+        before_statement(&self.hooks).await
+    }
+
+    /// Passes `point` (a crash there never returns).
+    pub(crate) async fn pass(&self, point: dacapo_actors::Failpoint) {
+        #[cfg(feature = "testing")]
+        if let Some(hooks) = &self.hooks {
+            hooks.pass(point).await;
+        }
+        #[cfg(not(feature = "testing"))]
+        let _ = point;
+    }
+
     /// How many times a statement is tried on connections whose session the server ended.
     fn tries(&self) -> u32 {
-        let size = match self {
+        let size = match &self.pool {
             #[cfg(feature = "sqlite")]
-            Self::Sqlite(pool) => pool.options().get_max_connections(),
+            Pool::Sqlite(pool) => pool.options().get_max_connections(),
             #[cfg(feature = "postgres")]
-            Self::Postgres(pool) => pool.options().get_max_connections(),
+            Pool::Postgres(pool) => pool.options().get_max_connections(),
         };
         size.saturating_add(1)
     }
@@ -127,19 +198,24 @@ impl Database {
     /// Opens a write transaction: `BEGIN IMMEDIATE` on SQLite, which takes the write lock at
     /// once (a transaction that reads, then writes, would otherwise fail as busy).
     pub(crate) async fn begin(&self) -> Result<Tx, Error> {
-        Ok(match self {
+        self.before_statement().await?;
+        let inner = match &self.pool {
             #[cfg(feature = "sqlite")]
-            Self::Sqlite(pool) => Tx::Sqlite(
+            Pool::Sqlite(pool) => TxInner::Sqlite(
                 on_live_session(self.tries(), || pool.begin_with("BEGIN IMMEDIATE"))
                     .await
                     .map_err(db_error)?,
             ),
             #[cfg(feature = "postgres")]
-            Self::Postgres(pool) => Tx::Postgres(
+            Pool::Postgres(pool) => TxInner::Postgres(
                 on_live_session(self.tries(), || pool.begin())
                     .await
                     .map_err(db_error)?,
             ),
+        };
+        Ok(Tx {
+            inner,
+            hooks: self.hooks.clone(),
         })
     }
 
@@ -149,15 +225,16 @@ impl Database {
         sql: &'static str,
         values: &[Value<'_>],
     ) -> Result<u64, Error> {
-        let done = match self {
+        self.before_statement().await?;
+        let done = match &self.pool {
             #[cfg(feature = "sqlite")]
-            Self::Sqlite(pool) => on_live_session(self.tries(), || {
+            Pool::Sqlite(pool) => on_live_session(self.tries(), || {
                 bind(sqlx::query(sql), values).execute(pool)
             })
             .await
             .map(|done| done.rows_affected()),
             #[cfg(feature = "postgres")]
-            Self::Postgres(pool) => on_live_session(self.tries(), || {
+            Pool::Postgres(pool) => on_live_session(self.tries(), || {
                 bind(sqlx::query(sql), values).execute(pool)
             })
             .await
@@ -172,15 +249,16 @@ impl Database {
         sql: String,
         values: &[Value<'_>],
     ) -> Result<u64, Error> {
-        let done = match self {
+        self.before_statement().await?;
+        let done = match &self.pool {
             #[cfg(feature = "sqlite")]
-            Self::Sqlite(pool) => on_live_session(self.tries(), || {
+            Pool::Sqlite(pool) => on_live_session(self.tries(), || {
                 bind(sqlx::query(sqlx::AssertSqlSafe(sql.clone())), values).execute(pool)
             })
             .await
             .map(|done| done.rows_affected()),
             #[cfg(feature = "postgres")]
-            Self::Postgres(pool) => on_live_session(self.tries(), || {
+            Pool::Postgres(pool) => on_live_session(self.tries(), || {
                 bind(sqlx::query(sqlx::AssertSqlSafe(sql.clone())), values).execute(pool)
             })
             .await
@@ -195,15 +273,16 @@ impl Database {
         sql: &'static str,
         values: &[Value<'_>],
     ) -> Result<Vec<Row>, Error> {
-        let rows = match self {
+        self.before_statement().await?;
+        let rows = match &self.pool {
             #[cfg(feature = "sqlite")]
-            Self::Sqlite(pool) => on_live_session(self.tries(), || {
+            Pool::Sqlite(pool) => on_live_session(self.tries(), || {
                 bind(sqlx::query(sql), values).fetch_all(pool)
             })
             .await
             .map(|rows| rows.into_iter().map(Row::Sqlite).collect()),
             #[cfg(feature = "postgres")]
-            Self::Postgres(pool) => on_live_session(self.tries(), || {
+            Pool::Postgres(pool) => on_live_session(self.tries(), || {
                 bind(sqlx::query(sql), values).fetch_all(pool)
             })
             .await
@@ -218,15 +297,16 @@ impl Database {
         sql: &'static str,
         values: &[Value<'_>],
     ) -> Result<Option<Row>, Error> {
-        let row = match self {
+        self.before_statement().await?;
+        let row = match &self.pool {
             #[cfg(feature = "sqlite")]
-            Self::Sqlite(pool) => on_live_session(self.tries(), || {
+            Pool::Sqlite(pool) => on_live_session(self.tries(), || {
                 bind(sqlx::query(sql), values).fetch_optional(pool)
             })
             .await
             .map(|row| row.map(Row::Sqlite)),
             #[cfg(feature = "postgres")]
-            Self::Postgres(pool) => on_live_session(self.tries(), || {
+            Pool::Postgres(pool) => on_live_session(self.tries(), || {
                 bind(sqlx::query(sql), values).fetch_optional(pool)
             })
             .await
@@ -254,14 +334,15 @@ impl Tx {
         sql: &'static str,
         values: &[Value<'_>],
     ) -> Result<u64, Error> {
-        let done = match self {
+        before_statement(&self.hooks).await?;
+        let done = match &mut self.inner {
             #[cfg(feature = "sqlite")]
-            Self::Sqlite(tx) => bind(sqlx::query(sql), values)
+            TxInner::Sqlite(tx) => bind(sqlx::query(sql), values)
                 .execute(&mut **tx)
                 .await
                 .map(|done| done.rows_affected()),
             #[cfg(feature = "postgres")]
-            Self::Postgres(tx) => bind(sqlx::query(sql), values)
+            TxInner::Postgres(tx) => bind(sqlx::query(sql), values)
                 .execute(&mut **tx)
                 .await
                 .map(|done| done.rows_affected()),
@@ -271,11 +352,12 @@ impl Tx {
 
     /// Runs a script of several statements (a migration) in the transaction.
     pub(crate) async fn execute_script(&mut self, script: &'static str) -> Result<(), Error> {
-        let done = match self {
+        before_statement(&self.hooks).await?;
+        let done = match &mut self.inner {
             #[cfg(feature = "sqlite")]
-            Self::Sqlite(tx) => sqlx::raw_sql(script).execute(&mut **tx).await.map(drop),
+            TxInner::Sqlite(tx) => sqlx::raw_sql(script).execute(&mut **tx).await.map(drop),
             #[cfg(feature = "postgres")]
-            Self::Postgres(tx) => sqlx::raw_sql(script).execute(&mut **tx).await.map(drop),
+            TxInner::Postgres(tx) => sqlx::raw_sql(script).execute(&mut **tx).await.map(drop),
         };
         done.map_err(db_error)
     }
@@ -286,14 +368,15 @@ impl Tx {
         sql: &'static str,
         values: &[Value<'_>],
     ) -> Result<Vec<Row>, Error> {
-        let rows = match self {
+        before_statement(&self.hooks).await?;
+        let rows = match &mut self.inner {
             #[cfg(feature = "sqlite")]
-            Self::Sqlite(tx) => bind(sqlx::query(sql), values)
+            TxInner::Sqlite(tx) => bind(sqlx::query(sql), values)
                 .fetch_all(&mut **tx)
                 .await
                 .map(|rows| rows.into_iter().map(Row::Sqlite).collect()),
             #[cfg(feature = "postgres")]
-            Self::Postgres(tx) => bind(sqlx::query(sql), values)
+            TxInner::Postgres(tx) => bind(sqlx::query(sql), values)
                 .fetch_all(&mut **tx)
                 .await
                 .map(|rows| rows.into_iter().map(Row::Postgres).collect()),
@@ -307,14 +390,15 @@ impl Tx {
         sql: &'static str,
         values: &[Value<'_>],
     ) -> Result<Option<Row>, Error> {
-        let row = match self {
+        before_statement(&self.hooks).await?;
+        let row = match &mut self.inner {
             #[cfg(feature = "sqlite")]
-            Self::Sqlite(tx) => bind(sqlx::query(sql), values)
+            TxInner::Sqlite(tx) => bind(sqlx::query(sql), values)
                 .fetch_optional(&mut **tx)
                 .await
                 .map(|row| row.map(Row::Sqlite)),
             #[cfg(feature = "postgres")]
-            Self::Postgres(tx) => bind(sqlx::query(sql), values)
+            TxInner::Postgres(tx) => bind(sqlx::query(sql), values)
                 .fetch_optional(&mut **tx)
                 .await
                 .map(|row| row.map(Row::Postgres)),
@@ -334,24 +418,53 @@ impl Tx {
     }
 
     pub(crate) async fn commit(self) -> Result<(), Error> {
-        match self {
+        before_commit(&self.hooks).await?;
+        match self.inner {
             #[cfg(feature = "sqlite")]
-            Self::Sqlite(tx) => tx.commit().await,
+            TxInner::Sqlite(tx) => tx.commit().await,
             #[cfg(feature = "postgres")]
-            Self::Postgres(tx) => tx.commit().await,
+            TxInner::Postgres(tx) => tx.commit().await,
         }
         .map_err(db_error)
     }
 
     pub(crate) async fn rollback(self) -> Result<(), Error> {
-        match self {
+        match self.inner {
             #[cfg(feature = "sqlite")]
-            Self::Sqlite(tx) => tx.rollback().await,
+            TxInner::Sqlite(tx) => tx.rollback().await,
             #[cfg(feature = "postgres")]
-            Self::Postgres(tx) => tx.rollback().await,
+            TxInner::Postgres(tx) => tx.rollback().await,
         }
         .map_err(db_error)
     }
+}
+
+#[cfg(feature = "testing")]
+async fn before_statement(hooks: &Hooks) -> Result<(), Error> {
+    match hooks {
+        Some(hooks) => hooks.before_statement().await,
+        None => Ok(()),
+    }
+}
+
+#[cfg(not(feature = "testing"))]
+#[allow(clippy::unused_async)]
+async fn before_statement(_: &Hooks) -> Result<(), Error> {
+    Ok(())
+}
+
+#[cfg(feature = "testing")]
+async fn before_commit(hooks: &Hooks) -> Result<(), Error> {
+    match hooks {
+        Some(hooks) => hooks.before_commit().await,
+        None => Ok(()),
+    }
+}
+
+#[cfg(not(feature = "testing"))]
+#[allow(clippy::unused_async)]
+async fn before_commit(_: &Hooks) -> Result<(), Error> {
+    Ok(())
 }
 
 /// What tells the backends apart, chosen by the pool's kind.
@@ -359,52 +472,52 @@ impl Database {
     /// The statement that claims unsettled rows for this node: SQLite's single writer needs no
     /// row locks; PostgreSQL skips the rows another node is claiming at this moment.
     pub(crate) fn claim_statement(&self) -> &'static str {
-        match self {
+        match &self.pool {
             #[cfg(feature = "sqlite")]
-            Self::Sqlite(_) => super::statements::CLAIM_SQLITE,
+            Pool::Sqlite(_) => super::statements::CLAIM_SQLITE,
             #[cfg(feature = "postgres")]
-            Self::Postgres(_) => super::statements::CLAIM_POSTGRES,
+            Pool::Postgres(_) => super::statements::CLAIM_POSTGRES,
         }
     }
 
     /// Statements that make nodes starting together apply schema changes one at a time.
     pub(crate) fn lock_migrations(&self) -> &'static [&'static str] {
-        match self {
+        match &self.pool {
             // `BEGIN IMMEDIATE` already holds the database's one write lock.
             #[cfg(feature = "sqlite")]
-            Self::Sqlite(_) => &[],
+            Pool::Sqlite(_) => &[],
             #[cfg(feature = "postgres")]
-            Self::Postgres(_) => &[super::statements::LOCK_MIGRATIONS_POSTGRES],
+            Pool::Postgres(_) => &[super::statements::LOCK_MIGRATIONS_POSTGRES],
         }
     }
 
     /// The query that tells whether the claims table has its `node` column.
     pub(crate) fn claims_have_node(&self) -> &'static str {
-        match self {
+        match &self.pool {
             #[cfg(feature = "sqlite")]
-            Self::Sqlite(_) => super::statements::CLAIMS_HAVE_NODE_SQLITE,
+            Pool::Sqlite(_) => super::statements::CLAIMS_HAVE_NODE_SQLITE,
             #[cfg(feature = "postgres")]
-            Self::Postgres(_) => super::statements::CLAIMS_HAVE_NODE_POSTGRES,
+            Pool::Postgres(_) => super::statements::CLAIMS_HAVE_NODE_POSTGRES,
         }
     }
 
     /// The query that tells whether the schema's migrations table exists.
     pub(crate) fn has_schema(&self) -> &'static str {
-        match self {
+        match &self.pool {
             #[cfg(feature = "sqlite")]
-            Self::Sqlite(_) => super::statements::HAS_SCHEMA_SQLITE,
+            Pool::Sqlite(_) => super::statements::HAS_SCHEMA_SQLITE,
             #[cfg(feature = "postgres")]
-            Self::Postgres(_) => super::statements::HAS_SCHEMA_POSTGRES,
+            Pool::Postgres(_) => super::statements::HAS_SCHEMA_POSTGRES,
         }
     }
 
     /// This backend's schema changes.
     pub(crate) fn migrations(&self) -> &'static [super::Migration] {
-        match self {
+        match &self.pool {
             #[cfg(feature = "sqlite")]
-            Self::Sqlite(_) => crate::store::sqlite::MIGRATIONS,
+            Pool::Sqlite(_) => crate::store::sqlite::MIGRATIONS,
             #[cfg(feature = "postgres")]
-            Self::Postgres(_) => crate::store::postgres::MIGRATIONS,
+            Pool::Postgres(_) => crate::store::postgres::MIGRATIONS,
         }
     }
 
@@ -413,11 +526,11 @@ impl Database {
     pub(crate) fn enlisted_signals(
         &self,
     ) -> Option<futures::stream::BoxStream<'static, Result<(), Error>>> {
-        match self {
+        match &self.pool {
             #[cfg(feature = "sqlite")]
-            Self::Sqlite(_) => None,
+            Pool::Sqlite(_) => None,
             #[cfg(feature = "postgres")]
-            Self::Postgres(pool) => Some(crate::store::postgres::enlisted_signals(pool.clone())),
+            Pool::Postgres(pool) => Some(crate::store::postgres::enlisted_signals(pool.clone())),
         }
     }
 }

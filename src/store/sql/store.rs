@@ -36,6 +36,9 @@ pub struct SqlStore<D: Dialect> {
     engine: sqlx::Pool<D>,
     /// `engine`, as the store's code reaches it.
     db: Database,
+    /// Makes a [`Database`] of a pool of this backend.
+    #[cfg(feature = "testing")]
+    database: fn(sqlx::Pool<D>) -> Database,
     node: Arc<str>,
     node_timeout: Duration,
     clock: Arc<dyn Clock>,
@@ -54,6 +57,8 @@ impl<D: Dialect> Clone for SqlStore<D> {
             pool: self.pool.clone(),
             engine: self.engine.clone(),
             db: self.db.clone(),
+            #[cfg(feature = "testing")]
+            database: self.database,
             node: Arc::clone(&self.node),
             node_timeout: self.node_timeout,
             clock: Arc::clone(&self.clock),
@@ -124,6 +129,8 @@ impl<D: Dialect> SqlStore<D> {
     ) -> Self {
         Self {
             db: database(engine.clone()),
+            #[cfg(feature = "testing")]
+            database,
             pool,
             engine,
             node: Arc::from(format!("node-{}", Uuid::new_v4().simple())),
@@ -134,6 +141,38 @@ impl<D: Dialect> SqlStore<D> {
             http_in_flight: Arc::default(),
             dialect: PhantomData,
         }
+    }
+
+    /// This store with the test harness's hooks on the runtime's statements.
+    #[cfg(feature = "testing")]
+    pub(crate) fn with_test_hooks(&self, hooks: Arc<crate::testing::StoreHooks>) -> Self {
+        let mut store = self.clone();
+        store.db = self.db.with_hooks(hooks);
+        store
+    }
+
+    /// This store on a new runtime pool of the same settings, for a runtime started after
+    /// another was killed: a PostgreSQL connection belongs to the tokio runtime that opened
+    /// it, and the killed runtime's went with it. SQLite's connections run on threads of
+    /// their own and outlive it, and an in-memory database lives only in its connection: its
+    /// pool is kept.
+    #[cfg(feature = "testing")]
+    pub(crate) fn with_new_engine_pool(&self) -> Self {
+        if D::NAME == "SQLite" {
+            return self.clone();
+        }
+        let engine = self
+            .engine
+            .options()
+            .clone()
+            .connect_lazy_with((*self.engine.connect_options()).clone());
+        let mut store = self.clone();
+        store.db = match self.db.hooks() {
+            Some(hooks) => (self.database)(engine.clone()).with_hooks(hooks),
+            None => (self.database)(engine.clone()),
+        };
+        store.engine = engine;
+        store
     }
 
     /// This node's name in the store (default: random per process). Give each node of a fleet
@@ -407,6 +446,7 @@ impl<D: Dialect> Inbox for SqlStore<D> {
             tx.execute(RELEASE_ENVELOPE_CLAIMS, &[Value::Text(&id)])
                 .await?;
         }
+        self.db.pass(dacapo_actors::Failpoint::DeadLetterMove).await;
         tx.commit().await?;
         Ok(Fenced::Written)
     }

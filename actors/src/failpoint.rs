@@ -1,0 +1,173 @@
+//! Named points in the durable path where a test crashes the runtime, and the fence that keeps
+//! a crashed runtime from doing anything more.
+
+use std::sync::{Mutex, PoisonError};
+
+use tokio::sync::watch;
+
+/// A point in the life of a delivery where the test harness can crash the runtime: the process
+/// dies there, and nothing after it runs — no drain, no release of the node's deliveries.
+///
+/// dacapo acknowledges a transport once the inbox recorded the envelope, before any handler
+/// runs, so the window "persisted but not acknowledged" is [`BeforeAcknowledge`]; the settle's
+/// windows are [`BeforeSettle`] and [`AfterSettle`].
+///
+/// [`BeforeAcknowledge`]: Failpoint::BeforeAcknowledge
+/// [`BeforeSettle`]: Failpoint::BeforeSettle
+/// [`AfterSettle`]: Failpoint::AfterSettle
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum Failpoint {
+    /// The inbox committed the envelope; the transport has not been told. A broker would
+    /// deliver it again, and the inbox discards that copy while recovery runs the recorded one.
+    BeforeAcknowledge,
+    /// Every handler of the attempt ran (their transactions committed); the settle that marks
+    /// the delivery handled, with its outbox rows, has not committed.
+    BeforeSettle,
+    /// The settle committed; nothing after it ran (no report, no wake of the relay).
+    AfterSettle,
+    /// A failed attempt's retry is recorded and its cooldown has begun.
+    DuringCooldown,
+    /// Inside the dead-letter transaction: the inbox row is marked, the dead letter is
+    /// written, the commit has not run.
+    DeadLetterMove,
+    /// The outbox relay published a batch; it has not marked the rows published.
+    BeforeOutboxMark,
+}
+
+impl std::fmt::Display for Failpoint {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let name = match self {
+            Self::BeforeAcknowledge => "before the transport is acknowledged",
+            Self::BeforeSettle => "after the handlers ran, before the settle commits",
+            Self::AfterSettle => "after the settle committed",
+            Self::DuringCooldown => "during a cooldown",
+            Self::DeadLetterMove => "in the middle of a dead-letter move",
+            Self::BeforeOutboxMark => "after the outbox published, before it marked",
+        };
+        f.write_str(name)
+    }
+}
+
+/// The failpoint a test armed, and whether the runtime crashed: shared by the engine, the
+/// store and the harness. Once crashed, every point and every fenced step waits forever, as
+/// in a process that is gone, until the engine's threads are stopped.
+#[doc(hidden)]
+#[derive(Debug)]
+pub struct Failpoints {
+    armed: Mutex<Option<Failpoint>>,
+    crashed: watch::Sender<Option<Failpoint>>,
+}
+
+impl Default for Failpoints {
+    fn default() -> Self {
+        Self {
+            armed: Mutex::new(None),
+            crashed: watch::Sender::new(None),
+        }
+    }
+}
+
+impl Failpoints {
+    /// Crashes the runtime the next time it reaches `point`.
+    pub fn arm(&self, point: Failpoint) {
+        *self.armed.lock().unwrap_or_else(PoisonError::into_inner) = Some(point);
+    }
+
+    /// Whether the runtime reached `point` armed (it crashes now), or crashed earlier: either
+    /// way the caller must not go on.
+    pub fn reached(&self, point: Failpoint) -> bool {
+        if self.crashed().is_some() {
+            return true;
+        }
+        let mut armed = self.armed.lock().unwrap_or_else(PoisonError::into_inner);
+        if *armed != Some(point) {
+            return false;
+        }
+        *armed = None;
+        self.crashed.send_replace(Some(point));
+        tracing::warn!(failpoint = %point, "test harness: the runtime crashes here");
+        true
+    }
+
+    /// Passes `point`, or never returns if the runtime crashes there (or crashed before).
+    ///
+    /// # Cancel safety
+    ///
+    /// Cancel safe.
+    pub async fn pass(&self, point: Failpoint) {
+        if self.reached(point) {
+            std::future::pending::<()>().await;
+        }
+    }
+
+    /// Never returns once the runtime crashed: a fenced step of a process that is gone.
+    ///
+    /// # Cancel safety
+    ///
+    /// Cancel safe.
+    pub async fn fence(&self) {
+        if self.crashed().is_some() {
+            std::future::pending::<()>().await;
+        }
+    }
+
+    /// Where the runtime crashed, if it did.
+    pub fn crashed(&self) -> Option<Failpoint> {
+        *self.crashed.borrow()
+    }
+
+    /// Returns once the runtime crashed, with where.
+    ///
+    /// # Cancel safety
+    ///
+    /// Cancel safe.
+    pub async fn until_crashed(&self) -> Failpoint {
+        let mut crashed = self.crashed.subscribe();
+        let point = crashed.wait_for(Option::is_some).await.map(|point| *point);
+        match point {
+            Ok(Some(point)) => point,
+            // The sender lives in `self`, which outlives this borrow; `wait_for` returned a
+            // crash, so there is a point.
+            _ => std::future::pending().await,
+        }
+    }
+
+    /// Forgets the crash and the armed point, for a runtime started after the crashed one
+    /// stopped.
+    pub fn reset(&self) {
+        *self.armed.lock().unwrap_or_else(PoisonError::into_inner) = None;
+        self.crashed.send_replace(None);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_armed_point_crashes_once_and_fences_every_point_after() {
+        let points = Failpoints::default();
+        assert!(!points.reached(Failpoint::BeforeSettle));
+        points.arm(Failpoint::BeforeSettle);
+        assert!(!points.reached(Failpoint::AfterSettle));
+        assert!(points.reached(Failpoint::BeforeSettle));
+        assert_eq!(points.crashed(), Some(Failpoint::BeforeSettle));
+        assert!(points.reached(Failpoint::AfterSettle));
+        points.reset();
+        assert!(!points.reached(Failpoint::BeforeSettle));
+    }
+
+    #[tokio::test]
+    async fn a_waiter_learns_where_the_runtime_crashed() {
+        let points = std::sync::Arc::new(Failpoints::default());
+        points.arm(Failpoint::DuringCooldown);
+        let waiter = tokio::spawn({
+            let points = std::sync::Arc::clone(&points);
+            async move { points.until_crashed().await }
+        });
+        tokio::task::yield_now().await;
+        assert!(points.reached(Failpoint::DuringCooldown));
+        assert_eq!(waiter.await.unwrap(), Failpoint::DuringCooldown);
+    }
+}

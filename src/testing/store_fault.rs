@@ -1,0 +1,216 @@
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::{Duration, Instant};
+
+use dacapo_actors::{Error, Failpoint, Failpoints};
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Kind {
+    Unavailable,
+    SlowCommits(Duration),
+}
+
+/// A fault of the runtime's store, injected by [`StoreFaults::inject`]: every statement the
+/// runtime sends fails as if the database were down, or every commit takes longer.
+///
+/// It strikes the runtime's own statements (accepts, attempt records, settles, dead letters,
+/// recovery, the relay, cleanup) — what the engine retries with its backoff and what a
+/// listener answers with its pauses. Handler transactions run on the application's pool and
+/// are not struck.
+///
+/// ```
+/// use std::time::Duration;
+/// use dacapo::testing::StoreFault;
+///
+/// // The next three statements fail; then the store answers again.
+/// let outage = StoreFault::unavailable().times(3);
+/// // Every commit waits 50 ms, for two seconds of real time.
+/// let slow = StoreFault::slow_commits(Duration::from_millis(50)).lasting(Duration::from_secs(2));
+/// # let _ = (outage, slow);
+/// ```
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct StoreFault {
+    kind: Kind,
+    times: Option<u64>,
+    lasting: Option<Duration>,
+}
+
+impl StoreFault {
+    /// Every statement fails with a retryable [`Error::Store`], as when the database is down.
+    pub fn unavailable() -> Self {
+        Self {
+            kind: Kind::Unavailable,
+            times: None,
+            lasting: None,
+        }
+    }
+
+    /// Every commit waits `by` (real time) before it runs.
+    pub fn slow_commits(by: Duration) -> Self {
+        Self {
+            kind: Kind::SlowCommits(by),
+            times: None,
+            lasting: None,
+        }
+    }
+
+    /// Strikes `n` statements (commits, for slow commits), then ends.
+    #[must_use]
+    pub fn times(mut self, n: u64) -> Self {
+        self.times = Some(n);
+        self
+    }
+
+    /// Ends after `span` of real time. The engine's retried writes pause in real time (a store
+    /// outage is I/O, not one of the runtime's timers), so an outage is measured in it too.
+    #[must_use]
+    pub fn lasting(mut self, span: Duration) -> Self {
+        self.lasting = Some(span);
+        self
+    }
+}
+
+#[derive(Debug)]
+struct Active {
+    fault: StoreFault,
+    left: Option<u64>,
+    until: Option<Instant>,
+}
+
+#[derive(Debug, Default)]
+struct Inner {
+    active: Mutex<Option<Active>>,
+    struck: AtomicU64,
+}
+
+/// The faults of a harness's store: inject one, end it, count what it struck. Cloned handles
+/// act on the same store, so a handler can start an outage in the middle of its delivery.
+#[derive(Clone, Debug, Default)]
+pub struct StoreFaults(Arc<Inner>);
+
+impl StoreFaults {
+    /// Starts `fault`, in place of any other.
+    pub fn inject(&self, fault: StoreFault) {
+        if fault.times == Some(0) {
+            self.end();
+            return;
+        }
+        let active = Active {
+            fault,
+            left: fault.times,
+            until: fault.lasting.map(|span| Instant::now() + span),
+        };
+        *self.active() = Some(active);
+    }
+
+    /// Ends the fault: the store answers again.
+    pub fn end(&self) {
+        *self.active() = None;
+    }
+
+    /// Whether a fault is on.
+    pub fn is_on(&self) -> bool {
+        self.active().is_some()
+    }
+
+    /// How many statements the faults struck so far.
+    pub fn struck(&self) -> u64 {
+        self.0.struck.load(Ordering::Acquire)
+    }
+
+    fn active(&self) -> std::sync::MutexGuard<'_, Option<Active>> {
+        self.0.active.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// The kind of fault that strikes this statement (a commit, or any other), counted.
+    fn strike(&self, commit: bool) -> Option<Kind> {
+        let mut active = self.active();
+        let current = active.as_mut()?;
+        if current.until.is_some_and(|until| Instant::now() >= until) {
+            *active = None;
+            return None;
+        }
+        let kind = current.fault.kind;
+        if matches!(kind, Kind::SlowCommits(_)) && !commit {
+            return None;
+        }
+        if let Some(left) = &mut current.left {
+            *left -= 1;
+            if *left == 0 {
+                *active = None;
+            }
+        }
+        self.0.struck.fetch_add(1, Ordering::AcqRel);
+        Some(kind)
+    }
+}
+
+/// What the harness does to the runtime's statements: the crash fence of its failpoints, and
+/// its store faults.
+#[derive(Debug)]
+pub(crate) struct StoreHooks {
+    pub(crate) failpoints: Arc<Failpoints>,
+    pub(crate) faults: StoreFaults,
+}
+
+impl StoreHooks {
+    pub(crate) async fn before_statement(&self) -> Result<(), Error> {
+        self.failpoints.fence().await;
+        match self.faults.strike(false) {
+            Some(Kind::Unavailable) => Err(unavailable()),
+            Some(Kind::SlowCommits(_)) | None => Ok(()),
+        }
+    }
+
+    pub(crate) async fn before_commit(&self) -> Result<(), Error> {
+        self.failpoints.fence().await;
+        match self.faults.strike(true) {
+            Some(Kind::Unavailable) => Err(unavailable()),
+            Some(Kind::SlowCommits(by)) => {
+                tokio::time::sleep(by).await;
+                // A crash while the commit waited: the commit never runs.
+                self.failpoints.fence().await;
+                Ok(())
+            }
+            None => Ok(()),
+        }
+    }
+
+    pub(crate) async fn pass(&self, point: Failpoint) {
+        self.failpoints.pass(point).await;
+    }
+}
+
+fn unavailable() -> Error {
+    Error::store("the store is unavailable (injected by the test harness: StoreFault::unavailable)")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_counted_fault_ends_by_itself_and_slow_commits_spare_other_statements() {
+        let faults = StoreFaults::default();
+        faults.inject(StoreFault::unavailable().times(2));
+        assert_eq!(faults.strike(false), Some(Kind::Unavailable));
+        assert_eq!(faults.strike(true), Some(Kind::Unavailable));
+        assert_eq!(faults.strike(false), None);
+        assert!(!faults.is_on());
+        let by = Duration::from_millis(1);
+        faults.inject(StoreFault::slow_commits(by));
+        assert_eq!(faults.strike(false), None);
+        assert_eq!(faults.strike(true), Some(Kind::SlowCommits(by)));
+        assert_eq!(faults.struck(), 3);
+        faults.end();
+        assert_eq!(faults.strike(true), None);
+    }
+
+    #[test]
+    fn a_fault_lasting_a_span_ends_once_it_passed() {
+        let faults = StoreFaults::default();
+        faults.inject(StoreFault::unavailable().lasting(Duration::ZERO));
+        assert_eq!(faults.strike(false), None);
+        assert!(!faults.is_on());
+    }
+}

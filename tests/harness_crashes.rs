@@ -1,0 +1,475 @@
+//! Crashes as one line: `harness.crash_at(Failpoint::…)` kills the runtime at a named point of
+//! the durable path, `harness.restart()` starts the next process on the same store under the
+//! same node id, and the application sees each handler's effects exactly once, nothing lost,
+//! and the attempts the policy says — on a real SQLite file and a real PostgreSQL server.
+#![cfg(all(feature = "sqlite", feature = "postgres", feature = "testing"))]
+
+use std::time::Duration;
+
+use dacapo::prelude::*;
+use dacapo::testing::{Failpoint, Fault, ScratchDatabase, TestHarness, TestHarnessBuilder};
+use dacapo::transaction::HandlerTransactions;
+use dacapo::{DeadLetterReason, DeliveryReport, DiscardReason, Error};
+use serde::{Deserialize, Serialize};
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+struct MemberRemoved {
+    member_id: u64,
+}
+
+impl Message for MemberRemoved {
+    const TYPE: &'static str = "crashes.member_removed";
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+struct AccessRevoked {
+    member_id: u64,
+}
+
+impl Message for AccessRevoked {
+    const TYPE: &'static str = "crashes.access_revoked";
+}
+
+const EFFECTS: &str = "CREATE TABLE effects (id TEXT PRIMARY KEY, handler TEXT NOT NULL)";
+
+/// Writes its effect and announces it in one handler transaction: a rerun finds the work
+/// committed and does nothing.
+struct Revoke<P>(P);
+/// Writes the announcement's effect in a handler transaction too.
+struct Audit<P>(P);
+
+macro_rules! handlers {
+    ($pool:ty, $db:ty) => {
+        impl Handler<MemberRemoved> for Revoke<$pool> {
+            async fn handle(
+                &self,
+                event: &MemberRemoved,
+                ctx: &MessageContext,
+            ) -> Result<(), HandlerError> {
+                let Some(mut tx) = ctx.transaction::<$db>().await? else {
+                    return Ok(());
+                };
+                let id = dacapo::ids::derive(tx.message_id(), "revoke");
+                dacapo::sqlx::query("INSERT INTO effects (id, handler) VALUES ($1, 'revoke')")
+                    .bind(&id)
+                    .execute(&mut **tx)
+                    .await?;
+                tx.enlist(&AccessRevoked {
+                    member_id: event.member_id,
+                })
+                .await?;
+                tx.commit().await?;
+                Ok(())
+            }
+        }
+
+        impl Handler<AccessRevoked> for Audit<$pool> {
+            async fn handle(
+                &self,
+                _: &AccessRevoked,
+                ctx: &MessageContext,
+            ) -> Result<(), HandlerError> {
+                let Some(mut tx) = ctx.transaction::<$db>().await? else {
+                    return Ok(());
+                };
+                let id = dacapo::ids::derive(tx.message_id(), "audit");
+                dacapo::sqlx::query("INSERT INTO effects (id, handler) VALUES ($1, 'audit')")
+                    .bind(&id)
+                    .execute(&mut **tx)
+                    .await?;
+                tx.commit().await?;
+                Ok(())
+            }
+        }
+    };
+}
+
+handlers!(dacapo::sqlx::SqlitePool, dacapo::sqlx::Sqlite);
+handlers!(dacapo::sqlx::PgPool, dacapo::sqlx::Postgres);
+
+/// A fresh database with the effects table, and a harness on it whose handlers write their
+/// effects there; `faults` adds faults to the harness.
+struct Setup {
+    harness: TestHarness,
+    effects: Box<dyn Fn() -> futures::future::BoxFuture<'static, Vec<String>>>,
+    _db: ScratchDatabase,
+}
+
+#[derive(Clone, Copy, Debug)]
+enum Backend {
+    Sqlite,
+    Postgres,
+}
+
+fn admin_url() -> String {
+    std::env::var("DACAPO_TEST_POSTGRES")
+        .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/postgres".to_owned())
+}
+
+fn builder() -> TestHarnessBuilder {
+    TestHarness::builder().settle_timeout(Duration::from_secs(20))
+}
+
+async fn setup(
+    backend: Backend,
+    faults: impl FnOnce(TestHarnessBuilder) -> TestHarnessBuilder,
+) -> Setup {
+    match backend {
+        Backend::Sqlite => {
+            let db = ScratchDatabase::sqlite();
+            let store = db.sqlite_store().await.unwrap();
+            let pool = store.pool().clone();
+            dacapo::sqlx::query(EFFECTS).execute(&pool).await.unwrap();
+            let harness = faults(
+                builder()
+                    .store(store)
+                    .module(
+                        Module::new("access")
+                            .handle_named::<MemberRemoved, _>("revoke", Revoke(pool.clone())),
+                    )
+                    .module(
+                        Module::new("audit")
+                            .handle_named::<AccessRevoked, _>("audit", Audit(pool.clone())),
+                    ),
+            )
+            .build()
+            .unwrap();
+            let effects = Box::new(move || {
+                let pool = pool.clone();
+                Box::pin(async move {
+                    dacapo::sqlx::query_scalar("SELECT handler FROM effects ORDER BY handler")
+                        .fetch_all(&pool)
+                        .await
+                        .unwrap()
+                }) as futures::future::BoxFuture<'static, Vec<String>>
+            });
+            Setup {
+                harness,
+                effects,
+                _db: db,
+            }
+        }
+        Backend::Postgres => {
+            let db = ScratchDatabase::postgres(&admin_url()).await.unwrap();
+            let store = db.postgres_store().await.unwrap();
+            let pool = store.pool().clone();
+            dacapo::sqlx::query(EFFECTS).execute(&pool).await.unwrap();
+            let harness = faults(
+                builder()
+                    .store(store)
+                    .module(
+                        Module::new("access")
+                            .handle_named::<MemberRemoved, _>("revoke", Revoke(pool.clone())),
+                    )
+                    .module(
+                        Module::new("audit")
+                            .handle_named::<AccessRevoked, _>("audit", Audit(pool.clone())),
+                    ),
+            )
+            .build()
+            .unwrap();
+            let effects = Box::new(move || {
+                let pool = pool.clone();
+                Box::pin(async move {
+                    dacapo::sqlx::query_scalar("SELECT handler FROM effects ORDER BY handler")
+                        .fetch_all(&pool)
+                        .await
+                        .unwrap()
+                }) as futures::future::BoxFuture<'static, Vec<String>>
+            });
+            Setup {
+                harness,
+                effects,
+                _db: db,
+            }
+        }
+    }
+}
+
+fn crashed_at(result: Result<impl std::fmt::Debug, Error>, point: Failpoint) {
+    match result {
+        Err(Error::Crashed { at }) => assert_eq!(at, point),
+        other => panic!("expected a crash {point}, got {other:?}"),
+    }
+}
+
+/// Every effect exactly once: the member's revocation and its audit.
+async fn each_effect_once(setup: &Setup) {
+    assert_eq!((setup.effects)().await, ["audit", "revoke"]);
+}
+
+/// The report of the last settled delivery of `message_type`.
+fn last_report(harness: &TestHarness, message_type: &str) -> DeliveryReport {
+    harness
+        .reports()
+        .into_iter()
+        .rev()
+        .find(|r| r.message_type == message_type)
+        .unwrap_or_else(|| panic!("no report of {message_type}"))
+}
+
+macro_rules! on_both_backends {
+    ($sqlite:ident, $postgres:ident, $body:ident) => {
+        #[tokio::test]
+        async fn $sqlite() {
+            $body(Backend::Sqlite).await;
+        }
+
+        #[tokio::test]
+        async fn $postgres() {
+            $body(Backend::Postgres).await;
+        }
+    };
+}
+
+on_both_backends!(
+    a_crash_before_the_acknowledgement_runs_the_recorded_delivery_and_discards_the_redelivery_sqlite,
+    a_crash_before_the_acknowledgement_runs_the_recorded_delivery_and_discards_the_redelivery_postgres,
+    crash_before_acknowledge
+);
+
+async fn crash_before_acknowledge(backend: Backend) {
+    let mut setup = setup(backend, |b| b).await;
+    let envelope = setup
+        .harness
+        .runtime()
+        .envelope(&MemberRemoved { member_id: 7 }, SendOptions::default())
+        .unwrap();
+    setup
+        .harness
+        .crash_at(Failpoint::BeforeAcknowledge)
+        .unwrap();
+    crashed_at(
+        setup.harness.deliver(envelope.clone()).await,
+        Failpoint::BeforeAcknowledge,
+    );
+    assert!(
+        (setup.effects)().await.is_empty(),
+        "nothing ran before the crash"
+    );
+
+    setup.harness.restart().await.unwrap();
+    // The broker never saw an acknowledgement, so it delivers the envelope again.
+    let redelivered = setup.harness.deliver(envelope).await.unwrap();
+    assert_eq!(
+        redelivered.outcome,
+        Outcome::Discarded(DiscardReason::DuplicateEnvelope)
+    );
+    setup.harness.idle().await.unwrap();
+    each_effect_once(&setup).await;
+    let report = last_report(&setup.harness, MemberRemoved::TYPE);
+    assert!(report.is_handled(), "{report:?}");
+    // The crashed process had started the first attempt: the store counted it.
+    assert_eq!(report.attempts, 2);
+}
+
+on_both_backends!(
+    a_crash_before_the_settle_resumes_and_finds_the_handlers_work_committed_sqlite,
+    a_crash_before_the_settle_resumes_and_finds_the_handlers_work_committed_postgres,
+    crash_before_settle
+);
+
+async fn crash_before_settle(backend: Backend) {
+    let mut setup = setup(backend, |b| b).await;
+    setup.harness.crash_at(Failpoint::BeforeSettle).unwrap();
+    crashed_at(
+        setup.harness.publish(&MemberRemoved { member_id: 7 }).await,
+        Failpoint::BeforeSettle,
+    );
+    assert_eq!(setup.harness.crashed(), Some(Failpoint::BeforeSettle));
+    // The handler's transaction committed before the crash.
+    assert_eq!((setup.effects)().await, ["revoke"]);
+
+    setup.harness.restart().await.unwrap();
+    assert_eq!(setup.harness.crashed(), None);
+    setup.harness.idle().await.unwrap();
+    each_effect_once(&setup).await;
+    let report = last_report(&setup.harness, MemberRemoved::TYPE);
+    assert!(report.is_handled(), "{report:?}");
+    assert_eq!(report.attempts, 2);
+}
+
+on_both_backends!(
+    a_crash_after_the_settle_discards_the_redelivery_and_relays_the_outbox_sqlite,
+    a_crash_after_the_settle_discards_the_redelivery_and_relays_the_outbox_postgres,
+    crash_after_settle
+);
+
+async fn crash_after_settle(backend: Backend) {
+    let mut setup = setup(backend, |b| b).await;
+    let envelope = setup
+        .harness
+        .runtime()
+        .envelope(&MemberRemoved { member_id: 7 }, SendOptions::default())
+        .unwrap();
+    setup.harness.crash_at(Failpoint::AfterSettle).unwrap();
+    crashed_at(
+        setup.harness.deliver(envelope.clone()).await,
+        Failpoint::AfterSettle,
+    );
+
+    setup.harness.restart().await.unwrap();
+    let redelivered = setup.harness.deliver(envelope).await.unwrap();
+    assert_eq!(
+        redelivered.outcome,
+        Outcome::Discarded(DiscardReason::DuplicateEnvelope)
+    );
+    setup.harness.idle().await.unwrap();
+    each_effect_once(&setup).await;
+    assert!(last_report(&setup.harness, AccessRevoked::TYPE).is_handled());
+}
+
+on_both_backends!(
+    a_crash_during_the_cooldown_resumes_at_the_next_attempt_sqlite,
+    a_crash_during_the_cooldown_resumes_at_the_next_attempt_postgres,
+    crash_during_cooldown
+);
+
+async fn crash_during_cooldown(backend: Backend) {
+    let mut setup = setup(backend, |b| {
+        b.fault("access", "revoke", Fault::fail_times(1))
+    })
+    .await;
+    setup.harness.crash_at(Failpoint::DuringCooldown).unwrap();
+    crashed_at(
+        setup.harness.publish(&MemberRemoved { member_id: 7 }).await,
+        Failpoint::DuringCooldown,
+    );
+    assert!((setup.effects)().await.is_empty());
+
+    setup.harness.restart().await.unwrap();
+    setup.harness.idle().await.unwrap();
+    each_effect_once(&setup).await;
+    let report = last_report(&setup.harness, MemberRemoved::TYPE);
+    assert!(report.is_handled(), "{report:?}");
+    // One failed attempt, then the one the policy's first cooldown led to: nothing counted
+    // twice, nothing skipped.
+    assert_eq!(report.attempts, 2);
+    let failures: Vec<_> = report.failures().map(|(attempt, _)| attempt).collect();
+    assert_eq!(failures, [1]);
+}
+
+on_both_backends!(
+    a_crash_in_the_middle_of_a_dead_letter_move_leaves_one_dead_letter_sqlite,
+    a_crash_in_the_middle_of_a_dead_letter_move_leaves_one_dead_letter_postgres,
+    crash_in_dead_letter_move
+);
+
+async fn crash_in_dead_letter_move(backend: Backend) {
+    let mut setup = setup(backend, |b| {
+        b.fault("access", "revoke", Fault::fail_permanently())
+    })
+    .await;
+    setup.harness.crash_at(Failpoint::DeadLetterMove).unwrap();
+    let id = {
+        let envelope = setup
+            .harness
+            .runtime()
+            .envelope(&MemberRemoved { member_id: 7 }, SendOptions::default())
+            .unwrap();
+        let id = envelope.id;
+        crashed_at(
+            setup.harness.deliver(envelope).await,
+            Failpoint::DeadLetterMove,
+        );
+        id
+    };
+
+    setup.harness.restart().await.unwrap();
+    // The move's transaction never committed: no dead letter yet, the delivery unsettled.
+    setup.harness.idle().await.unwrap();
+    let report = last_report(&setup.harness, MemberRemoved::TYPE);
+    assert!(
+        matches!(
+            report.outcome,
+            Outcome::DeadLettered(DeadLetterReason::Permanent)
+        ),
+        "{report:?}"
+    );
+    let letters = setup.harness.runtime().dead_letters().list().await.unwrap();
+    assert_eq!(letters.len(), 1);
+    assert_eq!(letters[0].envelope.id, id);
+    assert!((setup.effects)().await.is_empty());
+}
+
+on_both_backends!(
+    a_crash_between_publishing_and_marking_the_outbox_delivers_the_announcement_once_sqlite,
+    a_crash_between_publishing_and_marking_the_outbox_delivers_the_announcement_once_postgres,
+    crash_before_outbox_mark
+);
+
+async fn crash_before_outbox_mark(backend: Backend) {
+    let mut setup = setup(backend, |b| b).await;
+    setup.harness.crash_at(Failpoint::BeforeOutboxMark).unwrap();
+    let report = setup
+        .harness
+        .publish(&MemberRemoved { member_id: 7 })
+        .await
+        .unwrap();
+    assert!(report.is_handled());
+    crashed_at(setup.harness.idle().await, Failpoint::BeforeOutboxMark);
+
+    setup.harness.restart().await.unwrap();
+    setup.harness.idle().await.unwrap();
+    each_effect_once(&setup).await;
+    let audits: Vec<_> = setup
+        .harness
+        .reports()
+        .into_iter()
+        .filter(|r| r.message_type == AccessRevoked::TYPE && r.is_handled())
+        .collect();
+    assert_eq!(audits.len(), 1, "{audits:?}");
+}
+
+#[tokio::test]
+async fn a_crash_needs_a_store_and_says_so() {
+    let mut harness = TestHarness::builder()
+        .module(Module::new("access").handle_named::<MemberRemoved, _>(
+            "revoke",
+            dacapo::testing::Recorder::<MemberRemoved>::new(),
+        ))
+        .build()
+        .unwrap();
+    assert!(matches!(
+        harness.crash_at(Failpoint::BeforeSettle),
+        Err(Error::Configuration(_))
+    ));
+    assert!(matches!(
+        harness.restart().await,
+        Err(Error::Configuration(_))
+    ));
+    assert!(matches!(
+        harness.store_faults(),
+        Err(Error::Configuration(_))
+    ));
+}
+
+#[tokio::test]
+async fn a_retry_a_restart_left_in_the_store_runs_once_the_clock_reaches_it() {
+    let policy = RetryPolicy {
+        min_retry_interval: Duration::from_secs(60),
+        ..RetryPolicy::default()
+    };
+    let mut setup = setup(Backend::Sqlite, |b| {
+        b.fault("access", "revoke", Fault::fail_times(1))
+            .retry_policy(policy)
+    })
+    .await;
+    setup.harness.crash_at(Failpoint::DuringCooldown).unwrap();
+    crashed_at(
+        setup.harness.publish(&MemberRemoved { member_id: 7 }).await,
+        Failpoint::DuringCooldown,
+    );
+    // A restart of a restart: the second run finds the delivery where the first left it.
+    setup.harness.restart().await.unwrap();
+    setup.harness.restart().await.unwrap();
+    setup.harness.idle().await.unwrap();
+    assert!(
+        (setup.effects)().await.is_empty(),
+        "the retry is due a minute after the failure"
+    );
+    setup.harness.advance(Duration::from_secs(60)).await;
+    setup.harness.idle().await.unwrap();
+    each_effect_once(&setup).await;
+    assert_eq!(last_report(&setup.harness, MemberRemoved::TYPE).attempts, 2);
+}
