@@ -94,17 +94,18 @@ impl Timers {
     pub(crate) fn deadline(&self, timeout: Duration) -> Deadline {
         match self {
             Self::Real => Deadline::Real(timeout),
-            Self::Virtual(clock) => Deadline::Virtual(clock.sleep(timeout)),
+            Self::Virtual(clock) => Deadline::Virtual(clock.sleep(timeout, None)),
         }
     }
 
-    /// Waits `delay`; yields the token of the work that resumes. The timer is set when this
-    /// is called, not when the future is first polled, so the caller may drop its own token
-    /// right after.
-    pub(crate) fn sleep(&self, delay: Duration) -> Sleep {
+    /// Waits `delay` for the work `tie` names (a delivery's attempt, say); yields the token
+    /// of the work that resumes. The timer is set when this is called, not when the future is
+    /// first polled, so the caller may drop its own token right after. Under a seeded virtual
+    /// clock, timers due at one instant wake in an order drawn from the seed and their ties.
+    pub(crate) fn sleep_for(&self, delay: Duration, tie: Option<u64>) -> Sleep {
         match self {
             Self::Real => Sleep::Real(Box::pin(tokio::time::sleep(delay))),
-            Self::Virtual(clock) => clock.sleep(delay),
+            Self::Virtual(clock) => clock.sleep(delay, tie),
         }
     }
 }
@@ -173,7 +174,7 @@ fn next_tick<A, F>(
     F: FnMut(&mut A, &mut actix::Context<A>) + 'static,
 {
     use actix::{ActorFutureExt, AsyncContext};
-    let due = clock.set(interval, false);
+    let due = clock.set(interval, false, None);
     ctx.spawn(
         actix::fut::wrap_future::<_, A>(due).map(move |busy, actor, ctx| {
             (tick.borrow_mut())(actor, ctx);
@@ -358,18 +359,32 @@ impl VirtualClock {
         }
     }
 
-    fn sleep(self: &Arc<Self>, delay: Duration) -> Sleep {
-        self.set(delay, true)
+    fn sleep(self: &Arc<Self>, delay: Duration, tie: Option<u64>) -> Sleep {
+        self.set(delay, true, tie)
     }
 
-    fn set(self: &Arc<Self>, delay: Duration, drives: bool) -> Sleep {
+    fn set(self: &Arc<Self>, delay: Duration, drives: bool, tie: Option<u64>) -> Sleep {
         let (wake, woken) = oneshot::channel();
         let mut state = self.state();
-        // Seeded, timers due together wake in the drawn order; the count keeps keys apart.
-        let order = self.draw(&mut state).map_or(state.next_id, |draw| {
-            draw & !0xFFFF_FFFF | state.next_id & 0xFFFF_FFFF
-        });
-        let id = (state.elapsed.saturating_add(delay), order);
+        let at = state.elapsed.saturating_add(delay);
+        let order = match self.seed {
+            // Timers due together wake in an order drawn from the seed and from what the timer
+            // is for (a delivery's attempt), or else from how many were set for that instant
+            // before — never from everything set before, which the threads' timing reorders.
+            Some(seed) => {
+                let tie = tie
+                    .unwrap_or_else(|| state.timers.range((at, 0)..=(at, u64::MAX)).count() as u64);
+                // Not the instant itself: a test's own times (a schedule from the wall
+                // clock) would make it differ from run to run.
+                let mut order = mix(seed ^ mix(tie));
+                while state.timers.contains_key(&(at, order)) {
+                    order = order.wrapping_add(1);
+                }
+                order
+            }
+            None => state.next_id,
+        };
+        let id = (at, order);
         state.next_id += 1;
         state.timers.insert(id, (wake, drives));
         self.run_idle(state);
@@ -477,7 +492,7 @@ mod tests {
     #[tokio::test]
     async fn an_idle_engine_moves_to_its_next_timer_at_once() {
         let (clock, timers) = virtual_timers();
-        let busy = timers.sleep(Duration::from_secs(6)).await;
+        let busy = timers.sleep_for(Duration::from_secs(6), None).await;
         assert_eq!(clock.elapsed(), Duration::from_secs(6));
         drop(busy);
     }
@@ -486,7 +501,7 @@ mod tests {
     async fn the_clock_stays_while_work_is_under_way() {
         let (clock, timers) = virtual_timers();
         let working = timers.busy();
-        let mut sleep = Box::pin(timers.sleep(Duration::from_secs(1)));
+        let mut sleep = Box::pin(timers.sleep_for(Duration::from_secs(1), None));
         assert!(futures::poll!(sleep.as_mut()).is_pending());
         assert_eq!(clock.elapsed(), Duration::ZERO);
         drop(working);
@@ -497,8 +512,8 @@ mod tests {
     #[tokio::test]
     async fn a_woken_timer_holds_the_clock_until_its_work_is_done() {
         let (clock, timers) = virtual_timers();
-        let first = timers.sleep(Duration::from_secs(1));
-        let second = timers.sleep(Duration::from_secs(16));
+        let first = timers.sleep_for(Duration::from_secs(1), None);
+        let second = timers.sleep_for(Duration::from_secs(16), None);
         let resumed = first.await;
         assert_eq!(clock.elapsed(), Duration::from_secs(1));
         // The first timer's work holds the clock: the second waits for it.
@@ -514,7 +529,7 @@ mod tests {
     async fn a_wait_given_up_is_no_timer_to_move_to() {
         let (clock, timers) = virtual_timers();
         let working = timers.busy();
-        drop(timers.sleep(Duration::from_secs(30)));
+        drop(timers.sleep_for(Duration::from_secs(30), None));
         drop(working);
         assert_eq!(clock.elapsed(), Duration::ZERO);
     }
@@ -523,8 +538,8 @@ mod tests {
     async fn advancing_wakes_due_timers_in_order_at_their_own_times_and_leaves_later_ones() {
         let (clock, _) = virtual_timers();
         // Background ticks: the clock never moves to them by itself.
-        let late = clock.set(Duration::from_secs(10), false);
-        let early = clock.set(Duration::from_secs(2), false);
+        let late = clock.set(Duration::from_secs(10), false, None);
+        let early = clock.set(Duration::from_secs(2), false, None);
         let seen = Arc::new(Mutex::new(Vec::new()));
         let watcher = {
             let (clock, seen) = (Arc::clone(&clock), Arc::clone(&seen));
@@ -550,7 +565,7 @@ mod tests {
     async fn advancing_waits_for_work_under_way_instead_of_timing_it_out() {
         let (clock, timers) = virtual_timers();
         let working = timers.busy();
-        let deadline = clock.set(Duration::from_secs(1), true);
+        let deadline = clock.set(Duration::from_secs(1), true, None);
         let advance = tokio::spawn({
             let clock = Arc::clone(&clock);
             async move { clock.advance(Duration::from_secs(5)).await }

@@ -417,8 +417,10 @@ impl DeliverySupervisor {
             .to_std()
             .unwrap_or_default()
             .saturating_sub(shared.timers.since(mark));
+        let (high, low) = self.delivery.envelope.id.as_u64_pair();
         shared.timer.do_send(Schedule {
             delay,
+            tie: high ^ low.rotate_left(17) ^ u64::from(self.delivery.envelope.attempts),
             target: ctx.address().recipient(),
             busy: self.busy.take(),
         });

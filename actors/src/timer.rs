@@ -34,6 +34,8 @@ impl actix::Message for RetryDue {
 /// Asks the timer to wake `target` after `delay`.
 pub(crate) struct Schedule {
     pub(crate) delay: Duration,
+    /// What the timer is for, which orders timers due together under a seeded clock.
+    pub(crate) tie: u64,
     pub(crate) target: Recipient<RetryDue>,
     /// The supervisor's token, let go once the timer is set.
     pub(crate) busy: Option<Busy>,
@@ -50,12 +52,13 @@ impl actix::Handler<Schedule> for TimerActor {
         &mut self,
         Schedule {
             delay,
+            tie,
             target,
             busy,
         }: Schedule,
         ctx: &mut Context<Self>,
     ) {
-        let due = self.timers.sleep(delay);
+        let due = self.timers.sleep_for(delay, Some(tie));
         drop(busy);
         ctx.spawn(due.into_actor(self).map(move |busy, _, _| {
             // A supervisor abandoned at shutdown no longer listens; nothing is lost, since the

@@ -118,6 +118,12 @@ impl TestHarnessBuilder {
         self
     }
 
+    /// The faults of the store given to [`store`](Self::store), for a handler to start an
+    /// outage from inside its delivery (see [`TestHarness::store_faults`]).
+    pub fn store_faults(&self) -> StoreFaults {
+        self.store_faults.clone()
+    }
+
     /// Injects `fault` in front of the handler `name` of `module`.
     #[must_use]
     pub fn fault(mut self, module: &str, name: &str, fault: Fault) -> Self {
@@ -206,6 +212,7 @@ impl TestHarnessBuilder {
             store_faults: self.store_faults,
             restart,
             killer: None,
+            published: std::sync::atomic::AtomicU64::new(0),
         };
         harness.kill_on_crash();
         Ok(harness)
@@ -274,6 +281,8 @@ pub struct TestHarness {
     restart: Option<Restart>,
     /// Stops the runtime's threads as soon as it crashes.
     killer: Option<tokio::task::JoinHandle<()>>,
+    /// Envelopes published so far, for seeded ids.
+    published: std::sync::atomic::AtomicU64,
 }
 
 impl Drop for TestHarness {
@@ -400,6 +409,31 @@ impl TestHarness {
         Ok(self.store_faults.clone())
     }
 
+    /// A token that holds the virtual clock while the harness hands work to the runtime.
+    fn busy(&self) -> dacapo_actors::Busy {
+        dacapo_actors::Timers::Virtual(Arc::clone(&self.clock)).busy()
+    }
+
+    /// Seeded, gives a published envelope an id drawn from the seed and the count of
+    /// envelopes published so far, so that what the runtime orders by the delivery (timers
+    /// due together) comes in the same order in every run.
+    fn seeded_id(&self, envelope: &mut Envelope) {
+        if self.seed == 0 {
+            return;
+        }
+        let count = self
+            .published
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let mut bytes = [0u8; 16];
+        bytes[..8].copy_from_slice(&self.seed.to_le_bytes());
+        bytes[8..].copy_from_slice(&count.to_le_bytes());
+        let id = uuid::Uuid::new_v5(&uuid::Uuid::NAMESPACE_OID, &bytes);
+        if envelope.correlation_id == Some(envelope.id) {
+            envelope.correlation_id = Some(id);
+        }
+        envelope.id = id;
+    }
+
     /// Watches for a crash, and stops the runtime's threads when it comes.
     fn kill_on_crash(&mut self) {
         if self.restart.is_none() {
@@ -496,7 +530,8 @@ impl TestHarness {
         message: &M,
         options: SendOptions,
     ) -> Result<DeliveryReport, Error> {
-        let envelope = self.runtime.envelope(message, options)?;
+        let mut envelope = self.runtime.envelope(message, options)?;
+        self.seeded_id(&mut envelope);
         self.deliver(envelope).await
     }
 
@@ -512,9 +547,15 @@ impl TestHarness {
     /// As [`publish`](Self::publish).
     pub async fn deliver(&self, envelope: Envelope) -> Result<DeliveryReport, Error> {
         let id = envelope.id;
+        // Accepting is work: the clock waits for it. The token goes only after a yield, so
+        // that what a test publishes together (joined futures, polled one after another) is
+        // all accepted before time moves for any of it.
+        let busy = self.busy();
         self.unless_crashed(async {
-            let report = self.runtime.receive_tracked(envelope).await?;
-            self.settled(id, report).await
+            let report = self.runtime.receive_tracked(envelope).await;
+            tokio::task::yield_now().await;
+            drop(busy);
+            self.settled(id, report?).await
         })
         .await
     }
@@ -537,10 +578,12 @@ impl TestHarness {
     ) -> Result<Vec<DeliveryReport>, Error> {
         let id = envelope.id;
         self.unless_crashed(async {
+            let busy = self.busy();
             let accepted = futures::future::join_all(
                 (0..copies).map(|_| self.runtime.receive_tracked(envelope.clone())),
             )
             .await;
+            drop(busy);
             let mut reports = Vec::with_capacity(copies);
             for receiver in accepted {
                 reports.push(self.settled(id, receiver?).await?);

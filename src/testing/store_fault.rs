@@ -45,7 +45,8 @@ impl StoreFault {
         }
     }
 
-    /// Every commit waits `by` (real time) before it runs.
+    /// Every commit — of a transaction, or of a write that commits on its own — waits `by`
+    /// (real time) before it runs.
     pub fn slow_commits(by: Duration) -> Self {
         Self {
             kind: Kind::SlowCommits(by),

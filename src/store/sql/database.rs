@@ -219,13 +219,13 @@ impl Database {
         })
     }
 
-    /// Runs `sql` on a connection of the pool; how many rows it changed.
+    /// Runs `sql` on a connection of the pool, committed on its own; how many rows it changed.
     pub(crate) async fn execute(
         &self,
         sql: &'static str,
         values: &[Value<'_>],
     ) -> Result<u64, Error> {
-        self.before_statement().await?;
+        before_commit(&self.hooks).await?;
         let done = match &self.pool {
             #[cfg(feature = "sqlite")]
             Pool::Sqlite(pool) => on_live_session(self.tries(), || {
@@ -249,7 +249,7 @@ impl Database {
         sql: String,
         values: &[Value<'_>],
     ) -> Result<u64, Error> {
-        self.before_statement().await?;
+        before_commit(&self.hooks).await?;
         let done = match &self.pool {
             #[cfg(feature = "sqlite")]
             Pool::Sqlite(pool) => on_live_session(self.tries(), || {

@@ -1,0 +1,180 @@
+//! Reproducible orders: where the runtime chooses which of several deliveries runs first (retries
+//! due at the same virtual instant), a harness's seed decides, the same seed gives the same
+//! order, and a failing test prints its seed.
+#![cfg(feature = "testing")]
+
+use std::time::Duration;
+
+use dacapo::prelude::*;
+use dacapo::testing::{Fault, Recorder, SEED_VARIABLE, TestHarness, TestHarnessBuilder};
+use serde::{Deserialize, Serialize};
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+struct SeatReleased {
+    seat: u64,
+}
+
+impl Message for SeatReleased {
+    const TYPE: &'static str = "seeds.seat_released";
+}
+
+const SEATS: u64 = 6;
+
+fn builder(recorder: &Recorder<SeatReleased>) -> TestHarnessBuilder {
+    TestHarness::builder()
+        .module(Module::new("venue").handle_named::<SeatReleased, _>("seats", recorder.clone()))
+        .fault("venue", "seats", Fault::fail_times(1))
+}
+
+/// The order in which the retries of six deliveries, all due one second after their first
+/// attempts (at the same virtual instant), ran under `seed`.
+async fn retry_order(seed: u64) -> Vec<u64> {
+    let recorder = Recorder::<SeatReleased>::new();
+    let harness = builder(&recorder).seed(seed).build().unwrap();
+    assert_eq!(harness.seed(), seed);
+    let seats: Vec<SeatReleased> = (0..SEATS).map(|seat| SeatReleased { seat }).collect();
+    let reports = futures::future::join_all(seats.iter().map(|seat| harness.publish(seat))).await;
+    for report in reports {
+        let report = report.unwrap();
+        assert!(report.is_handled() && report.attempts == 2, "{report:?}");
+        assert_eq!(
+            report.attempt_offsets,
+            [Duration::ZERO, Duration::from_secs(1)]
+        );
+    }
+    // The faults fail each first attempt before the handler: it saw the retries only.
+    let order: Vec<u64> = recorder
+        .calls()
+        .iter()
+        .map(|call| call.message.seat)
+        .collect();
+    let mut sorted = order.clone();
+    sorted.sort_unstable();
+    assert_eq!(
+        sorted,
+        (0..SEATS).collect::<Vec<_>>(),
+        "every retry ran once"
+    );
+    order
+}
+
+#[tokio::test]
+async fn the_same_seed_gives_the_same_order() {
+    let first = retry_order(7).await;
+    for _ in 0..3 {
+        assert_eq!(retry_order(7).await, first);
+    }
+}
+
+#[tokio::test]
+async fn other_seeds_give_other_orders() {
+    let mut orders = Vec::new();
+    for seed in 1..=6 {
+        orders.push(retry_order(seed).await);
+    }
+    orders.sort();
+    orders.dedup();
+    assert!(orders.len() > 1, "six seeds, one order: {orders:?}");
+}
+
+/// Fails on purpose, with a harness whose seed comes from the environment: run by
+/// `a_failing_test_prints_its_seed` in a process of its own.
+#[tokio::test]
+#[ignore = "fails on purpose; run by a_failing_test_prints_its_seed"]
+async fn fails_with_a_harness() {
+    let harness = builder(&Recorder::new()).build().unwrap();
+    let _ = &harness;
+    panic!("this test fails on purpose");
+}
+
+#[test]
+fn a_failing_test_prints_its_seed() {
+    let output = std::process::Command::new(std::env::current_exe().unwrap())
+        .args([
+            "--ignored",
+            "--exact",
+            "fails_with_a_harness",
+            "--nocapture",
+        ])
+        .env(SEED_VARIABLE, "4242")
+        .output()
+        .unwrap();
+    assert!(!output.status.success());
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(
+        stderr.contains("seed 4242 (rerun with DACAPO_SEED=4242)"),
+        "{stderr}"
+    );
+}
+
+#[test]
+fn an_unreadable_seed_is_refused() {
+    // A value that is no number is an error at build, not a silent 0.
+    let refused = std::process::Command::new(std::env::current_exe().unwrap())
+        .args([
+            "--ignored",
+            "--exact",
+            "fails_with_a_harness",
+            "--nocapture",
+        ])
+        .env(SEED_VARIABLE, "seven")
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&refused.stderr);
+    assert!(
+        stderr.contains("DACAPO_SEED")
+            && stderr.contains("seven")
+            && stderr.contains("is neither a number"),
+        "{stderr}"
+    );
+}
+
+/// The order in which a recovery round started a batch of deliveries that all came due
+/// together, under `seed`: six messages scheduled for the same time, on a real store.
+#[cfg(feature = "sqlite")]
+async fn recovered_order(seed: u64) -> Vec<u64> {
+    let db = dacapo::testing::ScratchDatabase::sqlite();
+    let recorder = Recorder::<SeatReleased>::new();
+    let harness = TestHarness::builder()
+        .store(db.sqlite_store().await.unwrap())
+        .module(Module::new("venue").handle_named::<SeatReleased, _>("seats", recorder.clone()))
+        .seed(seed)
+        .build()
+        .unwrap();
+    let due = chrono::Utc::now() + chrono::Duration::seconds(30);
+    for seat in 0..SEATS {
+        let report = harness
+            .publish_with(&SeatReleased { seat }, SendOptions::new().deliver_at(due))
+            .await
+            .unwrap();
+        assert!(
+            matches!(report.outcome, Outcome::Scheduled(_)),
+            "{report:?}"
+        );
+    }
+    // The recovery rounds tick as the clock passes them; the one past the due time claims
+    // all six in one batch.
+    harness.advance(Duration::from_secs(60)).await;
+    harness.idle().await.unwrap();
+    let order: Vec<u64> = recorder
+        .calls()
+        .iter()
+        .map(|call| call.message.seat)
+        .collect();
+    assert_eq!(order.len(), SEATS as usize, "{order:?}");
+    order
+}
+
+#[cfg(feature = "sqlite")]
+#[tokio::test]
+async fn a_recovered_batch_starts_in_the_seeds_order() {
+    let first = recovered_order(11).await;
+    assert_eq!(recovered_order(11).await, first);
+    let mut orders = vec![first];
+    for seed in 12..=16 {
+        orders.push(recovered_order(seed).await);
+    }
+    orders.sort();
+    orders.dedup();
+    assert!(orders.len() > 1, "six seeds, one order: {orders:?}");
+}
