@@ -64,16 +64,16 @@ pub(crate) struct Shared {
 
 impl Shared {
     /// Whether the engine crashes at `point` (or crashed before): the caller stops there.
-    pub(crate) fn crashes_at(&self, point: crate::Failpoint) -> bool {
+    pub(crate) fn crashes_at(&self, point: crate::Failpoint, message_type: &str) -> bool {
         self.failpoints
             .as_ref()
-            .is_some_and(|failpoints| failpoints.reached(point))
+            .is_some_and(|failpoints| failpoints.reached(point, Some(message_type)))
     }
 
     /// Passes `point`, or never returns if the engine crashes there.
-    pub(crate) async fn pass(&self, point: crate::Failpoint) {
+    pub(crate) async fn pass(&self, point: crate::Failpoint, message_type: Option<&str>) {
         if let Some(failpoints) = &self.failpoints {
-            failpoints.pass(point).await;
+            failpoints.pass(point, message_type).await;
         }
     }
 
@@ -158,7 +158,12 @@ impl Worker {
             Some(receipt) => receipt?,
             None => self.inbox.receive(&envelope).await?,
         };
-        shared.pass(crate::Failpoint::BeforeAcknowledge).await;
+        shared
+            .pass(
+                crate::Failpoint::BeforeAcknowledge,
+                Some(&envelope.message_type),
+            )
+            .await;
         if receipt == Receipt::Scheduled {
             let due_at = envelope.scheduled_for.unwrap_or_else(|| shared.clock.now());
             tracing::debug!(

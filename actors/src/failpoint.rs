@@ -55,7 +55,8 @@ impl std::fmt::Display for Failpoint {
 #[doc(hidden)]
 #[derive(Debug)]
 pub struct Failpoints {
-    armed: Mutex<Option<Failpoint>>,
+    /// The point armed, and the message type it is armed for (`None`: any).
+    armed: Mutex<Option<(Failpoint, Option<String>)>>,
     crashed: watch::Sender<Option<Failpoint>>,
 }
 
@@ -69,19 +70,27 @@ impl Default for Failpoints {
 }
 
 impl Failpoints {
-    /// Crashes the runtime the next time it reaches `point`.
-    pub fn arm(&self, point: Failpoint) {
-        *self.armed.lock().unwrap_or_else(PoisonError::into_inner) = Some(point);
+    /// Crashes the runtime the next time a delivery reaches `point` — a delivery of
+    /// `message_type` only, when one is given.
+    pub fn arm(&self, point: Failpoint, message_type: Option<String>) {
+        *self.armed.lock().unwrap_or_else(PoisonError::into_inner) = Some((point, message_type));
     }
 
     /// Whether the runtime reached `point` armed (it crashes now), or crashed earlier: either
-    /// way the caller must not go on.
-    pub fn reached(&self, point: Failpoint) -> bool {
+    /// way the caller must not go on. `message_type` is that of the delivery at the point
+    /// (`None` where several pass together, which only a point armed for any type strikes).
+    pub fn reached(&self, point: Failpoint, message_type: Option<&str>) -> bool {
         if self.crashed().is_some() {
             return true;
         }
         let mut armed = self.armed.lock().unwrap_or_else(PoisonError::into_inner);
-        if *armed != Some(point) {
+        let strikes = armed.as_ref().is_some_and(|(armed, only)| {
+            *armed == point
+                && only
+                    .as_deref()
+                    .is_none_or(|only| message_type == Some(only))
+        });
+        if !strikes {
             return false;
         }
         *armed = None;
@@ -95,8 +104,8 @@ impl Failpoints {
     /// # Cancel safety
     ///
     /// Cancel safe.
-    pub async fn pass(&self, point: Failpoint) {
-        if self.reached(point) {
+    pub async fn pass(&self, point: Failpoint, message_type: Option<&str>) {
+        if self.reached(point, message_type) {
             std::future::pending::<()>().await;
         }
     }
@@ -148,26 +157,35 @@ mod tests {
     #[test]
     fn an_armed_point_crashes_once_and_fences_every_point_after() {
         let points = Failpoints::default();
-        assert!(!points.reached(Failpoint::BeforeSettle));
-        points.arm(Failpoint::BeforeSettle);
-        assert!(!points.reached(Failpoint::AfterSettle));
-        assert!(points.reached(Failpoint::BeforeSettle));
+        assert!(!points.reached(Failpoint::BeforeSettle, None));
+        points.arm(Failpoint::BeforeSettle, None);
+        assert!(!points.reached(Failpoint::AfterSettle, Some("a")));
+        assert!(points.reached(Failpoint::BeforeSettle, Some("a")));
         assert_eq!(points.crashed(), Some(Failpoint::BeforeSettle));
-        assert!(points.reached(Failpoint::AfterSettle));
+        assert!(points.reached(Failpoint::AfterSettle, None));
         points.reset();
-        assert!(!points.reached(Failpoint::BeforeSettle));
+        assert!(!points.reached(Failpoint::BeforeSettle, None));
+    }
+
+    #[test]
+    fn a_point_armed_for_a_message_type_spares_the_others() {
+        let points = Failpoints::default();
+        points.arm(Failpoint::AfterSettle, Some("orders.placed".into()));
+        assert!(!points.reached(Failpoint::AfterSettle, Some("billing.invoiced")));
+        assert!(!points.reached(Failpoint::AfterSettle, None));
+        assert!(points.reached(Failpoint::AfterSettle, Some("orders.placed")));
     }
 
     #[tokio::test]
     async fn a_waiter_learns_where_the_runtime_crashed() {
         let points = std::sync::Arc::new(Failpoints::default());
-        points.arm(Failpoint::DuringCooldown);
+        points.arm(Failpoint::DuringCooldown, None);
         let waiter = tokio::spawn({
             let points = std::sync::Arc::clone(&points);
             async move { points.until_crashed().await }
         });
         tokio::task::yield_now().await;
-        assert!(points.reached(Failpoint::DuringCooldown));
+        assert!(points.reached(Failpoint::DuringCooldown, None));
         assert_eq!(waiter.await.unwrap(), Failpoint::DuringCooldown);
     }
 }

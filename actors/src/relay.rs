@@ -186,7 +186,7 @@ impl RelayActor {
                 let more = !lost && done == batch && done == count;
                 dispatcher
                     .shared
-                    .pass(crate::Failpoint::BeforeOutboxMark)
+                    .pass(crate::Failpoint::BeforeOutboxMark, None)
                     .await;
                 // What was published is marked even after the lease was lost: the new holder
                 // then does not publish it again.

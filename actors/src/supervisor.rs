@@ -401,7 +401,10 @@ impl DeliverySupervisor {
     /// Waits on the timer actor until the next attempt is due.
     fn cool_down(&mut self, due_at: DateTime<Utc>, ctx: &mut Context<Self>) {
         let shared = &*self.worker.shared;
-        if shared.crashes_at(crate::Failpoint::DuringCooldown) {
+        if shared.crashes_at(
+            crate::Failpoint::DuringCooldown,
+            &self.delivery.envelope.message_type,
+        ) {
             return;
         }
         if let Some(ticket) = self.ticket {
@@ -429,7 +432,10 @@ impl DeliverySupervisor {
     /// Settles the delivery as handled, with what its handlers published.
     fn record_handled(&mut self, ctx: &mut Context<Self>) {
         let worker = &self.worker;
-        if worker.shared.crashes_at(crate::Failpoint::BeforeSettle) {
+        if worker.shared.crashes_at(
+            crate::Failpoint::BeforeSettle,
+            &self.delivery.envelope.message_type,
+        ) {
             return;
         }
         let id = self.delivery.envelope.id;
@@ -451,10 +457,10 @@ impl DeliverySupervisor {
         };
         ctx.spawn(work.into_actor(self).map(|answer, actor, ctx| {
             if answer.is_ok()
-                && actor
-                    .worker
-                    .shared
-                    .crashes_at(crate::Failpoint::AfterSettle)
+                && actor.worker.shared.crashes_at(
+                    crate::Failpoint::AfterSettle,
+                    &actor.delivery.envelope.message_type,
+                )
             {
                 return;
             }

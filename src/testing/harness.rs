@@ -328,6 +328,22 @@ impl TestHarness {
     /// [`Error::Configuration`] when the harness runs without a store given to
     /// [`TestHarnessBuilder::store`]: a crash would lose everything held in memory.
     pub fn crash_at(&self, point: Failpoint) -> Result<(), Error> {
+        self.arm(point, None)
+    }
+
+    /// [`crash_at`](Self::crash_at) for a delivery of `M` only: the first one that reaches
+    /// `point`. Others pass it — a message the handler cascaded, say, which may reach the
+    /// point first. ([`Failpoint::BeforeOutboxMark`], which a batch of messages passes
+    /// together, is never reached by a delivery of one type.)
+    ///
+    /// # Errors
+    ///
+    /// As [`crash_at`](Self::crash_at).
+    pub fn crash_at_message<M: Message>(&self, point: Failpoint) -> Result<(), Error> {
+        self.arm(point, Some(M::TYPE.to_owned()))
+    }
+
+    fn arm(&self, point: Failpoint, message_type: Option<String>) -> Result<(), Error> {
         if self.restart.is_none() {
             return Err(Error::Configuration(
                 "crash_at needs a store given to TestHarnessBuilder::store: in memory, a \
@@ -335,7 +351,7 @@ impl TestHarness {
                     .into(),
             ));
         }
-        self.failpoints.arm(point);
+        self.failpoints.arm(point, message_type);
         Ok(())
     }
 

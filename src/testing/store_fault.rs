@@ -177,8 +177,8 @@ impl StoreHooks {
         }
     }
 
-    pub(crate) async fn pass(&self, point: Failpoint) {
-        self.failpoints.pass(point).await;
+    pub(crate) async fn pass(&self, point: Failpoint, message_type: &str) {
+        self.failpoints.pass(point, Some(message_type)).await;
     }
 }
 

@@ -175,13 +175,13 @@ impl Database {
     }
 
     /// Passes `point` (a crash there never returns).
-    pub(crate) async fn pass(&self, point: dacapo_actors::Failpoint) {
+    pub(crate) async fn pass(&self, point: dacapo_actors::Failpoint, message_type: &str) {
         #[cfg(feature = "testing")]
         if let Some(hooks) = &self.hooks {
-            hooks.pass(point).await;
+            hooks.pass(point, message_type).await;
         }
         #[cfg(not(feature = "testing"))]
-        let _ = point;
+        let _ = (point, message_type);
     }
 
     /// How many times a statement is tried on connections whose session the server ended.

@@ -446,7 +446,12 @@ impl<D: Dialect> Inbox for SqlStore<D> {
             tx.execute(RELEASE_ENVELOPE_CLAIMS, &[Value::Text(&id)])
                 .await?;
         }
-        self.db.pass(dacapo_actors::Failpoint::DeadLetterMove).await;
+        self.db
+            .pass(
+                dacapo_actors::Failpoint::DeadLetterMove,
+                &letter.envelope.message_type,
+            )
+            .await;
         tx.commit().await?;
         Ok(Fenced::Written)
     }
