@@ -7,6 +7,7 @@
 mod columns;
 mod database;
 mod dialect;
+mod group_commit;
 mod statements;
 mod store;
 

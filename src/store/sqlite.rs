@@ -11,8 +11,10 @@ pub(crate) const MIGRATIONS: &[Migration] = migrations!("sqlite");
 
 /// The durable inbox, dead letters, claims and outbox in a SQLite file: the embedded default.
 ///
-/// WAL journal, `synchronous = FULL` (a handled envelope survives a power cut), and
-/// `BEGIN IMMEDIATE` for write transactions.
+/// WAL journal, `synchronous = FULL` by default (every commit is fsynced: an accepted or
+/// settled envelope survives a power cut as well as a crash; see
+/// [`open_with`](SqlStore::open_with) for `NORMAL`), and `BEGIN IMMEDIATE` for write
+/// transactions.
 #[cfg_attr(docsrs, doc(cfg(feature = "sqlite")))]
 pub type SqliteStore = SqlStore<sqlx::Sqlite>;
 
@@ -36,7 +38,25 @@ impl SqlStore<sqlx::Sqlite> {
     /// open a temporary database, deleted on close); [`Error::Store`](crate::Error::Store),
     /// naming the path, when the file cannot be opened or the schema applied.
     pub async fn open(path: &str) -> Result<Self, crate::Error> {
+        Self::open_with(path, SqliteSynchronous::Full).await
+    }
+
+    /// [`open`](Self::open) with the `synchronous` level of your choice. `Full` (the
+    /// default) fsyncs the WAL at every commit: what the store acknowledged survives a
+    /// process crash and a power cut. `Normal` fsyncs only at checkpoints: a process crash
+    /// (kill -9, a panic) still loses nothing, but a power cut or an operating-system crash
+    /// can take back the last commits — envelopes a broker saw acknowledged, deliveries
+    /// marked handled (which then run again) — in exchange for far fewer fsyncs.
+    ///
+    /// # Errors
+    ///
+    /// As [`open`](Self::open).
+    pub async fn open_with(
+        path: &str,
+        synchronous: SqliteSynchronous,
+    ) -> Result<Self, crate::Error> {
         let (options, memory) = options(path)?;
+        let options = options.synchronous(synchronous);
         let pool = pool_options(memory)
             .connect_with(options.create_if_missing(true))
             .await

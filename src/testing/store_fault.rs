@@ -7,6 +7,7 @@ use dacapo_actors::{Error, Failpoint, Failpoints};
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Kind {
     Unavailable,
+    FailingCommits,
     SlowCommits(Duration),
 }
 
@@ -40,6 +41,17 @@ impl StoreFault {
     pub fn unavailable() -> Self {
         Self {
             kind: Kind::Unavailable,
+            times: None,
+            lasting: None,
+        }
+    }
+
+    /// Every transaction's commit fails with a retryable [`Error::Store`] after the
+    /// statements in it ran: what it wrote is rolled back. (Writes that commit on their own
+    /// are not struck: [`unavailable`](Self::unavailable) fails those.)
+    pub fn failing_commits() -> Self {
+        Self {
+            kind: Kind::FailingCommits,
             times: None,
             lasting: None,
         }
@@ -123,8 +135,9 @@ impl StoreFaults {
         self.0.active.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
-    /// The kind of fault that strikes this statement (a commit, or any other), counted.
-    fn strike(&self, commit: bool) -> Option<Kind> {
+    /// The kind of fault that strikes this statement, counted: `commit` for a commit (of a
+    /// transaction, or of a write on its own), `transaction` for a transaction's.
+    fn strike(&self, commit: bool, transaction: bool) -> Option<Kind> {
         let mut active = self.active();
         let current = active.as_mut()?;
         if current.until.is_some_and(|until| Instant::now() >= until) {
@@ -132,7 +145,12 @@ impl StoreFaults {
             return None;
         }
         let kind = current.fault.kind;
-        if matches!(kind, Kind::SlowCommits(_)) && !commit {
+        let spared = match kind {
+            Kind::Unavailable => false,
+            Kind::SlowCommits(_) => !commit,
+            Kind::FailingCommits => !transaction,
+        };
+        if spared {
             return None;
         }
         if let Some(left) = &mut current.left {
@@ -157,16 +175,19 @@ pub(crate) struct StoreHooks {
 impl StoreHooks {
     pub(crate) async fn before_statement(&self) -> Result<(), Error> {
         self.failpoints.fence().await;
-        match self.faults.strike(false) {
+        match self.faults.strike(false, false) {
             Some(Kind::Unavailable) => Err(unavailable()),
-            Some(Kind::SlowCommits(_)) | None => Ok(()),
+            Some(Kind::SlowCommits(_) | Kind::FailingCommits) | None => Ok(()),
         }
     }
 
-    pub(crate) async fn before_commit(&self) -> Result<(), Error> {
+    pub(crate) async fn before_commit(&self, transaction: bool) -> Result<(), Error> {
         self.failpoints.fence().await;
-        match self.faults.strike(true) {
+        match self.faults.strike(true, transaction) {
             Some(Kind::Unavailable) => Err(unavailable()),
+            Some(Kind::FailingCommits) => Err(Error::store(
+                "the commit failed (injected by the test harness: StoreFault::failing_commits)",
+            )),
             Some(Kind::SlowCommits(by)) => {
                 tokio::time::sleep(by).await;
                 // A crash while the commit waited: the commit never runs.
@@ -194,24 +215,27 @@ mod tests {
     fn a_counted_fault_ends_by_itself_and_slow_commits_spare_other_statements() {
         let faults = StoreFaults::default();
         faults.inject(StoreFault::unavailable().times(2));
-        assert_eq!(faults.strike(false), Some(Kind::Unavailable));
-        assert_eq!(faults.strike(true), Some(Kind::Unavailable));
-        assert_eq!(faults.strike(false), None);
+        assert_eq!(faults.strike(false, false), Some(Kind::Unavailable));
+        assert_eq!(faults.strike(true, false), Some(Kind::Unavailable));
+        assert_eq!(faults.strike(false, false), None);
         assert!(!faults.is_on());
         let by = Duration::from_millis(1);
         faults.inject(StoreFault::slow_commits(by));
-        assert_eq!(faults.strike(false), None);
-        assert_eq!(faults.strike(true), Some(Kind::SlowCommits(by)));
-        assert_eq!(faults.struck(), 3);
+        assert_eq!(faults.strike(false, false), None);
+        assert_eq!(faults.strike(true, false), Some(Kind::SlowCommits(by)));
+        faults.inject(StoreFault::failing_commits());
+        assert_eq!(faults.strike(true, false), None);
+        assert_eq!(faults.strike(true, true), Some(Kind::FailingCommits));
+        assert_eq!(faults.struck(), 4);
         faults.end();
-        assert_eq!(faults.strike(true), None);
+        assert_eq!(faults.strike(true, true), None);
     }
 
     #[test]
     fn a_fault_lasting_a_span_ends_once_it_passed() {
         let faults = StoreFaults::default();
         faults.inject(StoreFault::unavailable().lasting(Duration::ZERO));
-        assert_eq!(faults.strike(false), None);
+        assert_eq!(faults.strike(false, false), None);
         assert!(!faults.is_on());
     }
 }

@@ -225,7 +225,7 @@ impl Database {
         sql: &'static str,
         values: &[Value<'_>],
     ) -> Result<u64, Error> {
-        before_commit(&self.hooks).await?;
+        before_commit(&self.hooks, false).await?;
         let done = match &self.pool {
             #[cfg(feature = "sqlite")]
             Pool::Sqlite(pool) => on_live_session(self.tries(), || {
@@ -249,7 +249,7 @@ impl Database {
         sql: String,
         values: &[Value<'_>],
     ) -> Result<u64, Error> {
-        before_commit(&self.hooks).await?;
+        before_commit(&self.hooks, false).await?;
         let done = match &self.pool {
             #[cfg(feature = "sqlite")]
             Pool::Sqlite(pool) => on_live_session(self.tries(), || {
@@ -418,7 +418,7 @@ impl Tx {
     }
 
     pub(crate) async fn commit(self) -> Result<(), Error> {
-        before_commit(&self.hooks).await?;
+        before_commit(&self.hooks, true).await?;
         match self.inner {
             #[cfg(feature = "sqlite")]
             TxInner::Sqlite(tx) => tx.commit().await,
@@ -454,16 +454,16 @@ async fn before_statement(_: &Hooks) -> Result<(), Error> {
 }
 
 #[cfg(feature = "testing")]
-async fn before_commit(hooks: &Hooks) -> Result<(), Error> {
+async fn before_commit(hooks: &Hooks, transaction: bool) -> Result<(), Error> {
     match hooks {
-        Some(hooks) => hooks.before_commit().await,
+        Some(hooks) => hooks.before_commit(transaction).await,
         None => Ok(()),
     }
 }
 
 #[cfg(not(feature = "testing"))]
 #[allow(clippy::unused_async)]
-async fn before_commit(_: &Hooks) -> Result<(), Error> {
+async fn before_commit(_: &Hooks, _: bool) -> Result<(), Error> {
     Ok(())
 }
 

@@ -21,6 +21,7 @@ use super::columns::{
     parse_id, stored_attempts, time,
 };
 use super::database::{Database, Row, Value};
+use super::group_commit::{GroupCommit, Grouping, Write, Written};
 use super::statements::*;
 use super::{Dialect, claim_lost};
 
@@ -36,6 +37,8 @@ pub struct SqlStore<D: Dialect> {
     engine: sqlx::Pool<D>,
     /// `engine`, as the store's code reaches it.
     db: Database,
+    /// Accepts and settles of many deliveries, committed together.
+    group: Arc<GroupCommit>,
     /// Makes a [`Database`] of a pool of this backend.
     #[cfg(feature = "testing")]
     database: fn(sqlx::Pool<D>) -> Database,
@@ -57,6 +60,7 @@ impl<D: Dialect> Clone for SqlStore<D> {
             pool: self.pool.clone(),
             engine: self.engine.clone(),
             db: self.db.clone(),
+            group: Arc::clone(&self.group),
             #[cfg(feature = "testing")]
             database: self.database,
             node: Arc::clone(&self.node),
@@ -129,6 +133,7 @@ impl<D: Dialect> SqlStore<D> {
     ) -> Self {
         Self {
             db: database(engine.clone()),
+            group: GroupCommit::new(Grouping::default()),
             #[cfg(feature = "testing")]
             database,
             pool,
@@ -172,7 +177,19 @@ impl<D: Dialect> SqlStore<D> {
             None => (self.database)(engine.clone()),
         };
         store.engine = engine;
+        store.group = GroupCommit::new(self.group.grouping());
         store
+    }
+
+    /// How accepts and settles are committed together (group commit): at most `max_batch`
+    /// deliveries' writes in one transaction (default 128; 1 commits each alone), and, when
+    /// more than one waits, up to `linger` for others to join first (default zero: a batch is
+    /// what arrived while the previous commit ran). Each caller still returns only once its
+    /// own write committed, and a batch that fails fails every write in it.
+    #[must_use]
+    pub fn group_commit(mut self, max_batch: usize, linger: Duration) -> Self {
+        self.group = GroupCommit::new(Grouping { max_batch, linger });
+        self
     }
 
     /// This node's name in the store (default: random per process). Give each node of a fleet
@@ -330,33 +347,22 @@ async fn migrate(db: &Database) -> Result<(), Error> {
 }
 
 /// What one insert of an inbox row answered.
-fn receipt(inserted: u64, new: Receipt) -> Receipt {
-    if inserted == 1 {
-        new
-    } else {
-        Receipt::Duplicate
-    }
-}
-
 #[async_trait]
 impl<D: Dialect> Inbox for SqlStore<D> {
     async fn receive(&self, envelope: &Envelope) -> Result<Receipt, Error> {
-        let columns = EnvelopeColumns::of(envelope)?;
         let now = self.now();
-        if let Some(due_at) = envelope.scheduled_for.filter(|at| *at > now) {
-            let values =
-                columns.values_and(&[Value::Int64(millis(due_at)), Value::Int64(millis(now))]);
-            let inserted = self.db.execute(RECEIVE_SCHEDULED, &values).await?;
-            return Ok(receipt(inserted, Receipt::Scheduled));
-        }
-        let values = columns.values_and(&[
+        let write = Write::Receive {
+            columns: EnvelopeColumns::of(envelope)?,
             // The engine starts the first attempt right after: a crash from here counts it.
-            Value::Int32(stored_attempts(envelope.attempts.saturating_add(1))),
-            Value::Text(&self.node),
-            Value::Int64(millis(now)),
-        ]);
-        let inserted = self.db.execute(RECEIVE, &values).await?;
-        Ok(receipt(inserted, Receipt::New))
+            attempts: stored_attempts(envelope.attempts.saturating_add(1)),
+            node: Arc::clone(&self.node),
+            now: millis(now),
+            due_at: envelope.scheduled_for.filter(|at| *at > now).map(millis),
+        };
+        match self.group.write(&self.db, write).await? {
+            Written::Received(receipt) => Ok(receipt),
+            Written::Settled(_) => Err(Error::store("a receive answered as a settle")),
+        }
     }
 
     async fn begin_attempt(&self, id: Uuid, attempt: u32) -> Result<Fenced, Error> {
@@ -396,28 +402,19 @@ impl<D: Dialect> Inbox for SqlStore<D> {
     }
 
     async fn settle_handled(&self, id: Uuid, cascaded: &[Envelope]) -> Result<Handled, Error> {
-        let id = id_text(id);
-        let now = millis(self.now());
-        let mark = [Value::Text(&id), Value::Int64(now), Value::Text(&self.node)];
-        if cascaded.is_empty() {
-            return Ok(match self.db.execute(MARK_HANDLED, &mark).await? {
-                0 => Handled::OwnedElsewhere,
-                _ => Handled::Written { in_outbox: true },
-            });
+        let write = Write::Settle {
+            id: id_text(id),
+            node: Arc::clone(&self.node),
+            now: millis(self.now()),
+            cascaded: cascaded
+                .iter()
+                .map(EnvelopeColumns::of)
+                .collect::<Result<_, _>>()?,
+        };
+        match self.group.write(&self.db, write).await? {
+            Written::Settled(handled) => Ok(handled),
+            Written::Received(_) => Err(Error::store("a settle answered as a receive")),
         }
-        let mut tx = self.db.begin().await?;
-        if tx.execute(MARK_HANDLED, &mark).await? == 0 {
-            tx.rollback().await?;
-            return Ok(Handled::OwnedElsewhere);
-        }
-        for envelope in cascaded {
-            let columns = EnvelopeColumns::of(envelope)?;
-            // A retry of this commit writes the same deterministic ids: keep the first.
-            let values = columns.values_and(&[Value::Int64(now)]);
-            tx.execute(ENLIST_ONCE, &values).await?;
-        }
-        tx.commit().await?;
-        Ok(Handled::Written { in_outbox: true })
     }
 
     async fn dead_letter(

@@ -1,0 +1,331 @@
+//! Group commit: the accepts and settles of many deliveries, written while a commit is under
+//! way, commit together in the next transaction — one fsync (SQLite) or WAL flush
+//! (PostgreSQL) for all of them. Each caller returns only once *its* write committed; a batch
+//! that fails fails every caller in it (they retry), except that a batch the database refused
+//! for its data runs again one write at a time, so one bad write does not fail the others.
+
+use std::collections::VecDeque;
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::Duration;
+
+use dacapo_actors::Error;
+use dacapo_actors::ports::{Handled, Receipt};
+use tokio::sync::oneshot;
+
+use super::columns::EnvelopeColumns;
+use super::database::{Database, Tx, Value};
+use super::statements::{ENLIST_ONCE, MARK_HANDLED, RECEIVE, RECEIVE_SCHEDULED};
+
+/// One delivery's write.
+pub(crate) enum Write {
+    /// Records a received envelope, its first attempt started (or scheduled for `due_at`).
+    Receive {
+        columns: EnvelopeColumns,
+        attempts: i32,
+        node: Arc<str>,
+        now: i64,
+        due_at: Option<i64>,
+    },
+    /// Marks a delivery handled, fenced by its owner, with the messages it cascaded.
+    Settle {
+        id: String,
+        node: Arc<str>,
+        now: i64,
+        cascaded: Vec<EnvelopeColumns>,
+    },
+}
+
+/// What a write found.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Written {
+    Received(Receipt),
+    Settled(Handled),
+}
+
+impl Write {
+    /// Commits the write by itself: one statement that commits on its own where it is one
+    /// (a round trip, not three), a transaction otherwise.
+    async fn alone(&self, db: &Database) -> Result<Written, Error> {
+        match self {
+            Self::Receive {
+                columns,
+                attempts,
+                node,
+                now,
+                due_at,
+            } => {
+                let inserted = match due_at {
+                    Some(due_at) => {
+                        let values =
+                            columns.values_and(&[Value::Int64(*due_at), Value::Int64(*now)]);
+                        db.execute(RECEIVE_SCHEDULED, &values).await?
+                    }
+                    None => {
+                        let values = columns.values_and(&[
+                            Value::Int32(*attempts),
+                            Value::Text(node),
+                            Value::Int64(*now),
+                        ]);
+                        db.execute(RECEIVE, &values).await?
+                    }
+                };
+                Ok(received(inserted, due_at.is_some()))
+            }
+            Self::Settle {
+                id,
+                node,
+                now,
+                cascaded,
+            } if cascaded.is_empty() => {
+                let mark = [Value::Text(id), Value::Int64(*now), Value::Text(node)];
+                Ok(settled(db.execute(MARK_HANDLED, &mark).await?))
+            }
+            Self::Settle { .. } => {
+                let mut tx = db.begin().await?;
+                let written = self.run(&mut tx).await?;
+                if written == Written::Settled(Handled::OwnedElsewhere) {
+                    tx.rollback().await?;
+                } else {
+                    tx.commit().await?;
+                }
+                Ok(written)
+            }
+        }
+    }
+
+    /// Runs the write in `tx`.
+    async fn run(&self, tx: &mut Tx) -> Result<Written, Error> {
+        match self {
+            Self::Receive {
+                columns,
+                attempts,
+                node,
+                now,
+                due_at,
+            } => {
+                let inserted = match due_at {
+                    Some(due_at) => {
+                        let values =
+                            columns.values_and(&[Value::Int64(*due_at), Value::Int64(*now)]);
+                        tx.execute(RECEIVE_SCHEDULED, &values).await?
+                    }
+                    None => {
+                        let values = columns.values_and(&[
+                            Value::Int32(*attempts),
+                            Value::Text(node),
+                            Value::Int64(*now),
+                        ]);
+                        tx.execute(RECEIVE, &values).await?
+                    }
+                };
+                Ok(received(inserted, due_at.is_some()))
+            }
+            Self::Settle {
+                id,
+                node,
+                now,
+                cascaded,
+            } => {
+                let mark = [Value::Text(id), Value::Int64(*now), Value::Text(node)];
+                // Fenced: another node's delivery now, or settled meanwhile — nothing of it
+                // is written, and its cascades stay out of the outbox.
+                if tx.execute(MARK_HANDLED, &mark).await? == 0 {
+                    return Ok(Written::Settled(Handled::OwnedElsewhere));
+                }
+                for columns in cascaded {
+                    // A retry of this commit writes the same deterministic ids: keep the first.
+                    let values = columns.values_and(&[Value::Int64(*now)]);
+                    tx.execute(ENLIST_ONCE, &values).await?;
+                }
+                Ok(Written::Settled(Handled::Written { in_outbox: true }))
+            }
+        }
+    }
+}
+
+/// What a receive that inserted `inserted` rows found.
+fn received(inserted: u64, scheduled: bool) -> Written {
+    Written::Received(match (inserted, scheduled) {
+        (1, true) => Receipt::Scheduled,
+        (1, false) => Receipt::New,
+        _ => Receipt::Duplicate,
+    })
+}
+
+/// What a settle that marked `marked` rows found.
+fn settled(marked: u64) -> Written {
+    Written::Settled(match marked {
+        0 => Handled::OwnedElsewhere,
+        _ => Handled::Written { in_outbox: true },
+    })
+}
+
+type Reply = oneshot::Sender<Result<Written, Error>>;
+
+/// How writes are grouped: at most `max_batch` in one transaction, and — when more than one
+/// caller waits — up to `linger` for others to join before committing.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Grouping {
+    pub(crate) max_batch: usize,
+    pub(crate) linger: Duration,
+}
+
+impl Default for Grouping {
+    fn default() -> Self {
+        Self {
+            max_batch: 128,
+            linger: Duration::ZERO,
+        }
+    }
+}
+
+/// The writes waiting for the next commit, and whether a leader is committing.
+#[derive(Default)]
+struct Queue {
+    waiting: VecDeque<(Write, Reply)>,
+    leading: bool,
+}
+
+/// Groups the writes of one store's runtime pool into shared commits.
+pub(crate) struct GroupCommit {
+    grouping: Grouping,
+    queue: Mutex<Queue>,
+}
+
+impl std::fmt::Debug for GroupCommit {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("GroupCommit")
+            .field("grouping", &self.grouping)
+            .field("waiting", &self.queue().waiting.len())
+            .finish()
+    }
+}
+
+impl GroupCommit {
+    pub(crate) fn new(grouping: Grouping) -> Arc<Self> {
+        Arc::new(Self {
+            grouping: Grouping {
+                max_batch: grouping.max_batch.max(1),
+                ..grouping
+            },
+            queue: Mutex::default(),
+        })
+    }
+
+    pub(crate) fn grouping(&self) -> Grouping {
+        self.grouping
+    }
+
+    fn queue(&self) -> std::sync::MutexGuard<'_, Queue> {
+        self.queue.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Writes `write` in the next commit on `db`, and returns once that committed.
+    ///
+    /// # Cancel safety
+    ///
+    /// Cancelling the wait does not cancel the write: it commits with its batch, or fails
+    /// with it.
+    pub(crate) async fn write(
+        self: &Arc<Self>,
+        db: &Database,
+        write: Write,
+    ) -> Result<Written, Error> {
+        let (reply, answer) = oneshot::channel();
+        let lead = {
+            let mut queue = self.queue();
+            queue.waiting.push_back((write, reply));
+            !std::mem::replace(&mut queue.leading, true)
+        };
+        if lead {
+            // Committed on a task of its own: a caller that stops waiting must not take the
+            // others' commit with it.
+            tokio::spawn(Arc::clone(self).lead(db.clone()));
+        }
+        answer.await.unwrap_or_else(|_| {
+            Err(Error::store(
+                "the commit this write waited for was abandoned",
+            ))
+        })
+    }
+
+    /// Commits batches until none waits.
+    async fn lead(self: Arc<Self>, db: Database) {
+        let leading = Leading(&self);
+        loop {
+            let waiting = self.queue().waiting.len();
+            if waiting > 1 && waiting < self.grouping.max_batch && !self.grouping.linger.is_zero() {
+                tokio::time::sleep(self.grouping.linger).await;
+            }
+            let batch: Vec<(Write, Reply)> = {
+                let mut queue = self.queue();
+                if queue.waiting.is_empty() {
+                    queue.leading = false;
+                    std::mem::forget(leading);
+                    return;
+                }
+                let take = queue.waiting.len().min(self.grouping.max_batch);
+                queue.waiting.drain(..take).collect()
+            };
+            let (writes, replies): (Vec<Write>, Vec<Reply>) = batch.into_iter().unzip();
+            let answers = commit(&db, &writes).await;
+            for (reply, answer) in replies.into_iter().zip(answers) {
+                let _ = reply.send(answer);
+            }
+        }
+    }
+}
+
+/// Fails what still waits if the leader's task is dropped (its runtime stopped), so that the
+/// next write leads again instead of waiting for a leader that is gone.
+struct Leading<'a>(&'a GroupCommit);
+
+impl Drop for Leading<'_> {
+    fn drop(&mut self) {
+        let waiting = {
+            let mut queue = self.0.queue();
+            queue.leading = false;
+            std::mem::take(&mut queue.waiting)
+        };
+        for (_, reply) in waiting {
+            let _ = reply.send(Err(Error::store(
+                "the runtime committing this write stopped; try again",
+            )));
+        }
+    }
+}
+
+/// Commits `writes` in one transaction; one answer per write, in order.
+async fn commit(db: &Database, writes: &[Write]) -> Vec<Result<Written, Error>> {
+    if let [write] = writes {
+        return vec![write.alone(db).await];
+    }
+    match in_one_transaction(db, writes).await {
+        Ok(written) => written.into_iter().map(Ok).collect(),
+        // One write's data was refused: each alone, so the others still commit and the bad
+        // one gets its own answer.
+        Err(Error::Rejected(_)) if writes.len() > 1 => {
+            let mut answers = Vec::with_capacity(writes.len());
+            for write in writes {
+                answers.push(write.alone(db).await);
+            }
+            answers
+        }
+        Err(error) => {
+            let message = error.to_string();
+            let mut answers = vec![Err(error)];
+            answers.extend((1..writes.len()).map(|_| Err(Error::store(message.clone()))));
+            answers
+        }
+    }
+}
+
+async fn in_one_transaction(db: &Database, writes: &[Write]) -> Result<Vec<Written>, Error> {
+    let mut tx = db.begin().await?;
+    let mut written = Vec::with_capacity(writes.len());
+    for write in writes {
+        written.push(write.run(&mut tx).await?);
+    }
+    tx.commit().await?;
+    Ok(written)
+}
