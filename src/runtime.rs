@@ -109,6 +109,32 @@ impl Runtime {
         Ok(id)
     }
 
+    /// Publishes every message of `messages` in one store transaction, all or nothing — one
+    /// commit (one fsync on SQLite) for the lot — and starts their deliveries; returns their
+    /// envelope ids, in order, once every one is persisted. On an error none of them is
+    /// recorded. Without a durable store they are accepted one by one.
+    ///
+    /// # Errors
+    ///
+    /// A serialization failure or an envelope over the size limit (nothing is sent then), a
+    /// runtime that is shutting down, or the store's failure (none recorded).
+    ///
+    /// # Cancel safety
+    ///
+    /// Not cancel safe: cancelled once the batch is persisted, the deliveries not started yet
+    /// are resumed by this node's orphan sweep.
+    pub async fn publish_batch<M: Message>(&self, messages: &[M]) -> Result<Vec<Uuid>, Error> {
+        let envelopes = messages
+            .iter()
+            .map(|message| self.envelope(message, SendOptions::default()))
+            .collect::<Result<Vec<_>, _>>()?;
+        let ids = envelopes.iter().map(|envelope| envelope.id).collect();
+        if !envelopes.is_empty() {
+            self.engine.dispatcher().dispatch_batch(envelopes).await?;
+        }
+        Ok(ids)
+    }
+
     /// Publishes `message` to be handled at `at`, not at once. With a durable store it waits in
     /// the inbox, unowned, across restarts, and whichever node's recovery claims it runs it
     /// when due; it can be listed and cancelled with [`scheduled`](Self::scheduled). In memory

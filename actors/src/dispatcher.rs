@@ -164,6 +164,23 @@ impl Worker {
                 Some(&envelope.message_type),
             )
             .await;
+        self.start_received(admission, envelope, receipt, permit, busy, reply);
+        Ok(())
+    }
+
+    /// Starts the delivery of an envelope the inbox answered for with `receipt`: reports a
+    /// scheduled or duplicate one, and starts a supervisor for a new one.
+    fn start_received(
+        self: &Arc<Self>,
+        admission: Admission<'_>,
+        envelope: Envelope,
+        receipt: Receipt,
+        permit: crate::capacity::Slot,
+        busy: crate::Busy,
+        reply: Option<oneshot::Sender<DeliveryReport>>,
+    ) {
+        let shared = &self.shared;
+        let counters = shared.stats.dispatching();
         if receipt == Receipt::Scheduled {
             let due_at = envelope.scheduled_for.unwrap_or_else(|| shared.clock.now());
             tracing::debug!(
@@ -175,7 +192,7 @@ impl Worker {
                 reply,
                 DeliveryReport::accepted(&envelope, Outcome::Scheduled(due_at)),
             );
-            return Ok(());
+            return;
         }
         if receipt == Receipt::Duplicate {
             counters.bump(Counter::Deduplicated);
@@ -188,7 +205,7 @@ impl Worker {
                 reply,
                 DeliveryReport::discarded(&envelope, DiscardReason::DuplicateEnvelope),
             );
-            return Ok(());
+            return;
         }
         // From here the supervisor accounts for the delivery.
         std::mem::forget(admission);
@@ -197,7 +214,6 @@ impl Worker {
         DeliverySupervisor::start_in_arbiter(&self.arbiter, move |_| {
             DeliverySupervisor::new(worker, envelope, permit, reply, busy)
         });
-        Ok(())
     }
 
     /// Delivers the messages cascaded by a successful delivery, on this worker, in the
@@ -286,6 +302,53 @@ impl Dispatcher {
         }
         let admission = Admission(&self.shared.tracker);
         self.next_worker().deliver(admission, envelope, reply).await
+    }
+
+    /// Accepts every envelope of `envelopes` in one store transaction, all or nothing, then
+    /// starts their deliveries, each once the engine has room for it: returns once every one
+    /// is persisted and started (or reported, for a duplicate or a scheduled one).
+    ///
+    /// # Errors
+    ///
+    /// [`Error::ShuttingDown`] (with the first envelope) when the runtime is closing, and the
+    /// inbox's error, with none of them recorded.
+    ///
+    /// # Cancel safety
+    ///
+    /// Not cancel safe: cancelled once the batch is persisted, the deliveries not started yet
+    /// are resumed by this node's orphan sweep.
+    pub async fn dispatch_batch(&self, envelopes: Vec<Envelope>) -> Result<(), Error> {
+        let tracker = &self.shared.tracker;
+        let mut admissions = Vec::with_capacity(envelopes.len());
+        for envelope in &envelopes {
+            if !tracker.admit(true) {
+                return Err(Error::ShuttingDown(Box::new(envelope.clone())));
+            }
+            admissions.push(Admission(tracker));
+        }
+        let mut envelopes = envelopes;
+        for envelope in &mut envelopes {
+            // The attempts another system counted are not this runtime's.
+            envelope.attempts = 0;
+        }
+        let counters = self.shared.stats.dispatching();
+        let receipts = {
+            // Persisting is work: the virtual clock waits for it.
+            let _busy = self.shared.timers.busy();
+            self.next_worker().inbox.receive_batch(&envelopes).await?
+        };
+        self.shared
+            .pass(crate::Failpoint::BeforeAcknowledge, None)
+            .await;
+        for ((envelope, receipt), admission) in envelopes.into_iter().zip(receipts).zip(admissions)
+        {
+            counters.bump(Counter::Received);
+            let permit = self.shared.capacity.acquire().await;
+            let busy = self.shared.timers.busy();
+            self.next_worker()
+                .start_received(admission, envelope, receipt, permit, busy, None);
+        }
+        Ok(())
     }
 
     /// Resumes a delivery whose state the inbox already recorded as this node's (recovered,

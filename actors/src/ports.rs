@@ -171,6 +171,21 @@ pub trait Inbox: Send + Sync + 'static {
     /// [`Error::Store`] when the store cannot answer; the envelope must then not be acked.
     async fn receive(&self, envelope: &Envelope) -> Result<Receipt, Error>;
 
+    /// [`receive`](Inbox::receive) for every envelope of `envelopes`, all or nothing: a
+    /// durable inbox records them in one transaction, and on an error none is recorded. The
+    /// default receives them one by one, for an inbox that cannot fail part-way (in memory).
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Store`] when the store cannot answer; none of the envelopes may then be acked.
+    async fn receive_batch(&self, envelopes: &[Envelope]) -> Result<Vec<Receipt>, Error> {
+        let mut receipts = Vec::with_capacity(envelopes.len());
+        for envelope in envelopes {
+            receipts.push(self.receive(envelope).await?);
+        }
+        Ok(receipts)
+    }
+
     /// Records that attempt `attempt` of envelope `id` starts, so a crash during it counts it.
     /// Fenced: [`Fenced::OwnedElsewhere`] when this node no longer owns the delivery — another
     /// node recovered it after this node's heartbeat expired, or it was settled meanwhile — and

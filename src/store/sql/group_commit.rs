@@ -320,7 +320,11 @@ async fn commit(db: &Database, writes: &[Write]) -> Vec<Result<Written, Error>> 
     }
 }
 
-async fn in_one_transaction(db: &Database, writes: &[Write]) -> Result<Vec<Written>, Error> {
+/// Commits `writes` in one transaction of their own, all or nothing.
+pub(crate) async fn in_one_transaction(
+    db: &Database,
+    writes: &[Write],
+) -> Result<Vec<Written>, Error> {
     let mut tx = db.begin().await?;
     let mut written = Vec::with_capacity(writes.len());
     for write in writes {

@@ -21,7 +21,7 @@ use super::columns::{
     parse_id, stored_attempts, time,
 };
 use super::database::{Database, Row, Value};
-use super::group_commit::{GroupCommit, Grouping, Write, Written};
+use super::group_commit::{GroupCommit, Grouping, Write, Written, in_one_transaction};
 use super::statements::*;
 use super::{Dialect, claim_lost};
 
@@ -146,6 +146,18 @@ impl<D: Dialect> SqlStore<D> {
             http_in_flight: Arc::default(),
             dialect: PhantomData,
         }
+    }
+
+    /// The write that records `envelope` as received at `now`.
+    fn receive_write(&self, envelope: &Envelope, now: DateTime<Utc>) -> Result<Write, Error> {
+        Ok(Write::Receive {
+            columns: EnvelopeColumns::of(envelope)?,
+            // The engine starts the first attempt right after: a crash from here counts it.
+            attempts: stored_attempts(envelope.attempts.saturating_add(1)),
+            node: Arc::clone(&self.node),
+            now: millis(now),
+            due_at: envelope.scheduled_for.filter(|at| *at > now).map(millis),
+        })
     }
 
     /// This store with the test harness's hooks on the runtime's statements.
@@ -350,19 +362,27 @@ async fn migrate(db: &Database) -> Result<(), Error> {
 #[async_trait]
 impl<D: Dialect> Inbox for SqlStore<D> {
     async fn receive(&self, envelope: &Envelope) -> Result<Receipt, Error> {
-        let now = self.now();
-        let write = Write::Receive {
-            columns: EnvelopeColumns::of(envelope)?,
-            // The engine starts the first attempt right after: a crash from here counts it.
-            attempts: stored_attempts(envelope.attempts.saturating_add(1)),
-            node: Arc::clone(&self.node),
-            now: millis(now),
-            due_at: envelope.scheduled_for.filter(|at| *at > now).map(millis),
-        };
+        let write = self.receive_write(envelope, self.now())?;
         match self.group.write(&self.db, write).await? {
             Written::Received(receipt) => Ok(receipt),
             Written::Settled(_) => Err(Error::store("a receive answered as a settle")),
         }
+    }
+
+    async fn receive_batch(&self, envelopes: &[Envelope]) -> Result<Vec<Receipt>, Error> {
+        let now = self.now();
+        let writes = envelopes
+            .iter()
+            .map(|envelope| self.receive_write(envelope, now))
+            .collect::<Result<Vec<_>, _>>()?;
+        in_one_transaction(&self.db, &writes)
+            .await?
+            .into_iter()
+            .map(|written| match written {
+                Written::Received(receipt) => Ok(receipt),
+                Written::Settled(_) => Err(Error::store("a receive answered as a settle")),
+            })
+            .collect()
     }
 
     async fn begin_attempt(&self, id: Uuid, attempt: u32) -> Result<Fenced, Error> {
