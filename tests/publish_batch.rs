@@ -172,3 +172,56 @@ async fn in_memory_a_batch_is_delivered_once_each() {
     runtime.idle().await;
     assert_eq!(recorder.count(), 20);
 }
+
+#[tokio::test]
+async fn a_listener_accepts_a_prefetched_batch_through_an_outage_and_its_redelivery_is_discarded() {
+    let db = ScratchDatabase::sqlite();
+    let store = db.sqlite_store().await.unwrap();
+    let recorder = Recorder::<SeatBooked>::new();
+    let harness = harness(store, &recorder);
+    harness.idle().await.unwrap();
+    let envelopes: Vec<_> = seats(10)
+        .iter()
+        .map(|seat| {
+            harness
+                .runtime()
+                .envelope(seat, SendOptions::default())
+                .unwrap()
+        })
+        .collect();
+    let listener = harness
+        .runtime()
+        .listener()
+        .backoff(dacapo::transport::Backoff::new(
+            Duration::from_millis(1),
+            Duration::from_millis(5),
+        ));
+
+    harness
+        .store_fault(StoreFault::unavailable().times(3))
+        .unwrap();
+    tokio::time::timeout(
+        Duration::from_secs(20),
+        listener.accept_batch(envelopes.clone()),
+    )
+    .await
+    .unwrap()
+    .unwrap();
+    assert!(listener.pauses() >= 1, "the outage was waited out");
+    harness.idle().await.unwrap();
+    assert_eq!(recorder.count(), 10);
+
+    // The broker delivers the whole prefetch again: every copy is discarded.
+    listener.accept_batch(envelopes).await.unwrap();
+    harness.idle().await.unwrap();
+    assert_eq!(recorder.count(), 10);
+    let discarded = harness
+        .reports()
+        .iter()
+        .filter(|r| r.outcome == Outcome::Discarded(dacapo::DiscardReason::DuplicateEnvelope))
+        .count();
+    assert_eq!(
+        discarded, 10,
+        "each copy is reported discarded"
+    );
+}

@@ -29,6 +29,11 @@ impl InProcess {
     /// Cancelled while waiting for capacity, nothing happened. Cancelled while the inbox
     /// records the envelope, it may be recorded but not handled: a durable inbox resumes it
     /// after a restart (or once this node's heartbeat expires), the in-memory one never does.
+    /// Accepts a batch of envelopes in one store transaction, all or nothing.
+    pub(crate) async fn send_batch(&self, envelopes: Vec<Envelope>) -> Result<(), Error> {
+        Ok(self.dispatcher.dispatch_batch(envelopes).await?)
+    }
+
     pub(crate) async fn send(
         &self,
         envelope: Envelope,

@@ -67,15 +67,49 @@ impl Listener {
     /// Cancelled, the envelope may or may not have been recorded: do not acknowledge it. Its
     /// redelivery is then handled, or discarded by the inbox if it was recorded.
     pub async fn accept(&self, envelope: Envelope) -> Result<(), Error> {
+        let id = envelope.id;
+        self.waiting_out_the_store(id, || self.transport.send(envelope.clone(), None))
+            .await
+    }
+
+    /// [`accept`](Self::accept) for the envelopes a transport received together (a prefetch):
+    /// one store transaction for all of them, all or nothing, waiting out store failures; `Ok`
+    /// once every one is accepted: acknowledge them all then (a multiple ack).
+    ///
+    /// # Errors
+    ///
+    /// As [`accept`](Self::accept); none of them is recorded then.
+    ///
+    /// # Cancel safety
+    ///
+    /// As [`accept`](Self::accept), for every envelope of the batch.
+    pub async fn accept_batch(&self, envelopes: Vec<Envelope>) -> Result<(), Error> {
+        let Some(first) = envelopes.first().map(|envelope| envelope.id) else {
+            return Ok(());
+        };
+        self.waiting_out_the_store(first, || self.transport.send_batch(envelopes.clone()))
+            .await
+    }
+
+    /// Runs `accept` until the store takes it, pausing after each store failure.
+    async fn waiting_out_the_store<F, Fut>(
+        &self,
+        id: uuid::Uuid,
+        mut accept: F,
+    ) -> Result<(), Error>
+    where
+        F: FnMut() -> Fut,
+        Fut: std::future::Future<Output = Result<(), Error>>,
+    {
         let mut failures = 0u32;
         loop {
-            match self.transport.send(envelope.clone(), None).await {
+            match accept().await {
                 Err(Error::Store(error)) => {
                     failures = failures.saturating_add(1);
                     let pause = self.backoff.pause(failures);
                     self.pauses.fetch_add(1, Ordering::Relaxed);
                     tracing::warn!(
-                        messaging.message.id = %envelope.id,
+                        messaging.message.id = %id,
                         %error,
                         failures,
                         ?pause,
@@ -86,7 +120,7 @@ impl Listener {
                 accepted => {
                     if failures > 0 {
                         tracing::info!(
-                            messaging.message.id = %envelope.id,
+                            messaging.message.id = %id,
                             failures,
                             "the store records received envelopes again; listening resumed"
                         );
