@@ -66,6 +66,76 @@ macro_rules! insert_row_handler {
 insert_row_handler!(sqlx::SqlitePool);
 insert_row_handler!(sqlx::PgPool);
 
+/// The same INSERT, then the time it was handled, by message number.
+struct Stamped<P> {
+    insert: InsertRow<P>,
+    handled: std::sync::Arc<std::sync::Mutex<Vec<Option<Instant>>>>,
+}
+
+macro_rules! stamped_handler {
+    ($pool:ty) => {
+        impl Handler<Ping> for Stamped<$pool> {
+            async fn handle(
+                &self,
+                ping: &Ping,
+                context: &MessageContext,
+            ) -> Result<(), HandlerError> {
+                self.insert.handle(ping, context).await?;
+                self.handled.lock().unwrap()[ping.n as usize] = Some(Instant::now());
+                Ok(())
+            }
+        }
+    };
+}
+stamped_handler!(sqlx::SqlitePool);
+stamped_handler!(sqlx::PgPool);
+
+/// Publish-to-handled latency (p50, p99) at a steady `per_second`, `count` messages.
+async fn latency<P: Clone>(
+    store_builder: RuntimeBuilder,
+    pool: P,
+    count: u64,
+    per_second: u64,
+) -> (Duration, Duration)
+where
+    Stamped<P>: Handler<Ping>,
+{
+    let handled = std::sync::Arc::new(std::sync::Mutex::new(vec![None; count as usize]));
+    let runtime = store_builder
+        .module(Module::new("bench").handle_named::<Ping, _>(
+            "insert",
+            Stamped {
+                insert: InsertRow(pool),
+                handled: std::sync::Arc::clone(&handled),
+            },
+        ))
+        .build()
+        .unwrap();
+    let start = tokio::time::Instant::now();
+    let mut sent = Vec::with_capacity(count as usize);
+    for n in 0..count {
+        tokio::time::sleep_until(start + Duration::from_secs(1) * n as u32 / per_second as u32)
+            .await;
+        sent.push(Instant::now());
+        runtime.publish(&Ping { n }).await.unwrap();
+    }
+    runtime.idle().await;
+    runtime.shutdown().await;
+    let handled = handled.lock().unwrap();
+    let mut latencies: Vec<Duration> = sent
+        .iter()
+        .zip(handled.iter())
+        .map(|(sent, handled)| {
+            handled
+                .expect("every message handled")
+                .duration_since(*sent)
+        })
+        .collect();
+    latencies.sort();
+    let at = |q: f64| latencies[((latencies.len() as f64 * q) as usize).min(latencies.len() - 1)];
+    (at(0.50), at(0.99))
+}
+
 /// Publishers at once: 1 is the `live` workload; 0 publishes with `publish_batch`, a hundred
 /// messages to a call.
 async fn through_dacapo<H: Handler<Ping>>(
@@ -369,6 +439,50 @@ fn print(name: &str, figures: &Figures) {
     );
 }
 
+/// p50 and p99 at 200 messages/s, group commit on and off, on both backends.
+async fn latencies() {
+    const COUNT: u64 = 1000;
+    const RATE: u64 = 200;
+    println!("Publish-to-handled latency at a steady {RATE} messages/s, {COUNT} messages:");
+    for grouped in [true, false] {
+        let scratch = ScratchSqlite::new(&format!("b2-latency-{grouped}"));
+        let store = SqliteStore::open(scratch.path()).await.unwrap();
+        let pool = store.pool().clone();
+        pool.execute(TABLE).await.unwrap();
+        let store = if grouped {
+            store
+        } else {
+            store.group_commit(1, Duration::ZERO)
+        };
+        let (p50, p99) = latency(Runtime::builder().store(store), pool.clone(), COUNT, RATE).await;
+        pool.close().await;
+        println!(
+            "  SQLite      group commit {:<3}  p50 {:>6.2} ms   p99 {:>6.2} ms",
+            if grouped { "on" } else { "off" },
+            p50.as_secs_f64() * 1e3,
+            p99.as_secs_f64() * 1e3
+        );
+        let scratch = ScratchPostgres::create(&format!("b3_latency_{grouped}")).await;
+        let store = PostgresStore::connect(&scratch.url).await.unwrap();
+        let pool = store.pool().clone();
+        pool.execute(TABLE).await.unwrap();
+        let store = if grouped {
+            store
+        } else {
+            store.group_commit(1, Duration::ZERO)
+        };
+        let (p50, p99) = latency(Runtime::builder().store(store), pool.clone(), COUNT, RATE).await;
+        pool.close().await;
+        scratch.remove().await;
+        println!(
+            "  PostgreSQL  group commit {:<3}  p50 {:>6.2} ms   p99 {:>6.2} ms",
+            if grouped { "on" } else { "off" },
+            p50.as_secs_f64() * 1e3,
+            p99.as_secs_f64() * 1e3
+        );
+    }
+}
+
 #[tokio::main]
 async fn main() {
     let deliveries: u64 = std::env::args()
@@ -382,4 +496,5 @@ async fn main() {
     );
     print("B2 SQLite", &sqlite);
     print("B3 Postgres", &postgres);
+    latencies().await;
 }

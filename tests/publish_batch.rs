@@ -220,8 +220,5 @@ async fn a_listener_accepts_a_prefetched_batch_through_an_outage_and_its_redeliv
         .iter()
         .filter(|r| r.outcome == Outcome::Discarded(dacapo::DiscardReason::DuplicateEnvelope))
         .count();
-    assert_eq!(
-        discarded, 10,
-        "each copy is reported discarded"
-    );
+    assert_eq!(discarded, 10, "each copy is reported discarded");
 }
