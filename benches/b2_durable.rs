@@ -299,115 +299,102 @@ fn rate(deliveries: u64, elapsed: Duration) -> f64 {
     deliveries as f64 / elapsed.as_secs_f64()
 }
 
-async fn sqlite(deliveries: u64) -> Figures {
-    let mut figures = Figures {
-        live: 0.0,
-        publishers16: 0.0,
-        live_alone: 0.0,
-        publishers16_alone: 0.0,
-        batches: 0.0,
-        batched: 0.0,
-        one_commit_each: 0.0,
-    };
-    for which in [
-        "live",
-        "16",
-        "live-alone",
-        "16-alone",
-        "publish-batch",
-        "batched",
-        "one",
-    ] {
-        let scratch = ScratchSqlite::new(&format!("b2-{which}"));
-        let store = SqliteStore::open(scratch.path()).await.unwrap();
-        let pool = store.pool().clone();
-        pool.execute(TABLE).await.unwrap();
-        let store = if which.ends_with("alone") {
-            store.group_commit(1, Duration::ZERO)
+/// The runs of one backend, by name: dacapo's workloads (group commit on, then off), then
+/// the two raw loops.
+const CONTENDERS: [&str; 7] = [
+    "live",
+    "16",
+    "live-alone",
+    "16-alone",
+    "publish-batch",
+    "batched",
+    "one",
+];
+
+impl Figures {
+    fn new() -> Self {
+        Self {
+            live: 0.0,
+            publishers16: 0.0,
+            live_alone: 0.0,
+            publishers16_alone: 0.0,
+            batches: 0.0,
+            batched: 0.0,
+            one_commit_each: 0.0,
+        }
+    }
+
+    fn set(&mut self, contender: &str, rate: f64) {
+        match contender {
+            "live" => self.live = rate,
+            "16" => self.publishers16 = rate,
+            "live-alone" => self.live_alone = rate,
+            "16-alone" => self.publishers16_alone = rate,
+            "publish-batch" => self.batches = rate,
+            "batched" => self.batched = rate,
+            _ => self.one_commit_each = rate,
+        }
+    }
+}
+
+/// Runs `$contender` on `$store` and its `$pool`, with this backend's raw loops; its time.
+macro_rules! measure {
+    ($contender:ident, $store:ident, $pool:ident, $deliveries:ident, $batched:ident, $raw:ident) => {{
+        $pool.execute(TABLE).await.unwrap();
+        let store = if $contender.ends_with("alone") {
+            $store.group_commit(1, Duration::ZERO)
         } else {
-            store
+            $store
         };
         let builder = Runtime::builder().store(store);
-        let elapsed = match which {
-            "live" => through_dacapo(builder, InsertRow(pool.clone()), deliveries, 1).await,
-            "16" | "16-alone" => {
-                through_dacapo(builder, InsertRow(pool.clone()), deliveries, 16).await
-            }
-            "live-alone" => through_dacapo(builder, InsertRow(pool.clone()), deliveries, 1).await,
-            "publish-batch" => {
-                through_dacapo(builder, InsertRow(pool.clone()), deliveries, 0).await
-            }
-            "batched" => batched_sqlite(&pool, deliveries).await,
-            _ => raw_sqlite(&pool, deliveries).await,
-        };
-        pool.close().await;
-        let rate = rate(deliveries, elapsed);
-        match which {
-            "live" => figures.live = rate,
-            "16" => figures.publishers16 = rate,
-            "live-alone" => figures.live_alone = rate,
-            "16-alone" => figures.publishers16_alone = rate,
-            "publish-batch" => figures.batches = rate,
-            "batched" => figures.batched = rate,
-            _ => figures.one_commit_each = rate,
+        let handler = InsertRow($pool.clone());
+        match $contender {
+            "live" | "live-alone" => through_dacapo(builder, handler, $deliveries, 1).await,
+            "16" | "16-alone" => through_dacapo(builder, handler, $deliveries, 16).await,
+            "publish-batch" => through_dacapo(builder, handler, $deliveries, 0).await,
+            "batched" => $batched(&$pool, $deliveries).await,
+            _ => $raw(&$pool, $deliveries).await,
         }
+    }};
+}
+
+async fn sqlite(deliveries: u64) -> Figures {
+    let mut figures = Figures::new();
+    for contender in CONTENDERS {
+        let scratch = ScratchSqlite::new(&format!("b2-{contender}"));
+        let store = SqliteStore::open(scratch.path()).await.unwrap();
+        let pool = store.pool().clone();
+        let elapsed = measure!(
+            contender,
+            store,
+            pool,
+            deliveries,
+            batched_sqlite,
+            raw_sqlite
+        );
+        pool.close().await;
+        figures.set(contender, rate(deliveries, elapsed));
     }
     figures
 }
 
 async fn postgres(deliveries: u64) -> Figures {
-    let mut figures = Figures {
-        live: 0.0,
-        publishers16: 0.0,
-        live_alone: 0.0,
-        publishers16_alone: 0.0,
-        batches: 0.0,
-        batched: 0.0,
-        one_commit_each: 0.0,
-    };
-    for which in [
-        "live",
-        "16",
-        "live-alone",
-        "16-alone",
-        "publish-batch",
-        "batched",
-        "one",
-    ] {
-        let scratch = ScratchPostgres::create(&format!("b3_{}", which.replace('-', "_"))).await;
+    let mut figures = Figures::new();
+    for contender in CONTENDERS {
+        let scratch = ScratchPostgres::create(&format!("b3_{}", contender.replace('-', "_"))).await;
         let store = PostgresStore::connect(&scratch.url).await.unwrap();
         let pool = store.pool().clone();
-        pool.execute(TABLE).await.unwrap();
-        let store = if which.ends_with("alone") {
-            store.group_commit(1, Duration::ZERO)
-        } else {
-            store
-        };
-        let builder = Runtime::builder().store(store);
-        let elapsed = match which {
-            "live" => through_dacapo(builder, InsertRow(pool.clone()), deliveries, 1).await,
-            "16" | "16-alone" => {
-                through_dacapo(builder, InsertRow(pool.clone()), deliveries, 16).await
-            }
-            "live-alone" => through_dacapo(builder, InsertRow(pool.clone()), deliveries, 1).await,
-            "publish-batch" => {
-                through_dacapo(builder, InsertRow(pool.clone()), deliveries, 0).await
-            }
-            "batched" => batched_postgres(&pool, deliveries).await,
-            _ => raw_postgres(&pool, deliveries).await,
-        };
+        let elapsed = measure!(
+            contender,
+            store,
+            pool,
+            deliveries,
+            batched_postgres,
+            raw_postgres
+        );
         pool.close().await;
         scratch.remove().await;
-        let rate = rate(deliveries, elapsed);
-        match which {
-            "live" => figures.live = rate,
-            "16" => figures.publishers16 = rate,
-            "live-alone" => figures.live_alone = rate,
-            "16-alone" => figures.publishers16_alone = rate,
-            "publish-batch" => figures.batches = rate,
-            "batched" => figures.batched = rate,
-            _ => figures.one_commit_each = rate,
-        }
+        figures.set(contender, rate(deliveries, elapsed));
     }
     figures
 }

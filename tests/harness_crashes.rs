@@ -110,6 +110,43 @@ fn builder() -> TestHarnessBuilder {
     TestHarness::builder().settle_timeout(Duration::from_secs(20))
 }
 
+/// The setup on `$db`, a scratch database, and `$store`, its store: the effects table, the
+/// two handlers on its pool, and a reader of the effects.
+macro_rules! setup_on {
+    ($db:ident, $store:ident, $faults:ident) => {{
+        let pool = $store.pool().clone();
+        dacapo::sqlx::query(EFFECTS).execute(&pool).await.unwrap();
+        let harness = $faults(
+            builder()
+                .store($store)
+                .module(
+                    Module::new("access")
+                        .handle_named::<MemberRemoved, _>("revoke", Revoke(pool.clone())),
+                )
+                .module(
+                    Module::new("audit")
+                        .handle_named::<AccessRevoked, _>("audit", Audit(pool.clone())),
+                ),
+        )
+        .build()
+        .unwrap();
+        let effects = Box::new(move || {
+            let pool = pool.clone();
+            Box::pin(async move {
+                dacapo::sqlx::query_scalar("SELECT handler FROM effects ORDER BY handler")
+                    .fetch_all(&pool)
+                    .await
+                    .unwrap()
+            }) as futures::future::BoxFuture<'static, Vec<String>>
+        });
+        Setup {
+            harness,
+            effects,
+            _db: $db,
+        }
+    }};
+}
+
 async fn setup(
     backend: Backend,
     faults: impl FnOnce(TestHarnessBuilder) -> TestHarnessBuilder,
@@ -118,70 +155,12 @@ async fn setup(
         Backend::Sqlite => {
             let db = ScratchDatabase::sqlite();
             let store = db.sqlite_store().await.unwrap();
-            let pool = store.pool().clone();
-            dacapo::sqlx::query(EFFECTS).execute(&pool).await.unwrap();
-            let harness = faults(
-                builder()
-                    .store(store)
-                    .module(
-                        Module::new("access")
-                            .handle_named::<MemberRemoved, _>("revoke", Revoke(pool.clone())),
-                    )
-                    .module(
-                        Module::new("audit")
-                            .handle_named::<AccessRevoked, _>("audit", Audit(pool.clone())),
-                    ),
-            )
-            .build()
-            .unwrap();
-            let effects = Box::new(move || {
-                let pool = pool.clone();
-                Box::pin(async move {
-                    dacapo::sqlx::query_scalar("SELECT handler FROM effects ORDER BY handler")
-                        .fetch_all(&pool)
-                        .await
-                        .unwrap()
-                }) as futures::future::BoxFuture<'static, Vec<String>>
-            });
-            Setup {
-                harness,
-                effects,
-                _db: db,
-            }
+            setup_on!(db, store, faults)
         }
         Backend::Postgres => {
             let db = ScratchDatabase::postgres(&admin_url()).await.unwrap();
             let store = db.postgres_store().await.unwrap();
-            let pool = store.pool().clone();
-            dacapo::sqlx::query(EFFECTS).execute(&pool).await.unwrap();
-            let harness = faults(
-                builder()
-                    .store(store)
-                    .module(
-                        Module::new("access")
-                            .handle_named::<MemberRemoved, _>("revoke", Revoke(pool.clone())),
-                    )
-                    .module(
-                        Module::new("audit")
-                            .handle_named::<AccessRevoked, _>("audit", Audit(pool.clone())),
-                    ),
-            )
-            .build()
-            .unwrap();
-            let effects = Box::new(move || {
-                let pool = pool.clone();
-                Box::pin(async move {
-                    dacapo::sqlx::query_scalar("SELECT handler FROM effects ORDER BY handler")
-                        .fetch_all(&pool)
-                        .await
-                        .unwrap()
-                }) as futures::future::BoxFuture<'static, Vec<String>>
-            });
-            Setup {
-                harness,
-                effects,
-                _db: db,
-            }
+            setup_on!(db, store, faults)
         }
     }
 }

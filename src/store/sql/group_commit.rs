@@ -43,103 +43,83 @@ pub(crate) enum Written {
 }
 
 impl Write {
-    /// Commits the write by itself: one statement that commits on its own where it is one
-    /// (a round trip, not three), a transaction otherwise.
-    async fn alone(&self, db: &Database) -> Result<Written, Error> {
+    /// The write's one statement — or, for a settle with cascades, its first — and its
+    /// parameters.
+    fn statement(&self) -> (&'static str, Vec<Value<'_>>) {
         match self {
+            Self::Receive {
+                columns,
+                due_at: Some(due_at),
+                now,
+                ..
+            } => (
+                RECEIVE_SCHEDULED,
+                columns.values_and(&[Value::Int64(*due_at), Value::Int64(*now)]),
+            ),
             Self::Receive {
                 columns,
                 attempts,
                 node,
                 now,
-                due_at,
-            } => {
-                let inserted = match due_at {
-                    Some(due_at) => {
-                        let values =
-                            columns.values_and(&[Value::Int64(*due_at), Value::Int64(*now)]);
-                        db.execute(RECEIVE_SCHEDULED, &values).await?
-                    }
-                    None => {
-                        let values = columns.values_and(&[
-                            Value::Int32(*attempts),
-                            Value::Text(node),
-                            Value::Int64(*now),
-                        ]);
-                        db.execute(RECEIVE, &values).await?
-                    }
-                };
-                Ok(received(inserted, due_at.is_some()))
-            }
-            Self::Settle {
-                id,
-                node,
-                now,
-                cascaded,
-            } if cascaded.is_empty() => {
-                let mark = [Value::Text(id), Value::Int64(*now), Value::Text(node)];
-                Ok(settled(db.execute(MARK_HANDLED, &mark).await?))
-            }
-            Self::Settle { .. } => {
-                let mut tx = db.begin().await?;
-                let written = self.run(&mut tx).await?;
-                if written == Written::Settled(Handled::OwnedElsewhere) {
-                    tx.rollback().await?;
-                } else {
-                    tx.commit().await?;
-                }
-                Ok(written)
-            }
+                due_at: None,
+            } => (
+                RECEIVE,
+                columns.values_and(&[
+                    Value::Int32(*attempts),
+                    Value::Text(node),
+                    Value::Int64(*now),
+                ]),
+            ),
+            Self::Settle { id, node, now, .. } => (
+                MARK_HANDLED,
+                vec![Value::Text(id), Value::Int64(*now), Value::Text(node)],
+            ),
         }
+    }
+
+    /// What the write found, given the rows its statement changed.
+    fn answer(&self, rows: u64) -> Written {
+        match self {
+            Self::Receive { due_at, .. } => received(rows, due_at.is_some()),
+            Self::Settle { .. } => settled(rows),
+        }
+    }
+
+    /// Commits the write by itself: one statement that commits on its own where it is one
+    /// (a round trip, not three), a transaction otherwise.
+    async fn alone(&self, db: &Database) -> Result<Written, Error> {
+        if let Self::Settle { cascaded, .. } = self
+            && !cascaded.is_empty()
+        {
+            let mut tx = db.begin().await?;
+            let written = self.run(&mut tx).await?;
+            if written == Written::Settled(Handled::OwnedElsewhere) {
+                tx.rollback().await?;
+            } else {
+                tx.commit().await?;
+            }
+            return Ok(written);
+        }
+        let (sql, values) = self.statement();
+        Ok(self.answer(db.execute(sql, &values).await?))
     }
 
     /// Runs the write in `tx`.
     async fn run(&self, tx: &mut Tx) -> Result<Written, Error> {
-        match self {
-            Self::Receive {
-                columns,
-                attempts,
-                node,
-                now,
-                due_at,
-            } => {
-                let inserted = match due_at {
-                    Some(due_at) => {
-                        let values =
-                            columns.values_and(&[Value::Int64(*due_at), Value::Int64(*now)]);
-                        tx.execute(RECEIVE_SCHEDULED, &values).await?
-                    }
-                    None => {
-                        let values = columns.values_and(&[
-                            Value::Int32(*attempts),
-                            Value::Text(node),
-                            Value::Int64(*now),
-                        ]);
-                        tx.execute(RECEIVE, &values).await?
-                    }
-                };
-                Ok(received(inserted, due_at.is_some()))
-            }
-            Self::Settle {
-                id,
-                node,
-                now,
-                cascaded,
-            } => {
-                let mark = [Value::Text(id), Value::Int64(*now), Value::Text(node)];
-                // Fenced: another node's delivery now, or settled meanwhile — nothing of it
-                // is written, and its cascades stay out of the outbox.
-                if tx.execute(MARK_HANDLED, &mark).await? == 0 {
-                    return Ok(Written::Settled(Handled::OwnedElsewhere));
-                }
-                for columns in cascaded {
-                    // A retry of this commit writes the same deterministic ids: keep the first.
-                    let values = columns.values_and(&[Value::Int64(*now)]);
-                    tx.execute(ENLIST_ONCE, &values).await?;
-                }
-                Ok(Written::Settled(Handled::Written { in_outbox: true }))
+        let (sql, values) = self.statement();
+        let written = self.answer(tx.execute(sql, &values).await?);
+        if let Self::Settle { now, cascaded, .. } = self
+            && written == Written::Settled(Handled::Written { in_outbox: true })
+        {
+            // Only a settle this node still owned writes its cascades: a fenced one leaves
+            // them out of the outbox.
+            for columns in cascaded {
+                // A retry of this commit writes the same deterministic ids: keep the first.
+                let values = columns.values_and(&[Value::Int64(*now)]);
+                tx.execute(ENLIST_ONCE, &values).await?;
             }
         }
+        Ok(written)
     }
 }
 

@@ -165,6 +165,8 @@ impl<D: Dialect> SqlStore<D> {
     pub(crate) fn with_test_hooks(&self, hooks: Arc<crate::testing::StoreHooks>) -> Self {
         let mut store = self.clone();
         store.db = self.db.with_hooks(hooks);
+        // A group commits on one database handle: this one's statements carry the hooks.
+        store.group = GroupCommit::new(self.group.grouping());
         store
     }
 
