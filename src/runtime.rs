@@ -365,6 +365,20 @@ impl Runtime {
         self.engine.kill().await;
     }
 
+    /// [`receive_tracked`](Self::receive_tracked) while the harness holds `held` on the
+    /// virtual clock, given up if the envelope must wait for capacity.
+    pub(crate) async fn receive_tracked_holding(
+        &self,
+        envelope: Envelope,
+        held: &mut Option<dacapo_actors::Busy>,
+    ) -> Result<oneshot::Receiver<DeliveryReport>, Error> {
+        let (reply, report) = oneshot::channel();
+        self.transport
+            .send_holding(envelope, Some(reply), held)
+            .await?;
+        Ok(report)
+    }
+
     /// Returns once the first recovery round resumed what an earlier run left.
     pub(crate) async fn first_recovery(&self) {
         self.engine.first_recovery().await;

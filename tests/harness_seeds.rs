@@ -178,3 +178,23 @@ async fn a_recovered_batch_starts_in_the_seeds_order() {
     orders.dedup();
     assert!(orders.len() > 1, "six seeds, one order: {orders:?}");
 }
+
+#[tokio::test]
+async fn what_is_published_together_past_the_engines_capacity_lets_the_clock_move() {
+    // One slot: the second publish waits for it while the first cools down, which only the
+    // clock moving ends. The harness's hold on the clock must not stop it.
+    let recorder = Recorder::<SeatReleased>::new();
+    let harness = builder(&recorder)
+        .configure(|runtime| runtime.max_in_flight(1))
+        .seed(3)
+        .build()
+        .unwrap();
+    let (first, second) = tokio::join!(
+        harness.publish(&SeatReleased { seat: 1 }),
+        harness.publish(&SeatReleased { seat: 2 })
+    );
+    for report in [first.unwrap(), second.unwrap()] {
+        assert!(report.is_handled() && report.attempts == 2, "{report:?}");
+    }
+    assert_eq!(recorder.count(), 2);
+}

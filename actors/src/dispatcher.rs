@@ -137,16 +137,26 @@ impl std::fmt::Debug for Worker {
 
 impl Worker {
     /// Asks the inbox, waits for capacity, and starts a supervisor on this worker.
+    ///
+    /// `held` is a caller's token on the virtual clock: given up if the delivery must wait for
+    /// capacity, which only time (a cooldown ending) may free.
     async fn deliver(
         self: &Arc<Self>,
         admission: Admission<'_>,
         envelope: Envelope,
         reply: Option<oneshot::Sender<DeliveryReport>>,
+        held: &mut Option<crate::Busy>,
     ) -> Result<(), Error> {
         let shared = &self.shared;
         let counters = shared.stats.dispatching();
         counters.bump(Counter::Received);
-        let permit = shared.capacity.acquire().await;
+        let permit = match shared.capacity.try_acquire() {
+            Some(permit) => permit,
+            None => {
+                held.take();
+                shared.capacity.acquire().await
+            }
+        };
         // Work from here on holds the virtual clock (not while waiting for capacity, which a
         // delivery cooling down may hold).
         let busy = shared.timers.busy();
@@ -231,7 +241,7 @@ impl Worker {
             for envelope in envelopes {
                 let id = envelope.id;
                 let admission = Admission(&worker.shared.tracker);
-                if let Err(error) = worker.deliver(admission, envelope, None).await {
+                if let Err(error) = worker.deliver(admission, envelope, None, &mut None).await {
                     tracing::error!(message_id = %id, %error, "cascaded message could not be delivered");
                 }
             }
@@ -297,11 +307,29 @@ impl Dispatcher {
         envelope: Envelope,
         reply: Option<oneshot::Sender<DeliveryReport>>,
     ) -> Result<(), Error> {
+        self.dispatch_holding(envelope, reply, &mut None).await
+    }
+
+    /// [`dispatch`](Self::dispatch) while the caller holds `held`, a token on the virtual
+    /// clock (the test harness's, so that what it publishes together is accepted before time
+    /// moves): given up if the envelope must wait for capacity.
+    ///
+    /// # Errors
+    ///
+    /// As [`dispatch`](Self::dispatch).
+    pub async fn dispatch_holding(
+        &self,
+        envelope: Envelope,
+        reply: Option<oneshot::Sender<DeliveryReport>>,
+        held: &mut Option<crate::Busy>,
+    ) -> Result<(), Error> {
         if !self.shared.tracker.admit(true) {
             return Err(Error::ShuttingDown(Box::new(envelope)));
         }
         let admission = Admission(&self.shared.tracker);
-        self.next_worker().deliver(admission, envelope, reply).await
+        self.next_worker()
+            .deliver(admission, envelope, reply, held)
+            .await
     }
 
     /// Accepts every envelope of `envelopes` in one store transaction, all or nothing, then

@@ -362,11 +362,17 @@ impl Engine {
 impl Engine {
     /// Stops the threads at once, as a killed process would: nothing drains, nothing of this
     /// node is released, and the futures under way are dropped where they stand.
+    ///
+    /// # Cancel safety
+    ///
+    /// Cancel safe: a kill cancelled while the threads stop leaves the wait to the next
+    /// call, which returns only once they stopped.
     pub async fn kill(&self) {
         let mut stopped = self.stopped.lock().await;
-        if let Some(stopped) = stopped.take() {
+        if let Some(receiver) = stopped.as_mut() {
             self.system.stop();
-            let _ = stopped.await;
+            let _ = receiver.await;
+            *stopped = None;
         }
     }
 

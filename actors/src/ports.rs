@@ -173,7 +173,9 @@ pub trait Inbox: Send + Sync + 'static {
 
     /// [`receive`](Inbox::receive) for every envelope of `envelopes`, all or nothing: a
     /// durable inbox records them in one transaction, and on an error none is recorded. The
-    /// default receives them one by one, for an inbox that cannot fail part-way (in memory).
+    /// default receives them one by one, for an inbox that cannot fail part-way (in memory):
+    /// an inbox that wraps a durable one must forward this method, or a batch may be recorded
+    /// in part.
     ///
     /// # Errors
     ///

@@ -333,8 +333,10 @@ impl TestHarness {
 
     /// [`crash_at`](Self::crash_at) for a delivery of `M` only: the first one that reaches
     /// `point`. Others pass it — a message the handler cascaded, say, which may reach the
-    /// point first. ([`Failpoint::BeforeOutboxMark`], which a batch of messages passes
-    /// together, is never reached by a delivery of one type.)
+    /// point first. ([`Failpoint::BeforeOutboxMark`], and [`Failpoint::BeforeAcknowledge`]
+    /// for a batch accepted together — `publish_batch`, `Listener::accept_batch` — are passed
+    /// by several messages at once, never by a delivery of one type: arm them with
+    /// [`crash_at`](Self::crash_at).)
     ///
     /// # Errors
     ///
@@ -566,9 +568,9 @@ impl TestHarness {
         // Accepting is work: the clock waits for it. The token goes only after a yield, so
         // that what a test publishes together (joined futures, polled one after another) is
         // all accepted before time moves for any of it.
-        let busy = self.busy();
+        let mut busy = Some(self.busy());
         self.unless_crashed(async {
-            let report = self.runtime.receive_tracked(envelope).await;
+            let report = self.accepted(id, &envelope, &mut busy).await;
             tokio::task::yield_now().await;
             drop(busy);
             self.settled(id, report?).await
@@ -594,12 +596,14 @@ impl TestHarness {
     ) -> Result<Vec<DeliveryReport>, Error> {
         let id = envelope.id;
         self.unless_crashed(async {
-            let busy = self.busy();
+            let mut tokens: Vec<_> = (0..copies).map(|_| Some(self.busy())).collect();
             let accepted = futures::future::join_all(
-                (0..copies).map(|_| self.runtime.receive_tracked(envelope.clone())),
+                tokens
+                    .iter_mut()
+                    .map(|busy| self.accepted(id, &envelope, busy)),
             )
             .await;
-            drop(busy);
+            drop(tokens);
             let mut reports = Vec::with_capacity(copies);
             for receiver in accepted {
                 reports.push(self.settled(id, receiver?).await?);
@@ -607,6 +611,24 @@ impl TestHarness {
             Ok(reports)
         })
         .await
+    }
+
+    /// Hands `envelope` to the runtime holding `busy` on the clock (given up if the engine
+    /// has no room for it yet), bounded by the settle timeout.
+    async fn accepted(
+        &self,
+        envelope_id: uuid::Uuid,
+        envelope: &Envelope,
+        busy: &mut Option<dacapo_actors::Busy>,
+    ) -> Result<oneshot::Receiver<DeliveryReport>, Error> {
+        let accept = self.runtime.receive_tracked_holding(envelope.clone(), busy);
+        match tokio::time::timeout(self.settle_timeout, accept).await {
+            Ok(accepted) => accepted,
+            Err(_) => Err(Error::NotSettled {
+                envelope_id,
+                waited: self.settle_timeout,
+            }),
+        }
     }
 
     async fn settled(

@@ -173,8 +173,11 @@ pub(crate) struct StoreHooks {
 }
 
 impl StoreHooks {
-    pub(crate) async fn before_statement(&self) -> Result<(), Error> {
-        self.failpoints.fence().await;
+    /// Stops a crashed runtime's statement — forever where it holds nothing, with an error
+    /// inside a transaction, which then rolls back as a dead process's would rather than hold
+    /// its locks — or fails it as a faulty store would.
+    pub(crate) async fn before_statement(&self, in_transaction: bool) -> Result<(), Error> {
+        self.stop_if_crashed(in_transaction).await?;
         match self.faults.strike(false, false) {
             Some(Kind::Unavailable) => Err(unavailable()),
             Some(Kind::SlowCommits(_) | Kind::FailingCommits) | None => Ok(()),
@@ -182,7 +185,7 @@ impl StoreHooks {
     }
 
     pub(crate) async fn before_commit(&self, transaction: bool) -> Result<(), Error> {
-        self.failpoints.fence().await;
+        self.stop_if_crashed(transaction).await?;
         match self.faults.strike(true, transaction) {
             Some(Kind::Unavailable) => Err(unavailable()),
             Some(Kind::FailingCommits) => Err(Error::store(
@@ -191,11 +194,20 @@ impl StoreHooks {
             Some(Kind::SlowCommits(by)) => {
                 tokio::time::sleep(by).await;
                 // A crash while the commit waited: the commit never runs.
-                self.failpoints.fence().await;
-                Ok(())
+                self.stop_if_crashed(transaction).await
             }
             None => Ok(()),
         }
+    }
+
+    async fn stop_if_crashed(&self, in_transaction: bool) -> Result<(), Error> {
+        if in_transaction && self.failpoints.crashed().is_some() {
+            return Err(Error::store(
+                "the runtime crashed (test harness): this transaction rolls back",
+            ));
+        }
+        self.failpoints.fence().await;
+        Ok(())
     }
 
     pub(crate) async fn pass(&self, point: Failpoint, message_type: &str) {

@@ -34,6 +34,20 @@ impl InProcess {
         Ok(self.dispatcher.dispatch_batch(envelopes).await?)
     }
 
+    /// [`send`](Self::send) while the caller holds `held` on the virtual clock.
+    #[cfg(feature = "testing")]
+    pub(crate) async fn send_holding(
+        &self,
+        envelope: Envelope,
+        reply: Option<oneshot::Sender<DeliveryReport>>,
+        held: &mut Option<dacapo_actors::Busy>,
+    ) -> Result<(), Error> {
+        Ok(self
+            .dispatcher
+            .dispatch_holding(envelope, reply, held)
+            .await?)
+    }
+
     pub(crate) async fn send(
         &self,
         envelope: Envelope,

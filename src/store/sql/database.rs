@@ -171,7 +171,7 @@ impl Database {
 
     /// Stops a crashed runtime's statement, or fails it as a faulty store would.
     async fn before_statement(&self) -> Result<(), Error> {
-        before_statement(&self.hooks).await
+        before_statement(&self.hooks, false).await
     }
 
     /// Passes `point` (a crash there never returns).
@@ -334,7 +334,7 @@ impl Tx {
         sql: &'static str,
         values: &[Value<'_>],
     ) -> Result<u64, Error> {
-        before_statement(&self.hooks).await?;
+        before_statement(&self.hooks, true).await?;
         let done = match &mut self.inner {
             #[cfg(feature = "sqlite")]
             TxInner::Sqlite(tx) => bind(sqlx::query(sql), values)
@@ -352,7 +352,7 @@ impl Tx {
 
     /// Runs a script of several statements (a migration) in the transaction.
     pub(crate) async fn execute_script(&mut self, script: &'static str) -> Result<(), Error> {
-        before_statement(&self.hooks).await?;
+        before_statement(&self.hooks, true).await?;
         let done = match &mut self.inner {
             #[cfg(feature = "sqlite")]
             TxInner::Sqlite(tx) => sqlx::raw_sql(script).execute(&mut **tx).await.map(drop),
@@ -368,7 +368,7 @@ impl Tx {
         sql: &'static str,
         values: &[Value<'_>],
     ) -> Result<Vec<Row>, Error> {
-        before_statement(&self.hooks).await?;
+        before_statement(&self.hooks, true).await?;
         let rows = match &mut self.inner {
             #[cfg(feature = "sqlite")]
             TxInner::Sqlite(tx) => bind(sqlx::query(sql), values)
@@ -390,7 +390,7 @@ impl Tx {
         sql: &'static str,
         values: &[Value<'_>],
     ) -> Result<Option<Row>, Error> {
-        before_statement(&self.hooks).await?;
+        before_statement(&self.hooks, true).await?;
         let row = match &mut self.inner {
             #[cfg(feature = "sqlite")]
             TxInner::Sqlite(tx) => bind(sqlx::query(sql), values)
@@ -440,16 +440,16 @@ impl Tx {
 }
 
 #[cfg(feature = "testing")]
-async fn before_statement(hooks: &Hooks) -> Result<(), Error> {
+async fn before_statement(hooks: &Hooks, in_transaction: bool) -> Result<(), Error> {
     match hooks {
-        Some(hooks) => hooks.before_statement().await,
+        Some(hooks) => hooks.before_statement(in_transaction).await,
         None => Ok(()),
     }
 }
 
 #[cfg(not(feature = "testing"))]
 #[allow(clippy::unused_async)]
-async fn before_statement(_: &Hooks) -> Result<(), Error> {
+async fn before_statement(_: &Hooks, _: bool) -> Result<(), Error> {
     Ok(())
 }
 

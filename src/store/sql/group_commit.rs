@@ -212,15 +212,21 @@ impl GroupCommit {
         write: Write,
     ) -> Result<Written, Error> {
         let (reply, answer) = oneshot::channel();
-        let lead = {
+        let leads = {
             let mut queue = self.queue();
             queue.waiting.push_back((write, reply));
             !std::mem::replace(&mut queue.leading, true)
         };
-        if lead {
+        if leads {
             // Committed on a task of its own: a caller that stops waiting must not take the
             // others' commit with it.
-            tokio::spawn(Arc::clone(self).lead(db.clone()));
+            // The guard exists before the task: dropped unpolled (its runtime stopping), the
+            // task still hands the lead back.
+            let leading = Leading {
+                group: Arc::clone(self),
+                handed_back: false,
+            };
+            tokio::spawn(lead(leading, db.clone()));
         }
         answer.await.unwrap_or_else(|_| {
             Err(Error::store(
@@ -228,42 +234,50 @@ impl GroupCommit {
             ))
         })
     }
+}
 
-    /// Commits batches until none waits.
-    async fn lead(self: Arc<Self>, db: Database) {
-        let leading = Leading(&self);
-        loop {
-            let waiting = self.queue().waiting.len();
-            if waiting > 1 && waiting < self.grouping.max_batch && !self.grouping.linger.is_zero() {
-                tokio::time::sleep(self.grouping.linger).await;
+/// Commits batches until none waits.
+async fn lead(mut leading: Leading, db: Database) {
+    let group = Arc::clone(&leading.group);
+    loop {
+        let waiting = group.queue().waiting.len();
+        if waiting > 1 && waiting < group.grouping.max_batch && !group.grouping.linger.is_zero() {
+            tokio::time::sleep(group.grouping.linger).await;
+        }
+        let batch: Vec<(Write, Reply)> = {
+            let mut queue = group.queue();
+            if queue.waiting.is_empty() {
+                // Handed back under the lock a new write takes to decide whether to lead.
+                queue.leading = false;
+                leading.handed_back = true;
+                return;
             }
-            let batch: Vec<(Write, Reply)> = {
-                let mut queue = self.queue();
-                if queue.waiting.is_empty() {
-                    queue.leading = false;
-                    std::mem::forget(leading);
-                    return;
-                }
-                let take = queue.waiting.len().min(self.grouping.max_batch);
-                queue.waiting.drain(..take).collect()
-            };
-            let (writes, replies): (Vec<Write>, Vec<Reply>) = batch.into_iter().unzip();
-            let answers = commit(&db, &writes).await;
-            for (reply, answer) in replies.into_iter().zip(answers) {
-                let _ = reply.send(answer);
-            }
+            let take = queue.waiting.len().min(group.grouping.max_batch);
+            queue.waiting.drain(..take).collect()
+        };
+        let (writes, replies): (Vec<Write>, Vec<Reply>) = batch.into_iter().unzip();
+        let answers = commit(&db, &writes).await;
+        for (reply, answer) in replies.into_iter().zip(answers) {
+            let _ = reply.send(answer);
         }
     }
 }
 
-/// Fails what still waits if the leader's task is dropped (its runtime stopped), so that the
-/// next write leads again instead of waiting for a leader that is gone.
-struct Leading<'a>(&'a GroupCommit);
+/// The lead of a group: fails what still waits if the leader's task is dropped (its runtime
+/// stopped), so that the next write leads again instead of waiting for a leader that is gone.
+struct Leading {
+    group: Arc<GroupCommit>,
+    /// Whether the leader gave the lead back itself, with nothing waiting.
+    handed_back: bool,
+}
 
-impl Drop for Leading<'_> {
+impl Drop for Leading {
     fn drop(&mut self) {
+        if self.handed_back {
+            return;
+        }
         let waiting = {
-            let mut queue = self.0.queue();
+            let mut queue = self.group.queue();
             queue.leading = false;
             std::mem::take(&mut queue.waiting)
         };
