@@ -9,12 +9,12 @@ use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
 use dacapo_actors::Error;
-use dacapo_actors::ports::{Handled, Receipt};
+use dacapo_actors::ports::{Fenced, Handled, Receipt};
 use tokio::sync::oneshot;
 
 use super::columns::EnvelopeColumns;
 use super::database::{Database, Tx, Value};
-use super::statements::{ENLIST_ONCE, MARK_HANDLED, RECEIVE, RECEIVE_SCHEDULED};
+use super::statements::{BEGIN_ATTEMPT, ENLIST_ONCE, MARK_HANDLED, RECEIVE, RECEIVE_SCHEDULED};
 
 /// One delivery's write.
 pub(crate) enum Write {
@@ -25,6 +25,13 @@ pub(crate) enum Write {
         node: Arc<str>,
         now: i64,
         due_at: Option<i64>,
+    },
+    /// Records that an attempt after the first starts, fenced by its owner.
+    BeginAttempt {
+        id: String,
+        attempt: i32,
+        previous: i32,
+        node: Arc<str>,
     },
     /// Marks a delivery handled, fenced by its owner, with the messages it cascaded.
     Settle {
@@ -39,6 +46,7 @@ pub(crate) enum Write {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Written {
     Received(Receipt),
+    Begun(Fenced),
     Settled(Handled),
 }
 
@@ -70,6 +78,20 @@ impl Write {
                     Value::Int64(*now),
                 ]),
             ),
+            Self::BeginAttempt {
+                id,
+                attempt,
+                previous,
+                node,
+            } => (
+                BEGIN_ATTEMPT,
+                vec![
+                    Value::Text(id),
+                    Value::Int32(*attempt),
+                    Value::Text(node),
+                    Value::Int32(*previous),
+                ],
+            ),
             Self::Settle { id, node, now, .. } => (
                 MARK_HANDLED,
                 vec![Value::Text(id), Value::Int64(*now), Value::Text(node)],
@@ -81,6 +103,7 @@ impl Write {
     fn answer(&self, rows: u64) -> Written {
         match self {
             Self::Receive { due_at, .. } => received(rows, due_at.is_some()),
+            Self::BeginAttempt { .. } => Written::Begun(Fenced::from_rows(rows)),
             Self::Settle { .. } => settled(rows),
         }
     }

@@ -367,7 +367,7 @@ impl<D: Dialect> Inbox for SqlStore<D> {
         let write = self.receive_write(envelope, self.now())?;
         match self.group.write(&self.db, write).await? {
             Written::Received(receipt) => Ok(receipt),
-            Written::Settled(_) => Err(Error::store("a receive answered as a settle")),
+            _ => Err(Error::store("a receive answered as another write")),
         }
     }
 
@@ -382,22 +382,22 @@ impl<D: Dialect> Inbox for SqlStore<D> {
             .into_iter()
             .map(|written| match written {
                 Written::Received(receipt) => Ok(receipt),
-                Written::Settled(_) => Err(Error::store("a receive answered as a settle")),
+                _ => Err(Error::store("a receive answered as another write")),
             })
             .collect()
     }
 
     async fn begin_attempt(&self, id: Uuid, attempt: u32) -> Result<Fenced, Error> {
-        let id = id_text(id);
-        let values = [
-            Value::Text(&id),
-            Value::Int32(stored_attempts(attempt)),
-            Value::Text(&self.node),
-            Value::Int32(stored_attempts(attempt.saturating_sub(1))),
-        ];
-        Ok(Fenced::from_rows(
-            self.db.execute(BEGIN_ATTEMPT, &values).await?,
-        ))
+        let write = Write::BeginAttempt {
+            id: id_text(id),
+            attempt: stored_attempts(attempt),
+            previous: stored_attempts(attempt.saturating_sub(1)),
+            node: Arc::clone(&self.node),
+        };
+        match self.group.write(&self.db, write).await? {
+            Written::Begun(fenced) => Ok(fenced),
+            _ => Err(Error::store("an attempt's begin answered as another write")),
+        }
     }
 
     async fn schedule_retry(&self, record: RetryRecord<'_>) -> Result<Fenced, Error> {
@@ -435,7 +435,7 @@ impl<D: Dialect> Inbox for SqlStore<D> {
         };
         match self.group.write(&self.db, write).await? {
             Written::Settled(handled) => Ok(handled),
-            Written::Received(_) => Err(Error::store("a settle answered as a receive")),
+            _ => Err(Error::store("a settle answered as another write")),
         }
     }
 
