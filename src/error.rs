@@ -54,6 +54,17 @@ pub enum Error {
     /// The engine's threads could not be started.
     #[error("the engine could not start: {0}")]
     Startup(String),
+    /// A broker failed (unreachable, a publication it did not confirm, a topology it was
+    /// asked to check and does not have); nothing of the operation counts as done. Retryable,
+    /// but for a topology that is missing or different, which waiting does not create.
+    #[error("{transport} failed: {source}")]
+    Transport {
+        /// Which transport (`rabbitmq`, `nats`, `postgres-queue`).
+        transport: &'static str,
+        /// The broker client's error.
+        #[source]
+        source: Box<dyn std::error::Error + Send + Sync>,
+    },
     /// The handler registrations are inconsistent.
     #[error("invalid registration: {0}")]
     Registry(#[from] RegistryError),
@@ -124,7 +135,7 @@ impl Error {
     /// database was unreachable, a connection died); a refused value, a closed runtime, a
     /// registration or configuration mistake will not.
     pub fn is_retryable(&self) -> bool {
-        matches!(self, Self::Store(_))
+        matches!(self, Self::Store(_) | Self::Transport { .. })
     }
 
     /// The envelope the operation refused, where one was handed back.
@@ -168,6 +179,7 @@ impl From<dacapo_actors::Error> for Error {
             },
             Engine::NoRoute(envelope) => Self::NoRoute(envelope),
             Engine::Startup(reason) => Self::Startup(reason),
+            Engine::Transport { transport, source } => Self::Transport { transport, source },
             // The engine's error grows with the engine; what it adds is a store's failure to
             // the caller until it has a variant here.
             other => Self::Store(Box::new(other)),

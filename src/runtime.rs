@@ -16,7 +16,7 @@ use tokio::sync::oneshot;
 use uuid::Uuid;
 
 use crate::Error;
-use crate::transport::InProcess;
+use crate::transport::{Host, InProcess, Routes};
 
 /// A running dacapo runtime.
 ///
@@ -50,6 +50,10 @@ use crate::transport::InProcess;
 pub struct Runtime {
     engine: Engine,
     transport: InProcess,
+    /// What each transport carries, in the order given.
+    routes: Vec<Routes>,
+    /// The running transports.
+    hosts: Vec<Host>,
     inbox: Arc<dyn Inbox>,
     dead_letters: Arc<dyn DeadLetterStore>,
     clock: Arc<dyn dacapo_actors::ports::Clock>,
@@ -105,8 +109,36 @@ impl Runtime {
     ) -> Result<Uuid, Error> {
         let envelope = self.envelope(message, options)?;
         let id = envelope.id;
-        self.transport.send(envelope, None).await?;
+        self.send_envelope(envelope).await?;
         Ok(id)
+    }
+
+    /// Whether envelopes of `message_type` leave through a transport.
+    fn routed(&self, message_type: &str) -> bool {
+        self.routes
+            .iter()
+            .any(|routes| routes.carries(message_type))
+    }
+
+    /// Sends `envelope` to this node's engine, or — routed to a broker — to the outbox, for
+    /// the relay to send once committed.
+    async fn send_envelope(&self, envelope: Envelope) -> Result<(), Error> {
+        if self.routed(&envelope.message_type) {
+            return self.enlist(std::slice::from_ref(&envelope)).await;
+        }
+        self.transport.send(envelope, None).await
+    }
+
+    /// Writes `envelopes` to the outbox in one transaction and wakes the relay.
+    async fn enlist(&self, envelopes: &[Envelope]) -> Result<(), Error> {
+        let Some(outbox) = &self.outbox else {
+            return Err(Error::Configuration(
+                "a routed message needs the store's outbox".into(),
+            ));
+        };
+        outbox.enlist(envelopes).await?;
+        self.engine.dispatcher().wake_outbox();
+        Ok(())
     }
 
     /// Publishes every message of `messages` in one store transaction, all or nothing — one
@@ -129,7 +161,12 @@ impl Runtime {
             .map(|message| self.envelope(message, SendOptions::default()))
             .collect::<Result<Vec<_>, _>>()?;
         let ids = envelopes.iter().map(|envelope| envelope.id).collect();
-        if !envelopes.is_empty() {
+        if envelopes.is_empty() {
+            return Ok(ids);
+        }
+        if self.routed(M::TYPE) {
+            self.enlist(&envelopes).await?;
+        } else {
             self.engine.dispatcher().dispatch_batch(envelopes).await?;
         }
         Ok(ids)
@@ -196,11 +233,11 @@ impl Runtime {
     /// As [`publish`](Self::publish).
     pub async fn send<M: Message>(&self, message: &M) -> Result<Uuid, Error> {
         let envelope = self.envelope(message, SendOptions::default())?;
-        if !self.engine.dispatcher().registry().handles(M::TYPE) {
+        if !self.routed(M::TYPE) && !self.engine.dispatcher().registry().handles(M::TYPE) {
             return Err(dacapo_actors::Error::NoRoute(Box::new(envelope)).into());
         }
         let id = envelope.id;
-        self.transport.send(envelope, None).await?;
+        self.send_envelope(envelope).await?;
         Ok(id)
     }
 
@@ -286,6 +323,31 @@ impl Runtime {
         crate::transport::Listener::new(self.transport.clone())
     }
 
+    /// Waits until every transport listens on its broker (connected, topology declared or
+    /// checked, consuming); at once without transports. A transport that cannot reach its
+    /// broker keeps trying with backoff, and this keeps waiting: bound it with a timeout.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Transport`] when a transport stopped for good first: a topology it was asked
+    /// only to check is missing or different, or the runtime shut down.
+    ///
+    /// # Cancel safety
+    ///
+    /// Cancel safe: it only observes.
+    pub async fn listening(&self) -> Result<(), Error> {
+        for host in &self.hosts {
+            host.listening().await?;
+        }
+        Ok(())
+    }
+
+    /// Each transport's name (`rabbitmq`, `nats`, `postgres-queue`) and where its listening
+    /// stands: for a health check, or to see a broker outage.
+    pub fn transports(&self) -> Vec<(&'static str, crate::transport::TransportState)> {
+        self.hosts.iter().map(Host::state).collect()
+    }
+
     /// The dead letters: list, inspect, replay, purge.
     pub fn dead_letters(&self) -> DeadLetters<'_> {
         DeadLetters::new(self)
@@ -353,6 +415,10 @@ impl Runtime {
     ///
     /// Not cancel safe: once polled, the runtime refuses new messages.
     pub async fn shutdown(&self) -> ShutdownReport {
+        // Brokers first: what they delivered and the inbox did not record goes back to them.
+        for host in &self.hosts {
+            host.stop_listening().await;
+        }
         let drain = self.drain_timeout;
         self.engine.shutdown(drain).await
     }

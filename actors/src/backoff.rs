@@ -23,7 +23,7 @@ impl Default for Backoff {
 
 impl Backoff {
     /// A backoff from `first`, doubling, capped at `max`.
-    pub fn new(first: Duration, max: Duration) -> Self {
+    pub const fn new(first: Duration, max: Duration) -> Self {
         Self { first, max }
     }
 

@@ -22,6 +22,9 @@ pub enum DeadLetterReason {
     /// The store refused to record the delivery's next state (a cascaded message it cannot
     /// hold, say); the delivery could not settle otherwise.
     StoreRejected(String),
+    /// A message from a broker could not be read as an envelope (no id or type header, a
+    /// header that does not parse): it is kept as it arrived, headers and body.
+    Unreadable(String),
     /// The envelope is larger than the runtime accepts.
     TooLarge {
         /// The envelope's size in bytes.
@@ -42,6 +45,7 @@ impl fmt::Display for DeadLetterReason {
                 write!(f, "missing deduplication id (required by {handler})")
             }
             Self::StoreRejected(error) => write!(f, "store rejected the delivery: {error}"),
+            Self::Unreadable(why) => write!(f, "unreadable message: {why}"),
             Self::TooLarge { size, limit } => {
                 write!(
                     f,

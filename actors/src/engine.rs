@@ -166,6 +166,8 @@ pub struct EngineParts {
     pub rules: DeduplicationRules,
     /// The outbox to relay (`None`: no outbox).
     pub outbox: Option<Arc<dyn OutboxStore>>,
+    /// Where the relay sends message types routed to a broker (`None`: all stay here).
+    pub outbound: Option<Arc<dyn crate::ports::Outbound>>,
     /// The store itself, for handlers that open transactions on it; `None` without one.
     pub store: Option<Arc<dyn std::any::Any + Send + Sync>>,
     /// Whether the deduplication claims live in that store, so a handler transaction can
@@ -254,7 +256,12 @@ impl Engine {
                         }
                     }
                     if let (Some(durability), Some(outbox)) = (&config.durability, &parts.outbox) {
-                        RelayActor::new(Arc::clone(outbox), dispatcher.clone(), durability.clone())
+                        RelayActor::new(
+                            Arc::clone(outbox),
+                            parts.outbound.clone(),
+                            dispatcher.clone(),
+                            durability.clone(),
+                        )
                         .start();
                     }
                     if let (Some(durability), Some(durable)) = (&config.durability, &parts.durable) {

@@ -38,6 +38,16 @@ pub enum Error {
     /// The engine's threads could not be started.
     #[error("the engine could not start: {0}")]
     Startup(String),
+    /// A broker failed (unreachable, a publication it did not confirm); nothing of the
+    /// operation counts as done. It may pass later: it is retryable.
+    #[error("{transport} failed: {source}")]
+    Transport {
+        /// Which transport (`rabbitmq`, `nats`, `postgres-queue`).
+        transport: &'static str,
+        /// The broker client's error.
+        #[source]
+        source: Box<dyn std::error::Error + Send + Sync>,
+    },
 }
 
 impl Error {
@@ -54,6 +64,17 @@ impl Error {
     /// Whether the same operation may succeed if tried again later: a store failure may; a
     /// rejected value, a refusal or a closed runtime will not.
     pub fn is_retryable(&self) -> bool {
-        matches!(self, Self::Store(_))
+        matches!(self, Self::Store(_) | Self::Transport { .. })
+    }
+
+    /// Wraps a broker client's error, which may pass if tried again.
+    pub fn transport(
+        transport: &'static str,
+        error: impl Into<Box<dyn std::error::Error + Send + Sync>>,
+    ) -> Self {
+        Self::Transport {
+            transport,
+            source: error.into(),
+        }
     }
 }

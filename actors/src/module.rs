@@ -220,6 +220,12 @@ impl Module {
         &self.unknown_deduplications
     }
 
+    /// The message types this module's handlers handle, in registration order (a type with
+    /// several handlers once per handler).
+    pub fn message_types(&self) -> impl Iterator<Item = &'static str> + '_ {
+        self.handlers.iter().map(|entry| entry.message_type)
+    }
+
     /// The registered handlers, in registration order.
     #[doc(hidden)]
     pub fn handlers(&self) -> &[HandlerEntry] {

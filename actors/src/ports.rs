@@ -635,6 +635,21 @@ pub trait OutboxStore: Send + Sync + 'static {
         limit: usize,
     ) -> Result<u64, Error>;
 
+    /// Writes `envelopes` to the outbox in one transaction of their own, all or nothing, for
+    /// the relay to publish: how a message routed to a broker is published from outside any
+    /// delivery or application transaction.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Store`] when the transaction fails (none was written), and by default, for an
+    /// outbox that only a delivery or an application's transaction writes to.
+    async fn enlist(&self, envelopes: &[Envelope]) -> Result<(), Error> {
+        let _ = envelopes;
+        Err(Error::store(
+            "this outbox takes envelopes only within a transaction",
+        ))
+    }
+
     /// Marks the envelopes at these positions published.
     ///
     /// # Errors
@@ -651,4 +666,24 @@ pub trait OutboxStore: Send + Sync + 'static {
     fn enlisted(&self) -> Option<futures::stream::BoxStream<'static, Result<(), Error>>> {
         None
     }
+}
+
+/// Where the outbox relay sends the envelopes of message types routed to a broker (another
+/// node or service), instead of this node's engine.
+///
+/// The relay marks an envelope published only once [`send`](Outbound::send) returned `Ok`
+/// for it, so `Ok` must mean the broker confirmed it (publisher confirms, a stream's ack).
+#[async_trait]
+pub trait Outbound: Send + Sync + 'static {
+    /// Whether envelopes of `message_type` leave through this transport.
+    fn carries(&self, message_type: &str) -> bool;
+
+    /// Sends `envelopes`, in order; `Ok` once the broker confirmed every one of them.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Store`]-like failures of the broker ([`Error::Transport`]): none of them
+    /// counts as sent, and the relay sends them all again on a later round (the receiving
+    /// inbox discards the copies that did arrive).
+    async fn send(&self, envelopes: &[Envelope]) -> Result<(), Error>;
 }

@@ -4,8 +4,9 @@ use std::time::Duration;
 use actix::{Actor, ActorFutureExt, AsyncContext, Context, WrapFuture};
 use futures::StreamExt;
 
+use crate::Envelope;
 use crate::batches::delete_in_batches;
-use crate::ports::OutboxStore;
+use crate::ports::{Outbound, OutboxStore};
 use crate::{Dispatcher, Durability};
 
 /// Publishes what the application enlisted in its outbox: in outbox order, in bounded batches,
@@ -13,6 +14,8 @@ use crate::{Dispatcher, Durability};
 /// publishes the same envelopes again; the receiving inbox discards them by envelope id.
 pub struct RelayActor {
     outbox: Arc<dyn OutboxStore>,
+    /// The broker that message types routed away from this node leave through.
+    outbound: Option<Arc<dyn Outbound>>,
     dispatcher: Dispatcher,
     interval: Duration,
     batch: usize,
@@ -42,11 +45,13 @@ impl std::fmt::Debug for RelayActor {
 impl RelayActor {
     pub(crate) fn new(
         outbox: Arc<dyn OutboxStore>,
+        outbound: Option<Arc<dyn Outbound>>,
         dispatcher: Dispatcher,
         settings: Durability,
     ) -> Self {
         Self {
             outbox,
+            outbound,
             dispatcher,
             interval: settings.relay_interval,
             batch: settings.relay_batch.max(1),
@@ -116,6 +121,7 @@ impl RelayActor {
         self.busy = true;
         self.again = false;
         let (outbox, dispatcher) = (Arc::clone(&self.outbox), self.dispatcher.clone());
+        let outbound = self.outbound.clone();
         let (batch, interval) = (self.batch, self.interval);
         let round = async move {
             // An idle node writes nothing: a read finds the outbox empty before any lease is
@@ -150,6 +156,35 @@ impl RelayActor {
                 };
                 let count = rows.len();
                 let mut positions = Vec::with_capacity(count);
+                // What leaves for a broker goes in one confirmed send, before the local rows;
+                // a failed send publishes none of them and marks none.
+                let (away, rows) = split_by_route(rows, outbound.as_deref());
+                if let Some(outbound) = outbound.as_deref()
+                    && !away.is_empty()
+                {
+                    let (away_positions, envelopes): (Vec<i64>, Vec<Envelope>) =
+                        away.into_iter().unzip();
+                    if lease.half_gone() {
+                        match lease.take().await {
+                            Ok(true) => {}
+                            Ok(false) => {
+                                tracing::info!(
+                                    "outbox lease taken by another node; this relay stops"
+                                );
+                                return Some(lease.length);
+                            }
+                            Err(error) => {
+                                tracing::warn!(%error, "renewing the outbox lease failed; retrying on the next round");
+                                break;
+                            }
+                        }
+                    }
+                    if let Err(error) = outbound.send(&envelopes).await {
+                        tracing::warn!(%error, envelopes = envelopes.len(), "sending outbox envelopes to the broker failed; retrying on the next round");
+                        break;
+                    }
+                    positions.extend(away_positions);
+                }
                 for (position, envelope) in rows {
                     // Renewed once half of it has passed, checked before each publication (a
                     // batch can wait for the engine's capacity): a long round keeps the lease,
@@ -231,6 +266,19 @@ impl RelayActor {
                 actor.tick(ctx);
             }
         }));
+    }
+}
+
+/// Outbox rows: each envelope with its position.
+type Rows = Vec<(i64, Envelope)>;
+
+/// Splits a batch of outbox rows into those routed to `outbound` and those for this node.
+fn split_by_route(rows: Rows, outbound: Option<&dyn Outbound>) -> (Rows, Rows) {
+    match outbound {
+        Some(outbound) => rows
+            .into_iter()
+            .partition(|(_, envelope)| outbound.carries(&envelope.message_type)),
+        None => (Vec::new(), rows),
     }
 }
 

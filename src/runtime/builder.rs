@@ -11,7 +11,7 @@ use dacapo_actors::{
 };
 
 use crate::store::{MemoryClaims, MemoryInbox};
-use crate::transport::InProcess;
+use crate::transport::{InProcess, Pending, Transport};
 use crate::{Error, Runtime};
 
 /// Chooses handlers by id and message type.
@@ -44,6 +44,8 @@ pub struct RuntimeBuilder {
     clock: Arc<dyn Clock>,
     /// Whether [`clock`](Self::clock) was called (the test harness keeps that clock).
     clock_given: bool,
+    /// Brokers that routed message types leave through and arrive from.
+    transports: Vec<Transport>,
 }
 
 impl Default for RuntimeBuilder {
@@ -69,6 +71,7 @@ impl Default for RuntimeBuilder {
             dead_letters: None,
             clock: Arc::new(SystemClock),
             clock_given: false,
+            transports: Vec::new(),
         }
     }
 }
@@ -217,6 +220,22 @@ impl RuntimeBuilder {
             .durability
             .get_or_insert_with(Durability::default);
         self.sync_retention();
+        self
+    }
+
+    /// A broker for the message types `transport` routes: published, they are written to the
+    /// store's outbox and sent to the broker by the relay, which marks them sent once the
+    /// broker confirmed them; this node listens on the broker for those it handles, and
+    /// acknowledges each once its inbox recorded it. The rest stay node-local. Several
+    /// transports may be given; a type goes through the first that routes it.
+    ///
+    /// Needs a durable store ([`store`](Self::store)): its outbox is what makes a publication
+    /// survive a broker outage. The transport runs on a thread of its own, connects (and
+    /// declares its topology) in the background, and reconnects with backoff;
+    /// [`Runtime::listening`] says when it listens.
+    #[must_use]
+    pub fn transport(mut self, transport: impl Into<Transport>) -> Self {
+        self.transports.push(transport.into());
         self
     }
 
@@ -369,6 +388,7 @@ impl RuntimeBuilder {
             dead_letters: self.dead_letters.clone(),
             clock: Arc::clone(&self.clock),
             clock_given: self.clock_given,
+            transports: Vec::new(),
         }
     }
 
@@ -456,6 +476,13 @@ impl RuntimeBuilder {
 
     /// The handler registry this builder would run, to adjust before starting.
     pub(crate) fn into_parts(self) -> Result<(Registry, Self), Error> {
+        if !self.transports.is_empty() && self.durable.is_none() {
+            return Err(Error::Configuration(
+                "a transport needs a durable store (RuntimeBuilder::store): routed messages \
+                 leave through its outbox"
+                    .into(),
+            ));
+        }
         if self.durable_as_inbox {
             return Err(Error::Configuration(
                 "a durable store was given to RuntimeBuilder::inbox; give it to \
@@ -507,6 +534,10 @@ impl RuntimeBuilder {
             }
         };
         let max_envelope_size = self.engine.max_envelope_size;
+        let routes: Vec<crate::transport::Routes> =
+            self.transports.iter().map(|t| t.routes.clone()).collect();
+        let handled: Vec<&'static str> = registry.entries().map(|e| e.message_type).collect();
+        let (outbound, pending) = Pending::prepare(self.transports);
         let engine = Engine::start(
             self.engine,
             EngineParts {
@@ -516,6 +547,8 @@ impl RuntimeBuilder {
                 clock: Arc::clone(&self.clock),
                 rules: self.deduplication_rules,
                 outbox: self.outbox.clone(),
+                outbound: outbound
+                    .map(|outbound| Arc::new(outbound) as Arc<dyn dacapo_actors::ports::Outbound>),
                 store: self.store,
                 claims_in_store: self.claims_in_store,
                 claims: self.deduplication.then(|| {
@@ -525,9 +558,22 @@ impl RuntimeBuilder {
             },
         )?;
         let transport = InProcess::new(engine.dispatcher().clone());
+        let hosts = pending
+            .into_iter()
+            .map(|pending| {
+                pending.start(
+                    &handled,
+                    crate::transport::Listener::new(transport.clone()),
+                    Arc::clone(&dead_letters),
+                    Arc::clone(&self.clock),
+                )
+            })
+            .collect::<Result<Vec<_>, _>>()?;
         Ok(Runtime {
             engine,
             transport,
+            routes,
+            hosts,
             inbox,
             dead_letters,
             clock: Arc::clone(&self.clock),

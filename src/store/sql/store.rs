@@ -788,6 +788,16 @@ impl<D: Dialect> OutboxStore for SqlStore<D> {
         self.db.execute(DELETE_PUBLISHED, &values).await
     }
 
+    async fn enlist(&self, envelopes: &[Envelope]) -> Result<(), Error> {
+        let at = Value::Int64(millis(self.clock.now()));
+        let mut tx = self.db.begin().await?;
+        for envelope in envelopes {
+            let columns = EnvelopeColumns::of(envelope)?;
+            tx.execute(ENLIST, &columns.values_and(&[at])).await?;
+        }
+        tx.commit().await
+    }
+
     async fn mark_published(&self, positions: &[i64], at: DateTime<Utc>) -> Result<(), Error> {
         if positions.is_empty() {
             return Ok(());

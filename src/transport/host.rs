@@ -1,0 +1,452 @@
+//! Runs a transport on a thread of its own: its broker connections, its publishing for the
+//! outbox relay, and its consuming into the listener. The broker clients' I/O then belongs to
+//! neither the application's tokio runtime nor the engine's.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use async_trait::async_trait;
+use dacapo_actors::ports::{Clock, DeadLetterStore, Outbound};
+use dacapo_actors::{Backoff, DeadLetter, DeadLetterReason, Envelope};
+use tokio::sync::{mpsc, oneshot, watch};
+
+use super::Listener;
+use super::routes::Routes;
+use super::wire::Unreadable;
+use crate::Error;
+
+/// What a broker consumer handed over: an envelope, or a message that is not one.
+pub(crate) type Received = Result<Envelope, Unreadable>;
+
+/// A broker's publishing side. A failed call leaves nothing half-sent that the next call
+/// would not send again, and the next call reconnects if the connection is gone.
+#[async_trait]
+pub(crate) trait Publish: Send + 'static {
+    /// Publishes `envelopes`; `Ok` once the broker confirmed each.
+    async fn publish(&mut self, envelopes: &[Envelope]) -> Result<(), Error>;
+}
+
+/// A broker's consuming side, driven one batch at a time: `next`, then `ack` or `release`.
+#[async_trait]
+pub(crate) trait Subscribe: Send + 'static {
+    /// Connects, declares or checks the topology, and starts consuming. A non-retryable
+    /// error (a topology that is missing when only checked) stops the transport's listening.
+    async fn subscribe(&mut self) -> Result<(), Error>;
+
+    /// The next messages, at most the prefetch: waits for one, then takes what else is
+    /// ready. An empty batch (a quiet poll) is fine.
+    ///
+    /// Cancel safety: cancelled (at shutdown), what it had received is released by
+    /// [`release`](Subscribe::release) or by the broker when the connection goes.
+    async fn next(&mut self) -> Result<Vec<Received>, Error>;
+
+    /// Acknowledges every message of the last batch: they are in the store.
+    async fn ack(&mut self) -> Result<(), Error>;
+
+    /// Hands every unacknowledged message back to the broker, for this or another node.
+    async fn release(&mut self);
+}
+
+/// A broker the runtime sends routed message types to and listens on; made from a
+/// transport's configuration ([`RabbitMq`](crate::transport::RabbitMq),
+/// [`Nats`](crate::transport::Nats), [`PostgresQueue`](crate::transport::PostgresQueue)) and
+/// given to [`RuntimeBuilder::transport`](crate::RuntimeBuilder::transport).
+pub struct Transport {
+    pub(crate) name: &'static str,
+    pub(crate) routes: Routes,
+    /// Where this node listens: the destination of the types routed without one of their own.
+    pub(crate) home: String,
+    /// Makes the two halves, given the message types this node listens for.
+    #[allow(clippy::type_complexity)]
+    pub(crate) open:
+        Box<dyn FnOnce(Vec<String>) -> (Box<dyn Publish>, Box<dyn Subscribe>) + Send + Sync>,
+}
+
+impl std::fmt::Debug for Transport {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Transport")
+            .field("name", &self.name)
+            .field("routes", &self.routes)
+            .field("home", &self.home)
+            .finish_non_exhaustive()
+    }
+}
+
+/// Where a transport's listening stands, from [`Runtime::transports`](crate::Runtime::transports).
+#[derive(Clone, Debug, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum TransportState {
+    /// Connecting, or connecting again after `last_error`.
+    Connecting {
+        /// Why the last connection failed or ended, if one did.
+        last_error: Option<String>,
+    },
+    /// Subscribed: messages flow.
+    Listening,
+    /// Stopped for good: the cause waiting cannot cure.
+    Failed(String),
+    /// Stopped by a shutdown.
+    Stopped,
+}
+
+/// One publication the relay asked for.
+struct Request {
+    envelopes: Vec<Envelope>,
+    reply: oneshot::Sender<Result<(), Error>>,
+}
+
+/// The relay's handle on the transports' publishing sides.
+pub(crate) struct Outbounds {
+    transports: Vec<(Routes, &'static str, mpsc::Sender<Request>)>,
+}
+
+#[async_trait]
+impl Outbound for Outbounds {
+    fn carries(&self, message_type: &str) -> bool {
+        self.transports
+            .iter()
+            .any(|(routes, ..)| routes.carries(message_type))
+    }
+
+    async fn send(&self, envelopes: &[Envelope]) -> Result<(), dacapo_actors::Error> {
+        // Each envelope leaves through the first transport that carries its type.
+        let mut remaining: Vec<&Envelope> = envelopes.iter().collect();
+        for (routes, name, requests) in &self.transports {
+            let (mine, rest): (Vec<&Envelope>, Vec<&Envelope>) = remaining
+                .into_iter()
+                .partition(|envelope| routes.carries(&envelope.message_type));
+            remaining = rest;
+            if mine.is_empty() {
+                continue;
+            }
+            let (reply, answer) = oneshot::channel();
+            let request = Request {
+                envelopes: mine.into_iter().cloned().collect(),
+                reply,
+            };
+            let stopped = || dacapo_actors::Error::transport(name, "the transport has stopped");
+            requests.send(request).await.map_err(|_| stopped())?;
+            answer
+                .await
+                .map_err(|_| stopped())?
+                .map_err(|error| match error {
+                    Error::Transport { transport, source } => {
+                        dacapo_actors::Error::Transport { transport, source }
+                    }
+                    other => dacapo_actors::Error::transport(name, other.to_string()),
+                })?;
+        }
+        Ok(())
+    }
+}
+
+/// A running transport, as the runtime holds it.
+pub(crate) struct Host {
+    name: &'static str,
+    stop: watch::Sender<bool>,
+    state: watch::Receiver<TransportState>,
+}
+
+/// A transport made ready before the engine starts (the relay needs its publishing side),
+/// started once the engine's listener exists.
+pub(crate) struct Pending {
+    transport: Transport,
+    requests: mpsc::Receiver<Request>,
+}
+
+impl Pending {
+    /// Readies `transports`: their publishing handle for the relay, and what starts them.
+    pub(crate) fn prepare(transports: Vec<Transport>) -> (Option<Outbounds>, Vec<Pending>) {
+        if transports.is_empty() {
+            return (None, Vec::new());
+        }
+        let mut outbounds = Vec::with_capacity(transports.len());
+        let mut pending = Vec::with_capacity(transports.len());
+        for transport in transports {
+            let (requests_tx, requests) = mpsc::channel(16);
+            outbounds.push((transport.routes.clone(), transport.name, requests_tx));
+            pending.push(Pending {
+                transport,
+                requests,
+            });
+        }
+        (
+            Some(Outbounds {
+                transports: outbounds,
+            }),
+            pending,
+        )
+    }
+
+    /// Starts the transport's thread: it listens for the types of `handled` routed to it.
+    pub(crate) fn start(
+        self,
+        handled: &[&'static str],
+        listener: Listener,
+        dead_letters: Arc<dyn DeadLetterStore>,
+        clock: Arc<dyn Clock>,
+    ) -> Result<Host, Error> {
+        let Pending {
+            transport,
+            requests,
+        } = self;
+        let name = transport.name;
+        let listened = transport
+            .routes
+            .listened(handled.iter().copied(), &transport.home);
+        let (publisher, subscriber) = (transport.open)(listened.clone());
+        let (stop, stopping) = watch::channel(false);
+        let (state_tx, state) = watch::channel(TransportState::Connecting { last_error: None });
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .map_err(|error| Error::Startup(error.to_string()))?;
+        std::thread::Builder::new()
+            .name(format!("dacapo-{name}"))
+            .spawn(move || {
+                runtime.block_on(async move {
+                    let publishing = tokio::spawn(publish(publisher, requests));
+                    if listened.is_empty() {
+                        let _ = state_tx.send(TransportState::Listening);
+                        let mut stopping = stopping;
+                        let _ = stopping.wait_for(|stop| *stop).await;
+                        let _ = state_tx.send(TransportState::Stopped);
+                    } else {
+                        let consumer = Consumer {
+                            name,
+                            subscriber,
+                            listener,
+                            dead_letters,
+                            clock,
+                            stopping,
+                            state: state_tx,
+                        };
+                        consumer.run().await;
+                    }
+                    // Publishing goes on until the relay is gone: a draining engine's
+                    // cascades still leave.
+                    let _ = publishing.await;
+                });
+            })
+            .map_err(|error| Error::Startup(error.to_string()))?;
+        Ok(Host { name, stop, state })
+    }
+}
+
+impl Host {
+    /// This transport's name and where its listening stands.
+    pub(crate) fn state(&self) -> (&'static str, TransportState) {
+        (self.name, self.state.borrow().clone())
+    }
+
+    /// Waits until this transport listens; the error when it stopped for good first.
+    pub(crate) async fn listening(&self) -> Result<(), Error> {
+        let mut state = self.state.clone();
+        let seen: TransportState = state
+            .wait_for(|state| !matches!(state, TransportState::Connecting { .. }))
+            .await
+            .map(|state| state.clone())
+            .unwrap_or(TransportState::Stopped);
+        match seen {
+            TransportState::Listening => Ok(()),
+            TransportState::Failed(why) => {
+                Err(Error::Configuration(format!("{}: {why}", self.name)))
+            }
+            _ => Err(Error::transport(self.name, "the transport has stopped")),
+        }
+    }
+
+    /// Stops consuming: what was received and not accepted goes back to the broker.
+    pub(crate) async fn stop_listening(&self) {
+        let _ = self.stop.send(true);
+        let mut state = self.state.clone();
+        let _ = state
+            .wait_for(|state| matches!(state, TransportState::Stopped | TransportState::Failed(_)))
+            .await;
+    }
+}
+
+impl Error {
+    fn transport(
+        transport: &'static str,
+        error: impl Into<Box<dyn std::error::Error + Send + Sync>>,
+    ) -> Self {
+        Self::Transport {
+            transport,
+            source: error.into(),
+        }
+    }
+}
+
+/// Serves the relay's publications one at a time, in the order asked.
+async fn publish(mut publisher: Box<dyn Publish>, mut requests: mpsc::Receiver<Request>) {
+    while let Some(request) = requests.recv().await {
+        let sent = publisher.publish(&request.envelopes).await;
+        let _ = request.reply.send(sent);
+    }
+}
+
+/// How long the consumer waits before connecting again, by failures so far.
+const RECONNECT: Backoff = Backoff::new(Duration::from_millis(100), Duration::from_secs(5));
+
+struct Consumer {
+    name: &'static str,
+    subscriber: Box<dyn Subscribe>,
+    listener: Listener,
+    dead_letters: Arc<dyn DeadLetterStore>,
+    clock: Arc<dyn Clock>,
+    stopping: watch::Receiver<bool>,
+    state: watch::Sender<TransportState>,
+}
+
+impl Consumer {
+    async fn run(mut self) {
+        let mut failures = 0u32;
+        loop {
+            let subscribed = tokio::select! {
+                biased;
+                _ = self.stopping.wait_for(|stop| *stop) => break,
+                subscribed = self.subscriber.subscribe() => subscribed,
+            };
+            match subscribed {
+                Ok(()) => {
+                    if failures > 0 {
+                        tracing::info!(
+                            transport = self.name,
+                            failures,
+                            "connected to the broker again; listening resumed"
+                        );
+                    }
+                    let _ = self.state.send(TransportState::Listening);
+                }
+                Err(error) if !error.is_retryable() => {
+                    tracing::error!(transport = self.name, %error, "the transport cannot listen; it stops");
+                    let _ = self.state.send(TransportState::Failed(error.to_string()));
+                    return;
+                }
+                Err(error) => {
+                    failures = failures.saturating_add(1);
+                    let pause = RECONNECT.pause(failures);
+                    tracing::warn!(transport = self.name, %error, failures, ?pause, "cannot listen on the broker; connecting again after a pause");
+                    let _ = self.state.send(TransportState::Connecting {
+                        last_error: Some(error.to_string()),
+                    });
+                    tokio::select! {
+                        biased;
+                        _ = self.stopping.wait_for(|stop| *stop) => break,
+                        () = tokio::time::sleep(pause) => continue,
+                    }
+                }
+            }
+            match self.consume().await {
+                Consumed::Stopped => break,
+                Consumed::Lost(error) => {
+                    failures = 1;
+                    tracing::warn!(transport = self.name, %error, "lost the broker; connecting again");
+                    let _ = self.state.send(TransportState::Connecting {
+                        last_error: Some(error.to_string()),
+                    });
+                    tokio::time::sleep(RECONNECT.pause(failures)).await;
+                }
+            }
+        }
+        self.subscriber.release().await;
+        let _ = self.state.send(TransportState::Stopped);
+    }
+
+    /// Consumes until the connection is lost or the runtime stops.
+    async fn consume(&mut self) -> Consumed {
+        loop {
+            let batch = tokio::select! {
+                biased;
+                _ = self.stopping.wait_for(|stop| *stop) => return Consumed::Stopped,
+                batch = self.subscriber.next() => batch,
+            };
+            let batch = match batch {
+                Ok(batch) if batch.is_empty() => continue,
+                Ok(batch) => batch,
+                Err(error) => return Consumed::Lost(error),
+            };
+            let mut envelopes = Vec::with_capacity(batch.len());
+            for received in batch {
+                match received {
+                    Ok(envelope) => envelopes.push(envelope),
+                    Err(unreadable) => self.dead_letter(unreadable).await,
+                }
+            }
+            if let Err(error) = self.accept(envelopes).await {
+                // Only a runtime that stops refuses what waiting would not cure.
+                tracing::info!(transport = self.name, %error, "the runtime refused received envelopes; handing them back to the broker");
+                self.subscriber.release().await;
+                return Consumed::Stopped;
+            }
+            if let Err(error) = self.subscriber.ack().await {
+                // In the store already: the broker's redelivery is discarded by the inbox.
+                return Consumed::Lost(error);
+            }
+        }
+    }
+
+    /// Accepts the batch in one store transaction; a batch the store refuses for one
+    /// envelope's data is accepted one by one, and a refused envelope dead-lettered.
+    async fn accept(&self, envelopes: Vec<Envelope>) -> Result<(), Error> {
+        match self.listener.accept_batch(envelopes.clone()).await {
+            Err(Error::Rejected(_)) => {}
+            accepted => return accepted,
+        }
+        for envelope in envelopes {
+            match self.listener.accept(envelope.clone()).await {
+                Err(Error::Rejected(error)) => {
+                    let why = format!("the store refused it: {error}");
+                    let letter = DeadLetter::rejected(
+                        envelope,
+                        DeadLetterReason::Unreadable(why),
+                        self.clock.now(),
+                    );
+                    self.put(letter).await;
+                }
+                accepted => accepted?,
+            }
+        }
+        Ok(())
+    }
+
+    async fn dead_letter(&self, unreadable: Unreadable) {
+        let why = unreadable.why.clone();
+        let envelope = unreadable.into_envelope(self.clock.now());
+        tracing::warn!(transport = self.name, messaging.message.id = %envelope.id, %why, "an unreadable message from the broker goes to the dead letters");
+        let letter = DeadLetter::rejected(
+            envelope,
+            DeadLetterReason::Unreadable(why),
+            self.clock.now(),
+        );
+        self.put(letter).await;
+    }
+
+    /// Stores a dead letter, waiting out store failures: the message it keeps is
+    /// acknowledged only once it is stored.
+    async fn put(&self, letter: DeadLetter) {
+        let mut failures = 0u32;
+        loop {
+            match self.dead_letters.put(letter.clone()).await {
+                Ok(()) => return,
+                Err(error) if error.is_retryable() => {
+                    failures = failures.saturating_add(1);
+                    let pause = RECONNECT.pause(failures);
+                    tracing::warn!(transport = self.name, %error, ?pause, "the store cannot keep a dead letter; pausing");
+                    tokio::time::sleep(pause).await;
+                }
+                Err(error) => {
+                    // The store refuses even the dead letter (its bytes): nothing can keep it.
+                    tracing::error!(transport = self.name, messaging.message.id = %letter.envelope.id, %error, "a message the store cannot hold is acknowledged without being kept");
+                    return;
+                }
+            }
+        }
+    }
+}
+
+enum Consumed {
+    Stopped,
+    Lost(Error),
+}

@@ -1,0 +1,409 @@
+//! NATS JetStream, over async-nats: a stream, a durable pull consumer, acks after the inbox.
+
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+use async_nats::HeaderMap;
+use async_nats::jetstream::{self, AckKind, consumer::pull, stream};
+use async_trait::async_trait;
+use dacapo_actors::Envelope;
+use futures::{FutureExt, StreamExt};
+
+use super::host::{Publish, Received, Subscribe, Transport};
+use super::routes::{Routes, routing};
+use super::wire::{self, Binding, Fallback, WireFormat};
+use crate::Error;
+
+const NAME: &str = "nats";
+
+/// NATS JetStream as a transport: routed message types are published to the subject
+/// `dacapo.<type>` (the prefix settable), which a file-backed stream (`DACAPO`) keeps; each
+/// service listens through a durable pull consumer of its own, filtered on the routed types it
+/// handles, which the nodes of that service share.
+///
+/// Each publication carries `Nats-Msg-Id` set to the envelope id, so JetStream's duplicate
+/// window drops a republication before the inbox has to. A node acknowledges a message once
+/// its inbox recorded it; handling comes after, from the inbox, so the consumer's ack wait is
+/// sized for that write (30 s by default), not for handling. What a node received and did not
+/// record when it stops is negatively acknowledged, for another node to take at once.
+///
+/// ```no_run
+/// # use dacapo::prelude::*;
+/// # use serde::{Deserialize, Serialize};
+/// # #[derive(Serialize, Deserialize)] struct OrderPlaced { n: u32 }
+/// # impl Message for OrderPlaced { const TYPE: &'static str = "orders.placed"; }
+/// # async fn run(store: dacapo::store::SqliteStore, module: Module) -> Result<(), dacapo::Error> {
+/// use dacapo::transport::Nats;
+///
+/// let nats = Nats::new("nats://127.0.0.1:4222", "orders").route::<OrderPlaced>();
+/// let runtime = Runtime::builder().store(store).module(module).transport(nats).build()?;
+/// runtime.listening().await?;
+/// # Ok(())
+/// # }
+/// ```
+#[cfg_attr(docsrs, doc(cfg(feature = "nats")))]
+#[derive(Clone, Debug)]
+pub struct Nats {
+    settings: Settings,
+    routes: Routes,
+}
+
+#[derive(Clone, Debug)]
+struct Settings {
+    url: String,
+    consumer: String,
+    stream: String,
+    prefix: String,
+    prefetch: u16,
+    ack_wait: Duration,
+    duplicate_window: Duration,
+    format: WireFormat,
+    source: String,
+    declare: bool,
+}
+
+impl Nats {
+    /// The server at `url` (`nats://host:port`); this service consumes through the durable
+    /// consumer named `consumer`.
+    pub fn new(url: impl Into<String>, consumer: impl Into<String>) -> Self {
+        Self {
+            settings: Settings {
+                url: url.into(),
+                consumer: consumer.into(),
+                stream: "DACAPO".into(),
+                prefix: "dacapo".into(),
+                prefetch: 100,
+                ack_wait: Duration::from_secs(30),
+                duplicate_window: Duration::from_secs(120),
+                format: WireFormat::Dacapo,
+                source: wire::DEFAULT_SOURCE.into(),
+                declare: true,
+            },
+            routes: Routes::default(),
+        }
+    }
+
+    routing!();
+
+    /// The stream that keeps the routed subjects (default `DACAPO`).
+    #[must_use]
+    pub fn stream(mut self, stream: impl Into<String>) -> Self {
+        self.settings.stream = stream.into();
+        self
+    }
+
+    /// The subject prefix: a type is published to `<prefix>.<type>`, and the stream keeps
+    /// `<prefix>.>` (default `dacapo`).
+    #[must_use]
+    pub fn subject_prefix(mut self, prefix: impl Into<String>) -> Self {
+        self.settings.prefix = prefix.into();
+        self
+    }
+
+    /// How many messages this node holds unacknowledged at once, and so the largest batch its
+    /// inbox records in one transaction (default 100).
+    #[must_use]
+    pub fn prefetch(mut self, prefetch: u16) -> Self {
+        self.settings.prefetch = prefetch.max(1);
+        self
+    }
+
+    /// How long JetStream waits for an acknowledgement before it redelivers (default 30 s):
+    /// the time to record a batch in the inbox, not to handle it.
+    #[must_use]
+    pub fn ack_wait(mut self, wait: Duration) -> Self {
+        self.settings.ack_wait = wait;
+        self
+    }
+
+    /// The stream's duplicate window for `Nats-Msg-Id` (default 2 min), when it is created.
+    #[must_use]
+    pub fn duplicate_window(mut self, window: Duration) -> Self {
+        self.settings.duplicate_window = window;
+        self
+    }
+
+    /// How published envelopes travel: dacapo's headers (default) or CloudEvents.
+    #[must_use]
+    pub fn wire_format(mut self, format: WireFormat) -> Self {
+        self.settings.format = format;
+        self
+    }
+
+    /// The CloudEvents `source` of what this node publishes (default `urn:dacapo`).
+    #[must_use]
+    pub fn source(mut self, source: impl Into<String>) -> Self {
+        self.settings.source = source.into();
+        self
+    }
+
+    /// Whether to create the stream and the consumer at start (the default; the consumer's
+    /// filter is brought up to date) or only check that they exist.
+    #[must_use]
+    pub fn declare(mut self, declare: bool) -> Self {
+        self.settings.declare = declare;
+        self
+    }
+}
+
+impl From<Nats> for Transport {
+    fn from(nats: Nats) -> Self {
+        let Nats { settings, routes } = nats;
+        Transport {
+            name: NAME,
+            home: settings.prefix.clone(),
+            routes: routes.clone(),
+            open: Box::new(move |listened| {
+                let publisher = Publisher {
+                    settings: settings.clone(),
+                    routes,
+                    context: None,
+                };
+                let subscriber = Subscriber {
+                    settings,
+                    listened,
+                    messages: None,
+                    batch: Vec::new(),
+                };
+                (Box::new(publisher), Box::new(subscriber))
+            }),
+        }
+    }
+}
+
+fn failed(error: impl Into<Box<dyn std::error::Error + Send + Sync>>) -> Error {
+    Error::Transport {
+        transport: NAME,
+        source: error.into(),
+    }
+}
+
+fn subject(prefix: &str, message_type: &str) -> String {
+    format!("{prefix}.{message_type}")
+}
+
+/// The durable consumer of `service` for `message_type`: JetStream names allow no `.`, `*`,
+/// `>` or whitespace, so those become `_`, and a hash of the type keeps two types apart.
+fn consumer_name(service: &str, message_type: &str) -> String {
+    use sha2::Digest;
+    let plain: String = message_type
+        .chars()
+        .map(|c| {
+            if c.is_ascii_alphanumeric() || c == '-' {
+                c
+            } else {
+                '_'
+            }
+        })
+        .collect();
+    let hash = sha2::Sha256::digest(message_type.as_bytes());
+    format!(
+        "{service}_{plain}_{:02x}{:02x}{:02x}{:02x}",
+        hash[0], hash[1], hash[2], hash[3]
+    )
+}
+
+async fn connect(settings: &Settings) -> Result<jetstream::Context, Error> {
+    let client = async_nats::connect(settings.url.as_str())
+        .await
+        .map_err(failed)?;
+    Ok(jetstream::new(client))
+}
+
+/// The stream, created if asked, checked otherwise.
+async fn stream(
+    context: &jetstream::Context,
+    settings: &Settings,
+) -> Result<stream::Stream, Error> {
+    if settings.declare {
+        return context
+            .get_or_create_stream(stream::Config {
+                name: settings.stream.clone(),
+                subjects: vec![format!("{}.>", settings.prefix)],
+                storage: stream::StorageType::File,
+                duplicate_window: settings.duplicate_window,
+                ..stream::Config::default()
+            })
+            .await
+            .map_err(failed);
+    }
+    context.get_stream(&settings.stream).await.map_err(|error| {
+        Error::Configuration(format!(
+            "JetStream has no stream {:?} (the transport only checks its topology: {error})",
+            settings.stream
+        ))
+    })
+}
+
+struct Publisher {
+    settings: Settings,
+    routes: Routes,
+    context: Option<jetstream::Context>,
+}
+
+impl Publisher {
+    async fn send(&mut self, envelopes: &[Envelope]) -> Result<(), Error> {
+        if self.context.is_none() {
+            let context = connect(&self.settings).await?;
+            stream(&context, &self.settings).await?;
+            self.context = Some(context);
+        }
+        let Some(context) = &self.context else {
+            return Err(failed("not connected"));
+        };
+        let prefix = self.settings.prefix.as_str();
+        let mut acks = Vec::with_capacity(envelopes.len());
+        for envelope in envelopes {
+            let to = match self.routes.destination(&envelope.message_type, prefix) {
+                own if own == prefix => subject(prefix, &envelope.message_type),
+                elsewhere => elsewhere.to_owned(),
+            };
+            let mut headers = HeaderMap::new();
+            headers.insert("Nats-Msg-Id", envelope.id.simple().to_string());
+            for (name, value) in wire::encode(
+                envelope,
+                self.settings.format,
+                Binding::Nats,
+                &self.settings.source,
+            ) {
+                headers.insert(name, value);
+            }
+            let ack = context
+                .publish_with_headers(to, headers, envelope.payload.clone().into())
+                .await
+                .map_err(failed)?;
+            acks.push(ack);
+        }
+        // Every publication is on its way before the first ack is awaited.
+        for ack in acks {
+            ack.await.map_err(failed)?;
+        }
+        Ok(())
+    }
+}
+
+#[async_trait]
+impl Publish for Publisher {
+    async fn publish(&mut self, envelopes: &[Envelope]) -> Result<(), Error> {
+        let sent = self.send(envelopes).await;
+        if sent.is_err() {
+            self.context = None;
+        }
+        sent
+    }
+}
+
+struct Subscriber {
+    settings: Settings,
+    listened: Vec<String>,
+    messages: Option<futures::stream::SelectAll<pull::Stream>>,
+    /// The last batch, acknowledged (or released) one by one.
+    batch: Vec<jetstream::Message>,
+}
+
+#[async_trait]
+impl Subscribe for Subscriber {
+    async fn subscribe(&mut self) -> Result<(), Error> {
+        self.messages = None;
+        self.batch.clear();
+        let settings = &self.settings;
+        let context = connect(settings).await?;
+        let stream = stream(&context, settings).await?;
+        // One durable consumer per message type, each filtered on its subject: a filter of
+        // several subjects needs a 2.10 server, and a server before it would ignore it.
+        let mut streams = Vec::with_capacity(self.listened.len());
+        for message_type in &self.listened {
+            let name = consumer_name(&settings.consumer, message_type);
+            let consumer: jetstream::consumer::PullConsumer = if settings.declare {
+                stream
+                    .create_consumer(pull::Config {
+                        durable_name: Some(name),
+                        filter_subject: subject(&settings.prefix, message_type),
+                        ack_policy: jetstream::consumer::AckPolicy::Explicit,
+                        ack_wait: settings.ack_wait,
+                        max_ack_pending: i64::from(settings.prefetch) * 2,
+                        ..pull::Config::default()
+                    })
+                    .await
+                    .map_err(failed)?
+            } else {
+                stream.get_consumer(&name).await.map_err(|error| {
+                    Error::Configuration(format!(
+                        "JetStream has no consumer {name:?} on stream {:?} (the transport only \
+                         checks its topology: {error})",
+                        settings.stream
+                    ))
+                })?
+            };
+            streams.push(
+                consumer
+                    .stream()
+                    .max_messages_per_batch(usize::from(settings.prefetch))
+                    .messages()
+                    .await
+                    .map_err(failed)?,
+            );
+        }
+        let messages = futures::stream::select_all(streams);
+        self.messages = Some(messages);
+        Ok(())
+    }
+
+    async fn next(&mut self) -> Result<Vec<Received>, Error> {
+        let prefetch = usize::from(self.settings.prefetch);
+        let Some(messages) = self.messages.as_mut() else {
+            return Err(failed("not subscribed"));
+        };
+        let first = messages
+            .next()
+            .await
+            .ok_or_else(|| failed("the consumer's message stream ended"))?
+            .map_err(failed)?;
+        self.batch.push(first);
+        while self.batch.len() < prefetch {
+            match messages.next().now_or_never() {
+                Some(Some(Ok(message))) => self.batch.push(message),
+                Some(Some(Err(error))) => return Err(failed(error)),
+                Some(None) | None => break,
+            }
+        }
+        Ok(self.batch.iter().map(read).collect())
+    }
+
+    async fn ack(&mut self) -> Result<(), Error> {
+        for message in std::mem::take(&mut self.batch) {
+            message.ack().await.map_err(failed)?;
+        }
+        Ok(())
+    }
+
+    async fn release(&mut self) {
+        for message in std::mem::take(&mut self.batch) {
+            if let Err(error) = message.ack_with(AckKind::Nak(None)).await {
+                // Its ack wait ends all the same, and JetStream redelivers it then.
+                tracing::debug!(transport = NAME, %error, "returning a message failed");
+            }
+        }
+        self.messages = None;
+    }
+}
+
+/// A JetStream message as an envelope; `Nats-Msg-Id` stands in for a missing id header.
+fn read(message: &jetstream::Message) -> Received {
+    let mut headers = BTreeMap::new();
+    let mut msg_id = None;
+    if let Some(map) = &message.headers {
+        for (name, values) in map.iter() {
+            let Some(value) = values.last() else { continue };
+            if AsRef::<str>::as_ref(name).eq_ignore_ascii_case("Nats-Msg-Id") {
+                msg_id = Some(value.as_str().to_owned());
+            }
+            headers.insert(name.to_string(), value.as_str().to_owned());
+        }
+    }
+    let fallback = Fallback {
+        id: msg_id,
+        ..Fallback::default()
+    };
+    wire::decode(headers, message.payload.to_vec(), fallback)
+}

@@ -1,0 +1,390 @@
+//! A queue in PostgreSQL that nodes share, for fleets without a broker.
+
+use std::str::FromStr;
+use std::time::Duration;
+
+use async_trait::async_trait;
+use dacapo_actors::Envelope;
+use sqlx::postgres::{PgConnectOptions, PgListener, PgPool, PgPoolOptions, PgRow};
+use sqlx::{Postgres, Row as _, Transaction};
+
+use super::host::{Publish, Received, Subscribe, Transport};
+use super::routes::{Routes, routing};
+use super::wire::Unreadable;
+use crate::Error;
+use crate::store::PostgresStore;
+use crate::store::sql::{EnvelopeColumns, millis};
+
+const NAME: &str = "postgres-queue";
+
+/// The channel each publishing commit notifies, with the queue's name as payload.
+const CHANNEL: &str = "dacapo_queue";
+
+/// Envelopes published to a named queue in a PostgreSQL database, unowned until a node takes
+/// a batch of them: every live node listening on the queue takes a share.
+///
+/// A node takes a batch with `FOR UPDATE SKIP LOCKED` in a transaction that stays open while
+/// the node's inbox records them, and deletes them in that transaction once recorded (the
+/// acknowledgement). A node killed in between holds nothing: its transaction rolls back and
+/// another node takes the batch, whose copies the inbox discards by envelope id. Nodes are
+/// woken by `LISTEN/NOTIFY` at every commit that published, and poll as a fallback.
+///
+/// Only the message types routed here leave the node ([`route`](Self::route),
+/// [`route_module`](Self::route_module), [`route_all`](Self::route_all)); the rest stay
+/// node-local, as on a runtime without a transport.
+///
+/// ```no_run
+/// # use dacapo::prelude::*;
+/// # use serde::{Deserialize, Serialize};
+/// # #[derive(Serialize, Deserialize)] struct OrderPlaced { n: u32 }
+/// # impl Message for OrderPlaced { const TYPE: &'static str = "orders.placed"; }
+/// # async fn run(store: dacapo::store::PostgresStore, module: Module) -> Result<(), dacapo::Error> {
+/// use dacapo::transport::PostgresQueue;
+///
+/// let queue = PostgresQueue::on(&store, "orders").route::<OrderPlaced>();
+/// let runtime = Runtime::builder().store(store).module(module).transport(queue).build()?;
+/// runtime.listening().await?;
+/// # Ok(())
+/// # }
+/// ```
+#[cfg_attr(docsrs, doc(cfg(feature = "postgres")))]
+#[derive(Debug)]
+pub struct PostgresQueue {
+    options: PgConnectOptions,
+    queue: String,
+    routes: Routes,
+    prefetch: u16,
+    poll_interval: Duration,
+    declare: bool,
+}
+
+impl PostgresQueue {
+    /// The queue `queue` in the database of `store` (its connection settings; the queue
+    /// opens connections of its own, on its own thread).
+    pub fn on(store: &PostgresStore, queue: impl Into<String>) -> Self {
+        Self::with_options((*store.pool().connect_options()).clone(), queue)
+    }
+
+    /// The queue `queue` in the PostgreSQL database at `url`, which need not be the store's.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Configuration`] for a URL that does not parse.
+    pub fn connect(url: &str, queue: impl Into<String>) -> Result<Self, Error> {
+        let options = PgConnectOptions::from_str(url).map_err(|error| {
+            Error::Configuration(format!("{}: {error}", crate::store::sql::redacted(url)))
+        })?;
+        Ok(Self::with_options(options, queue))
+    }
+
+    fn with_options(options: PgConnectOptions, queue: impl Into<String>) -> Self {
+        Self {
+            options,
+            queue: queue.into(),
+            routes: Routes::default(),
+            prefetch: 100,
+            poll_interval: Duration::from_secs(1),
+            declare: true,
+        }
+    }
+
+    routing!();
+
+    /// How many envelopes a node takes in one transaction (default 100).
+    #[must_use]
+    pub fn prefetch(mut self, prefetch: u16) -> Self {
+        self.prefetch = prefetch.max(1);
+        self
+    }
+
+    /// How often a node looks at the queue when no notification came (default 1 s).
+    #[must_use]
+    pub fn poll_interval(mut self, interval: Duration) -> Self {
+        self.poll_interval = interval;
+        self
+    }
+
+    /// Whether to create the queue's table at start (the default) or only check that it is
+    /// there, for a database whose schema is managed elsewhere.
+    #[must_use]
+    pub fn declare(mut self, declare: bool) -> Self {
+        self.declare = declare;
+        self
+    }
+}
+
+impl From<PostgresQueue> for Transport {
+    fn from(queue: PostgresQueue) -> Self {
+        Transport {
+            name: NAME,
+            home: queue.queue.clone(),
+            routes: queue.routes.clone(),
+            // Every row of the queue is taken, whatever its type: what was routed here.
+            open: Box::new(move |_listened| {
+                // Lazy: connections open on the transport's thread, where they are used.
+                let pool = PgPoolOptions::new()
+                    .max_connections(4)
+                    .acquire_timeout(Duration::from_secs(5))
+                    .connect_lazy_with(queue.options.clone());
+                let publisher = Publisher {
+                    pool: pool.clone(),
+                    routes: queue.routes.clone(),
+                    home: queue.queue.clone(),
+                    declare: queue.declare,
+                    declared: false,
+                };
+                let subscriber = Subscriber {
+                    pool,
+                    queue: queue.queue,
+                    prefetch: queue.prefetch,
+                    poll_interval: queue.poll_interval,
+                    declare: queue.declare,
+                    notifications: None,
+                    taken: None,
+                };
+                (Box::new(publisher), Box::new(subscriber))
+            }),
+        }
+    }
+}
+
+fn failed(error: impl Into<Box<dyn std::error::Error + Send + Sync>>) -> Error {
+    Error::Transport {
+        transport: NAME,
+        source: error.into(),
+    }
+}
+
+const DECLARE: [&str; 3] = [
+    "SELECT pg_advisory_xact_lock(7215143920911462)",
+    "CREATE TABLE IF NOT EXISTS dacapo_queue (\
+        seq              BIGSERIAL PRIMARY KEY, \
+        queue            TEXT    NOT NULL, \
+        id               TEXT    NOT NULL, \
+        message_type     TEXT    NOT NULL, \
+        payload          BYTEA   NOT NULL, \
+        headers          TEXT    NOT NULL, \
+        deduplication_id TEXT, \
+        correlation_id   TEXT, \
+        causation_id     TEXT, \
+        sent_at          BIGINT  NOT NULL, \
+        scheduled_for    BIGINT, \
+        enqueued_at      BIGINT  NOT NULL)",
+    "CREATE INDEX IF NOT EXISTS dacapo_queue_next ON dacapo_queue (queue, seq)",
+];
+
+const CHECK: &str = "SELECT to_regclass('dacapo_queue') IS NOT NULL AS present";
+
+const ENQUEUE: &str = "INSERT INTO dacapo_queue \
+    (id, message_type, payload, headers, deduplication_id, correlation_id, causation_id, sent_at, \
+     scheduled_for, queue, enqueued_at) VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11)";
+
+const NOTIFY: &str = "SELECT pg_notify($1, $2)";
+
+const TAKE: &str = "SELECT seq, id, message_type, payload, headers, deduplication_id, \
+    correlation_id, causation_id, sent_at, scheduled_for FROM dacapo_queue \
+    WHERE queue = $1 ORDER BY seq LIMIT $2 FOR UPDATE SKIP LOCKED";
+
+const DELETE: &str = "DELETE FROM dacapo_queue WHERE seq = ANY($1)";
+
+/// Creates the queue's table, or checks it is there.
+async fn declare(pool: &PgPool, create: bool) -> Result<(), Error> {
+    if create {
+        let mut tx = pool.begin().await.map_err(failed)?;
+        for statement in DECLARE {
+            sqlx::query(statement)
+                .execute(&mut *tx)
+                .await
+                .map_err(failed)?;
+        }
+        return tx.commit().await.map_err(failed);
+    }
+    let present: bool = sqlx::query(CHECK)
+        .fetch_one(pool)
+        .await
+        .map_err(failed)?
+        .get("present");
+    if present {
+        Ok(())
+    } else {
+        Err(Error::Configuration(
+            "the PostgreSQL queue's table dacapo_queue does not exist, and the queue was \
+             asked only to check it (PostgresQueue::declare(false))"
+                .into(),
+        ))
+    }
+}
+
+struct Publisher {
+    pool: PgPool,
+    routes: Routes,
+    home: String,
+    declare: bool,
+    declared: bool,
+}
+
+#[async_trait]
+impl Publish for Publisher {
+    async fn publish(&mut self, envelopes: &[Envelope]) -> Result<(), Error> {
+        if !self.declared {
+            declare(&self.pool, self.declare).await?;
+            self.declared = true;
+        }
+        let now = millis(chrono::Utc::now());
+        let mut queues: Vec<&str> = Vec::new();
+        let mut tx = self.pool.begin().await.map_err(failed)?;
+        for envelope in envelopes {
+            let queue = self.routes.destination(&envelope.message_type, &self.home);
+            let columns = EnvelopeColumns::of(envelope)?;
+            let mut insert = sqlx::query(ENQUEUE);
+            insert = insert
+                .bind(&columns.id)
+                .bind(&columns.message_type)
+                .bind(&columns.payload)
+                .bind(&columns.headers)
+                .bind(&columns.deduplication_id)
+                .bind(&columns.correlation_id)
+                .bind(&columns.causation_id)
+                .bind(columns.sent_at)
+                .bind(columns.scheduled_for)
+                .bind(queue)
+                .bind(now);
+            insert.execute(&mut *tx).await.map_err(failed)?;
+            if !queues.contains(&queue) {
+                queues.push(queue);
+            }
+        }
+        for queue in queues {
+            sqlx::query(NOTIFY)
+                .bind(CHANNEL)
+                .bind(queue)
+                .execute(&mut *tx)
+                .await
+                .map_err(failed)?;
+        }
+        tx.commit().await.map_err(failed)
+    }
+}
+
+struct Subscriber {
+    pool: PgPool,
+    queue: String,
+    prefetch: u16,
+    poll_interval: Duration,
+    declare: bool,
+    notifications: Option<PgListener>,
+    /// The open transaction holding the last batch's rows, and their positions.
+    taken: Option<(Transaction<'static, Postgres>, Vec<i64>)>,
+}
+
+#[async_trait]
+impl Subscribe for Subscriber {
+    async fn subscribe(&mut self) -> Result<(), Error> {
+        self.taken = None;
+        declare(&self.pool, self.declare).await?;
+        let mut listener = PgListener::connect_with(&self.pool).await.map_err(failed)?;
+        listener.listen(CHANNEL).await.map_err(failed)?;
+        self.notifications = Some(listener);
+        Ok(())
+    }
+
+    async fn next(&mut self) -> Result<Vec<Received>, Error> {
+        let mut tx = self.pool.begin().await.map_err(failed)?;
+        let rows = sqlx::query(TAKE)
+            .bind(&self.queue)
+            .bind(i64::from(self.prefetch))
+            .fetch_all(&mut *tx)
+            .await
+            .map_err(failed)?;
+        if rows.is_empty() {
+            tx.rollback().await.map_err(failed)?;
+            self.wait().await?;
+            return Ok(Vec::new());
+        }
+        let mut positions = Vec::with_capacity(rows.len());
+        let mut received = Vec::with_capacity(rows.len());
+        for row in &rows {
+            positions.push(row.try_get::<i64, _>("seq").map_err(failed)?);
+            received.push(self.read(row));
+        }
+        self.taken = Some((tx, positions));
+        Ok(received)
+    }
+
+    async fn ack(&mut self) -> Result<(), Error> {
+        let Some((mut tx, positions)) = self.taken.take() else {
+            return Ok(());
+        };
+        sqlx::query(DELETE)
+            .bind(&positions)
+            .execute(&mut *tx)
+            .await
+            .map_err(failed)?;
+        tx.commit().await.map_err(failed)
+    }
+
+    async fn release(&mut self) {
+        if let Some((tx, _)) = self.taken.take() {
+            let _ = tx.rollback().await;
+        }
+    }
+}
+
+impl Subscriber {
+    /// Waits for a notification for this queue, or the poll interval.
+    async fn wait(&mut self) -> Result<(), Error> {
+        let Some(listener) = self.notifications.as_mut() else {
+            tokio::time::sleep(self.poll_interval).await;
+            return Ok(());
+        };
+        let deadline = tokio::time::Instant::now() + self.poll_interval;
+        loop {
+            match tokio::time::timeout_at(deadline, listener.recv()).await {
+                Err(_) => return Ok(()),
+                Ok(Ok(notification)) if notification.payload() == self.queue => return Ok(()),
+                Ok(Ok(_)) => {}
+                Ok(Err(error)) => {
+                    self.notifications = None;
+                    return Err(failed(error));
+                }
+            }
+        }
+    }
+
+    /// A row as an envelope; a row another writer filled with something else is unreadable.
+    fn read(&self, row: &PgRow) -> Received {
+        let columns = || -> Result<EnvelopeColumns, sqlx::Error> {
+            Ok(EnvelopeColumns {
+                id: row.try_get("id")?,
+                message_type: row.try_get("message_type")?,
+                payload: row.try_get("payload")?,
+                headers: row.try_get("headers")?,
+                deduplication_id: row.try_get("deduplication_id")?,
+                correlation_id: row.try_get("correlation_id")?,
+                causation_id: row.try_get("causation_id")?,
+                sent_at: row.try_get("sent_at")?,
+                scheduled_for: row.try_get("scheduled_for")?,
+            })
+        };
+        let unreadable = |why: String, body: Vec<u8>| Unreadable {
+            headers: [("queue".to_owned(), self.queue.clone())].into(),
+            body,
+            why,
+        };
+        match columns() {
+            Ok(columns) => {
+                let body = columns.payload.clone();
+                let (id, message_type) = (columns.id.clone(), columns.message_type.clone());
+                columns.into_envelope(0).map_err(|error| {
+                    let mut unreadable = unreadable(format!("queue row: {error}"), body);
+                    unreadable.headers.insert("message-id".into(), id);
+                    unreadable
+                        .headers
+                        .insert("message-type".into(), message_type);
+                    unreadable
+                })
+            }
+            Err(error) => Err(unreadable(format!("queue row: {error}"), Vec::new())),
+        }
+    }
+}

@@ -1,0 +1,515 @@
+//! RabbitMQ, over lapin: publisher confirms, a prefetch, acknowledgements after the inbox.
+
+use std::collections::{BTreeMap, HashSet};
+use std::sync::Arc;
+
+use async_trait::async_trait;
+use dacapo_actors::Envelope;
+use futures::{FutureExt, StreamExt};
+use lapin::message::Delivery;
+use lapin::options::{
+    BasicAckOptions, BasicConsumeOptions, BasicNackOptions, BasicPublishOptions, BasicQosOptions,
+    ConfirmSelectOptions, ExchangeDeclareOptions, QueueBindOptions, QueueDeclareOptions,
+};
+use lapin::types::{AMQPValue, FieldTable, LongString, ShortString};
+use lapin::{BasicProperties, Channel, Connection, ConnectionProperties, ExchangeKind};
+
+use super::host::{Publish, Received, Subscribe, Transport};
+use super::routes::{Routes, routing};
+use super::wire::{self, Binding, Fallback, WireFormat};
+use crate::Error;
+
+const NAME: &str = "rabbitmq";
+
+/// The kind of queue a node listens on.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum QueueKind {
+    /// A classic durable queue (the default).
+    #[default]
+    Classic,
+    /// A quorum queue: replicated on a RabbitMQ cluster, always durable.
+    Quorum,
+}
+
+/// RabbitMQ as a transport: routed message types are published to a durable topic exchange
+/// (`dacapo` by default) with their type as routing key, with publisher confirms; each service
+/// listens on a durable queue of its own, bound to the routed types it handles, which the
+/// nodes of that service share (each message goes to one of them).
+///
+/// A node consumes with a prefetch, hands each batch to its inbox in one transaction, and
+/// acknowledges the batch once it is recorded (a multiple ack); handling runs after, from the
+/// inbox. What was delivered and not recorded when the runtime stops, or when the node dies,
+/// goes back to the queue for another node. The exchange, the queue and its bindings are
+/// declared at start, or only checked with [`declare(false)`](Self::declare).
+///
+/// ```no_run
+/// # use dacapo::prelude::*;
+/// # use serde::{Deserialize, Serialize};
+/// # #[derive(Serialize, Deserialize)] struct OrderPlaced { n: u32 }
+/// # impl Message for OrderPlaced { const TYPE: &'static str = "orders.placed"; }
+/// # async fn run(store: dacapo::store::SqliteStore, module: Module) -> Result<(), dacapo::Error> {
+/// use dacapo::transport::RabbitMq;
+///
+/// let rabbit = RabbitMq::new("amqp://guest:guest@127.0.0.1:5672/%2f", "orders")
+///     .route::<OrderPlaced>();
+/// let runtime = Runtime::builder().store(store).module(module).transport(rabbit).build()?;
+/// runtime.listening().await?;
+/// # Ok(())
+/// # }
+/// ```
+#[cfg_attr(docsrs, doc(cfg(feature = "rabbitmq")))]
+#[derive(Clone, Debug)]
+pub struct RabbitMq {
+    settings: Settings,
+    routes: Routes,
+}
+
+#[derive(Clone, Debug)]
+struct Settings {
+    url: String,
+    exchange: String,
+    queue: String,
+    kind: QueueKind,
+    prefetch: u16,
+    format: WireFormat,
+    source: String,
+    declare: bool,
+}
+
+impl RabbitMq {
+    /// The broker at `url` (`amqp://user:password@host:port/vhost`); this service listens on
+    /// the queue `queue`.
+    pub fn new(url: impl Into<String>, queue: impl Into<String>) -> Self {
+        Self {
+            settings: Settings {
+                url: url.into(),
+                exchange: "dacapo".into(),
+                queue: queue.into(),
+                kind: QueueKind::Classic,
+                prefetch: 100,
+                format: WireFormat::Dacapo,
+                source: wire::DEFAULT_SOURCE.into(),
+                declare: true,
+            },
+            routes: Routes::default(),
+        }
+    }
+
+    routing!();
+
+    /// The topic exchange routed types are published to and the queue is bound on (default
+    /// `dacapo`).
+    #[must_use]
+    pub fn exchange(mut self, exchange: impl Into<String>) -> Self {
+        self.settings.exchange = exchange.into();
+        self
+    }
+
+    /// A classic (default) or quorum queue.
+    #[must_use]
+    pub fn queue_kind(mut self, kind: QueueKind) -> Self {
+        self.settings.kind = kind;
+        self
+    }
+
+    /// How many unacknowledged messages the broker hands this node at once, and so the
+    /// largest batch its inbox records in one transaction (default 100).
+    #[must_use]
+    pub fn prefetch(mut self, prefetch: u16) -> Self {
+        self.settings.prefetch = prefetch.max(1);
+        self
+    }
+
+    /// How published envelopes travel: dacapo's headers (default) or CloudEvents.
+    #[must_use]
+    pub fn wire_format(mut self, format: WireFormat) -> Self {
+        self.settings.format = format;
+        self
+    }
+
+    /// The CloudEvents `source` of what this node publishes (default `urn:dacapo`).
+    #[must_use]
+    pub fn source(mut self, source: impl Into<String>) -> Self {
+        self.settings.source = source.into();
+        self
+    }
+
+    /// Whether to declare the exchange, the queue and its bindings at start (the default) or
+    /// only check that they exist, for a broker whose topology is managed elsewhere.
+    #[must_use]
+    pub fn declare(mut self, declare: bool) -> Self {
+        self.settings.declare = declare;
+        self
+    }
+}
+
+impl From<RabbitMq> for Transport {
+    fn from(rabbit: RabbitMq) -> Self {
+        let RabbitMq { settings, routes } = rabbit;
+        Transport {
+            name: NAME,
+            home: settings.exchange.clone(),
+            routes: routes.clone(),
+            open: Box::new(move |listened| {
+                let settings = Arc::new(settings);
+                let publisher = Publisher {
+                    settings: Arc::clone(&settings),
+                    routes,
+                    channel: None,
+                    declared: HashSet::new(),
+                };
+                let subscriber = Subscriber {
+                    settings,
+                    listened,
+                    consuming: None,
+                    last_tag: None,
+                };
+                (Box::new(publisher), Box::new(subscriber))
+            }),
+        }
+    }
+}
+
+fn failed(error: impl Into<Box<dyn std::error::Error + Send + Sync>>) -> Error {
+    Error::Transport {
+        transport: NAME,
+        source: error.into(),
+    }
+}
+
+/// A name the protocol limits to 255 bytes.
+fn short(text: &str) -> Result<ShortString, Error> {
+    ShortString::try_new(text)
+        .map_err(|error| Error::Configuration(format!("{text:?} cannot be an AMQP name: {error}")))
+}
+
+async fn connect(settings: &Settings) -> Result<(Connection, Channel), Error> {
+    let connection = Connection::connect(&settings.url, ConnectionProperties::default())
+        .await
+        .map_err(failed)?;
+    let channel = connection.create_channel().await.map_err(failed)?;
+    Ok((connection, channel))
+}
+
+/// Declares (or, with `declare` off, checks) a durable topic exchange. A passive declare of a
+/// missing exchange closes the channel: the error says so, and is not retried.
+async fn exchange(channel: &Channel, name: &str, declare: bool) -> Result<(), Error> {
+    let options = ExchangeDeclareOptions {
+        durable: true,
+        passive: !declare,
+        ..ExchangeDeclareOptions::default()
+    };
+    channel
+        .exchange_declare(
+            short(name)?,
+            ExchangeKind::Topic,
+            options,
+            FieldTable::default(),
+        )
+        .await
+        .map_err(|error| missing(declare, format!("exchange {name:?}"), error))
+}
+
+/// A declaration's error: a topology only checked and not there is a configuration error,
+/// which waiting does not cure; anything else the broker's.
+fn missing(declare: bool, what: String, error: lapin::Error) -> Error {
+    if declare {
+        failed(error)
+    } else {
+        Error::Configuration(format!(
+            "RabbitMQ has no {what} (the transport only checks its topology: {error})"
+        ))
+    }
+}
+
+struct Publisher {
+    settings: Arc<Settings>,
+    routes: Routes,
+    /// The connection and its confirming channel, until a call fails.
+    channel: Option<(Connection, Channel)>,
+    /// Exchanges declared (or checked) on this connection.
+    declared: HashSet<String>,
+}
+
+impl Publisher {
+    async fn channel(&mut self) -> Result<&Channel, Error> {
+        if self.channel.is_none() {
+            let (connection, channel) = connect(&self.settings).await?;
+            channel
+                .confirm_select(ConfirmSelectOptions::default())
+                .await
+                .map_err(failed)?;
+            self.declared.clear();
+            self.channel = Some((connection, channel));
+        }
+        match &self.channel {
+            Some((_, channel)) => Ok(channel),
+            None => Err(failed("not connected")),
+        }
+    }
+
+    async fn send(&mut self, envelopes: &[Envelope]) -> Result<(), Error> {
+        let settings = Arc::clone(&self.settings);
+        let mut exchanges: Vec<String> = Vec::new();
+        for envelope in envelopes {
+            let exchange = self
+                .routes
+                .destination(&envelope.message_type, &settings.exchange);
+            if !self.declared.contains(exchange) && !exchanges.iter().any(|e| e == exchange) {
+                exchanges.push(exchange.to_owned());
+            }
+        }
+        let channel = self.channel().await?.clone();
+        for name in exchanges {
+            exchange(&channel, &name, settings.declare).await?;
+            self.declared.insert(name);
+        }
+        // Every publication goes out before the first confirm is awaited: one round trip for
+        // the batch, not one per envelope.
+        let mut confirms = Vec::with_capacity(envelopes.len());
+        for envelope in envelopes {
+            let exchange = self
+                .routes
+                .destination(&envelope.message_type, &settings.exchange);
+            let confirm = channel
+                .basic_publish(
+                    short(exchange)?,
+                    short(&envelope.message_type)?,
+                    BasicPublishOptions {
+                        mandatory: true,
+                        ..BasicPublishOptions::default()
+                    },
+                    &envelope.payload,
+                    properties(envelope, &settings),
+                )
+                .await
+                .map_err(failed)?;
+            confirms.push((envelope.id, confirm));
+        }
+        for (id, confirm) in confirms {
+            let confirmation = confirm.await.map_err(failed)?;
+            if confirmation.is_nack() {
+                return Err(failed(format!("the broker refused envelope {id} (nack)")));
+            }
+            if confirmation.take_message().is_some() {
+                tracing::warn!(
+                    transport = NAME,
+                    messaging.message.id = %id,
+                    "no queue is bound for this message type: the broker dropped it"
+                );
+            }
+        }
+        Ok(())
+    }
+}
+
+#[async_trait]
+impl Publish for Publisher {
+    async fn publish(&mut self, envelopes: &[Envelope]) -> Result<(), Error> {
+        let sent = self.send(envelopes).await;
+        if sent.is_err() {
+            // Connect afresh next time: a channel that saw an error may be closed.
+            self.channel = None;
+        }
+        sent
+    }
+}
+
+/// The AMQP properties and headers of `envelope`: persistent, its ids in both the properties
+/// (for AMQP tools) and the headers (the wire format's).
+fn properties(envelope: &Envelope, settings: &Settings) -> BasicProperties {
+    let mut headers = FieldTable::default();
+    for (name, value) in wire::encode(envelope, settings.format, Binding::Amqp, &settings.source) {
+        match ShortString::try_new(name) {
+            Ok(name) => {
+                headers.insert(name, AMQPValue::LongString(LongString::from(value)));
+            }
+            Err(error) => tracing::warn!(
+                transport = NAME,
+                messaging.message.id = %envelope.id,
+                %error,
+                "a header name over 255 bytes cannot travel on AMQP; it is left out"
+            ),
+        }
+    }
+    let mut properties = BasicProperties::default()
+        .with_delivery_mode(2)
+        .with_content_type("application/json".into())
+        .with_message_id(envelope.id.simple().to_string().into())
+        .with_timestamp(u64::try_from(envelope.sent_at.timestamp()).unwrap_or(0))
+        .with_headers(headers);
+    if let Ok(kind) = ShortString::try_new(envelope.message_type.to_string()) {
+        properties = properties.with_type(kind);
+    }
+    if let Some(correlation) = envelope.correlation_id {
+        properties = properties.with_correlation_id(correlation.simple().to_string().into());
+    }
+    properties
+}
+
+struct Subscriber {
+    settings: Arc<Settings>,
+    listened: Vec<String>,
+    consuming: Option<(Connection, Channel, lapin::Consumer)>,
+    /// The last delivery of the last batch, acknowledged (or released) with all before it.
+    last_tag: Option<u64>,
+}
+
+#[async_trait]
+impl Subscribe for Subscriber {
+    async fn subscribe(&mut self) -> Result<(), Error> {
+        self.consuming = None;
+        self.last_tag = None;
+        let settings = &self.settings;
+        let (connection, channel) = connect(settings).await?;
+        exchange(&channel, &settings.exchange, settings.declare).await?;
+        let mut arguments = FieldTable::default();
+        if settings.kind == QueueKind::Quorum {
+            arguments.insert(
+                "x-queue-type".into(),
+                AMQPValue::LongString("quorum".into()),
+            );
+        }
+        let options = QueueDeclareOptions {
+            durable: true,
+            passive: !settings.declare,
+            ..QueueDeclareOptions::default()
+        };
+        let queue = short(&settings.queue)?;
+        channel
+            .queue_declare(queue.clone(), options, arguments)
+            .await
+            .map_err(|error| {
+                missing(
+                    settings.declare,
+                    format!("queue {:?}", settings.queue),
+                    error,
+                )
+            })?;
+        // Bindings cannot be checked without the management API: they are declared either
+        // way, which is idempotent.
+        for message_type in &self.listened {
+            channel
+                .queue_bind(
+                    queue.clone(),
+                    short(&settings.exchange)?,
+                    short(message_type)?,
+                    QueueBindOptions::default(),
+                    FieldTable::default(),
+                )
+                .await
+                .map_err(failed)?;
+        }
+        channel
+            .basic_qos(settings.prefetch, BasicQosOptions::default())
+            .await
+            .map_err(failed)?;
+        let consumer = channel
+            .basic_consume(
+                queue,
+                "".into(),
+                BasicConsumeOptions::default(),
+                FieldTable::default(),
+            )
+            .await
+            .map_err(failed)?;
+        self.consuming = Some((connection, channel, consumer));
+        Ok(())
+    }
+
+    async fn next(&mut self) -> Result<Vec<Received>, Error> {
+        let prefetch = usize::from(self.settings.prefetch);
+        let Some((_, _, consumer)) = self.consuming.as_mut() else {
+            return Err(failed("not subscribed"));
+        };
+        let mut deliveries = Vec::new();
+        let first = consumer
+            .next()
+            .await
+            .ok_or_else(|| failed("the broker cancelled the consumer"))?
+            .map_err(failed)?;
+        deliveries.push(first);
+        while deliveries.len() < prefetch {
+            match consumer.next().now_or_never() {
+                Some(Some(Ok(delivery))) => deliveries.push(delivery),
+                Some(Some(Err(error))) => return Err(failed(error)),
+                Some(None) | None => break,
+            }
+        }
+        self.last_tag = deliveries.last().map(|delivery| delivery.delivery_tag);
+        Ok(deliveries.into_iter().map(read).collect())
+    }
+
+    async fn ack(&mut self) -> Result<(), Error> {
+        let (Some(tag), Some((_, channel, _))) = (self.last_tag.take(), self.consuming.as_ref())
+        else {
+            return Ok(());
+        };
+        channel
+            .basic_ack(tag, BasicAckOptions { multiple: true })
+            .await
+            .map_err(failed)
+    }
+
+    async fn release(&mut self) {
+        if let (Some(tag), Some((_, channel, _))) = (self.last_tag.take(), self.consuming.as_ref())
+        {
+            let requeue = BasicNackOptions {
+                multiple: true,
+                requeue: true,
+            };
+            if let Err(error) = channel.basic_nack(tag, requeue).await {
+                // Closing the connection returns them to the queue all the same.
+                tracing::debug!(transport = NAME, %error, "returning deliveries failed");
+            }
+        }
+        if let Some((connection, ..)) = self.consuming.take() {
+            let _ = connection.close(200, "dacapo stops listening".into()).await;
+        }
+    }
+}
+
+/// A delivery as an envelope, reading the AMQP properties where a header is missing.
+fn read(delivery: Delivery) -> Received {
+    let properties = &delivery.properties;
+    let mut headers = BTreeMap::new();
+    if let Some(table) = properties.headers() {
+        for (name, value) in table.inner() {
+            if let Some(value) = text(value) {
+                headers.insert(name.to_string(), value);
+            }
+        }
+    }
+    let fallback = Fallback {
+        id: properties.message_id().as_ref().map(ToString::to_string),
+        message_type: properties.kind().as_ref().map(ToString::to_string),
+        correlation_id: properties
+            .correlation_id()
+            .as_ref()
+            .map(ToString::to_string),
+        sent_at: properties
+            .timestamp()
+            .and_then(|seconds| i64::try_from(seconds).ok())
+            .and_then(|seconds| chrono::DateTime::from_timestamp(seconds, 0)),
+    };
+    wire::decode(headers, delivery.data, fallback)
+}
+
+/// A header's value as text; values of no textual form (tables, arrays) are not read.
+fn text(value: &AMQPValue) -> Option<String> {
+    Some(match value {
+        AMQPValue::LongString(text) => String::from_utf8_lossy(text.as_bytes()).into_owned(),
+        AMQPValue::ShortString(text) => text.to_string(),
+        AMQPValue::Boolean(value) => value.to_string(),
+        AMQPValue::ShortShortInt(value) => value.to_string(),
+        AMQPValue::ShortShortUInt(value) => value.to_string(),
+        AMQPValue::ShortInt(value) => value.to_string(),
+        AMQPValue::ShortUInt(value) => value.to_string(),
+        AMQPValue::LongInt(value) => value.to_string(),
+        AMQPValue::LongUInt(value) => value.to_string(),
+        AMQPValue::LongLongInt(value) => value.to_string(),
+        AMQPValue::Timestamp(value) => value.to_string(),
+        _ => return None,
+    })
+}

@@ -1,0 +1,344 @@
+//! What the transport tests share: a handler that records the ids it saw, runtimes on real
+//! stores with a transport, and the scenarios every transport must pass.
+#![allow(dead_code, unreachable_pub)]
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use dacapo::prelude::*;
+use dacapo::store::{PostgresStore, SqliteStore};
+use dacapo::testing::ScratchDatabase;
+use dacapo::transport::{Transport, TransportState};
+use serde::{Deserialize, Serialize};
+use tokio::sync::Notify;
+use uuid::Uuid;
+
+/// Sent across the broker in the tests.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Ping {
+    pub n: u32,
+}
+
+impl Message for Ping {
+    const TYPE: &'static str = "tests.ping";
+}
+
+/// Never routed: stays on the node that publishes it.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+pub struct Local {
+    pub n: u32,
+}
+
+impl Message for Local {
+    const TYPE: &'static str = "tests.local";
+}
+
+/// What a handler saw: each envelope id with its context, in the order handled.
+#[derive(Clone, Debug)]
+pub struct Sighting {
+    pub id: Uuid,
+    pub node: &'static str,
+    pub correlation_id: Option<Uuid>,
+    pub causation_id: Option<Uuid>,
+    pub deduplication_id: Option<String>,
+    pub header: Option<String>,
+    pub n: u32,
+}
+
+/// Records every call of its handler, shared by the runtimes of a test.
+#[derive(Clone, Default)]
+pub struct Seen {
+    calls: Arc<Mutex<Vec<Sighting>>>,
+    changed: Arc<Notify>,
+}
+
+impl Seen {
+    pub fn calls(&self) -> Vec<Sighting> {
+        self.calls.lock().unwrap().clone()
+    }
+
+    /// Waits until `count` calls were recorded, at most `within`; the calls then.
+    pub async fn wait_for(&self, count: usize, within: Duration) -> Vec<Sighting> {
+        let deadline = tokio::time::Instant::now() + within;
+        loop {
+            let changed = self.changed.notified();
+            let calls = self.calls();
+            if calls.len() >= count {
+                return calls;
+            }
+            if tokio::time::timeout_at(deadline, changed).await.is_err() {
+                panic!(
+                    "{} calls seen within {within:?}, {count} expected",
+                    self.calls().len()
+                );
+            }
+        }
+    }
+
+    /// A handler for `Ping` that records its calls as `node`'s.
+    pub fn handler(&self, node: &'static str) -> PingHandler {
+        PingHandler {
+            seen: self.clone(),
+            node,
+        }
+    }
+
+    /// Each envelope id seen, with how many times.
+    pub fn counts(&self) -> HashMap<Uuid, usize> {
+        let mut counts = HashMap::new();
+        for call in self.calls() {
+            *counts.entry(call.id).or_insert(0) += 1;
+        }
+        counts
+    }
+}
+
+#[derive(Clone)]
+pub struct PingHandler {
+    seen: Seen,
+    node: &'static str,
+}
+
+impl Handler<Ping> for PingHandler {
+    async fn handle(&self, ping: &Ping, ctx: &MessageContext) -> Result<(), HandlerError> {
+        let sighting = Sighting {
+            id: ctx.message_id().expect("inside a delivery"),
+            node: self.node,
+            correlation_id: ctx.correlation_id(),
+            causation_id: ctx.causation_id(),
+            deduplication_id: ctx.deduplication_id().map(str::to_owned),
+            header: ctx.headers().get("tenant").cloned(),
+            n: ping.n,
+        };
+        self.seen.calls.lock().unwrap().push(sighting);
+        self.seen.changed.notify_waiters();
+        Ok(())
+    }
+}
+
+impl Handler<Local> for PingHandler {
+    async fn handle(&self, local: &Local, ctx: &MessageContext) -> Result<(), HandlerError> {
+        self.handle(&Ping { n: local.n }, ctx).await
+    }
+}
+
+/// A unique name for this test's broker objects (queues, streams, consumers).
+pub fn unique(prefix: &str) -> String {
+    format!("{prefix}{}", &Uuid::new_v4().simple().to_string()[..12])
+}
+
+/// How long a test waits for deliveries across a broker before it fails.
+pub const WAIT: Duration = Duration::from_secs(30);
+
+/// A store of one of the backends, on a scratch database that lives as long as it.
+pub enum TestStore {
+    Sqlite(SqliteStore, ScratchDatabase),
+    Postgres(PostgresStore, Arc<ScratchDatabase>),
+}
+
+pub fn admin_url() -> String {
+    std::env::var("DACAPO_TEST_POSTGRES")
+        .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/postgres".to_owned())
+}
+
+impl TestStore {
+    pub async fn sqlite() -> Self {
+        let scratch = ScratchDatabase::sqlite();
+        let store = scratch.sqlite_store().await.unwrap();
+        Self::Sqlite(store, scratch)
+    }
+
+    pub async fn postgres() -> Self {
+        let scratch = ScratchDatabase::postgres(&admin_url())
+            .await
+            .expect("PostgreSQL must be running for the tests (.ci/run starts it)");
+        let store = scratch.postgres_store().await.unwrap();
+        Self::Postgres(store, Arc::new(scratch))
+    }
+
+    /// Another node's store on the same PostgreSQL database.
+    pub async fn another_node(&self, node: &str) -> Self {
+        match self {
+            Self::Postgres(_, scratch) => {
+                let store = PostgresStore::connect(scratch.url())
+                    .await
+                    .unwrap()
+                    .node_id(node);
+                Self::Postgres(store, Arc::clone(scratch))
+            }
+            Self::Sqlite(..) => panic!("nodes share a store on PostgreSQL"),
+        }
+    }
+
+    pub fn url(&self) -> &str {
+        match self {
+            Self::Sqlite(_, scratch) => scratch.url(),
+            Self::Postgres(_, scratch) => scratch.url(),
+        }
+    }
+
+    /// A runtime on this store with `module` and `transport`.
+    pub fn runtime(&self, module: Module, transport: impl Into<Transport>) -> Runtime {
+        let builder = Runtime::builder()
+            .module(module)
+            .transport(transport)
+            .relay_interval(Duration::from_millis(50));
+        match self {
+            Self::Sqlite(store, _) => builder.store(store.clone()),
+            Self::Postgres(store, _) => builder.store(store.clone()),
+        }
+        .build()
+        .unwrap()
+    }
+}
+
+/// Waits until `condition` holds, at most `within`.
+pub async fn wait_until(within: Duration, condition: impl Fn() -> bool) {
+    let deadline = tokio::time::Instant::now() + within;
+    while !condition() {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "not within {within:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
+/// Waits until `runtime` listens on its broker, at most `WAIT`.
+pub async fn listening(runtime: &Runtime) {
+    tokio::time::timeout(WAIT, runtime.listening())
+        .await
+        .expect("the transport listens within the wait")
+        .expect("the transport listens");
+}
+
+/// Waits until `runtime` kept `count` dead letters, at most `WAIT`.
+pub async fn dead_letters(runtime: &Runtime, count: usize) -> Vec<dacapo::DeadLetter> {
+    let deadline = tokio::time::Instant::now() + WAIT;
+    loop {
+        let letters = runtime.dead_letters().list().await.unwrap();
+        if letters.len() >= count {
+            return letters;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "{} dead letters within {WAIT:?}, {count} expected",
+            letters.len()
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+/// The module every transport test registers: `Ping` and `Local` recorded by `seen`.
+pub fn module(seen: &Seen, node: &'static str) -> Module {
+    Module::new("pings")
+        .handle::<Ping, _>(seen.handler(node))
+        .handle::<Local, _>(seen.handler(node))
+}
+
+/// Publishes `count` pings through `runtime`, with a header and a deduplication id each.
+pub async fn publish_pings(runtime: &Runtime, from: u32, count: u32) -> Vec<Uuid> {
+    let mut ids = Vec::new();
+    for n in from..from + count {
+        let options = SendOptions::new()
+            .header("tenant", "acme")
+            .deduplication_id(format!("ping-{n}"));
+        ids.push(runtime.publish_with(&Ping { n }, options).await.unwrap());
+    }
+    ids
+}
+
+/// Routed pings cross the broker and each is handled once, with its ids and headers; a type
+/// not routed stays on the node; the outbox is empty afterwards.
+pub async fn routed_messages_cross_the_broker_once(
+    store: TestStore,
+    transport: Transport,
+) -> TestStore {
+    let seen = Seen::default();
+    let runtime = store.runtime(module(&seen, "a"), transport);
+    listening(&runtime).await;
+    let ids = publish_pings(&runtime, 0, 20).await;
+    let local = runtime.publish(&Local { n: 99 }).await.unwrap();
+    let calls = seen.wait_for(21, WAIT).await;
+    let counts = seen.counts();
+    for id in ids.iter().chain([&local]) {
+        assert_eq!(counts.get(id), Some(&1), "envelope {id} handled once");
+    }
+    let ping = calls.iter().find(|call| call.id == ids[3]).unwrap();
+    assert_eq!(ping.n, 3);
+    assert_eq!(ping.header.as_deref(), Some("acme"));
+    assert_eq!(ping.deduplication_id.as_deref(), Some("ping-3"));
+    assert_eq!(ping.correlation_id, Some(ids[3]));
+    runtime.idle().await;
+    assert_eq!(
+        runtime.outbox_backlog().await.unwrap().map(|b| b.depth),
+        Some(0),
+        "every routed envelope was confirmed by the broker and marked"
+    );
+    assert!(runtime.shutdown().await.is_clean());
+    assert_eq!(
+        seen.calls().len(),
+        21,
+        "nothing handled twice after the fact"
+    );
+    store
+}
+
+/// Two runtimes of one service, on one PostgreSQL store, consuming one queue: every envelope
+/// handled once between them.
+pub async fn two_nodes_share_the_queue(make: impl Fn() -> Transport) {
+    let seen = Seen::default();
+    let first = TestStore::postgres().await;
+    let second = first.another_node("node-b").await;
+    let a = first.runtime(module(&seen, "a"), make());
+    let b = second.runtime(module(&seen, "b"), make());
+    listening(&a).await;
+    listening(&b).await;
+    let mut ids = publish_pings(&a, 0, 100).await;
+    ids.extend(publish_pings(&b, 100, 100).await);
+    seen.wait_for(200, WAIT).await;
+    a.idle().await;
+    b.idle().await;
+    let counts = seen.counts();
+    assert_eq!(counts.len(), 200);
+    assert!(ids.iter().all(|id| counts.get(id) == Some(&1)), "each once");
+    assert!(a.shutdown().await.is_clean());
+    assert!(b.shutdown().await.is_clean());
+    assert_eq!(seen.calls().len(), 200);
+}
+
+/// The broker connection cut while messages flow, then restored: everything published
+/// meanwhile (kept in the outbox) arrives, each once.
+pub async fn a_cut_connection_resumes_by_itself(
+    store: TestStore,
+    transport: Transport,
+    cut: impl Fn(),
+    restore: impl Fn(),
+    consumer_sees_the_cut: bool,
+) {
+    let seen = Seen::default();
+    let runtime = store.runtime(module(&seen, "a"), transport);
+    listening(&runtime).await;
+    let mut ids = publish_pings(&runtime, 0, 10).await;
+    seen.wait_for(10, WAIT).await;
+    cut();
+    if consumer_sees_the_cut {
+        wait_until(WAIT, || {
+            runtime
+                .transports()
+                .iter()
+                .any(|(_, state)| matches!(state, TransportState::Connecting { .. }))
+        })
+        .await;
+    }
+    // Publishing needs only the store: the publications wait in the outbox meanwhile.
+    ids.extend(publish_pings(&runtime, 10, 10).await);
+    restore();
+    seen.wait_for(20, WAIT).await;
+    runtime.idle().await;
+    let counts = seen.counts();
+    assert!(ids.iter().all(|id| counts.get(id) == Some(&1)), "each once");
+    assert_eq!(runtime.outbox_backlog().await.unwrap().unwrap().depth, 0);
+    assert!(runtime.shutdown().await.is_clean());
+}

@@ -1,0 +1,330 @@
+//! The NATS JetStream transport against the real server (127.0.0.1:4222 with JetStream,
+//! started by `.ci/run`): these tests fail, never skip, when it is down.
+
+#[path = "support/brokers.rs"]
+mod brokers;
+#[path = "support/proxy.rs"]
+mod proxy;
+
+use async_nats::HeaderMap;
+use async_nats::jetstream;
+use brokers::*;
+use dacapo::DeadLetterReason;
+use dacapo::Runtime;
+use dacapo::transport::{Nats, Transport, WireFormat};
+use proxy::Proxy;
+use uuid::Uuid;
+
+fn url() -> String {
+    std::env::var("DACAPO_TEST_NATS").unwrap_or_else(|_| "nats://127.0.0.1:4222".to_owned())
+}
+
+/// This test's stream (and its subjects), removed at its end.
+struct Server {
+    stream: String,
+    prefix: String,
+    consumer: String,
+    jetstream: jetstream::Context,
+}
+
+impl Server {
+    async fn new() -> Self {
+        let client = async_nats::connect(url())
+            .await
+            .expect("NATS must be running for the tests (.ci/run starts it)");
+        Self {
+            stream: unique("TEST"),
+            prefix: unique("t"),
+            consumer: unique("pings"),
+            jetstream: jetstream::new(client),
+        }
+    }
+
+    fn transport(&self, url: &str) -> Nats {
+        Nats::new(url, &self.consumer)
+            .stream(&self.stream)
+            .subject_prefix(&self.prefix)
+            .route::<Ping>()
+            .prefetch(20)
+    }
+
+    /// Publishes as a service without dacapo would: raw headers and body.
+    async fn publish_raw(&self, message_type: &str, headers: &[(&str, &str)], body: &[u8]) {
+        let mut map = HeaderMap::new();
+        for (name, value) in headers {
+            map.insert(*name, *value);
+        }
+        self.jetstream
+            .publish_with_headers(
+                format!("{}.{message_type}", self.prefix),
+                map,
+                body.to_vec().into(),
+            )
+            .await
+            .unwrap()
+            .await
+            .unwrap();
+    }
+
+    /// Messages the stream keeps.
+    async fn kept(&self) -> u64 {
+        let mut stream = self.jetstream.get_stream(&self.stream).await.unwrap();
+        stream.info().await.unwrap().state.messages
+    }
+
+    /// Messages of this test's consumers still to deliver or to be acknowledged.
+    async fn outstanding(&self) -> u64 {
+        let stream = self.jetstream.get_stream(&self.stream).await.unwrap();
+        let mut names = stream.consumer_names();
+        let mut outstanding = 0;
+        use futures::StreamExt;
+        let mut found = Vec::new();
+        while let Some(Ok(name)) = names.next().await {
+            found.push(name);
+        }
+        for name in found {
+            let info = stream.consumer_info(&name).await.unwrap();
+            outstanding += info.num_pending + info.num_ack_pending as u64;
+        }
+        outstanding
+    }
+
+    async fn remove(self) {
+        let _ = self.jetstream.delete_stream(&self.stream).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn routed_messages_cross_jetstream_once() {
+    let server = Server::new().await;
+    let transport = server.transport(&url());
+    routed_messages_cross_the_broker_once(TestStore::sqlite().await, transport.into()).await;
+    assert_eq!(server.outstanding().await, 0, "every message acknowledged");
+    server.remove().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn routed_messages_cross_jetstream_once_as_cloud_events() {
+    let server = Server::new().await;
+    let transport = server
+        .transport(&url())
+        .wire_format(WireFormat::CloudEvents);
+    routed_messages_cross_the_broker_once(TestStore::postgres().await, transport.into()).await;
+    server.remove().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_nodes_on_one_consumer_handle_every_envelope_once() {
+    let server = Server::new().await;
+    two_nodes_share_the_queue(|| Transport::from(server.transport(&url()))).await;
+    assert_eq!(server.outstanding().await, 0);
+    server.remove().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cut_server_connection_resumes_and_loses_nothing() {
+    let server = Server::new().await;
+    let proxy = Proxy::start("127.0.0.1:4222".to_owned()).await;
+    let through = format!("nats://127.0.0.1:{}", proxy.port);
+    // The client reconnects by itself: the consumer may never see the cut.
+    a_cut_connection_resumes_by_itself(
+        TestStore::sqlite().await,
+        server.transport(&through).into(),
+        || proxy.cut(),
+        || proxy.restore(),
+        false,
+    )
+    .await;
+    server.remove().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_foreign_service_reaches_the_handler_with_its_ids() {
+    let server = Server::new().await;
+    let store = TestStore::sqlite().await;
+    let seen = Seen::default();
+    let runtime = store.runtime(module(&seen, "a"), server.transport(&url()));
+    listening(&runtime).await;
+    let (id, correlation) = (Uuid::new_v4(), Uuid::new_v4());
+    server
+        .publish_raw(
+            "tests.ping",
+            &[
+                ("message-id", &id.to_string()),
+                ("message-type", "tests.ping"),
+                ("correlation-id", &correlation.to_string()),
+                ("deduplication-id", "intent-1"),
+                ("tenant", "acme"),
+            ],
+            br#"{"n":41}"#,
+        )
+        .await;
+    // A CloudEvent in the NATS binding's binary mode, its id not a UUID.
+    server
+        .publish_raw(
+            "tests.ping",
+            &[
+                ("ce-specversion", "1.0"),
+                ("ce-id", "evt-42"),
+                ("ce-source", "/billing"),
+                ("ce-type", "tests.ping"),
+                ("ce-deduplicationid", "intent-2"),
+            ],
+            br#"{"n":42}"#,
+        )
+        .await;
+    // Only JetStream's own id: it stands in for the envelope id.
+    let msg_id = Uuid::new_v4();
+    server
+        .publish_raw(
+            "tests.ping",
+            &[
+                ("Nats-Msg-Id", &msg_id.to_string()),
+                ("message-type", "tests.ping"),
+            ],
+            br#"{"n":43}"#,
+        )
+        .await;
+    let calls = seen.wait_for(3, WAIT).await;
+    let plain = calls.iter().find(|call| call.n == 41).unwrap();
+    assert_eq!(plain.id, id);
+    assert_eq!(plain.correlation_id, Some(correlation));
+    assert_eq!(plain.deduplication_id.as_deref(), Some("intent-1"));
+    assert_eq!(plain.header.as_deref(), Some("acme"));
+    let event = calls.iter().find(|call| call.n == 42).unwrap();
+    assert_eq!(event.deduplication_id.as_deref(), Some("intent-2"));
+    assert_eq!(calls.iter().find(|call| call.n == 43).unwrap().id, msg_id);
+    assert!(runtime.shutdown().await.is_clean());
+    server.remove().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn jetstream_drops_a_republication_and_the_inbox_a_redelivery() {
+    let server = Server::new().await;
+    let store = TestStore::sqlite().await;
+    let seen = Seen::default();
+    let runtime = store.runtime(module(&seen, "a"), server.transport(&url()));
+    listening(&runtime).await;
+    let id = Uuid::new_v4().to_string();
+    // The same envelope published twice, as a relay that crashed before its mark would:
+    // its Nats-Msg-Id is the envelope id, within the duplicate window.
+    let with_msg_id = [
+        ("Nats-Msg-Id", id.as_str()),
+        ("message-id", id.as_str()),
+        ("message-type", "tests.ping"),
+    ];
+    server
+        .publish_raw("tests.ping", &with_msg_id, br#"{"n":1}"#)
+        .await;
+    server
+        .publish_raw("tests.ping", &with_msg_id, br#"{"n":1}"#)
+        .await;
+    assert_eq!(server.kept().await, 1, "JetStream kept one copy");
+    // Without Nats-Msg-Id the stream keeps both, and the inbox discards the second.
+    let headers = [("message-id", id.as_str()), ("message-type", "tests.ping")];
+    server
+        .publish_raw("tests.ping", &headers, br#"{"n":1}"#)
+        .await;
+    let after = Uuid::new_v4().to_string();
+    let barrier = [
+        ("message-id", after.as_str()),
+        ("message-type", "tests.ping"),
+    ];
+    server
+        .publish_raw("tests.ping", &barrier, br#"{"n":2}"#)
+        .await;
+    seen.wait_for(2, WAIT).await;
+    wait_until(WAIT, || runtime.stats().deduplicated == 1).await;
+    assert_eq!(seen.calls().len(), 2);
+    assert!(runtime.shutdown().await.is_clean());
+    assert_eq!(server.outstanding().await, 0);
+    server.remove().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_input_from_the_wire_is_dead_lettered_and_acknowledged() {
+    let server = Server::new().await;
+    let store = TestStore::sqlite().await;
+    let seen = Seen::default();
+    let runtime = Runtime::builder()
+        .module(module(&seen, "a"))
+        .transport(server.transport(&url()))
+        .max_envelope_size(1024)
+        .store(match &store {
+            TestStore::Sqlite(store, _) => store.clone(),
+            TestStore::Postgres(..) => unreachable!(),
+        })
+        .build()
+        .unwrap();
+    listening(&runtime).await;
+    let id = || Uuid::new_v4().to_string();
+    server
+        .publish_raw("tests.ping", &[("x", "1")], b"no id")
+        .await;
+    server
+        .publish_raw(
+            "tests.ping",
+            &[("message-id", &id()), ("message-type", "tests.nobody")],
+            b"{}",
+        )
+        .await;
+    server
+        .publish_raw(
+            "tests.ping",
+            &[("message-id", &id()), ("message-type", "tests.ping")],
+            b"not json",
+        )
+        .await;
+    server
+        .publish_raw(
+            "tests.ping",
+            &[("message-id", &id()), ("message-type", "tests.ping")],
+            &vec![b' '; 4096],
+        )
+        .await;
+    let letters = dead_letters(&runtime, 4).await;
+    let reasons: Vec<String> = letters.iter().map(|l| l.reason.to_string()).collect();
+    assert!(
+        letters.iter().any(
+            |l| matches!(&l.reason, DeadLetterReason::Unreadable(why) if why.contains("message-id"))
+        ),
+        "{reasons:?}"
+    );
+    assert!(
+        letters
+            .iter()
+            .any(|l| matches!(&l.reason, DeadLetterReason::NoHandler(t) if t == "tests.nobody")),
+        "{reasons:?}"
+    );
+    assert!(
+        letters
+            .iter()
+            .any(|l| matches!(l.reason, DeadLetterReason::MalformedPayload(_))),
+        "{reasons:?}"
+    );
+    assert!(
+        letters
+            .iter()
+            .any(|l| matches!(l.reason, DeadLetterReason::TooLarge { .. })),
+        "{reasons:?}"
+    );
+    assert!(seen.calls().is_empty());
+    assert!(runtime.shutdown().await.is_clean());
+    assert_eq!(server.outstanding().await, 0, "every one acknowledged");
+    server.remove().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stream_only_checked_and_missing_stops_listening_with_a_clear_error() {
+    let server = Server::new().await;
+    let store = TestStore::sqlite().await;
+    let seen = Seen::default();
+    let runtime = store.runtime(module(&seen, "a"), server.transport(&url()).declare(false));
+    let error = tokio::time::timeout(WAIT, runtime.listening())
+        .await
+        .expect("answers within the wait")
+        .unwrap_err();
+    assert!(!error.is_retryable(), "{error}");
+    assert!(error.to_string().contains("only checks"), "{error}");
+    runtime.shutdown().await;
+}

@@ -1,0 +1,333 @@
+//! The RabbitMQ transport against the real broker (127.0.0.1:5672, guest/guest, started by
+//! `.ci/run`): these tests fail, never skip, when it is down.
+
+#[path = "support/brokers.rs"]
+mod brokers;
+#[path = "support/proxy.rs"]
+mod proxy;
+
+use std::collections::BTreeMap;
+
+use brokers::*;
+use dacapo::DeadLetterReason;
+use dacapo::Runtime;
+use dacapo::transport::{QueueKind, RabbitMq, Transport, WireFormat};
+use lapin::options::{
+    BasicPublishOptions, ExchangeDeleteOptions, QueueDeclareOptions, QueueDeleteOptions,
+};
+use lapin::types::{AMQPValue, FieldTable, LongString, ShortString};
+use lapin::{BasicProperties, Channel, Connection, ConnectionProperties};
+use proxy::Proxy;
+use uuid::Uuid;
+
+fn url() -> String {
+    std::env::var("DACAPO_TEST_RABBITMQ")
+        .unwrap_or_else(|_| "amqp://guest:guest@127.0.0.1:5672/%2f".to_owned())
+}
+
+/// This test's exchange and queue, removed at its end.
+struct Broker {
+    exchange: String,
+    queue: String,
+    channel: Channel,
+    _connection: Connection,
+}
+
+impl Broker {
+    async fn new() -> Self {
+        let connection = Connection::connect(&url(), ConnectionProperties::default())
+            .await
+            .expect("RabbitMQ must be running for the tests (.ci/run starts it)");
+        let channel = connection.create_channel().await.unwrap();
+        Self {
+            exchange: unique("dacapo-test-"),
+            queue: unique("pings-"),
+            channel,
+            _connection: connection,
+        }
+    }
+
+    fn transport(&self, url: &str) -> RabbitMq {
+        RabbitMq::new(url, &self.queue)
+            .exchange(&self.exchange)
+            .route::<Ping>()
+            .prefetch(20)
+    }
+
+    /// Publishes as a service without dacapo would: raw headers and body.
+    async fn publish_raw(&self, routing_key: &str, headers: &[(&str, &str)], body: &[u8]) {
+        let mut table = FieldTable::default();
+        for (name, value) in headers {
+            table.insert(
+                ShortString::from(*name),
+                AMQPValue::LongString(LongString::from(value.as_bytes().to_vec())),
+            );
+        }
+        self.channel
+            .basic_publish(
+                self.exchange.as_str().into(),
+                routing_key.into(),
+                BasicPublishOptions::default(),
+                body,
+                BasicProperties::default().with_headers(table),
+            )
+            .await
+            .unwrap()
+            .await
+            .unwrap();
+    }
+
+    /// Messages ready in the queue (neither delivered nor acknowledged).
+    async fn ready(&self) -> u32 {
+        self.channel
+            .queue_declare(
+                self.queue.as_str().into(),
+                QueueDeclareOptions {
+                    passive: true,
+                    ..QueueDeclareOptions::default()
+                },
+                FieldTable::default(),
+            )
+            .await
+            .unwrap()
+            .message_count()
+    }
+
+    async fn remove(self) {
+        let _ = self
+            .channel
+            .queue_delete(self.queue.as_str().into(), QueueDeleteOptions::default())
+            .await;
+        let _ = self
+            .channel
+            .exchange_delete(
+                self.exchange.as_str().into(),
+                ExchangeDeleteOptions::default(),
+            )
+            .await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn routed_messages_cross_a_classic_queue_once() {
+    let broker = Broker::new().await;
+    let transport = broker.transport(&url());
+    routed_messages_cross_the_broker_once(TestStore::sqlite().await, transport.into()).await;
+    broker.remove().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn routed_messages_cross_a_quorum_queue_once_as_cloud_events() {
+    let broker = Broker::new().await;
+    let transport = broker
+        .transport(&url())
+        .queue_kind(QueueKind::Quorum)
+        .wire_format(WireFormat::CloudEvents);
+    routed_messages_cross_the_broker_once(TestStore::postgres().await, transport.into()).await;
+    broker.remove().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_nodes_on_one_queue_handle_every_envelope_once() {
+    let broker = Broker::new().await;
+    two_nodes_share_the_queue(|| Transport::from(broker.transport(&url()))).await;
+    broker.remove().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cut_broker_connection_resumes_and_loses_nothing() {
+    let broker = Broker::new().await;
+    let proxy = Proxy::start("127.0.0.1:5672".to_owned()).await;
+    let through = format!("amqp://guest:guest@127.0.0.1:{}/%2f", proxy.port);
+    a_cut_connection_resumes_by_itself(
+        TestStore::sqlite().await,
+        broker.transport(&through).into(),
+        || proxy.cut(),
+        || proxy.restore(),
+        true,
+    )
+    .await;
+    broker.remove().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_foreign_service_reaches_the_handler_with_its_ids() {
+    let broker = Broker::new().await;
+    let store = TestStore::sqlite().await;
+    let seen = Seen::default();
+    let runtime = store.runtime(module(&seen, "a"), broker.transport(&url()));
+    listening(&runtime).await;
+    let (id, correlation, causation) = (Uuid::new_v4(), Uuid::new_v4(), Uuid::new_v4());
+    broker
+        .publish_raw(
+            "tests.ping",
+            &[
+                ("message-id", &id.to_string()),
+                ("message-type", "tests.ping"),
+                ("correlation-id", &correlation.to_string()),
+                ("causation-id", &causation.to_string()),
+                ("deduplication-id", "intent-1"),
+                ("tenant", "acme"),
+            ],
+            br#"{"n":41}"#,
+        )
+        .await;
+    // A CloudEvent from another language's SDK, its id not a UUID.
+    broker
+        .publish_raw(
+            "tests.ping",
+            &[
+                ("cloudEvents_specversion", "1.0"),
+                ("cloudEvents_id", "evt-42"),
+                ("cloudEvents_source", "/billing"),
+                ("cloudEvents_type", "tests.ping"),
+                ("cloudEvents_deduplicationid", "intent-2"),
+            ],
+            br#"{"n":42}"#,
+        )
+        .await;
+    let calls = seen.wait_for(2, WAIT).await;
+    let plain = calls.iter().find(|call| call.n == 41).unwrap();
+    assert_eq!(plain.id, id);
+    assert_eq!(plain.correlation_id, Some(correlation));
+    assert_eq!(plain.causation_id, Some(causation));
+    assert_eq!(plain.deduplication_id.as_deref(), Some("intent-1"));
+    assert_eq!(plain.header.as_deref(), Some("acme"));
+    let event = calls.iter().find(|call| call.n == 42).unwrap();
+    assert_eq!(event.deduplication_id.as_deref(), Some("intent-2"));
+    assert_ne!(event.id, Uuid::nil());
+    assert!(runtime.shutdown().await.is_clean());
+    broker.remove().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_redelivered_envelope_is_discarded_by_the_inbox() {
+    let broker = Broker::new().await;
+    let store = TestStore::sqlite().await;
+    let seen = Seen::default();
+    let runtime = store.runtime(module(&seen, "a"), broker.transport(&url()));
+    listening(&runtime).await;
+    let id = Uuid::new_v4().to_string();
+    let headers = [("message-id", id.as_str()), ("message-type", "tests.ping")];
+    // What a relay that crashed between the broker's confirm and its mark sends again.
+    broker
+        .publish_raw("tests.ping", &headers, br#"{"n":1}"#)
+        .await;
+    broker
+        .publish_raw("tests.ping", &headers, br#"{"n":1}"#)
+        .await;
+    let after = Uuid::new_v4().to_string();
+    let barrier = [
+        ("message-id", after.as_str()),
+        ("message-type", "tests.ping"),
+    ];
+    broker
+        .publish_raw("tests.ping", &barrier, br#"{"n":2}"#)
+        .await;
+    // One queue delivers in order: once the barrier is handled, both copies were taken.
+    seen.wait_for(2, WAIT).await;
+    runtime.idle().await;
+    assert_eq!(seen.calls().len(), 2, "the copy was discarded");
+    assert_eq!(runtime.stats().deduplicated, 1);
+    assert!(runtime.shutdown().await.is_clean());
+    assert_eq!(broker.ready().await, 0, "every copy was acknowledged");
+    broker.remove().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_input_from_the_wire_is_dead_lettered_and_acknowledged() {
+    let broker = Broker::new().await;
+    let store = TestStore::sqlite().await;
+    let seen = Seen::default();
+    let runtime = Runtime::builder()
+        .module(module(&seen, "a"))
+        .transport(broker.transport(&url()))
+        .max_envelope_size(1024)
+        .store(match &store {
+            TestStore::Sqlite(store, _) => store.clone(),
+            TestStore::Postgres(..) => unreachable!(),
+        })
+        .build()
+        .unwrap();
+    listening(&runtime).await;
+    let id = || Uuid::new_v4().to_string();
+    broker.publish_raw("tests.ping", &[], b"no headers").await;
+    broker
+        .publish_raw(
+            "tests.ping",
+            &[("message-id", &id()), ("message-type", "tests.nobody")],
+            b"{}",
+        )
+        .await;
+    broker
+        .publish_raw(
+            "tests.ping",
+            &[("message-id", &id()), ("message-type", "tests.ping")],
+            b"not json",
+        )
+        .await;
+    broker
+        .publish_raw(
+            "tests.ping",
+            &[("message-id", &id()), ("message-type", "tests.ping")],
+            &vec![b' '; 4096],
+        )
+        .await;
+    let letters = dead_letters(&runtime, 4).await;
+    let reasons: BTreeMap<String, &DeadLetterReason> = letters
+        .iter()
+        .map(|letter| (letter.reason.to_string(), &letter.reason))
+        .collect();
+    assert!(
+        letters.iter().any(
+            |l| matches!(&l.reason, DeadLetterReason::Unreadable(why) if why.contains("message-id"))
+        ),
+        "{reasons:?}"
+    );
+    assert!(
+        letters
+            .iter()
+            .any(|l| matches!(&l.reason, DeadLetterReason::NoHandler(t) if t == "tests.nobody")),
+        "{reasons:?}"
+    );
+    assert!(
+        letters
+            .iter()
+            .any(|l| matches!(l.reason, DeadLetterReason::MalformedPayload(_))),
+        "{reasons:?}"
+    );
+    assert!(
+        letters
+            .iter()
+            .any(|l| matches!(l.reason, DeadLetterReason::TooLarge { .. })),
+        "{reasons:?}"
+    );
+    let unreadable = letters
+        .iter()
+        .find(|l| matches!(l.reason, DeadLetterReason::Unreadable(_)))
+        .unwrap();
+    assert_eq!(
+        unreadable.envelope.payload, b"no headers",
+        "kept as it arrived"
+    );
+    assert!(seen.calls().is_empty());
+    assert!(runtime.shutdown().await.is_clean());
+    assert_eq!(broker.ready().await, 0, "none was requeued");
+    broker.remove().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_topology_only_checked_and_missing_stops_listening_with_a_clear_error() {
+    let broker = Broker::new().await;
+    let store = TestStore::sqlite().await;
+    let seen = Seen::default();
+    let runtime = store.runtime(module(&seen, "a"), broker.transport(&url()).declare(false));
+    let error = tokio::time::timeout(WAIT, runtime.listening())
+        .await
+        .expect("answers within the wait")
+        .unwrap_err();
+    assert!(!error.is_retryable(), "{error}");
+    assert!(error.to_string().contains("only checks"), "{error}");
+    runtime.shutdown().await;
+    broker.remove().await;
+}
