@@ -19,6 +19,8 @@ mod audit;
 mod db;
 #[path = "modular_monolith/events.rs"]
 mod events;
+#[path = "modular_monolith/fleet.rs"]
+mod fleet;
 #[path = "modular_monolith/organizations.rs"]
 mod organizations;
 #[path = "modular_monolith/webhooks.rs"]
@@ -34,8 +36,8 @@ use dacapo::{DiscardReason, Outcome};
 use crate::events::{MemberRemoved, WebhookDeliveryRequested};
 
 fn main() -> std::process::ExitCode {
-    let target = match parse_args(std::env::args().skip(1)) {
-        Ok(Args::Run { database }) => database,
+    let (target, fleet) = match parse_args(std::env::args().skip(1)) {
+        Ok(Args::Run { database, fleet }) => (database, fleet),
         Ok(Args::Help) => {
             println!("{USAGE}");
             return std::process::ExitCode::SUCCESS;
@@ -46,7 +48,21 @@ fn main() -> std::process::ExitCode {
         }
     };
     let runtime = tokio::runtime::Runtime::new().expect("a tokio runtime");
-    match runtime.block_on(run(target)) {
+    let job = async move {
+        tracing_subscriber::fmt()
+            .with_env_filter(
+                tracing_subscriber::EnvFilter::try_from_default_env()
+                    .unwrap_or_else(|_| "warn".into()),
+            )
+            // Logs on stderr: stdout is the job's report (and the follower's to the lead).
+            .with_writer(std::io::stderr)
+            .init();
+        match fleet {
+            None => run(target).await,
+            Some(fleet) => fleet::run(target, fleet).await,
+        }
+    };
+    match runtime.block_on(job) {
         Ok(()) => std::process::ExitCode::SUCCESS,
         Err(error) => {
             eprintln!("modular_monolith: {error}");
@@ -56,16 +72,10 @@ fn main() -> std::process::ExitCode {
 }
 
 async fn run(target: String) -> Result<(), Box<dyn std::error::Error>> {
-    tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "warn".into()),
-        )
-        .init();
-
     // One database holds the runtime's inbox and dead letters and the modules' own tables: a
     // SQLite file by default, PostgreSQL when given a URL.
     let postgres = target.starts_with("postgres://") || target.starts_with("postgresql://");
-    let (builder, store_pool) = runtime_with_store(&target, postgres).await?;
+    let (builder, store_pool) = runtime_with_store(&target, postgres, "modular-monolith").await?;
     let db = db::Db::connect(&target, postgres).await?;
     organizations::migrate(&db).await?;
     webhooks::migrate(&db).await?;
@@ -74,20 +84,15 @@ async fn run(target: String) -> Result<(), Box<dyn std::error::Error>> {
     // What earlier runs published within the inbox's retention (5 minutes), to replay below.
     let earlier = organizations::recently_published(&db, 4).await?;
 
-    let webhooks = webhooks::QueueDeliveries::new(db.clone());
-    let sender = webhooks::SendDelivery::default();
-    let revoke = workspaces::RevokeAccess::failing_once();
-    let runtime = builder
-        .module(Module::new("workspaces").handle::<MemberRemoved, _>(revoke.clone()))
-        .module(
-            Module::new("webhooks")
-                .handle::<MemberRemoved, _>(webhooks.clone())
-                .handle::<WebhookDeliveryRequested, _>(sender.clone()),
-        )
-        .module(
-            Module::new("audit").handle::<MemberRemoved, _>(audit::RecordEntry::new(db.clone())),
-        )
-        .build()?;
+    let (
+        builder,
+        Handlers {
+            revoke,
+            webhooks,
+            sender,
+        },
+    ) = with_modules(builder, &db);
+    let runtime = builder.build()?;
 
     let rows_before = webhooks::count(&db).await?;
     let audit_before = audit::count(&db).await?;
@@ -186,13 +191,46 @@ async fn run(target: String) -> Result<(), Box<dyn std::error::Error>> {
     }
 }
 
+/// The handlers whose counts the job reports.
+pub(crate) struct Handlers {
+    pub(crate) revoke: workspaces::RevokeAccess,
+    pub(crate) webhooks: webhooks::QueueDeliveries,
+    pub(crate) sender: webhooks::SendDelivery,
+}
+
+/// `builder` with the modules that react to `organization.member_removed`.
+pub(crate) fn with_modules(builder: RuntimeBuilder, db: &db::Db) -> (RuntimeBuilder, Handlers) {
+    let webhooks = webhooks::QueueDeliveries::new(db.clone());
+    let sender = webhooks::SendDelivery::default();
+    let revoke = workspaces::RevokeAccess::failing_once();
+    let builder = builder
+        .module(Module::new("workspaces").handle::<MemberRemoved, _>(revoke.clone()))
+        .module(
+            Module::new("webhooks")
+                .handle::<MemberRemoved, _>(webhooks.clone())
+                .handle::<WebhookDeliveryRequested, _>(sender.clone()),
+        )
+        .module(
+            Module::new("audit").handle::<MemberRemoved, _>(audit::RecordEntry::new(db.clone())),
+        );
+    (
+        builder,
+        Handlers {
+            revoke,
+            webhooks,
+            sender,
+        },
+    )
+}
+
 /// The runtime builder with the store for `target`, and the store's pool for the outbox.
-async fn runtime_with_store(
+pub(crate) async fn runtime_with_store(
     target: &str,
     postgres: bool,
+    node: &str,
 ) -> Result<(RuntimeBuilder, db::StorePool), Box<dyn std::error::Error>> {
     if !postgres {
-        let store = SqliteStore::open(target).await?.node_id("modular-monolith");
+        let store = SqliteStore::open(target).await?.node_id(node);
         let pool = db::StorePool::Sqlite(store.pool().clone());
         return Ok((Runtime::builder().store(store), pool));
     }
@@ -200,7 +238,7 @@ async fn runtime_with_store(
     {
         let store = dacapo::store::PostgresStore::connect(target)
             .await?
-            .node_id("modular-monolith");
+            .node_id(node);
         let pool = db::StorePool::Postgres(store.pool().clone());
         Ok((Runtime::builder().store(store), pool))
     }
@@ -214,37 +252,66 @@ const USAGE: &str = "\
 The main job: a modular monolith whose modules react to organization.member_removed; a retry
 reruns every handler and writes no duplicate.
 
-Usage: modular_monolith [--database TARGET]
+Usage: modular_monolith [--database TARGET] [--transport KIND URL]
 
 Options:
-  --database TARGET  a SQLite file path (default dacapo.db) or a postgres:// URL
-                     (PostgreSQL needs --features postgres)
-  -h, --help         print this help
+  --database TARGET     a SQLite file path (default dacapo.db) or a postgres:// URL
+                        (PostgreSQL needs --features postgres)
+  --transport KIND URL  run as two processes (this one starts the other) sharing the
+                        store and consuming member_removed from a broker: KIND is
+                        rabbitmq (amqp://…, --features rabbitmq), nats (nats://…,
+                        --features nats) or postgres-queue (postgres://…, --features
+                        postgres)
+  -h, --help            print this help
 
 Logs: RUST_LOG (default warn), e.g. RUST_LOG=dacapo=info.";
 
 /// What the command line asks for.
 #[derive(Debug)]
 enum Args {
-    Run { database: String },
+    Run {
+        database: String,
+        fleet: Option<fleet::Fleet>,
+    },
     Help,
 }
 
-/// `--database TARGET` (default `dacapo.db`), `--help`; anything else is refused.
+/// `--database TARGET` (default `dacapo.db`), `--transport KIND URL`, `--help`, and the
+/// second process's own `--follow COUNT`; anything else is refused.
 fn parse_args(mut args: impl Iterator<Item = String>) -> Result<Args, String> {
     let mut database = None;
+    let mut transport = None;
+    let mut follow = None;
+    let value = |arg: Option<String>, what: &str| match arg {
+        Some(value) if !value.starts_with("--") => Ok(value),
+        _ => Err(what.to_owned()),
+    };
     while let Some(arg) = args.next() {
         match arg.as_str() {
             "-h" | "--help" => return Ok(Args::Help),
-            "--database" => match args.next() {
-                Some(target) if !target.starts_with("--") => database = Some(target),
-                _ => {
-                    return Err(
-                        "--database needs a value: a SQLite file path or a postgres:// URL"
-                            .to_owned(),
-                    );
-                }
-            },
+            "--database" => {
+                database = Some(value(
+                    args.next(),
+                    "--database needs a value: a SQLite file path or a postgres:// URL",
+                )?);
+            }
+            "--transport" => {
+                let kind = value(
+                    args.next(),
+                    "--transport needs a kind (rabbitmq, nats, postgres-queue) and a URL",
+                )?;
+                let kind = fleet::Kind::parse(&kind)?;
+                let url = value(args.next(), "--transport needs a URL after its kind")?;
+                transport = Some((kind, url));
+            }
+            "--follow" => {
+                let count = value(args.next(), "--follow needs a count")?;
+                follow = Some(
+                    count
+                        .parse::<i64>()
+                        .map_err(|_| format!("--follow needs a count, not {count:?}"))?,
+                );
+            }
             other => {
                 if let Some(target) = other.strip_prefix("--database=") {
                     database = Some(target.to_owned());
@@ -254,8 +321,14 @@ fn parse_args(mut args: impl Iterator<Item = String>) -> Result<Args, String> {
             }
         }
     }
+    let fleet = match (transport, follow) {
+        (Some((kind, url)), follow) => Some(fleet::Fleet { kind, url, follow }),
+        (None, Some(_)) => return Err("--follow is for the second process of --transport".into()),
+        (None, None) => None,
+    };
     Ok(Args::Run {
         database: database.unwrap_or_else(|| "dacapo.db".to_owned()),
+        fleet,
     })
 }
 
@@ -278,12 +351,39 @@ mod tests {
 
     #[test]
     fn the_database_defaults_to_a_file_and_is_taken_in_both_spellings() {
-        assert!(matches!(parse(&[]), Ok(Args::Run { database }) if database == "dacapo.db"));
         assert!(
-            matches!(parse(&["--database", "a.db"]), Ok(Args::Run { database }) if database == "a.db")
+            matches!(parse(&[]), Ok(Args::Run { database, fleet: None }) if database == "dacapo.db")
         );
         assert!(
-            matches!(parse(&["--database=b.db"]), Ok(Args::Run { database }) if database == "b.db")
+            matches!(parse(&["--database", "a.db"]), Ok(Args::Run { database, .. }) if database == "a.db")
+        );
+        assert!(
+            matches!(parse(&["--database=b.db"]), Ok(Args::Run { database, .. }) if database == "b.db")
+        );
+    }
+
+    #[test]
+    fn a_transport_takes_a_known_kind_and_a_url() {
+        let parsed = parse(&["--transport", "nats", "nats://127.0.0.1:4222"]);
+        assert!(
+            matches!(&parsed, Ok(Args::Run { fleet: Some(fleet), .. })
+                if fleet.url == "nats://127.0.0.1:4222" && fleet.follow.is_none()),
+            "{parsed:?}"
+        );
+        assert!(
+            parse(&["--transport", "kafka", "x"])
+                .unwrap_err()
+                .contains("rabbitmq, nats, postgres-queue")
+        );
+        assert!(
+            parse(&["--transport", "nats"])
+                .unwrap_err()
+                .contains("needs a URL")
+        );
+        assert!(
+            parse(&["--follow", "3"])
+                .unwrap_err()
+                .contains("second process")
         );
     }
 

@@ -65,6 +65,9 @@ pub enum Error {
         #[source]
         source: Box<dyn std::error::Error + Send + Sync>,
     },
+    /// The transport has stopped listening: the runtime shut down.
+    #[error("the {0} transport has stopped: the runtime shut down")]
+    TransportStopped(&'static str),
     /// The handler registrations are inconsistent.
     #[error("invalid registration: {0}")]
     Registry(#[from] RegistryError),
@@ -131,6 +134,17 @@ fn registered_list(handlers: &[HandlerId]) -> String {
 }
 
 impl Error {
+    /// A broker client's failure, which may pass if tried again.
+    pub(crate) fn transport(
+        transport: &'static str,
+        error: impl Into<Box<dyn std::error::Error + Send + Sync>>,
+    ) -> Self {
+        Self::Transport {
+            transport,
+            source: error.into(),
+        }
+    }
+
     /// Whether the same call may pass if made again later: a store failure may (the
     /// database was unreachable, a connection died); a refused value, a closed runtime, a
     /// registration or configuration mistake will not.

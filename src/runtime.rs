@@ -136,6 +136,9 @@ impl Runtime {
                 "a routed message needs the store's outbox".into(),
             ));
         };
+        if let (true, Some(first)) = (self.engine.dispatcher().is_closing(), envelopes.first()) {
+            return Err(Error::ShuttingDown(Box::new(first.clone())));
+        }
         outbox.enlist(envelopes).await?;
         self.engine.dispatcher().wake_outbox();
         Ok(())
@@ -417,7 +420,12 @@ impl Runtime {
     pub async fn shutdown(&self) -> ShutdownReport {
         // Brokers first: what they delivered and the inbox did not record goes back to them.
         for host in &self.hosts {
-            host.stop_listening().await;
+            if tokio::time::timeout(self.drain_timeout, host.stop_listening())
+                .await
+                .is_err()
+            {
+                tracing::warn!("a transport did not stop listening within the drain timeout");
+            }
         }
         let drain = self.drain_timeout;
         self.engine.shutdown(drain).await

@@ -37,3 +37,32 @@ pub use postgres_queue::PostgresQueue;
 pub use rabbitmq::{QueueKind, RabbitMq};
 pub(crate) use routes::Routes;
 pub use wire::WireFormat;
+
+/// `url` without the password of its user info, for logs and `Debug`.
+pub(crate) fn redacted(url: &str) -> String {
+    let Some((scheme, rest)) = url.split_once("://") else {
+        return url.to_owned();
+    };
+    match rest.split_once('@') {
+        Some((user_info, host)) if user_info.contains(':') => {
+            let user = user_info.split(':').next().unwrap_or_default();
+            format!("{scheme}://{user}:***@{host}")
+        }
+        _ => url.to_owned(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn a_url_is_shown_without_its_password() {
+        assert_eq!(
+            super::redacted("amqp://guest:secret@127.0.0.1:5672/%2f"),
+            "amqp://guest:***@127.0.0.1:5672/%2f"
+        );
+        assert_eq!(
+            super::redacted("nats://127.0.0.1:4222"),
+            "nats://127.0.0.1:4222"
+        );
+    }
+}

@@ -31,8 +31,15 @@ async fn rows_left(url: &str) -> i64 {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn routed_messages_cross_the_queue_once() {
     let store = TestStore::postgres().await;
-    let transport = queue_on(&store, "pings");
-    let store = routed_messages_cross_the_broker_once(store, transport.into()).await;
+    let url = store.url().to_owned();
+    let store = routed_messages_cross_the_broker_once(store, || {
+        PostgresQueue::connect(&url, "pings")
+            .unwrap()
+            .route::<Ping>()
+            .prefetch(20)
+            .into()
+    })
+    .await;
     assert_eq!(
         rows_left(store.url()).await,
         0,
@@ -43,8 +50,10 @@ async fn routed_messages_cross_the_queue_once() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_sqlite_node_can_take_from_a_queue_in_postgresql() {
     let queue_database = TestStore::postgres().await;
-    let transport = queue_on(&queue_database, "pings");
-    routed_messages_cross_the_broker_once(TestStore::sqlite().await, transport.into()).await;
+    routed_messages_cross_the_broker_once(TestStore::sqlite().await, || {
+        queue_on(&queue_database, "pings").into()
+    })
+    .await;
     assert_eq!(rows_left(queue_database.url()).await, 0);
 }
 
@@ -52,14 +61,17 @@ async fn a_sqlite_node_can_take_from_a_queue_in_postgresql() {
 async fn two_nodes_on_one_queue_handle_every_envelope_once() {
     let database = TestStore::postgres().await;
     let url = database.url().to_owned();
-    two_nodes_share_the_queue(|| {
-        Transport::from(
-            PostgresQueue::connect(&url, "pings")
-                .unwrap()
-                .route::<Ping>()
-                .prefetch(10),
-        )
-    })
+    two_nodes_share_the_queue(
+        || {
+            Transport::from(
+                PostgresQueue::connect(&url, "pings")
+                    .unwrap()
+                    .route::<Ping>()
+                    .prefetch(10),
+            )
+        },
+        false,
+    )
     .await;
     assert_eq!(rows_left(&url).await, 0);
 }
@@ -133,4 +145,14 @@ async fn a_queue_only_checked_and_missing_stops_listening_with_a_clear_error() {
     assert!(!error.is_retryable(), "{error}");
     assert!(error.to_string().contains("dacapo_queue"), "{error}");
     runtime.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_row_postgresql_cannot_hold_dead_letters_its_envelope_only() {
+    let queue_database = TestStore::postgres().await;
+    what_the_broker_can_never_take_is_dead_lettered(
+        queue_on(&queue_database, "pings").into(),
+        dacapo::SendOptions::new().deduplication_id("nul\0inside"),
+    )
+    .await;
 }

@@ -111,26 +111,31 @@ impl Broker {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn routed_messages_cross_a_classic_queue_once() {
     let broker = Broker::new().await;
-    let transport = broker.transport(&url());
-    routed_messages_cross_the_broker_once(TestStore::sqlite().await, transport.into()).await;
+    routed_messages_cross_the_broker_once(TestStore::sqlite().await, || {
+        broker.transport(&url()).into()
+    })
+    .await;
     broker.remove().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn routed_messages_cross_a_quorum_queue_once_as_cloud_events() {
     let broker = Broker::new().await;
-    let transport = broker
-        .transport(&url())
-        .queue_kind(QueueKind::Quorum)
-        .wire_format(WireFormat::CloudEvents);
-    routed_messages_cross_the_broker_once(TestStore::postgres().await, transport.into()).await;
+    routed_messages_cross_the_broker_once(TestStore::postgres().await, || {
+        broker
+            .transport(&url())
+            .queue_kind(QueueKind::Quorum)
+            .wire_format(WireFormat::CloudEvents)
+            .into()
+    })
+    .await;
     broker.remove().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn two_nodes_on_one_queue_handle_every_envelope_once() {
     let broker = Broker::new().await;
-    two_nodes_share_the_queue(|| Transport::from(broker.transport(&url()))).await;
+    two_nodes_share_the_queue(|| Transport::from(broker.transport(&url())), true).await;
     broker.remove().await;
 }
 
@@ -329,5 +334,17 @@ async fn a_topology_only_checked_and_missing_stops_listening_with_a_clear_error(
     assert!(!error.is_retryable(), "{error}");
     assert!(error.to_string().contains("only checks"), "{error}");
     runtime.shutdown().await;
+    broker.remove().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_header_amqp_cannot_carry_dead_letters_its_envelope_only() {
+    let broker = Broker::new().await;
+    let too_long = "h".repeat(300);
+    what_the_broker_can_never_take_is_dead_lettered(
+        broker.transport(&url()).into(),
+        dacapo::SendOptions::new().header(too_long, "v"),
+    )
+    .await;
     broker.remove().await;
 }

@@ -25,6 +25,9 @@ pub enum DeadLetterReason {
     /// A message from a broker could not be read as an envelope (no id or type header, a
     /// header that does not parse): it is kept as it arrived, headers and body.
     Unreadable(String),
+    /// A message routed to a broker that the broker can never take (a header it cannot
+    /// carry, a body over its limit): kept here instead of published.
+    Undeliverable(String),
     /// The envelope is larger than the runtime accepts.
     TooLarge {
         /// The envelope's size in bytes.
@@ -46,6 +49,7 @@ impl fmt::Display for DeadLetterReason {
             }
             Self::StoreRejected(error) => write!(f, "store rejected the delivery: {error}"),
             Self::Unreadable(why) => write!(f, "unreadable message: {why}"),
+            Self::Undeliverable(why) => write!(f, "undeliverable to the broker: {why}"),
             Self::TooLarge { size, limit } => {
                 write!(
                     f,

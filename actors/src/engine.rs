@@ -168,6 +168,8 @@ pub struct EngineParts {
     pub outbox: Option<Arc<dyn OutboxStore>>,
     /// Where the relay sends message types routed to a broker (`None`: all stay here).
     pub outbound: Option<Arc<dyn crate::ports::Outbound>>,
+    /// Where the relay keeps what the broker can never take.
+    pub dead_letters: Option<Arc<dyn crate::ports::DeadLetterStore>>,
     /// The store itself, for handlers that open transactions on it; `None` without one.
     pub store: Option<Arc<dyn std::any::Any + Send + Sync>>,
     /// Whether the deduplication claims live in that store, so a handler transaction can
@@ -259,6 +261,7 @@ impl Engine {
                         RelayActor::new(
                             Arc::clone(outbox),
                             parts.outbound.clone(),
+                            parts.dead_letters.clone(),
                             dispatcher.clone(),
                             durability.clone(),
                         )

@@ -678,12 +678,15 @@ pub trait Outbound: Send + Sync + 'static {
     /// Whether envelopes of `message_type` leave through this transport.
     fn carries(&self, message_type: &str) -> bool;
 
-    /// Sends `envelopes`, in order; `Ok` once the broker confirmed every one of them.
+    /// Sends `envelopes`, in order; `Ok` once the broker confirmed every one of them but those
+    /// it answers with: the envelopes (by id, with why) that this broker can never take (a
+    /// header it cannot carry, a body over its limit), which were not sent. The relay keeps
+    /// those as dead letters instead of trying them forever.
     ///
     /// # Errors
     ///
-    /// [`Error::Store`]-like failures of the broker ([`Error::Transport`]): none of them
-    /// counts as sent, and the relay sends them all again on a later round (the receiving
-    /// inbox discards the copies that did arrive).
-    async fn send(&self, envelopes: &[Envelope]) -> Result<(), Error>;
+    /// [`Error::Transport`] when the broker failed (unreachable, a publication not
+    /// confirmed): none of them counts as sent, and the relay sends them all again on a later
+    /// round (the receiving inbox discards the copies that did arrive).
+    async fn send(&self, envelopes: &[Envelope]) -> Result<Vec<(Uuid, String)>, Error>;
 }

@@ -4,10 +4,9 @@ use std::time::Duration;
 use actix::{Actor, ActorFutureExt, AsyncContext, Context, WrapFuture};
 use futures::StreamExt;
 
-use crate::Envelope;
 use crate::batches::delete_in_batches;
-use crate::ports::{Outbound, OutboxStore};
-use crate::{Dispatcher, Durability};
+use crate::ports::{DeadLetterStore, Outbound, OutboxStore};
+use crate::{DeadLetter, DeadLetterReason, Dispatcher, Durability, Envelope};
 
 /// Publishes what the application enlisted in its outbox: in outbox order, in bounded batches,
 /// marking each batch published once it is accepted. A crash between publishing and marking
@@ -16,6 +15,8 @@ pub struct RelayActor {
     outbox: Arc<dyn OutboxStore>,
     /// The broker that message types routed away from this node leave through.
     outbound: Option<Arc<dyn Outbound>>,
+    /// Where an envelope the broker can never take is kept instead.
+    dead_letters: Option<Arc<dyn DeadLetterStore>>,
     dispatcher: Dispatcher,
     interval: Duration,
     batch: usize,
@@ -46,12 +47,14 @@ impl RelayActor {
     pub(crate) fn new(
         outbox: Arc<dyn OutboxStore>,
         outbound: Option<Arc<dyn Outbound>>,
+        dead_letters: Option<Arc<dyn DeadLetterStore>>,
         dispatcher: Dispatcher,
         settings: Durability,
     ) -> Self {
         Self {
             outbox,
             outbound,
+            dead_letters,
             dispatcher,
             interval: settings.relay_interval,
             batch: settings.relay_batch.max(1),
@@ -122,6 +125,7 @@ impl RelayActor {
         self.again = false;
         let (outbox, dispatcher) = (Arc::clone(&self.outbox), self.dispatcher.clone());
         let outbound = self.outbound.clone();
+        let dead_letters = self.dead_letters.clone();
         let (batch, interval) = (self.batch, self.interval);
         let round = async move {
             // An idle node writes nothing: a read finds the outbox empty before any lease is
@@ -156,14 +160,13 @@ impl RelayActor {
                 };
                 let count = rows.len();
                 let mut positions = Vec::with_capacity(count);
-                // What leaves for a broker goes in one confirmed send, before the local rows;
-                // a failed send publishes none of them and marks none.
+                // What leaves for a broker goes in one confirmed send, before the local rows.
+                // A failed send marks none of it, and the local rows go on all the same.
                 let (away, rows) = split_by_route(rows, outbound.as_deref());
+                let mut stalled = false;
                 if let Some(outbound) = outbound.as_deref()
                     && !away.is_empty()
                 {
-                    let (away_positions, envelopes): (Vec<i64>, Vec<Envelope>) =
-                        away.into_iter().unzip();
                     if lease.half_gone() {
                         match lease.take().await {
                             Ok(true) => {}
@@ -179,11 +182,10 @@ impl RelayActor {
                             }
                         }
                     }
-                    if let Err(error) = outbound.send(&envelopes).await {
-                        tracing::warn!(%error, envelopes = envelopes.len(), "sending outbox envelopes to the broker failed; retrying on the next round");
-                        break;
+                    match send_away(outbound, away, dead_letters.as_deref(), &dispatcher).await {
+                        Some(sent) => positions.extend(sent),
+                        None => stalled = true,
                     }
-                    positions.extend(away_positions);
                 }
                 for (position, envelope) in rows {
                     // Renewed once half of it has passed, checked before each publication (a
@@ -215,10 +217,12 @@ impl RelayActor {
                     positions.push(position);
                 }
                 let done = positions.len();
+                // Broker rows went first: the next read starts after the highest position.
+                positions.sort_unstable();
                 let Some(&last) = positions.last() else {
                     break;
                 };
-                let more = !lost && done == batch && done == count;
+                let more = !lost && !stalled && done == batch && done == count;
                 dispatcher
                     .shared
                     .pass(crate::Failpoint::BeforeOutboxMark, None)
@@ -267,6 +271,48 @@ impl RelayActor {
             }
         }));
     }
+}
+
+/// Sends the rows routed to the broker; the positions to mark: those the broker confirmed,
+/// and those it can never take once their dead letter is kept. `None` when the send failed:
+/// none is marked, and the next round sends them again.
+async fn send_away(
+    outbound: &dyn Outbound,
+    away: Rows,
+    dead_letters: Option<&dyn DeadLetterStore>,
+    dispatcher: &Dispatcher,
+) -> Option<Vec<i64>> {
+    let (positions, envelopes): (Vec<i64>, Vec<Envelope>) = away.into_iter().unzip();
+    let refused = match outbound.send(&envelopes).await {
+        Ok(refused) => refused,
+        Err(error) => {
+            tracing::warn!(%error, envelopes = envelopes.len(), "sending outbox envelopes to the broker failed; retrying on the next round");
+            return None;
+        }
+    };
+    let mut marked = Vec::with_capacity(positions.len());
+    for (position, envelope) in positions.into_iter().zip(envelopes) {
+        let Some((_, why)) = refused.iter().find(|(id, _)| *id == envelope.id) else {
+            marked.push(position);
+            continue;
+        };
+        tracing::error!(messaging.message.id = %envelope.id, %why, "the broker can never take this envelope; it goes to the dead letters");
+        let Some(dead_letters) = dead_letters else {
+            continue;
+        };
+        let letter = DeadLetter::rejected(
+            envelope,
+            DeadLetterReason::Undeliverable(why.clone()),
+            dispatcher.shared.clock.now(),
+        );
+        match dead_letters.put(letter).await {
+            Ok(()) => marked.push(position),
+            Err(error) => {
+                tracing::warn!(%error, "keeping an undeliverable envelope failed; retrying on the next round");
+            }
+        }
+    }
+    Some(marked)
 }
 
 /// Outbox rows: each envelope with its position.

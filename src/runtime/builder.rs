@@ -549,6 +549,7 @@ impl RuntimeBuilder {
                 outbox: self.outbox.clone(),
                 outbound: outbound
                     .map(|outbound| Arc::new(outbound) as Arc<dyn dacapo_actors::ports::Outbound>),
+                dead_letters: Some(Arc::clone(&dead_letters)),
                 store: self.store,
                 claims_in_store: self.claims_in_store,
                 claims: self.deduplication.then(|| {

@@ -8,7 +8,9 @@ use std::time::Duration;
 use async_trait::async_trait;
 use dacapo_actors::ports::{Clock, DeadLetterStore, Outbound};
 use dacapo_actors::{Backoff, DeadLetter, DeadLetterReason, Envelope};
+use futures::FutureExt;
 use tokio::sync::{mpsc, oneshot, watch};
+use uuid::Uuid;
 
 use super::Listener;
 use super::routes::Routes;
@@ -18,12 +20,16 @@ use crate::Error;
 /// What a broker consumer handed over: an envelope, or a message that is not one.
 pub(crate) type Received = Result<Envelope, Unreadable>;
 
+/// Envelopes a broker can never take, by id, with why.
+pub(crate) type Refused = Vec<(Uuid, String)>;
+
 /// A broker's publishing side. A failed call leaves nothing half-sent that the next call
 /// would not send again, and the next call reconnects if the connection is gone.
 #[async_trait]
 pub(crate) trait Publish: Send + 'static {
-    /// Publishes `envelopes`; `Ok` once the broker confirmed each.
-    async fn publish(&mut self, envelopes: &[Envelope]) -> Result<(), Error>;
+    /// Publishes `envelopes`; `Ok` once the broker confirmed each but those it answers with,
+    /// which it checked it can never carry and did not send.
+    async fn publish(&mut self, envelopes: &[Envelope]) -> Result<Refused, Error>;
 }
 
 /// A broker's consuming side, driven one batch at a time: `next`, then `ack` or `release`.
@@ -92,7 +98,7 @@ pub enum TransportState {
 /// One publication the relay asked for.
 struct Request {
     envelopes: Vec<Envelope>,
-    reply: oneshot::Sender<Result<(), Error>>,
+    reply: oneshot::Sender<Result<Refused, Error>>,
 }
 
 /// The relay's handle on the transports' publishing sides.
@@ -108,9 +114,10 @@ impl Outbound for Outbounds {
             .any(|(routes, ..)| routes.carries(message_type))
     }
 
-    async fn send(&self, envelopes: &[Envelope]) -> Result<(), dacapo_actors::Error> {
+    async fn send(&self, envelopes: &[Envelope]) -> Result<Refused, dacapo_actors::Error> {
         // Each envelope leaves through the first transport that carries its type.
         let mut remaining: Vec<&Envelope> = envelopes.iter().collect();
+        let mut refused = Vec::new();
         for (routes, name, requests) in &self.transports {
             let (mine, rest): (Vec<&Envelope>, Vec<&Envelope>) = remaining
                 .into_iter()
@@ -126,17 +133,20 @@ impl Outbound for Outbounds {
             };
             let stopped = || dacapo_actors::Error::transport(name, "the transport has stopped");
             requests.send(request).await.map_err(|_| stopped())?;
-            answer
-                .await
-                .map_err(|_| stopped())?
-                .map_err(|error| match error {
-                    Error::Transport { transport, source } => {
-                        dacapo_actors::Error::Transport { transport, source }
-                    }
-                    other => dacapo_actors::Error::transport(name, other.to_string()),
-                })?;
+            let answered = answer.await.map_err(|_| stopped())?;
+            refused.extend(answered.map_err(|error| match error {
+                Error::Transport { transport, source } => {
+                    dacapo_actors::Error::Transport { transport, source }
+                }
+                other => dacapo_actors::Error::transport(name, other.to_string()),
+            })?);
         }
-        Ok(())
+        refused.extend(
+            remaining
+                .into_iter()
+                .map(|envelope| (envelope.id, "no transport carries its type".to_owned())),
+        );
+        Ok(refused)
     }
 }
 
@@ -194,18 +204,21 @@ impl Pending {
         let listened = transport
             .routes
             .listened(handled.iter().copied(), &transport.home);
-        let (publisher, subscriber) = (transport.open)(listened.clone());
         let (stop, stopping) = watch::channel(false);
         let (state_tx, state) = watch::channel(TransportState::Connecting { last_error: None });
         let runtime = tokio::runtime::Builder::new_current_thread()
             .enable_all()
             .build()
             .map_err(|error| Error::Startup(error.to_string()))?;
+        let open = transport.open;
         std::thread::Builder::new()
             .name(format!("dacapo-{name}"))
             .spawn(move || {
                 runtime.block_on(async move {
-                    let publishing = tokio::spawn(publish(publisher, requests));
+                    // Made here: what the clients spawn runs on this thread's runtime.
+                    let (publisher, subscriber) = open(listened.clone());
+                    let publishing = tokio::spawn(publish(name, publisher, requests));
+                    let state_tx = Arc::new(state_tx);
                     if listened.is_empty() {
                         let _ = state_tx.send(TransportState::Listening);
                         let mut stopping = stopping;
@@ -219,9 +232,20 @@ impl Pending {
                             dead_letters,
                             clock,
                             stopping,
-                            state: state_tx,
+                            state: Arc::clone(&state_tx),
                         };
-                        consumer.run().await;
+                        if std::panic::AssertUnwindSafe(consumer.run())
+                            .catch_unwind()
+                            .await
+                            .is_err()
+                        {
+                            tracing::error!(
+                                transport = name,
+                                "the transport's consumer panicked; it stops listening"
+                            );
+                            let _ = state_tx
+                                .send(TransportState::Failed("the consumer panicked".into()));
+                        }
                     }
                     // Publishing goes on until the relay is gone: a draining engine's
                     // cascades still leave.
@@ -266,22 +290,51 @@ impl Host {
     }
 }
 
-impl Error {
-    fn transport(
-        transport: &'static str,
-        error: impl Into<Box<dyn std::error::Error + Send + Sync>>,
-    ) -> Self {
-        Self::Transport {
-            transport,
-            source: error.into(),
-        }
-    }
-}
+/// How long one publication may take before it counts as failed.
+const PUBLISH_TIMEOUT: Duration = Duration::from_secs(5);
 
-/// Serves the relay's publications one at a time, in the order asked.
-async fn publish(mut publisher: Box<dyn Publish>, mut requests: mpsc::Receiver<Request>) {
+/// How long connecting and subscribing may take before they count as failed.
+const SUBSCRIBE_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// Serves the relay's publications one at a time, in the order asked. After a failure the
+/// broker is left alone for a backoff: the relay's next rounds fail at once meanwhile,
+/// instead of each connecting again.
+async fn publish(
+    name: &'static str,
+    mut publisher: Box<dyn Publish>,
+    mut requests: mpsc::Receiver<Request>,
+) {
+    let mut failures = 0u32;
+    let mut resume_at: Option<tokio::time::Instant> = None;
     while let Some(request) = requests.recv().await {
-        let sent = publisher.publish(&request.envelopes).await;
+        if let Some(at) = resume_at.filter(|at| tokio::time::Instant::now() < *at) {
+            let wait = at - tokio::time::Instant::now();
+            let _ = request.reply.send(Err(Error::transport(
+                name,
+                format!("the broker failed {failures} time(s) in a row; trying again in {wait:?}"),
+            )));
+            continue;
+        }
+        let attempt =
+            std::panic::AssertUnwindSafe(publisher.publish(&request.envelopes)).catch_unwind();
+        let sent = match tokio::time::timeout(PUBLISH_TIMEOUT, attempt).await {
+            Ok(Ok(sent)) => sent,
+            Ok(Err(_)) => Err(Error::transport(name, "publishing panicked")),
+            Err(_) => Err(Error::transport(
+                name,
+                format!("the broker did not confirm within {PUBLISH_TIMEOUT:?}"),
+            )),
+        };
+        match &sent {
+            Ok(_) => {
+                failures = 0;
+                resume_at = None;
+            }
+            Err(_) => {
+                failures = failures.saturating_add(1);
+                resume_at = Some(tokio::time::Instant::now() + RECONNECT.pause(failures));
+            }
+        }
         let _ = request.reply.send(sent);
     }
 }
@@ -296,7 +349,7 @@ struct Consumer {
     dead_letters: Arc<dyn DeadLetterStore>,
     clock: Arc<dyn Clock>,
     stopping: watch::Receiver<bool>,
-    state: watch::Sender<TransportState>,
+    state: Arc<watch::Sender<TransportState>>,
 }
 
 impl Consumer {
@@ -306,7 +359,12 @@ impl Consumer {
             let subscribed = tokio::select! {
                 biased;
                 _ = self.stopping.wait_for(|stop| *stop) => break,
-                subscribed = self.subscriber.subscribe() => subscribed,
+                subscribed = tokio::time::timeout(SUBSCRIBE_TIMEOUT, self.subscriber.subscribe()) => {
+                    subscribed.unwrap_or_else(|_| Err(Error::transport(
+                        self.name,
+                        format!("connecting and subscribing took over {SUBSCRIBE_TIMEOUT:?}"),
+                    )))
+                }
             };
             match subscribed {
                 Ok(()) => {
@@ -367,24 +425,44 @@ impl Consumer {
                 Ok(batch) => batch,
                 Err(error) => return Consumed::Lost(error),
             };
-            let mut envelopes = Vec::with_capacity(batch.len());
-            for received in batch {
-                match received {
-                    Ok(envelope) => envelopes.push(envelope),
-                    Err(unreadable) => self.dead_letter(unreadable).await,
+            // Cut short by a shutdown, nothing of the batch is acknowledged: the broker
+            // redelivers it, and the inbox discards what was recorded.
+            let mut stopping = self.stopping.clone();
+            let recorded = tokio::select! {
+                biased;
+                _ = stopping.wait_for(|stop| *stop) => None,
+                recorded = self.record(batch) => Some(recorded),
+            };
+            match recorded {
+                None => {
+                    self.subscriber.release().await;
+                    return Consumed::Stopped;
                 }
-            }
-            if let Err(error) = self.accept(envelopes).await {
-                // Only a runtime that stops refuses what waiting would not cure.
-                tracing::info!(transport = self.name, %error, "the runtime refused received envelopes; handing them back to the broker");
-                self.subscriber.release().await;
-                return Consumed::Stopped;
+                Some(Err(error)) => {
+                    // Only a runtime that stops refuses what waiting would not cure.
+                    tracing::info!(transport = self.name, %error, "the runtime refused received envelopes; handing them back to the broker");
+                    self.subscriber.release().await;
+                    return Consumed::Stopped;
+                }
+                Some(Ok(())) => {}
             }
             if let Err(error) = self.subscriber.ack().await {
                 // In the store already: the broker's redelivery is discarded by the inbox.
                 return Consumed::Lost(error);
             }
         }
+    }
+
+    /// Dead-letters what is unreadable and accepts the rest.
+    async fn record(&self, batch: Vec<Received>) -> Result<(), Error> {
+        let mut envelopes = Vec::with_capacity(batch.len());
+        for received in batch {
+            match received {
+                Ok(envelope) => envelopes.push(envelope),
+                Err(unreadable) => self.dead_letter(unreadable).await,
+            }
+        }
+        self.accept(envelopes).await
     }
 
     /// Accepts the batch in one store transaction; a batch the store refuses for one
@@ -397,10 +475,9 @@ impl Consumer {
         for envelope in envelopes {
             match self.listener.accept(envelope.clone()).await {
                 Err(Error::Rejected(error)) => {
-                    let why = format!("the store refused it: {error}");
                     let letter = DeadLetter::rejected(
                         envelope,
-                        DeadLetterReason::Unreadable(why),
+                        DeadLetterReason::StoreRejected(error.to_string()),
                         self.clock.now(),
                     );
                     self.put(letter).await;

@@ -1,6 +1,7 @@
 //! NATS JetStream, over async-nats: a stream, a durable pull consumer, acks after the inbox.
 
 use std::collections::BTreeMap;
+use std::str::FromStr;
 use std::time::Duration;
 
 use async_nats::HeaderMap;
@@ -9,7 +10,7 @@ use async_trait::async_trait;
 use dacapo_actors::Envelope;
 use futures::{FutureExt, StreamExt};
 
-use super::host::{Publish, Received, Subscribe, Transport};
+use super::host::{Publish, Received, Refused, Subscribe, Transport};
 use super::routes::{Routes, routing};
 use super::wire::{self, Binding, Fallback, WireFormat};
 use crate::Error;
@@ -48,7 +49,7 @@ pub struct Nats {
     routes: Routes,
 }
 
-#[derive(Clone, Debug)]
+#[derive(Clone)]
 struct Settings {
     url: String,
     consumer: String,
@@ -57,6 +58,7 @@ struct Settings {
     prefetch: u16,
     ack_wait: Duration,
     duplicate_window: Duration,
+    max_age: Duration,
     format: WireFormat,
     source: String,
     declare: bool,
@@ -75,6 +77,7 @@ impl Nats {
                 prefetch: 100,
                 ack_wait: Duration::from_secs(30),
                 duplicate_window: Duration::from_secs(120),
+                max_age: Duration::from_secs(7 * 24 * 60 * 60),
                 format: WireFormat::Dacapo,
                 source: wire::DEFAULT_SOURCE.into(),
                 declare: true,
@@ -123,6 +126,14 @@ impl Nats {
         self
     }
 
+    /// How long the stream keeps a message, when it is created (default 7 days): a consumer
+    /// created later, or renamed, starts from what the stream still has.
+    #[must_use]
+    pub fn max_age(mut self, age: Duration) -> Self {
+        self.settings.max_age = age;
+        self
+    }
+
     /// How published envelopes travel: dacapo's headers (default) or CloudEvents.
     #[must_use]
     pub fn wire_format(mut self, format: WireFormat) -> Self {
@@ -143,6 +154,14 @@ impl Nats {
     pub fn declare(mut self, declare: bool) -> Self {
         self.settings.declare = declare;
         self
+    }
+}
+
+impl std::fmt::Debug for Settings {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Settings")
+            .field("url", &super::redacted(&self.url))
+            .finish_non_exhaustive()
     }
 }
 
@@ -172,10 +191,7 @@ impl From<Nats> for Transport {
 }
 
 fn failed(error: impl Into<Box<dyn std::error::Error + Send + Sync>>) -> Error {
-    Error::Transport {
-        transport: NAME,
-        source: error.into(),
-    }
+    Error::transport(NAME, error)
 }
 
 fn subject(prefix: &str, message_type: &str) -> String {
@@ -222,17 +238,25 @@ async fn stream(
                 subjects: vec![format!("{}.>", settings.prefix)],
                 storage: stream::StorageType::File,
                 duplicate_window: settings.duplicate_window,
+                max_age: settings.max_age,
                 ..stream::Config::default()
             })
             .await
             .map_err(failed);
     }
-    context.get_stream(&settings.stream).await.map_err(|error| {
-        Error::Configuration(format!(
-            "JetStream has no stream {:?} (the transport only checks its topology: {error})",
-            settings.stream
-        ))
-    })
+    match context.get_stream(&settings.stream).await {
+        Ok(stream) => Ok(stream),
+        Err(error)
+            if matches!(error.kind(), jetstream::context::GetStreamErrorKind::JetStream(ref js)
+                if js.error_code() == jetstream::ErrorCode::STREAM_NOT_FOUND) =>
+        {
+            Err(Error::Configuration(format!(
+                "JetStream has no stream {:?} (the transport only checks its topology: {error})",
+                settings.stream
+            )))
+        }
+        Err(error) => Err(failed(error)),
+    }
 }
 
 struct Publisher {
@@ -242,7 +266,7 @@ struct Publisher {
 }
 
 impl Publisher {
-    async fn send(&mut self, envelopes: &[Envelope]) -> Result<(), Error> {
+    async fn send(&mut self, envelopes: &[Envelope]) -> Result<Refused, Error> {
         if self.context.is_none() {
             let context = connect(&self.settings).await?;
             stream(&context, &self.settings).await?;
@@ -252,39 +276,73 @@ impl Publisher {
             return Err(failed("not connected"));
         };
         let prefix = self.settings.prefix.as_str();
+        let mut refused = Vec::new();
         let mut acks = Vec::with_capacity(envelopes.len());
         for envelope in envelopes {
             let to = match self.routes.destination(&envelope.message_type, prefix) {
                 own if own == prefix => subject(prefix, &envelope.message_type),
                 elsewhere => elsewhere.to_owned(),
             };
-            let mut headers = HeaderMap::new();
-            headers.insert("Nats-Msg-Id", envelope.id.simple().to_string());
-            for (name, value) in wire::encode(
-                envelope,
-                self.settings.format,
-                Binding::Nats,
-                &self.settings.source,
-            ) {
-                headers.insert(name, value);
-            }
-            let ack = context
+            let headers = match headers(envelope, &self.settings) {
+                Ok(headers) => headers,
+                Err(why) => {
+                    refused.push((envelope.id, why));
+                    continue;
+                }
+            };
+            match context
                 .publish_with_headers(to, headers, envelope.payload.clone().into())
                 .await
-                .map_err(failed)?;
-            acks.push(ack);
+            {
+                Ok(ack) => acks.push((envelope.id, ack)),
+                Err(error) => match never_passes(error.kind()) {
+                    Some(why) => refused.push((envelope.id, format!("{why}: {error}"))),
+                    None => return Err(failed(error)),
+                },
+            }
         }
         // Every publication is on its way before the first ack is awaited.
-        for ack in acks {
-            ack.await.map_err(failed)?;
+        for (id, ack) in acks {
+            if let Err(error) = ack.await {
+                match never_passes(error.kind()) {
+                    Some(why) => refused.push((id, format!("{why}: {error}"))),
+                    None => return Err(failed(error)),
+                }
+            }
         }
-        Ok(())
+        Ok(refused)
     }
+}
+
+/// Why a publication that failed so can never pass, or `None` when it may later.
+fn never_passes(kind: jetstream::context::PublishErrorKind) -> Option<&'static str> {
+    use jetstream::context::PublishErrorKind;
+    match kind {
+        PublishErrorKind::MaxPayloadExceeded => Some("over the server's max_payload"),
+        PublishErrorKind::StreamNotFound => Some("no stream keeps its subject"),
+        _ => None,
+    }
+}
+
+/// The NATS headers of `envelope`, or why one of them cannot travel (a name that is no NATS
+/// header name, a value with a line break).
+fn headers(envelope: &Envelope, settings: &Settings) -> Result<HeaderMap, String> {
+    let mut headers = HeaderMap::new();
+    headers.insert("Nats-Msg-Id", envelope.id.simple().to_string());
+    for (name, value) in wire::encode(envelope, settings.format, Binding::Nats, &settings.source) {
+        let header = async_nats::HeaderName::from_str(&name)
+            .map_err(|error| format!("header {name:?} cannot travel on NATS: {error}"))?;
+        let value = async_nats::HeaderValue::from_str(&value).map_err(|error| {
+            format!("the value of header {name:?} cannot travel on NATS: {error}")
+        })?;
+        headers.insert(header, value);
+    }
+    Ok(headers)
 }
 
 #[async_trait]
 impl Publish for Publisher {
-    async fn publish(&mut self, envelopes: &[Envelope]) -> Result<(), Error> {
+    async fn publish(&mut self, envelopes: &[Envelope]) -> Result<Refused, Error> {
         let sent = self.send(envelopes).await;
         if sent.is_err() {
             self.context = None;
@@ -321,19 +379,24 @@ impl Subscribe for Subscriber {
                         filter_subject: subject(&settings.prefix, message_type),
                         ack_policy: jetstream::consumer::AckPolicy::Explicit,
                         ack_wait: settings.ack_wait,
-                        max_ack_pending: i64::from(settings.prefetch) * 2,
                         ..pull::Config::default()
                     })
                     .await
                     .map_err(failed)?
             } else {
-                stream.get_consumer(&name).await.map_err(|error| {
-                    Error::Configuration(format!(
-                        "JetStream has no consumer {name:?} on stream {:?} (the transport only \
-                         checks its topology: {error})",
-                        settings.stream
-                    ))
-                })?
+                match stream.consumer_info(&name).await {
+                    Err(error)
+                        if error.kind() == jetstream::context::ConsumerInfoErrorKind::NotFound =>
+                    {
+                        return Err(Error::Configuration(format!(
+                            "JetStream has no consumer {name:?} on stream {:?} (the transport \
+                             only checks its topology: {error})",
+                            settings.stream
+                        )));
+                    }
+                    Err(error) => return Err(failed(error)),
+                    Ok(_) => stream.get_consumer(&name).await.map_err(failed)?,
+                }
             };
             streams.push(
                 consumer
@@ -378,7 +441,14 @@ impl Subscribe for Subscriber {
     }
 
     async fn release(&mut self) {
-        for message in std::mem::take(&mut self.batch) {
+        // What the pull streams hold beyond the batch goes back too, not after the ack wait.
+        let mut held = std::mem::take(&mut self.batch);
+        if let Some(messages) = self.messages.as_mut() {
+            while let Some(Some(Ok(message))) = messages.next().now_or_never() {
+                held.push(message);
+            }
+        }
+        for message in held {
             if let Err(error) = message.ack_with(AckKind::Nak(None)).await {
                 // Its ack wait ends all the same, and JetStream redelivers it then.
                 tracing::debug!(transport = NAME, %error, "returning a message failed");

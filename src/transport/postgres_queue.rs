@@ -8,7 +8,7 @@ use dacapo_actors::Envelope;
 use sqlx::postgres::{PgConnectOptions, PgListener, PgPool, PgPoolOptions, PgRow};
 use sqlx::{Postgres, Row as _, Transaction};
 
-use super::host::{Publish, Received, Subscribe, Transport};
+use super::host::{Publish, Received, Refused, Subscribe, Transport};
 use super::routes::{Routes, routing};
 use super::wire::Unreadable;
 use crate::Error;
@@ -48,7 +48,6 @@ const CHANNEL: &str = "dacapo_queue";
 /// # }
 /// ```
 #[cfg_attr(docsrs, doc(cfg(feature = "postgres")))]
-#[derive(Debug)]
 pub struct PostgresQueue {
     options: PgConnectOptions,
     queue: String,
@@ -56,6 +55,19 @@ pub struct PostgresQueue {
     prefetch: u16,
     poll_interval: Duration,
     declare: bool,
+}
+
+impl std::fmt::Debug for PostgresQueue {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        // Not the connect options: they hold the password.
+        f.debug_struct("PostgresQueue")
+            .field("queue", &self.queue)
+            .field("routes", &self.routes)
+            .field("prefetch", &self.prefetch)
+            .field("poll_interval", &self.poll_interval)
+            .field("declare", &self.declare)
+            .finish_non_exhaustive()
+    }
 }
 
 impl PostgresQueue {
@@ -121,11 +133,17 @@ impl From<PostgresQueue> for Transport {
             routes: queue.routes.clone(),
             // Every row of the queue is taken, whatever its type: what was routed here.
             open: Box::new(move |_listened| {
-                // Lazy: connections open on the transport's thread, where they are used.
+                // A node cut off from the server while it holds a batch must not keep its
+                // rows locked for as long as TCP takes to notice: the server ends the
+                // transaction, and the rows go to another node.
+                let options = queue
+                    .options
+                    .clone()
+                    .options([("idle_in_transaction_session_timeout", "60s")]);
                 let pool = PgPoolOptions::new()
                     .max_connections(4)
                     .acquire_timeout(Duration::from_secs(5))
-                    .connect_lazy_with(queue.options.clone());
+                    .connect_lazy_with(options);
                 let publisher = Publisher {
                     pool: pool.clone(),
                     routes: queue.routes.clone(),
@@ -149,10 +167,7 @@ impl From<PostgresQueue> for Transport {
 }
 
 fn failed(error: impl Into<Box<dyn std::error::Error + Send + Sync>>) -> Error {
-    Error::Transport {
-        transport: NAME,
-        source: error.into(),
-    }
+    Error::transport(NAME, error)
 }
 
 const DECLARE: [&str; 3] = [
@@ -225,19 +240,32 @@ struct Publisher {
 
 #[async_trait]
 impl Publish for Publisher {
-    async fn publish(&mut self, envelopes: &[Envelope]) -> Result<(), Error> {
+    async fn publish(&mut self, envelopes: &[Envelope]) -> Result<Refused, Error> {
         if !self.declared {
             declare(&self.pool, self.declare).await?;
             self.declared = true;
         }
         let now = millis(chrono::Utc::now());
+        let mut refused = Vec::new();
         let mut queues: Vec<&str> = Vec::new();
         let mut tx = self.pool.begin().await.map_err(failed)?;
         for envelope in envelopes {
-            let queue = self.routes.destination(&envelope.message_type, &self.home);
+            // PostgreSQL text holds no NUL: such a row would fail its whole batch, every time.
             let columns = EnvelopeColumns::of(envelope)?;
-            let mut insert = sqlx::query(ENQUEUE);
-            insert = insert
+            let texts = [
+                Some(columns.message_type.as_str()),
+                Some(columns.headers.as_str()),
+                columns.deduplication_id.as_deref(),
+            ];
+            if texts.iter().flatten().any(|text| text.contains('\0')) {
+                refused.push((
+                    envelope.id,
+                    "a NUL character cannot be stored in PostgreSQL text".to_owned(),
+                ));
+                continue;
+            }
+            let queue = self.routes.destination(&envelope.message_type, &self.home);
+            sqlx::query(ENQUEUE)
                 .bind(&columns.id)
                 .bind(&columns.message_type)
                 .bind(&columns.payload)
@@ -248,8 +276,10 @@ impl Publish for Publisher {
                 .bind(columns.sent_at)
                 .bind(columns.scheduled_for)
                 .bind(queue)
-                .bind(now);
-            insert.execute(&mut *tx).await.map_err(failed)?;
+                .bind(now)
+                .execute(&mut *tx)
+                .await
+                .map_err(failed)?;
             if !queues.contains(&queue) {
                 queues.push(queue);
             }
@@ -262,7 +292,8 @@ impl Publish for Publisher {
                 .await
                 .map_err(failed)?;
         }
-        tx.commit().await.map_err(failed)
+        tx.commit().await.map_err(failed)?;
+        Ok(refused)
     }
 }
 
@@ -304,8 +335,9 @@ impl Subscribe for Subscriber {
         let mut positions = Vec::with_capacity(rows.len());
         let mut received = Vec::with_capacity(rows.len());
         for row in &rows {
-            positions.push(row.try_get::<i64, _>("seq").map_err(failed)?);
-            received.push(self.read(row));
+            let position = row.try_get::<i64, _>("seq").map_err(failed)?;
+            positions.push(position);
+            received.push(self.read(row, position));
         }
         self.taken = Some((tx, positions));
         Ok(received)
@@ -352,7 +384,7 @@ impl Subscriber {
     }
 
     /// A row as an envelope; a row another writer filled with something else is unreadable.
-    fn read(&self, row: &PgRow) -> Received {
+    fn read(&self, row: &PgRow, position: i64) -> Received {
         let columns = || -> Result<EnvelopeColumns, sqlx::Error> {
             Ok(EnvelopeColumns {
                 id: row.try_get("id")?,
@@ -366,8 +398,13 @@ impl Subscriber {
                 scheduled_for: row.try_get("scheduled_for")?,
             })
         };
+        // The queue and the row's position: two broken rows are two dead letters.
         let unreadable = |why: String, body: Vec<u8>| Unreadable {
-            headers: [("queue".to_owned(), self.queue.clone())].into(),
+            headers: [
+                ("queue".to_owned(), self.queue.clone()),
+                ("queue-position".to_owned(), position.to_string()),
+            ]
+            .into(),
             body,
             why,
         };

@@ -14,7 +14,7 @@ use lapin::options::{
 use lapin::types::{AMQPValue, FieldTable, LongString, ShortString};
 use lapin::{BasicProperties, Channel, Connection, ConnectionProperties, ExchangeKind};
 
-use super::host::{Publish, Received, Subscribe, Transport};
+use super::host::{Publish, Received, Refused, Subscribe, Transport};
 use super::routes::{Routes, routing};
 use super::wire::{self, Binding, Fallback, WireFormat};
 use crate::Error;
@@ -65,7 +65,7 @@ pub struct RabbitMq {
     routes: Routes,
 }
 
-#[derive(Clone, Debug)]
+#[derive(Clone)]
 struct Settings {
     url: String,
     exchange: String,
@@ -144,6 +144,14 @@ impl RabbitMq {
     }
 }
 
+impl std::fmt::Debug for Settings {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Settings")
+            .field("url", &super::redacted(&self.url))
+            .finish_non_exhaustive()
+    }
+}
+
 impl From<RabbitMq> for Transport {
     fn from(rabbit: RabbitMq) -> Self {
         let RabbitMq { settings, routes } = rabbit;
@@ -156,6 +164,7 @@ impl From<RabbitMq> for Transport {
                 let publisher = Publisher {
                     settings: Arc::clone(&settings),
                     routes,
+                    listened: listened.clone(),
                     channel: None,
                     declared: HashSet::new(),
                 };
@@ -172,10 +181,7 @@ impl From<RabbitMq> for Transport {
 }
 
 fn failed(error: impl Into<Box<dyn std::error::Error + Send + Sync>>) -> Error {
-    Error::Transport {
-        transport: NAME,
-        source: error.into(),
-    }
+    Error::transport(NAME, error)
 }
 
 /// A name the protocol limits to 255 bytes.
@@ -211,21 +217,79 @@ async fn exchange(channel: &Channel, name: &str, declare: bool) -> Result<(), Er
         .map_err(|error| missing(declare, format!("exchange {name:?}"), error))
 }
 
-/// A declaration's error: a topology only checked and not there is a configuration error,
-/// which waiting does not cure; anything else the broker's.
+/// A declaration's error: the broker's answer that the object is missing (404, when only
+/// checked) or declared otherwise (406, a classic queue where a quorum one is asked for) is
+/// a configuration error, which waiting does not cure; anything else (a connection lost
+/// meanwhile) is the broker's, and retried.
 fn missing(declare: bool, what: String, error: lapin::Error) -> Error {
-    if declare {
-        failed(error)
-    } else {
-        Error::Configuration(format!(
+    let code = match error.kind() {
+        lapin::ErrorKind::ProtocolError(amqp) => Some(amqp.get_id()),
+        _ => None,
+    };
+    match code {
+        Some(404) if !declare => Error::Configuration(format!(
             "RabbitMQ has no {what} (the transport only checks its topology: {error})"
-        ))
+        )),
+        Some(406) => Error::Configuration(format!(
+            "RabbitMQ has {what} declared with other settings: {error}"
+        )),
+        _ => failed(error),
     }
+}
+
+/// Declares (or checks) this service's queue and binds it to each type it listens for.
+async fn home_queue(
+    channel: &Channel,
+    settings: &Settings,
+    listened: &[String],
+) -> Result<ShortString, Error> {
+    exchange(channel, &settings.exchange, settings.declare).await?;
+    let mut arguments = FieldTable::default();
+    if settings.kind == QueueKind::Quorum {
+        arguments.insert(
+            "x-queue-type".into(),
+            AMQPValue::LongString("quorum".into()),
+        );
+    }
+    let options = QueueDeclareOptions {
+        durable: true,
+        passive: !settings.declare,
+        ..QueueDeclareOptions::default()
+    };
+    let queue = short(&settings.queue)?;
+    channel
+        .queue_declare(queue.clone(), options, arguments)
+        .await
+        .map_err(|error| {
+            missing(
+                settings.declare,
+                format!("queue {:?}", settings.queue),
+                error,
+            )
+        })?;
+    // Bindings cannot be checked without the management API: they are declared either
+    // way, which is idempotent.
+    for message_type in listened {
+        channel
+            .queue_bind(
+                queue.clone(),
+                short(&settings.exchange)?,
+                short(message_type)?,
+                QueueBindOptions::default(),
+                FieldTable::default(),
+            )
+            .await
+            .map_err(failed)?;
+    }
+    Ok(queue)
 }
 
 struct Publisher {
     settings: Arc<Settings>,
     routes: Routes,
+    /// The types this service listens for: their queue and bindings are declared before the
+    /// first publication, so a routed message never finds its home exchange unbound.
+    listened: Vec<String>,
     /// The connection and its confirming channel, until a call fails.
     channel: Option<(Connection, Channel)>,
     /// Exchanges declared (or checked) on this connection.
@@ -241,6 +305,10 @@ impl Publisher {
                 .await
                 .map_err(failed)?;
             self.declared.clear();
+            if !self.listened.is_empty() {
+                home_queue(&channel, &self.settings, &self.listened).await?;
+                self.declared.insert(self.settings.exchange.clone());
+            }
             self.channel = Some((connection, channel));
         }
         match &self.channel {
@@ -249,64 +317,76 @@ impl Publisher {
         }
     }
 
-    async fn send(&mut self, envelopes: &[Envelope]) -> Result<(), Error> {
+    async fn send(&mut self, envelopes: &[Envelope]) -> Result<Refused, Error> {
         let settings = Arc::clone(&self.settings);
-        let mut exchanges: Vec<String> = Vec::new();
+        // What AMQP cannot carry is refused before anything is sent.
+        let mut refused = Vec::new();
+        let mut sendable = Vec::with_capacity(envelopes.len());
         for envelope in envelopes {
             let exchange = self
                 .routes
                 .destination(&envelope.message_type, &settings.exchange);
-            if !self.declared.contains(exchange) && !exchanges.iter().any(|e| e == exchange) {
-                exchanges.push(exchange.to_owned());
+            match publication(envelope, exchange, &settings) {
+                Ok(publication) => sendable.push((envelope, publication)),
+                Err(why) => refused.push((envelope.id, why)),
             }
         }
         let channel = self.channel().await?.clone();
-        for name in exchanges {
-            exchange(&channel, &name, settings.declare).await?;
-            self.declared.insert(name);
+        for (_, publication) in &sendable {
+            let name = publication.exchange.as_str();
+            if !self.declared.contains(name) {
+                exchange(&channel, name, settings.declare).await?;
+                self.declared.insert(name.to_owned());
+            }
         }
         // Every publication goes out before the first confirm is awaited: one round trip for
         // the batch, not one per envelope.
-        let mut confirms = Vec::with_capacity(envelopes.len());
-        for envelope in envelopes {
-            let exchange = self
-                .routes
-                .destination(&envelope.message_type, &settings.exchange);
+        let mut confirms = Vec::with_capacity(sendable.len());
+        for (envelope, publication) in sendable {
+            let home = publication.exchange.as_str() == settings.exchange;
             let confirm = channel
                 .basic_publish(
-                    short(exchange)?,
-                    short(&envelope.message_type)?,
+                    publication.exchange,
+                    publication.routing_key,
                     BasicPublishOptions {
                         mandatory: true,
                         ..BasicPublishOptions::default()
                     },
                     &envelope.payload,
-                    properties(envelope, &settings),
+                    publication.properties,
                 )
                 .await
                 .map_err(failed)?;
-            confirms.push((envelope.id, confirm));
+            confirms.push((envelope.id, home, confirm));
         }
-        for (id, confirm) in confirms {
+        for (id, home, confirm) in confirms {
             let confirmation = confirm.await.map_err(failed)?;
             if confirmation.is_nack() {
                 return Err(failed(format!("the broker refused envelope {id} (nack)")));
             }
-            if confirmation.take_message().is_some() {
-                tracing::warn!(
-                    transport = NAME,
-                    messaging.message.id = %id,
-                    "no queue is bound for this message type: the broker dropped it"
-                );
+            if confirmation.take_message().is_none() {
+                continue;
             }
+            if home {
+                // This service's own queue is bound before publishing: an unbound type means
+                // the topology changed under us. Sent again later, not lost.
+                return Err(failed(format!(
+                    "envelope {id} came back unrouted from this service's exchange"
+                )));
+            }
+            tracing::warn!(
+                transport = NAME,
+                messaging.message.id = %id,
+                "no queue is bound for this message type on its exchange: the broker dropped it"
+            );
         }
-        Ok(())
+        Ok(refused)
     }
 }
 
 #[async_trait]
 impl Publish for Publisher {
-    async fn publish(&mut self, envelopes: &[Envelope]) -> Result<(), Error> {
+    async fn publish(&mut self, envelopes: &[Envelope]) -> Result<Refused, Error> {
         let sent = self.send(envelopes).await;
         if sent.is_err() {
             // Connect afresh next time: a channel that saw an error may be closed.
@@ -316,22 +396,38 @@ impl Publish for Publisher {
     }
 }
 
+/// Where an envelope goes and what it carries, or why AMQP cannot carry it.
+struct Publication {
+    exchange: ShortString,
+    routing_key: ShortString,
+    properties: BasicProperties,
+}
+
+fn publication(
+    envelope: &Envelope,
+    exchange: &str,
+    settings: &Settings,
+) -> Result<Publication, String> {
+    let name = |text: &str, what: &str| {
+        ShortString::try_new(text)
+            .map_err(|error| format!("its {what} cannot travel on AMQP: {error}"))
+    };
+    Ok(Publication {
+        exchange: name(exchange, "exchange name")?,
+        routing_key: name(&envelope.message_type, "type, the routing key,")?,
+        properties: properties(envelope, settings)?,
+    })
+}
+
 /// The AMQP properties and headers of `envelope`: persistent, its ids in both the properties
-/// (for AMQP tools) and the headers (the wire format's).
-fn properties(envelope: &Envelope, settings: &Settings) -> BasicProperties {
+/// (for AMQP tools) and the headers (the wire format's); why not, for a header name over the
+/// protocol's 255 bytes.
+fn properties(envelope: &Envelope, settings: &Settings) -> Result<BasicProperties, String> {
     let mut headers = FieldTable::default();
     for (name, value) in wire::encode(envelope, settings.format, Binding::Amqp, &settings.source) {
-        match ShortString::try_new(name) {
-            Ok(name) => {
-                headers.insert(name, AMQPValue::LongString(LongString::from(value)));
-            }
-            Err(error) => tracing::warn!(
-                transport = NAME,
-                messaging.message.id = %envelope.id,
-                %error,
-                "a header name over 255 bytes cannot travel on AMQP; it is left out"
-            ),
-        }
+        let name = ShortString::try_new(name)
+            .map_err(|error| format!("a header name cannot travel on AMQP: {error}"))?;
+        headers.insert(name, AMQPValue::LongString(LongString::from(value)));
     }
     let mut properties = BasicProperties::default()
         .with_delivery_mode(2)
@@ -345,7 +441,7 @@ fn properties(envelope: &Envelope, settings: &Settings) -> BasicProperties {
     if let Some(correlation) = envelope.correlation_id {
         properties = properties.with_correlation_id(correlation.simple().to_string().into());
     }
-    properties
+    Ok(properties)
 }
 
 struct Subscriber {
@@ -363,44 +459,7 @@ impl Subscribe for Subscriber {
         self.last_tag = None;
         let settings = &self.settings;
         let (connection, channel) = connect(settings).await?;
-        exchange(&channel, &settings.exchange, settings.declare).await?;
-        let mut arguments = FieldTable::default();
-        if settings.kind == QueueKind::Quorum {
-            arguments.insert(
-                "x-queue-type".into(),
-                AMQPValue::LongString("quorum".into()),
-            );
-        }
-        let options = QueueDeclareOptions {
-            durable: true,
-            passive: !settings.declare,
-            ..QueueDeclareOptions::default()
-        };
-        let queue = short(&settings.queue)?;
-        channel
-            .queue_declare(queue.clone(), options, arguments)
-            .await
-            .map_err(|error| {
-                missing(
-                    settings.declare,
-                    format!("queue {:?}", settings.queue),
-                    error,
-                )
-            })?;
-        // Bindings cannot be checked without the management API: they are declared either
-        // way, which is idempotent.
-        for message_type in &self.listened {
-            channel
-                .queue_bind(
-                    queue.clone(),
-                    short(&settings.exchange)?,
-                    short(message_type)?,
-                    QueueBindOptions::default(),
-                    FieldTable::default(),
-                )
-                .await
-                .map_err(failed)?;
-        }
+        let queue = home_queue(&channel, settings, &self.listened).await?;
         channel
             .basic_qos(settings.prefetch, BasicQosOptions::default())
             .await
@@ -476,6 +535,9 @@ fn read(delivery: Delivery) -> Received {
     let mut headers = BTreeMap::new();
     if let Some(table) = properties.headers() {
         for (name, value) in table.inner() {
+            if is_the_brokers(name.as_str()) {
+                continue;
+            }
             if let Some(value) = text(value) {
                 headers.insert(name.to_string(), value);
             }
@@ -494,6 +556,17 @@ fn read(delivery: Delivery) -> Received {
             .and_then(|seconds| chrono::DateTime::from_timestamp(seconds, 0)),
     };
     wire::decode(headers, delivery.data, fallback)
+}
+
+/// Whether RabbitMQ added the header (a quorum queue's delivery count, dead-lettering's
+/// history): the broker's, not the envelope's.
+fn is_the_brokers(name: &str) -> bool {
+    let name = name.to_ascii_lowercase();
+    name == "x-delivery-count"
+        || name == "x-death"
+        || name == "x-received-from"
+        || name.starts_with("x-first-death-")
+        || name.starts_with("x-last-death-")
 }
 
 /// A header's value as text; values of no textual form (tables, arrays) are not read.

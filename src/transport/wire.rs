@@ -175,7 +175,7 @@ impl Unreadable {
             .iter()
             .find(|(name, _)| {
                 let name = name.to_ascii_lowercase();
-                name == TYPE || name.ends_with("type") && is_reserved(&name)
+                [TYPE, "cloudevents_type", "cloudevents:type", "ce-type"].contains(&name.as_str())
             })
             .map(|(_, value)| value.clone())
             .filter(|value| !value.is_empty())
@@ -461,6 +461,21 @@ mod tests {
         };
         let now = Utc::now();
         let first = unreadable().into_envelope(now);
+        let typed = decode(
+            map(vec![
+                (CONTENT_TYPE.into(), JSON.into()),
+                ("cloudEvents_datacontenttype".into(), JSON.into()),
+                ("cloudEvents_type".into(), "orders.placed".into()),
+            ]),
+            b"{}".to_vec(),
+            Fallback::default(),
+        )
+        .unwrap_err()
+        .into_envelope(now);
+        assert_eq!(
+            typed.message_type, "orders.placed",
+            "its type, not its content type"
+        );
         assert_eq!(first.id, unreadable().into_envelope(now).id);
         assert_eq!(first.payload, b"junk");
         assert_eq!(first.headers.get("x").map(String::as_str), Some("1"));

@@ -249,16 +249,21 @@ pub async fn publish_pings(runtime: &Runtime, from: u32, count: u32) -> Vec<Uuid
     ids
 }
 
-/// Routed pings cross the broker and each is handled once, with its ids and headers; a type
-/// not routed stays on the node; the outbox is empty afterwards.
+/// Routed pings cross the broker and each is handled once, with its ids and headers: they are
+/// published by another service, on a store of its own, that has no handler for them (if they
+/// did not cross, it would dead-letter them); a type not routed stays on the consumer's node;
+/// both outboxes are empty afterwards.
 pub async fn routed_messages_cross_the_broker_once(
     store: TestStore,
-    transport: Transport,
+    make: impl Fn() -> Transport,
 ) -> TestStore {
     let seen = Seen::default();
-    let runtime = store.runtime(module(&seen, "a"), transport);
+    let runtime = store.runtime(module(&seen, "a"), make());
     listening(&runtime).await;
-    let ids = publish_pings(&runtime, 0, 20).await;
+    let elsewhere = TestStore::sqlite().await;
+    let publisher = elsewhere.runtime(Module::new("elsewhere"), make());
+    listening(&publisher).await;
+    let ids = publish_pings(&publisher, 0, 20).await;
     let local = runtime.publish(&Local { n: 99 }).await.unwrap();
     let calls = seen.wait_for(21, WAIT).await;
     let counts = seen.counts();
@@ -271,11 +276,16 @@ pub async fn routed_messages_cross_the_broker_once(
     assert_eq!(ping.deduplication_id.as_deref(), Some("ping-3"));
     assert_eq!(ping.correlation_id, Some(ids[3]));
     runtime.idle().await;
-    assert_eq!(
-        runtime.outbox_backlog().await.unwrap().map(|b| b.depth),
-        Some(0),
-        "every routed envelope was confirmed by the broker and marked"
-    );
+    publisher.idle().await;
+    for node in [&runtime, &publisher] {
+        assert_eq!(
+            node.outbox_backlog().await.unwrap().map(|b| b.depth),
+            Some(0),
+            "every routed envelope was confirmed by the broker and marked"
+        );
+    }
+    assert!(publisher.dead_letters().list().await.unwrap().is_empty());
+    assert!(publisher.shutdown().await.is_clean());
     assert!(runtime.shutdown().await.is_clean());
     assert_eq!(
         seen.calls().len(),
@@ -285,9 +295,42 @@ pub async fn routed_messages_cross_the_broker_once(
     store
 }
 
+/// An envelope the broker can never take (`options` break it) is dead-lettered by the relay
+/// as undeliverable, and the rest of its batch, and of the outbox, goes on.
+pub async fn what_the_broker_can_never_take_is_dead_lettered(
+    transport: Transport,
+    breaking: SendOptions,
+) {
+    let store = TestStore::sqlite().await;
+    let seen = Seen::default();
+    let runtime = store.runtime(module(&seen, "a"), transport);
+    listening(&runtime).await;
+    let broken = runtime
+        .publish_with(&Ping { n: 1 }, breaking)
+        .await
+        .unwrap();
+    let fine = runtime.publish(&Ping { n: 2 }).await.unwrap();
+    let calls = seen.wait_for(1, WAIT).await;
+    assert_eq!(calls[0].id, fine);
+    let letters = dead_letters(&runtime, 1).await;
+    assert_eq!(letters[0].envelope.id, broken);
+    assert!(
+        matches!(
+            letters[0].reason,
+            dacapo::DeadLetterReason::Undeliverable(_)
+        ),
+        "{}",
+        letters[0].reason
+    );
+    runtime.idle().await;
+    assert_eq!(runtime.outbox_backlog().await.unwrap().unwrap().depth, 0);
+    assert!(runtime.shutdown().await.is_clean());
+    assert_eq!(seen.calls().len(), 1);
+}
+
 /// Two runtimes of one service, on one PostgreSQL store, consuming one queue: every envelope
 /// handled once between them.
-pub async fn two_nodes_share_the_queue(make: impl Fn() -> Transport) {
+pub async fn two_nodes_share_the_queue(make: impl Fn() -> Transport, both_take_a_share: bool) {
     let seen = Seen::default();
     let first = TestStore::postgres().await;
     let second = first.another_node("node-b").await;
@@ -303,6 +346,15 @@ pub async fn two_nodes_share_the_queue(make: impl Fn() -> Transport) {
     let counts = seen.counts();
     assert_eq!(counts.len(), 200);
     assert!(ids.iter().all(|id| counts.get(id) == Some(&1)), "each once");
+    if both_take_a_share {
+        let calls = seen.calls();
+        for node in ["a", "b"] {
+            assert!(
+                calls.iter().any(|call| call.node == node),
+                "node {node} handled a share"
+            );
+        }
+    }
     assert!(a.shutdown().await.is_clean());
     assert!(b.shutdown().await.is_clean());
     assert_eq!(seen.calls().len(), 200);
