@@ -332,8 +332,9 @@ impl Runtime {
     ///
     /// # Errors
     ///
-    /// [`Error::Transport`] when a transport stopped for good first: a topology it was asked
-    /// only to check is missing or different, or the runtime shut down.
+    /// [`Error::Configuration`] when a transport stopped for good first: a topology it was
+    /// asked only to check is missing, or declared otherwise; [`Error::TransportStopped`] once
+    /// the runtime shut down. Neither is retryable.
     ///
     /// # Cancel safety
     ///
@@ -358,7 +359,9 @@ impl Runtime {
 
     /// Waits until every accepted delivery has settled (handled, dead-lettered or discarded),
     /// retries included, and — with a durable store — until the outbox is empty, so the
-    /// messages deliveries cascaded through it have been published and settled too.
+    /// messages deliveries cascaded through it have been published and settled too. A message
+    /// routed to a broker counts as done here once the broker confirmed it: its handling,
+    /// wherever it is consumed, is not waited for.
     ///
     /// # Cancel safety
     ///

@@ -72,21 +72,38 @@ impl Server {
         stream.info().await.unwrap().state.messages
     }
 
+    /// What JetStream says of each of this test's consumers.
+    async fn consumers(&self) -> Vec<jetstream::consumer::Info> {
+        use futures::StreamExt;
+        let mut stream = self.jetstream.get_stream(&self.stream).await.unwrap();
+        let mut names = Vec::new();
+        let mut listed = stream.consumer_names();
+        while let Some(Ok(name)) = listed.next().await {
+            names.push(name);
+        }
+        let mut infos = Vec::with_capacity(names.len());
+        for name in names {
+            infos.push(stream.consumer_info(&name).await.unwrap().clone());
+        }
+        infos
+    }
+
     /// Messages of this test's consumers still to deliver or to be acknowledged.
     async fn outstanding(&self) -> u64 {
-        let stream = self.jetstream.get_stream(&self.stream).await.unwrap();
-        let mut names = stream.consumer_names();
-        let mut outstanding = 0;
-        use futures::StreamExt;
-        let mut found = Vec::new();
-        while let Some(Ok(name)) = names.next().await {
-            found.push(name);
-        }
-        for name in found {
-            let info = stream.consumer_info(&name).await.unwrap();
-            outstanding += info.num_pending + info.num_ack_pending as u64;
-        }
-        outstanding
+        self.consumers()
+            .await
+            .iter()
+            .map(|info| info.num_pending + info.num_ack_pending as u64)
+            .sum()
+    }
+
+    /// Messages of this test's consumers delivered and not acknowledged.
+    async fn delivered_unacknowledged(&self) -> u64 {
+        self.consumers()
+            .await
+            .iter()
+            .map(|info| info.num_ack_pending as u64)
+            .sum()
     }
 
     /// Waits until nothing of this test's consumers is pending or unacknowledged: acks
@@ -360,4 +377,71 @@ async fn a_header_nats_cannot_carry_dead_letters_its_envelope_only() {
     )
     .await;
     server.remove().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn what_was_delivered_and_not_recorded_at_shutdown_is_handled_by_the_next_node() {
+    let server = Server::new().await;
+    let database = TestStore::postgres().await;
+    let (proxy, through) = Proxy::to(database.url()).await;
+    let store = dacapo::store::PostgresStore::connect(&through)
+        .await
+        .unwrap();
+    let seen = Seen::default();
+    let transport = || {
+        server
+            .transport(&url())
+            .ack_wait(std::time::Duration::from_secs(2))
+    };
+    let runtime = Runtime::builder()
+        .store(store)
+        .module(module(&seen, "a"))
+        .transport(transport())
+        .drain_timeout(std::time::Duration::from_secs(2))
+        .build()
+        .unwrap();
+    listening(&runtime).await;
+    // The store goes away: the consumer receives the batch and cannot record it.
+    proxy.cut();
+    let mut ids = Vec::new();
+    for n in 0..5u32 {
+        let id = Uuid::new_v4();
+        ids.push(id);
+        let body = format!("{{\"n\":{n}}}");
+        let id = id.to_string();
+        let headers = [("message-id", id.as_str()), ("message-type", "tests.ping")];
+        server
+            .publish_raw("tests.ping", &headers, body.as_bytes())
+            .await;
+    }
+    wait_until_async(|| async { server.delivered_unacknowledged().await == 5 }).await;
+    runtime.shutdown().await;
+    assert!(seen.calls().is_empty(), "none was recorded, none handled");
+    // Negatively acknowledged at shutdown, or left to the ack wait: none was acknowledged,
+    // so the next node gets them all.
+    proxy.restore();
+    let next = database.runtime(module(&seen, "b"), transport());
+    listening(&next).await;
+    seen.wait_for(5, WAIT).await;
+    let counts = seen.counts();
+    assert!(ids.iter().all(|id| counts.get(id) == Some(&1)));
+    assert!(next.shutdown().await.is_clean());
+    server.all_acknowledged().await;
+    server.remove().await;
+}
+
+/// Waits until the async `condition` holds, at most `WAIT`.
+async fn wait_until_async<F, Fut>(condition: F)
+where
+    F: Fn() -> Fut,
+    Fut: std::future::Future<Output = bool>,
+{
+    let deadline = tokio::time::Instant::now() + WAIT;
+    while !condition().await {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "not within {WAIT:?}"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    }
 }

@@ -348,3 +348,49 @@ async fn a_header_amqp_cannot_carry_dead_letters_its_envelope_only() {
     .await;
     broker.remove().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn what_was_delivered_and_not_recorded_goes_back_to_the_queue_at_shutdown() {
+    let broker = Broker::new().await;
+    let database = TestStore::postgres().await;
+    let (proxy, through) = Proxy::to(database.url()).await;
+    let store = dacapo::store::PostgresStore::connect(&through)
+        .await
+        .unwrap();
+    let seen = Seen::default();
+    let runtime = Runtime::builder()
+        .store(store)
+        .module(module(&seen, "a"))
+        .transport(broker.transport(&url()))
+        .drain_timeout(std::time::Duration::from_secs(2))
+        .build()
+        .unwrap();
+    listening(&runtime).await;
+    // The store goes away: the consumer receives the batch and cannot record it.
+    proxy.cut();
+    for n in 0..5u32 {
+        let id = Uuid::new_v4().to_string();
+        let body = format!("{{\"n\":{n}}}");
+        let headers = [("message-id", id.as_str()), ("message-type", "tests.ping")];
+        broker
+            .publish_raw("tests.ping", &headers, body.as_bytes())
+            .await;
+    }
+    let deadline = tokio::time::Instant::now() + WAIT;
+    while broker.ready().await > 0 {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the consumer took the batch"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    }
+    runtime.shutdown().await;
+    assert_eq!(
+        broker.ready().await,
+        5,
+        "handed back to the queue, none acknowledged"
+    );
+    assert!(seen.calls().is_empty());
+    proxy.restore();
+    broker.remove().await;
+}

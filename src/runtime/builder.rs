@@ -230,7 +230,8 @@ impl RuntimeBuilder {
     /// transports may be given; a type goes through the first that routes it.
     ///
     /// Needs a durable store ([`store`](Self::store)): its outbox is what makes a publication
-    /// survive a broker outage. The transport runs on a thread of its own, connects (and
+    /// survive a broker outage (an outbox set apart with [`outbox_store`](Self::outbox_store)
+    /// must take envelopes outside a transaction, [`OutboxStore::enlist`]). The transport runs on a thread of its own, connects (and
     /// declares its topology) in the background, and reconnects with backoff;
     /// [`Runtime::listening`] says when it listens.
     #[must_use]

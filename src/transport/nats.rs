@@ -26,7 +26,9 @@ const NAME: &str = "nats";
 /// window drops a republication before the inbox has to. A node acknowledges a message once
 /// its inbox recorded it; handling comes after, from the inbox, so the consumer's ack wait is
 /// sized for that write (30 s by default), not for handling. What a node received and did not
-/// record when it stops is negatively acknowledged, for another node to take at once.
+/// record when it stops is negatively acknowledged, never acknowledged: another node gets it
+/// at once, or after the ack wait when JetStream redelivered it to the stopping node's pull
+/// requests still open on the server.
 ///
 /// ```no_run
 /// # use dacapo::prelude::*;
@@ -112,7 +114,9 @@ impl Nats {
     }
 
     /// How long JetStream waits for an acknowledgement before it redelivers (default 30 s):
-    /// the time to record a batch in the inbox, not to handle it.
+    /// the time to record a batch in the inbox — and, when the runtime has
+    /// [`max_in_flight`](crate::RuntimeBuilder::max_in_flight) deliveries already, to wait for
+    /// room — not to handle it.
     #[must_use]
     pub fn ack_wait(mut self, wait: Duration) -> Self {
         self.settings.ack_wait = wait;
@@ -182,6 +186,7 @@ impl From<Nats> for Transport {
                     settings,
                     listened,
                     messages: None,
+                    client: None,
                     batch: Vec::new(),
                 };
                 (Box::new(publisher), Box::new(subscriber))
@@ -355,6 +360,8 @@ struct Subscriber {
     settings: Settings,
     listened: Vec<String>,
     messages: Option<futures::stream::SelectAll<pull::Stream>>,
+    /// The connection the streams pull on, flushed before it goes.
+    client: Option<async_nats::Client>,
     /// The last batch, acknowledged (or released) one by one.
     batch: Vec<jetstream::Message>,
 }
@@ -366,6 +373,7 @@ impl Subscribe for Subscriber {
         self.batch.clear();
         let settings = &self.settings;
         let context = connect(settings).await?;
+        self.client = Some(context.client());
         let stream = stream(&context, settings).await?;
         // One durable consumer per message type, each filtered on its subject: a filter of
         // several subjects needs a 2.10 server, and a server before it would ignore it.
@@ -455,6 +463,12 @@ impl Subscribe for Subscriber {
             }
         }
         self.messages = None;
+        // The negative acknowledgements are buffered: they must leave before the connection.
+        if let Some(client) = self.client.take()
+            && let Err(error) = client.flush().await
+        {
+            tracing::debug!(transport = NAME, %error, "flushing the returns failed");
+        }
     }
 }
 

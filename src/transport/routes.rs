@@ -64,8 +64,8 @@ macro_rules! routing {
         }
 
         /// Routes messages of type `M` through this transport to `destination` (an exchange,
-        /// a subject or a queue, as the transport names them) instead of its default; this
-        /// node does not listen there (another service does).
+        /// a full subject or a queue, as the transport names them) instead of its default:
+        /// another service's. This node listens for `M` only at its own default destination.
         #[must_use]
         pub fn route_to<M: $crate::Message>(mut self, destination: impl Into<String>) -> Self {
             self.routes.add(M::TYPE, Some(destination.into()));
