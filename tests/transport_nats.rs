@@ -75,7 +75,7 @@ impl Server {
     /// What JetStream says of each of this test's consumers.
     async fn consumers(&self) -> Vec<jetstream::consumer::Info> {
         use futures::StreamExt;
-        let mut stream = self.jetstream.get_stream(&self.stream).await.unwrap();
+        let stream = self.jetstream.get_stream(&self.stream).await.unwrap();
         let mut names = Vec::new();
         let mut listed = stream.consumer_names();
         while let Some(Ok(name)) = listed.next().await {
