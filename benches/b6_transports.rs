@@ -11,7 +11,8 @@
 //!
 //! Run with `cargo bench --bench b6_transports --all-features` (RabbitMQ at
 //! `DACAPO_BENCH_RABBITMQ`, NATS at `DACAPO_BENCH_NATS`, PostgreSQL at `DACAPO_BENCH_POSTGRES`,
-//! defaulting to the local servers). Goal (issue 13): at least 0.5 of the raw loop.
+//! defaulting to the local servers; `B6_ONLY=rabbitmq|nats|postgresqueue` runs one). Goal
+//! (issue 13): at least 0.5 of the raw loop.
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
@@ -421,7 +422,14 @@ async fn main() {
         "{:<16} {:>12} {:>12} {:>8} {:>6} {:>9} {:>9}",
         "transport", "raw loop/s", "dacapo/s", "ratio", "goal", "p50 ms", "p99 ms"
     );
+    let only = std::env::var("B6_ONLY").ok();
     for kind in [Kind::RabbitMq, Kind::Nats, Kind::PostgresQueue] {
+        if only
+            .as_deref()
+            .is_some_and(|only| !format!("{kind:?}").eq_ignore_ascii_case(only))
+        {
+            continue;
+        }
         let limit = raw(kind, &queue_database.url).await;
         let (rate, mut latencies) = through_dacapo(kind, &queue_database.url).await;
         let ratio = rate / limit;

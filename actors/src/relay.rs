@@ -27,6 +27,9 @@ pub struct RelayActor {
     /// only this relay's own polls try for the lease (so a burst of enlists elsewhere does not
     /// make every node contend for the lease row).
     leased_elsewhere_until: Option<tokio::time::Instant>,
+    /// When this relay last took the lease: a round within the first half of it publishes
+    /// without writing the lease again (on SQLite a write is an fsync).
+    lease_taken_at: Option<tokio::time::Instant>,
     /// A wake came during a round, which may have read the outbox before the enlist
     /// committed: run another round right after.
     again: bool,
@@ -62,6 +65,7 @@ impl RelayActor {
             warn_after: settings.outbox_warn_after,
             busy: false,
             leased_elsewhere_until: None,
+            lease_taken_at: None,
             again: false,
         }
     }
@@ -126,25 +130,29 @@ impl RelayActor {
         let (outbox, dispatcher) = (Arc::clone(&self.outbox), self.dispatcher.clone());
         let outbound = self.outbound.clone();
         let dead_letters = self.dead_letters.clone();
+        let lease_taken_at = self.lease_taken_at;
         let (batch, interval) = (self.batch, self.interval);
         let round = async move {
             // An idle node writes nothing: a read finds the outbox empty before any lease is
             // taken (on SQLite a lease is a commit, so an fsync, every poll).
             match outbox.unpublished(i64::MIN, 1).await {
-                Ok(rows) if rows.is_empty() => return None,
+                Ok(rows) if rows.is_empty() => return (None, lease_taken_at),
                 Ok(_) => {}
                 Err(error) => {
                     tracing::warn!(%error, "reading the outbox failed; retrying on the next round");
-                    return None;
+                    return (None, lease_taken_at);
                 }
             }
             let mut lease = Lease::new(Arc::clone(&outbox), &dispatcher, interval * 10);
-            match lease.take().await {
-                Ok(true) => {}
-                Ok(false) => return Some(lease.length),
-                Err(error) => {
-                    tracing::warn!(%error, "outbox lease failed; retrying on the next round");
-                    return None;
+            lease.taken_at = lease_taken_at;
+            if lease.half_gone() {
+                match lease.take().await {
+                    Ok(true) => {}
+                    Ok(false) => return (Some(lease.length), None),
+                    Err(error) => {
+                        tracing::warn!(%error, "outbox lease failed; retrying on the next round");
+                        return (None, None);
+                    }
                 }
             }
             let mut published = 0usize;
@@ -174,7 +182,7 @@ impl RelayActor {
                                 tracing::info!(
                                     "outbox lease taken by another node; this relay stops"
                                 );
-                                return Some(lease.length);
+                                return (Some(lease.length), None);
                             }
                             Err(error) => {
                                 tracing::warn!(%error, "renewing the outbox lease failed; retrying on the next round");
@@ -258,18 +266,23 @@ impl RelayActor {
                     published,
                     "outbox lease taken by another node; this relay stops"
                 );
-                return Some(lease.length);
+                return (Some(lease.length), None);
             }
-            None
+            (None, lease.taken_at)
         };
-        ctx.spawn(round.into_actor(self).map(|elsewhere, actor, ctx| {
-            actor.busy = false;
-            actor.leased_elsewhere_until =
-                elsewhere.map(|lease| tokio::time::Instant::now() + lease);
-            if actor.again && elsewhere.is_none() {
-                actor.tick(ctx);
-            }
-        }));
+        ctx.spawn(
+            round
+                .into_actor(self)
+                .map(|(elsewhere, taken_at), actor, ctx| {
+                    actor.busy = false;
+                    actor.lease_taken_at = taken_at;
+                    actor.leased_elsewhere_until =
+                        elsewhere.map(|lease| tokio::time::Instant::now() + lease);
+                    if actor.again && elsewhere.is_none() {
+                        actor.tick(ctx);
+                    }
+                }),
+        );
     }
 }
 

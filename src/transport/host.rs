@@ -53,6 +53,51 @@ pub(crate) trait Subscribe: Send + 'static {
     async fn release(&mut self);
 }
 
+/// Takes the next messages of `stream`: waits for the first, then takes what else arrives
+/// while the runtime yields, up to `max`. A burst from a broker lands over many socket reads:
+/// gathering it makes one inbox transaction of what would have been many. Yielding costs
+/// microseconds, so a lone message is not held back.
+pub(crate) async fn gather<S, T, E>(stream: &mut S, max: usize) -> Result<Vec<T>, GatherError<E>>
+where
+    S: futures::Stream<Item = Result<T, E>> + Unpin,
+{
+    use futures::StreamExt;
+    let first = stream
+        .next()
+        .await
+        .ok_or(GatherError::Ended)?
+        .map_err(GatherError::Failed)?;
+    let mut taken = vec![first];
+    // Rounds of yields that brought nothing, in a row.
+    let mut quiet = 0;
+    while taken.len() < max && quiet < GATHER_QUIET_ROUNDS {
+        match stream.next().now_or_never() {
+            Some(Some(Ok(item))) => {
+                taken.push(item);
+                quiet = 0;
+            }
+            Some(Some(Err(error))) => return Err(GatherError::Failed(error)),
+            Some(None) => break,
+            None => {
+                quiet += 1;
+                tokio::task::yield_now().await;
+            }
+        }
+    }
+    Ok(taken)
+}
+
+/// How many yields in a row may bring nothing before a batch is taken as it is.
+const GATHER_QUIET_ROUNDS: u32 = 8;
+
+/// Why [`gather`] took nothing.
+pub(crate) enum GatherError<E> {
+    /// The stream ended: the broker cancelled the consumer, or the connection went.
+    Ended,
+    /// The stream failed.
+    Failed(E),
+}
+
 /// A broker the runtime sends routed message types to and listens on; made from a
 /// transport's configuration ([`RabbitMq`](crate::transport::RabbitMq),
 /// [`Nats`](crate::transport::Nats), [`PostgresQueue`](crate::transport::PostgresQueue)) and
@@ -425,6 +470,7 @@ impl Consumer {
                 Ok(batch) => batch,
                 Err(error) => return Consumed::Lost(error),
             };
+
             // Cut short by a shutdown, nothing of the batch is acknowledged: the broker
             // redelivers it, and the inbox discards what was recorded.
             let mut stopping = self.stopping.clone();

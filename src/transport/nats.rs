@@ -10,7 +10,7 @@ use async_trait::async_trait;
 use dacapo_actors::Envelope;
 use futures::{FutureExt, StreamExt};
 
-use super::host::{Publish, Received, Refused, Subscribe, Transport};
+use super::host::{GatherError, Publish, Received, Refused, Subscribe, Transport, gather};
 use super::routes::{Routes, routing};
 use super::wire::{self, Binding, Fallback, WireFormat};
 use crate::Error;
@@ -425,19 +425,12 @@ impl Subscribe for Subscriber {
         let Some(messages) = self.messages.as_mut() else {
             return Err(failed("not subscribed"));
         };
-        let first = messages
-            .next()
+        self.batch = gather(messages, prefetch)
             .await
-            .ok_or_else(|| failed("the consumer's message stream ended"))?
-            .map_err(failed)?;
-        self.batch.push(first);
-        while self.batch.len() < prefetch {
-            match messages.next().now_or_never() {
-                Some(Some(Ok(message))) => self.batch.push(message),
-                Some(Some(Err(error))) => return Err(failed(error)),
-                Some(None) | None => break,
-            }
-        }
+            .map_err(|error| match error {
+                GatherError::Ended => failed("the consumer's message stream ended"),
+                GatherError::Failed(error) => failed(error),
+            })?;
         Ok(self.batch.iter().map(read).collect())
     }
 

@@ -5,7 +5,6 @@ use std::sync::Arc;
 
 use async_trait::async_trait;
 use dacapo_actors::Envelope;
-use futures::{FutureExt, StreamExt};
 use lapin::message::Delivery;
 use lapin::options::{
     BasicAckOptions, BasicConsumeOptions, BasicNackOptions, BasicPublishOptions, BasicQosOptions,
@@ -14,7 +13,7 @@ use lapin::options::{
 use lapin::types::{AMQPValue, FieldTable, LongString, ShortString};
 use lapin::{BasicProperties, Channel, Connection, ConnectionProperties, ExchangeKind};
 
-use super::host::{Publish, Received, Refused, Subscribe, Transport};
+use super::host::{GatherError, Publish, Received, Refused, Subscribe, Transport, gather};
 use super::routes::{Routes, routing};
 use super::wire::{self, Binding, Fallback, WireFormat};
 use crate::Error;
@@ -482,20 +481,12 @@ impl Subscribe for Subscriber {
         let Some((_, _, consumer)) = self.consuming.as_mut() else {
             return Err(failed("not subscribed"));
         };
-        let mut deliveries = Vec::new();
-        let first = consumer
-            .next()
+        let deliveries = gather(consumer, prefetch)
             .await
-            .ok_or_else(|| failed("the broker cancelled the consumer"))?
-            .map_err(failed)?;
-        deliveries.push(first);
-        while deliveries.len() < prefetch {
-            match consumer.next().now_or_never() {
-                Some(Some(Ok(delivery))) => deliveries.push(delivery),
-                Some(Some(Err(error))) => return Err(failed(error)),
-                Some(None) | None => break,
-            }
-        }
+            .map_err(|error| match error {
+                GatherError::Ended => failed("the broker cancelled the consumer"),
+                GatherError::Failed(error) => failed(error),
+            })?;
         self.last_tag = deliveries.last().map(|delivery| delivery.delivery_tag);
         Ok(deliveries.into_iter().map(read).collect())
     }
