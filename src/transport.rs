@@ -43,10 +43,13 @@ pub(crate) fn redacted(url: &str) -> String {
     let Some((scheme, rest)) = url.split_once("://") else {
         return url.to_owned();
     };
-    match rest.split_once('@') {
+    // The authority ends at the first `/`; its user info at the last `@` (a password may
+    // hold `@`).
+    let (authority, path) = rest.split_at(rest.find('/').unwrap_or(rest.len()));
+    match authority.rsplit_once('@') {
         Some((user_info, host)) if user_info.contains(':') => {
             let user = user_info.split(':').next().unwrap_or_default();
-            format!("{scheme}://{user}:***@{host}")
+            format!("{scheme}://{user}:***@{host}{path}")
         }
         _ => url.to_owned(),
     }

@@ -29,7 +29,7 @@ pub struct RelayActor {
     leased_elsewhere_until: Option<tokio::time::Instant>,
     /// When this relay last took the lease: a round within the first half of it publishes
     /// without writing the lease again (on SQLite a write is an fsync).
-    lease_taken_at: Option<tokio::time::Instant>,
+    lease_taken_at: Option<TakenAt>,
     /// A wake came during a round, which may have read the outbox before the enlist
     /// committed: run another round right after.
     again: bool,
@@ -157,6 +157,8 @@ impl RelayActor {
             }
             let mut published = 0usize;
             let mut lost = false;
+            // The broker failed this round: its rows wait for the next, the local ones go on.
+            let mut broker_failed = false;
             let mut next = outbox.unpublished(i64::MIN, batch).await;
             loop {
                 let rows = match std::mem::replace(&mut next, Ok(Vec::new())) {
@@ -167,13 +169,15 @@ impl RelayActor {
                     }
                 };
                 let count = rows.len();
+                let highest_read = rows.iter().map(|(position, _)| *position).max();
                 let mut positions = Vec::with_capacity(count);
                 // What leaves for a broker goes in one confirmed send, before the local rows.
-                // A failed send marks none of it, and the local rows go on all the same.
+                // A failed send marks none of it; the round goes on with the local rows, and
+                // reads on past the broker's rows without sending them again until the next.
                 let (away, rows) = split_by_route(rows, outbound.as_deref());
-                let mut stalled = false;
                 if let Some(outbound) = outbound.as_deref()
                     && !away.is_empty()
+                    && !broker_failed
                 {
                     if lease.half_gone() {
                         match lease.take().await {
@@ -190,11 +194,23 @@ impl RelayActor {
                             }
                         }
                     }
-                    match send_away(outbound, away, dead_letters.as_deref(), &dispatcher).await {
-                        Some(sent) => positions.extend(sent),
-                        None => stalled = true,
+                    // Bounded by the lease left: a send outliving it could overlap the next
+                    // holder's. Timed out, it counts as failed (the copies that did arrive
+                    // are discarded by the receiving inbox).
+                    let sending = send_away(outbound, away, dead_letters.as_deref(), &dispatcher);
+                    match tokio::time::timeout(lease.left(), sending).await {
+                        Ok(Some(sent)) => positions.extend(sent),
+                        Ok(None) => broker_failed = true,
+                        Err(_) => {
+                            tracing::warn!(
+                                "the broker did not confirm within the outbox lease; retrying on the next round"
+                            );
+                            broker_failed = true;
+                        }
                     }
                 }
+                let local = rows.len();
+                let mut dispatched = 0;
                 for (position, envelope) in rows {
                     // Renewed once half of it has passed, checked before each publication (a
                     // batch can wait for the engine's capacity): a long round keeps the lease,
@@ -223,14 +239,23 @@ impl RelayActor {
                         break;
                     }
                     positions.push(position);
+                    dispatched += 1;
                 }
                 let done = positions.len();
-                // Broker rows went first: the next read starts after the highest position.
                 positions.sort_unstable();
-                let Some(&last) = positions.last() else {
+                // A full batch whose local rows all went out: read on, after everything this
+                // batch read (the broker's rows included, sent or not).
+                let more = !lost && dispatched == local && count == batch;
+                let Some(after) = highest_read else {
                     break;
                 };
-                let more = !lost && !stalled && done == batch && done == count;
+                if positions.is_empty() {
+                    if !more {
+                        break;
+                    }
+                    next = outbox.unpublished(after, batch).await;
+                    continue;
+                }
                 dispatcher
                     .shared
                     .pass(crate::Failpoint::BeforeOutboxMark, None)
@@ -241,7 +266,7 @@ impl RelayActor {
                 // Mark this batch while reading the next: the read starts after this batch's
                 // last position, so it never sees this batch again.
                 let marked = if more {
-                    let (marked, read) = futures::join!(mark, outbox.unpublished(last, batch));
+                    let (marked, read) = futures::join!(mark, outbox.unpublished(after, batch));
                     next = read;
                     marked
                 } else {
@@ -347,7 +372,15 @@ struct Lease {
     outbox: Arc<dyn OutboxStore>,
     clock: Arc<dyn crate::ports::Clock>,
     length: Duration,
-    taken_at: Option<tokio::time::Instant>,
+    taken_at: Option<TakenAt>,
+}
+
+/// When the lease was taken, on both clocks: the store expires it on the engine's (virtual
+/// under a harness, or stepped), the relay times its round on a monotonic one.
+#[derive(Clone, Copy, Debug)]
+struct TakenAt {
+    instant: tokio::time::Instant,
+    wall: chrono::DateTime<chrono::Utc>,
 }
 
 impl Lease {
@@ -368,7 +401,10 @@ impl Lease {
             .and_then(|length| now.checked_add_signed(length))
             .unwrap_or(chrono::DateTime::<chrono::Utc>::MAX_UTC);
         // Timed from before the write: a slow write must not look like more lease left.
-        let asked_at = tokio::time::Instant::now();
+        let asked_at = TakenAt {
+            instant: tokio::time::Instant::now(),
+            wall: now,
+        };
         let taken = self.outbox.lease(now, until).await?;
         if taken {
             self.taken_at = Some(asked_at);
@@ -376,10 +412,25 @@ impl Lease {
         Ok(taken)
     }
 
+    /// How long the lease has been held, by whichever clock says longer.
+    fn held(&self) -> Option<Duration> {
+        self.taken_at.map(|taken_at| {
+            let wall = (self.clock.now() - taken_at.wall)
+                .to_std()
+                .unwrap_or(Duration::MAX);
+            taken_at.instant.elapsed().max(wall)
+        })
+    }
+
     /// Whether half of the lease has passed since it was last taken.
     fn half_gone(&self) -> bool {
-        self.taken_at
-            .is_none_or(|taken_at| taken_at.elapsed() > self.length / 2)
+        self.held().is_none_or(|held| held > self.length / 2)
+    }
+
+    /// How much of the lease is left (none when it is not held).
+    fn left(&self) -> Duration {
+        self.held()
+            .map_or(Duration::ZERO, |held| self.length.saturating_sub(held))
     }
 }
 

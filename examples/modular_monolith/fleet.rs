@@ -296,7 +296,7 @@ async fn lead(
         && theirs.clean
         && exit.success();
     if verdict {
-        println!("OK: two processes shared the events over the broker, each effect once");
+        println!("OK: two processes on one broker and one store, each effect once");
         Ok(())
     } else {
         Err(format!(

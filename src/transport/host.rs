@@ -30,6 +30,10 @@ pub(crate) trait Publish: Send + 'static {
     /// Publishes `envelopes`; `Ok` once the broker confirmed each but those it answers with,
     /// which it checked it can never carry and did not send.
     async fn publish(&mut self, envelopes: &[Envelope]) -> Result<Refused, Error>;
+
+    /// Forgets the connection, so the next call makes a new one: after a publication timed
+    /// out or panicked, which `publish` did not see end.
+    fn reset(&mut self);
 }
 
 /// A broker's consuming side, driven one batch at a time: `next`, then `ack` or `release`.
@@ -321,7 +325,7 @@ impl Host {
             TransportState::Failed(why) => {
                 Err(Error::Configuration(format!("{}: {why}", self.name)))
             }
-            _ => Err(Error::transport(self.name, "the transport has stopped")),
+            _ => Err(Error::TransportStopped(self.name)),
         }
     }
 
@@ -364,11 +368,17 @@ async fn publish(
             std::panic::AssertUnwindSafe(publisher.publish(&request.envelopes)).catch_unwind();
         let sent = match tokio::time::timeout(PUBLISH_TIMEOUT, attempt).await {
             Ok(Ok(sent)) => sent,
-            Ok(Err(_)) => Err(Error::transport(name, "publishing panicked")),
-            Err(_) => Err(Error::transport(
-                name,
-                format!("the broker did not confirm within {PUBLISH_TIMEOUT:?}"),
-            )),
+            Ok(Err(_)) => {
+                publisher.reset();
+                Err(Error::transport(name, "publishing panicked"))
+            }
+            Err(_) => {
+                publisher.reset();
+                Err(Error::transport(
+                    name,
+                    format!("the broker did not confirm within {PUBLISH_TIMEOUT:?}"),
+                ))
+            }
         };
         match &sent {
             Ok(_) => {

@@ -237,7 +237,7 @@ async fn stream(
     settings: &Settings,
 ) -> Result<stream::Stream, Error> {
     if settings.declare {
-        return context
+        let created = context
             .get_or_create_stream(stream::Config {
                 name: settings.stream.clone(),
                 subjects: vec![format!("{}.>", settings.prefix)],
@@ -246,8 +246,20 @@ async fn stream(
                 max_age: settings.max_age,
                 ..stream::Config::default()
             })
-            .await
-            .map_err(failed);
+            .await;
+        return created.map_err(|error| {
+            // Subjects another stream keeps, or a stream of that name with other subjects.
+            let conflict = matches!(error.kind(), jetstream::context::CreateStreamErrorKind::JetStream(ref js)
+                if matches!(js.error_code().0, 10065 | 10058));
+            if conflict {
+                Error::Configuration(format!(
+                    "JetStream cannot create stream {:?} for {}.>: {error}",
+                    settings.stream, settings.prefix
+                ))
+            } else {
+                failed(error)
+            }
+        });
     }
     match context.get_stream(&settings.stream).await {
         Ok(stream) => Ok(stream),
@@ -288,6 +300,10 @@ impl Publisher {
                 own if own == prefix => subject(prefix, &envelope.message_type),
                 elsewhere => elsewhere.to_owned(),
             };
+            if let Some(why) = unpublishable(&to) {
+                refused.push((envelope.id, why));
+                continue;
+            }
             let headers = match headers(envelope, &self.settings) {
                 Ok(headers) => headers,
                 Err(why) => {
@@ -319,14 +335,24 @@ impl Publisher {
     }
 }
 
-/// Why a publication that failed so can never pass, or `None` when it may later.
+/// Why a publication that failed so can never pass, or `None` when it may later. No stream
+/// answering is not one: JetStream answers so while it elects a leader or restarts.
 fn never_passes(kind: jetstream::context::PublishErrorKind) -> Option<&'static str> {
     use jetstream::context::PublishErrorKind;
     match kind {
         PublishErrorKind::MaxPayloadExceeded => Some("over the server's max_payload"),
-        PublishErrorKind::StreamNotFound => Some("no stream keeps its subject"),
         _ => None,
     }
+}
+
+/// Why `subject` is no subject to publish to: empty tokens, wildcards, whitespace.
+fn unpublishable(subject: &str) -> Option<String> {
+    let bad = subject.is_empty()
+        || subject
+            .split('.')
+            .any(|token| token.is_empty() || token == "*" || token == ">")
+        || subject.chars().any(|c| c.is_whitespace() || c.is_control());
+    bad.then(|| format!("{subject:?} is not a NATS subject to publish to"))
 }
 
 /// The NATS headers of `envelope`, or why one of them cannot travel (a name that is no NATS
@@ -350,9 +376,13 @@ impl Publish for Publisher {
     async fn publish(&mut self, envelopes: &[Envelope]) -> Result<Refused, Error> {
         let sent = self.send(envelopes).await;
         if sent.is_err() {
-            self.context = None;
+            self.reset();
         }
         sent
+    }
+
+    fn reset(&mut self) {
+        self.context = None;
     }
 }
 
@@ -457,10 +487,15 @@ impl Subscribe for Subscriber {
         }
         self.messages = None;
         // The negative acknowledgements are buffered: they must leave before the connection.
-        if let Some(client) = self.client.take()
-            && let Err(error) = client.flush().await
-        {
-            tracing::debug!(transport = NAME, %error, "flushing the returns failed");
+        if let Some(client) = self.client.take() {
+            match tokio::time::timeout(Duration::from_secs(1), client.flush()).await {
+                Ok(Ok(())) => {}
+                Ok(Err(error)) => {
+                    tracing::debug!(transport = NAME, %error, "flushing the returns failed");
+                }
+                // Reconnecting: the ack wait returns them instead.
+                Err(_) => tracing::debug!(transport = NAME, "flushing the returns timed out"),
+            }
         }
     }
 }

@@ -295,6 +295,11 @@ impl Publish for Publisher {
         tx.commit().await.map_err(failed)?;
         Ok(refused)
     }
+
+    fn reset(&mut self) {
+        // The pool replaces its broken connections itself; the table may have gone.
+        self.declared = false;
+    }
 }
 
 struct Subscriber {

@@ -192,7 +192,16 @@ fn short(text: &str) -> Result<ShortString, Error> {
 async fn connect(settings: &Settings) -> Result<(Connection, Channel), Error> {
     let connection = Connection::connect(&settings.url, ConnectionProperties::default())
         .await
-        .map_err(failed)?;
+        .map_err(|error| match error.kind() {
+            // Refused credentials or virtual host: waiting does not cure them.
+            lapin::ErrorKind::ProtocolError(amqp) if matches!(amqp.get_id(), 403 | 530) => {
+                Error::Configuration(format!(
+                    "RabbitMQ at {} refuses the connection: {error}",
+                    super::redacted(&settings.url)
+                ))
+            }
+            _ => failed(error),
+        })?;
     let channel = connection.create_channel().await.map_err(failed)?;
     Ok((connection, channel))
 }
@@ -231,6 +240,9 @@ fn missing(declare: bool, what: String, error: lapin::Error) -> Error {
         )),
         Some(406) => Error::Configuration(format!(
             "RabbitMQ has {what} declared with other settings: {error}"
+        )),
+        Some(403) => Error::Configuration(format!(
+            "RabbitMQ refuses this user access to {what}: {error}"
         )),
         _ => failed(error),
     }
@@ -366,18 +378,13 @@ impl Publisher {
             if confirmation.take_message().is_none() {
                 continue;
             }
-            if home {
-                // This service's own queue is bound before publishing: an unbound type means
-                // the topology changed under us. Sent again later, not lost.
-                return Err(failed(format!(
-                    "envelope {id} came back unrouted from this service's exchange"
-                )));
-            }
-            tracing::warn!(
-                transport = NAME,
-                messaging.message.id = %id,
-                "no queue is bound for this message type on its exchange: the broker dropped it"
-            );
+            // No queue is bound for the type: this service's own is bound before publishing,
+            // so the topology changed under us, or another service's is not bound yet. Sent
+            // again later, never counted as sent.
+            let whose = if home { "this service's" } else { "its" };
+            return Err(failed(format!(
+                "envelope {id} came back unrouted: no queue is bound for its type on {whose} exchange"
+            )));
         }
         Ok(refused)
     }
@@ -388,10 +395,14 @@ impl Publish for Publisher {
     async fn publish(&mut self, envelopes: &[Envelope]) -> Result<Refused, Error> {
         let sent = self.send(envelopes).await;
         if sent.is_err() {
-            // Connect afresh next time: a channel that saw an error may be closed.
-            self.channel = None;
+            self.reset();
         }
         sent
+    }
+
+    fn reset(&mut self) {
+        // Connect afresh next time: a channel that saw an error may be closed.
+        self.channel = None;
     }
 }
 
