@@ -39,6 +39,7 @@ pub(crate) use routes::Routes;
 pub use wire::WireFormat;
 
 /// `url` without the password of its user info, for logs and `Debug`.
+#[cfg_attr(not(any(feature = "rabbitmq", feature = "nats")), allow(dead_code))]
 pub(crate) fn redacted(url: &str) -> String {
     let Some((scheme, rest)) = url.split_once("://") else {
         return url.to_owned();

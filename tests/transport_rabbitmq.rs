@@ -6,10 +6,7 @@ mod brokers;
 #[path = "support/proxy.rs"]
 mod proxy;
 
-use std::collections::BTreeMap;
-
 use brokers::*;
-use dacapo::DeadLetterReason;
 use dacapo::Runtime;
 use dacapo::transport::{QueueKind, RabbitMq, Transport, WireFormat};
 use lapin::options::{
@@ -52,29 +49,6 @@ impl Broker {
             .exchange(&self.exchange)
             .route::<Ping>()
             .prefetch(20)
-    }
-
-    /// Publishes as a service without dacapo would: raw headers and body.
-    async fn publish_raw(&self, routing_key: &str, headers: &[(&str, &str)], body: &[u8]) {
-        let mut table = FieldTable::default();
-        for (name, value) in headers {
-            table.insert(
-                ShortString::from(*name),
-                AMQPValue::LongString(LongString::from(value.as_bytes().to_vec())),
-            );
-        }
-        self.channel
-            .basic_publish(
-                self.exchange.as_str().into(),
-                routing_key.into(),
-                BasicPublishOptions::default(),
-                body,
-                BasicProperties::default().with_headers(table),
-            )
-            .await
-            .unwrap()
-            .await
-            .unwrap();
     }
 
     /// Messages ready in the queue (neither delivered nor acknowledged).
@@ -158,50 +132,7 @@ async fn a_cut_broker_connection_resumes_and_loses_nothing() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_foreign_service_reaches_the_handler_with_its_ids() {
     let broker = Broker::new().await;
-    let store = TestStore::sqlite().await;
-    let seen = Seen::default();
-    let runtime = store.runtime(module(&seen, "a"), broker.transport(&url()));
-    listening(&runtime).await;
-    let (id, correlation, causation) = (Uuid::new_v4(), Uuid::new_v4(), Uuid::new_v4());
-    broker
-        .publish_raw(
-            "tests.ping",
-            &[
-                ("message-id", &id.to_string()),
-                ("message-type", "tests.ping"),
-                ("correlation-id", &correlation.to_string()),
-                ("causation-id", &causation.to_string()),
-                ("deduplication-id", "intent-1"),
-                ("tenant", "acme"),
-            ],
-            br#"{"n":41}"#,
-        )
-        .await;
-    // A CloudEvent from another language's SDK, its id not a UUID.
-    broker
-        .publish_raw(
-            "tests.ping",
-            &[
-                ("cloudEvents_specversion", "1.0"),
-                ("cloudEvents_id", "evt-42"),
-                ("cloudEvents_source", "/billing"),
-                ("cloudEvents_type", "tests.ping"),
-                ("cloudEvents_deduplicationid", "intent-2"),
-            ],
-            br#"{"n":42}"#,
-        )
-        .await;
-    let calls = seen.wait_for(2, WAIT).await;
-    let plain = calls.iter().find(|call| call.n == 41).unwrap();
-    assert_eq!(plain.id, id);
-    assert_eq!(plain.correlation_id, Some(correlation));
-    assert_eq!(plain.causation_id, Some(causation));
-    assert_eq!(plain.deduplication_id.as_deref(), Some("intent-1"));
-    assert_eq!(plain.header.as_deref(), Some("acme"));
-    let event = calls.iter().find(|call| call.n == 42).unwrap();
-    assert_eq!(event.deduplication_id.as_deref(), Some("intent-2"));
-    assert_ne!(event.id, Uuid::nil());
-    assert!(runtime.shutdown().await.is_clean());
+    a_foreign_service_reaches_the_handler(&broker, broker.transport(&url()).into()).await;
     broker.remove().await;
 }
 
@@ -242,81 +173,7 @@ async fn a_redelivered_envelope_is_discarded_by_the_inbox() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn bad_input_from_the_wire_is_dead_lettered_and_acknowledged() {
     let broker = Broker::new().await;
-    let store = TestStore::sqlite().await;
-    let seen = Seen::default();
-    let runtime = Runtime::builder()
-        .module(module(&seen, "a"))
-        .transport(broker.transport(&url()))
-        .max_envelope_size(1024)
-        .store(match &store {
-            TestStore::Sqlite(store, _) => store.clone(),
-            TestStore::Postgres(..) => unreachable!(),
-        })
-        .build()
-        .unwrap();
-    listening(&runtime).await;
-    let id = || Uuid::new_v4().to_string();
-    broker.publish_raw("tests.ping", &[], b"no headers").await;
-    broker
-        .publish_raw(
-            "tests.ping",
-            &[("message-id", &id()), ("message-type", "tests.nobody")],
-            b"{}",
-        )
-        .await;
-    broker
-        .publish_raw(
-            "tests.ping",
-            &[("message-id", &id()), ("message-type", "tests.ping")],
-            b"not json",
-        )
-        .await;
-    broker
-        .publish_raw(
-            "tests.ping",
-            &[("message-id", &id()), ("message-type", "tests.ping")],
-            &vec![b' '; 4096],
-        )
-        .await;
-    let letters = dead_letters(&runtime, 4).await;
-    let reasons: BTreeMap<String, &DeadLetterReason> = letters
-        .iter()
-        .map(|letter| (letter.reason.to_string(), &letter.reason))
-        .collect();
-    assert!(
-        letters.iter().any(
-            |l| matches!(&l.reason, DeadLetterReason::Unreadable(why) if why.contains("message-id"))
-        ),
-        "{reasons:?}"
-    );
-    assert!(
-        letters
-            .iter()
-            .any(|l| matches!(&l.reason, DeadLetterReason::NoHandler(t) if t == "tests.nobody")),
-        "{reasons:?}"
-    );
-    assert!(
-        letters
-            .iter()
-            .any(|l| matches!(l.reason, DeadLetterReason::MalformedPayload(_))),
-        "{reasons:?}"
-    );
-    assert!(
-        letters
-            .iter()
-            .any(|l| matches!(l.reason, DeadLetterReason::TooLarge { .. })),
-        "{reasons:?}"
-    );
-    let unreadable = letters
-        .iter()
-        .find(|l| matches!(l.reason, DeadLetterReason::Unreadable(_)))
-        .unwrap();
-    assert_eq!(
-        unreadable.envelope.payload, b"no headers",
-        "kept as it arrived"
-    );
-    assert!(seen.calls().is_empty());
-    assert!(runtime.shutdown().await.is_clean());
+    bad_input_from_the_wire_is_dead_lettered(&broker, broker.transport(&url()).into()).await;
     assert_eq!(broker.ready().await, 0, "none was requeued");
     broker.remove().await;
 }
@@ -393,4 +250,30 @@ async fn what_was_delivered_and_not_recorded_goes_back_to_the_queue_at_shutdown(
     assert!(seen.calls().is_empty());
     proxy.restore();
     broker.remove().await;
+}
+
+impl RawPublisher for Broker {
+    const CLOUD_EVENTS: &'static str = "cloudEvents_";
+
+    async fn publish_raw(&self, routing_key: &str, headers: &[(&str, &str)], body: &[u8]) {
+        let mut table = FieldTable::default();
+        for (name, value) in headers {
+            table.insert(
+                ShortString::from(*name),
+                AMQPValue::LongString(LongString::from(value.as_bytes().to_vec())),
+            );
+        }
+        self.channel
+            .basic_publish(
+                self.exchange.as_str().into(),
+                routing_key.into(),
+                BasicPublishOptions::default(),
+                body,
+                BasicProperties::default().with_headers(table),
+            )
+            .await
+            .unwrap()
+            .await
+            .unwrap();
+    }
 }

@@ -61,6 +61,7 @@ pub(crate) trait Subscribe: Send + 'static {
 /// while the runtime yields, up to `max`. A burst from a broker lands over many socket reads:
 /// gathering it makes one inbox transaction of what would have been many. Yielding costs
 /// microseconds, so a lone message is not held back.
+#[cfg(any(feature = "rabbitmq", feature = "nats"))]
 pub(crate) async fn gather<S, T, E>(stream: &mut S, max: usize) -> Result<Vec<T>, GatherError<E>>
 where
     S: futures::Stream<Item = Result<T, E>> + Unpin,
@@ -92,9 +93,11 @@ where
 }
 
 /// How many yields in a row may bring nothing before a batch is taken as it is.
+#[cfg(any(feature = "rabbitmq", feature = "nats"))]
 const GATHER_QUIET_ROUNDS: u32 = 8;
 
 /// Why [`gather`] took nothing.
+#[cfg(any(feature = "rabbitmq", feature = "nats"))]
 pub(crate) enum GatherError<E> {
     /// The stream ended: the broker cancelled the consumer, or the connection went.
     Ended,

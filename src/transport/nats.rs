@@ -138,19 +138,7 @@ impl Nats {
         self
     }
 
-    /// How published envelopes travel: dacapo's headers (default) or CloudEvents.
-    #[must_use]
-    pub fn wire_format(mut self, format: WireFormat) -> Self {
-        self.settings.format = format;
-        self
-    }
-
-    /// The CloudEvents `source` of what this node publishes (default `urn:dacapo`).
-    #[must_use]
-    pub fn source(mut self, source: impl Into<String>) -> Self {
-        self.settings.source = source.into();
-        self
-    }
+    wire::wire_settings!();
 
     /// Whether to create the stream and the consumer at start (the default; the consumer's
     /// filter is brought up to date) or only check that they exist.

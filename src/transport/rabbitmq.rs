@@ -120,19 +120,7 @@ impl RabbitMq {
         self
     }
 
-    /// How published envelopes travel: dacapo's headers (default) or CloudEvents.
-    #[must_use]
-    pub fn wire_format(mut self, format: WireFormat) -> Self {
-        self.settings.format = format;
-        self
-    }
-
-    /// The CloudEvents `source` of what this node publishes (default `urn:dacapo`).
-    #[must_use]
-    pub fn source(mut self, source: impl Into<String>) -> Self {
-        self.settings.source = source.into();
-        self
-    }
+    wire::wire_settings!();
 
     /// Whether to declare the exchange, the queue and its bindings at start (the default) or
     /// only check that they exist, for a broker whose topology is managed elsewhere.

@@ -12,6 +12,10 @@ pub(crate) struct Routes {
     types: BTreeMap<String, Option<String>>,
 }
 
+#[cfg_attr(
+    not(any(feature = "rabbitmq", feature = "nats", feature = "postgres")),
+    allow(dead_code)
+)]
 impl Routes {
     pub(crate) fn all(&mut self) {
         self.all = true;
@@ -54,6 +58,7 @@ impl Routes {
 }
 
 /// The routing methods every transport's configuration has.
+#[cfg(any(feature = "rabbitmq", feature = "nats", feature = "postgres"))]
 macro_rules! routing {
     () => {
         /// Routes messages of type `M` through this transport, to its default destination.
@@ -89,6 +94,7 @@ macro_rules! routing {
         }
     };
 }
+#[cfg(any(feature = "rabbitmq", feature = "nats", feature = "postgres"))]
 pub(crate) use routing;
 
 #[cfg(test)]

@@ -35,12 +35,37 @@ pub enum WireFormat {
     CloudEvents,
 }
 
+/// The settings of how a broker transport writes envelopes, for its configuration's
+/// `settings.format` and `settings.source`.
+#[cfg(any(feature = "rabbitmq", feature = "nats"))]
+macro_rules! wire_settings {
+    () => {
+        /// How published envelopes travel: dacapo's headers (default) or CloudEvents.
+        #[must_use]
+        pub fn wire_format(mut self, format: WireFormat) -> Self {
+            self.settings.format = format;
+            self
+        }
+
+        /// The CloudEvents `source` of what this node publishes (default `urn:dacapo`).
+        #[must_use]
+        pub fn source(mut self, source: impl Into<String>) -> Self {
+            self.settings.source = source.into();
+            self
+        }
+    };
+}
+#[cfg(any(feature = "rabbitmq", feature = "nats"))]
+pub(crate) use wire_settings;
+
 /// The prefix of CloudEvents attribute headers in a protocol binding.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) enum Binding {
     /// `cloudEvents_` (the AMQP binding's form that AMQP 0-9-1 and JMS also accept).
+    #[cfg_attr(not(feature = "rabbitmq"), allow(dead_code))]
     Amqp,
     /// `ce-`.
+    #[cfg_attr(not(feature = "nats"), allow(dead_code))]
     Nats,
 }
 

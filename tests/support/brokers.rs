@@ -6,6 +6,7 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
+use dacapo::DeadLetterReason;
 use dacapo::prelude::*;
 use dacapo::store::{PostgresStore, SqliteStore};
 use dacapo::testing::ScratchDatabase;
@@ -392,5 +393,119 @@ pub async fn a_cut_connection_resumes_by_itself(
     let counts = seen.counts();
     assert!(ids.iter().all(|id| counts.get(id) == Some(&1)), "each once");
     assert_eq!(runtime.outbox_backlog().await.unwrap().unwrap().depth, 0);
+    assert!(runtime.shutdown().await.is_clean());
+}
+
+/// Publishes as a service without dacapo would: raw headers and body, with the broker's own
+/// client.
+#[allow(async_fn_in_trait)]
+pub trait RawPublisher {
+    /// The prefix of CloudEvents attribute headers in this broker's binding.
+    const CLOUD_EVENTS: &'static str;
+
+    /// Publishes `body` with `headers` where messages of `message_type` are routed.
+    async fn publish_raw(&self, message_type: &str, headers: &[(&str, &str)], body: &[u8]);
+}
+
+/// A foreign service's messages, in dacapo's headers and as a CloudEvent whose id is not a
+/// UUID, reach the handler with their ids.
+pub async fn a_foreign_service_reaches_the_handler<P: RawPublisher>(raw: &P, transport: Transport) {
+    let store = TestStore::sqlite().await;
+    let seen = Seen::default();
+    let runtime = store.runtime(module(&seen, "a"), transport);
+    listening(&runtime).await;
+    let (id, correlation, causation) = (Uuid::new_v4(), Uuid::new_v4(), Uuid::new_v4());
+    let (id_text, correlation_text, causation_text) = (
+        id.to_string(),
+        correlation.to_string(),
+        causation.to_string(),
+    );
+    let plain = [
+        ("message-id", id_text.as_str()),
+        ("message-type", "tests.ping"),
+        ("correlation-id", correlation_text.as_str()),
+        ("causation-id", causation_text.as_str()),
+        ("deduplication-id", "intent-1"),
+        ("tenant", "acme"),
+    ];
+    raw.publish_raw("tests.ping", &plain, br#"{"n":41}"#).await;
+    let attribute = |name: &str| format!("{}{name}", P::CLOUD_EVENTS);
+    let names = ["specversion", "id", "source", "type", "deduplicationid"].map(attribute);
+    let values = ["1.0", "evt-42", "/billing", "tests.ping", "intent-2"];
+    let event: Vec<(&str, &str)> = names.iter().map(String::as_str).zip(values).collect();
+    raw.publish_raw("tests.ping", &event, br#"{"n":42}"#).await;
+    let calls = seen.wait_for(2, WAIT).await;
+    let plain = calls.iter().find(|call| call.n == 41).unwrap();
+    assert_eq!(plain.id, id);
+    assert_eq!(plain.correlation_id, Some(correlation));
+    assert_eq!(plain.causation_id, Some(causation));
+    assert_eq!(plain.deduplication_id.as_deref(), Some("intent-1"));
+    assert_eq!(plain.header.as_deref(), Some("acme"));
+    let event = calls.iter().find(|call| call.n == 42).unwrap();
+    assert_eq!(event.deduplication_id.as_deref(), Some("intent-2"));
+    assert_ne!(event.id, Uuid::nil());
+    assert!(runtime.shutdown().await.is_clean());
+}
+
+/// No id, an unknown type, a body that is not JSON and an oversized one: four dead letters,
+/// the unreadable one kept as it arrived, nothing handled. The caller checks they were
+/// acknowledged.
+pub async fn bad_input_from_the_wire_is_dead_lettered<P: RawPublisher>(
+    raw: &P,
+    transport: Transport,
+) {
+    let scratch = ScratchDatabase::sqlite();
+    let store = scratch.sqlite_store().await.unwrap();
+    let seen = Seen::default();
+    let runtime = Runtime::builder()
+        .module(module(&seen, "a"))
+        .transport(transport)
+        .max_envelope_size(1024)
+        .store(store)
+        .build()
+        .unwrap();
+    listening(&runtime).await;
+    let ids = [Uuid::new_v4(), Uuid::new_v4(), Uuid::new_v4()].map(|id| id.to_string());
+    raw.publish_raw("tests.ping", &[("x", "1")], b"no id").await;
+    let headers = |id: &str, message_type: &'static str| {
+        [
+            ("message-id", id.to_owned()),
+            ("message-type", message_type.to_owned()),
+        ]
+    };
+    for (id, message_type, body) in [
+        (&ids[0], "tests.nobody", b"{}".to_vec()),
+        (&ids[1], "tests.ping", b"not json".to_vec()),
+        (&ids[2], "tests.ping", vec![b' '; 4096]),
+    ] {
+        let headers = headers(id, message_type);
+        let headers: Vec<(&str, &str)> = headers.iter().map(|(n, v)| (*n, v.as_str())).collect();
+        raw.publish_raw("tests.ping", &headers, &body).await;
+    }
+    let letters = dead_letters(&runtime, 4).await;
+    let reasons: Vec<String> = letters.iter().map(|l| l.reason.to_string()).collect();
+    let has = |found: &dyn Fn(&DeadLetterReason) -> bool| letters.iter().any(|l| found(&l.reason));
+    assert!(
+        has(&|r| matches!(r, DeadLetterReason::Unreadable(why) if why.contains("message-id"))),
+        "{reasons:?}"
+    );
+    assert!(
+        has(&|r| matches!(r, DeadLetterReason::NoHandler(t) if t == "tests.nobody")),
+        "{reasons:?}"
+    );
+    assert!(
+        has(&|r| matches!(r, DeadLetterReason::MalformedPayload(_))),
+        "{reasons:?}"
+    );
+    assert!(
+        has(&|r| matches!(r, DeadLetterReason::TooLarge { .. })),
+        "{reasons:?}"
+    );
+    let unreadable = letters
+        .iter()
+        .find(|l| matches!(l.reason, DeadLetterReason::Unreadable(_)))
+        .unwrap();
+    assert_eq!(unreadable.envelope.payload, b"no id", "kept as it arrived");
+    assert!(seen.calls().is_empty());
     assert!(runtime.shutdown().await.is_clean());
 }
