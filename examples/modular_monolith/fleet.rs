@@ -250,18 +250,20 @@ async fn lead(
     let first = first.ok_or("events were published")?;
     let redelivered = runtime.receive_tracked(first).await?.await?;
     let discarded = redelivered.outcome == Outcome::Discarded(DiscardReason::DuplicateEnvelope);
-    let stats = runtime.stats();
-    let clean = runtime.shutdown().await.is_clean();
 
     let exit = tokio::task::spawn_blocking(move || follower.wait()).await??;
     let theirs = lines
         .try_iter()
         .find_map(|line| Follower::parse(&line))
         .ok_or("the follower reported nothing")?;
+    // Counted before this runtime stops: the handlers opened connections of `db` on the
+    // runtime's threads, which a PostgreSQL connection cannot outlive.
     let rows = webhooks::count(db).await? - rows_before;
     let audit_rows = audit::count(db).await? - audit_before;
     let subscribed = webhooks::subscribed(db, organization_id).await?;
     let sent = handlers.sender.sent() + theirs.sent;
+    let stats = runtime.stats();
+    let clean = runtime.shutdown().await.is_clean();
 
     println!(
         "dacapo — modular monolith as two processes on {target}, events over {} at {}",
