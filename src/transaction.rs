@@ -137,6 +137,9 @@ pub struct HandlerTransaction<DB: Backend> {
     /// The store's node, which the handler's claim must still be held by at commit.
     node: String,
     enlisted: HashMap<(String, Vec<u8>), u32>,
+    /// SQLite's turn to write, which the runtime's own writers wait for; released after
+    /// `tx` ends (fields drop in order).
+    _turn: Option<tokio::sync::OwnedSemaphorePermit>,
 }
 
 impl<DB: Backend> std::fmt::Debug for HandlerTransaction<DB> {
@@ -298,6 +301,7 @@ macro_rules! backend {
                 // never ends up in the application's pool.
                 let pool = store.engine_pool();
                 let tries = pool.options().get_max_connections().saturating_add(1);
+                let turn = store.write_turn().await?;
                 let mut tx = crate::store::sql::on_live_session(tries, || pool.begin_with($begin))
                     .await
                     .map_err(crate::store::sql::db_error)?;
@@ -325,6 +329,7 @@ macro_rules! backend {
                     handler,
                     node: store.node().to_owned(),
                     enlisted: HashMap::new(),
+                    _turn: turn,
                 }))
             }
 

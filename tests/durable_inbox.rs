@@ -176,3 +176,63 @@ on_both_backends!(
         assert_eq!(inbox.receive(&envelope).await.unwrap(), Receipt::Duplicate);
     }
 );
+
+on_both_backends!(
+    receives_and_settles_written_together_answer_each_write_sqlite,
+    receives_and_settles_written_together_answer_each_write_postgres,
+    |db| {
+        use dacapo::ports::{Handled, Receipt};
+        let inbox = db.sqlite_or_postgres_inbox().await;
+        // Another store on the database: another node.
+        let other_node = db.sqlite_or_postgres_inbox().await;
+        let envelopes: Vec<Envelope> = (0..70)
+            .map(|_| Envelope::for_message(&member_removed()).unwrap())
+            .collect();
+        // The first envelope twice in the batch's first statement, the second again in its
+        // last (a batch of 72 takes a statement of 64 rows, then one of 8).
+        let mut batch = envelopes.clone();
+        batch.insert(1, envelopes[0].clone());
+        batch.push(envelopes[1].clone());
+        let receipts = inbox.receive_batch(&batch).await.unwrap();
+        let mut expected = vec![Receipt::New; batch.len()];
+        expected[1] = Receipt::Duplicate;
+        expected[71] = Receipt::Duplicate;
+        assert_eq!(receipts, expected);
+        assert_eq!(db.inbox_rows().await, 70);
+
+        let foreign = Envelope::for_message(&member_removed()).unwrap();
+        assert_eq!(other_node.receive(&foreign).await.unwrap(), Receipt::New);
+
+        // Settled at once: they queue behind the first commit and commit together; one of
+        // them settles the third envelope again, one settles the other node's delivery.
+        let ids = envelopes
+            .iter()
+            .map(|envelope| envelope.id)
+            .chain([envelopes[2].id, foreign.id]);
+        let settled = futures::future::join_all(ids.map(|id| inbox.settle_handled(id, &[]))).await;
+        let written = settled
+            .iter()
+            .filter(|answer| matches!(answer, Ok(Handled::Written { in_outbox: true })))
+            .count();
+        let elsewhere = settled
+            .iter()
+            .filter(|answer| matches!(answer, Ok(Handled::OwnedElsewhere)))
+            .count();
+        assert_eq!((written, elsewhere), (70, 2), "{settled:?}");
+        assert_eq!(
+            settled.last().unwrap().as_ref().unwrap(),
+            &Handled::OwnedElsewhere,
+            "the other node's delivery is not this node's to settle"
+        );
+        for envelope in &envelopes {
+            assert_eq!(
+                db.inbox_status(envelope.id).await.as_deref(),
+                Some("handled")
+            );
+        }
+        assert_eq!(
+            db.inbox_status(foreign.id).await.as_deref(),
+            Some("incoming")
+        );
+    }
+);

@@ -8,6 +8,7 @@ use std::time::Duration;
 use dacapo::prelude::*;
 use dacapo::store::{Dialect, SqlStore};
 use dacapo::testing::{Recorder, ScratchDatabase, StoreFault, TestHarness};
+use dacapo::transaction::HandlerTransactions;
 use dacapo::{Envelope, Error};
 use serde::{Deserialize, Serialize};
 
@@ -153,9 +154,19 @@ async fn a_write_the_database_refuses_fails_alone_and_the_rest_of_its_group_comm
 }
 
 #[tokio::test]
-async fn a_redelivery_in_the_same_group_is_a_duplicate() {
+async fn a_redelivery_in_the_same_group_is_a_duplicate_sqlite() {
     let db = ScratchDatabase::sqlite();
-    let store = db.sqlite_store().await.unwrap();
+    redelivery_in_the_same_group(db.sqlite_store().await.unwrap()).await;
+}
+
+#[tokio::test]
+async fn a_redelivery_in_the_same_group_is_a_duplicate_postgres() {
+    let db = ScratchDatabase::postgres(&admin_url()).await.unwrap();
+    redelivery_in_the_same_group(db.postgres_store().await.unwrap()).await;
+}
+
+/// Four receives of one envelope in one group commit: one statement inserts it once.
+async fn redelivery_in_the_same_group<D: Dialect>(store: SqlStore<D>) {
     let recorder = Recorder::<TicketSold>::new();
     let harness = harness(store, &recorder);
     let envelope = harness
@@ -170,4 +181,131 @@ async fn a_redelivery_in_the_same_group_is_a_duplicate() {
         .count();
     assert_eq!((handled, discarded), (1, 3), "{reports:?}");
     assert_eq!(recorder.count(), 1);
+}
+
+/// Sixteen deliveries failing their first attempt at once: their retries are recorded
+/// together, and each runs once, as its second attempt.
+async fn retries_recorded_together<D: Dialect>(store: SqlStore<D>, handled: impl AsyncFn() -> i64) {
+    let recorder = Recorder::<TicketSold>::new();
+    let harness = TestHarness::builder()
+        .settle_timeout(Duration::from_secs(20))
+        .store(store.group_commit(64, Duration::from_millis(20)))
+        .module(Module::new("box_office").handle_named::<TicketSold, _>("count", recorder.clone()))
+        .fault("box_office", "count", dacapo::testing::Fault::fail_times(1))
+        .build()
+        .unwrap();
+    let envelopes = envelopes(&harness);
+    let accepted = accept_all(&harness, &envelopes).await;
+    assert!(accepted.iter().all(Result::is_ok), "{accepted:?}");
+    harness.idle().await.unwrap();
+    let calls = recorder.calls();
+    assert_eq!(calls.len(), CALLERS as usize, "{calls:?}");
+    assert!(calls.iter().all(|call| call.attempt == 2), "{calls:?}");
+    assert_eq!(handled().await, CALLERS as i64);
+}
+
+const COUNT_HANDLED: &str = "SELECT count(*) FROM dacapo_inbox WHERE status = 'handled'";
+
+#[tokio::test]
+async fn retries_scheduled_at_once_are_recorded_together_sqlite() {
+    let db = ScratchDatabase::sqlite();
+    let store = db.sqlite_store().await.unwrap();
+    let pool = store.pool().clone();
+    retries_recorded_together(store, async || {
+        sqlx::query_scalar(COUNT_HANDLED)
+            .fetch_one(&pool)
+            .await
+            .unwrap()
+    })
+    .await;
+}
+
+#[tokio::test]
+async fn retries_scheduled_at_once_are_recorded_together_postgres() {
+    let db = ScratchDatabase::postgres(&admin_url()).await.unwrap();
+    let store = db.postgres_store().await.unwrap();
+    let pool = store.pool().clone();
+    retries_recorded_together(store, async || {
+        sqlx::query_scalar(COUNT_HANDLED)
+            .fetch_one(&pool)
+            .await
+            .unwrap()
+    })
+    .await;
+}
+
+/// Records each ticket in a handler transaction, with its completion record.
+#[derive(Clone)]
+struct RecordTicket;
+
+impl Handler<TicketSold> for RecordTicket {
+    async fn handle(&self, sold: &TicketSold, ctx: &MessageContext) -> Result<(), HandlerError> {
+        let Some(mut tx) = ctx.transaction::<sqlx::Sqlite>().await? else {
+            return Ok(());
+        };
+        sqlx::query("INSERT INTO tickets (ticket) VALUES ($1)")
+            .bind(sold.ticket as i64)
+            .execute(&mut **tx)
+            .await?;
+        tx.commit().await?;
+        Ok(())
+    }
+}
+
+/// On SQLite the runtime's own writers, handler transactions included, take turns in the
+/// process: sixteen batches published at once on four connections, each ticket written in a
+/// handler transaction, never find the database locked, even with SQLite's busy timeout at
+/// zero (a writer that found the lock taken would fail at once instead of polling).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_runtimes_writers_take_turns_on_sqlite() {
+    let db = ScratchDatabase::sqlite();
+    let options = sqlx::sqlite::SqliteConnectOptions::new()
+        .filename(db.url())
+        .create_if_missing(true)
+        .journal_mode(sqlx::sqlite::SqliteJournalMode::Wal)
+        .busy_timeout(Duration::ZERO);
+    let pool = sqlx::sqlite::SqlitePoolOptions::new()
+        .max_connections(4)
+        .connect_with(options)
+        .await
+        .unwrap();
+    sqlx::query("CREATE TABLE tickets (ticket INTEGER PRIMARY KEY)")
+        .execute(&pool)
+        .await
+        .unwrap();
+    let store = dacapo::store::SqliteStore::with_pool(pool.clone())
+        .await
+        .unwrap();
+    let runtime = Runtime::builder()
+        .store(store)
+        .module(Module::new("box_office").handle_named::<TicketSold, _>("record", RecordTicket))
+        .build()
+        .unwrap();
+    let batches = (0..16u64).map(|batch| {
+        let tickets: Vec<TicketSold> = (0..20)
+            .map(|n| TicketSold {
+                ticket: batch * 20 + n,
+            })
+            .collect();
+        let runtime = &runtime;
+        async move { runtime.publish_batch(&tickets).await }
+    });
+    let published = futures::future::join_all(batches).await;
+    assert!(published.iter().all(Result::is_ok), "{published:?}");
+    tokio::time::timeout(Duration::from_secs(20), runtime.idle())
+        .await
+        .unwrap();
+    let stats = runtime.stats();
+    assert_eq!((stats.handled, stats.dead_lettered), (320, 0), "{stats:?}");
+    for (sql, expected) in [
+        (
+            "SELECT count(*) FROM dacapo_inbox WHERE status = 'handled'",
+            320,
+        ),
+        ("SELECT count(*) FROM tickets", 320),
+    ] {
+        let count: i64 = sqlx::query_scalar(sql).fetch_one(&pool).await.unwrap();
+        assert_eq!(count, expected, "{sql}");
+    }
+    runtime.shutdown().await;
 }

@@ -50,6 +50,37 @@ where
 pub(crate) struct Database {
     pool: Pool,
     hooks: Hooks,
+    /// SQLite's one writer, taken in the process before the database's lock.
+    writer: Option<Writer>,
+}
+
+/// The turn to write on a SQLite database, handed out in the order writers asked for it.
+/// SQLite lets one connection write at a time, and one that finds the lock taken sleeps and
+/// polls (1 ms, then 2, 5, 10 … up to 100 ms between polls): the pool's own writes, queued
+/// here instead, start as soon as the one before them commits.
+#[derive(Clone, Debug)]
+struct Writer(std::sync::Arc<tokio::sync::Semaphore>);
+
+/// How long a write waits for its turn before it fails, as SQLite's busy timeout would.
+const WRITER_WAIT: std::time::Duration = std::time::Duration::from_secs(30);
+
+impl Writer {
+    fn new() -> Self {
+        Self(std::sync::Arc::new(tokio::sync::Semaphore::new(1)))
+    }
+
+    /// This writer's turn, once the writes before it ended.
+    async fn turn(&self) -> Result<tokio::sync::OwnedSemaphorePermit, Error> {
+        match tokio::time::timeout(WRITER_WAIT, std::sync::Arc::clone(&self.0).acquire_owned())
+            .await
+        {
+            Ok(Ok(turn)) => Ok(turn),
+            Ok(Err(_)) => Err(Error::store("the SQLite writer's queue is closed")),
+            Err(_) => Err(Error::store(format!(
+                "waited over {WRITER_WAIT:?} for the turn to write on SQLite"
+            ))),
+        }
+    }
 }
 
 #[derive(Clone, Debug)]
@@ -76,6 +107,9 @@ struct NoHooks;
 pub(crate) struct Tx {
     inner: TxInner,
     hooks: Hooks,
+    /// SQLite's turn to write, held until the transaction ends (declared after `inner`, so
+    /// dropped after it).
+    _turn: Option<tokio::sync::OwnedSemaphorePermit>,
 }
 
 #[derive(Debug)]
@@ -142,6 +176,7 @@ impl Database {
         Self {
             pool: Pool::Sqlite(pool),
             hooks: Hooks::default(),
+            writer: Some(Writer::new()),
         }
     }
 
@@ -151,6 +186,7 @@ impl Database {
         Self {
             pool: Pool::Postgres(pool),
             hooks: Hooks::default(),
+            writer: None,
         }
     }
 
@@ -160,6 +196,7 @@ impl Database {
         Self {
             pool: self.pool.clone(),
             hooks: Some(hooks),
+            writer: self.writer.clone(),
         }
     }
 
@@ -184,6 +221,14 @@ impl Database {
         let _ = (point, message_type);
     }
 
+    /// The turn to write, on SQLite; PostgreSQL's writers need none.
+    pub(crate) async fn turn(&self) -> Result<Option<tokio::sync::OwnedSemaphorePermit>, Error> {
+        match &self.writer {
+            Some(writer) => writer.turn().await.map(Some),
+            None => Ok(None),
+        }
+    }
+
     /// How many times a statement is tried on connections whose session the server ended.
     fn tries(&self) -> u32 {
         let size = match &self.pool {
@@ -199,6 +244,7 @@ impl Database {
     /// once (a transaction that reads, then writes, would otherwise fail as busy).
     pub(crate) async fn begin(&self) -> Result<Tx, Error> {
         self.before_statement().await?;
+        let turn = self.turn().await?;
         let inner = match &self.pool {
             #[cfg(feature = "sqlite")]
             Pool::Sqlite(pool) => TxInner::Sqlite(
@@ -216,6 +262,7 @@ impl Database {
         Ok(Tx {
             inner,
             hooks: self.hooks.clone(),
+            _turn: turn,
         })
     }
 
@@ -226,6 +273,7 @@ impl Database {
         values: &[Value<'_>],
     ) -> Result<u64, Error> {
         before_commit(&self.hooks, false).await?;
+        let _turn = self.turn().await?;
         let done = match &self.pool {
             #[cfg(feature = "sqlite")]
             Pool::Sqlite(pool) => on_live_session(self.tries(), || {
@@ -250,6 +298,7 @@ impl Database {
         values: &[Value<'_>],
     ) -> Result<u64, Error> {
         before_commit(&self.hooks, false).await?;
+        let _turn = self.turn().await?;
         let done = match &self.pool {
             #[cfg(feature = "sqlite")]
             Pool::Sqlite(pool) => on_live_session(self.tries(), || {
@@ -382,6 +431,50 @@ impl Tx {
                 .map(|rows| rows.into_iter().map(Row::Postgres).collect()),
         };
         rows.map_err(db_error)
+    }
+
+    /// [`fetch_all`](Self::fetch_all) for a statement built at run time from trusted parts.
+    pub(crate) async fn fetch_all_built(
+        &mut self,
+        sql: String,
+        values: &[Value<'_>],
+    ) -> Result<Vec<Row>, Error> {
+        before_statement(&self.hooks, true).await?;
+        let rows = match &mut self.inner {
+            #[cfg(feature = "sqlite")]
+            TxInner::Sqlite(tx) => bind(sqlx::query(sqlx::AssertSqlSafe(sql)), values)
+                .fetch_all(&mut **tx)
+                .await
+                .map(|rows| rows.into_iter().map(Row::Sqlite).collect()),
+            #[cfg(feature = "postgres")]
+            TxInner::Postgres(tx) => bind(sqlx::query(sqlx::AssertSqlSafe(sql)), values)
+                .fetch_all(&mut **tx)
+                .await
+                .map(|rows| rows.into_iter().map(Row::Postgres).collect()),
+        };
+        rows.map_err(db_error)
+    }
+
+    /// [`execute`](Self::execute) for a statement built at run time from trusted parts.
+    pub(crate) async fn execute_built(
+        &mut self,
+        sql: String,
+        values: &[Value<'_>],
+    ) -> Result<u64, Error> {
+        before_statement(&self.hooks, true).await?;
+        let done = match &mut self.inner {
+            #[cfg(feature = "sqlite")]
+            TxInner::Sqlite(tx) => bind(sqlx::query(sqlx::AssertSqlSafe(sql)), values)
+                .execute(&mut **tx)
+                .await
+                .map(|done| done.rows_affected()),
+            #[cfg(feature = "postgres")]
+            TxInner::Postgres(tx) => bind(sqlx::query(sqlx::AssertSqlSafe(sql)), values)
+                .execute(&mut **tx)
+                .await
+                .map(|done| done.rows_affected()),
+        };
+        done.map_err(db_error)
     }
 
     /// The row `sql` answers in the transaction, if any.

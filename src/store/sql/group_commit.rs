@@ -1,10 +1,10 @@
-//! Group commit: the accepts and settles of many deliveries, written while a commit is under
+//! Group commit: the accepts, attempt begins, scheduled retries and settles of many deliveries, written while a commit is under
 //! way, commit together in the next transaction — one fsync (SQLite) or WAL flush
 //! (PostgreSQL) for all of them. Each caller returns only once *its* write committed; a batch
 //! that fails fails every caller in it (they retry), except that a batch the database refused
 //! for its data runs again one write at a time, so one bad write does not fail the others.
 
-use std::collections::VecDeque;
+use std::collections::{HashSet, VecDeque};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
@@ -13,8 +13,11 @@ use dacapo_actors::ports::{Fenced, Handled, Receipt};
 use tokio::sync::oneshot;
 
 use super::columns::EnvelopeColumns;
-use super::database::{Database, Tx, Value};
-use super::statements::{BEGIN_ATTEMPT, ENLIST_ONCE, MARK_HANDLED, RECEIVE, RECEIVE_SCHEDULED};
+use super::database::{Database, Row, Tx, Value};
+use super::statements::{
+    BEGIN_ATTEMPT, ENLIST_ONCE, MARK_HANDLED, MARK_HANDLED_ROWS, RECEIVE, RECEIVE_ROWS,
+    RECEIVE_SCHEDULED, Rows, SCHEDULE_RETRY,
+};
 
 /// One delivery's write.
 pub(crate) enum Write {
@@ -33,6 +36,18 @@ pub(crate) enum Write {
         previous: i32,
         node: Arc<str>,
     },
+    /// Records a failed attempt and when the next one is due, fenced by its owner.
+    ScheduleRetry {
+        id: String,
+        attempts: i32,
+        due_at: i64,
+        /// The failures so far, the handlers that succeeded and the messages they cascaded,
+        /// as JSON.
+        failures: String,
+        succeeded: String,
+        cascaded: Option<String>,
+        node: Arc<str>,
+    },
     /// Marks a delivery handled, fenced by its owner, with the messages it cascaded.
     Settle {
         id: String,
@@ -47,6 +62,7 @@ pub(crate) enum Write {
 pub(crate) enum Written {
     Received(Receipt),
     Begun(Fenced),
+    Scheduled(Fenced),
     Settled(Handled),
 }
 
@@ -92,10 +108,40 @@ impl Write {
                     Value::Int32(*previous),
                 ],
             ),
+            Self::ScheduleRetry {
+                id,
+                attempts,
+                due_at,
+                failures,
+                succeeded,
+                cascaded,
+                node,
+            } => (
+                SCHEDULE_RETRY,
+                vec![
+                    Value::Text(id),
+                    Value::Int32(*attempts),
+                    Value::Int64(*due_at),
+                    Value::Text(failures),
+                    Value::Text(succeeded),
+                    Value::Text(node),
+                    Value::OptionalText(cascaded.as_deref()),
+                ],
+            ),
             Self::Settle { id, node, now, .. } => (
                 MARK_HANDLED,
                 vec![Value::Text(id), Value::Int64(*now), Value::Text(node)],
             ),
+        }
+    }
+
+    /// The id of the envelope the write is about.
+    fn id(&self) -> &str {
+        match self {
+            Self::Receive { columns, .. } => &columns.id,
+            Self::BeginAttempt { id, .. }
+            | Self::ScheduleRetry { id, .. }
+            | Self::Settle { id, .. } => id,
         }
     }
 
@@ -104,6 +150,7 @@ impl Write {
         match self {
             Self::Receive { due_at, .. } => received(rows, due_at.is_some()),
             Self::BeginAttempt { .. } => Written::Begun(Fenced::from_rows(rows)),
+            Self::ScheduleRetry { .. } => Written::Scheduled(Fenced::from_rows(rows)),
             Self::Settle { .. } => settled(rows),
         }
     }
@@ -343,10 +390,139 @@ pub(crate) async fn in_one_transaction(
     writes: &[Write],
 ) -> Result<Vec<Written>, Error> {
     let mut tx = db.begin().await?;
-    let mut written = Vec::with_capacity(writes.len());
-    for write in writes {
-        written.push(write.run(&mut tx).await?);
-    }
+    let written = run_together(&mut tx, writes).await?;
     tx.commit().await?;
     Ok(written)
+}
+
+/// Runs `writes` in `tx`: the receives of envelopes due now in statements of many rows, the
+/// settles without cascades likewise, the rest one by one. The writes of one batch come from
+/// callers that wait on none of the others, so any order of them is an order they could have
+/// come in; each answer is what its write found in that order.
+async fn run_together(tx: &mut Tx, writes: &[Write]) -> Result<Vec<Written>, Error> {
+    let mut answers: Vec<Option<Written>> = vec![None; writes.len()];
+    let settling_node = writes.iter().find_map(|write| match write {
+        Write::Settle { node, cascaded, .. } if cascaded.is_empty() => Some(Arc::clone(node)),
+        _ => None,
+    });
+    let mut receives = Vec::new();
+    let mut settles = Vec::new();
+    for (at, write) in writes.iter().enumerate() {
+        match write {
+            Write::Receive { due_at: None, .. } => receives.push(at),
+            Write::Settle { node, cascaded, .. }
+                if cascaded.is_empty() && Some(node) == settling_node.as_ref() =>
+            {
+                settles.push(at);
+            }
+            _ => {}
+        }
+    }
+    let mut start = 0;
+    for size in Rows::sizes(receives.len()) {
+        let run = &receives[start..start + size];
+        start += size;
+        receive_rows(tx, writes, run, &mut answers).await?;
+    }
+    let mut start = 0;
+    for size in Rows::sizes(settles.len()) {
+        let run = &settles[start..start + size];
+        start += size;
+        settle_rows(tx, writes, run, &mut answers).await?;
+    }
+    for (write, answer) in writes.iter().zip(answers.iter_mut()) {
+        if answer.is_none() {
+            *answer = Some(write.run(tx).await?);
+        }
+    }
+    answers
+        .into_iter()
+        .map(|answer| answer.ok_or_else(|| Error::store("a write of the batch went unanswered")))
+        .collect()
+}
+
+/// The receives at `run` (envelopes due now), in one statement. Of two receives of one id,
+/// the first inserts and the second finds it, as they would one after the other.
+async fn receive_rows(
+    tx: &mut Tx,
+    writes: &[Write],
+    run: &[usize],
+    answers: &mut [Option<Written>],
+) -> Result<(), Error> {
+    let mut values = Vec::with_capacity(run.len() * 12);
+    for &at in run {
+        if let Write::Receive {
+            columns,
+            attempts,
+            node,
+            now,
+            due_at: None,
+        } = &writes[at]
+        {
+            values.extend(columns.values_and(&[
+                Value::Int32(*attempts),
+                Value::Text(node),
+                Value::Int64(*now),
+            ]));
+        }
+    }
+    let inserted = returned_ids(
+        tx.fetch_all_built(RECEIVE_ROWS.text(run.len()), &values)
+            .await?,
+    )?;
+    answer_run(writes, run, inserted, answers, |found| {
+        received(u64::from(found), false)
+    });
+    Ok(())
+}
+
+/// The settles at `run` (one owner's, without cascades), in one statement at the latest of
+/// their times. Of two settles of one id, the first marks it and the second finds it marked.
+async fn settle_rows(
+    tx: &mut Tx,
+    writes: &[Write],
+    run: &[usize],
+    answers: &mut [Option<Written>],
+) -> Result<(), Error> {
+    let mut latest = i64::MIN;
+    let mut owner = None;
+    let mut ids = Vec::with_capacity(run.len());
+    for &at in run {
+        if let Write::Settle { id, node, now, .. } = &writes[at] {
+            latest = latest.max(*now);
+            owner = Some(node);
+            ids.push(Value::Text(id));
+        }
+    }
+    let Some(owner) = owner else { return Ok(()) };
+    let mut values = Vec::with_capacity(ids.len() + 2);
+    values.extend([Value::Int64(latest), Value::Text(owner)]);
+    values.extend(ids);
+    let marked = returned_ids(
+        tx.fetch_all_built(MARK_HANDLED_ROWS.text(run.len()), &values)
+            .await?,
+    )?;
+    answer_run(writes, run, marked, answers, |found| {
+        settled(u64::from(found))
+    });
+    Ok(())
+}
+
+/// The `id` column of each row.
+fn returned_ids(rows: Vec<Row>) -> Result<HashSet<String>, Error> {
+    rows.iter().map(|row| row.get::<String>("id")).collect()
+}
+
+/// Answers the writes at `run`: the first write of each id the statement returned found it
+/// changed, every other found nothing to change.
+fn answer_run(
+    writes: &[Write],
+    run: &[usize],
+    mut changed: HashSet<String>,
+    answers: &mut [Option<Written>],
+    answer: impl Fn(bool) -> Written,
+) {
+    for &at in run {
+        answers[at] = Some(answer(changed.remove(writes[at].id())));
+    }
 }

@@ -2,11 +2,90 @@
 //! PostgreSQL both accept; ids as text, times as milliseconds, JSON as text. Where the two
 //! must differ (how a claim of unsettled rows locks), each backend has its own statement.
 
-pub(crate) const RECEIVE: &str = "INSERT INTO dacapo_inbox \
-    (id, message_type, payload, headers, deduplication_id, correlation_id, causation_id, sent_at, \
-     scheduled_for, status, attempts, owner, received_at) \
-    VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, 'incoming', $10, $11, $12) \
-    ON CONFLICT (id) DO NOTHING";
+/// A statement that writes many rows at once — one statement, not one per row, for a batch
+/// that commits together: `head`, then `row` once per row, joined by commas, then `tail`.
+/// The head takes parameters `$1` … `$fixed`; each row's `$1` … `$width` are renumbered after
+/// them and after the rows before it.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Rows {
+    head: &'static str,
+    fixed: usize,
+    row: &'static str,
+    width: usize,
+    tail: &'static str,
+}
+
+impl Rows {
+    /// The most rows one statement takes: a run is cut into statements of this many, then of
+    /// powers of two, so that a connection's statement cache holds at most seven texts of
+    /// each.
+    pub(crate) const MOST: usize = 64;
+
+    /// The statement for `count` rows.
+    pub(crate) fn text(&self, count: usize) -> String {
+        let mut text = String::with_capacity(
+            self.head.len() + count * (self.row.len() + 2 * self.width + 2) + self.tail.len(),
+        );
+        text.push_str(self.head);
+        for n in 0..count {
+            if n > 0 {
+                text.push_str(", ");
+            }
+            let offset = self.fixed + n * self.width;
+            let mut rest = self.row;
+            while let Some(at) = rest.find('$') {
+                text.push_str(&rest[..=at]);
+                rest = &rest[at + 1..];
+                let digits = rest.bytes().take_while(u8::is_ascii_digit).count();
+                let number: usize = rest[..digits].parse().unwrap_or(0);
+                text.push_str(&(offset + number).to_string());
+                rest = &rest[digits..];
+            }
+            text.push_str(rest);
+        }
+        text.push_str(self.tail);
+        text
+    }
+
+    /// How many rows each statement of a run of `count` takes.
+    pub(crate) fn sizes(count: usize) -> impl Iterator<Item = usize> {
+        let full = count / Self::MOST;
+        let rest = count % Self::MOST;
+        std::iter::repeat_n(Self::MOST, full).chain(
+            (0..usize::BITS)
+                .rev()
+                .map(|bit| 1usize << bit)
+                .filter(move |size| rest & size != 0),
+        )
+    }
+}
+
+/// The columns of an inbox row a receive writes, and one row's values.
+macro_rules! receive {
+    (columns) => {
+        "INSERT INTO dacapo_inbox (id, message_type, payload, headers, deduplication_id, \
+         correlation_id, causation_id, sent_at, scheduled_for, status, attempts, owner, \
+         received_at) VALUES "
+    };
+    (row) => {
+        "($1, $2, $3, $4, $5, $6, $7, $8, $9, 'incoming', $10, $11, $12)"
+    };
+}
+
+pub(crate) const RECEIVE: &str = concat!(
+    receive!(columns),
+    receive!(row),
+    " ON CONFLICT (id) DO NOTHING"
+);
+
+/// Many receives in one statement; the ids it answers are those it inserted.
+pub(crate) const RECEIVE_ROWS: Rows = Rows {
+    head: receive!(columns),
+    fixed: 0,
+    row: receive!(row),
+    width: 12,
+    tail: " ON CONFLICT (id) DO NOTHING RETURNING id",
+};
 
 /// An envelope scheduled for later: unowned, no attempt started, due at `$10`.
 pub(crate) const RECEIVE_SCHEDULED: &str = "INSERT INTO dacapo_inbox \
@@ -48,6 +127,17 @@ pub(crate) const SCHEDULE_RETRY: &str = "UPDATE dacapo_inbox \
 pub(crate) const MARK_HANDLED: &str = "UPDATE dacapo_inbox \
     SET status = 'handled', handled_at = $2, owner = NULL \
     WHERE id = $1 AND status <> 'handled' AND owner = $3";
+
+/// Many deliveries of one owner settled in one statement, at `$1`; the ids it answers are
+/// those it marked.
+pub(crate) const MARK_HANDLED_ROWS: Rows = Rows {
+    head: "UPDATE dacapo_inbox SET status = 'handled', handled_at = $1, owner = NULL \
+        WHERE status <> 'handled' AND owner = $2 AND id IN (",
+    fixed: 2,
+    row: "$1",
+    width: 1,
+    tail: ") RETURNING id",
+};
 
 /// A replayed dead letter back in the inbox, fresh attempt count: a new row if the settled one
 /// was cleaned up, the settled one rewritten otherwise — never a row still being delivered.
@@ -202,14 +292,33 @@ pub(crate) const REAP_CLAIMS: &str = "DELETE FROM dacapo_deduplication \
     WHERE (handler, key_hash) IN (SELECT handler, key_hash FROM dacapo_deduplication \
     WHERE expires_at <= $1 LIMIT $2)";
 
-pub(crate) const ENLIST: &str = "INSERT INTO dacapo_outbox \
-    (id, message_type, payload, headers, deduplication_id, correlation_id, causation_id, sent_at, \
-     scheduled_for, enlisted_at) VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10)";
+/// The columns of an outbox row, and one row's values.
+macro_rules! enlist {
+    (columns) => {
+        "INSERT INTO dacapo_outbox (id, message_type, payload, headers, deduplication_id, \
+         correlation_id, causation_id, sent_at, scheduled_for, enlisted_at) VALUES "
+    };
+    (row) => {
+        "($1, $2, $3, $4, $5, $6, $7, $8, $9, $10)"
+    };
+}
 
-pub(crate) const ENLIST_ONCE: &str = "INSERT INTO dacapo_outbox \
-    (id, message_type, payload, headers, deduplication_id, correlation_id, causation_id, sent_at, \
-     scheduled_for, enlisted_at) VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10) \
-    ON CONFLICT (id) DO NOTHING";
+pub(crate) const ENLIST: &str = concat!(enlist!(columns), enlist!(row));
+
+/// Many envelopes enlisted in one statement.
+pub(crate) const ENLIST_ROWS: Rows = Rows {
+    head: enlist!(columns),
+    fixed: 0,
+    row: enlist!(row),
+    width: 10,
+    tail: "",
+};
+
+pub(crate) const ENLIST_ONCE: &str = concat!(
+    enlist!(columns),
+    enlist!(row),
+    " ON CONFLICT (id) DO NOTHING"
+);
 
 pub(crate) const BACKLOG: &str = "SELECT count(*) AS depth, min(enlisted_at) AS oldest \
     FROM dacapo_outbox \
@@ -286,3 +395,42 @@ pub(crate) const CLAIM_POSTGRES: &str = "UPDATE dacapo_inbox SET owner = $1 WHER
     ORDER BY received_at LIMIT $3 FOR UPDATE SKIP LOCKED) \
     RETURNING id, message_type, payload, headers, deduplication_id, correlation_id, causation_id, \
     sent_at, scheduled_for, attempts, execute_at, failures, succeeded, cascaded";
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn rows_are_numbered_after_the_head_and_the_rows_before() {
+        assert_eq!(
+            MARK_HANDLED_ROWS.text(3),
+            "UPDATE dacapo_inbox SET status = 'handled', handled_at = $1, owner = NULL \
+             WHERE status <> 'handled' AND owner = $2 AND id IN ($3, $4, $5) RETURNING id"
+        );
+        let two = ENLIST_ROWS.text(2);
+        assert!(
+            two.ends_with(
+                "VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10), \
+                 ($11, $12, $13, $14, $15, $16, $17, $18, $19, $20)"
+            ),
+            "{two}"
+        );
+        assert_eq!(ENLIST_ROWS.text(1), ENLIST);
+        assert_eq!(RECEIVE_ROWS.text(1), format!("{RECEIVE} RETURNING id"));
+        let last = RECEIVE_ROWS.text(Rows::MOST);
+        assert!(last.contains("'incoming', $766, $767, $768)"), "{last}");
+    }
+
+    #[test]
+    fn a_run_is_cut_into_few_statement_sizes() {
+        let sizes = |count| Rows::sizes(count).collect::<Vec<_>>();
+        assert_eq!(sizes(0), Vec::<usize>::new());
+        assert_eq!(sizes(1), [1]);
+        assert_eq!(sizes(100), [64, 32, 4]);
+        assert_eq!(sizes(128), [64, 64]);
+        assert_eq!(sizes(71), [64, 4, 2, 1]);
+        for count in 0..300 {
+            assert_eq!(sizes(count).iter().sum::<usize>(), count);
+        }
+    }
+}

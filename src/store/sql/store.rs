@@ -195,8 +195,8 @@ impl<D: Dialect> SqlStore<D> {
         store
     }
 
-    /// How accepts and settles are committed together (group commit): at most `max_batch`
-    /// deliveries' writes in one transaction (default 128; 1 commits each alone), and, when
+    /// How accepts, attempt begins, scheduled retries and settles are committed together
+    /// (group commit): at most `max_batch` deliveries' writes in one transaction (default 128; 1 commits each alone), and, when
     /// more than one waits, up to `linger` for others to join first (default zero: a batch is
     /// what arrived while the previous commit ran). Each caller still returns only once its
     /// own write committed, and a batch that fails fails every write in it.
@@ -250,6 +250,14 @@ impl<D: Dialect> SqlStore<D> {
     #[cfg(feature = "http")]
     pub(crate) fn http_in_flight(&self) -> &Arc<std::sync::Mutex<HashSet<String>>> {
         &self.http_in_flight
+    }
+
+    /// The turn to write on SQLite, for a handler transaction on the runtime's pool: it then
+    /// waits for the runtime's writes, and they for it, in turn.
+    pub(crate) async fn write_turn(
+        &self,
+    ) -> Result<Option<tokio::sync::OwnedSemaphorePermit>, Error> {
+        self.db.turn().await
     }
 
     /// The runtime's own pool, which handler transactions run on.
@@ -401,26 +409,23 @@ impl<D: Dialect> Inbox for SqlStore<D> {
     }
 
     async fn schedule_retry(&self, record: RetryRecord<'_>) -> Result<Fenced, Error> {
-        let id = id_text(record.envelope.id);
-        let failures = json(&record.failures)?;
-        let succeeded = json(&record.succeeded)?;
-        let cascaded = if record.cascaded.is_empty() {
-            None
-        } else {
-            Some(json(&record.cascaded)?)
+        let write = Write::ScheduleRetry {
+            id: id_text(record.envelope.id),
+            attempts: stored_attempts(record.envelope.attempts),
+            due_at: millis(record.due_at),
+            failures: json(&record.failures)?,
+            succeeded: json(&record.succeeded)?,
+            cascaded: if record.cascaded.is_empty() {
+                None
+            } else {
+                Some(json(&record.cascaded)?)
+            },
+            node: Arc::clone(&self.node),
         };
-        let values = [
-            Value::Text(&id),
-            Value::Int32(stored_attempts(record.envelope.attempts)),
-            Value::Int64(millis(record.due_at)),
-            Value::Text(&failures),
-            Value::Text(&succeeded),
-            Value::Text(&self.node),
-            Value::OptionalText(cascaded.as_deref()),
-        ];
-        Ok(Fenced::from_rows(
-            self.db.execute(SCHEDULE_RETRY, &values).await?,
-        ))
+        match self.group.write(&self.db, write).await? {
+            Written::Scheduled(fenced) => Ok(fenced),
+            _ => Err(Error::store("a scheduled retry answered as another write")),
+        }
     }
 
     async fn settle_handled(&self, id: Uuid, cascaded: &[Envelope]) -> Result<Handled, Error> {
@@ -790,10 +795,20 @@ impl<D: Dialect> OutboxStore for SqlStore<D> {
 
     async fn enlist(&self, envelopes: &[Envelope]) -> Result<(), Error> {
         let at = Value::Int64(millis(self.clock.now()));
+        let columns = envelopes
+            .iter()
+            .map(EnvelopeColumns::of)
+            .collect::<Result<Vec<_>, _>>()?;
         let mut tx = self.db.begin().await?;
-        for envelope in envelopes {
-            let columns = EnvelopeColumns::of(envelope)?;
-            tx.execute(ENLIST, &columns.values_and(&[at])).await?;
+        let mut rest = columns.as_slice();
+        for size in Rows::sizes(columns.len()) {
+            let (run, after) = rest.split_at(size);
+            rest = after;
+            let values: Vec<Value<'_>> = run
+                .iter()
+                .flat_map(|columns| columns.values_and(&[at]))
+                .collect();
+            tx.execute_built(ENLIST_ROWS.text(size), &values).await?;
         }
         tx.commit().await
     }
