@@ -137,8 +137,10 @@ pub struct HandlerTransaction<DB: Backend> {
     /// The store's node, which the handler's claim must still be held by at commit.
     node: String,
     enlisted: HashMap<(String, Vec<u8>), u32>,
-    /// SQLite's turn to write, which the runtime's own writers wait for; released after
-    /// `tx` ends (fields drop in order).
+    /// SQLite's turn to write, which the runtime's own writers wait for; released with the
+    /// transaction (fields drop in order; a transaction dropped unfinished rolls back on its
+    /// connection a moment later, which a writer right behind it waits out through SQLite's
+    /// busy timeout).
     _turn: Option<tokio::sync::OwnedSemaphorePermit>,
 }
 
@@ -320,6 +322,8 @@ macro_rules! backend {
                         dacapo.handler = %handler,
                         "handler transaction committed by an earlier attempt; not opened again"
                     );
+                    // Ended before its turn goes, so the next writer finds SQLite's lock free.
+                    tx.rollback().await.map_err(crate::store::sql::db_error)?;
                     return Ok(None);
                 }
                 Ok(Some(HandlerTransaction {

@@ -61,7 +61,9 @@ pub(crate) struct Database {
 #[derive(Clone, Debug)]
 struct Writer(std::sync::Arc<tokio::sync::Semaphore>);
 
-/// How long a write waits for its turn before it fails, as SQLite's busy timeout would.
+/// How long a write waits for its turn before it fails (then, with its turn, it may still
+/// wait out SQLite's busy timeout behind a writer outside the runtime). The wait is on tokio's
+/// clock: under a paused test clock it would end at once whenever every task waits.
 const WRITER_WAIT: std::time::Duration = std::time::Duration::from_secs(30);
 
 impl Writer {
@@ -105,11 +107,39 @@ struct NoHooks;
 /// A write transaction on a [`Database`].
 #[derive(Debug)]
 pub(crate) struct Tx {
-    inner: TxInner,
+    /// `None` once committed or rolled back.
+    inner: Option<TxInner>,
     hooks: Hooks,
-    /// SQLite's turn to write, held until the transaction ends (declared after `inner`, so
-    /// dropped after it).
-    _turn: Option<tokio::sync::OwnedSemaphorePermit>,
+    /// SQLite's turn to write, held until the transaction ended.
+    turn: Option<tokio::sync::OwnedSemaphorePermit>,
+}
+
+impl Drop for Tx {
+    /// A transaction dropped unfinished (an error on the way, a cancelled caller) would roll
+    /// back later, on its connection's thread, still holding SQLite's lock: its turn is given
+    /// back once that rollback ran, so the next writer never finds the lock taken.
+    fn drop(&mut self) {
+        let (Some(inner), Some(turn)) = (self.inner.take(), self.turn.take()) else {
+            return;
+        };
+        if let Ok(runtime) = tokio::runtime::Handle::try_current() {
+            runtime.spawn(async move {
+                let _ = inner.rollback().await;
+                drop(turn);
+            });
+        }
+    }
+}
+
+impl TxInner {
+    async fn rollback(self) -> Result<(), sqlx::Error> {
+        match self {
+            #[cfg(feature = "sqlite")]
+            Self::Sqlite(tx) => tx.rollback().await,
+            #[cfg(feature = "postgres")]
+            Self::Postgres(tx) => tx.rollback().await,
+        }
+    }
 }
 
 #[derive(Debug)]
@@ -260,9 +290,9 @@ impl Database {
             ),
         };
         Ok(Tx {
-            inner,
+            inner: Some(inner),
             hooks: self.hooks.clone(),
-            _turn: turn,
+            turn,
         })
     }
 
@@ -384,7 +414,7 @@ impl Tx {
         values: &[Value<'_>],
     ) -> Result<u64, Error> {
         before_statement(&self.hooks, true).await?;
-        let done = match &mut self.inner {
+        let done = match self.open()? {
             #[cfg(feature = "sqlite")]
             TxInner::Sqlite(tx) => bind(sqlx::query(sql), values)
                 .execute(&mut **tx)
@@ -402,7 +432,7 @@ impl Tx {
     /// Runs a script of several statements (a migration) in the transaction.
     pub(crate) async fn execute_script(&mut self, script: &'static str) -> Result<(), Error> {
         before_statement(&self.hooks, true).await?;
-        let done = match &mut self.inner {
+        let done = match self.open()? {
             #[cfg(feature = "sqlite")]
             TxInner::Sqlite(tx) => sqlx::raw_sql(script).execute(&mut **tx).await.map(drop),
             #[cfg(feature = "postgres")]
@@ -418,7 +448,7 @@ impl Tx {
         values: &[Value<'_>],
     ) -> Result<Vec<Row>, Error> {
         before_statement(&self.hooks, true).await?;
-        let rows = match &mut self.inner {
+        let rows = match self.open()? {
             #[cfg(feature = "sqlite")]
             TxInner::Sqlite(tx) => bind(sqlx::query(sql), values)
                 .fetch_all(&mut **tx)
@@ -440,7 +470,7 @@ impl Tx {
         values: &[Value<'_>],
     ) -> Result<Vec<Row>, Error> {
         before_statement(&self.hooks, true).await?;
-        let rows = match &mut self.inner {
+        let rows = match self.open()? {
             #[cfg(feature = "sqlite")]
             TxInner::Sqlite(tx) => bind(sqlx::query(sqlx::AssertSqlSafe(sql)), values)
                 .fetch_all(&mut **tx)
@@ -462,7 +492,7 @@ impl Tx {
         values: &[Value<'_>],
     ) -> Result<u64, Error> {
         before_statement(&self.hooks, true).await?;
-        let done = match &mut self.inner {
+        let done = match self.open()? {
             #[cfg(feature = "sqlite")]
             TxInner::Sqlite(tx) => bind(sqlx::query(sqlx::AssertSqlSafe(sql)), values)
                 .execute(&mut **tx)
@@ -484,7 +514,7 @@ impl Tx {
         values: &[Value<'_>],
     ) -> Result<Option<Row>, Error> {
         before_statement(&self.hooks, true).await?;
-        let row = match &mut self.inner {
+        let row = match self.open()? {
             #[cfg(feature = "sqlite")]
             TxInner::Sqlite(tx) => bind(sqlx::query(sql), values)
                 .fetch_optional(&mut **tx)
@@ -510,25 +540,38 @@ impl Tx {
             .ok_or_else(|| Error::store(format!("no row answered: {sql}")))
     }
 
-    pub(crate) async fn commit(self) -> Result<(), Error> {
+    /// The transaction, while it is open.
+    fn open(&mut self) -> Result<&mut TxInner, Error> {
+        self.inner
+            .as_mut()
+            .ok_or_else(|| Error::store("the transaction already ended"))
+    }
+
+    pub(crate) async fn commit(mut self) -> Result<(), Error> {
         before_commit(&self.hooks, true).await?;
-        match self.inner {
+        let inner = self
+            .inner
+            .take()
+            .ok_or_else(|| Error::store("the transaction already ended"))?;
+        let committed = match inner {
             #[cfg(feature = "sqlite")]
             TxInner::Sqlite(tx) => tx.commit().await,
             #[cfg(feature = "postgres")]
             TxInner::Postgres(tx) => tx.commit().await,
-        }
-        .map_err(db_error)
+        };
+        // A commit that failed left no transaction open: the turn goes with it.
+        drop(self.turn.take());
+        committed.map_err(db_error)
     }
 
-    pub(crate) async fn rollback(self) -> Result<(), Error> {
-        match self.inner {
-            #[cfg(feature = "sqlite")]
-            TxInner::Sqlite(tx) => tx.rollback().await,
-            #[cfg(feature = "postgres")]
-            TxInner::Postgres(tx) => tx.rollback().await,
-        }
-        .map_err(db_error)
+    pub(crate) async fn rollback(mut self) -> Result<(), Error> {
+        let inner = self
+            .inner
+            .take()
+            .ok_or_else(|| Error::store("the transaction already ended"))?;
+        let rolled_back = inner.rollback().await;
+        drop(self.turn.take());
+        rolled_back.map_err(db_error)
     }
 }
 

@@ -262,6 +262,7 @@ impl GroupCommit {
         })
     }
 
+    #[cfg(feature = "testing")]
     pub(crate) fn grouping(&self) -> Grouping {
         self.grouping
     }
@@ -396,9 +397,11 @@ pub(crate) async fn in_one_transaction(
 }
 
 /// Runs `writes` in `tx`: the receives of envelopes due now in statements of many rows, the
-/// settles without cascades likewise, the rest one by one. The writes of one batch come from
-/// callers that wait on none of the others, so any order of them is an order they could have
-/// come in; each answer is what its write found in that order.
+/// settles without cascades likewise, the rest one by one. The writes of a group commit come
+/// from callers that wait on none of the others, so any order of them is an order they could
+/// have come in; each answer is what its write found in that order. (A `receive_batch` is one
+/// caller's, in its order: its receives keep that order among themselves, so the first of two
+/// copies of an envelope is the one recorded.)
 async fn run_together(tx: &mut Tx, writes: &[Write]) -> Result<Vec<Written>, Error> {
     let mut answers: Vec<Option<Written>> = vec![None; writes.len()];
     let settling_node = writes.iter().find_map(|write| match write {

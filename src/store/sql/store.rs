@@ -855,10 +855,12 @@ impl<D: Dialect> DeadLetterStore for SqlStore<D> {
 
     async fn remove(&self, id: Uuid) -> Result<Option<DeadLetter>, Error> {
         let id = id_text(id);
-        let row = self
-            .db
+        // A write: in a transaction, which takes the turn to write on SQLite.
+        let mut tx = self.db.begin().await?;
+        let row = tx
             .fetch_optional(REMOVE_DEAD_LETTER, &[Value::Text(&id)])
             .await?;
+        tx.commit().await?;
         row.as_ref().map(Self::dead_letter_row).transpose()
     }
 
