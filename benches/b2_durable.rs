@@ -297,8 +297,9 @@ const SEED_POSTGRES: &str = "WITH RECURSIVE n(i) AS (SELECT 1 UNION ALL SELECT i
     attempts, owner, received_at) SELECT lpad(to_hex(i), 32, '0'), 'bench.ping', \
     convert_to('{\"n\":' || i || '}', 'UTF8'), '{}', 0, 'incoming', 0, NULL, i FROM n";
 
-const RAW_NEXT: &str = "SELECT id, payload FROM dacapo_inbox WHERE status = 'incoming' \
-    ORDER BY received_at LIMIT 100";
+/// The predicate of the inbox's pending index, so that the read uses it as the runtime's does.
+const RAW_NEXT: &str = "SELECT id, payload FROM dacapo_inbox \
+    WHERE status IN ('incoming', 'scheduled') ORDER BY received_at LIMIT 100";
 
 /// The backlog workload's limit: a hundred pending envelopes read, then their handlers'
 /// inserts and their marks in one transaction, until none is left.
