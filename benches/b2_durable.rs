@@ -28,6 +28,9 @@ use serde::{Deserialize, Serialize};
 
 #[path = "support/scratch.rs"]
 mod scratch;
+#[path = "support/seed.rs"]
+mod seed;
+use seed::{SEED_POSTGRES, SEED_SQLITE};
 use sqlx::Executor;
 
 #[derive(Serialize, Deserialize)]
@@ -285,17 +288,6 @@ macro_rules! batched_loop {
 }
 batched_loop!(batched_sqlite, sqlx::SqlitePool);
 batched_loop!(batched_postgres, sqlx::PgPool);
-
-/// `$1` released envelopes of pings, received long ago, in a fresh inbox: a backlog already
-/// published, waiting for a node.
-const SEED_SQLITE: &str = "WITH RECURSIVE n(i) AS (SELECT 1 UNION ALL SELECT i + 1 FROM n \
-    WHERE i < $1) INSERT INTO dacapo_inbox (id, message_type, payload, headers, sent_at, status, \
-    attempts, owner, received_at) SELECT printf('%032x', i), 'bench.ping', \
-    CAST('{\"n\":' || i || '}' AS BLOB), '{}', 0, 'incoming', 0, NULL, i FROM n";
-const SEED_POSTGRES: &str = "WITH RECURSIVE n(i) AS (SELECT 1 UNION ALL SELECT i + 1 FROM n \
-    WHERE i < $1) INSERT INTO dacapo_inbox (id, message_type, payload, headers, sent_at, status, \
-    attempts, owner, received_at) SELECT lpad(to_hex(i), 32, '0'), 'bench.ping', \
-    convert_to('{\"n\":' || i || '}', 'UTF8'), '{}', 0, 'incoming', 0, NULL, i FROM n";
 
 /// The predicate of the inbox's pending index, so that the read uses it as the runtime's does.
 const RAW_NEXT: &str = "SELECT id, payload FROM dacapo_inbox \

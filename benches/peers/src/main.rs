@@ -35,6 +35,9 @@ use scratch::{ScratchPostgres, ScratchSqlite};
 
 #[path = "../../support/scratch.rs"]
 mod scratch;
+#[path = "../../support/seed.rs"]
+mod seed;
+use seed::{SEED_POSTGRES, SEED_SQLITE};
 
 const MESSAGES: u64 = 2_000;
 const PUBLISHERS: u64 = 16;
@@ -170,15 +173,6 @@ async fn sqlite_pool_with(path: &str, pragmas: &[(&'static str, &'static str)]) 
         .unwrap()
 }
 
-const SEED_SQLITE: &str = "WITH RECURSIVE n(i) AS (SELECT 1 UNION ALL SELECT i + 1 FROM n \
-    WHERE i < $1) INSERT INTO dacapo_inbox (id, message_type, payload, headers, sent_at, status, \
-    attempts, owner, received_at) SELECT printf('%032x', i), 'bench.ping', \
-    CAST('{\"n\":' || i || '}' AS BLOB), '{}', 0, 'incoming', 0, NULL, i FROM n";
-const SEED_POSTGRES: &str = "WITH RECURSIVE n(i) AS (SELECT 1 UNION ALL SELECT i + 1 FROM n \
-    WHERE i < $1) INSERT INTO dacapo_inbox (id, message_type, payload, headers, sent_at, status, \
-    attempts, owner, received_at) SELECT lpad(to_hex(i), 32, '0'), 'bench.ping', \
-    convert_to('{\"n\":' || i || '}', 'UTF8'), '{}', 0, 'incoming', 0, NULL, i FROM n";
-
 /// dacapo on `store`: the workload's time until every delivery is settled.
 async fn dacapo_run<P: Clone, S>(store: S, pool: P, workload: Workload) -> Duration
 where
@@ -309,6 +303,45 @@ async fn until_all_done(count: &Count, done: impl AsyncFn() -> i64) {
     }
 }
 
+/// apalis on `$storage` over `$pool`, with `$handler`: the workload's time until every task is
+/// `Done` (`$done` counts them), then a check of the handlers' rows.
+macro_rules! apalis_run {
+    ($storage:ident, $pool:ident, $handler:ident, $done:literal, $workload:ident, $tuning:ident) => {{
+        let count = Count::default();
+        let done = async || -> i64 { sqlx::query_scalar($done).fetch_one(&$pool).await.unwrap() };
+        if $workload == Workload::Backlog {
+            let mut storage = $storage.clone();
+            for n in 0..MESSAGES {
+                storage.push(Ping { n }).await.unwrap();
+            }
+        }
+        let start = Instant::now();
+        let worker = WorkerBuilder::new("bench")
+            // Without a poll strategy, a worker that found nothing sleeps until its
+            // heartbeat (30 s): a push does not wake it.
+            .backend($storage.clone().poll_with_interval(APALIS_POLL))
+            .data($pool.clone())
+            .data(count.clone())
+            .concurrency(if $tuning == Tuning::Tuned {
+                APALIS_CONCURRENCY
+            } else {
+                UNLIMITED
+            })
+            .build($handler);
+        let last = Arc::clone(&count.last);
+        let running = tokio::spawn(worker.run_until(async move {
+            last.notified().await;
+            Ok::<(), std::io::Error>(())
+        }));
+        push_live!($storage, $workload);
+        until_all_done(&count, done).await;
+        let elapsed = start.elapsed();
+        let _ = running.await;
+        assert_eq!(rows(&$pool).await, MESSAGES as i64, "one row per message");
+        elapsed
+    }};
+}
+
 /// How apalis is set up: its defaults, or batches of 100 and 32 tasks at once.
 #[derive(Clone, Copy, PartialEq)]
 enum Tuning {
@@ -333,42 +366,15 @@ async fn apalis_sqlite(workload: Workload, tuning: Tuning) -> Duration {
     if tuning == Tuning::Tuned {
         config = config.batch_size(APALIS_BATCH);
     }
-    let mut storage = apalis_sqlite::SqliteStorage::<Ping>::new(&pool).with_config(config);
-    let count = Count::default();
-    let done = async || -> i64 {
-        sqlx::query_scalar("SELECT count(*) FROM Jobs WHERE status = 'Done'")
-            .fetch_one(&pool)
-            .await
-            .unwrap()
-    };
-    if workload == Workload::Backlog {
-        for n in 0..MESSAGES {
-            storage.push(Ping { n }).await.unwrap();
-        }
-    }
-    let start = Instant::now();
-    let worker = WorkerBuilder::new("bench")
-        // Without a poll strategy, a worker that found nothing sleeps until its heartbeat
-        // (30 s): a push does not wake it.
-        .backend(storage.clone().poll_with_interval(APALIS_POLL))
-        .data(pool.clone())
-        .data(count.clone())
-        .concurrency(if tuning == Tuning::Tuned {
-            APALIS_CONCURRENCY
-        } else {
-            UNLIMITED
-        })
-        .build(apalis_sqlite_insert);
-    let last = Arc::clone(&count.last);
-    let running = tokio::spawn(worker.run_until(async move {
-        last.notified().await;
-        Ok::<(), std::io::Error>(())
-    }));
-    push_live!(storage, workload);
-    until_all_done(&count, done).await;
-    let elapsed = start.elapsed();
-    let _ = running.await;
-    assert_eq!(rows(&pool).await, MESSAGES as i64, "one row per message");
+    let storage = apalis_sqlite::SqliteStorage::<Ping>::new(&pool).with_config(config);
+    let elapsed = apalis_run!(
+        storage,
+        pool,
+        apalis_sqlite_insert,
+        "SELECT count(*) FROM Jobs WHERE status = 'Done'",
+        workload,
+        tuning
+    );
     pool.close().await;
     elapsed
 }
@@ -389,42 +395,15 @@ async fn apalis_postgres(workload: Workload, tuning: Tuning) -> Duration {
     if tuning == Tuning::Tuned {
         config = config.batch_size(APALIS_BATCH);
     }
-    let mut storage = apalis_postgres::PostgresStorage::<Ping>::new(&pool).with_config(config);
-    let count = Count::default();
-    let done = async || -> i64 {
-        sqlx::query_scalar("SELECT count(*) FROM apalis.jobs WHERE status = 'Done'")
-            .fetch_one(&pool)
-            .await
-            .unwrap()
-    };
-    if workload == Workload::Backlog {
-        for n in 0..MESSAGES {
-            storage.push(Ping { n }).await.unwrap();
-        }
-    }
-    let start = Instant::now();
-    let worker = WorkerBuilder::new("bench")
-        // Without a poll strategy, a worker that found nothing sleeps until its heartbeat
-        // (30 s): a push does not wake it.
-        .backend(storage.clone().poll_with_interval(APALIS_POLL))
-        .data(pool.clone())
-        .data(count.clone())
-        .concurrency(if tuning == Tuning::Tuned {
-            APALIS_CONCURRENCY
-        } else {
-            UNLIMITED
-        })
-        .build(apalis_postgres_insert);
-    let last = Arc::clone(&count.last);
-    let running = tokio::spawn(worker.run_until(async move {
-        last.notified().await;
-        Ok::<(), std::io::Error>(())
-    }));
-    push_live!(storage, workload);
-    until_all_done(&count, done).await;
-    let elapsed = start.elapsed();
-    let _ = running.await;
-    assert_eq!(rows(&pool).await, MESSAGES as i64, "one row per message");
+    let storage = apalis_postgres::PostgresStorage::<Ping>::new(&pool).with_config(config);
+    let elapsed = apalis_run!(
+        storage,
+        pool,
+        apalis_postgres_insert,
+        "SELECT count(*) FROM apalis.jobs WHERE status = 'Done'",
+        workload,
+        tuning
+    );
     pool.close().await;
     database.remove().await;
     elapsed
