@@ -22,6 +22,13 @@ impl Message for TicketSold {
 }
 
 const CALLERS: u64 = 16;
+
+/// What `$sql` counts, on `$pool`, each time it is called.
+macro_rules! count_rows {
+    ($pool:ident, $sql:expr) => {
+        async || -> i64 { sqlx::query_scalar($sql).fetch_one(&$pool).await.unwrap() }
+    };
+}
 const COUNT_INBOX: &str = "SELECT count(*) FROM dacapo_inbox";
 
 /// A harness whose store groups up to 64 writes, lingering 50 ms for company.
@@ -94,13 +101,7 @@ async fn a_failed_group_commit_fails_every_caller_and_stores_none_sqlite() {
     let db = ScratchDatabase::sqlite();
     let store = db.sqlite_store().await.unwrap();
     let pool = store.pool().clone();
-    failed_group_commit(store, async || {
-        sqlx::query_scalar(COUNT_INBOX)
-            .fetch_one(&pool)
-            .await
-            .unwrap()
-    })
-    .await;
+    failed_group_commit(store, count_rows!(pool, COUNT_INBOX)).await;
 }
 
 fn admin_url() -> String {
@@ -113,13 +114,7 @@ async fn a_failed_group_commit_fails_every_caller_and_stores_none_postgres() {
     let db = ScratchDatabase::postgres(&admin_url()).await.unwrap();
     let store = db.postgres_store().await.unwrap();
     let pool = store.pool().clone();
-    failed_group_commit(store, async || {
-        sqlx::query_scalar(COUNT_INBOX)
-            .fetch_one(&pool)
-            .await
-            .unwrap()
-    })
-    .await;
+    failed_group_commit(store, count_rows!(pool, COUNT_INBOX)).await;
 }
 
 #[tokio::test]
@@ -211,13 +206,7 @@ async fn retries_scheduled_at_once_are_recorded_together_sqlite() {
     let db = ScratchDatabase::sqlite();
     let store = db.sqlite_store().await.unwrap();
     let pool = store.pool().clone();
-    retries_recorded_together(store, async || {
-        sqlx::query_scalar(COUNT_HANDLED)
-            .fetch_one(&pool)
-            .await
-            .unwrap()
-    })
-    .await;
+    retries_recorded_together(store, count_rows!(pool, COUNT_HANDLED)).await;
 }
 
 #[tokio::test]
@@ -225,13 +214,7 @@ async fn retries_scheduled_at_once_are_recorded_together_postgres() {
     let db = ScratchDatabase::postgres(&admin_url()).await.unwrap();
     let store = db.postgres_store().await.unwrap();
     let pool = store.pool().clone();
-    retries_recorded_together(store, async || {
-        sqlx::query_scalar(COUNT_HANDLED)
-            .fetch_one(&pool)
-            .await
-            .unwrap()
-    })
-    .await;
+    retries_recorded_together(store, count_rows!(pool, COUNT_HANDLED)).await;
 }
 
 /// Records each ticket in a handler transaction, with its completion record.

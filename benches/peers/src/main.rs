@@ -102,34 +102,26 @@ macro_rules! dacapo_handler {
 dacapo_handler!(SqlitePool);
 dacapo_handler!(PgPool);
 
-/// apalis's handler: the same INSERT, its id derived from the message.
-async fn apalis_sqlite_insert(
-    ping: Ping,
-    pool: Data<SqlitePool>,
-    count: Data<Count>,
-) -> Result<(), BoxDynError> {
-    sqlx::query(INSERT_ROW)
-        .bind(format!("{}-row", ping.n))
-        .bind(ping.n as i64)
-        .execute(&*pool)
-        .await?;
-    count.one();
-    Ok(())
+/// apalis's handler on `$pool`: the same INSERT, its id derived from the message.
+macro_rules! apalis_handler {
+    ($name:ident, $pool:ty) => {
+        async fn $name(
+            ping: Ping,
+            pool: Data<$pool>,
+            count: Data<Count>,
+        ) -> Result<(), BoxDynError> {
+            sqlx::query(INSERT_ROW)
+                .bind(format!("{}-row", ping.n))
+                .bind(ping.n as i64)
+                .execute(&*pool)
+                .await?;
+            count.one();
+            Ok(())
+        }
+    };
 }
-
-async fn apalis_postgres_insert(
-    ping: Ping,
-    pool: Data<PgPool>,
-    count: Data<Count>,
-) -> Result<(), BoxDynError> {
-    sqlx::query(INSERT_ROW)
-        .bind(format!("{}-row", ping.n))
-        .bind(ping.n as i64)
-        .execute(&*pool)
-        .await?;
-    count.one();
-    Ok(())
-}
+apalis_handler!(apalis_sqlite_insert, SqlitePool);
+apalis_handler!(apalis_postgres_insert, PgPool);
 
 #[derive(Clone, Copy, PartialEq)]
 enum Workload {
