@@ -4,19 +4,23 @@
 //!   that records the change;
 //! - `workspaces` revokes access, and is made to fail once, so the whole delivery is retried;
 //! - `webhooks` queues one delivery row per subscribed webhook, with ids derived from the
-//!   message id, so the retry finds its rows and queues nothing twice;
+//!   message id, so the retry finds its rows and queues nothing twice, and sends each;
 //! - `audit` records one entry per message under a unique index, and refuses to record one
 //!   without a message id.
 //!
 //! Run it with `cargo run --example modular_monolith` (add `-- --database PATH` to choose the
 //! SQLite file; the default is `dacapo.db`), or on PostgreSQL with
 //! `cargo run --features postgres --example modular_monolith -- --database postgres://…`.
+//! Killed at any point and run again, it first finishes what the killed run left, then checks
+//! every event ever announced in the database had each of its effects.
 
 // The modules of the monolith, one file each, in `examples/modular_monolith/`.
 #[path = "modular_monolith/audit.rs"]
 mod audit;
 #[path = "modular_monolith/db.rs"]
 mod db;
+#[path = "modular_monolith/effects.rs"]
+mod effects;
 #[path = "modular_monolith/events.rs"]
 mod events;
 #[path = "modular_monolith/fleet.rs"]
@@ -89,26 +93,30 @@ async fn run(target: String) -> Result<(), Box<dyn std::error::Error>> {
         Handlers {
             revoke,
             webhooks,
-            sender,
+            sender: _,
         },
     ) = with_modules(builder, &db);
     let runtime = builder.build()?;
+    // A run that was cut short (a kill -9, a power cut) left deliveries unsettled and
+    // envelopes in the outbox: restarted under the same node id, the runtime finishes them
+    // first, and this run reports on its own events only.
+    runtime.first_recovery().await;
+    runtime.idle().await;
+    let leftovers = runtime.stats().handled;
 
-    let rows_before = webhooks::count(&db).await?;
-    let audit_before = audit::count(&db).await?;
     let organizations = organizations::Organizations::new(&runtime, store_pool);
-    let mut first = None;
+    let mut published = Vec::new();
     for member_id in 1..=3 {
         let envelope = organizations
             .remove_member(organization_id, member_id)
             .await?;
-        first.get_or_insert(envelope);
+        published.push(envelope);
     }
     runtime.idle().await;
 
     // The broker redelivers the first event (say its ack was lost), and, after this restart,
     // everything earlier runs published: the durable inbox discards all of them.
-    let mut replayed = vec![first.expect("three events were published")];
+    let mut replayed = vec![published[0].clone()];
     replayed.extend(earlier.iter().cloned());
     let mut discarded = 0;
     for envelope in replayed.iter().cloned() {
@@ -132,19 +140,23 @@ async fn run(target: String) -> Result<(), Box<dyn std::error::Error>> {
 
     let backlog = runtime.outbox_backlog().await?.map_or(0, |b| b.depth);
     let stats = runtime.stats();
-    let rows = webhooks::count(&db).await? - rows_before;
-    let audit_rows = audit::count(&db).await? - audit_before;
+    let ours: Vec<_> = published.iter().map(|envelope| envelope.id).collect();
+    let this_run = effects::of(&db, organization_id, &ours).await?;
+    let all_runs = effects::of(&db, organization_id, &effects::announced(&db).await?).await?;
     let subscribed = webhooks::subscribed(&db, organization_id).await?;
     let report = runtime.shutdown().await;
 
     println!("dacapo — modular monolith on {target}");
+    if leftovers > 0 {
+        println!("  left by a run cut short     {leftovers} deliveries, finished first");
+    }
     println!(
         "  events published            {} (each enlisted in the outbox with its change)",
-        organizations.published()
+        published.len()
     );
     println!(
         "  deliveries handled          {} (events and the webhook sends they cascaded)",
-        stats.handled
+        stats.handled - leftovers
     );
     println!("  outbox backlog after idle   {backlog}");
     println!("  attempts                    {}", stats.attempts);
@@ -158,23 +170,34 @@ async fn run(target: String) -> Result<(), Box<dyn std::error::Error>> {
     println!("  workspaces handler failures {}", revoke.failures());
     println!("  webhooks handler runs       {}", webhooks.runs());
     println!(
-        "  webhook rows written        {rows} ({} events x {subscribed} webhooks)",
-        organizations.published()
+        "  webhook rows written        {} ({} events x {subscribed} webhooks)",
+        this_run.rows, this_run.events
     );
     println!("  webhook rows found existing {}", webhooks.skipped());
-    println!("  webhook sends requested     {}", sender.sent());
-    println!("  audit entries written       {audit_rows}");
+    println!(
+        "  webhook sends               {} ({} repeated)",
+        this_run.sent, this_run.repeated_sends
+    );
+    println!("  audit entries written       {}", this_run.audited);
     println!(
         "  audit without a message id  {}",
         detached
             .err()
             .map_or_else(|| "accepted (wrong!)".into(), |e| format!("refused: {e}"))
     );
+    println!(
+        "  all runs in this database   {} events, {} with every effect; {} sends repeated \
+         after a crash (the receiver's idempotency key absorbs them)",
+        all_runs.events,
+        all_runs.events - all_runs.incomplete.len(),
+        all_runs.repeated_sends
+    );
 
-    let expected_rows = organizations.published() * subscribed;
-    let verdict = rows == expected_rows
-        && sender.sent() == expected_rows
-        && audit_rows == organizations.published()
+    let expected_rows = this_run.events * usize::try_from(subscribed)?;
+    let verdict = this_run.complete()
+        && this_run.rows == expected_rows
+        && this_run.repeated_sends == 0
+        && all_runs.complete()
         && discarded == replayed.len()
         && backlog == 0
         && stats.retried >= 1
@@ -184,8 +207,9 @@ async fn run(target: String) -> Result<(), Box<dyn std::error::Error>> {
         Ok(())
     } else {
         Err(format!(
-            "duplicates or losses: {rows} rows, {} sends, {audit_rows} audit entries",
-            sender.sent()
+            "duplicates or losses: this run {this_run:?}; all runs: events without every \
+             effect {:?}",
+            all_runs.incomplete
         )
         .into())
     }
@@ -201,7 +225,7 @@ pub(crate) struct Handlers {
 /// `builder` with the modules that react to `organization.member_removed`.
 pub(crate) fn with_modules(builder: RuntimeBuilder, db: &db::Db) -> (RuntimeBuilder, Handlers) {
     let webhooks = webhooks::QueueDeliveries::new(db.clone());
-    let sender = webhooks::SendDelivery::default();
+    let sender = webhooks::SendDelivery::new(db.clone());
     let revoke = workspaces::RevokeAccess::failing_once();
     let builder = builder
         .module(Module::new("workspaces").handle::<MemberRemoved, _>(revoke.clone()))
@@ -277,11 +301,11 @@ enum Args {
 }
 
 /// `--database TARGET` (default `dacapo.db`), `--transport KIND URL`, `--help`, and the
-/// second process's own `--follow COUNT`; anything else is refused.
+/// second process's own `--follow`; anything else is refused.
 fn parse_args(mut args: impl Iterator<Item = String>) -> Result<Args, String> {
     let mut database = None;
     let mut transport = None;
-    let mut follow = None;
+    let mut follow = false;
     let value = |arg: Option<String>, what: &str| match arg {
         Some(value) if !value.starts_with("--") => Ok(value),
         _ => Err(what.to_owned()),
@@ -304,14 +328,7 @@ fn parse_args(mut args: impl Iterator<Item = String>) -> Result<Args, String> {
                 let url = value(args.next(), "--transport needs a URL after its kind")?;
                 transport = Some((kind, url));
             }
-            "--follow" => {
-                let count = value(args.next(), "--follow needs a count")?;
-                follow = Some(
-                    count
-                        .parse::<i64>()
-                        .map_err(|_| format!("--follow needs a count, not {count:?}"))?,
-                );
-            }
+            "--follow" => follow = true,
             other => {
                 if let Some(target) = other.strip_prefix("--database=") {
                     database = Some(target.to_owned());
@@ -323,8 +340,8 @@ fn parse_args(mut args: impl Iterator<Item = String>) -> Result<Args, String> {
     }
     let fleet = match (transport, follow) {
         (Some((kind, url)), follow) => Some(fleet::Fleet { kind, url, follow }),
-        (None, Some(_)) => return Err("--follow is for the second process of --transport".into()),
-        (None, None) => None,
+        (None, true) => return Err("--follow is for the second process of --transport".into()),
+        (None, false) => None,
     };
     Ok(Args::Run {
         database: database.unwrap_or_else(|| "dacapo.db".to_owned()),
@@ -367,7 +384,7 @@ mod tests {
         let parsed = parse(&["--transport", "nats", "nats://127.0.0.1:4222"]);
         assert!(
             matches!(&parsed, Ok(Args::Run { fleet: Some(fleet), .. })
-                if fleet.url == "nats://127.0.0.1:4222" && fleet.follow.is_none()),
+                if fleet.url == "nats://127.0.0.1:4222" && !fleet.follow),
             "{parsed:?}"
         );
         assert!(
@@ -380,11 +397,7 @@ mod tests {
                 .unwrap_err()
                 .contains("needs a URL")
         );
-        assert!(
-            parse(&["--follow", "3"])
-                .unwrap_err()
-                .contains("second process")
-        );
+        assert!(parse(&["--follow"]).unwrap_err().contains("second process"));
     }
 
     #[test]

@@ -456,8 +456,16 @@ impl Runtime {
         Ok(report)
     }
 
-    /// Returns once the first recovery round resumed what an earlier run left.
-    pub(crate) async fn first_recovery(&self) {
+    /// Returns once the node's first recovery round is over: what an earlier run under this
+    /// node's id left unsettled (a crash, a `kill -9`) is resumed by then, so [`idle`](Self::idle)
+    /// waits for it too. A service that reports on its own work starts with both, as the main
+    /// job does. Returns at once without a durable store. A round that could not reach the
+    /// store counts as over: its warning is logged, and the next round takes the rest.
+    ///
+    /// # Cancel safety
+    ///
+    /// Cancel safe.
+    pub async fn first_recovery(&self) {
         self.engine.first_recovery().await;
     }
 }

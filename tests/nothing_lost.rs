@@ -904,3 +904,46 @@ on_both_backends!(
         survivor.shutdown().await;
     }
 );
+
+on_both_backends!(
+    a_node_restarted_under_its_id_has_resumed_its_unsettled_deliveries_once_its_first_recovery_returns_sqlite,
+    a_node_restarted_under_its_id_has_resumed_its_unsettled_deliveries_once_its_first_recovery_returns_postgres,
+    |db| {
+        let (stuck, stuck_started) = Stuck::new();
+        let crashed = db
+            .store(Runtime::builder(), "node-a", Duration::from_secs(60))
+            .await
+            .module(Module::new("workspaces").handle_named::<MemberRemoved, _>("revoke", stuck))
+            .build()
+            .unwrap();
+        crashed.publish(&member_removed()).await.unwrap();
+        tokio::time::timeout(WAIT, stuck_started)
+            .await
+            .unwrap()
+            .unwrap();
+        // Gone without a shutdown (a kill -9), its delivery unsettled.
+        drop(crashed);
+
+        let counter = Counter::default();
+        // The next recovery interval is an hour away: only the first round can resume it.
+        let restarted = db
+            .store(Runtime::builder(), "node-a", Duration::from_secs(60))
+            .await
+            .recovery_interval(Duration::from_secs(3600))
+            .module(
+                Module::new("workspaces").handle_named::<MemberRemoved, _>("revoke", counter.clone()),
+            )
+            .build()
+            .unwrap();
+        tokio::time::timeout(WAIT, restarted.first_recovery())
+            .await
+            .unwrap();
+        tokio::time::timeout(WAIT, restarted.idle()).await.unwrap();
+        assert_eq!(
+            counter.count(),
+            1,
+            "idle after the first recovery waits for what the killed run left"
+        );
+        assert!(restarted.shutdown().await.is_clean());
+    }
+);

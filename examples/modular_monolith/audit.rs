@@ -1,7 +1,7 @@
 //! The audit module: one entry per consumed fact, keyed on the message id.
 
 use dacapo::prelude::*;
-use sqlx::{AssertSqlSafe, Row};
+use sqlx::AssertSqlSafe;
 
 use crate::db::Db;
 
@@ -25,13 +25,6 @@ pub(crate) async fn migrate(db: &Db) -> Result<(), sqlx::Error> {
     .execute(&db.pool)
     .await?;
     Ok(())
-}
-
-pub(crate) async fn count(db: &Db) -> Result<i64, sqlx::Error> {
-    sqlx::query("SELECT count(*) FROM audit_entries")
-        .fetch_one(&db.pool)
-        .await?
-        .try_get(0)
 }
 
 pub(crate) struct RecordEntry {

@@ -13,8 +13,9 @@ use dacapo::transport::Transport;
 use dacapo::{DiscardReason, Outcome};
 
 use crate::db::Db;
+#[cfg(any(feature = "rabbitmq", feature = "nats", feature = "postgres"))]
 use crate::events::MemberRemoved;
-use crate::{Handlers, audit, organizations, webhooks};
+use crate::{Handlers, audit, effects, organizations, webhooks};
 
 /// Events the lead publishes.
 const EVENTS: i64 = 6;
@@ -56,11 +57,12 @@ impl Kind {
 pub(crate) struct Fleet {
     pub(crate) kind: Kind,
     pub(crate) url: String,
-    /// Set in the follower: it stops once the audit holds this many entries.
-    pub(crate) follow: Option<i64>,
+    /// Set in the follower, which the lead started.
+    pub(crate) follow: bool,
 }
 
 /// The service's queue (RabbitMQ), consumer (NATS) or queue (PostgreSQL).
+#[cfg(any(feature = "rabbitmq", feature = "nats", feature = "postgres"))]
 const SERVICE: &str = "modular-monolith";
 
 fn transport(kind: Kind, url: &str) -> Result<Transport, Box<dyn std::error::Error>> {
@@ -94,9 +96,10 @@ fn transport(kind: Kind, url: &str) -> Result<Transport, Box<dyn std::error::Err
 pub(crate) async fn run(target: String, fleet: Fleet) -> Result<(), Box<dyn std::error::Error>> {
     let postgres = target.starts_with("postgres://") || target.starts_with("postgresql://");
     let db = Db::connect(&target, postgres).await?;
-    match fleet.follow {
-        Some(until) => follow(&target, postgres, &db, &fleet, until).await,
-        None => lead(&target, postgres, &db, &fleet).await,
+    if fleet.follow {
+        follow(&target, postgres, &db, &fleet).await
+    } else {
+        lead(&target, postgres, &db, &fleet).await
     }
 }
 
@@ -125,29 +128,45 @@ async fn node(
     Ok((runtime, pool, handlers))
 }
 
-/// Waits until the audit holds `until` entries.
-async fn audit_reaches(db: &Db, until: i64) -> Result<(), Box<dyn std::error::Error>> {
+/// Waits until each of `events` had all its effects, in whichever process, for up to [`WAIT`].
+async fn effects_of(
+    db: &Db,
+    organization_id: i64,
+    events: &[uuid::Uuid],
+) -> Result<(), Box<dyn std::error::Error>> {
     let deadline = tokio::time::Instant::now() + WAIT;
-    while audit::count(db).await? < until {
+    loop {
+        let effects = effects::of(db, organization_id, events).await?;
+        if effects.complete() {
+            return Ok(());
+        }
         if tokio::time::Instant::now() > deadline {
-            return Err(format!("the audit did not reach {until} entries within {WAIT:?}").into());
+            return Err(format!(
+                "events without every effect after {WAIT:?}: {:?}",
+                effects.incomplete
+            )
+            .into());
         }
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
-    Ok(())
 }
 
-/// The follower: handles its share until every event is audited, then reports its counts.
+/// The follower: handles its share until its standard input closes — the lead closes it when
+/// it is done, and the system closes it when the lead dies — then reports its counts.
 async fn follow(
     target: &str,
     postgres: bool,
     db: &Db,
     fleet: &Fleet,
-    until: i64,
 ) -> Result<(), Box<dyn std::error::Error>> {
     let (runtime, _, handlers) = node(target, postgres, db, fleet, "modular-monolith-2").await?;
     println!("listening");
-    audit_reaches(db, until).await?;
+    let (closed_tx, closed) = tokio::sync::oneshot::channel();
+    std::thread::spawn(move || {
+        let _ = std::io::copy(&mut std::io::stdin().lock(), &mut std::io::sink());
+        let _ = closed_tx.send(());
+    });
+    let _ = closed.await;
     runtime.idle().await;
     let stats = runtime.stats();
     let clean = runtime.shutdown().await.is_clean();
@@ -203,10 +222,11 @@ async fn lead(
     webhooks::migrate(db).await?;
     audit::migrate(db).await?;
     let organization_id = organizations::seed(db).await?;
-    let rows_before = webhooks::count(db).await?;
-    let audit_before = audit::count(db).await?;
-    let until = audit_before + EVENTS;
     let (runtime, pool, handlers) = node(target, postgres, db, fleet, "modular-monolith-1").await?;
+    // What a run cut short left under this node's id is finished before this run's events.
+    runtime.first_recovery().await;
+    runtime.idle().await;
+    let leftovers = runtime.stats().handled;
 
     let mut follower = Command::new(std::env::current_exe()?)
         .args([
@@ -215,8 +235,11 @@ async fn lead(
             "--transport",
             fleet.kind.name(),
             &fleet.url,
+            "--follow",
         ])
-        .args(["--follow", &until.to_string()])
+        // The follower runs until its standard input closes: when this process says so, or
+        // when it dies.
+        .stdin(Stdio::piped())
         .stdout(Stdio::piped())
         .stderr(Stdio::inherit())
         .spawn()?;
@@ -237,20 +260,26 @@ async fn lead(
     }
 
     let organizations = organizations::Organizations::new(&runtime, pool);
+    let mut ours = Vec::new();
     let mut first = None;
     for member_id in 1..=EVENTS {
         let envelope = organizations
             .remove_member(organization_id, member_id)
             .await?;
+        ours.push(envelope.id);
         first.get_or_insert(envelope);
     }
-    audit_reaches(db, until).await?;
+    // Every event announced so far, this run's and any a run cut short left with the broker:
+    // a message a killed node had taken and not acknowledged comes back after the broker's
+    // own timeout (JetStream's ack wait).
+    effects_of(db, organization_id, &effects::announced(db).await?).await?;
     runtime.idle().await;
     // The broker redelivers the first event: the store both processes share discards it.
     let first = first.ok_or("events were published")?;
     let redelivered = runtime.receive_tracked(first).await?.await?;
     let discarded = redelivered.outcome == Outcome::Discarded(DiscardReason::DuplicateEnvelope);
 
+    drop(follower.stdin.take());
     let exit = tokio::task::spawn_blocking(move || follower.wait()).await??;
     let theirs = lines
         .try_iter()
@@ -258,10 +287,9 @@ async fn lead(
         .ok_or("the follower reported nothing")?;
     // Counted before this runtime stops: the handlers opened connections of `db` on the
     // runtime's threads, which a PostgreSQL connection cannot outlive.
-    let rows = webhooks::count(db).await? - rows_before;
-    let audit_rows = audit::count(db).await? - audit_before;
+    let this_run = effects::of(db, organization_id, &ours).await?;
+    let all_runs = effects::of(db, organization_id, &effects::announced(db).await?).await?;
     let subscribed = webhooks::subscribed(db, organization_id).await?;
-    let sent = handlers.sender.sent() + theirs.sent;
     let stats = runtime.stats();
     let clean = runtime.shutdown().await.is_clean();
 
@@ -270,10 +298,14 @@ async fn lead(
         fleet.kind.name(),
         fleet.url
     );
+    if leftovers > 0 {
+        println!("  left by a run cut short     {leftovers} deliveries, finished first");
+    }
     println!("  events published            {EVENTS} (through the outbox, to the broker)");
     println!(
         "  handled here / there        {} / {} deliveries (events and the sends they cascaded)",
-        stats.handled, theirs.handled
+        stats.handled - leftovers,
+        theirs.handled
     );
     println!(
         "  webhooks handler runs       {} here, {} there",
@@ -285,14 +317,31 @@ async fn lead(
         handlers.revoke.failures(),
         theirs.failures
     );
-    println!("  webhook rows written        {rows} ({EVENTS} events x {subscribed} webhooks)");
-    println!("  webhook sends requested     {sent}");
-    println!("  audit entries written       {audit_rows}");
+    println!(
+        "  webhook rows written        {} ({EVENTS} events x {subscribed} webhooks)",
+        this_run.rows
+    );
+    println!(
+        "  webhook sends               {} ({} here, {} there; {} repeated)",
+        this_run.sent,
+        handlers.sender.sent(),
+        theirs.sent,
+        this_run.repeated_sends
+    );
+    println!("  audit entries written       {}", this_run.audited);
     println!("  redelivery discarded        {discarded}");
+    println!(
+        "  all runs in this database   {} events, {} with every effect; {} sends repeated \
+         after a crash (the receiver's idempotency key absorbs them)",
+        all_runs.events,
+        all_runs.events - all_runs.incomplete.len(),
+        all_runs.repeated_sends
+    );
 
-    let verdict = rows == EVENTS * subscribed
-        && sent == rows
-        && audit_rows == EVENTS
+    let verdict = this_run.complete()
+        && this_run.rows == ours.len() * usize::try_from(subscribed)?
+        && this_run.repeated_sends == 0
+        && all_runs.complete()
         && discarded
         && clean
         && theirs.clean
@@ -302,8 +351,9 @@ async fn lead(
         Ok(())
     } else {
         Err(format!(
-            "duplicates or losses: {rows} rows, {sent} sends, {audit_rows} audit entries, \
-             follower {exit}"
+            "duplicates or losses: this run {this_run:?}; all runs: events without every \
+             effect {:?}; follower {exit}",
+            all_runs.incomplete
         )
         .into())
     }

@@ -3,8 +3,6 @@
 //! Its change log keeps the envelopes it announced, which the main job replays after a
 //! restart, as a broker does when a consumer's acknowledgements were lost.
 
-use std::sync::atomic::{AtomicUsize, Ordering};
-
 use dacapo::prelude::*;
 use sqlx::Row;
 
@@ -66,7 +64,6 @@ pub(crate) async fn recently_published(
 pub(crate) struct Organizations<'a> {
     runtime: &'a Runtime,
     store: StorePool,
-    published: AtomicUsize,
 }
 
 /// Records the change in the log and enlists its envelope, in one transaction on `$pool`.
@@ -92,11 +89,7 @@ macro_rules! change_and_announce {
 
 impl<'a> Organizations<'a> {
     pub(crate) fn new(runtime: &'a Runtime, store: StorePool) -> Self {
-        Self {
-            runtime,
-            store,
-            published: AtomicUsize::new(0),
-        }
+        Self { runtime, store }
     }
 
     /// Removes a member and announces it; returns the envelope, as a broker would carry it.
@@ -119,11 +112,6 @@ impl<'a> Organizations<'a> {
                 change_and_announce!(self.runtime, pool, "BEGIN", envelope)
             }
         }
-        self.published.fetch_add(1, Ordering::Relaxed);
         Ok(envelope)
-    }
-
-    pub(crate) fn published(&self) -> i64 {
-        self.published.load(Ordering::Relaxed) as i64
     }
 }

@@ -31,14 +31,32 @@ pub(crate) async fn migrate(db: &Db) -> Result<(), sqlx::Error> {
     )
     .execute(&db.pool)
     .await?;
+    // What the sender did, as the receiving end would see it: how many times each delivery
+    // was sent. A crash after a send and before its request settled sends it again, and the
+    // receiver's idempotency key (the delivery id) absorbs it: the count shows how often.
+    sqlx::query(
+        "CREATE TABLE IF NOT EXISTS webhook_sends (
+             delivery_id TEXT PRIMARY KEY NOT NULL,
+             runs BIGINT NOT NULL)",
+    )
+    .execute(&db.pool)
+    .await?;
     Ok(())
 }
 
-pub(crate) async fn count(db: &Db) -> Result<i64, sqlx::Error> {
-    sqlx::query("SELECT count(*) FROM webhook_deliveries")
-        .fetch_one(&db.pool)
+/// The id of the row that delivers `message_id`'s event to `webhook`.
+pub(crate) fn delivery_id(message_id: Option<uuid::Uuid>, webhook: i64) -> String {
+    ids::derive_or_random(message_id, &webhook.to_string())
+}
+
+pub(crate) async fn webhook_ids(db: &Db, organization_id: i64) -> Result<Vec<i64>, sqlx::Error> {
+    sqlx::query("SELECT id FROM webhooks WHERE organization_id = $1 ORDER BY id")
+        .bind(organization_id)
+        .fetch_all(&db.pool)
         .await?
-        .try_get(0)
+        .iter()
+        .map(|row| row.try_get(0))
+        .collect()
 }
 
 pub(crate) async fn subscribed(db: &Db, organization_id: i64) -> Result<i64, sqlx::Error> {
@@ -81,23 +99,11 @@ impl Handler<MemberRemoved> for QueueDeliveries {
         context: &MessageContext,
     ) -> Result<(), HandlerError> {
         self.runs.fetch_add(1, Ordering::Relaxed);
-        let webhooks: Vec<i64> =
-            sqlx::query("SELECT id FROM webhooks WHERE organization_id = $1 ORDER BY id")
-                .bind(event.organization_id)
-                .fetch_all(&self.db.pool)
-                .await?
-                .iter()
-                .map(|row| row.try_get(0))
-                .collect::<Result<_, _>>()?;
+        let webhooks = webhook_ids(&self.db, event.organization_id).await?;
         // One message fans out to several webhooks: the pair (message, webhook) names the row.
         let candidates: Vec<(i64, String)> = webhooks
             .into_iter()
-            .map(|webhook| {
-                (
-                    webhook,
-                    ids::derive_or_random(context.message_id(), &webhook.to_string()),
-                )
-            })
+            .map(|webhook| (webhook, delivery_id(context.message_id(), webhook)))
             .collect();
 
         // One round trip, whatever the number of webhooks: `id IN ($1, $2, …)`.
@@ -125,45 +131,54 @@ impl Handler<MemberRemoved> for QueueDeliveries {
             .filter(|(_, id)| !existing.contains(id))
             .collect();
         self.skipped.fetch_add(existing.len(), Ordering::Relaxed);
-        if new.is_empty() {
-            // A retry of work already done: no commit, no publish.
-            return Ok(());
+        if !new.is_empty() {
+            let mut tx = self.db.begin().await?;
+            for (webhook, id) in &new {
+                let payload = serde_json::json!({ "delivery": id, "event": "organization.member_removed",
+                    "data": { "member_id": event.member_id } });
+                // If a concurrent attempt got here first, the primary key rejects this insert
+                // and the retry finds the row.
+                sqlx::query("INSERT INTO webhook_deliveries (id, webhook_id, event_type, payload) VALUES ($1, $2, $3, $4)")
+                    .bind(id.clone())
+                    .bind(*webhook)
+                    .bind("organization.member_removed")
+                    .bind(payload.to_string())
+                    .execute(&mut *tx)
+                    .await?;
+            }
+            // Commit before announcing: a message must never point at rows that were rolled
+            // back.
+            tx.commit().await?;
         }
-
-        let mut tx = self.db.begin().await?;
-        for (webhook, id) in &new {
-            let payload = serde_json::json!({ "delivery": id, "event": "organization.member_removed",
-                "data": { "member_id": event.member_id } });
-            // If a concurrent attempt got here first, the primary key rejects this insert and
-            // the retry finds the row.
-            sqlx::query("INSERT INTO webhook_deliveries (id, webhook_id, event_type, payload) VALUES ($1, $2, $3, $4)")
-                .bind(id.clone())
-                .bind(*webhook)
-                .bind("organization.member_removed")
-                .bind(payload.to_string())
-                .execute(&mut *tx)
-                .await?;
-        }
-        // Commit before announcing: a message must never point at rows that were rolled back.
-        tx.commit().await?;
-        for (_, id) in new {
+        // Rows found written are announced again: the attempt that wrote them may have been
+        // cut short (a crash) before its announcements were recorded. The same request gets the
+        // same envelope id on every attempt, so one already received is discarded by the inbox.
+        for (_, id) in candidates {
             context
-                .publish(&WebhookDeliveryRequested {
-                    delivery_id: id.clone(),
-                })
+                .publish(&WebhookDeliveryRequested { delivery_id: id })
                 .await?;
         }
         Ok(())
     }
 }
 
-/// Would POST the signed delivery; here it counts the requests.
-#[derive(Clone, Default)]
+/// Would POST the signed delivery, with its id as the idempotency key; here it records the
+/// send, as the receiving end would.
+#[derive(Clone)]
 pub(crate) struct SendDelivery {
+    db: Db,
     sent: Arc<AtomicUsize>,
 }
 
 impl SendDelivery {
+    pub(crate) fn new(db: Db) -> Self {
+        Self {
+            db,
+            sent: Arc::default(),
+        }
+    }
+
+    /// Sends made by this process.
     pub(crate) fn sent(&self) -> i64 {
         self.sent.load(Ordering::Relaxed) as i64
     }
@@ -172,9 +187,16 @@ impl SendDelivery {
 impl Handler<WebhookDeliveryRequested> for SendDelivery {
     async fn handle(
         &self,
-        _: &WebhookDeliveryRequested,
+        request: &WebhookDeliveryRequested,
         _: &MessageContext,
     ) -> Result<(), HandlerError> {
+        sqlx::query(
+            "INSERT INTO webhook_sends (delivery_id, runs) VALUES ($1, 1)
+             ON CONFLICT (delivery_id) DO UPDATE SET runs = webhook_sends.runs + 1",
+        )
+        .bind(request.delivery_id.clone())
+        .execute(&self.db.pool)
+        .await?;
         self.sent.fetch_add(1, Ordering::Relaxed);
         Ok(())
     }
