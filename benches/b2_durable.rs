@@ -506,9 +506,18 @@ macro_rules! measure {
     }};
 }
 
+/// The contenders to run: all, or those `B2_ONLY` lists (`B2_ONLY=backlog,backlog-limit`).
+fn contenders() -> Vec<&'static str> {
+    let only = std::env::var("B2_ONLY").unwrap_or_default();
+    CONTENDERS
+        .into_iter()
+        .filter(|contender| only.is_empty() || only.split(',').any(|name| name == *contender))
+        .collect()
+}
+
 async fn sqlite(deliveries: u64) -> Figures {
     let mut figures = Figures::new();
-    for contender in CONTENDERS {
+    for contender in contenders() {
         let scratch = ScratchSqlite::new(&format!("b2-{contender}"));
         let store = SqliteStore::open(scratch.path()).await.unwrap();
         let pool = store.pool().clone();
@@ -530,7 +539,7 @@ async fn sqlite(deliveries: u64) -> Figures {
 
 async fn postgres(deliveries: u64) -> Figures {
     let mut figures = Figures::new();
-    for contender in CONTENDERS {
+    for contender in contenders() {
         let scratch = ScratchPostgres::create(&format!("b3_{}", contender.replace('-', "_"))).await;
         let store = PostgresStore::connect(&scratch.url).await.unwrap();
         let pool = store.pool().clone();

@@ -178,6 +178,64 @@ on_both_backends!(
 );
 
 on_both_backends!(
+    attempts_begun_together_answer_each_write_sqlite,
+    attempts_begun_together_answer_each_write_postgres,
+    |db| {
+        use dacapo::ports::Fenced;
+        let inbox = db.sqlite_or_postgres_inbox().await;
+        let other_node = db.sqlite_or_postgres_inbox().await;
+        let envelopes: Vec<Envelope> = (0..70)
+            .map(|_| Envelope::for_message(&member_removed()).unwrap())
+            .collect();
+        // Received with their first attempt begun.
+        inbox.receive_batch(&envelopes).await.unwrap();
+        let foreign = Envelope::for_message(&member_removed()).unwrap();
+        other_node.receive(&foreign).await.unwrap();
+
+        // Second attempts begun at once: they queue behind the first commit and go in one
+        // statement of 64 rows and one of 8. One begins the third envelope's again, one the
+        // other node's delivery.
+        let ids = envelopes
+            .iter()
+            .map(|envelope| envelope.id)
+            .chain([envelopes[2].id, foreign.id]);
+        let begun = futures::future::join_all(ids.map(|id| inbox.begin_attempt(id, 2))).await;
+        let count = |fenced: Fenced| {
+            begun
+                .iter()
+                .filter(|answer| matches!(answer, Ok(f) if *f == fenced))
+                .count()
+        };
+        assert_eq!(
+            (count(Fenced::Written), count(Fenced::OwnedElsewhere)),
+            (70, 2),
+            "{begun:?}"
+        );
+        assert_eq!(
+            begun.last().unwrap().as_ref().unwrap(),
+            &Fenced::OwnedElsewhere
+        );
+        let second_attempts = db
+            .scalar("SELECT count(*) FROM dacapo_inbox WHERE attempts = 2")
+            .await;
+        assert_eq!(second_attempts, 70);
+        // A begin that does not follow the recorded attempt is fenced, alone or together.
+        let stale = futures::future::join_all(
+            envelopes[..3]
+                .iter()
+                .map(|envelope| inbox.begin_attempt(envelope.id, 2)),
+        )
+        .await;
+        assert!(
+            stale
+                .iter()
+                .all(|answer| matches!(answer, Ok(Fenced::OwnedElsewhere))),
+            "{stale:?}"
+        );
+    }
+);
+
+on_both_backends!(
     receives_and_settles_written_together_answer_each_write_sqlite,
     receives_and_settles_written_together_answer_each_write_postgres,
     |db| {

@@ -15,8 +15,8 @@ use tokio::sync::oneshot;
 use super::columns::EnvelopeColumns;
 use super::database::{Database, Row, Tx, Value};
 use super::statements::{
-    BEGIN_ATTEMPT, ENLIST_ONCE, MARK_HANDLED, MARK_HANDLED_ROWS, RECEIVE, RECEIVE_ROWS,
-    RECEIVE_SCHEDULED, Rows, SCHEDULE_RETRY,
+    BEGIN_ATTEMPT, BEGIN_ATTEMPT_ROWS, ENLIST_ONCE, MARK_HANDLED, MARK_HANDLED_ROWS, RECEIVE,
+    RECEIVE_ROWS, RECEIVE_SCHEDULED, Rows, SCHEDULE_RETRY,
 };
 
 /// One delivery's write.
@@ -397,7 +397,8 @@ pub(crate) async fn in_one_transaction(
 }
 
 /// Runs `writes` in `tx`: the receives of envelopes due now in statements of many rows, the
-/// settles without cascades likewise, the rest one by one. The writes of a group commit come
+/// settles without cascades likewise, and the begins of one owner's same attempt (a node
+/// resuming a backlog begins many first attempts at once), the rest one by one. The writes of a group commit come
 /// from callers that wait on none of the others, so any order of them is an order they could
 /// have come in; each answer is what its write found in that order. (A `receive_batch` is one
 /// caller's, in its order: its receives keep that order among themselves, so the first of two
@@ -408,8 +409,18 @@ async fn run_together(tx: &mut Tx, writes: &[Write]) -> Result<Vec<Written>, Err
         Write::Settle { node, cascaded, .. } if cascaded.is_empty() => Some(Arc::clone(node)),
         _ => None,
     });
+    let beginning = writes.iter().find_map(|write| match write {
+        Write::BeginAttempt {
+            attempt,
+            previous,
+            node,
+            ..
+        } => Some((*attempt, *previous, Arc::clone(node))),
+        _ => None,
+    });
     let mut receives = Vec::new();
     let mut settles = Vec::new();
+    let mut begins = Vec::new();
     for (at, write) in writes.iter().enumerate() {
         match write {
             Write::Receive { due_at: None, .. } => receives.push(at),
@@ -417,6 +428,14 @@ async fn run_together(tx: &mut Tx, writes: &[Write]) -> Result<Vec<Written>, Err
                 if cascaded.is_empty() && Some(node) == settling_node.as_ref() =>
             {
                 settles.push(at);
+            }
+            Write::BeginAttempt {
+                attempt,
+                previous,
+                node,
+                ..
+            } if beginning.as_ref() == Some(&(*attempt, *previous, Arc::clone(node))) => {
+                begins.push(at);
             }
             _ => {}
         }
@@ -432,6 +451,12 @@ async fn run_together(tx: &mut Tx, writes: &[Write]) -> Result<Vec<Written>, Err
         let run = &settles[start..start + size];
         start += size;
         settle_rows(tx, writes, run, &mut answers).await?;
+    }
+    let mut start = 0;
+    for size in Rows::sizes(begins.len()) {
+        let run = &begins[start..start + size];
+        start += size;
+        begin_rows(tx, writes, run, &mut answers).await?;
     }
     for (write, answer) in writes.iter().zip(answers.iter_mut()) {
         if answer.is_none() {
@@ -507,6 +532,47 @@ async fn settle_rows(
     )?;
     answer_run(writes, run, marked, answers, |found| {
         settled(u64::from(found))
+    });
+    Ok(())
+}
+
+/// The begins at `run` (one owner's, of the same attempt), in one statement. Of two begins of
+/// one id, the first starts the attempt and the second finds it started, as they would one
+/// after the other.
+async fn begin_rows(
+    tx: &mut Tx,
+    writes: &[Write],
+    run: &[usize],
+    answers: &mut [Option<Written>],
+) -> Result<(), Error> {
+    let mut values = Vec::with_capacity(run.len() + 3);
+    for &at in run {
+        if let Write::BeginAttempt {
+            id,
+            attempt,
+            previous,
+            node,
+        } = &writes[at]
+        {
+            if values.is_empty() {
+                values.extend([
+                    Value::Int32(*attempt),
+                    Value::Text(node),
+                    Value::Int32(*previous),
+                ]);
+            }
+            values.push(Value::Text(id));
+        }
+    }
+    if values.is_empty() {
+        return Ok(());
+    }
+    let begun = returned_ids(
+        tx.fetch_all_built(BEGIN_ATTEMPT_ROWS.text(run.len()), &values)
+            .await?,
+    )?;
+    answer_run(writes, run, begun, answers, |found| {
+        Written::Begun(Fenced::from_rows(u64::from(found)))
     });
     Ok(())
 }

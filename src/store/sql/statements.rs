@@ -118,6 +118,17 @@ pub(crate) const BEGIN_ATTEMPT: &str = "UPDATE dacapo_inbox \
     SET status = 'incoming', attempts = $2, execute_at = NULL \
     WHERE id = $1 AND status <> 'handled' AND owner = $3 AND attempts = $4";
 
+/// Many deliveries of one owner begin the same attempt in one statement (`$1`, after `$3`);
+/// the ids it answers are those it began.
+pub(crate) const BEGIN_ATTEMPT_ROWS: Rows = Rows {
+    head: "UPDATE dacapo_inbox SET status = 'incoming', attempts = $1, execute_at = NULL \
+        WHERE status <> 'handled' AND owner = $2 AND attempts = $3 AND id IN (",
+    fixed: 3,
+    row: "$1",
+    width: 1,
+    tail: ") RETURNING id",
+};
+
 pub(crate) const SCHEDULE_RETRY: &str = "UPDATE dacapo_inbox \
     SET status = 'scheduled', attempts = $2, execute_at = $3, failures = $4, succeeded = $5, \
     cascaded = $7 \
@@ -406,6 +417,12 @@ mod tests {
             MARK_HANDLED_ROWS.text(3),
             "UPDATE dacapo_inbox SET status = 'handled', handled_at = $1, owner = NULL \
              WHERE status <> 'handled' AND owner = $2 AND id IN ($3, $4, $5) RETURNING id"
+        );
+        assert_eq!(
+            BEGIN_ATTEMPT_ROWS.text(2),
+            "UPDATE dacapo_inbox SET status = 'incoming', attempts = $1, execute_at = NULL \
+             WHERE status <> 'handled' AND owner = $2 AND attempts = $3 AND id IN ($4, $5) \
+             RETURNING id"
         );
         let two = ENLIST_ROWS.text(2);
         assert!(
