@@ -294,3 +294,58 @@ on_both_backends!(
         );
     }
 );
+
+/// PostgreSQL flushes concurrent commits together, so its group commits do not queue behind
+/// one another: while one group waits (here on a row lock another session holds), the next
+/// write commits in a group of its own.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_write_on_postgresql_commits_while_an_earlier_group_is_still_committing() {
+    use dacapo::ports::{Handled, Receipt};
+    use sqlx::Connection;
+    let db = support_stores::TestDatabase::new(support_stores::Backend::Postgres).await;
+    let inbox = std::sync::Arc::new(db.sqlite_or_postgres_inbox().await);
+    let held = Envelope::for_message(&member_removed()).unwrap();
+    assert_eq!(inbox.receive(&held).await.unwrap(), Receipt::New);
+
+    let mut other = sqlx::PgConnection::connect(&db.url).await.unwrap();
+    sqlx::query("BEGIN").execute(&mut other).await.unwrap();
+    sqlx::query("SELECT id FROM dacapo_inbox WHERE id = $1 FOR UPDATE")
+        .bind(held.id.simple().to_string())
+        .execute(&mut other)
+        .await
+        .unwrap();
+    let settling = tokio::spawn({
+        let inbox = std::sync::Arc::clone(&inbox);
+        async move { inbox.settle_handled(held.id, &[]).await }
+    });
+    // The settle's group is under way once its statement waits for the lock.
+    let mut watcher = sqlx::PgConnection::connect(&db.url).await.unwrap();
+    tokio::time::timeout(WAIT, async {
+        loop {
+            let waiting: i64 = sqlx::query_scalar(
+                "SELECT count(*) FROM pg_stat_activity \
+                 WHERE datname = current_database() AND wait_event_type = 'Lock'",
+            )
+            .fetch_one(&mut watcher)
+            .await
+            .unwrap();
+            if waiting > 0 {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    })
+    .await
+    .expect("the settle waits for the row lock");
+
+    let next = Envelope::for_message(&member_removed()).unwrap();
+    let received = tokio::time::timeout(Duration::from_secs(5), inbox.receive(&next))
+        .await
+        .expect("not queued behind the waiting group");
+    assert_eq!(received.unwrap(), Receipt::New);
+    assert!(!settling.is_finished(), "the first group still waits");
+
+    sqlx::query("ROLLBACK").execute(&mut other).await.unwrap();
+    let settled = tokio::time::timeout(WAIT, settling).await.unwrap().unwrap();
+    assert_eq!(settled.unwrap(), Handled::Written { in_outbox: true });
+}

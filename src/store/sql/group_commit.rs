@@ -3,6 +3,7 @@
 //! (PostgreSQL) for all of them. Each caller returns only once *its* write committed; a batch
 //! that fails fails every caller in it (they retry), except that a batch the database refused
 //! for its data runs again one write at a time, so one bad write does not fail the others.
+//! SQLite commits one group at a time; PostgreSQL several (see [`Grouping`]).
 
 use std::collections::{HashSet, VecDeque};
 use std::sync::{Arc, Mutex, PoisonError};
@@ -213,11 +214,16 @@ fn settled(marked: u64) -> Written {
 type Reply = oneshot::Sender<Result<Written, Error>>;
 
 /// How writes are grouped: at most `max_batch` in one transaction, and — when more than one
-/// caller waits — up to `linger` for others to join before committing.
+/// caller waits — up to `linger` for others to join before committing; up to `commits`
+/// transactions at once. SQLite takes one: it has one writer, so a second transaction would
+/// only wait for the first. PostgreSQL takes several: it flushes the WAL of concurrent commits
+/// together, so a write that arrives while a group commits starts the next group at once
+/// instead of waiting for the first to finish.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) struct Grouping {
     pub(crate) max_batch: usize,
     pub(crate) linger: Duration,
+    pub(crate) commits: usize,
 }
 
 impl Default for Grouping {
@@ -225,15 +231,16 @@ impl Default for Grouping {
         Self {
             max_batch: 128,
             linger: Duration::ZERO,
+            commits: 1,
         }
     }
 }
 
-/// The writes waiting for the next commit, and whether a leader is committing.
+/// The writes waiting for the next commit, and how many leaders are committing.
 #[derive(Default)]
 struct Queue {
     waiting: VecDeque<(Write, Reply)>,
-    leading: bool,
+    leaders: usize,
 }
 
 /// Groups the writes of one store's runtime pool into shared commits.
@@ -256,13 +263,13 @@ impl GroupCommit {
         Arc::new(Self {
             grouping: Grouping {
                 max_batch: grouping.max_batch.max(1),
+                commits: grouping.commits.max(1),
                 ..grouping
             },
             queue: Mutex::default(),
         })
     }
 
-    #[cfg(feature = "testing")]
     pub(crate) fn grouping(&self) -> Grouping {
         self.grouping
     }
@@ -286,7 +293,9 @@ impl GroupCommit {
         let leads = {
             let mut queue = self.queue();
             queue.waiting.push_back((write, reply));
-            !std::mem::replace(&mut queue.leading, true)
+            let leads = queue.leaders < self.grouping.commits;
+            queue.leaders += usize::from(leads);
+            leads
         };
         if leads {
             // Committed on a task of its own: a caller that stops waiting must not take the
@@ -319,7 +328,7 @@ async fn lead(mut leading: Leading, db: Database) {
             let mut queue = group.queue();
             if queue.waiting.is_empty() {
                 // Handed back under the lock a new write takes to decide whether to lead.
-                queue.leading = false;
+                queue.leaders -= 1;
                 leading.handed_back = true;
                 return;
             }
@@ -349,7 +358,11 @@ impl Drop for Leading {
         }
         let waiting = {
             let mut queue = self.group.queue();
-            queue.leading = false;
+            queue.leaders -= 1;
+            // Another leader still commits what waits.
+            if queue.leaders > 0 {
+                return;
+            }
             std::mem::take(&mut queue.waiting)
         };
         for (_, reply) in waiting {

@@ -133,7 +133,10 @@ impl<D: Dialect> SqlStore<D> {
     ) -> Self {
         Self {
             db: database(engine.clone()),
-            group: GroupCommit::new(Grouping::default()),
+            group: GroupCommit::new(Grouping {
+                commits: D::CONCURRENT_COMMITS,
+                ..Grouping::default()
+            }),
             #[cfg(feature = "testing")]
             database,
             pool,
@@ -199,10 +202,16 @@ impl<D: Dialect> SqlStore<D> {
     /// (group commit): at most `max_batch` deliveries' writes in one transaction (default 128; 1 commits each alone), and, when
     /// more than one waits, up to `linger` for others to join first (default zero: a batch is
     /// what arrived while the previous commit ran). Each caller still returns only once its
-    /// own write committed, and a batch that fails fails every write in it.
+    /// own write committed, and a batch that fails fails every write in it. SQLite commits one
+    /// group at a time (it has one writer); PostgreSQL up to four at once, since it flushes
+    /// concurrent commits together: a write arriving while a group commits starts the next.
     #[must_use]
     pub fn group_commit(mut self, max_batch: usize, linger: Duration) -> Self {
-        self.group = GroupCommit::new(Grouping { max_batch, linger });
+        self.group = GroupCommit::new(Grouping {
+            max_batch,
+            linger,
+            ..self.group.grouping()
+        });
         self
     }
 
