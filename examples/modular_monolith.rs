@@ -25,6 +25,8 @@ mod effects;
 mod events;
 #[path = "modular_monolith/fleet.rs"]
 mod fleet;
+#[path = "modular_monolith/node_lock.rs"]
+mod node_lock;
 #[path = "modular_monolith/organizations.rs"]
 mod organizations;
 #[path = "modular_monolith/webhooks.rs"]
@@ -79,6 +81,7 @@ async fn run(target: String) -> Result<(), Box<dyn std::error::Error>> {
     // One database holds the runtime's inbox and dead letters and the modules' own tables: a
     // SQLite file by default, PostgreSQL when given a URL.
     let postgres = target.starts_with("postgres://") || target.starts_with("postgresql://");
+    let _node = node_lock::NodeLock::take(&target, postgres, "modular-monolith").await?;
     let (builder, store_pool) = runtime_with_store(&target, postgres, "modular-monolith").await?;
     let db = db::Db::connect(&target, postgres).await?;
     organizations::migrate(&db).await?;

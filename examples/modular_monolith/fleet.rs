@@ -15,6 +15,7 @@ use dacapo::{DiscardReason, Outcome};
 use crate::db::Db;
 #[cfg(any(feature = "rabbitmq", feature = "nats", feature = "postgres"))]
 use crate::events::MemberRemoved;
+use crate::node_lock::NodeLock;
 use crate::{Handlers, audit, effects, organizations, webhooks};
 
 /// Events the lead publishes.
@@ -110,7 +111,8 @@ async fn node(
     db: &Db,
     fleet: &Fleet,
     name: &str,
-) -> Result<(Runtime, crate::db::StorePool, Handlers), Box<dyn std::error::Error>> {
+) -> Result<(Runtime, crate::db::StorePool, Handlers, NodeLock), Box<dyn std::error::Error>> {
+    let lock = NodeLock::take(target, postgres, name).await?;
     let (builder, pool) = crate::runtime_with_store(target, postgres, name).await?;
     let (builder, handlers) = crate::with_modules(builder, db);
     let runtime = builder
@@ -125,7 +127,7 @@ async fn node(
                 fleet.url
             )
         })??;
-    Ok((runtime, pool, handlers))
+    Ok((runtime, pool, handlers, lock))
 }
 
 /// Waits until each of `events` had all its effects, in whichever process, for up to [`WAIT`].
@@ -159,7 +161,8 @@ async fn follow(
     db: &Db,
     fleet: &Fleet,
 ) -> Result<(), Box<dyn std::error::Error>> {
-    let (runtime, _, handlers) = node(target, postgres, db, fleet, "modular-monolith-2").await?;
+    let (runtime, _, handlers, _lock) =
+        node(target, postgres, db, fleet, "modular-monolith-2").await?;
     println!("listening");
     let (closed_tx, closed) = tokio::sync::oneshot::channel();
     std::thread::spawn(move || {
@@ -222,7 +225,8 @@ async fn lead(
     webhooks::migrate(db).await?;
     audit::migrate(db).await?;
     let organization_id = organizations::seed(db).await?;
-    let (runtime, pool, handlers) = node(target, postgres, db, fleet, "modular-monolith-1").await?;
+    let (runtime, pool, handlers, _lock) =
+        node(target, postgres, db, fleet, "modular-monolith-1").await?;
     // What a run cut short left under this node's id is finished before this run's events.
     runtime.first_recovery().await;
     runtime.idle().await;
