@@ -192,9 +192,9 @@ on_both_backends!(
         let foreign = Envelope::for_message(&member_removed()).unwrap();
         other_node.receive(&foreign).await.unwrap();
 
-        // Second attempts begun at once: they queue behind the first commit and go in one
-        // statement of 64 rows and one of 8. One begins the third envelope's again, one the
-        // other node's delivery.
+        // Second attempts begun at once: those that queue behind the first commit go in
+        // statements of many rows (64, then powers of two). One begins the third envelope's
+        // again, one the other node's delivery.
         let ids = envelopes
             .iter()
             .map(|envelope| envelope.id)

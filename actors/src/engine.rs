@@ -386,8 +386,10 @@ impl Engine {
         }
     }
 
-    /// Returns once the node's first recovery round is over (at once without a durable
-    /// store): what an earlier run under its name left is resumed by then.
+    /// Returns once the node's first recovery round is over, including the rounds that go on
+    /// where the engine's capacity cut it short (at once without a durable store): what an
+    /// earlier run under its name left is resumed by then, except retries due later than one
+    /// recovery interval, which are resumed as they fall due.
     ///
     /// # Cancel safety
     ///

@@ -204,11 +204,15 @@ impl RecoveryActor {
         };
         ctx.spawn(round.into_actor(self).map(|round, actor, ctx| {
             actor.busy = false;
-            actor
-                .dispatcher
-                .shared
-                .recovery_rounds
-                .send_modify(|rounds| *rounds += 1);
+            // A round the engine's capacity cut short goes on shortly: what the store held is
+            // only all resumed once a round ends without that limit.
+            if !round.limited {
+                actor
+                    .dispatcher
+                    .shared
+                    .recovery_rounds
+                    .send_modify(|rounds| *rounds += 1);
+            }
             if round.released {
                 actor.started_at = None;
             }

@@ -53,7 +53,7 @@ impl Kind {
     }
 }
 
-/// `--transport KIND URL`, and `--follow COUNT` in the process the lead started.
+/// `--transport KIND URL`, and `--follow` in the process the lead started.
 #[derive(Debug)]
 pub(crate) struct Fleet {
     pub(crate) kind: Kind,
@@ -111,8 +111,7 @@ async fn node(
     db: &Db,
     fleet: &Fleet,
     name: &str,
-) -> Result<(Runtime, crate::db::StorePool, Handlers, NodeLock), Box<dyn std::error::Error>> {
-    let lock = NodeLock::take(target, postgres, name).await?;
+) -> Result<(Runtime, crate::db::StorePool, Handlers), Box<dyn std::error::Error>> {
     let (builder, pool) = crate::runtime_with_store(target, postgres, name).await?;
     let (builder, handlers) = crate::with_modules(builder, db);
     let runtime = builder
@@ -127,7 +126,7 @@ async fn node(
                 fleet.url
             )
         })??;
-    Ok((runtime, pool, handlers, lock))
+    Ok((runtime, pool, handlers))
 }
 
 /// Waits until each of `events` had all its effects, in whichever process, for up to [`WAIT`].
@@ -161,8 +160,9 @@ async fn follow(
     db: &Db,
     fleet: &Fleet,
 ) -> Result<(), Box<dyn std::error::Error>> {
-    let (runtime, _, handlers, _lock) =
-        node(target, postgres, db, fleet, "modular-monolith-2").await?;
+    // Taken first, so it is let go last: after the runtime stopped.
+    let _lock = NodeLock::take(target, postgres, "modular-monolith-2").await?;
+    let (runtime, _, handlers) = node(target, postgres, db, fleet, "modular-monolith-2").await?;
     println!("listening");
     let (closed_tx, closed) = tokio::sync::oneshot::channel();
     std::thread::spawn(move || {
@@ -225,8 +225,9 @@ async fn lead(
     webhooks::migrate(db).await?;
     audit::migrate(db).await?;
     let organization_id = organizations::seed(db).await?;
-    let (runtime, pool, handlers, _lock) =
-        node(target, postgres, db, fleet, "modular-monolith-1").await?;
+    // Taken first, so it is let go last: after the runtime stopped.
+    let _lock = NodeLock::take(target, postgres, "modular-monolith-1").await?;
+    let (runtime, pool, handlers) = node(target, postgres, db, fleet, "modular-monolith-1").await?;
     // What a run cut short left under this node's id is finished before this run's events.
     runtime.first_recovery().await;
     runtime.idle().await;

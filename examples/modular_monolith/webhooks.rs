@@ -34,13 +34,30 @@ pub(crate) async fn migrate(db: &Db) -> Result<(), sqlx::Error> {
     // What the sender did, as the receiving end would see it: how many times each delivery
     // was sent. A crash after a send and before its request settled sends it again, and the
     // receiver's idempotency key (the delivery id) absorbs it: the count shows how often.
-    sqlx::query(
-        "CREATE TABLE IF NOT EXISTS webhook_sends (
-             delivery_id TEXT PRIMARY KEY NOT NULL,
-             runs BIGINT NOT NULL)",
-    )
-    .execute(&db.pool)
-    .await?;
+    let existed = sqlx::query("SELECT count(*) FROM webhook_sends")
+        .fetch_one(&db.pool)
+        .await
+        .is_ok();
+    if !existed {
+        let mut tx = db.begin().await?;
+        sqlx::query(
+            "CREATE TABLE IF NOT EXISTS webhook_sends (
+                 delivery_id TEXT PRIMARY KEY NOT NULL,
+                 runs BIGINT NOT NULL)",
+        )
+        .execute(&mut *tx)
+        .await?;
+        // A database from before the sender kept this record: its rows were sent (the job
+        // then counted them in memory), once each.
+        sqlx::query(
+            "INSERT INTO webhook_sends (delivery_id, runs)
+             SELECT id, 1 FROM webhook_deliveries WHERE true
+             ON CONFLICT (delivery_id) DO NOTHING",
+        )
+        .execute(&mut *tx)
+        .await?;
+        tx.commit().await?;
+    }
     Ok(())
 }
 

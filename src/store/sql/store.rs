@@ -204,7 +204,8 @@ impl<D: Dialect> SqlStore<D> {
     /// what arrived while the previous commit ran). Each caller still returns only once its
     /// own write committed, and a batch that fails fails every write in it. SQLite commits one
     /// group at a time (it has one writer); PostgreSQL up to four at once, since it flushes
-    /// concurrent commits together: a write arriving while a group commits starts the next.
+    /// concurrent commits together: a write arriving while a group commits starts the next,
+    /// so on PostgreSQL `linger` only holds a group back once four are committing.
     #[must_use]
     pub fn group_commit(mut self, max_batch: usize, linger: Duration) -> Self {
         self.group = GroupCommit::new(Grouping {
