@@ -188,13 +188,7 @@ async fn run(target: String) -> Result<(), Box<dyn std::error::Error>> {
             .err()
             .map_or_else(|| "accepted (wrong!)".into(), |e| format!("refused: {e}"))
     );
-    println!(
-        "  all runs in this database   {} events, {} with every effect; {} sends repeated \
-         after a crash (the receiver's idempotency key absorbs them)",
-        all_runs.events,
-        all_runs.events - all_runs.incomplete.len(),
-        all_runs.repeated_sends
-    );
+    println!("{}", all_runs.of_all_runs());
 
     let expected_rows = this_run.events * usize::try_from(subscribed)?;
     let verdict = this_run.complete()

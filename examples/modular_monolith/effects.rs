@@ -31,6 +31,17 @@ impl Effects {
     pub(crate) fn complete(&self) -> bool {
         self.incomplete.is_empty()
     }
+
+    /// The summary's line for every run in the database.
+    pub(crate) fn of_all_runs(&self) -> String {
+        format!(
+            "  all runs in this database   {} events, {} with every effect; {} sends repeated \
+             after a crash (the receiver's idempotency key absorbs them)",
+            self.events,
+            self.events - self.incomplete.len(),
+            self.repeated_sends
+        )
+    }
 }
 
 /// Every event the organizations module recorded, in any run.

@@ -335,13 +335,7 @@ async fn lead(
     );
     println!("  audit entries written       {}", this_run.audited);
     println!("  redelivery discarded        {discarded}");
-    println!(
-        "  all runs in this database   {} events, {} with every effect; {} sends repeated \
-         after a crash (the receiver's idempotency key absorbs them)",
-        all_runs.events,
-        all_runs.events - all_runs.incomplete.len(),
-        all_runs.repeated_sends
-    );
+    println!("{}", all_runs.of_all_runs());
 
     let verdict = this_run.complete()
         && this_run.rows == ours.len() * usize::try_from(subscribed)?
