@@ -574,8 +574,12 @@ on_both_backends!(
         tokio::time::timeout(WAIT, lost.notified())
             .await
             .expect("the relay asked to renew its lease during its second batch");
-        // It marked its first batch before asking (the mark is awaited with the slow read),
-        // and publishes nothing once refused.
+        // A round ends before the next begins: once the next round asked for the lease too,
+        // the round that lost it has marked what it published (its first batch, marked while
+        // the second was read) and published nothing once refused.
+        tokio::time::timeout(WAIT, lost.notified())
+            .await
+            .expect("the relay's next round asked for the lease");
         let backlog = runtime.outbox_backlog().await.unwrap().unwrap();
         assert_eq!(
             backlog.depth, 200,

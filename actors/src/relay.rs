@@ -159,6 +159,9 @@ impl RelayActor {
             let mut lost = false;
             // The broker failed this round: its rows wait for the next, the local ones go on.
             let mut broker_failed = false;
+            // The last batch's positions, marked while the next batch is published and the
+            // one after it read: the broker's confirms, the mark's commit and the read overlap.
+            let mut unmarked: Vec<i64> = Vec::new();
             let mut next = outbox.unpublished(i64::MIN, batch).await;
             loop {
                 let rows = match std::mem::replace(&mut next, Ok(Vec::new())) {
@@ -169,119 +172,124 @@ impl RelayActor {
                     }
                 };
                 let count = rows.len();
-                let highest_read = rows.iter().map(|(position, _)| *position).max();
-                let mut positions = Vec::with_capacity(count);
+                // A full batch may have more behind it: the next read starts after everything
+                // this one read (the broker's rows included, sent or not).
+                let read_after = rows
+                    .iter()
+                    .map(|(position, _)| *position)
+                    .max()
+                    .filter(|_| count == batch);
                 // What leaves for a broker goes in one confirmed send, before the local rows.
                 // A failed send marks none of it; the round goes on with the local rows, and
                 // reads on past the broker's rows without sending them again until the next.
                 let (away, rows) = split_by_route(rows, outbound.as_deref());
-                if let Some(outbound) = outbound.as_deref()
-                    && !away.is_empty()
-                    && !broker_failed
-                {
-                    if lease.half_gone() {
-                        match lease.take().await {
-                            Ok(true) => {}
-                            Ok(false) => {
-                                tracing::info!(
-                                    "outbox lease taken by another node; this relay stops"
+                let broker = match outbound.as_deref() {
+                    Some(outbound) if !away.is_empty() && !broker_failed => Some(outbound),
+                    _ => None,
+                };
+                if broker.is_some() && lease.half_gone() {
+                    match lease.take().await {
+                        Ok(true) => {}
+                        Ok(false) => {
+                            lost = true;
+                            break;
+                        }
+                        Err(error) => {
+                            tracing::warn!(%error, "renewing the outbox lease failed; retrying on the next round");
+                            break;
+                        }
+                    }
+                }
+                let this_batch = async {
+                    let mut positions = Vec::with_capacity(count);
+                    let mut sent_all = true;
+                    if let Some(outbound) = broker {
+                        // Bounded by the lease left: a send outliving it could overlap the
+                        // next holder's. Timed out, it counts as failed (the copies that did
+                        // arrive are discarded by the receiving inbox).
+                        let sending =
+                            send_away(outbound, away, dead_letters.as_deref(), &dispatcher);
+                        match tokio::time::timeout(lease.left(), sending).await {
+                            Ok(Some(sent)) => positions.extend(sent),
+                            Ok(None) => broker_failed = true,
+                            Err(_) => {
+                                tracing::warn!(
+                                    "the broker did not confirm within the outbox lease; retrying on the next round"
                                 );
-                                return (Some(lease.length), None);
-                            }
-                            Err(error) => {
-                                tracing::warn!(%error, "renewing the outbox lease failed; retrying on the next round");
-                                break;
+                                broker_failed = true;
                             }
                         }
                     }
-                    // Bounded by the lease left: a send outliving it could overlap the next
-                    // holder's. Timed out, it counts as failed (the copies that did arrive
-                    // are discarded by the receiving inbox).
-                    let sending = send_away(outbound, away, dead_letters.as_deref(), &dispatcher);
-                    match tokio::time::timeout(lease.left(), sending).await {
-                        Ok(Some(sent)) => positions.extend(sent),
-                        Ok(None) => broker_failed = true,
-                        Err(_) => {
-                            tracing::warn!(
-                                "the broker did not confirm within the outbox lease; retrying on the next round"
-                            );
-                            broker_failed = true;
-                        }
-                    }
-                }
-                let local = rows.len();
-                let mut dispatched = 0;
-                for (position, envelope) in rows {
-                    // Renewed once half of it has passed, checked before each publication (a
-                    // batch can wait for the engine's capacity): a long round keeps the lease,
-                    // a relay paused past it learns it lost it before publishing more, and
-                    // two nodes never publish the same rows side by side.
-                    if lease.half_gone() {
-                        match lease.take().await {
-                            Ok(true) => {}
-                            Ok(false) => {
-                                lost = true;
-                                break;
-                            }
-                            Err(error) => {
-                                tracing::warn!(%error, "renewing the outbox lease failed; retrying on the next round");
-                                break;
+                    for (position, envelope) in rows {
+                        // Renewed once half of it has passed, checked before each publication
+                        // (a batch can wait for the engine's capacity): a long round keeps the
+                        // lease, a relay paused past it learns it lost it before publishing
+                        // more, and two nodes never publish the same rows side by side.
+                        if lease.half_gone() {
+                            match lease.take().await {
+                                Ok(true) => {}
+                                Ok(false) => {
+                                    lost = true;
+                                    sent_all = false;
+                                    break;
+                                }
+                                Err(error) => {
+                                    tracing::warn!(%error, "renewing the outbox lease failed; retrying on the next round");
+                                    sent_all = false;
+                                    break;
+                                }
                             }
                         }
+                        let id = envelope.id;
+                        // Not cut short: a publication cancelled inside the inbox's write could
+                        // leave its row recorded with nothing running it. One that waited for
+                        // the engine's capacity past the lease may overlap another node's
+                        // relay; the receiving inbox discards the duplicate by envelope id.
+                        if let Err(error) = dispatcher.dispatch(envelope, None).await {
+                            tracing::warn!(messaging.message.id = %id, %error, "publishing from the outbox failed; retrying on the next round");
+                            sent_all = false;
+                            break;
+                        }
+                        positions.push(position);
                     }
-                    let id = envelope.id;
-                    // Not cut short: a publication cancelled inside the inbox's write could
-                    // leave its row recorded with nothing running it. One that waited for the
-                    // engine's capacity past the lease may overlap another node's relay; the
-                    // receiving inbox discards the duplicate by envelope id.
-                    if let Err(error) = dispatcher.dispatch(envelope, None).await {
-                        tracing::warn!(messaging.message.id = %id, %error, "publishing from the outbox failed; retrying on the next round");
+                    positions.sort_unstable();
+                    (positions, sent_all)
+                };
+                let read_ahead = async {
+                    match read_after {
+                        Some(after) => Some(outbox.unpublished(after, batch).await),
+                        None => None,
+                    }
+                };
+                let ((positions, sent_all), marked, read) = futures::join!(
+                    this_batch,
+                    mark(outbox.as_ref(), &dispatcher, std::mem::take(&mut unmarked)),
+                    read_ahead,
+                );
+                unmarked = positions;
+                match marked {
+                    Ok(count) => published += count,
+                    Err(error) => {
+                        // Published but not marked: the next round publishes them again (this
+                        // batch's too), and the inbox discards them.
+                        tracing::warn!(%error, "marking outbox envelopes published failed");
+                        unmarked.clear();
                         break;
                     }
-                    positions.push(position);
-                    dispatched += 1;
                 }
-                let done = positions.len();
-                positions.sort_unstable();
-                // A full batch whose local rows all went out: read on, after everything this
-                // batch read (the broker's rows included, sent or not).
-                let more = !lost && dispatched == local && count == batch;
-                let Some(after) = highest_read else {
-                    break;
-                };
-                if positions.is_empty() {
-                    if !more {
-                        break;
-                    }
-                    next = outbox.unpublished(after, batch).await;
-                    continue;
+                // A full batch whose local rows all went out: read on.
+                match read {
+                    Some(read) if sent_all => next = read,
+                    _ => break,
                 }
-                dispatcher
-                    .shared
-                    .pass(crate::Failpoint::BeforeOutboxMark, None)
-                    .await;
-                // What was published is marked even after the lease was lost: the new holder
-                // then does not publish it again.
-                let mark = outbox.mark_published(&positions, dispatcher.shared.clock.now());
-                // Mark this batch while reading the next: the read starts after this batch's
-                // last position, so it never sees this batch again.
-                let marked = if more {
-                    let (marked, read) = futures::join!(mark, outbox.unpublished(after, batch));
-                    next = read;
-                    marked
-                } else {
-                    mark.await
-                };
-                if let Err(error) = marked {
-                    // Published but not marked: the next round publishes them again, and the
-                    // inbox discards them.
-                    tracing::warn!(%error, "marking outbox envelopes published failed");
-                    break;
-                }
-                published += done;
-                if !more {
-                    break;
-                }
+            }
+            // What was published is marked even after the lease was lost: the new holder then
+            // does not publish it again.
+            match mark(outbox.as_ref(), &dispatcher, unmarked).await {
+                Ok(count) => published += count,
+                // Published but not marked: the next round publishes them again, and the
+                // inbox discards them.
+                Err(error) => tracing::warn!(%error, "marking outbox envelopes published failed"),
             }
             if published > 0 {
                 tracing::debug!(published, "outbox envelopes published");
@@ -309,6 +317,26 @@ impl RelayActor {
                 }),
         );
     }
+}
+
+/// Marks `positions` published, after the crash point between publishing and marking; how
+/// many it marked.
+async fn mark(
+    outbox: &dyn OutboxStore,
+    dispatcher: &Dispatcher,
+    positions: Vec<i64>,
+) -> Result<usize, crate::Error> {
+    if positions.is_empty() {
+        return Ok(0);
+    }
+    dispatcher
+        .shared
+        .pass(crate::Failpoint::BeforeOutboxMark, None)
+        .await;
+    outbox
+        .mark_published(&positions, dispatcher.shared.clock.now())
+        .await?;
+    Ok(positions.len())
 }
 
 /// Sends the rows routed to the broker; the positions to mark: those the broker confirmed,
