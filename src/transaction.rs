@@ -90,6 +90,11 @@ pub trait Backend: sealed::Sealed + sqlx::Database {
         transaction: &mut HandlerTransaction<Self>,
         envelope: &Envelope,
     ) -> impl Future<Output = Result<(), Error>> + Send;
+
+    #[doc(hidden)]
+    fn connect(
+        context: &MessageContext,
+    ) -> impl Future<Output = Result<HandlerConnection<'_, Self>, Error>> + Send;
 }
 
 /// Opens handler transactions from a [`MessageContext`].
@@ -113,6 +118,24 @@ pub trait HandlerTransactions {
     fn transaction<DB: Backend>(
         &self,
     ) -> impl Future<Output = Result<Option<HandlerTransaction<DB>>, Error>> + Send;
+
+    /// A connection on the runtime's store for this handler's own statements, each committed
+    /// on its own (or in a transaction the handler begins on it): for writes that are
+    /// idempotent by themselves — an insert under a deterministic id, an upsert — and need no
+    /// completion record. See [`HandlerConnection`] for when they are durable.
+    ///
+    /// # Errors
+    ///
+    /// As [`transaction`](Self::transaction); and [`EngineError::Store`](crate::EngineError::Store)
+    /// when the turn to write on SQLite does not come within 30 s (a handler that already
+    /// holds a connection or a transaction waits for itself: drop one before opening the next).
+    ///
+    /// # Cancel safety
+    ///
+    /// Cancelled, nothing is held: the turn and the connection go back.
+    fn connection<DB: Backend>(
+        &self,
+    ) -> impl Future<Output = Result<HandlerConnection<'_, DB>, Error>> + Send;
 }
 
 impl HandlerTransactions for MessageContext {
@@ -120,6 +143,61 @@ impl HandlerTransactions for MessageContext {
         &self,
     ) -> impl Future<Output = Result<Option<HandlerTransaction<DB>>, Error>> + Send {
         DB::begin(self)
+    }
+
+    fn connection<DB: Backend>(
+        &self,
+    ) -> impl Future<Output = Result<HandlerConnection<'_, DB>, Error>> + Send {
+        DB::connect(self)
+    }
+}
+
+/// A connection a handler opened with [`HandlerTransactions::connection`]. It dereferences to
+/// the database's connection (`.execute(&mut *connection)`); each statement commits on its
+/// own, unless the handler begins a transaction on it (on SQLite, `BEGIN IMMEDIATE` for one
+/// that reads, then writes).
+///
+/// **Durable with the delivery.** On a SQLite file its statements commit without an fsync of
+/// their own (`synchronous = NORMAL`); the delivery's settle, which commits after them with
+/// `FULL`, fsyncs the write-ahead log and with it every commit before it. So once the
+/// delivery counts as handled, the handler's writes are as durable as its settle. A process
+/// crash loses none of them; a power cut or an operating-system crash before the settle can
+/// take back the last ones, and the settle with them, so the delivery runs again and the
+/// handler writes them again — keep them idempotent (deterministic ids, `ON CONFLICT`), as a
+/// retry needs anyway. On PostgreSQL, and on an in-memory SQLite database, each commit is
+/// durable on its own.
+///
+/// **On SQLite it holds the turn to write** until it is dropped: the runtime's own writes wait
+/// for it, so keep it short — no calls to other services while it is open. It borrows the
+/// handler's [`MessageContext`], so it cannot outlive the handler: a write after the handler
+/// returned would come after the settle that makes it durable.
+pub struct HandlerConnection<'a, DB: Backend> {
+    connection: sqlx::pool::PoolConnection<DB>,
+    /// SQLite's turn to write; released after the connection went back to its pool (fields
+    /// drop in order).
+    _turn: Option<tokio::sync::OwnedSemaphorePermit>,
+    _handler: std::marker::PhantomData<&'a MessageContext>,
+}
+
+impl<DB: Backend> std::fmt::Debug for HandlerConnection<'_, DB> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("HandlerConnection")
+            .field("database", &DB::NAME)
+            .finish_non_exhaustive()
+    }
+}
+
+impl<DB: Backend> Deref for HandlerConnection<'_, DB> {
+    type Target = DB::Connection;
+
+    fn deref(&self) -> &Self::Target {
+        &self.connection
+    }
+}
+
+impl<DB: Backend> DerefMut for HandlerConnection<'_, DB> {
+    fn deref_mut(&mut self) -> &mut Self::Target {
+        &mut self.connection
     }
 }
 
@@ -278,6 +356,27 @@ impl<DB: Backend> HandlerTransaction<DB> {
     }
 }
 
+/// The message, the handler and the runtime's store of a handler's context, the store as
+/// the `S` named `store`.
+fn handling<'c, S: 'static>(
+    context: &'c MessageContext,
+    store: &str,
+) -> Result<(Uuid, &'c dacapo_actors::HandlerId, &'c S), Error> {
+    let (Some(message_id), Some(handler)) = (context.message_id(), context.handler()) else {
+        return Err(dacapo_actors::Error::Detached.into());
+    };
+    let store = context
+        .store()
+        .and_then(|runtime_store| runtime_store.downcast_ref::<S>())
+        .ok_or_else(|| {
+            dacapo_actors::Error::store(format!(
+                "handler transactions and connections on this database need the runtime's \
+                 store to be a {store}"
+            ))
+        })?;
+    Ok((message_id, handler, store))
+}
+
 macro_rules! backend {
     ($db:ty, $store:ty, $begin:expr) => {
         impl sealed::Sealed for $db {}
@@ -286,19 +385,8 @@ macro_rules! backend {
             async fn begin(
                 context: &MessageContext,
             ) -> Result<Option<HandlerTransaction<Self>>, Error> {
-                let (Some(message_id), Some(handler)) = (context.message_id(), context.handler())
-                else {
-                    return Err(dacapo_actors::Error::Detached.into());
-                };
-                let store = context
-                    .store()
-                    .and_then(|store| store.downcast_ref::<$store>())
-                    .ok_or_else(|| {
-                        dacapo_actors::Error::store(concat!(
-                            "handler transactions on this database need the runtime's store to be a ",
-                            stringify!($store)
-                        ))
-                    })?;
+                let (message_id, handler, store) =
+                    handling::<$store>(context, stringify!($store))?;
                 // On the runtime's own pool: a connection opened here, on the runtime's threads,
                 // never ends up in the application's pool.
                 let pool = store.engine_pool();
@@ -335,6 +423,23 @@ macro_rules! backend {
                     enlisted: HashMap::new(),
                     _turn: turn,
                 }))
+            }
+
+            async fn connect(
+                context: &MessageContext,
+            ) -> Result<HandlerConnection<'_, Self>, Error> {
+                let (_, _, store) = handling::<$store>(context, stringify!($store))?;
+                let turn = store.write_turn().await?;
+                let connection = store
+                    .handler_pool()
+                    .acquire()
+                    .await
+                    .map_err(crate::store::sql::db_error)?;
+                Ok(HandlerConnection {
+                    connection,
+                    _turn: turn,
+                    _handler: std::marker::PhantomData,
+                })
             }
 
             async fn finish(transaction: &mut HandlerTransaction<Self>) -> Result<(), Error> {

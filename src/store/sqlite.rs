@@ -26,7 +26,12 @@ impl SqlStore<sqlx::Sqlite> {
     /// The database's error when the schema cannot be applied.
     pub async fn with_pool(pool: SqlitePool) -> Result<Self, crate::Error> {
         let engine = engine_pool(&pool);
-        Ok(Self::open_on(pool, engine, Database::sqlite).await?)
+        let handlers = handler_pool(&pool).await?;
+        let store = Self::open_on(pool, engine, Database::sqlite).await?;
+        Ok(match handlers {
+            Some(handlers) => store.with_handler_pool(handlers),
+            None => store,
+        })
     }
 
     /// Opens (creating if needed) the SQLite database at `path` — a file path, or a
@@ -99,6 +104,37 @@ fn engine_pool(pool: &SqlitePool) -> SqlitePool {
             .test_before_acquire(false)
             .connect_lazy_with((*pool.connect_options()).clone())
     }
+}
+
+/// The pool of handler connections on a file in WAL mode: one connection (they take turns
+/// anyway) with `synchronous = NORMAL`, whose commits append to the write-ahead log without an
+/// fsync. A delivery's settle commits after its handlers' writes with `FULL`, and a `FULL`
+/// commit fsyncs the log, every commit before it included: the handlers' writes are durable
+/// once the settle is. `None` (handler connections then come from the runtime's pool) for an
+/// in-memory database, which has nothing to fsync, and for another journal mode, whose commits
+/// do not all go through the one log.
+async fn handler_pool(pool: &SqlitePool) -> Result<Option<SqlitePool>, crate::Error> {
+    if pool.options().get_max_connections() <= 1 {
+        return Ok(None);
+    }
+    let mode: String = sqlx::query_scalar("PRAGMA journal_mode")
+        .fetch_one(pool)
+        .await
+        .map_err(crate::store::sql::db_error)?;
+    if !mode.eq_ignore_ascii_case("wal") {
+        return Ok(None);
+    }
+    let options = (*pool.connect_options())
+        .clone()
+        .synchronous(SqliteSynchronous::Normal);
+    Ok(Some(
+        pool.options()
+            .clone()
+            .max_connections(2)
+            .min_connections(0)
+            .test_before_acquire(false)
+            .connect_lazy_with(options),
+    ))
 }
 
 /// The connection options of `path`, and whether it is an in-memory database.

@@ -35,6 +35,9 @@ pub struct SqlStore<D: Dialect> {
     pool: sqlx::Pool<D>,
     /// The runtime's own pool (the application's when it has one connection only).
     engine: sqlx::Pool<D>,
+    /// Where handler connections come from when not from `engine`: on a SQLite file, a
+    /// connection whose commits leave their fsync to the delivery's settle.
+    handlers: Option<sqlx::Pool<D>>,
     /// `engine`, as the store's code reaches it.
     db: Database,
     /// Accepts and settles of many deliveries, committed together.
@@ -59,6 +62,7 @@ impl<D: Dialect> Clone for SqlStore<D> {
         Self {
             pool: self.pool.clone(),
             engine: self.engine.clone(),
+            handlers: self.handlers.clone(),
             db: self.db.clone(),
             group: Arc::clone(&self.group),
             #[cfg(feature = "testing")]
@@ -141,6 +145,7 @@ impl<D: Dialect> SqlStore<D> {
             database,
             pool,
             engine,
+            handlers: None,
             node: Arc::from(format!("node-{}", Uuid::new_v4().simple())),
             node_timeout: Duration::from_secs(30),
             clock: Arc::new(SystemClock),
@@ -273,6 +278,17 @@ impl<D: Dialect> SqlStore<D> {
     /// The runtime's own pool, which handler transactions run on.
     pub(crate) fn engine_pool(&self) -> &sqlx::Pool<D> {
         &self.engine
+    }
+
+    /// The pool handler connections come from.
+    pub(crate) fn handler_pool(&self) -> &sqlx::Pool<D> {
+        self.handlers.as_ref().unwrap_or(&self.engine)
+    }
+
+    /// This store with handler connections from `pool`.
+    pub(crate) fn with_handler_pool(mut self, pool: sqlx::Pool<D>) -> Self {
+        self.handlers = Some(pool);
+        self
     }
 
     /// The current time on the store's clock.

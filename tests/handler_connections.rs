@@ -1,0 +1,284 @@
+//! Handler connections on a real SQLite file and a real PostgreSQL server: a handler's own
+//! statements, each committed on its own, land once per message however often the delivery
+//! runs; on SQLite they take turns with the runtime's writers and leave their fsync to the
+//! delivery's settle.
+#![cfg(all(feature = "sqlite", feature = "postgres", feature = "testing"))]
+
+#[path = "support/messages.rs"]
+mod support;
+#[path = "support/stores.rs"]
+mod support_stores;
+
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use dacapo::DeadLetterReason;
+use dacapo::prelude::*;
+use dacapo::transaction::HandlerTransactions;
+use support::MemberRemoved;
+use support_stores::Backend;
+
+const WAIT: Duration = Duration::from_secs(20);
+
+const TABLE: &str =
+    "CREATE TABLE IF NOT EXISTS tallies (id TEXT PRIMARY KEY, member BIGINT NOT NULL)";
+const INSERT: &str = "INSERT INTO tallies (id, member) VALUES ($1, $2) ON CONFLICT (id) DO NOTHING";
+
+/// Writes one row per message under an id derived from it, on a handler connection; fails its
+/// first attempt after writing when asked to, so the retry writes the same row again.
+#[derive(Clone)]
+struct Tally {
+    backend: Backend,
+    fail_first: bool,
+    /// SQLite's `synchronous` level on the handler's connection, as each run saw it.
+    levels: Arc<Mutex<Vec<i64>>>,
+}
+
+impl Tally {
+    fn new(backend: Backend, fail_first: bool) -> Self {
+        Self {
+            backend,
+            fail_first,
+            levels: Arc::default(),
+        }
+    }
+}
+
+impl Handler<MemberRemoved> for Tally {
+    async fn handle(
+        &self,
+        event: &MemberRemoved,
+        ctx: &MessageContext,
+    ) -> Result<(), HandlerError> {
+        let id = ids::derive_or_random(ctx.message_id(), "tally");
+        let member = event.member_id as i64;
+        match self.backend {
+            Backend::Sqlite => {
+                let mut connection = ctx.connection::<sqlx::Sqlite>().await?;
+                sqlx::query(INSERT)
+                    .bind(&id)
+                    .bind(member)
+                    .execute(&mut *connection)
+                    .await?;
+                let level: i64 = sqlx::query_scalar("PRAGMA synchronous")
+                    .fetch_one(&mut *connection)
+                    .await?;
+                self.levels.lock().unwrap().push(level);
+            }
+            Backend::Postgres => {
+                let mut connection = ctx.connection::<sqlx::Postgres>().await?;
+                sqlx::query(INSERT)
+                    .bind(&id)
+                    .bind(member)
+                    .execute(&mut *connection)
+                    .await?;
+            }
+        }
+        if self.fail_first && ctx.attempt() == 1 {
+            return Err("failed after writing".into());
+        }
+        Ok(())
+    }
+}
+
+fn quick_retries() -> RetryPolicy {
+    RetryPolicy {
+        retry_limit: 3,
+        min_retry_interval: Duration::from_millis(20),
+        retry_interval_delta: Duration::from_millis(10),
+        max_retry_interval: Duration::from_millis(100),
+    }
+}
+
+fn members(count: u64) -> Vec<MemberRemoved> {
+    (0..count)
+        .map(|member_id| MemberRemoved {
+            organization_id: 1,
+            member_id,
+        })
+        .collect()
+}
+
+on_both_backends!(
+    a_retry_finds_the_rows_its_first_attempt_wrote_on_a_handler_connection_sqlite,
+    a_retry_finds_the_rows_its_first_attempt_wrote_on_a_handler_connection_postgres,
+    |db| {
+        db.execute(TABLE).await;
+        let tally = Tally::new(db.backend, true);
+        let runtime = db
+            .store(Runtime::builder(), "local", Duration::from_secs(30))
+            .await
+            .retry_policy(quick_retries())
+            .module(Module::new("billing").handle_named::<MemberRemoved, _>("tally", tally))
+            .build()
+            .unwrap();
+        runtime.publish_batch(&members(20)).await.unwrap();
+        tokio::time::timeout(WAIT, runtime.idle()).await.unwrap();
+        let stats = runtime.stats();
+        assert_eq!(
+            (stats.handled, stats.retried, stats.dead_lettered),
+            (20, 20, 0),
+            "{stats:?}"
+        );
+        runtime.shutdown().await;
+        assert_eq!(db.scalar("SELECT count(*) FROM tallies").await, 20);
+        assert_eq!(
+            db.scalar("SELECT count(DISTINCT member) FROM tallies")
+                .await,
+            20
+        );
+        assert_eq!(
+            db.scalar("SELECT count(*) FROM dacapo_inbox WHERE status = 'handled'")
+                .await,
+            20
+        );
+    }
+);
+
+/// On a SQLite file a handler connection commits without an fsync (`NORMAL`, 1) while the
+/// runtime's own pool, whose settles make the handler's writes durable, fsyncs each commit
+/// (`FULL`, 2).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn on_a_sqlite_file_a_handler_connection_leaves_its_fsync_to_the_settle() {
+    let db = support_stores::TestDatabase::new(Backend::Sqlite).await;
+    db.execute(TABLE).await;
+    let store = db.sqlite().await;
+    let pool = store.pool().clone();
+    let tally = Tally::new(Backend::Sqlite, false);
+    let runtime = Runtime::builder()
+        .store(store)
+        .module(Module::new("billing").handle_named::<MemberRemoved, _>("tally", tally.clone()))
+        .build()
+        .unwrap();
+    runtime.publish_batch(&members(3)).await.unwrap();
+    tokio::time::timeout(WAIT, runtime.idle()).await.unwrap();
+    runtime.shutdown().await;
+    assert_eq!(*tally.levels.lock().unwrap(), [1, 1, 1]);
+    let runtime_level: i64 = sqlx::query_scalar("PRAGMA synchronous")
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    assert_eq!(runtime_level, 2);
+    assert_eq!(db.scalar("SELECT count(*) FROM tallies").await, 3);
+}
+
+/// An in-memory database has nothing to fsync and one connection: handler connections are
+/// that connection, as it is.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn in_memory_a_handler_connection_is_the_runtimes_own() {
+    let store = dacapo::store::SqliteStore::open("sqlite::memory:")
+        .await
+        .unwrap();
+    sqlx::query(TABLE).execute(store.pool()).await.unwrap();
+    let pool = store.pool().clone();
+    let tally = Tally::new(Backend::Sqlite, false);
+    let runtime = Runtime::builder()
+        .store(store)
+        .module(Module::new("billing").handle_named::<MemberRemoved, _>("tally", tally.clone()))
+        .build()
+        .unwrap();
+    runtime.publish_batch(&members(3)).await.unwrap();
+    tokio::time::timeout(WAIT, runtime.idle()).await.unwrap();
+    assert_eq!(runtime.stats().handled, 3);
+    runtime.shutdown().await;
+    assert_eq!(*tally.levels.lock().unwrap(), [2, 2, 2]);
+    let rows: i64 = sqlx::query_scalar("SELECT count(*) FROM tallies")
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    assert_eq!(rows, 3);
+}
+
+/// Handler connections take their turn with the runtime's writers: sixteen batches published
+/// at once, each message's row written on a handler connection, never find the database
+/// locked even with SQLite's busy timeout at zero (a writer that found the lock taken would
+/// fail at once, and its delivery be retried).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn handler_connections_take_turns_with_the_runtimes_writers_on_sqlite() {
+    let db = support_stores::TestDatabase::new(Backend::Sqlite).await;
+    let options = sqlx::sqlite::SqliteConnectOptions::new()
+        .filename(&db.url)
+        .create_if_missing(true)
+        .journal_mode(sqlx::sqlite::SqliteJournalMode::Wal)
+        .busy_timeout(Duration::ZERO);
+    let pool = sqlx::sqlite::SqlitePoolOptions::new()
+        .max_connections(4)
+        .connect_with(options)
+        .await
+        .unwrap();
+    sqlx::query(TABLE).execute(&pool).await.unwrap();
+    let store = dacapo::store::SqliteStore::with_pool(pool.clone())
+        .await
+        .unwrap();
+    let runtime = Runtime::builder()
+        .store(store)
+        .module(
+            Module::new("billing")
+                .handle_named::<MemberRemoved, _>("tally", Tally::new(Backend::Sqlite, false)),
+        )
+        .build()
+        .unwrap();
+    let batches = (0..16u64).map(|batch| {
+        let messages: Vec<MemberRemoved> = (0..20)
+            .map(|n| MemberRemoved {
+                organization_id: batch,
+                member_id: batch * 20 + n,
+            })
+            .collect();
+        let runtime = &runtime;
+        async move { runtime.publish_batch(&messages).await }
+    });
+    let published = futures::future::join_all(batches).await;
+    assert!(published.iter().all(Result::is_ok), "{published:?}");
+    tokio::time::timeout(WAIT, runtime.idle()).await.unwrap();
+    let stats = runtime.stats();
+    assert_eq!(
+        (stats.handled, stats.retried, stats.dead_lettered),
+        (320, 0, 0),
+        "{stats:?}"
+    );
+    runtime.shutdown().await;
+    let rows: i64 = sqlx::query_scalar("SELECT count(*) FROM tallies")
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    assert_eq!(rows, 320);
+}
+
+#[tokio::test]
+async fn a_detached_context_opens_no_connection() {
+    let context = MessageContext::detached();
+    let error = context.connection::<sqlx::Sqlite>().await.unwrap_err();
+    assert!(matches!(error, dacapo::Error::Detached), "{error}");
+}
+
+/// Asks for a PostgreSQL connection, whatever the store.
+struct OpensPostgres;
+
+impl Handler<MemberRemoved> for OpensPostgres {
+    async fn handle(&self, _: &MemberRemoved, ctx: &MessageContext) -> Result<(), HandlerError> {
+        ctx.connection::<sqlx::Postgres>().await?;
+        Ok(())
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_handler_connection_needs_a_store_of_its_database() {
+    let db = support_stores::TestDatabase::new(Backend::Sqlite).await;
+    let runtime = Runtime::builder()
+        .store(db.sqlite().await)
+        .retry_policy(RetryPolicy {
+            retry_limit: 0,
+            ..RetryPolicy::default()
+        })
+        .module(Module::new("billing").handle_named::<MemberRemoved, _>("tally", OpensPostgres))
+        .build()
+        .unwrap();
+    let id = runtime.publish(&support::member_removed()).await.unwrap();
+    tokio::time::timeout(WAIT, runtime.idle()).await.unwrap();
+    let letter = runtime.dead_letters().inspect(id).await.unwrap();
+    assert_eq!(letter.reason, DeadLetterReason::RetriesExhausted);
+    let failure = &letter.failures[0].failures[0].error;
+    assert!(failure.contains("PostgresStore"), "{failure}");
+    runtime.shutdown().await;
+}
