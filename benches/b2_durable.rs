@@ -10,6 +10,11 @@
 //! concurrent commits together; SQLite has one writer). The goal is set against the first,
 //! as issue 11 defines it; the third shows how far the database itself could go.
 //!
+//! dacapo runs each workload twice: with the handler inserting on the application's pool (an
+//! autocommit, so an fsync of its own, taken without the runtime's turn to write), and on a
+//! handler connection (`HandlerTransactions::connection`: on SQLite it takes the runtime's turn
+//! and leaves its fsync to the delivery's settle, which fsyncs the write-ahead log after it).
+//!
 //! Four workloads: `live` (one publisher awaiting each publish while the runtime handles),
 //! `16 publishers` (sixteen tasks publishing at once), `publish_batch` (a hundred messages to
 //! a call), and `backlog`: 20 000 envelopes already in the inbox, drained by a node that
@@ -18,7 +23,9 @@
 //!
 //! Run with `cargo bench --bench b2_durable --features postgres` (PostgreSQL at
 //! `DACAPO_BENCH_POSTGRES`, default `postgres://postgres@127.0.0.1:5432/postgres`; a scratch
-//! database is created and dropped). Goal (issue 11): at least 0.6 of the batched loop.
+//! database is created and dropped). Three rounds (`B2_ROUNDS`), every contender once a round;
+//! each ratio is a round's own, and the figures are the rounds' medians. `B2_ONLY=live,batched`
+//! runs some contenders. Goal (issue 11): at least 0.6 of the batched loop.
 
 use std::time::{Duration, Instant};
 
@@ -26,6 +33,7 @@ use dacapo::RuntimeBuilder;
 use dacapo::ids;
 use dacapo::prelude::*;
 use dacapo::store::{PostgresStore, SqliteStore};
+use dacapo::transaction::HandlerTransactions;
 use scratch::{ScratchPostgres, ScratchSqlite};
 use serde::{Deserialize, Serialize};
 
@@ -50,11 +58,25 @@ const TABLE: &str =
 const INSERT_ROW: &str =
     "INSERT INTO bench_rows (id, n) VALUES ($1, $2) ON CONFLICT (id) DO NOTHING";
 
-/// The one handler: one INSERT with a deterministic id.
-struct InsertRow<P>(P);
+/// The one handler: one INSERT with a deterministic id — on the application's pool (`P`), or,
+/// when `on_connection`, on a handler connection (`HandlerTransactions::connection`: on
+/// SQLite it takes the runtime's turn to write and leaves its fsync to the settle).
+struct InsertRow<P> {
+    pool: P,
+    on_connection: bool,
+}
+
+impl<P> InsertRow<P> {
+    fn new(pool: P, on_connection: bool) -> Self {
+        Self {
+            pool,
+            on_connection,
+        }
+    }
+}
 
 macro_rules! insert_row_handler {
-    ($pool:ty) => {
+    ($pool:ty, $db:ty) => {
         impl Handler<Ping> for InsertRow<$pool> {
             async fn handle(
                 &self,
@@ -62,18 +84,20 @@ macro_rules! insert_row_handler {
                 context: &MessageContext,
             ) -> Result<(), HandlerError> {
                 let id = ids::derive_or_random(context.message_id(), "row");
-                sqlx::query(INSERT_ROW)
-                    .bind(id)
-                    .bind(ping.n as i64)
-                    .execute(&self.0)
-                    .await?;
+                let insert = sqlx::query(INSERT_ROW).bind(id).bind(ping.n as i64);
+                if self.on_connection {
+                    let mut connection = context.connection::<$db>().await?;
+                    insert.execute(&mut *connection).await?;
+                } else {
+                    insert.execute(&self.pool).await?;
+                }
                 Ok(())
             }
         }
     };
 }
-insert_row_handler!(sqlx::SqlitePool);
-insert_row_handler!(sqlx::PgPool);
+insert_row_handler!(sqlx::SqlitePool, sqlx::Sqlite);
+insert_row_handler!(sqlx::PgPool, sqlx::Postgres);
 
 /// The same INSERT, then the time it was handled, by message number.
 struct Stamped<P> {
@@ -114,7 +138,7 @@ where
         .module(Module::new("bench").handle_named::<Ping, _>(
             "insert",
             Stamped {
-                insert: InsertRow(pool),
+                insert: InsertRow::new(pool, false),
                 handled: std::sync::Arc::clone(&handled),
             },
         ))
@@ -296,10 +320,112 @@ batched_loop!(batched_postgres, sqlx::PgPool);
 const RAW_NEXT: &str = "SELECT id, payload FROM dacapo_inbox \
     WHERE status IN ('incoming', 'scheduled') ORDER BY received_at LIMIT 100";
 
+/// Commits the handlers' inserts and the marks of `rows` (pending envelopes, with their
+/// payloads) in one transaction, a statement per row.
+macro_rules! handle_pending {
+    ($name:ident, $pool:ty) => {
+        async fn $name(pool: &$pool, rows: &[(String, Vec<u8>)]) {
+            let now = chrono::Utc::now().timestamp_millis();
+            let mut tx = pool.begin().await.unwrap();
+            for (id, payload) in rows {
+                let ping: Ping = serde_json::from_slice(payload).unwrap();
+                sqlx::query(INSERT_ROW)
+                    .bind(format!("{id}-row"))
+                    .bind(ping.n as i64)
+                    .execute(&mut *tx)
+                    .await
+                    .unwrap();
+                sqlx::query(RAW_HANDLED)
+                    .bind(id)
+                    .bind(now)
+                    .execute(&mut *tx)
+                    .await
+                    .unwrap();
+            }
+            tx.commit().await.unwrap();
+        }
+    };
+}
+handle_pending!(handle_pending_sqlite, sqlx::SqlitePool);
+handle_pending!(handle_pending_postgres, sqlx::PgPool);
+
+/// The live workload's limit, with its durability: one publisher commits each envelope on its
+/// own and awaits it, as `publish` does (no raw loop can batch what a caller awaits one at a
+/// time), while a drainer reads up to a hundred pending envelopes and commits their handlers'
+/// inserts and their marks in one transaction. On SQLite the two take turns on a lock in the
+/// process (`$turns`), as the runtime's writers do, instead of polling SQLite's.
+macro_rules! live_limit {
+    ($name:ident, $pool:ty, $handle:ident, $turns:expr) => {
+        async fn $name(pool: &$pool, deliveries: u64) -> Duration {
+            let start = Instant::now();
+            let turn = std::sync::Arc::new(tokio::sync::Mutex::new(()));
+            let published = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+            let drainer = {
+                let (pool, turn, published) = (
+                    pool.clone(),
+                    std::sync::Arc::clone(&turn),
+                    std::sync::Arc::clone(&published),
+                );
+                tokio::spawn(async move {
+                    let mut drained = 0;
+                    while drained < deliveries {
+                        let done = published.load(std::sync::atomic::Ordering::SeqCst);
+                        let rows: Vec<(String, Vec<u8>)> =
+                            sqlx::query_as(RAW_NEXT).fetch_all(&pool).await.unwrap();
+                        if rows.is_empty() {
+                            assert!(!done, "every envelope published and none pending");
+                            tokio::task::yield_now().await;
+                            continue;
+                        }
+                        let _turn = if $turns {
+                            Some(turn.lock().await)
+                        } else {
+                            None
+                        };
+                        $handle(&pool, &rows).await;
+                        drained += rows.len() as u64;
+                    }
+                })
+            };
+            for n in 0..deliveries {
+                let payload = serde_json::to_vec(&Ping { n }).unwrap();
+                let now = chrono::Utc::now().timestamp_millis();
+                let _turn = if $turns {
+                    Some(turn.lock().await)
+                } else {
+                    None
+                };
+                sqlx::query(RAW_RECEIVE)
+                    .bind(uuid::Uuid::now_v7().simple().to_string())
+                    .bind(payload)
+                    .bind(now)
+                    .execute(pool)
+                    .await
+                    .unwrap();
+            }
+            published.store(true, std::sync::atomic::Ordering::SeqCst);
+            drainer.await.unwrap();
+            start.elapsed()
+        }
+    };
+}
+live_limit!(
+    live_limit_sqlite,
+    sqlx::SqlitePool,
+    handle_pending_sqlite,
+    true
+);
+live_limit!(
+    live_limit_postgres,
+    sqlx::PgPool,
+    handle_pending_postgres,
+    false
+);
+
 /// The backlog workload's limit: a hundred pending envelopes read, then their handlers'
 /// inserts and their marks in one transaction, until none is left.
 macro_rules! batched_drain {
-    ($name:ident, $pool:ty) => {
+    ($name:ident, $pool:ty, $handle:ident) => {
         async fn $name(pool: &$pool) -> u64 {
             let mut drained = 0;
             loop {
@@ -308,81 +434,84 @@ macro_rules! batched_drain {
                 if rows.is_empty() {
                     return drained;
                 }
-                let now = chrono::Utc::now().timestamp_millis();
-                let mut tx = pool.begin().await.unwrap();
-                for (id, payload) in &rows {
-                    let ping: Ping = serde_json::from_slice(payload).unwrap();
-                    sqlx::query(INSERT_ROW)
-                        .bind(format!("{id}-row"))
-                        .bind(ping.n as i64)
-                        .execute(&mut *tx)
-                        .await
-                        .unwrap();
-                    sqlx::query(RAW_HANDLED)
-                        .bind(id)
-                        .bind(now)
-                        .execute(&mut *tx)
-                        .await
-                        .unwrap();
-                }
-                tx.commit().await.unwrap();
+                $handle(pool, &rows).await;
                 drained += rows.len() as u64;
             }
         }
     };
 }
-batched_drain!(batched_drain_sqlite, sqlx::SqlitePool);
-batched_drain!(batched_drain_postgres, sqlx::PgPool);
+batched_drain!(
+    batched_drain_sqlite,
+    sqlx::SqlitePool,
+    handle_pending_sqlite
+);
+batched_drain!(
+    batched_drain_postgres,
+    sqlx::PgPool,
+    handle_pending_postgres
+);
 
-/// `rows` rows of `width` placeholders each, numbered from `$first`: `($3, $4), ($5, $6)`.
-fn placeholders(rows: usize, width: usize, first: usize) -> String {
-    (0..rows)
-        .map(|row| {
-            let cells: Vec<String> = (0..width)
-                .map(|cell| format!("${}", first + row * width + cell))
-                .collect();
-            format!("({})", cells.join(", "))
-        })
-        .collect::<Vec<_>>()
-        .join(", ")
+/// `text` with each `?` numbered in order (`$1`, `$2` …) for PostgreSQL; as it is for SQLite,
+/// which binds bare `?`s in order fastest (it looks a numbered parameter up by a linear search
+/// of the statement's names, once per parameter at each execution).
+fn numbered(text: String, postgres: bool) -> sqlx::AssertSqlSafe<String> {
+    if !postgres {
+        return sqlx::AssertSqlSafe(text);
+    }
+    let mut out = String::with_capacity(text.len() + text.len() / 2);
+    let mut n = 0;
+    for c in text.chars() {
+        if c == '?' {
+            n += 1;
+            out.push_str(&format!("${n}"));
+        } else {
+            out.push(c);
+        }
+    }
+    sqlx::AssertSqlSafe(out)
 }
 
-/// A hundred envelopes in one statement (`$1` is the time).
-fn receive_rows(rows: usize) -> sqlx::AssertSqlSafe<String> {
-    let values = (0..rows)
-        .map(|row| {
-            format!(
-                "(${}, 'bench.ping', ${}, '{{}}', $1, 'incoming', 1, 'raw', $1)",
-                2 + 2 * row,
-                3 + 2 * row
+/// `row` `rows` times, joined by commas.
+fn repeated(row: &str, rows: usize) -> String {
+    vec![row; rows].join(", ")
+}
+
+/// A hundred envelopes in one statement: id, payload and the time twice for each.
+fn receive_rows(rows: usize, postgres: bool) -> sqlx::AssertSqlSafe<String> {
+    numbered(
+        format!(
+            "INSERT INTO dacapo_inbox (id, message_type, payload, headers, sent_at, status, \
+             attempts, owner, received_at) VALUES {} ON CONFLICT (id) DO NOTHING",
+            repeated(
+                "(?, 'bench.ping', ?, '{}', ?, 'incoming', 1, 'raw', ?)",
+                rows
             )
-        })
-        .collect::<Vec<_>>()
-        .join(", ");
-    sqlx::AssertSqlSafe(format!(
-        "INSERT INTO dacapo_inbox (id, message_type, payload, headers, sent_at, status, \
-         attempts, owner, received_at) VALUES {values} ON CONFLICT (id) DO NOTHING"
-    ))
+        ),
+        postgres,
+    )
 }
 
 /// The handlers' hundred inserts in one statement.
-fn insert_rows(rows: usize) -> sqlx::AssertSqlSafe<String> {
-    sqlx::AssertSqlSafe(format!(
-        "INSERT INTO bench_rows (id, n) VALUES {} ON CONFLICT (id) DO NOTHING",
-        placeholders(rows, 2, 1)
-    ))
+fn insert_rows(rows: usize, postgres: bool) -> sqlx::AssertSqlSafe<String> {
+    numbered(
+        format!(
+            "INSERT INTO bench_rows (id, n) VALUES {} ON CONFLICT (id) DO NOTHING",
+            repeated("(?, ?)", rows)
+        ),
+        postgres,
+    )
 }
 
-/// A hundred marks in one statement (`$1` is the time).
-fn mark_rows(rows: usize) -> sqlx::AssertSqlSafe<String> {
-    let ids = (0..rows)
-        .map(|row| format!("${}", 2 + row))
-        .collect::<Vec<_>>()
-        .join(", ");
-    sqlx::AssertSqlSafe(format!(
-        "UPDATE dacapo_inbox SET status = 'handled', handled_at = $1, owner = NULL \
-         WHERE id IN ({ids})"
-    ))
+/// A hundred marks in one statement: the time, then the ids.
+fn mark_rows(rows: usize, postgres: bool) -> sqlx::AssertSqlSafe<String> {
+    numbered(
+        format!(
+            "UPDATE dacapo_inbox SET status = 'handled', handled_at = ?, owner = NULL \
+             WHERE id IN ({})",
+            repeated("?", rows)
+        ),
+        postgres,
+    )
 }
 
 /// The database's limit: the same writes, a hundred messages to a transaction — their envelopes in one,
@@ -390,7 +519,7 @@ fn mark_rows(rows: usize) -> sqlx::AssertSqlSafe<String> {
 /// a statement, and `$workers` such loops at once (PostgreSQL commits concurrent
 /// transactions in one WAL flush; SQLite has one writer, so one loop).
 macro_rules! multirow_loop {
-    ($name:ident, $pool:ty, $workers:expr) => {
+    ($name:ident, $pool:ty, $workers:expr, $postgres:expr) => {
         async fn $name(pool: &$pool, deliveries: u64) -> Duration {
             let start = Instant::now();
             let mut workers = tokio::task::JoinSet::new();
@@ -406,17 +535,19 @@ macro_rules! multirow_loop {
                             .collect();
                         let now = chrono::Utc::now().timestamp_millis();
                         let mut tx = pool.begin().await.unwrap();
-                        let mut receive = sqlx::query(receive_rows(batch.len())).bind(now);
+                        let mut receive = sqlx::query(receive_rows(batch.len(), $postgres));
                         for (id, n) in &batch {
                             receive = receive
                                 .bind(id.clone())
-                                .bind(serde_json::to_vec(&Ping { n: *n }).unwrap());
+                                .bind(serde_json::to_vec(&Ping { n: *n }).unwrap())
+                                .bind(now)
+                                .bind(now);
                         }
                         receive.execute(&mut *tx).await.unwrap();
                         tx.commit().await.unwrap();
                         let mut tx = pool.begin().await.unwrap();
-                        let mut insert = sqlx::query(insert_rows(batch.len()));
-                        let mut mark = sqlx::query(mark_rows(batch.len())).bind(now);
+                        let mut insert = sqlx::query(insert_rows(batch.len(), $postgres));
+                        let mut mark = sqlx::query(mark_rows(batch.len(), $postgres)).bind(now);
                         for (id, n) in &batch {
                             insert = insert.bind(format!("{id}-row")).bind(*n as i64);
                             mark = mark.bind(id.clone());
@@ -433,8 +564,8 @@ macro_rules! multirow_loop {
         }
     };
 }
-multirow_loop!(multirow_sqlite, sqlx::SqlitePool, 1);
-multirow_loop!(multirow_postgres, sqlx::PgPool, 4);
+multirow_loop!(multirow_sqlite, sqlx::SqlitePool, 1, false);
+multirow_loop!(multirow_postgres, sqlx::PgPool, 4, true);
 
 /// The same read for one of several loops at once: rows another loop holds are skipped.
 const RAW_NEXT_LOCKED: &str = "SELECT id, payload FROM dacapo_inbox \
@@ -445,7 +576,7 @@ const RAW_NEXT_LOCKED: &str = "SELECT id, payload FROM dacapo_inbox \
 /// handlers' inserts and their marks in the same transaction, a statement each, until none is
 /// left; `$workers` loops at once, as in [`multirow_loop`].
 macro_rules! multirow_drain {
-    ($name:ident, $pool:ty, $next:expr, $workers:expr) => {
+    ($name:ident, $pool:ty, $next:expr, $workers:expr, $postgres:expr) => {
         async fn $name(pool: &$pool) -> u64 {
             let mut workers = tokio::task::JoinSet::new();
             for _ in 0..$workers {
@@ -460,8 +591,8 @@ macro_rules! multirow_drain {
                             return drained;
                         }
                         let now = chrono::Utc::now().timestamp_millis();
-                        let mut insert = sqlx::query(insert_rows(rows.len()));
-                        let mut mark = sqlx::query(mark_rows(rows.len())).bind(now);
+                        let mut insert = sqlx::query(insert_rows(rows.len(), $postgres));
+                        let mut mark = sqlx::query(mark_rows(rows.len(), $postgres)).bind(now);
                         for (id, payload) in &rows {
                             let ping: Ping = serde_json::from_slice(payload).unwrap();
                             insert = insert.bind(format!("{id}-row")).bind(ping.n as i64);
@@ -482,8 +613,14 @@ macro_rules! multirow_drain {
         }
     };
 }
-multirow_drain!(multirow_drain_sqlite, sqlx::SqlitePool, RAW_NEXT, 1);
-multirow_drain!(multirow_drain_postgres, sqlx::PgPool, RAW_NEXT_LOCKED, 4);
+multirow_drain!(multirow_drain_sqlite, sqlx::SqlitePool, RAW_NEXT, 1, false);
+multirow_drain!(
+    multirow_drain_postgres,
+    sqlx::PgPool,
+    RAW_NEXT_LOCKED,
+    4,
+    true
+);
 
 /// The same insert, counted: the bench wakes at the last one.
 struct Counting<P> {
@@ -519,6 +656,7 @@ counting_handler!(sqlx::PgPool);
 async fn drain_backlog<P: Clone>(
     store_builder: RuntimeBuilder,
     pool: P,
+    on_connection: bool,
     deliveries: u64,
 ) -> Duration
 where
@@ -531,7 +669,7 @@ where
         .module(Module::new("bench").handle_named::<Ping, _>(
             "insert",
             Counting {
-                insert: InsertRow(pool),
+                insert: InsertRow::new(pool, on_connection),
                 calls: std::sync::Arc::default(),
                 last: deliveries,
                 done: std::sync::Arc::clone(&done),
@@ -547,78 +685,46 @@ where
     elapsed
 }
 
-/// Deliveries per second of each contender on one backend.
-struct Figures {
-    live: f64,
-    publishers16: f64,
-    /// The same two workloads with group commit off (each write committed alone).
-    live_alone: f64,
-    publishers16_alone: f64,
-    batches: f64,
-    batched: f64,
-    one_commit_each: f64,
-    /// The backlog workload, dacapo and its limit.
-    backlog: f64,
-    backlog_limit: f64,
-    /// The database's limits: the same writes a hundred rows to a statement, several loops
-    /// at once where the database commits them together.
-    multirow: f64,
-    backlog_multirow: f64,
+/// Deliveries per second of each contender on one backend, by contender.
+#[derive(Default)]
+struct Figures(std::collections::HashMap<&'static str, f64>);
+
+impl Figures {
+    fn set(&mut self, contender: &'static str, rate: f64) {
+        self.0.insert(contender, rate);
+    }
+
+    /// The rate of `contender`, 0 when it did not run.
+    fn of(&self, contender: &str) -> f64 {
+        self.0.get(contender).copied().unwrap_or(0.0)
+    }
 }
 
 fn rate(deliveries: u64, elapsed: Duration) -> f64 {
     deliveries as f64 / elapsed.as_secs_f64()
 }
 
-/// The runs of one backend, by name: dacapo's workloads (group commit on, then off), then
-/// the raw loops.
-const CONTENDERS: [&str; 11] = [
+/// The runs of one backend, by name: dacapo's workloads — the handler inserting on the
+/// application's pool, then (`-conn`) on a handler connection, and (`-alone`) with group
+/// commit off — then the raw loops.
+const CONTENDERS: [&str; 16] = [
     "live",
+    "live-limit",
+    "live-conn",
     "16",
+    "16-conn",
     "live-alone",
     "16-alone",
     "publish-batch",
+    "publish-batch-conn",
     "batched",
     "one",
     "backlog",
+    "backlog-conn",
     "backlog-limit",
     "multirow",
     "backlog-multirow",
 ];
-
-impl Figures {
-    fn new() -> Self {
-        Self {
-            live: 0.0,
-            publishers16: 0.0,
-            live_alone: 0.0,
-            publishers16_alone: 0.0,
-            batches: 0.0,
-            batched: 0.0,
-            one_commit_each: 0.0,
-            backlog: 0.0,
-            backlog_limit: 0.0,
-            multirow: 0.0,
-            backlog_multirow: 0.0,
-        }
-    }
-
-    fn set(&mut self, contender: &str, rate: f64) {
-        match contender {
-            "live" => self.live = rate,
-            "16" => self.publishers16 = rate,
-            "live-alone" => self.live_alone = rate,
-            "16-alone" => self.publishers16_alone = rate,
-            "publish-batch" => self.batches = rate,
-            "batched" => self.batched = rate,
-            "backlog" => self.backlog = rate,
-            "backlog-limit" => self.backlog_limit = rate,
-            "multirow" => self.multirow = rate,
-            "backlog-multirow" => self.backlog_multirow = rate,
-            _ => self.one_commit_each = rate,
-        }
-    }
-}
 
 /// How many envelopes the backlog workload starts with.
 const BACKLOG: u64 = 20_000;
@@ -626,7 +732,7 @@ const BACKLOG: u64 = 20_000;
 /// Runs `$contender` on `$store` and its `$pool`, with this backend's raw loops; how many
 /// deliveries it made, and its time.
 macro_rules! measure {
-    ($contender:ident, $store:ident, $pool:ident, $deliveries:ident, $batched:ident, $raw:ident, $seed:ident, $drain:ident, $multirow:ident, $multirow_drain:ident) => {{
+    ($contender:ident, $store:ident, $pool:ident, $deliveries:ident, $batched:ident, $raw:ident, $seed:ident, $drain:ident, $multirow:ident, $multirow_drain:ident, $live_limit:ident) => {{
         $pool.execute(TABLE).await.unwrap();
         if $contender.starts_with("backlog") {
             sqlx::query($seed)
@@ -641,24 +747,26 @@ macro_rules! measure {
             $store
         };
         let builder = Runtime::builder().store(store);
-        let handler = InsertRow($pool.clone());
+        let on_connection = $contender.ends_with("conn");
+        let handler = InsertRow::new($pool.clone(), on_connection);
         match $contender {
-            "live" | "live-alone" => (
+            "live" | "live-conn" | "live-alone" => (
                 $deliveries,
                 through_dacapo(builder, handler, $deliveries, 1).await,
             ),
-            "16" | "16-alone" => (
+            "16" | "16-conn" | "16-alone" => (
                 $deliveries,
                 through_dacapo(builder, handler, $deliveries, 16).await,
             ),
-            "publish-batch" => (
+            "publish-batch" | "publish-batch-conn" => (
                 $deliveries,
                 through_dacapo(builder, handler, $deliveries, 0).await,
             ),
             "batched" => ($deliveries, $batched(&$pool, $deliveries).await),
-            "backlog" => (
+            "live-limit" => ($deliveries, $live_limit(&$pool, $deliveries).await),
+            "backlog" | "backlog-conn" => (
                 BACKLOG,
-                drain_backlog(builder, $pool.clone(), BACKLOG).await,
+                drain_backlog(builder, $pool.clone(), on_connection, BACKLOG).await,
             ),
             "backlog-limit" => {
                 let start = Instant::now();
@@ -686,7 +794,7 @@ fn contenders() -> Vec<&'static str> {
 }
 
 async fn sqlite(deliveries: u64) -> Figures {
-    let mut figures = Figures::new();
+    let mut figures = Figures::default();
     for contender in contenders() {
         let scratch = ScratchSqlite::new(&format!("b2-{contender}"));
         let store = SqliteStore::open(scratch.path()).await.unwrap();
@@ -701,7 +809,8 @@ async fn sqlite(deliveries: u64) -> Figures {
             SEED_SQLITE,
             batched_drain_sqlite,
             multirow_sqlite,
-            multirow_drain_sqlite
+            multirow_drain_sqlite,
+            live_limit_sqlite
         );
         pool.close().await;
         figures.set(contender, rate(count, elapsed));
@@ -710,7 +819,7 @@ async fn sqlite(deliveries: u64) -> Figures {
 }
 
 async fn postgres(deliveries: u64) -> Figures {
-    let mut figures = Figures::new();
+    let mut figures = Figures::default();
     for contender in contenders() {
         let scratch = ScratchPostgres::create(&format!("b3_{}", contender.replace('-', "_"))).await;
         let store = PostgresStore::connect(&scratch.url).await.unwrap();
@@ -725,7 +834,8 @@ async fn postgres(deliveries: u64) -> Figures {
             SEED_POSTGRES,
             batched_drain_postgres,
             multirow_postgres,
-            multirow_drain_postgres
+            multirow_drain_postgres,
+            live_limit_postgres
         );
         pool.close().await;
         scratch.remove().await;
@@ -734,67 +844,94 @@ async fn postgres(deliveries: u64) -> Figures {
     figures
 }
 
-fn print(name: &str, figures: &Figures) {
+/// The median of `values`.
+fn median(mut values: Vec<f64>) -> f64 {
+    values.sort_by(f64::total_cmp);
+    values.get(values.len() / 2).copied().unwrap_or(0.0)
+}
+
+/// The median rate of `contender` over the rounds.
+fn rate_of(rounds: &[Figures], contender: &str) -> f64 {
+    median(rounds.iter().map(|figures| figures.of(contender)).collect())
+}
+
+/// The median of `contender`'s ratio to `limit`, each round's own, and their range.
+fn ratio_of(rounds: &[Figures], contender: &str, limit: &str) -> String {
+    let ratios: Vec<f64> = rounds
+        .iter()
+        .filter(|figures| figures.of(contender) > 0.0 && figures.of(limit) > 0.0)
+        .map(|figures| figures.of(contender) / figures.of(limit))
+        .collect();
+    if ratios.is_empty() {
+        return "-".to_owned();
+    }
+    let (low, high) = ratios.iter().fold((f64::MAX, f64::MIN), |(low, high), r| {
+        (low.min(*r), high.max(*r))
+    });
+    format!("{:.2} ({low:.2}-{high:.2})", median(ratios))
+}
+
+fn print(name: &str, rounds: &[Figures]) {
+    let rate = |contender: &str| rate_of(rounds, contender);
     println!(
-        "  {name:<10} batched loop (limit) {:>7.0}/s   one commit each {:>7.0}/s   database limit (100 rows to a statement) {:>7.0}/s",
-        figures.batched, figures.one_commit_each, figures.multirow
+        "  {name:<11} batched loop (limit) {:>7.0}/s   one commit each {:>7.0}/s   database limit (100 rows to a statement) {:>7.0}/s",
+        rate("batched"),
+        rate("one"),
+        rate("multirow"),
     );
-    for (workload, rate, alone) in [
-        ("live", figures.live, figures.live_alone),
-        (
-            "16 publishers",
-            figures.publishers16,
-            figures.publishers16_alone,
-        ),
+    println!(
+        "  {:<11} {:<22} {:>9} {:>17} {:>15} {:>17} {:>8}",
+        "",
+        "dacapo, inserting on",
+        "app pool",
+        "ratio (range)",
+        "handler conn.",
+        "ratio (range)",
+        "goal"
+    );
+    for (workload, contender, limit) in [
+        ("live (one publisher)", "live", "batched"),
+        ("16 publishers", "16", "batched"),
+        ("publish_batch(100)", "publish-batch", "batched"),
+        ("backlog drained", "backlog", "backlog-limit"),
     ] {
+        let connection = format!("{contender}-conn");
         println!(
-            "  {:<10} dacapo {workload:<14} {rate:>7.0}/s   ratio to the limit {:.2} (goal >= 0.60)   group commit off {alone:>7.0}/s   of the database limit {:.2}",
+            "  {:<11} {workload:<22} {:>7.0}/s {:>17} {:>13.0}/s {:>17} {:>8}",
             "",
-            rate / figures.batched,
-            rate / figures.multirow,
+            rate(contender),
+            ratio_of(rounds, contender, limit),
+            rate(&connection),
+            ratio_of(rounds, &connection, limit),
+            ">= 0.60",
         );
     }
     println!(
-        "  {:<10} dacapo publish_batch(100) {:>7.0}/s   ratio to the limit {:.2} (goal >= 0.60)   of the database limit {:.2}",
+        "  {:<11} live against its limit with the same durability (one commit per awaited publish, drained in batches of 100: {:>7.0}/s): app pool {}, handler conn. {}",
         "",
-        figures.batches,
-        figures.batches / figures.batched,
-        figures.batches / figures.multirow
+        rate("live-limit"),
+        ratio_of(rounds, "live", "live-limit"),
+        ratio_of(rounds, "live-conn", "live-limit"),
     );
     println!(
-        "  {:<10} dacapo backlog of {BACKLOG} drained {:>7.0}/s   limit (read 100, insert and mark in one transaction) {:>7.0}/s   ratio {:.2} (goal >= 0.60)   database limit {:>7.0}/s, ratio {:.2}",
+        "  {:<11} group commit off: live {:>7.0}/s, 16 publishers {:>7.0}/s   backlog limit (read 100, insert and mark in one transaction) {:>7.0}/s   database limits {:>7.0}/s, backlog {:>7.0}/s",
         "",
-        figures.backlog,
-        figures.backlog_limit,
-        figures.backlog / figures.backlog_limit,
-        figures.backlog_multirow,
-        figures.backlog / figures.backlog_multirow
+        rate("live-alone"),
+        rate("16-alone"),
+        rate("backlog-limit"),
+        rate("multirow"),
+        rate("backlog-multirow"),
     );
 }
 
-/// p50 and p99 at 200 messages/s, group commit on and off, on both backends.
-async fn latencies() {
+/// p50 and p99 in milliseconds at `RATE` messages/s on SQLite (or PostgreSQL), group commit on
+/// (or off).
+async fn latency_run(postgres: bool, grouped: bool) -> (f64, f64) {
     const COUNT: u64 = 1000;
     const RATE: u64 = 200;
-    println!("Publish-to-handled latency at a steady {RATE} messages/s, {COUNT} messages:");
-    for grouped in [true, false] {
-        let scratch = ScratchSqlite::new(&format!("b2-latency-{grouped}"));
-        let store = SqliteStore::open(scratch.path()).await.unwrap();
-        let pool = store.pool().clone();
-        pool.execute(TABLE).await.unwrap();
-        let store = if grouped {
-            store
-        } else {
-            store.group_commit(1, Duration::ZERO)
-        };
-        let (p50, p99) = latency(Runtime::builder().store(store), pool.clone(), COUNT, RATE).await;
-        pool.close().await;
-        println!(
-            "  SQLite      group commit {:<3}  p50 {:>6.2} ms   p99 {:>6.2} ms",
-            if grouped { "on" } else { "off" },
-            p50.as_secs_f64() * 1e3,
-            p99.as_secs_f64() * 1e3
-        );
+    let millis =
+        |(p50, p99): (Duration, Duration)| (p50.as_secs_f64() * 1e3, p99.as_secs_f64() * 1e3);
+    if postgres {
         let scratch = ScratchPostgres::create(&format!("b3_latency_{grouped}")).await;
         let store = PostgresStore::connect(&scratch.url).await.unwrap();
         let pool = store.pool().clone();
@@ -804,14 +941,59 @@ async fn latencies() {
         } else {
             store.group_commit(1, Duration::ZERO)
         };
-        let (p50, p99) = latency(Runtime::builder().store(store), pool.clone(), COUNT, RATE).await;
+        let figures = latency(Runtime::builder().store(store), pool.clone(), COUNT, RATE).await;
         pool.close().await;
         scratch.remove().await;
+        millis(figures)
+    } else {
+        let scratch = ScratchSqlite::new(&format!("b2-latency-{grouped}"));
+        let store = SqliteStore::open(scratch.path()).await.unwrap();
+        let pool = store.pool().clone();
+        pool.execute(TABLE).await.unwrap();
+        let store = if grouped {
+            store
+        } else {
+            store.group_commit(1, Duration::ZERO)
+        };
+        let figures = latency(Runtime::builder().store(store), pool.clone(), COUNT, RATE).await;
+        pool.close().await;
+        millis(figures)
+    }
+}
+
+/// p50 and p99 at 200 messages/s, group commit on and off, on both backends: `rounds` rounds,
+/// the four runs interleaved; the medians, and the range of p99.
+async fn latencies(rounds: usize) {
+    println!(
+        "Publish-to-handled latency at a steady 200 messages/s, 1 000 messages, medians of {rounds} rounds:"
+    );
+    let mut runs: Vec<Vec<(f64, f64)>> = vec![Vec::new(); 4];
+    for _ in 0..rounds {
+        for (at, (postgres, grouped)) in
+            [(false, true), (false, false), (true, true), (true, false)]
+                .into_iter()
+                .enumerate()
+        {
+            runs[at].push(latency_run(postgres, grouped).await);
+        }
+    }
+    for (at, name) in [
+        "SQLite      group commit on ",
+        "SQLite      group commit off",
+        "PostgreSQL  group commit on ",
+        "PostgreSQL  group commit off",
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let p50 = median(runs[at].iter().map(|run| run.0).collect());
+        let p99s: Vec<f64> = runs[at].iter().map(|run| run.1).collect();
+        let (low, high) = p99s.iter().fold((f64::MAX, f64::MIN), |(low, high), p| {
+            (low.min(*p), high.max(*p))
+        });
         println!(
-            "  PostgreSQL  group commit {:<3}  p50 {:>6.2} ms   p99 {:>6.2} ms",
-            if grouped { "on" } else { "off" },
-            p50.as_secs_f64() * 1e3,
-            p99.as_secs_f64() * 1e3
+            "  {name}  p50 {p50:>6.2} ms   p99 {:>6.2} ms ({low:.2}-{high:.2})",
+            median(p99s.clone())
         );
     }
 }
@@ -822,12 +1004,21 @@ async fn main() {
         .skip(1)
         .find_map(|a| a.parse().ok())
         .unwrap_or(2000);
-    let sqlite = sqlite(deliveries).await;
-    let postgres = postgres(deliveries).await;
+    let rounds: usize = std::env::var("B2_ROUNDS")
+        .ok()
+        .and_then(|rounds| rounds.parse().ok())
+        .unwrap_or(3);
+    let (mut sqlite_rounds, mut postgres_rounds) = (Vec::new(), Vec::new());
+    for _ in 0..rounds {
+        sqlite_rounds.push(sqlite(deliveries).await);
+        postgres_rounds.push(postgres(deliveries).await);
+    }
     println!(
-        "B2/B3: {deliveries} durable deliveries, one INSERT each (SQLite WAL synchronous=FULL; PostgreSQL synchronous_commit=on)"
+        "B2/B3: {deliveries} durable deliveries, one INSERT each (SQLite WAL synchronous=FULL; \
+         PostgreSQL synchronous_commit=on); medians of {rounds} rounds, the contenders interleaved, \
+         ratios each round's own"
     );
-    print("B2 SQLite", &sqlite);
-    print("B3 Postgres", &postgres);
-    latencies().await;
+    print("B2 SQLite", &sqlite_rounds);
+    print("B3 Postgres", &postgres_rounds);
+    latencies(rounds).await;
 }

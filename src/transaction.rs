@@ -14,6 +14,10 @@
 //! for it; on PostgreSQL a second transaction of the same handler and message would wait for
 //! the first one's completion record.
 //!
+//! For writes that are idempotent by themselves, a [`HandlerConnection`]
+//! ([`connection`](HandlerTransactions::connection)) is lighter: statements that commit one by
+//! one, with no completion record, durable with the delivery's settle.
+//!
 //! ```no_run
 //! use dacapo::sqlx;
 //! use dacapo::prelude::*;

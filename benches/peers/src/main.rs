@@ -26,6 +26,7 @@ use std::time::{Duration, Instant};
 
 use apalis::prelude::{BackendExt, BoxDynError, Data, TaskSink, WorkerBuilder, WorkerBuilderExt};
 use dacapo::prelude::*;
+use dacapo::transaction::HandlerTransactions;
 use serde::{Deserialize, Serialize};
 use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePoolOptions, SqliteSynchronous};
 use sqlx::{PgPool, SqlitePool};
@@ -77,30 +78,34 @@ impl Count {
     }
 }
 
-/// dacapo's handler: the INSERT, its id derived from the message id.
-struct Insert<P> {
-    pool: P,
+/// dacapo's handler: the INSERT, its id derived from the message id, on a handler connection
+/// (on SQLite it takes the runtime's turn to write and is made durable by the settle's fsync,
+/// so the row is as durable as apalis's once the message counts as handled).
+struct Insert<DB> {
     count: Count,
+    database: std::marker::PhantomData<fn() -> DB>,
 }
 
 macro_rules! dacapo_handler {
-    ($pool:ty) => {
-        impl Handler<Ping> for Insert<$pool> {
+    ($db:ty) => {
+        impl Handler<Ping> for Insert<$db> {
             async fn handle(&self, ping: &Ping, ctx: &MessageContext) -> Result<(), HandlerError> {
                 let id = dacapo::ids::derive_or_random(ctx.message_id(), "row");
+                let mut connection = ctx.connection::<$db>().await?;
                 sqlx::query(INSERT_ROW)
                     .bind(id)
                     .bind(ping.n as i64)
-                    .execute(&self.pool)
+                    .execute(&mut *connection)
                     .await?;
+                drop(connection);
                 self.count.one();
                 Ok(())
             }
         }
     };
 }
-dacapo_handler!(SqlitePool);
-dacapo_handler!(PgPool);
+dacapo_handler!(sqlx::Sqlite);
+dacapo_handler!(sqlx::Postgres);
 
 /// apalis's handler on `$pool`: the same INSERT, its id derived from the message.
 macro_rules! apalis_handler {
@@ -166,9 +171,9 @@ async fn sqlite_pool_with(path: &str, pragmas: &[(&'static str, &'static str)]) 
 }
 
 /// dacapo on `store`: the workload's time until every delivery is settled.
-async fn dacapo_run<P: Clone, S>(store: S, pool: P, workload: Workload) -> Duration
+async fn dacapo_run<DB, S>(store: S, workload: Workload) -> Duration
 where
-    Insert<P>: Handler<Ping>,
+    Insert<DB>: Handler<Ping>,
     S: dacapo::ports::DurableInbox
         + dacapo::ports::DeadLetterStore
         + dacapo::ports::Claims
@@ -181,9 +186,9 @@ where
         .recovery_interval(Duration::from_millis(100))
         .module(Module::new("bench").handle_named::<Ping, _>(
             "insert",
-            Insert {
-                pool,
+            Insert::<DB> {
                 count: count.clone(),
+                database: std::marker::PhantomData,
             },
         ))
         .build()
@@ -229,7 +234,7 @@ async fn dacapo_sqlite(workload: Workload) -> Duration {
             .await
             .unwrap();
     }
-    let elapsed = dacapo_run(store, pool.clone(), workload).await;
+    let elapsed = dacapo_run::<sqlx::Sqlite, _>(store, workload).await;
     assert_eq!(rows(&pool).await, MESSAGES as i64, "one row per message");
     pool.close().await;
     elapsed
@@ -249,7 +254,7 @@ async fn dacapo_postgres(workload: Workload) -> Duration {
             .await
             .unwrap();
     }
-    let elapsed = dacapo_run(store, pool.clone(), workload).await;
+    let elapsed = dacapo_run::<sqlx::Postgres, _>(store, workload).await;
     assert_eq!(rows(&pool).await, MESSAGES as i64, "one row per message");
     pool.close().await;
     database.remove().await;
