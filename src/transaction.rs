@@ -130,9 +130,13 @@ pub trait HandlerTransactions {
     ///
     /// # Errors
     ///
-    /// As [`transaction`](Self::transaction); and [`EngineError::Store`](crate::EngineError::Store)
-    /// when the turn to write on SQLite does not come within 30 s (a handler that already
-    /// holds a connection or a transaction waits for itself: drop one before opening the next).
+    /// [`EngineError::Detached`](crate::EngineError::Detached) outside a consumer, and for a
+    /// copy of the context kept past its attempt; [`EngineError::Store`](crate::EngineError::Store)
+    /// when the runtime's store is not a `DB` store, when no connection comes within the
+    /// pool's acquire timeout, and, on SQLite, when the turn to write does not come within
+    /// 30 s. A handler that already holds a connection or a handler transaction waits for
+    /// itself (on SQLite, the turn is one; on PostgreSQL, each holds one of the runtime's
+    /// connections): drop one before opening the next.
     ///
     /// # Cancel safety
     ///
@@ -161,26 +165,48 @@ impl HandlerTransactions for MessageContext {
 /// own, unless the handler begins a transaction on it (on SQLite, `BEGIN IMMEDIATE` for one
 /// that reads, then writes).
 ///
-/// **Durable with the delivery.** On a SQLite file its statements commit without an fsync of
-/// their own (`synchronous = NORMAL`); the delivery's settle, which commits after them with
-/// `FULL`, fsyncs the write-ahead log and with it every commit before it. So once the
-/// delivery counts as handled, the handler's writes are as durable as its settle. A process
-/// crash loses none of them; a power cut or an operating-system crash before the settle can
-/// take back the last ones, and the settle with them, so the delivery runs again and the
-/// handler writes them again — keep them idempotent (deterministic ids, `ON CONFLICT`), as a
-/// retry needs anyway. On PostgreSQL, and on an in-memory SQLite database, each commit is
-/// durable on its own.
+/// **Durable with the delivery.** On a SQLite file in WAL mode (what
+/// [`SqliteStore::open`](crate::store::SqliteStore::open) makes) its statements commit without
+/// an fsync of their own (`synchronous = NORMAL`, on a pool of at most two connections); the
+/// delivery's settle — handled, retry scheduled or dead-lettered — commits after them with
+/// `FULL`, which fsyncs the write-ahead log and with it every commit before it. So once the
+/// delivery is settled, the handler's writes are as durable as its settle. A process crash
+/// loses none of them; a power cut or an operating-system crash before the settle can take
+/// back the last ones, and the settle with them, so the delivery runs again and the handler
+/// writes them again — keep them idempotent (deterministic ids, `ON CONFLICT`), as a retry
+/// needs anyway. Until then other readers can see them: the outbox relay syncs the log before
+/// it sends what it read to a broker. A database the connection attaches (`ATTACH`) has a log
+/// of its own, which the settle does not sync. Everywhere else — PostgreSQL, an in-memory
+/// SQLite database, another journal mode, a store whose inbox is kept elsewhere — it is a
+/// connection of the runtime's own pool, at the store's own level.
 ///
-/// **On SQLite it holds the turn to write** until it is dropped: the runtime's own writes wait
-/// for it, so keep it short — no calls to other services while it is open. It borrows the
-/// handler's [`MessageContext`], so it cannot outlive the handler: a write after the handler
-/// returned would come after the settle that makes it durable.
+/// **On SQLite it holds the turn to write** until it is dropped and given back: the runtime's
+/// own writes wait for it, so keep it short — no calls to other services while it is open.
+/// It borrows the handler's [`MessageContext`], and a copy of the context kept past its
+/// attempt opens none: a write after the attempt would come after the settle that makes it
+/// durable.
 pub struct HandlerConnection<'a, DB: Backend> {
     connection: sqlx::pool::PoolConnection<DB>,
-    /// SQLite's turn to write; released after the connection went back to its pool (fields
-    /// drop in order).
-    _turn: Option<tokio::sync::OwnedSemaphorePermit>,
+    /// SQLite's turn to write; released once the connection went back to its pool.
+    turn: Option<tokio::sync::OwnedSemaphorePermit>,
     _handler: std::marker::PhantomData<&'a MessageContext>,
+}
+
+impl<DB: Backend> Drop for HandlerConnection<'_, DB> {
+    /// Gives the connection back, then the turn. sqlx gives a connection back on a task of its
+    /// own, where it first runs what is left pending on it — the rollback of a transaction the
+    /// handler dropped unfinished, a statement a timeout cut short — which holds SQLite's lock
+    /// until it ran: the turn goes only after, so the next writer never finds the lock taken.
+    fn drop(&mut self) {
+        let returning = self.connection.return_to_pool();
+        let turn = self.turn.take();
+        if let Ok(runtime) = tokio::runtime::Handle::try_current() {
+            runtime.spawn(async move {
+                returning.await;
+                drop(turn);
+            });
+        }
+    }
 }
 
 impl<DB: Backend> std::fmt::Debug for HandlerConnection<'_, DB> {
@@ -433,6 +459,11 @@ macro_rules! backend {
                 context: &MessageContext,
             ) -> Result<HandlerConnection<'_, Self>, Error> {
                 let (_, _, store) = handling::<$store>(context, stringify!($store))?;
+                // A copy of the context kept past its attempt: a write now would come after
+                // the settle that makes it durable.
+                if !context.attempt_running() {
+                    return Err(dacapo_actors::Error::Detached.into());
+                }
                 let turn = store.write_turn().await?;
                 let connection = store
                     .handler_pool()
@@ -441,7 +472,7 @@ macro_rules! backend {
                     .map_err(crate::store::sql::db_error)?;
                 Ok(HandlerConnection {
                     connection,
-                    _turn: turn,
+                    turn,
                     _handler: std::marker::PhantomData,
                 })
             }

@@ -8,6 +8,8 @@
 mod support;
 #[path = "support/stores.rs"]
 mod support_stores;
+#[path = "support/warnings.rs"]
+mod support_warnings;
 
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -281,4 +283,144 @@ async fn a_handler_connection_needs_a_store_of_its_database() {
     let failure = &letter.failures[0].failures[0].error;
     assert!(failure.contains("PostgresStore"), "{failure}");
     runtime.shutdown().await;
+}
+
+/// Keeps a copy of its context and, once told, opens a connection with it: after its attempt.
+#[derive(Clone, Default)]
+struct KeepsItsContext {
+    kept: Arc<Mutex<Option<MessageContext>>>,
+}
+
+impl Handler<MemberRemoved> for KeepsItsContext {
+    async fn handle(&self, _: &MemberRemoved, ctx: &MessageContext) -> Result<(), HandlerError> {
+        *self.kept.lock().unwrap() = Some(ctx.clone());
+        Ok(())
+    }
+}
+
+/// A write after the attempt would come after the settle that makes it durable: a copy of the
+/// context kept past its attempt opens no connection.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_context_kept_past_its_attempt_opens_no_connection() {
+    let db = support_stores::TestDatabase::new(Backend::Sqlite).await;
+    let handler = KeepsItsContext::default();
+    let runtime = Runtime::builder()
+        .store(db.sqlite().await)
+        .module(Module::new("billing").handle_named::<MemberRemoved, _>("keep", handler.clone()))
+        .build()
+        .unwrap();
+    runtime.publish(&support::member_removed()).await.unwrap();
+    tokio::time::timeout(WAIT, runtime.idle()).await.unwrap();
+    assert_eq!(runtime.stats().handled, 1);
+    let kept = handler
+        .kept
+        .lock()
+        .unwrap()
+        .clone()
+        .expect("the handler ran");
+    let error = kept.connection::<sqlx::Sqlite>().await.unwrap_err();
+    assert!(matches!(error, dacapo::Error::Detached), "{error}");
+    runtime.shutdown().await;
+}
+
+/// Deliveries that settle in an inbox apart from the store never fsync the store's log: there
+/// a handler connection commits at the store's own level (`FULL`, 2).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_store_whose_deliveries_settle_elsewhere_gives_connections_at_its_own_level() {
+    let db = support_stores::TestDatabase::new(Backend::Sqlite).await;
+    db.execute(TABLE).await;
+    let tally = Tally::new(Backend::Sqlite, false);
+    let runtime = Runtime::builder()
+        .store(db.sqlite().await)
+        .inbox(Arc::new(dacapo::store::MemoryInbox::new(
+            Duration::from_secs(60),
+            Arc::new(dacapo::ports::SystemClock),
+        )))
+        .module(Module::new("billing").handle_named::<MemberRemoved, _>("tally", tally.clone()))
+        .build()
+        .unwrap();
+    runtime.publish(&support::member_removed()).await.unwrap();
+    tokio::time::timeout(WAIT, runtime.idle()).await.unwrap();
+    runtime.shutdown().await;
+    assert_eq!(*tally.levels.lock().unwrap(), [2]);
+}
+
+/// Begins a transaction on its connection, writes, and on its first attempt fails before
+/// committing: the transaction is dropped unfinished, its rollback left pending on the
+/// connection.
+struct GivesUpMidTransaction;
+
+impl Handler<MemberRemoved> for GivesUpMidTransaction {
+    async fn handle(
+        &self,
+        event: &MemberRemoved,
+        ctx: &MessageContext,
+    ) -> Result<(), HandlerError> {
+        let id = ids::derive_or_random(ctx.message_id(), "tally");
+        let mut connection = ctx.connection::<sqlx::Sqlite>().await?;
+        let mut tx = sqlx::Connection::begin_with(&mut *connection, "BEGIN IMMEDIATE").await?;
+        sqlx::query(INSERT)
+            .bind(&id)
+            .bind(event.member_id as i64)
+            .execute(&mut *tx)
+            .await?;
+        if ctx.attempt() == 1 {
+            return Err("gave up before committing".into());
+        }
+        tx.commit().await?;
+        Ok(())
+    }
+}
+
+/// A connection goes back to its pool — the rollback left pending on it run — before its turn
+/// goes to the next writer: with SQLite's busy timeout at zero, no runtime write finds the
+/// database locked after forty handlers gave up mid-transaction, and each wrote its row once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_connection_left_mid_transaction_is_rolled_back_before_the_next_writer_goes() {
+    let warnings = support_warnings::warnings();
+    let db = support_stores::TestDatabase::new(Backend::Sqlite).await;
+    let options = sqlx::sqlite::SqliteConnectOptions::new()
+        .filename(&db.url)
+        .create_if_missing(true)
+        .journal_mode(sqlx::sqlite::SqliteJournalMode::Wal)
+        .busy_timeout(Duration::ZERO);
+    let pool = sqlx::sqlite::SqlitePoolOptions::new()
+        .max_connections(4)
+        .connect_with(options)
+        .await
+        .unwrap();
+    sqlx::query(TABLE).execute(&pool).await.unwrap();
+    let store = dacapo::store::SqliteStore::with_pool(pool.clone())
+        .await
+        .unwrap();
+    let runtime = Runtime::builder()
+        .store(store)
+        .retry_policy(quick_retries())
+        .module(
+            Module::new("billing").handle_named::<MemberRemoved, _>("tally", GivesUpMidTransaction),
+        )
+        .build()
+        .unwrap();
+    runtime.publish_batch(&members(40)).await.unwrap();
+    tokio::time::timeout(WAIT, runtime.idle()).await.unwrap();
+    let stats = runtime.stats();
+    assert_eq!(
+        (stats.handled, stats.retried, stats.dead_lettered),
+        (40, 40, 0),
+        "{stats:?}"
+    );
+    runtime.shutdown().await;
+    let rows: i64 = sqlx::query_scalar("SELECT count(*) FROM tallies")
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    assert_eq!(rows, 40);
+    let locked: Vec<String> = warnings
+        .lock()
+        .unwrap()
+        .iter()
+        .filter(|warning| warning.contains("locked") || warning.contains("busy"))
+        .cloned()
+        .collect();
+    assert!(locked.is_empty(), "{locked:#?}");
 }

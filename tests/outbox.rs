@@ -471,6 +471,9 @@ impl dacapo::ports::OutboxStore for Observed {
     ) -> Result<(), dacapo::EngineError> {
         self.inner.mark_published(positions, at).await
     }
+    async fn sync(&self) -> Result<(), dacapo::EngineError> {
+        self.inner.sync().await
+    }
     fn enlisted(
         &self,
     ) -> Option<futures::stream::BoxStream<'static, Result<(), dacapo::EngineError>>> {

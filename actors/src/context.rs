@@ -410,6 +410,19 @@ impl MessageContext {
         self.scope().map_or(&NO_HEADERS, |s| &s.headers)
     }
 
+    /// Whether the attempt this context was given for still runs: once it is over, a copy of
+    /// the context kept past the handler opens no handler connection (the adapter asks;
+    /// handlers do not).
+    #[doc(hidden)]
+    pub fn attempt_running(&self) -> bool {
+        self.scope.as_ref().is_some_and(|attached| {
+            !attached
+                .scope
+                .closed
+                .load(std::sync::atomic::Ordering::Acquire)
+        })
+    }
+
     /// The handler this context was given to.
     pub fn handler(&self) -> Option<&HandlerId> {
         self.scope.as_ref().map(|a| a.handler.id())

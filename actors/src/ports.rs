@@ -657,6 +657,20 @@ pub trait OutboxStore: Send + Sync + 'static {
     /// [`Error::Store`] when it cannot be recorded.
     async fn mark_published(&self, positions: &[i64], at: DateTime<Utc>) -> Result<(), Error>;
 
+    /// Makes every commit so far durable. The relay calls it before it sends what it read to
+    /// a broker, which acts on what it receives at once: a store whose commits can be read
+    /// before they are durable (SQLite's handler connections commit without an fsync of their
+    /// own) syncs them here, so a power cut never takes back a row the broker already sent
+    /// on. The default does nothing, for a store whose every commit is durable when it returns;
+    /// a store that wraps another forwards it.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Store`] when the store cannot sync; the relay then sends nothing this round.
+    async fn sync(&self) -> Result<(), Error> {
+        Ok(())
+    }
+
     /// Signals that envelopes may have been enlisted by another process or node (PostgreSQL:
     /// a `NOTIFY` sent when their transaction commits), so the relay publishes them without
     /// waiting for its next poll; `None` (the default) for a store that can only be polled.

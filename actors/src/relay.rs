@@ -207,8 +207,13 @@ impl RelayActor {
                         // Bounded by the lease left: a send outliving it could overlap the
                         // next holder's. Timed out, it counts as failed (the copies that did
                         // arrive are discarded by the receiving inbox).
-                        let sending =
-                            send_away(outbound, away, dead_letters.as_deref(), &dispatcher);
+                        let sending = send_away(
+                            outbox.as_ref(),
+                            outbound,
+                            away,
+                            dead_letters.as_deref(),
+                            dispatcher.shared.clock.as_ref(),
+                        );
                         match tokio::time::timeout(lease.left(), sending).await {
                             Ok(Some(sent)) => positions.extend(sent),
                             Ok(None) => broker_failed = true,
@@ -261,6 +266,9 @@ impl RelayActor {
                         None => None,
                     }
                 };
+                // The crash point between publishing a batch and marking it comes before the
+                // next batch goes out, as it would without the overlap.
+                before_mark(&dispatcher, &unmarked).await;
                 let ((positions, sent_all), marked, read) = futures::join!(
                     this_batch,
                     mark(outbox.as_ref(), &dispatcher, std::mem::take(&mut unmarked)),
@@ -270,10 +278,9 @@ impl RelayActor {
                 match marked {
                     Ok(count) => published += count,
                     Err(error) => {
-                        // Published but not marked: the next round publishes them again (this
-                        // batch's too), and the inbox discards them.
+                        // Published but not marked: the next round publishes them again, and
+                        // the inbox discards them. This batch's mark is still tried below.
                         tracing::warn!(%error, "marking outbox envelopes published failed");
-                        unmarked.clear();
                         break;
                     }
                 }
@@ -285,6 +292,7 @@ impl RelayActor {
             }
             // What was published is marked even after the lease was lost: the new holder then
             // does not publish it again.
+            before_mark(&dispatcher, &unmarked).await;
             match mark(outbox.as_ref(), &dispatcher, unmarked).await {
                 Ok(count) => published += count,
                 // Published but not marked: the next round publishes them again, and the
@@ -319,8 +327,17 @@ impl RelayActor {
     }
 }
 
-/// Marks `positions` published, after the crash point between publishing and marking; how
-/// many it marked.
+/// The crash point between publishing `positions` and marking them, when there are any.
+async fn before_mark(dispatcher: &Dispatcher, positions: &[i64]) {
+    if !positions.is_empty() {
+        dispatcher
+            .shared
+            .pass(crate::Failpoint::BeforeOutboxMark, None)
+            .await;
+    }
+}
+
+/// Marks `positions` published; how many it marked.
 async fn mark(
     outbox: &dyn OutboxStore,
     dispatcher: &Dispatcher,
@@ -329,25 +346,28 @@ async fn mark(
     if positions.is_empty() {
         return Ok(0);
     }
-    dispatcher
-        .shared
-        .pass(crate::Failpoint::BeforeOutboxMark, None)
-        .await;
     outbox
         .mark_published(&positions, dispatcher.shared.clock.now())
         .await?;
     Ok(positions.len())
 }
 
-/// Sends the rows routed to the broker; the positions to mark: those the broker confirmed,
-/// and those it can never take once their dead letter is kept. `None` when the send failed:
-/// none is marked, and the next round sends them again.
+/// Sends the rows routed to the broker, once the outbox made them durable (a broker acts on
+/// what it receives: a row it sent on must never be taken back by a power cut); the positions
+/// to mark: those the broker confirmed, and those it can never take once their dead letter is
+/// kept. `None` when the sync or the send failed: none is marked, and the next round sends
+/// them again.
 async fn send_away(
+    outbox: &dyn OutboxStore,
     outbound: &dyn Outbound,
     away: Rows,
     dead_letters: Option<&dyn DeadLetterStore>,
-    dispatcher: &Dispatcher,
+    clock: &dyn crate::ports::Clock,
 ) -> Option<Vec<i64>> {
+    if let Err(error) = outbox.sync().await {
+        tracing::warn!(%error, "making the outbox durable before sending to the broker failed; retrying on the next round");
+        return None;
+    }
     let (positions, envelopes): (Vec<i64>, Vec<Envelope>) = away.into_iter().unzip();
     let refused = match outbound.send(&envelopes).await {
         Ok(refused) => refused,
@@ -369,7 +389,7 @@ async fn send_away(
         let letter = DeadLetter::rejected(
             envelope,
             DeadLetterReason::Undeliverable(why.clone()),
-            dispatcher.shared.clock.now(),
+            clock.now(),
         );
         match dead_letters.put(letter).await {
             Ok(()) => marked.push(position),
@@ -541,5 +561,112 @@ impl actix::Handler<Wake> for RelayActor {
             return;
         }
         self.tick(ctx);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::{Arc, Mutex};
+
+    use async_trait::async_trait;
+    use chrono::{DateTime, Utc};
+    use uuid::Uuid;
+
+    use super::send_away;
+    use crate::ports::{Outbound, OutboxBacklog, OutboxStore, SystemClock};
+    use crate::{Envelope, Error};
+
+    /// What happened, in order.
+    type Log = Arc<Mutex<Vec<&'static str>>>;
+
+    struct Outbox {
+        log: Log,
+        sync_fails: bool,
+    }
+
+    #[async_trait]
+    impl OutboxStore for Outbox {
+        async fn lease(&self, _: DateTime<Utc>, _: DateTime<Utc>) -> Result<bool, Error> {
+            Ok(true)
+        }
+        async fn unpublished(&self, _: i64, _: usize) -> Result<Vec<(i64, Envelope)>, Error> {
+            Ok(Vec::new())
+        }
+        async fn backlog(&self) -> Result<OutboxBacklog, Error> {
+            Ok(OutboxBacklog::new(0, None))
+        }
+        async fn delete_published_before(&self, _: DateTime<Utc>, _: usize) -> Result<u64, Error> {
+            Ok(0)
+        }
+        async fn mark_published(&self, _: &[i64], _: DateTime<Utc>) -> Result<(), Error> {
+            Ok(())
+        }
+        async fn sync(&self) -> Result<(), Error> {
+            self.log.lock().unwrap().push("sync");
+            if self.sync_fails {
+                return Err(Error::store("the disk is gone"));
+            }
+            Ok(())
+        }
+    }
+
+    struct Broker(Log);
+
+    #[async_trait]
+    impl Outbound for Broker {
+        fn carries(&self, _: &str) -> bool {
+            true
+        }
+        async fn send(&self, _: &[Envelope]) -> Result<Vec<(Uuid, String)>, Error> {
+            self.0.lock().unwrap().push("send");
+            Ok(Vec::new())
+        }
+    }
+
+    fn rows() -> Vec<(i64, Envelope)> {
+        (1..=3)
+            .map(|position| {
+                let envelope = Envelope::new("orders.placed", b"{}".to_vec());
+                (position, envelope)
+            })
+            .collect()
+    }
+
+    #[tokio::test]
+    async fn rows_go_to_the_broker_only_once_the_outbox_synced_them() {
+        let log = Log::default();
+        let outbox = Outbox {
+            log: Arc::clone(&log),
+            sync_fails: false,
+        };
+        let sent = send_away(
+            &outbox,
+            &Broker(Arc::clone(&log)),
+            rows(),
+            None,
+            &SystemClock,
+        )
+        .await;
+        assert_eq!(sent, Some(vec![1, 2, 3]));
+        assert_eq!(*log.lock().unwrap(), ["sync", "send"]);
+    }
+
+    #[tokio::test]
+    async fn rows_the_outbox_cannot_sync_are_not_sent() {
+        let log = Log::default();
+        let outbox = Outbox {
+            log: Arc::clone(&log),
+            sync_fails: true,
+        };
+        let sent = send_away(
+            &outbox,
+            &Broker(Arc::clone(&log)),
+            rows(),
+            None,
+            &SystemClock,
+        )
+        .await;
+        assert_eq!(sent, None, "nothing to mark: the next round sends them");
+        assert_eq!(*log.lock().unwrap(), ["sync"]);
     }
 }

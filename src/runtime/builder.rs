@@ -187,6 +187,16 @@ impl RuntimeBuilder {
     /// handler transactions on it; [`build`](Self::build) refuses one given here.
     #[must_use]
     pub fn inbox<S: Inbox + DeadLetterStore>(mut self, inbox: Arc<S>) -> Self {
+        // Deliveries settle in `inbox` now, not in the store: the store's handler connections
+        // commit at its own level instead of waiting for a settle of its that never comes.
+        #[cfg(feature = "sqlite")]
+        if let Some(store) = self
+            .store
+            .as_deref()
+            .and_then(|store| store.downcast_ref::<crate::store::SqliteStore>())
+        {
+            self.store = Some(Arc::new(store.clone().without_handler_pool()));
+        }
         self.inbox = Some(Arc::clone(&inbox) as Arc<dyn Inbox>);
         self.durable_as_inbox = Arc::clone(&inbox).durable().is_some();
         self.durable = None;

@@ -48,17 +48,26 @@ where
 /// A statement built with `$N` parameters, as SQLite runs it fastest: every parameter a `?`,
 /// and the values in the order the `?`s stand. SQLite looks a named parameter up by a linear
 /// search of the statement's names, once per parameter at each execution: for the hundreds
-/// of parameters of a many-row statement, that search took more time than the writing.
+/// of parameters of a many-row statement, that search took more time than the writing. Text
+/// between single quotes is a literal, left as it is.
 #[cfg(feature = "sqlite")]
 fn positional<'v>(sql: &str, values: &[Value<'v>]) -> Result<(String, Vec<Value<'v>>), Error> {
     let mut text = String::with_capacity(sql.len());
     let mut ordered = Vec::with_capacity(values.len());
+    let mut in_literal = false;
     let mut rest = sql;
-    while let Some(at) = rest.find('$') {
+    while let Some(at) = rest.find(['$', '\'']) {
         text.push_str(&rest[..at]);
         let after = &rest[at + 1..];
+        if rest.as_bytes()[at] == b'\'' {
+            // A doubled quote inside a literal closes and reopens it: the same either way.
+            in_literal = !in_literal;
+            text.push('\'');
+            rest = after;
+            continue;
+        }
         let digits = after.bytes().take_while(u8::is_ascii_digit).count();
-        if digits == 0 {
+        if in_literal || digits == 0 {
             text.push('$');
             rest = after;
             continue;
@@ -103,6 +112,7 @@ struct Writer(std::sync::Arc<tokio::sync::Semaphore>);
 const WRITER_WAIT: std::time::Duration = std::time::Duration::from_secs(30);
 
 impl Writer {
+    #[cfg_attr(not(feature = "sqlite"), allow(dead_code))]
     fn new() -> Self {
         Self(std::sync::Arc::new(tokio::sync::Semaphore::new(1)))
     }
@@ -292,6 +302,31 @@ impl Database {
         match &self.writer {
             Some(writer) => writer.turn().await.map(Some),
             None => Ok(None),
+        }
+    }
+
+    /// Makes every commit so far durable: on SQLite, an fsync of the write-ahead log — what a
+    /// `synchronous = FULL` commit does after writing its own frames, and what covers every
+    /// frame written before it, whichever connection wrote them (a log that is not there has
+    /// been checkpointed into the database, which the checkpoint synced). PostgreSQL's
+    /// commits are durable when they return.
+    pub(crate) async fn sync_log(&self) -> Result<(), Error> {
+        match &self.pool {
+            #[cfg(feature = "sqlite")]
+            Pool::Sqlite(pool) => {
+                let mut log = pool.connect_options().get_filename().as_os_str().to_owned();
+                log.push("-wal");
+                let synced = tokio::task::spawn_blocking(move || match std::fs::File::open(&log) {
+                    Ok(file) => file.sync_data(),
+                    Err(error) if error.kind() == std::io::ErrorKind::NotFound => Ok(()),
+                    Err(error) => Err(error),
+                })
+                .await
+                .map_err(|error| Error::store(format!("syncing the SQLite log: {error}")))?;
+                synced.map_err(|error| Error::store(format!("syncing the SQLite log: {error}")))
+            }
+            #[cfg(feature = "postgres")]
+            Pool::Postgres(_) => Ok(()),
         }
     }
 
@@ -741,9 +776,17 @@ mod tests {
 
     #[test]
     fn a_dollar_without_a_number_is_left_as_it_is() {
-        let (sql, ordered) = positional("SELECT '$' || $1", &[Value::Int32(7)]).unwrap();
-        assert_eq!(sql, "SELECT '$' || ?");
+        let (sql, ordered) = positional("SELECT $1 || '$'", &[Value::Int32(7)]).unwrap();
+        assert_eq!(sql, "SELECT ? || '$'");
         assert_eq!(ordered.len(), 1);
+    }
+
+    #[test]
+    fn a_dollar_number_inside_a_literal_is_text() {
+        let values = [Value::Int32(7), Value::Int32(8)];
+        let (sql, ordered) = positional("SELECT '$2 it''s $1', $2 WHERE x = $1", &values).unwrap();
+        assert_eq!(sql, "SELECT '$2 it''s $1', ? WHERE x = ?");
+        assert_eq!(texts(&ordered), texts(&[values[1], values[0]]));
     }
 
     #[test]

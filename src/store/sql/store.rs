@@ -286,8 +286,16 @@ impl<D: Dialect> SqlStore<D> {
     }
 
     /// This store with handler connections from `pool`.
+    #[cfg_attr(not(feature = "sqlite"), allow(dead_code))]
     pub(crate) fn with_handler_pool(mut self, pool: sqlx::Pool<D>) -> Self {
         self.handlers = Some(pool);
+        self
+    }
+
+    /// This store with handler connections from the runtime's own pool.
+    #[cfg_attr(not(feature = "sqlite"), allow(dead_code))]
+    pub(crate) fn without_handler_pool(mut self) -> Self {
+        self.handlers = None;
         self
     }
 
@@ -849,6 +857,14 @@ impl<D: Dialect> OutboxStore for SqlStore<D> {
         self.db
             .execute_built(mark_published(positions.len()), &values)
             .await?;
+        Ok(())
+    }
+
+    async fn sync(&self) -> Result<(), Error> {
+        // Only handler connections commit without a sync of their own.
+        if self.handlers.is_some() {
+            self.db.sync_log().await?;
+        }
         Ok(())
     }
 }
