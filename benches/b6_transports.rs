@@ -170,6 +170,8 @@ async fn through_dacapo(kind: Kind, queue_database: &str) -> (f64, Vec<Duration>
         runtime.publish_batch(&pings(from, BATCH)).await.unwrap();
     }
     count.until(MESSAGES).await;
+    // Until every delivery settled, as the raw loops run until their last mark.
+    runtime.idle().await;
     let rate = MESSAGES as f64 / started.elapsed().as_secs_f64();
 
     count.latencies.lock().unwrap().clear();
@@ -384,21 +386,31 @@ impl Ledger {
     }
 }
 
-/// The publishing side of a raw loop: enlists a batch (durable loop), hands it to `send`
-/// (which returns once the broker confirmed it), and marks it published while the next
-/// batch is sent.
+/// The publishing side of a raw loop: a task enlists the batches (durable loop) as fast as
+/// its commits go, as dacapo's publisher runs ahead of its relay; each batch goes to `send`
+/// (which returns once the broker confirmed it) and is marked published while the next batch
+/// is sent.
 async fn publish_all<F, S>(ledger: Option<Arc<Ledger>>, mut send: S)
 where
     S: FnMut(Vec<Outgoing>) -> F,
     F: std::future::Future<Output = ()>,
 {
+    let (enlisted, mut to_send) = tokio::sync::mpsc::channel(MESSAGES / BATCH);
+    let enlisting = {
+        let ledger = ledger.clone();
+        tokio::spawn(async move {
+            for _ in (0..MESSAGES).step_by(BATCH) {
+                let batch = Outgoing::batch();
+                let positions = match &ledger {
+                    Some(ledger) => Some(ledger.enlist(&batch).await),
+                    None => None,
+                };
+                enlisted.send((batch, positions)).await.unwrap();
+            }
+        })
+    };
     let mut marking: Option<tokio::task::JoinHandle<()>> = None;
-    for _ in (0..MESSAGES).step_by(BATCH) {
-        let batch = Outgoing::batch();
-        let positions = match &ledger {
-            Some(ledger) => Some(ledger.enlist(&batch).await),
-            None => None,
-        };
+    while let Some((batch, positions)) = to_send.recv().await {
         send(batch).await;
         if let Some(marking) = marking.take() {
             marking.await.unwrap();
@@ -410,6 +422,7 @@ where
             ));
         }
     }
+    enlisting.await.unwrap();
     if let Some(marking) = marking {
         marking.await.unwrap();
     }

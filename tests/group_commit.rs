@@ -5,6 +5,9 @@
 
 use std::time::Duration;
 
+#[path = "support/stores.rs"]
+mod support_stores;
+
 use dacapo::prelude::*;
 use dacapo::store::{Dialect, SqlStore};
 use dacapo::testing::{Recorder, ScratchDatabase, StoreFault, TestHarness};
@@ -242,23 +245,11 @@ impl Handler<TicketSold> for RecordTicket {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_runtimes_writers_take_turns_on_sqlite() {
     let db = ScratchDatabase::sqlite();
-    let options = sqlx::sqlite::SqliteConnectOptions::new()
-        .filename(db.url())
-        .create_if_missing(true)
-        .journal_mode(sqlx::sqlite::SqliteJournalMode::Wal)
-        .busy_timeout(Duration::ZERO);
-    let pool = sqlx::sqlite::SqlitePoolOptions::new()
-        .max_connections(4)
-        .connect_with(options)
-        .await
-        .unwrap();
-    sqlx::query("CREATE TABLE tickets (ticket INTEGER PRIMARY KEY)")
-        .execute(&pool)
-        .await
-        .unwrap();
-    let store = dacapo::store::SqliteStore::with_pool(pool.clone())
-        .await
-        .unwrap();
+    let (pool, store) = support_stores::never_waiting_sqlite(
+        db.url(),
+        "CREATE TABLE tickets (ticket INTEGER PRIMARY KEY)",
+    )
+    .await;
     let runtime = Runtime::builder()
         .store(store)
         .module(Module::new("box_office").handle_named::<TicketSold, _>("record", RecordTicket))

@@ -198,20 +198,7 @@ async fn in_memory_a_handler_connection_is_the_runtimes_own() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn handler_connections_take_turns_with_the_runtimes_writers_on_sqlite() {
     let db = support_stores::TestDatabase::new(Backend::Sqlite).await;
-    let options = sqlx::sqlite::SqliteConnectOptions::new()
-        .filename(&db.url)
-        .create_if_missing(true)
-        .journal_mode(sqlx::sqlite::SqliteJournalMode::Wal)
-        .busy_timeout(Duration::ZERO);
-    let pool = sqlx::sqlite::SqlitePoolOptions::new()
-        .max_connections(4)
-        .connect_with(options)
-        .await
-        .unwrap();
-    sqlx::query(TABLE).execute(&pool).await.unwrap();
-    let store = dacapo::store::SqliteStore::with_pool(pool.clone())
-        .await
-        .unwrap();
+    let (pool, store) = support_stores::never_waiting_sqlite(&db.url, TABLE).await;
     let runtime = Runtime::builder()
         .store(store)
         .module(
@@ -379,20 +366,7 @@ impl Handler<MemberRemoved> for GivesUpMidTransaction {
 async fn a_connection_left_mid_transaction_is_rolled_back_before_the_next_writer_goes() {
     let warnings = support_warnings::warnings();
     let db = support_stores::TestDatabase::new(Backend::Sqlite).await;
-    let options = sqlx::sqlite::SqliteConnectOptions::new()
-        .filename(&db.url)
-        .create_if_missing(true)
-        .journal_mode(sqlx::sqlite::SqliteJournalMode::Wal)
-        .busy_timeout(Duration::ZERO);
-    let pool = sqlx::sqlite::SqlitePoolOptions::new()
-        .max_connections(4)
-        .connect_with(options)
-        .await
-        .unwrap();
-    sqlx::query(TABLE).execute(&pool).await.unwrap();
-    let store = dacapo::store::SqliteStore::with_pool(pool.clone())
-        .await
-        .unwrap();
+    let (pool, store) = support_stores::never_waiting_sqlite(&db.url, TABLE).await;
     let runtime = Runtime::builder()
         .store(store)
         .retry_policy(quick_retries())

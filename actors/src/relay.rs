@@ -623,50 +623,33 @@ mod tests {
         }
     }
 
-    fn rows() -> Vec<(i64, Envelope)> {
-        (1..=3)
-            .map(|position| {
-                let envelope = Envelope::new("orders.placed", b"{}".to_vec());
-                (position, envelope)
-            })
-            .collect()
+    /// Three rows sent away through an outbox whose sync fails when `sync_fails`: the
+    /// positions to mark, and what happened in order.
+    async fn send_three(sync_fails: bool) -> (Option<Vec<i64>>, Vec<&'static str>) {
+        let log = Log::default();
+        let outbox = Outbox {
+            log: Arc::clone(&log),
+            sync_fails,
+        };
+        let rows = (1..=3)
+            .map(|position| (position, Envelope::new("orders.placed", b"{}".to_vec())))
+            .collect();
+        let sent = send_away(&outbox, &Broker(Arc::clone(&log)), rows, None, &SystemClock).await;
+        let happened = log.lock().unwrap().clone();
+        (sent, happened)
     }
 
     #[tokio::test]
     async fn rows_go_to_the_broker_only_once_the_outbox_synced_them() {
-        let log = Log::default();
-        let outbox = Outbox {
-            log: Arc::clone(&log),
-            sync_fails: false,
-        };
-        let sent = send_away(
-            &outbox,
-            &Broker(Arc::clone(&log)),
-            rows(),
-            None,
-            &SystemClock,
-        )
-        .await;
+        let (sent, happened) = send_three(false).await;
         assert_eq!(sent, Some(vec![1, 2, 3]));
-        assert_eq!(*log.lock().unwrap(), ["sync", "send"]);
+        assert_eq!(happened, ["sync", "send"]);
     }
 
     #[tokio::test]
     async fn rows_the_outbox_cannot_sync_are_not_sent() {
-        let log = Log::default();
-        let outbox = Outbox {
-            log: Arc::clone(&log),
-            sync_fails: true,
-        };
-        let sent = send_away(
-            &outbox,
-            &Broker(Arc::clone(&log)),
-            rows(),
-            None,
-            &SystemClock,
-        )
-        .await;
+        let (sent, happened) = send_three(true).await;
         assert_eq!(sent, None, "nothing to mark: the next round sends them");
-        assert_eq!(*log.lock().unwrap(), ["sync"]);
+        assert_eq!(happened, ["sync"]);
     }
 }

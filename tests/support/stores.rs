@@ -293,3 +293,25 @@ impl TestDatabase {
             .unwrap())
     }
 }
+
+/// A pool on the SQLite file `path` that never waits for SQLite's lock (WAL, four connections,
+/// a busy timeout of zero: a writer that finds the lock taken fails at once), with `table`
+/// created, and a store on it.
+pub async fn never_waiting_sqlite(
+    path: &str,
+    table: &'static str,
+) -> (sqlx::SqlitePool, SqliteStore) {
+    let options = sqlx::sqlite::SqliteConnectOptions::new()
+        .filename(path)
+        .create_if_missing(true)
+        .journal_mode(sqlx::sqlite::SqliteJournalMode::Wal)
+        .busy_timeout(std::time::Duration::ZERO);
+    let pool = sqlx::sqlite::SqlitePoolOptions::new()
+        .max_connections(4)
+        .connect_with(options)
+        .await
+        .unwrap();
+    sqlx::query(table).execute(&pool).await.unwrap();
+    let store = SqliteStore::with_pool(pool.clone()).await.unwrap();
+    (pool, store)
+}
