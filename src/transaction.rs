@@ -49,6 +49,7 @@
 use std::collections::HashMap;
 use std::future::Future;
 use std::ops::{Deref, DerefMut};
+use std::sync::Arc;
 
 use dacapo_actors::{Envelope, Message, MessageContext, SendOptions};
 use uuid::Uuid;
@@ -165,8 +166,8 @@ impl HandlerTransactions for MessageContext {
 /// own, unless the handler begins a transaction on it (on SQLite, `BEGIN IMMEDIATE` for one
 /// that reads, then writes).
 ///
-/// **Durable with the delivery.** On a SQLite file in WAL mode (what
-/// [`SqliteStore::open`](crate::store::SqliteStore::open) makes) its statements commit without
+/// **Durable with the delivery.** On a SQLite file in WAL mode whose store fsyncs its commits
+/// (what [`SqliteStore::open`](crate::store::SqliteStore::open) makes) its statements commit without
 /// an fsync of their own (`synchronous = NORMAL`, on a pool of at most two connections); the
 /// delivery's settle — handled, retry scheduled or dead-lettered — commits after them with
 /// `FULL`, which fsyncs the write-ahead log and with it every commit before it. So once the
@@ -177,35 +178,58 @@ impl HandlerTransactions for MessageContext {
 /// needs anyway. Until then other readers can see them: the outbox relay syncs the log before
 /// it sends what it read to a broker. A database the connection attaches (`ATTACH`) has a log
 /// of its own, which the settle does not sync. Everywhere else — PostgreSQL, an in-memory
-/// SQLite database, another journal mode, a store whose inbox is kept elsewhere — it is a
-/// connection of the runtime's own pool, at the store's own level.
+/// SQLite database, another journal mode, a store opened at `synchronous = NORMAL`, a store
+/// whose deliveries settle in another inbox — it is a connection of the runtime's own pool,
+/// at the store's own level.
 ///
-/// **On SQLite it holds the turn to write** until it is dropped and given back: the runtime's
-/// own writes wait for it, so keep it short — no calls to other services while it is open.
-/// It borrows the handler's [`MessageContext`], and a copy of the context kept past its
-/// attempt opens none: a write after the attempt would come after the settle that makes it
-/// durable.
+/// **On SQLite it holds the turn to write** until it is dropped and has finished what it was
+/// asked (the rollback of an sqlx transaction dropped unfinished on it; a `BEGIN` run by hand
+/// is the handler's to end): the runtime's own writes wait for it, so keep it short — no calls
+/// to other services while it is open. It borrows the handler's [`MessageContext`], and a copy
+/// of the context kept past its attempt opens none: a write after the attempt would come after
+/// the settle that makes it durable.
 pub struct HandlerConnection<'a, DB: Backend> {
-    connection: sqlx::pool::PoolConnection<DB>,
-    /// SQLite's turn to write; released once the connection went back to its pool.
+    /// `None` only once dropped.
+    connection: Option<sqlx::pool::PoolConnection<DB>>,
+    /// SQLite's turn to write; released once the connection is done with what it was asked.
     turn: Option<tokio::sync::OwnedSemaphorePermit>,
+    /// Told when the connection opens and closes, where its commits wait for a later sync.
+    unsynced: Option<Arc<crate::store::sql::Unsynced>>,
     _handler: std::marker::PhantomData<&'a MessageContext>,
 }
 
+/// How long a closing handler connection may take to finish what it was asked (a rollback
+/// left pending) before its turn goes anyway.
+const CLOSING: std::time::Duration = std::time::Duration::from_secs(5);
+
 impl<DB: Backend> Drop for HandlerConnection<'_, DB> {
-    /// Gives the connection back, then the turn. sqlx gives a connection back on a task of its
-    /// own, where it first runs what is left pending on it — the rollback of a transaction the
-    /// handler dropped unfinished, a statement a timeout cut short — which holds SQLite's lock
-    /// until it ran: the turn goes only after, so the next writer never finds the lock taken.
+    /// Finishes what the connection was asked, then gives the turn. A transaction dropped
+    /// unfinished on it leaves its rollback pending until the connection's next use, holding
+    /// SQLite's lock meanwhile: a ping runs it (bounded by [`CLOSING`]) before the turn goes,
+    /// so the next writer never finds the lock taken.
     fn drop(&mut self) {
-        let returning = self.connection.return_to_pool();
+        let connection = self.connection.take();
         let turn = self.turn.take();
-        if let Ok(runtime) = tokio::runtime::Handle::try_current() {
-            runtime.spawn(async move {
-                returning.await;
-                drop(turn);
-            });
-        }
+        let unsynced = self.unsynced.take();
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            // No runtime to ping on (a handler always has one): gone as it is.
+            if let Some(unsynced) = unsynced {
+                unsynced.closed();
+            }
+            drop((connection, turn));
+            return;
+        };
+        runtime.spawn(async move {
+            if let Some(mut connection) = connection {
+                let _ =
+                    tokio::time::timeout(CLOSING, sqlx::Connection::ping(&mut *connection)).await;
+            }
+            // What it committed comes before: the next sync covers it.
+            if let Some(unsynced) = unsynced {
+                unsynced.closed();
+            }
+            drop(turn);
+        });
     }
 }
 
@@ -221,13 +245,17 @@ impl<DB: Backend> Deref for HandlerConnection<'_, DB> {
     type Target = DB::Connection;
 
     fn deref(&self) -> &Self::Target {
-        &self.connection
+        self.connection
+            .as_deref()
+            .expect("a handler connection is there until it is dropped")
     }
 }
 
 impl<DB: Backend> DerefMut for HandlerConnection<'_, DB> {
     fn deref_mut(&mut self) -> &mut Self::Target {
-        &mut self.connection
+        self.connection
+            .as_deref_mut()
+            .expect("a handler connection is there until it is dropped")
     }
 }
 
@@ -422,6 +450,11 @@ macro_rules! backend {
                 let pool = store.engine_pool();
                 let tries = pool.options().get_max_connections().saturating_add(1);
                 let turn = store.write_turn().await?;
+                // A copy of the context kept past its attempt opens nothing: its work would
+                // land after the delivery settled.
+                if !context.attempt_running() {
+                    return Err(dacapo_actors::Error::Detached.into());
+                }
                 let mut tx = crate::store::sql::on_live_session(tries, || pool.begin_with($begin))
                     .await
                     .map_err(crate::store::sql::db_error)?;
@@ -459,20 +492,23 @@ macro_rules! backend {
                 context: &MessageContext,
             ) -> Result<HandlerConnection<'_, Self>, Error> {
                 let (_, _, store) = handling::<$store>(context, stringify!($store))?;
-                // A copy of the context kept past its attempt: a write now would come after
-                // the settle that makes it durable.
+                let turn = store.write_turn().await?;
+                // Checked with the turn held: the settle takes the turn after the attempt
+                // closed, so a copy of the context kept past its attempt can never write
+                // after the settle that makes it durable.
                 if !context.attempt_running() {
                     return Err(dacapo_actors::Error::Detached.into());
                 }
-                let turn = store.write_turn().await?;
-                let connection = store
-                    .handler_pool()
-                    .acquire()
-                    .await
-                    .map_err(crate::store::sql::db_error)?;
+                let (pool, unsynced) = store.handler_pool();
+                let connection = pool.acquire().await.map_err(crate::store::sql::db_error)?;
+                let unsynced = unsynced.map(Arc::clone);
+                if let Some(unsynced) = &unsynced {
+                    unsynced.opened();
+                }
                 Ok(HandlerConnection {
-                    connection,
+                    connection: Some(connection),
                     turn,
+                    unsynced,
                     _handler: std::marker::PhantomData,
                 })
             }

@@ -414,6 +414,10 @@ struct Observed {
     lease_lost_after_first: Option<Arc<tokio::sync::Notify>>,
     /// The read (counted from 0) that takes this long.
     slow_read: Option<(usize, Duration)>,
+    /// Fails the first mark when set.
+    fail_first_mark: bool,
+    /// The positions of each mark asked for, in order, failed or not.
+    marks: Arc<std::sync::Mutex<Vec<Vec<i64>>>>,
 }
 
 impl Observed {
@@ -425,6 +429,8 @@ impl Observed {
             signals: Arc::default(),
             lease_lost_after_first: None,
             slow_read: None,
+            fail_first_mark: false,
+            marks: Arc::default(),
         }
     }
 }
@@ -469,6 +475,14 @@ impl dacapo::ports::OutboxStore for Observed {
         positions: &[i64],
         at: chrono::DateTime<chrono::Utc>,
     ) -> Result<(), dacapo::EngineError> {
+        let first = {
+            let mut marks = self.marks.lock().unwrap();
+            marks.push(positions.to_vec());
+            marks.len() == 1
+        };
+        if first && self.fail_first_mark {
+            return Err(dacapo::EngineError::store("the mark's commit failed"));
+        }
         self.inner.mark_published(positions, at).await
     }
     async fn sync(&self) -> Result<(), dacapo::EngineError> {
@@ -590,6 +604,51 @@ on_both_backends!(
         );
         assert!(requests.load(Ordering::SeqCst) >= 2);
         runtime.shutdown().await;
+    }
+);
+
+on_both_backends!(
+    a_failed_mark_still_marks_the_batch_published_alongside_it_sqlite,
+    a_failed_mark_still_marks_the_batch_published_alongside_it_postgres,
+    |db| {
+        let messages: Vec<MemberRemoved> = (0..250).map(removed).collect();
+        db.outbox_transaction(&messages, true).await;
+        let outbox = Observed {
+            fail_first_mark: true,
+            ..Observed::new(db.sqlite_or_postgres_outbox().await)
+        };
+        let marks = Arc::clone(&outbox.marks);
+        let runtime = Runtime::builder()
+            .outbox_store(Arc::new(outbox))
+            .relay_interval(Duration::from_millis(50))
+            .relay_batch(100)
+            .module(
+                Module::new("webhooks").handle_named::<MemberRemoved, _>("queue", Recorder::new()),
+            )
+            .build()
+            .unwrap();
+        tokio::time::timeout(WAIT, async {
+            while runtime.outbox_backlog().await.unwrap().unwrap().depth > 0 {
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+        })
+        .await
+        .expect("everything published and marked");
+        runtime.shutdown().await;
+        let marks = marks.lock().unwrap().clone();
+        let mut positions: Vec<i64> = marks.iter().flatten().copied().collect();
+        positions.sort_unstable();
+        positions.dedup();
+        assert_eq!(positions.len(), 250);
+        // The first batch's mark failed while the second batch went out: the round marks the
+        // second before it ends, instead of leaving it to be published again.
+        assert_eq!(marks[0], positions[..100]);
+        assert_eq!(marks[1], positions[100..200]);
+        assert_eq!(
+            marks[2],
+            positions[..100],
+            "the next round publishes the first again"
+        );
     }
 );
 

@@ -8,12 +8,14 @@ mod columns;
 mod database;
 mod dialect;
 mod group_commit;
+mod handler_pool;
 mod statements;
 mod store;
 
 pub(crate) use columns::{EnvelopeColumns, id_text, millis};
 pub(crate) use database::{Database, Value, bind};
 pub use dialect::Dialect;
+pub(crate) use handler_pool::{HandlerPool, Unsynced};
 pub(crate) use statements::{COMPLETE_CLAIM, ENLIST, ENLIST_ONCE};
 pub use store::SqlStore;
 

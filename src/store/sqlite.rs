@@ -1,3 +1,4 @@
+use std::path::PathBuf;
 use std::str::FromStr;
 use std::time::Duration;
 
@@ -5,7 +6,7 @@ use sqlx::sqlite::{
     SqliteConnectOptions, SqliteJournalMode, SqlitePool, SqlitePoolOptions, SqliteSynchronous,
 };
 
-use crate::store::sql::{Database, Migration, SqlStore, migrations};
+use crate::store::sql::{Database, HandlerPool, Migration, SqlStore, migrations};
 
 pub(crate) const MIGRATIONS: &[Migration] = migrations!("sqlite");
 
@@ -106,35 +107,52 @@ fn engine_pool(pool: &SqlitePool) -> SqlitePool {
     }
 }
 
-/// The pool of handler connections on a file in WAL mode: one connection (they take turns
-/// anyway) with `synchronous = NORMAL`, whose commits append to the write-ahead log without an
-/// fsync. A delivery's settle commits after its handlers' writes with `FULL`, and a `FULL`
-/// commit fsyncs the log, every commit before it included: the handlers' writes are durable
-/// once the settle is. `None` (handler connections then come from the runtime's pool) for an
-/// in-memory database, which has nothing to fsync, and for another journal mode, whose commits
-/// do not all go through the one log.
-async fn handler_pool(pool: &SqlitePool) -> Result<Option<SqlitePool>, crate::Error> {
+/// The pool of handler connections on a file in WAL mode whose commits the store fsyncs
+/// (`FULL` or above): at most two connections (they take turns anyway) with
+/// `synchronous = NORMAL`, whose commits append to the write-ahead log without an fsync. A
+/// delivery's settle commits after its handlers' writes with `FULL`, and a `FULL` commit
+/// fsyncs the log, every commit before it included: the handlers' writes are durable once the
+/// settle is. `None` (handler connections then come from the runtime's pool) for an in-memory
+/// or temporary database, which has nothing to fsync, for another journal mode, whose commits
+/// do not all go through the one log, and for a store that does not fsync its own commits.
+async fn handler_pool(
+    pool: &SqlitePool,
+) -> Result<Option<HandlerPool<sqlx::Sqlite>>, crate::Error> {
     if pool.options().get_max_connections() <= 1 {
         return Ok(None);
     }
+    let db_error = crate::store::sql::db_error;
     let mode: String = sqlx::query_scalar("PRAGMA journal_mode")
         .fetch_one(pool)
         .await
-        .map_err(crate::store::sql::db_error)?;
-    if !mode.eq_ignore_ascii_case("wal") {
+        .map_err(db_error)?;
+    let level: i64 = sqlx::query_scalar("PRAGMA synchronous")
+        .fetch_one(pool)
+        .await
+        .map_err(db_error)?;
+    // The file as SQLite opened it: absolute, links resolved, whatever form its name took.
+    let file: String =
+        sqlx::query_scalar("SELECT file FROM pragma_database_list WHERE name = 'main'")
+            .fetch_one(pool)
+            .await
+            .map_err(db_error)?;
+    if !mode.eq_ignore_ascii_case("wal") || level < 2 || file.is_empty() {
         return Ok(None);
     }
     let options = (*pool.connect_options())
         .clone()
         .synchronous(SqliteSynchronous::Normal);
-    Ok(Some(
-        pool.options()
-            .clone()
-            .max_connections(2)
-            .min_connections(0)
-            .test_before_acquire(false)
-            .connect_lazy_with(options),
-    ))
+    let handlers = pool
+        .options()
+        .clone()
+        .max_connections(2)
+        .min_connections(0)
+        .test_before_acquire(false)
+        .connect_lazy_with(options);
+    Ok(Some(HandlerPool::new(
+        handlers,
+        PathBuf::from(format!("{file}-wal")),
+    )))
 }
 
 /// The connection options of `path`, and whether it is an in-memory database.
@@ -182,4 +200,85 @@ fn pool_options(memory: bool) -> SqlitePoolOptions {
 
 fn open_error(path: &str, error: sqlx::Error) -> crate::Error {
     crate::Error::Store(format!("cannot open the SQLite database {path}: {error}").into())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{handler_pool, options, pool_options};
+
+    /// A directory of its own for one test, removed after.
+    struct Directory(std::path::PathBuf);
+
+    impl Directory {
+        fn new(name: &str) -> Self {
+            let path = std::env::temp_dir()
+                .join(format!("dacapo-{name}-{}", uuid::Uuid::new_v4().simple()));
+            std::fs::create_dir_all(&path).unwrap();
+            Self(path)
+        }
+    }
+
+    impl Drop for Directory {
+        fn drop(&mut self) {
+            let _ = std::fs::remove_dir_all(&self.0);
+        }
+    }
+
+    /// The log the handler pool of the database opened as `name` syncs.
+    async fn synced_log(name: &str) -> std::path::PathBuf {
+        let (options, memory) = options(name).unwrap();
+        let pool = pool_options(memory)
+            .connect_with(options.create_if_missing(true))
+            .await
+            .unwrap();
+        let handlers = handler_pool(&pool)
+            .await
+            .unwrap()
+            .expect("a file in WAL mode");
+        handlers.log().to_path_buf()
+    }
+
+    #[cfg(unix)]
+    #[tokio::test]
+    async fn the_log_synced_is_the_one_sqlite_writes_whatever_the_name_given() {
+        let directory = Directory::new("log");
+        let real = directory.0.join("real.db");
+        let path = real.display().to_string();
+        let by_path = synced_log(&path).await;
+        let expected =
+            std::path::PathBuf::from(format!("{}-wal", real.canonicalize().unwrap().display()));
+        assert_eq!(by_path, expected);
+        assert!(expected.exists(), "the log SQLite writes");
+        let link = directory.0.join("link.db");
+        std::os::unix::fs::symlink(&real, &link).unwrap();
+        let by_link = synced_log(&link.display().to_string()).await;
+        assert_eq!(by_link, expected, "through a link, its target's log");
+        let by_uri = synced_log(&format!("file:{path}")).await;
+        assert_eq!(by_uri, expected, "named by a file: URI");
+    }
+
+    /// A store at `synchronous = NORMAL` does not sync its own commits: its handlers' writes
+    /// have no settle's sync to wait for, and go on the runtime's pool, as durable as it.
+    #[tokio::test]
+    async fn a_store_that_does_not_sync_its_commits_gives_handlers_its_own_pool() {
+        let directory = Directory::new("normal");
+        let (options, memory) =
+            options(&directory.0.join("normal.db").display().to_string()).unwrap();
+        let pool = pool_options(memory)
+            .connect_with(
+                options
+                    .create_if_missing(true)
+                    .synchronous(sqlx::sqlite::SqliteSynchronous::Normal),
+            )
+            .await
+            .unwrap();
+        assert!(handler_pool(&pool).await.unwrap().is_none());
+    }
+
+    #[tokio::test]
+    async fn an_in_memory_database_has_no_log_to_sync() {
+        let (options, memory) = options("sqlite::memory:").unwrap();
+        let pool = pool_options(memory).connect_with(options).await.unwrap();
+        assert!(handler_pool(&pool).await.unwrap().is_none());
+    }
 }

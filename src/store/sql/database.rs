@@ -49,25 +49,32 @@ where
 /// and the values in the order the `?`s stand. SQLite looks a named parameter up by a linear
 /// search of the statement's names, once per parameter at each execution: for the hundreds
 /// of parameters of a many-row statement, that search took more time than the writing. Text
-/// between single quotes is a literal, left as it is.
+/// between quotes — a literal, a quoted name — is left as it is (the statements it rewrites,
+/// the store's own, hold no comments).
 #[cfg(feature = "sqlite")]
 fn positional<'v>(sql: &str, values: &[Value<'v>]) -> Result<(String, Vec<Value<'v>>), Error> {
     let mut text = String::with_capacity(sql.len());
     let mut ordered = Vec::with_capacity(values.len());
-    let mut in_literal = false;
+    // The quote that opened the literal or quoted name the text is in, if any.
+    let mut quoted: Option<u8> = None;
     let mut rest = sql;
-    while let Some(at) = rest.find(['$', '\'']) {
+    while let Some(at) = rest.find(['$', '\'', '"']) {
         text.push_str(&rest[..at]);
         let after = &rest[at + 1..];
-        if rest.as_bytes()[at] == b'\'' {
-            // A doubled quote inside a literal closes and reopens it: the same either way.
-            in_literal = !in_literal;
-            text.push('\'');
+        let found = rest.as_bytes()[at];
+        if found != b'$' {
+            // A doubled quote inside closes and reopens it: the same either way.
+            quoted = match quoted {
+                None => Some(found),
+                Some(open) if open == found => None,
+                inside => inside,
+            };
+            text.push(char::from(found));
             rest = after;
             continue;
         }
         let digits = after.bytes().take_while(u8::is_ascii_digit).count();
-        if in_literal || digits == 0 {
+        if quoted.is_some() || digits == 0 {
             text.push('$');
             rest = after;
             continue;
@@ -302,31 +309,6 @@ impl Database {
         match &self.writer {
             Some(writer) => writer.turn().await.map(Some),
             None => Ok(None),
-        }
-    }
-
-    /// Makes every commit so far durable: on SQLite, an fsync of the write-ahead log — what a
-    /// `synchronous = FULL` commit does after writing its own frames, and what covers every
-    /// frame written before it, whichever connection wrote them (a log that is not there has
-    /// been checkpointed into the database, which the checkpoint synced). PostgreSQL's
-    /// commits are durable when they return.
-    pub(crate) async fn sync_log(&self) -> Result<(), Error> {
-        match &self.pool {
-            #[cfg(feature = "sqlite")]
-            Pool::Sqlite(pool) => {
-                let mut log = pool.connect_options().get_filename().as_os_str().to_owned();
-                log.push("-wal");
-                let synced = tokio::task::spawn_blocking(move || match std::fs::File::open(&log) {
-                    Ok(file) => file.sync_data(),
-                    Err(error) if error.kind() == std::io::ErrorKind::NotFound => Ok(()),
-                    Err(error) => Err(error),
-                })
-                .await
-                .map_err(|error| Error::store(format!("syncing the SQLite log: {error}")))?;
-                synced.map_err(|error| Error::store(format!("syncing the SQLite log: {error}")))
-            }
-            #[cfg(feature = "postgres")]
-            Pool::Postgres(_) => Ok(()),
         }
     }
 
@@ -787,6 +769,15 @@ mod tests {
         let (sql, ordered) = positional("SELECT '$2 it''s $1', $2 WHERE x = $1", &values).unwrap();
         assert_eq!(sql, "SELECT '$2 it''s $1', ? WHERE x = ?");
         assert_eq!(texts(&ordered), texts(&[values[1], values[0]]));
+    }
+
+    #[test]
+    fn a_quoted_name_is_a_name_whatever_it_holds() {
+        let values = [Value::Int32(7)];
+        let (sql, ordered) =
+            positional(r#"SELECT "it's $1" FROM t WHERE x = $1"#, &values).unwrap();
+        assert_eq!(sql, r#"SELECT "it's $1" FROM t WHERE x = ?"#);
+        assert_eq!(ordered.len(), 1);
     }
 
     #[test]

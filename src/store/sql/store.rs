@@ -37,7 +37,7 @@ pub struct SqlStore<D: Dialect> {
     engine: sqlx::Pool<D>,
     /// Where handler connections come from when not from `engine`: on a SQLite file, a
     /// connection whose commits leave their fsync to the delivery's settle.
-    handlers: Option<sqlx::Pool<D>>,
+    handlers: Option<Arc<super::HandlerPool<D>>>,
     /// `engine`, as the store's code reaches it.
     db: Database,
     /// Accepts and settles of many deliveries, committed together.
@@ -280,15 +280,19 @@ impl<D: Dialect> SqlStore<D> {
         &self.engine
     }
 
-    /// The pool handler connections come from.
-    pub(crate) fn handler_pool(&self) -> &sqlx::Pool<D> {
-        self.handlers.as_ref().unwrap_or(&self.engine)
+    /// The pool handler connections come from, and, when their commits leave their sync to
+    /// the settle, what they report their opening and closing to.
+    pub(crate) fn handler_pool(&self) -> (&sqlx::Pool<D>, Option<&Arc<super::Unsynced>>) {
+        match &self.handlers {
+            Some(handlers) => (&handlers.pool, Some(&handlers.unsynced)),
+            None => (&self.engine, None),
+        }
     }
 
-    /// This store with handler connections from `pool`.
+    /// This store with handler connections from `handlers`.
     #[cfg_attr(not(feature = "sqlite"), allow(dead_code))]
-    pub(crate) fn with_handler_pool(mut self, pool: sqlx::Pool<D>) -> Self {
-        self.handlers = Some(pool);
+    pub(crate) fn with_handler_pool(mut self, handlers: super::HandlerPool<D>) -> Self {
+        self.handlers = Some(Arc::new(handlers));
         self
     }
 
@@ -862,10 +866,10 @@ impl<D: Dialect> OutboxStore for SqlStore<D> {
 
     async fn sync(&self) -> Result<(), Error> {
         // Only handler connections commit without a sync of their own.
-        if self.handlers.is_some() {
-            self.db.sync_log().await?;
+        match &self.handlers {
+            Some(handlers) => handlers.sync().await,
+            None => Ok(()),
         }
-        Ok(())
     }
 }
 
