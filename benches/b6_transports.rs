@@ -24,7 +24,8 @@
 //! defaulting to the local servers; `B6_ONLY=rabbitmq|nats|postgresqueue` runs one). Three
 //! rounds, each running every transport's two raw loops, then dacapo on it; the figures are
 //! the medians, the ranges the rounds' own ratios. Goal (issue 13): at least 0.5 of the raw
-//! loop.
+//! loop — judged against the durable loop, the one with dacapo's durability; the ratio to the
+//! broker loop is printed beside it, for what the store costs.
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
@@ -47,6 +48,8 @@ const PREFETCH: u16 = 100;
 const STEADY_RATE: u64 = 200;
 const STEADY_MESSAGES: usize = 1_000;
 const ROUNDS: usize = 3;
+/// Issue 13's goal, of the durable loop.
+const GOAL: f64 = 0.5;
 
 #[derive(Clone, Serialize, Deserialize)]
 struct Ping {
@@ -832,7 +835,8 @@ async fn main() {
     let queue_database = ScratchPostgres::create("b6").await;
     println!(
         "B6: {MESSAGES} messages, batches of {BATCH}, prefetch {PREFETCH}, SQLite store \
-         synchronous=FULL; latency at {STEADY_RATE}/s over {STEADY_MESSAGES} messages; \
+         synchronous=FULL; latency at {STEADY_RATE}/s over {STEADY_MESSAGES} messages; goal \
+         {GOAL} of the durable loop; \
          medians of {ROUNDS} rounds, the raw loops and dacapo interleaved"
     );
     let only = std::env::var("B6_ONLY").ok();
@@ -859,14 +863,14 @@ async fn main() {
         }
     }
     println!(
-        "{:<14} {:>10} {:>10} {:>9} {:>18} {:>6} {:>18} {:>7} {:>7}",
+        "{:<14} {:>10} {:>10} {:>9} {:>18} {:>18} {:>6} {:>7} {:>7}",
         "transport",
         "broker/s",
         "durable/s",
         "dacapo/s",
         "of broker (range)",
-        "goal",
         "of durable (range)",
+        "goal",
         "p50 ms",
         "p99 ms"
     );
@@ -884,14 +888,14 @@ async fn main() {
                 .collect(),
         );
         println!(
-            "{:<14} {:>10.0} {:>10.0} {:>9.0} {:>18} {:>6} {:>18} {:>7.2} {:>7.2}",
+            "{:<14} {:>10.0} {:>10.0} {:>9.0} {:>18} {:>18} {:>6} {:>7.2} {:>7.2}",
             format!("{kind:?}"),
             median(rounds.iter().map(|round| round.broker).collect()),
             median(rounds.iter().map(|round| round.durable).collect()),
             median(rounds.iter().map(|round| round.rate).collect()),
             format!("{of_broker:.2} ({broker_range})"),
-            if of_broker >= 0.5 { "met" } else { "unmet" },
             format!("{of_durable:.2} ({durable_range})"),
+            if of_durable >= GOAL { "met" } else { "unmet" },
             median(rounds.iter().map(|round| round.p50).collect()),
             median(rounds.iter().map(|round| round.p99).collect()),
         );
