@@ -51,6 +51,22 @@ pub enum Error {
     /// handed back.
     #[error("no handler is registered for {}; envelope {} was not sent", .0.message_type, .0.id)]
     NoRoute(Box<Envelope>),
+    /// Another live process holds this node id on the database
+    /// ([`SqlStore::node_id`](crate::store::SqlStore::node_id)), and still did after `waited`:
+    /// two processes under one id would each run the other's deliveries. Nothing was written;
+    /// it passes once that process ends, so it is retryable.
+    #[error(
+        "node {node} is held by another live process on {at} (waited {waited:?}): give each \
+         process its own node id"
+    )]
+    NodeHeld {
+        /// The node id.
+        node: String,
+        /// The database, without credentials.
+        at: String,
+        /// How long this process waited for it.
+        waited: std::time::Duration,
+    },
     /// The engine's threads could not be started.
     #[error("the engine could not start: {0}")]
     Startup(String),
@@ -149,7 +165,10 @@ impl Error {
     /// database was unreachable, a connection died); a refused value, a closed runtime, a
     /// registration or configuration mistake will not.
     pub fn is_retryable(&self) -> bool {
-        matches!(self, Self::Store(_) | Self::Transport { .. })
+        matches!(
+            self,
+            Self::Store(_) | Self::Transport { .. } | Self::NodeHeld { .. }
+        )
     }
 
     /// The envelope the operation refused, where one was handed back.
@@ -193,6 +212,7 @@ impl From<dacapo_actors::Error> for Error {
             },
             Engine::NoRoute(envelope) => Self::NoRoute(envelope),
             Engine::Startup(reason) => Self::Startup(reason),
+            Engine::NodeHeld { node, at, waited } => Self::NodeHeld { node, at, waited },
             Engine::Transport { transport, source } => Self::Transport { transport, source },
             // The engine's error grows with the engine; what it adds is a store's failure to
             // the caller until it has a variant here.

@@ -35,6 +35,21 @@ pub enum Error {
     /// handed back.
     #[error("no handler is registered for {}; envelope {} was not sent", .0.message_type, .0.id)]
     NoRoute(Box<Envelope>),
+    /// Another live process holds this node id on the database, and still did after `waited`:
+    /// two processes under one id would each run the other's deliveries. Nothing was written.
+    /// It passes once that process ends: it is retryable.
+    #[error(
+        "node {node} is held by another live process on {at} (waited {waited:?}): give each \
+         process its own node id"
+    )]
+    NodeHeld {
+        /// The node id.
+        node: String,
+        /// The database, without credentials.
+        at: String,
+        /// How long this process waited for it.
+        waited: std::time::Duration,
+    },
     /// The engine's threads could not be started.
     #[error("the engine could not start: {0}")]
     Startup(String),
@@ -61,10 +76,13 @@ impl Error {
         Self::Rejected(error.into())
     }
 
-    /// Whether the same operation may succeed if tried again later: a store failure may; a
-    /// rejected value, a refusal or a closed runtime will not.
+    /// Whether the same operation may succeed if tried again later: a store failure may, and a
+    /// node another process holds; a rejected value, a refusal or a closed runtime will not.
     pub fn is_retryable(&self) -> bool {
-        matches!(self, Self::Store(_) | Self::Transport { .. })
+        matches!(
+            self,
+            Self::Store(_) | Self::Transport { .. } | Self::NodeHeld { .. }
+        )
     }
 
     /// Wraps a broker client's error, which may pass if tried again.

@@ -1,9 +1,9 @@
-//! One live process per node id. A runtime restarted under its node id resumes what that id
-//! left unsettled, and sweeps up that id's deliveries nothing in the process runs: two live
-//! processes under one id would take each other's deliveries for their own and run them
-//! twice. The job names its node, so two jobs started at once on one database take turns on a
-//! lock named after the node — a file lock next to the SQLite file, an advisory lock on
-//! PostgreSQL — which the system releases when the process dies, kill -9 included.
+//! Two jobs started at once take turns. The store holds a node id for one live process (a
+//! second process's writes under it fail after the store's `node_timeout`), which is what
+//! keeps their deliveries apart; the job, whose second run should wait for the first rather
+//! than fail, first waits for a lock of its own named after the node — a file lock next to the
+//! SQLite file, an advisory lock on PostgreSQL — which the system releases when the process
+//! dies, kill -9 included.
 
 use std::time::Duration;
 

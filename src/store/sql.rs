@@ -9,6 +9,7 @@ mod database;
 mod dialect;
 mod group_commit;
 mod handler_pool;
+mod node_hold;
 mod statements;
 mod store;
 

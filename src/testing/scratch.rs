@@ -114,6 +114,7 @@ impl Drop for ScratchDatabase {
                 for suffix in ["", "-wal", "-shm"] {
                     let _ = std::fs::remove_file(format!("{}{suffix}", path.display()));
                 }
+                remove_node_locks(path);
             }
             #[cfg(feature = "postgres")]
             Kind::Postgres { admin, name } => {
@@ -138,6 +139,26 @@ impl Drop for ScratchDatabase {
                 })
                 .join();
             }
+        }
+    }
+}
+
+/// Removes the lock files of the nodes named on the SQLite file at `path`
+/// ([`SqlStore::node_id`](crate::store::SqlStore::node_id)).
+#[cfg(feature = "sqlite")]
+fn remove_node_locks(path: &std::path::Path) {
+    let (Some(directory), Some(name)) = (path.parent(), path.file_name()) else {
+        return;
+    };
+    let prefix = format!("{}.node-", name.to_string_lossy());
+    let Ok(entries) = std::fs::read_dir(directory) else {
+        return;
+    };
+    for entry in entries.flatten() {
+        let file = entry.file_name();
+        let file = file.to_string_lossy();
+        if file.starts_with(&prefix) && file.ends_with(".lock") {
+            let _ = std::fs::remove_file(entry.path());
         }
     }
 }

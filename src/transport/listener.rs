@@ -104,7 +104,8 @@ impl Listener {
         let mut failures = 0u32;
         loop {
             match accept().await {
-                Err(Error::Store(error)) => {
+                // A store down, or this node held by another process until it ends.
+                Err(error @ (Error::Store(_) | Error::NodeHeld { .. })) => {
                     failures = failures.saturating_add(1);
                     let pause = self.backoff.pause(failures);
                     self.pauses.fetch_add(1, Ordering::Relaxed);

@@ -99,6 +99,15 @@ impl Drop for TestDatabase {
             for suffix in ["", "-wal", "-shm"] {
                 let _ = std::fs::remove_file(format!("{}{suffix}", file.display()));
             }
+            // The lock files of the nodes named on it.
+            let prefix = format!("{}.node-", file.display());
+            if let Ok(entries) = std::fs::read_dir(std::env::temp_dir()) {
+                for entry in entries.flatten() {
+                    if entry.path().display().to_string().starts_with(&prefix) {
+                        let _ = std::fs::remove_file(entry.path());
+                    }
+                }
+            }
         }
         if let Some(name) = self.postgres_name.take() {
             // Drop runs outside any runtime guarantee: use a thread with its own.

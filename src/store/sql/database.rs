@@ -273,6 +273,27 @@ impl Database {
         }
     }
 
+    /// Where a node of this database is held ([`super::node_hold`]): `None` for a SQLite
+    /// database in memory or in a temporary file, which no other process opens.
+    pub(crate) async fn node_target(&self) -> Result<Option<super::node_hold::Target>, Error> {
+        match &self.pool {
+            #[cfg(feature = "sqlite")]
+            Pool::Sqlite(pool) => {
+                // The file as SQLite opened it: absolute, links resolved, whatever its name.
+                let file: String =
+                    sqlx::query_scalar("SELECT file FROM pragma_database_list WHERE name = 'main'")
+                        .fetch_one(pool)
+                        .await
+                        .map_err(db_error)?;
+                Ok((!file.is_empty()).then_some(super::node_hold::Target::File(file)))
+            }
+            #[cfg(feature = "postgres")]
+            Pool::Postgres(pool) => Ok(Some(super::node_hold::Target::Session(Box::new(
+                (*pool.connect_options()).clone(),
+            )))),
+        }
+    }
+
     /// This database with the test harness's `hooks` on its statements.
     #[cfg(feature = "testing")]
     pub(crate) fn with_hooks(&self, hooks: std::sync::Arc<crate::testing::StoreHooks>) -> Self {

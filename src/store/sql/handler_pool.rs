@@ -20,6 +20,7 @@ pub(crate) struct HandlerPool<D: sqlx::Database> {
 }
 
 impl<D: sqlx::Database> HandlerPool<D> {
+    #[cfg_attr(not(feature = "sqlite"), allow(dead_code))]
     pub(crate) fn new(pool: sqlx::Pool<D>, log: PathBuf) -> Self {
         Self {
             pool,

@@ -22,6 +22,7 @@ use super::columns::{
 };
 use super::database::{Database, Row, Value};
 use super::group_commit::{GroupCommit, Grouping, Write, Written, in_one_transaction};
+use super::node_hold::NodeHold;
 use super::statements::*;
 use super::{Dialect, claim_lost};
 
@@ -46,6 +47,10 @@ pub struct SqlStore<D: Dialect> {
     #[cfg(feature = "testing")]
     database: fn(sqlx::Pool<D>) -> Database,
     node: Arc<str>,
+    /// Whether `node` was named (a random name needs no hold: no other process has it).
+    named: bool,
+    /// This process's hold on `node`, taken before the store's first write under it.
+    hold: Arc<NodeHold>,
     node_timeout: Duration,
     clock: Arc<dyn Clock>,
     /// Set once the claims table exists, so a claim never meets a missing table.
@@ -68,6 +73,8 @@ impl<D: Dialect> Clone for SqlStore<D> {
             #[cfg(feature = "testing")]
             database: self.database,
             node: Arc::clone(&self.node),
+            named: self.named,
+            hold: Arc::clone(&self.hold),
             node_timeout: self.node_timeout,
             clock: Arc::clone(&self.clock),
             claims_ready: Arc::clone(&self.claims_ready),
@@ -147,6 +154,8 @@ impl<D: Dialect> SqlStore<D> {
             engine,
             handlers: None,
             node: Arc::from(format!("node-{}", Uuid::new_v4().simple())),
+            named: false,
+            hold: Arc::default(),
             node_timeout: Duration::from_secs(30),
             clock: Arc::new(SystemClock),
             claims_ready: Arc::default(),
@@ -223,15 +232,26 @@ impl<D: Dialect> SqlStore<D> {
 
     /// This node's name in the store (default: random per process). Give each node of a fleet
     /// its own; a node restarted under the same name resumes its own deliveries at once.
+    ///
+    /// One live process per name: before its first write under the name, the store holds it —
+    /// a lock on the file `<database>.node-<uuid>.lock` next to a SQLite file, an advisory
+    /// lock in a PostgreSQL session of its own (checked every 2 s, taken again if the session
+    /// was lost) — which the system lets go when the process ends, `kill -9` included. A
+    /// process that finds the name held waits up to [`node_timeout`](Self::node_timeout) for
+    /// it, then its writes fail with [`Error::NodeHeld`](crate::Error::NodeHeld). Stores of
+    /// one process share the hold.
     #[must_use]
     pub fn node_id(mut self, node: impl Into<Arc<str>>) -> Self {
         self.node = node.into();
+        self.named = true;
+        self.hold = Arc::default();
         self
     }
 
     /// How long a node may miss heartbeats before other nodes take over its unsettled
-    /// deliveries (default 30 s). Keep it well above the runtime's recovery interval (default
-    /// 10 s), which is how often a node heartbeats.
+    /// deliveries (default 30 s), and how long a process waits for a node another process
+    /// holds. Keep it well above the runtime's recovery interval (default 10 s), which is how
+    /// often a node heartbeats.
     #[must_use]
     pub fn node_timeout(mut self, timeout: Duration) -> Self {
         self.node_timeout = timeout;
@@ -248,6 +268,16 @@ impl<D: Dialect> SqlStore<D> {
     /// This node's name.
     pub fn node(&self) -> &str {
         &self.node
+    }
+
+    /// Holds this store's node, if it was named, before a write under it.
+    async fn held(&self) -> Result<(), Error> {
+        if !self.named {
+            return Ok(());
+        }
+        self.hold
+            .ensure(&self.node, self.node_timeout, self.db.node_target())
+            .await
     }
 
     /// The connection pool, for the application's own queries. The runtime runs on a pool of
@@ -410,6 +440,7 @@ async fn migrate(db: &Database) -> Result<(), Error> {
 #[async_trait]
 impl<D: Dialect> Inbox for SqlStore<D> {
     async fn receive(&self, envelope: &Envelope) -> Result<Receipt, Error> {
+        self.held().await?;
         let write = self.receive_write(envelope, self.now())?;
         match self.group.write(&self.db, write).await? {
             Written::Received(receipt) => Ok(receipt),
@@ -418,6 +449,7 @@ impl<D: Dialect> Inbox for SqlStore<D> {
     }
 
     async fn receive_batch(&self, envelopes: &[Envelope]) -> Result<Vec<Receipt>, Error> {
+        self.held().await?;
         let now = self.now();
         let writes = envelopes
             .iter()
@@ -434,6 +466,7 @@ impl<D: Dialect> Inbox for SqlStore<D> {
     }
 
     async fn begin_attempt(&self, id: Uuid, attempt: u32) -> Result<Fenced, Error> {
+        self.held().await?;
         let write = Write::BeginAttempt {
             id: id_text(id),
             attempt: stored_attempts(attempt),
@@ -447,6 +480,7 @@ impl<D: Dialect> Inbox for SqlStore<D> {
     }
 
     async fn schedule_retry(&self, record: RetryRecord<'_>) -> Result<Fenced, Error> {
+        self.held().await?;
         let write = Write::ScheduleRetry {
             id: id_text(record.envelope.id),
             attempts: stored_attempts(record.envelope.attempts),
@@ -467,6 +501,7 @@ impl<D: Dialect> Inbox for SqlStore<D> {
     }
 
     async fn settle_handled(&self, id: Uuid, cascaded: &[Envelope]) -> Result<Handled, Error> {
+        self.held().await?;
         let write = Write::Settle {
             id: id_text(id),
             node: Arc::clone(&self.node),
@@ -487,6 +522,7 @@ impl<D: Dialect> Inbox for SqlStore<D> {
         letter: &DeadLetter,
         release_claims: bool,
     ) -> Result<Fenced, Error> {
+        self.held().await?;
         if release_claims {
             self.provision().await?;
         }
@@ -519,6 +555,7 @@ impl<D: Dialect> Inbox for SqlStore<D> {
     }
 
     async fn replay(&self, id: Uuid, to: ReplayTo) -> Result<Replay, Error> {
+        self.held().await?;
         let id = id_text(id);
         let mut tx = self.db.begin().await?;
         // Removed first, in the transaction: a concurrent replay waits for this one and then
@@ -584,6 +621,7 @@ impl<D: Dialect> DurableInbox for SqlStore<D> {
         limit: usize,
         due_before: DateTime<Utc>,
     ) -> Result<Vec<Resumable>, Error> {
+        self.held().await?;
         let values = [
             Value::Text(&self.node),
             Value::Int64(millis(self.alive_since())),
@@ -602,6 +640,7 @@ impl<D: Dialect> DurableInbox for SqlStore<D> {
         running: &HashSet<Uuid>,
         limit: usize,
     ) -> Result<Vec<Resumable>, Error> {
+        self.held().await?;
         let values = [
             Value::Text(&self.node),
             Value::Int64(millis(before)),
@@ -624,12 +663,14 @@ impl<D: Dialect> DurableInbox for SqlStore<D> {
     }
 
     async fn release_before(&self, started_at: DateTime<Utc>) -> Result<(), Error> {
+        self.held().await?;
         let values = [Value::Text(&self.node), Value::Int64(millis(started_at))];
         self.db.execute(RELEASE_BEFORE, &values).await?;
         Ok(())
     }
 
     async fn heartbeat(&self) -> Result<(), Error> {
+        self.held().await?;
         let values = [Value::Text(&self.node), Value::Int64(millis(self.now()))];
         self.db.execute(HEARTBEAT, &values).await?;
         Ok(())
@@ -640,6 +681,7 @@ impl<D: Dialect> DurableInbox for SqlStore<D> {
     }
 
     async fn release(&self) -> Result<(), Error> {
+        self.held().await?;
         let mut tx = self.db.begin().await?;
         tx.execute(RELEASE, &[Value::Text(&self.node)]).await?;
         tx.execute(FORGET_NODE, &[Value::Text(&self.node)]).await?;
@@ -676,6 +718,8 @@ impl<D: Dialect> DurableInbox for SqlStore<D> {
 #[async_trait]
 impl<D: Dialect> Claims for SqlStore<D> {
     async fn provision(&self) -> Result<(), Error> {
+        // It releases this node's uncompleted claims: a write under the node.
+        self.held().await?;
         self.claims_ready
             .get_or_try_init(|| async {
                 // Under the migrations' lock: nodes starting together create it once.
@@ -702,6 +746,7 @@ impl<D: Dialect> Claims for SqlStore<D> {
     }
 
     async fn claim(&self, claim: &Claim) -> Result<ClaimOutcome, Error> {
+        self.held().await?;
         self.provision().await?;
         let values = [
             Value::Text(&claim.handler),
@@ -752,6 +797,7 @@ impl<D: Dialect> Claims for SqlStore<D> {
     }
 
     async fn release(&self, claim: &Claim) -> Result<(), Error> {
+        self.held().await?;
         self.provision().await?;
         let values = [
             Value::Text(&claim.handler),
@@ -764,6 +810,7 @@ impl<D: Dialect> Claims for SqlStore<D> {
     }
 
     async fn complete(&self, claim: &Claim) -> Result<(), Error> {
+        self.held().await?;
         let values = [
             Value::Text(&claim.handler),
             Value::Text(&claim.key_hash),
@@ -789,6 +836,8 @@ impl<D: Dialect> Claims for SqlStore<D> {
 #[async_trait]
 impl<D: Dialect> OutboxStore for SqlStore<D> {
     async fn lease(&self, now: DateTime<Utc>, until: DateTime<Utc>) -> Result<bool, Error> {
+        // The lease is the node's: another process under it would renew it as its own.
+        self.held().await?;
         let values = [
             Value::Text(&self.node),
             Value::Int64(millis(now)),

@@ -1,0 +1,343 @@
+//! One live process per node id: a store named with `node_id` holds its node before its first
+//! write, a second process finds it held and writes nothing under it, and the hold goes with
+//! the process that had it, `kill -9` included. The other process is this test binary running
+//! the ignored `holder`, so its death is a real one.
+#![cfg(all(feature = "sqlite", feature = "postgres"))]
+
+#[path = "support/messages.rs"]
+mod support;
+#[path = "support/proxy.rs"]
+mod support_proxy;
+#[path = "support/stores.rs"]
+mod support_stores;
+#[path = "support/warnings.rs"]
+mod support_warnings;
+
+use std::io::BufRead;
+use std::process::{Child, Command, Stdio};
+use std::time::Duration;
+
+use dacapo::EngineError;
+use dacapo::ports::{Claims, DurableInbox, OutboxStore};
+use dacapo::prelude::*;
+use serde::{Deserialize, Serialize};
+use support::member_removed;
+use support_stores::{Backend, TestDatabase};
+
+/// What the holder is told, through its environment.
+const HOLDER: &str = "DACAPO_NODE_HOLD_TEST";
+
+/// The node both processes are given.
+const NODE: &str = "orders-1";
+
+/// How long a test waits for a process or an effect it expects.
+const WAIT: Duration = Duration::from_secs(30);
+
+#[derive(Serialize, Deserialize)]
+struct Setup {
+    postgres: bool,
+    url: String,
+}
+
+/// The store at `url` under `node`, waiting `wait` for a node another process holds.
+async fn store(postgres: bool, url: &str, node: &str, wait: Duration) -> Box<dyn DurableInbox> {
+    if postgres {
+        Box::new(
+            dacapo::store::PostgresStore::connect(url)
+                .await
+                .unwrap()
+                .node_id(node)
+                .node_timeout(wait),
+        )
+    } else {
+        Box::new(
+            dacapo::store::SqliteStore::open(url)
+                .await
+                .unwrap()
+                .node_id(node)
+                .node_timeout(wait),
+        )
+    }
+}
+
+/// The other process: holds the node with a heartbeat (a write under it), says so, and
+/// lives until it is killed or its standard input closes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "the other process of the node hold tests, which run it themselves"]
+async fn holder() {
+    let setup: Setup =
+        serde_json::from_str(&std::env::var(HOLDER).expect("run by a node hold test")).unwrap();
+    let store = store(setup.postgres, &setup.url, NODE, WAIT).await;
+    store.heartbeat().await.unwrap();
+    println!("held");
+    tokio::task::spawn_blocking(|| std::io::stdin().lines().count())
+        .await
+        .unwrap();
+    drop(store);
+}
+
+/// Starts the holder on `url`, once it holds the node.
+fn spawn_holder(postgres: bool, url: &str) -> Child {
+    let setup = serde_json::to_string(&Setup {
+        postgres,
+        url: url.to_owned(),
+    })
+    .unwrap();
+    let mut child = Command::new(std::env::current_exe().unwrap())
+        .args(["--exact", "holder", "--ignored", "--nocapture"])
+        .env(HOLDER, setup)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .unwrap();
+    let stdout = child.stdout.take().unwrap();
+    let (held, holds) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        for line in std::io::BufReader::new(stdout).lines() {
+            if line.is_ok_and(|line| line.trim() == "held") {
+                let _ = held.send(());
+            }
+        }
+    });
+    holds
+        .recv_timeout(WAIT)
+        .expect("the holder holds the node within the wait");
+    child
+}
+
+fn kill(mut child: Child) {
+    child.kill().unwrap();
+    child.wait().unwrap();
+}
+
+fn is_held_elsewhere(error: &EngineError) -> bool {
+    matches!(error, EngineError::NodeHeld { node, .. } if node == NODE) && error.is_retryable()
+}
+
+async fn a_node_is_held_by_one_live_process_at_a_time(backend: Backend) {
+    let db = TestDatabase::new(backend).await;
+    let postgres = matches!(backend, Backend::Postgres);
+    // The schema, before two processes race to create it.
+    drop(store(postgres, &db.url, "schema", WAIT).await);
+    let holder = spawn_holder(postgres, &db.url);
+
+    let second = store(postgres, &db.url, NODE, Duration::from_millis(500)).await;
+    let envelope = Envelope::for_message(&member_removed()).unwrap();
+    let refused = second.receive(&envelope).await.unwrap_err();
+    assert!(is_held_elsewhere(&refused), "{refused}");
+    let recovering = second.recover(100, chrono::Utc::now()).await.unwrap_err();
+    assert!(is_held_elsewhere(&recovering), "{recovering}");
+    // Provisioning claims releases the node's own, and the outbox lease is the node's.
+    let (claims, outbox): (Box<dyn Claims>, Box<dyn OutboxStore>) = if postgres {
+        let store = dacapo::store::PostgresStore::connect(&db.url)
+            .await
+            .unwrap()
+            .node_id(NODE)
+            .node_timeout(Duration::from_millis(500));
+        (Box::new(store.clone()), Box::new(store))
+    } else {
+        let store = dacapo::store::SqliteStore::open(&db.url)
+            .await
+            .unwrap()
+            .node_id(NODE)
+            .node_timeout(Duration::from_millis(500));
+        (Box::new(store.clone()), Box::new(store))
+    };
+    let provisioning = claims.provision().await.unwrap_err();
+    assert!(is_held_elsewhere(&provisioning), "{provisioning}");
+    let now = chrono::Utc::now();
+    let leasing = outbox
+        .lease(now, now + chrono::Duration::seconds(5))
+        .await
+        .unwrap_err();
+    assert!(is_held_elsewhere(&leasing), "{leasing}");
+    assert_eq!(
+        db.inbox_rows().await,
+        0,
+        "nothing written under a held node"
+    );
+    // Writes queued behind a refused take share its answer: one wait of 500 ms, not eight.
+    let started = std::time::Instant::now();
+    let writes = dacapo::futures::future::join_all((0..8).map(|_| second.heartbeat())).await;
+    assert!(
+        writes
+            .iter()
+            .all(|write| write.as_ref().is_err_and(is_held_elsewhere))
+    );
+    assert!(
+        started.elapsed() < Duration::from_secs(3),
+        "{:?}",
+        started.elapsed()
+    );
+
+    // Another node of the same database is free.
+    let other = store(postgres, &db.url, "orders-2", WAIT).await;
+    other
+        .receive(&Envelope::for_message(&member_removed()).unwrap())
+        .await
+        .unwrap();
+
+    // The system lets go of a killed process's hold: the node is taken on the next write.
+    kill(holder);
+    let second = store(postgres, &db.url, NODE, WAIT).await;
+    second.receive(&envelope).await.unwrap();
+    assert_eq!(
+        db.inbox_status(envelope.id).await.as_deref(),
+        Some("incoming")
+    );
+    // Another store of this process under the node shares its hold.
+    let again = store(postgres, &db.url, NODE, Duration::from_millis(500)).await;
+    again.heartbeat().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_node_is_held_by_one_live_process_at_a_time_sqlite() {
+    a_node_is_held_by_one_live_process_at_a_time(Backend::Sqlite).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_node_is_held_by_one_live_process_at_a_time_postgres() {
+    a_node_is_held_by_one_live_process_at_a_time(Backend::Postgres).await;
+}
+
+/// A runtime under a node another process holds publishes nothing: the publish fails with the
+/// typed error, and the envelope is not in the store.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_runtime_under_a_held_node_refuses_to_publish_sqlite() {
+    let db = TestDatabase::new(Backend::Sqlite).await;
+    drop(store(false, &db.url, "schema", WAIT).await);
+    let holder = spawn_holder(false, &db.url);
+    let runtime = Runtime::builder()
+        .store(
+            dacapo::store::SqliteStore::open(&db.url)
+                .await
+                .unwrap()
+                .node_id(NODE)
+                .node_timeout(Duration::from_millis(500)),
+        )
+        .module(Module::new("m").handle::<support::MemberRemoved, _>(support::Counter::default()))
+        .build()
+        .unwrap();
+    let refused = runtime.publish(&member_removed()).await.unwrap_err();
+    assert!(
+        matches!(&refused, dacapo::Error::NodeHeld { node, .. } if node == NODE)
+            && refused.is_retryable(),
+        "{refused}"
+    );
+    assert_eq!(db.inbox_rows().await, 0);
+    kill(holder);
+    runtime.publish(&member_removed()).await.unwrap();
+    runtime.idle().await;
+    assert_eq!(runtime.stats().handled, 1);
+    runtime.shutdown().await;
+}
+
+/// A PostgreSQL session holding a node, cut off the server: the server lets its lock go, so
+/// another process may take the node; the store finds its session lost and, with the node held
+/// elsewhere, writes nothing more under it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lost_session_loses_the_node_to_the_process_that_took_it_postgres() {
+    let db = TestDatabase::new(Backend::Postgres).await;
+    let (proxy, through) = support_proxy::Proxy::to(&db.url).await;
+    let first = store(true, &through, NODE, Duration::from_millis(500)).await;
+    first.heartbeat().await.unwrap();
+
+    proxy.cut();
+    // The holder can only take the node once the server dropped the cut session.
+    let holder = spawn_holder(true, &db.url);
+    proxy.restore();
+    let deadline = tokio::time::Instant::now() + WAIT;
+    let refused = loop {
+        // Until the store's check of its session ran (every 2 s), it may still write.
+        match first.heartbeat().await {
+            Err(error) if matches!(error, EngineError::NodeHeld { .. }) => break error,
+            // Written, or failed on a connection the cut left the pool.
+            _ => {
+                assert!(
+                    tokio::time::Instant::now() < deadline,
+                    "the lost session was never noticed"
+                );
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+        }
+    };
+    assert!(is_held_elsewhere(&refused), "{refused}");
+
+    // Once the holder is gone (and the server noticed), the store takes its node back.
+    kill(holder);
+    let deadline = tokio::time::Instant::now() + WAIT;
+    while let Err(error) = first.heartbeat().await {
+        assert!(
+            is_held_elsewhere(&error) && tokio::time::Instant::now() < deadline,
+            "{error}"
+        );
+    }
+}
+
+/// A listener whose node another process holds waits, as it waits out a store that is down,
+/// and records the envelope once that process ended: nothing refused for good, nothing lost.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_listener_waits_out_a_node_held_elsewhere_postgres() {
+    use dacapo::store::PostgresStore;
+    use dacapo::transport::PostgresQueue;
+    let warnings = support_warnings::warnings();
+    let db = TestDatabase::new(Backend::Postgres).await;
+    drop(store(true, &db.url, "schema", WAIT).await);
+    let holder = spawn_holder(true, &db.url);
+    let queue = || {
+        PostgresQueue::connect(&db.url, "held")
+            .unwrap()
+            .route::<support::MemberRemoved>()
+    };
+    let handled = support::Counter::default();
+    let receiver = Runtime::builder()
+        .store(
+            PostgresStore::connect(&db.url)
+                .await
+                .unwrap()
+                .node_id(NODE)
+                .node_timeout(Duration::from_millis(300)),
+        )
+        .module(Module::new("m").handle::<support::MemberRemoved, _>(handled.clone()))
+        .transport(queue())
+        .build()
+        .unwrap();
+    let sender = Runtime::builder()
+        .store(
+            PostgresStore::connect(&db.url)
+                .await
+                .unwrap()
+                .node_id("sender"),
+        )
+        .transport(queue())
+        .relay_interval(Duration::from_millis(50))
+        .build()
+        .unwrap();
+    sender.publish(&member_removed()).await.unwrap();
+
+    let deadline = tokio::time::Instant::now() + WAIT;
+    while !warnings.lock().unwrap().iter().any(|warning| {
+        warning.contains("cannot record a received envelope")
+            && warning.contains("held by another live process")
+    }) {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the listener never met the held node"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert_eq!(handled.count(), 0);
+
+    kill(holder);
+    let deadline = tokio::time::Instant::now() + WAIT;
+    while handled.count() == 0 {
+        assert!(tokio::time::Instant::now() < deadline, "never handled");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    receiver.idle().await;
+    assert_eq!(handled.count(), 1);
+    assert!(receiver.dead_letters().list().await.unwrap().is_empty());
+    sender.shutdown().await;
+    receiver.shutdown().await;
+}
