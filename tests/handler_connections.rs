@@ -22,6 +22,19 @@ use support_stores::Backend;
 
 const WAIT: Duration = Duration::from_secs(20);
 
+/// Once `runtime` is idle, and shut down: how many deliveries it handled, retried and
+/// dead-lettered, and the rows in `tallies`.
+async fn settled(runtime: Runtime, pool: &sqlx::SqlitePool) -> ((u64, u64, u64), i64) {
+    tokio::time::timeout(WAIT, runtime.idle()).await.unwrap();
+    let stats = runtime.stats();
+    runtime.shutdown().await;
+    let rows: i64 = sqlx::query_scalar("SELECT count(*) FROM tallies")
+        .fetch_one(pool)
+        .await
+        .unwrap();
+    ((stats.handled, stats.retried, stats.dead_lettered), rows)
+}
+
 const TABLE: &str =
     "CREATE TABLE IF NOT EXISTS tallies (id TEXT PRIMARY KEY, member BIGINT NOT NULL)";
 const INSERT: &str = "INSERT INTO tallies (id, member) VALUES ($1, $2) ON CONFLICT (id) DO NOTHING";
@@ -219,19 +232,7 @@ async fn handler_connections_take_turns_with_the_runtimes_writers_on_sqlite() {
     });
     let published = futures::future::join_all(batches).await;
     assert!(published.iter().all(Result::is_ok), "{published:?}");
-    tokio::time::timeout(WAIT, runtime.idle()).await.unwrap();
-    let stats = runtime.stats();
-    assert_eq!(
-        (stats.handled, stats.retried, stats.dead_lettered),
-        (320, 0, 0),
-        "{stats:?}"
-    );
-    runtime.shutdown().await;
-    let rows: i64 = sqlx::query_scalar("SELECT count(*) FROM tallies")
-        .fetch_one(&pool)
-        .await
-        .unwrap();
-    assert_eq!(rows, 320);
+    assert_eq!(settled(runtime, &pool).await, ((320, 0, 0), 320));
 }
 
 #[tokio::test]
@@ -376,19 +377,7 @@ async fn a_connection_left_mid_transaction_is_rolled_back_before_the_next_writer
         .build()
         .unwrap();
     runtime.publish_batch(&members(40)).await.unwrap();
-    tokio::time::timeout(WAIT, runtime.idle()).await.unwrap();
-    let stats = runtime.stats();
-    assert_eq!(
-        (stats.handled, stats.retried, stats.dead_lettered),
-        (40, 40, 0),
-        "{stats:?}"
-    );
-    runtime.shutdown().await;
-    let rows: i64 = sqlx::query_scalar("SELECT count(*) FROM tallies")
-        .fetch_one(&pool)
-        .await
-        .unwrap();
-    assert_eq!(rows, 40);
+    assert_eq!(settled(runtime, &pool).await, ((40, 40, 0), 40));
     let locked: Vec<String> = warnings
         .lock()
         .unwrap()

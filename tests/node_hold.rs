@@ -6,6 +6,8 @@
 
 #[path = "support/messages.rs"]
 mod support;
+#[path = "support/child.rs"]
+mod support_child;
 #[path = "support/proxy.rs"]
 mod support_proxy;
 #[path = "support/stores.rs"]
@@ -13,8 +15,7 @@ mod support_stores;
 #[path = "support/warnings.rs"]
 mod support_warnings;
 
-use std::io::BufRead;
-use std::process::{Child, Command, Stdio};
+use std::process::Child;
 use std::time::Duration;
 
 use dacapo::EngineError;
@@ -83,27 +84,7 @@ fn spawn_holder(postgres: bool, url: &str) -> Child {
         url: url.to_owned(),
     })
     .unwrap();
-    let mut child = Command::new(std::env::current_exe().unwrap())
-        .args(["--exact", "holder", "--ignored", "--nocapture"])
-        .env(HOLDER, setup)
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::inherit())
-        .spawn()
-        .unwrap();
-    let stdout = child.stdout.take().unwrap();
-    let (held, holds) = std::sync::mpsc::channel();
-    std::thread::spawn(move || {
-        for line in std::io::BufReader::new(stdout).lines() {
-            if line.is_ok_and(|line| line.trim() == "held") {
-                let _ = held.send(());
-            }
-        }
-    });
-    holds
-        .recv_timeout(WAIT)
-        .expect("the holder holds the node within the wait");
-    child
+    support_child::spawn("holder", (HOLDER, &setup), "held", WAIT)
 }
 
 fn kill(mut child: Child) {

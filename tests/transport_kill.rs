@@ -8,9 +8,10 @@
 
 #[path = "support/brokers.rs"]
 mod brokers;
+#[path = "support/child.rs"]
+mod child;
 
-use std::io::BufRead;
-use std::process::{Child, Command, Stdio};
+use std::process::Child;
 use std::time::Duration;
 
 use brokers::*;
@@ -141,26 +142,8 @@ async fn child_node() {
 }
 
 fn spawn_child(setup: &Setup) -> Child {
-    let mut child = Command::new(std::env::current_exe().unwrap())
-        .args(["--exact", "child_node", "--ignored", "--nocapture"])
-        .env(SETUP, serde_json::to_string(setup).unwrap())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::inherit())
-        .spawn()
-        .unwrap();
-    let stdout = child.stdout.take().unwrap();
-    let (ready, listening) = std::sync::mpsc::channel();
-    std::thread::spawn(move || {
-        for line in std::io::BufReader::new(stdout).lines() {
-            if line.is_ok_and(|line| line.trim() == "listening") {
-                let _ = ready.send(());
-            }
-        }
-    });
-    listening
-        .recv_timeout(WAIT)
-        .expect("the child node listens within the wait");
-    child
+    let setup = serde_json::to_string(setup).unwrap();
+    child::spawn("child_node", (SETUP, &setup), "listening", WAIT)
 }
 
 async fn count(pool: &sqlx::PgPool, sql: &'static str) -> i64 {

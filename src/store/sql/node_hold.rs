@@ -299,58 +299,17 @@ async fn keep_session(
     lost: Arc<AtomicBool>,
 ) {
     use sqlx::Connection;
-    // Neither a server that never answers nor one slow to answer keeps the caller long past
-    // its wait.
-    let late = || Error::store("the PostgreSQL server did not answer the node's lock in time");
-    let wait_until = tokio::time::Instant::from_std(deadline);
-    let give_up = wait_until + SETTLE;
-    let connected =
-        tokio::time::timeout_at(give_up, sqlx::PgConnection::connect_with(&options)).await;
-    let mut session = match connected {
-        Ok(Ok(session)) => session,
-        Ok(Err(error)) => {
-            let _ = taken.send(Err(Error::store(error)));
+    let mut session = match locked_session(&options, &key, deadline, &taken).await {
+        Ok(Some(session)) => session,
+        Ok(None) => {
+            let _ = taken.send(Ok(false));
             return;
         }
-        Err(_) => {
-            let _ = taken.send(Err(late()));
+        Err(error) => {
+            let _ = taken.send(Err(error));
             return;
         }
     };
-    loop {
-        if taken.is_closed() {
-            // Nobody waits for it any more.
-            let _ = session.close().await;
-            return;
-        }
-        // Advisory locks are the database's: the schema tells apart services sharing one.
-        let locked = tokio::time::timeout_at(
-            give_up,
-            sqlx::query_scalar::<_, bool>(TRY_LOCK)
-                .bind(&key)
-                .fetch_one(&mut session),
-        )
-        .await;
-        match locked {
-            Ok(Ok(true)) => break,
-            Ok(Ok(false)) if tokio::time::Instant::now() < wait_until => {
-                tokio::time::sleep(RETRY).await;
-            }
-            Ok(Ok(false)) => {
-                let _ = taken.send(Ok(false));
-                let _ = session.close().await;
-                return;
-            }
-            Ok(Err(error)) => {
-                let _ = taken.send(Err(Error::store(error)));
-                return;
-            }
-            Err(_) => {
-                let _ = taken.send(Err(late()));
-                return;
-            }
-        }
-    }
     // A host that vanished lets its lock go within about 15 s rather than after the system's
     // keepalive of hours: the server gives up on this session once it stops answering.
     for setting in [
@@ -386,4 +345,48 @@ async fn keep_session(
         }
     }
     let _ = session.close().await;
+}
+
+/// A session holding the advisory lock of `key`; `None` when another session still holds it
+/// at `deadline`, or when nobody waits for it any more. Neither a server that never answers
+/// nor a slow one keeps the caller long past its wait.
+#[cfg(feature = "postgres")]
+async fn locked_session(
+    options: &sqlx::postgres::PgConnectOptions,
+    key: &str,
+    deadline: Instant,
+    taken: &tokio::sync::oneshot::Sender<Result<bool, Error>>,
+) -> Result<Option<sqlx::PgConnection>, Error> {
+    use sqlx::Connection;
+    let late = |_| Error::store("the PostgreSQL server did not answer the node's lock in time");
+    let wait_until = tokio::time::Instant::from_std(deadline);
+    let give_up = wait_until + SETTLE;
+    let mut session = tokio::time::timeout_at(give_up, sqlx::PgConnection::connect_with(options))
+        .await
+        .map_err(late)?
+        .map_err(Error::store)?;
+    loop {
+        if taken.is_closed() {
+            let _ = session.close().await;
+            return Ok(None);
+        }
+        // Advisory locks are the database's: the schema tells apart services sharing one.
+        let locked = tokio::time::timeout_at(
+            give_up,
+            sqlx::query_scalar::<_, bool>(TRY_LOCK)
+                .bind(key)
+                .fetch_one(&mut session),
+        )
+        .await
+        .map_err(late)?
+        .map_err(Error::store)?;
+        if locked {
+            return Ok(Some(session));
+        }
+        if tokio::time::Instant::now() >= wait_until {
+            let _ = session.close().await;
+            return Ok(None);
+        }
+        tokio::time::sleep(RETRY).await;
+    }
 }
