@@ -42,22 +42,13 @@ pub(crate) enum Target {
 }
 
 impl Target {
-    /// The database and the node, as this process's holds are found by.
+    /// The database and the node, as this process's holds are found by (a file path and a
+    /// PostgreSQL URL never read alike).
     fn key(&self, node: &str) -> String {
-        match self {
-            #[cfg(feature = "sqlite")]
-            Self::File(file) => format!("sqlite:{file}#{node}"),
-            #[cfg(feature = "postgres")]
-            Self::Session(options) => format!(
-                "postgres://{}:{}/{}#{node}",
-                options.get_host(),
-                options.get_port(),
-                options.get_database().unwrap_or_default()
-            ),
-        }
+        format!("{}#{node}", self.place())
     }
 
-    /// Where the error says the node was held.
+    /// The database: the SQLite file, or the PostgreSQL server and database (no credentials).
     fn place(&self) -> String {
         match self {
             #[cfg(feature = "sqlite")]
