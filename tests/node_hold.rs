@@ -96,9 +96,8 @@ fn is_held_elsewhere(error: &EngineError) -> bool {
     matches!(error, EngineError::NodeHeld { node, .. } if node == NODE) && error.is_retryable()
 }
 
-async fn a_node_is_held_by_one_live_process_at_a_time(backend: Backend) {
-    let db = TestDatabase::new(backend).await;
-    let postgres = matches!(backend, Backend::Postgres);
+async fn a_node_is_held_by_one_live_process_at_a_time(db: TestDatabase) {
+    let postgres = matches!(db.backend, Backend::Postgres);
     // The schema, before two processes race to create it.
     drop(store(postgres, &db.url, "schema", WAIT).await);
     let holder = spawn_holder(postgres, &db.url);
@@ -172,15 +171,11 @@ async fn a_node_is_held_by_one_live_process_at_a_time(backend: Backend) {
     again.heartbeat().await.unwrap();
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_node_is_held_by_one_live_process_at_a_time_sqlite() {
-    a_node_is_held_by_one_live_process_at_a_time(Backend::Sqlite).await;
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_node_is_held_by_one_live_process_at_a_time_postgres() {
-    a_node_is_held_by_one_live_process_at_a_time(Backend::Postgres).await;
-}
+on_both_backends!(
+    a_node_is_held_by_one_live_process_at_a_time_sqlite,
+    a_node_is_held_by_one_live_process_at_a_time_postgres,
+    |db| a_node_is_held_by_one_live_process_at_a_time(db).await
+);
 
 /// A runtime under a node another process holds publishes nothing: the publish fails with the
 /// typed error, and the envelope is not in the store.

@@ -301,6 +301,11 @@ async fn keep_session(
             return;
         }
     };
+    if taken.send(Ok(true)).is_err() {
+        // Nobody waits for it any more: let it go.
+        let _ = session.close().await;
+        return;
+    }
     // A host that vanished lets its lock go within about 15 s rather than after the system's
     // keepalive of hours: the server gives up on this session once it stops answering.
     for setting in [
@@ -312,11 +317,6 @@ async fn keep_session(
         if let Err(error) = sqlx::query(setting).execute(&mut session).await {
             tracing::debug!(%error, setting, "a keepalive setting of the node's session");
         }
-    }
-    if taken.send(Ok(true)).is_err() {
-        // Nobody waits for it any more: let it go.
-        let _ = session.close().await;
-        return;
     }
     loop {
         tokio::select! {
