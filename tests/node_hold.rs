@@ -317,3 +317,102 @@ async fn a_listener_waits_out_a_node_held_elsewhere_postgres() {
     sender.shutdown().await;
     receiver.shutdown().await;
 }
+
+/// `url` spelled another way: the PostgreSQL server by another of its names, the SQLite file
+/// through a symbolic link (made here, removed with the returned guard).
+fn another_spelling(db: &TestDatabase) -> (String, Option<Symlink>) {
+    match db.backend {
+        Backend::Postgres => {
+            let url = if db.url.contains("@127.0.0.1:") {
+                db.url.replace("@127.0.0.1:", "@localhost:")
+            } else if db.url.contains("@localhost:") {
+                db.url.replace("@localhost:", "@127.0.0.1:")
+            } else {
+                panic!(
+                    "this test names the server at {} another way: give it as 127.0.0.1 or localhost",
+                    db.url
+                )
+            };
+            (url, None)
+        }
+        Backend::Sqlite => {
+            let link = Symlink::to(std::path::Path::new(&db.url));
+            (link.0.display().to_string(), Some(link))
+        }
+    }
+}
+
+/// A symbolic link, removed when dropped.
+struct Symlink(std::path::PathBuf);
+
+impl Symlink {
+    fn to(target: &std::path::Path) -> Self {
+        let name = format!("{}-link.db", uuid::Uuid::new_v4().simple());
+        let link = std::env::temp_dir().join(name);
+        std::os::unix::fs::symlink(target, &link).unwrap();
+        Self(link)
+    }
+}
+
+impl Drop for Symlink {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.0);
+    }
+}
+
+/// Two stores of one process reaching one database by two names share their node's hold: the
+/// second writes at once instead of waiting for its own process, and another process still
+/// finds the node held.
+async fn two_names_of_one_database_share_the_hold(db: TestDatabase) {
+    let postgres = matches!(db.backend, Backend::Postgres);
+    let (other_name, _link) = another_spelling(&db);
+    let first = store(postgres, &db.url, NODE, WAIT).await;
+    first.heartbeat().await.unwrap();
+    let second = store(postgres, &other_name, NODE, Duration::from_millis(500)).await;
+    second.heartbeat().await.unwrap();
+    second
+        .receive(&Envelope::for_message(&member_removed()).unwrap())
+        .await
+        .unwrap();
+    assert_eq!(db.inbox_rows().await, 1);
+}
+
+on_both_backends!(
+    two_names_of_one_database_share_the_hold_sqlite,
+    two_names_of_one_database_share_the_hold_postgres,
+    |db| two_names_of_one_database_share_the_hold(db).await
+);
+
+/// A node is held per schema: a process holding it in one schema does not hold it in another
+/// for its other stores, which another process holds there.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_node_is_held_in_each_schema_by_its_own_holder_postgres() {
+    let db = TestDatabase::new(Backend::Postgres).await;
+    db.execute("CREATE SCHEMA other").await;
+    let in_other = format!("{}?options=-c%20search_path%3Dother", db.url);
+    drop(store(true, &in_other, "schema", WAIT).await);
+    drop(store(true, &db.url, "schema", WAIT).await);
+    assert_eq!(
+        db.scalar("SELECT count(*) FROM pg_tables WHERE schemaname = 'other' AND tablename = 'dacapo_inbox'")
+            .await,
+        1,
+        "the URL's search_path puts the store's tables in the schema"
+    );
+    let holder = spawn_holder(true, &in_other);
+
+    let public = store(true, &db.url, NODE, WAIT).await;
+    public.heartbeat().await.unwrap();
+    let other = store(true, &in_other, NODE, Duration::from_millis(500)).await;
+    let refused = other.heartbeat().await.unwrap_err();
+    assert!(is_held_elsewhere(&refused), "{refused}");
+    assert!(refused.to_string().contains("schema other"), "{refused}");
+
+    kill(holder);
+    let deadline = tokio::time::Instant::now() + WAIT;
+    while let Err(error) = other.heartbeat().await {
+        assert!(
+            is_held_elsewhere(&error) && tokio::time::Instant::now() < deadline,
+            "{error}"
+        );
+    }
+}

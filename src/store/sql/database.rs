@@ -288,9 +288,27 @@ impl Database {
                 Ok((!file.is_empty()).then_some(super::node_hold::Target::File(file)))
             }
             #[cfg(feature = "postgres")]
-            Pool::Postgres(pool) => Ok(Some(super::node_hold::Target::Session(Box::new(
-                (*pool.connect_options()).clone(),
-            )))),
+            Pool::Postgres(pool) => {
+                // Asked of the pool's own session: its schema may come from a setting its
+                // sessions make as they start, and its server by any name.
+                let (instance, schema): (String, String) = sqlx::query_as(
+                    "SELECT current_setting('port') || ' '
+                         || (extract(epoch FROM pg_postmaster_start_time()) * 1000000)::bigint
+                         || ' ' || (SELECT oid FROM pg_database
+                                    WHERE datname = current_database()),
+                            coalesce(current_schema(), '')",
+                )
+                .fetch_one(pool)
+                .await
+                .map_err(db_error)?;
+                Ok(Some(super::node_hold::Target::Session(Box::new(
+                    super::node_hold::Server {
+                        options: (*pool.connect_options()).clone(),
+                        instance,
+                        schema,
+                    },
+                ))))
+            }
         }
     }
 

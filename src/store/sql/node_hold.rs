@@ -26,10 +26,9 @@ const CHECK_SESSION: Duration = Duration::from_secs(2);
 #[cfg(feature = "postgres")]
 const SETTLE: Duration = Duration::from_secs(5);
 
-/// The advisory lock of a node (`$1`), in the schema the store's tables are in.
+/// The advisory lock of a node (`$1`), in the schema the store's tables are in (`$2`).
 #[cfg(feature = "postgres")]
-const TRY_LOCK: &str =
-    "SELECT pg_try_advisory_lock(hashtextextended($1 || ':' || current_schema(), 0))";
+const TRY_LOCK: &str = "SELECT pg_try_advisory_lock(hashtextextended($1 || ':' || $2, 0))";
 
 /// Where a node is held.
 pub(crate) enum Target {
@@ -38,27 +37,50 @@ pub(crate) enum Target {
     File(String),
     /// A session of its own on this PostgreSQL server.
     #[cfg(feature = "postgres")]
-    Session(Box<sqlx::postgres::PgConnectOptions>),
+    Session(Box<Server>),
+}
+
+/// A PostgreSQL database and schema as the store's pool finds them, however its URL spells
+/// the server.
+#[cfg(feature = "postgres")]
+pub(crate) struct Server {
+    /// How the lock's own session connects.
+    pub(crate) options: sqlx::postgres::PgConnectOptions,
+    /// The server's instance — its port and when it started, in microseconds since the epoch —
+    /// and the database's oid: the same for `localhost` and `127.0.0.1`, and for two servers
+    /// of one host, different.
+    pub(crate) instance: String,
+    /// The schema the store's tables are in, which the lock is taken in.
+    pub(crate) schema: String,
 }
 
 impl Target {
     /// The database and the node, as this process's holds are found by (a file path and a
-    /// PostgreSQL URL never read alike).
+    /// PostgreSQL instance never read alike).
     fn key(&self, node: &str) -> String {
-        format!("{}#{node}", self.place())
+        match self {
+            #[cfg(feature = "sqlite")]
+            Self::File(file) => format!("{file}#{node}"),
+            #[cfg(feature = "postgres")]
+            Self::Session(server) => {
+                format!("postgres {} {}#{node}", server.instance, server.schema)
+            }
+        }
     }
 
-    /// The database: the SQLite file, or the PostgreSQL server and database (no credentials).
+    /// The database, to name it: the SQLite file, or the PostgreSQL server, database and
+    /// schema (no credentials).
     fn place(&self) -> String {
         match self {
             #[cfg(feature = "sqlite")]
             Self::File(file) => file.clone(),
             #[cfg(feature = "postgres")]
-            Self::Session(options) => format!(
-                "postgres://{}:{}/{}",
-                options.get_host(),
-                options.get_port(),
-                options.get_database().unwrap_or_default()
+            Self::Session(server) => format!(
+                "postgres://{}:{}/{} (schema {})",
+                server.options.get_host(),
+                server.options.get_port(),
+                server.options.get_database().unwrap_or_default(),
+                server.schema
             ),
         }
     }
@@ -190,7 +212,15 @@ async fn take(target: &Target, node: &str, wait: Duration) -> Result<Arc<Held>, 
         #[cfg(feature = "sqlite")]
         Target::File(file) => lock_file(file, node, deadline).await,
         #[cfg(feature = "postgres")]
-        Target::Session(options) => lock_session((**options).clone(), node, deadline).await,
+        Target::Session(server) => {
+            lock_session(
+                server.options.clone(),
+                node,
+                server.schema.clone(),
+                deadline,
+            )
+            .await
+        }
     };
     let (lock, lost) = lock?.ok_or_else(|| Error::NodeHeld {
         node: node.to_owned(),
@@ -242,6 +272,7 @@ async fn lock_file(
 async fn lock_session(
     options: sqlx::postgres::PgConnectOptions,
     node: &str,
+    schema: String,
     deadline: Instant,
 ) -> Result<Option<(Lock, Arc<AtomicBool>)>, Error> {
     let (taken_tx, taken_rx) = tokio::sync::oneshot::channel();
@@ -264,7 +295,7 @@ async fn lock_session(
             };
             runtime.block_on(keep_session(
                 options,
-                key,
+                (key, schema),
                 deadline,
                 taken_tx,
                 stop_rx,
@@ -283,14 +314,14 @@ async fn lock_session(
 #[cfg(feature = "postgres")]
 async fn keep_session(
     options: sqlx::postgres::PgConnectOptions,
-    key: String,
+    (key, schema): (String, String),
     deadline: Instant,
     taken: tokio::sync::oneshot::Sender<Result<bool, Error>>,
     mut stop: tokio::sync::oneshot::Receiver<()>,
     lost: Arc<AtomicBool>,
 ) {
     use sqlx::Connection;
-    let mut session = match locked_session(&options, &key, deadline, &taken).await {
+    let mut session = match locked_session(&options, (&key, &schema), deadline, &taken).await {
         Ok(Some(session)) => session,
         Ok(None) => {
             let _ = taken.send(Ok(false));
@@ -338,13 +369,13 @@ async fn keep_session(
     let _ = session.close().await;
 }
 
-/// A session holding the advisory lock of `key`; `None` when another session still holds it
+/// A session holding the advisory lock of `key` in `schema`; `None` when another session still holds it
 /// at `deadline`, or when nobody waits for it any more. Neither a server that never answers
 /// nor a slow one keeps the caller long past its wait.
 #[cfg(feature = "postgres")]
 async fn locked_session(
     options: &sqlx::postgres::PgConnectOptions,
-    key: &str,
+    (key, schema): (&str, &str),
     deadline: Instant,
     taken: &tokio::sync::oneshot::Sender<Result<bool, Error>>,
 ) -> Result<Option<sqlx::PgConnection>, Error> {
@@ -361,11 +392,13 @@ async fn locked_session(
             let _ = session.close().await;
             return Ok(None);
         }
-        // Advisory locks are the database's: the schema tells apart services sharing one.
+        // Advisory locks are the database's: the schema tells apart services sharing one. It
+        // is the pool's, which may set it as its sessions start, where this one does not.
         let locked = tokio::time::timeout_at(
             give_up,
             sqlx::query_scalar::<_, bool>(TRY_LOCK)
                 .bind(key)
+                .bind(schema)
                 .fetch_one(&mut session),
         )
         .await
