@@ -318,26 +318,17 @@ async fn a_listener_waits_out_a_node_held_elsewhere_postgres() {
     receiver.shutdown().await;
 }
 
-/// `url` spelled another way: the PostgreSQL server by another of its names, the SQLite file
-/// through a symbolic link (made here, removed with the returned guard).
-fn another_spelling(db: &TestDatabase) -> (String, Option<Symlink>) {
+/// Another name of the database: the PostgreSQL server through a proxy on another port, the
+/// SQLite file through a symbolic link; what keeps that name working, to be dropped after.
+async fn another_name(db: &TestDatabase) -> (String, Box<dyn std::any::Any>) {
     match db.backend {
         Backend::Postgres => {
-            let url = if db.url.contains("@127.0.0.1:") {
-                db.url.replace("@127.0.0.1:", "@localhost:")
-            } else if db.url.contains("@localhost:") {
-                db.url.replace("@localhost:", "@127.0.0.1:")
-            } else {
-                panic!(
-                    "this test names the server at {} another way: give it as 127.0.0.1 or localhost",
-                    db.url
-                )
-            };
-            (url, None)
+            let (proxy, through) = support_proxy::Proxy::to(&db.url).await;
+            (through, Box::new(proxy))
         }
         Backend::Sqlite => {
             let link = Symlink::to(std::path::Path::new(&db.url));
-            (link.0.display().to_string(), Some(link))
+            (link.0.display().to_string(), Box::new(link))
         }
     }
 }
@@ -361,11 +352,10 @@ impl Drop for Symlink {
 }
 
 /// Two stores of one process reaching one database by two names share their node's hold: the
-/// second writes at once instead of waiting for its own process, and another process still
-/// finds the node held.
+/// second writes at once instead of waiting for its own process.
 async fn two_names_of_one_database_share_the_hold(db: TestDatabase) {
     let postgres = matches!(db.backend, Backend::Postgres);
-    let (other_name, _link) = another_spelling(&db);
+    let (other_name, _keeps_it) = another_name(&db).await;
     let first = store(postgres, &db.url, NODE, WAIT).await;
     first.heartbeat().await.unwrap();
     let second = store(postgres, &other_name, NODE, Duration::from_millis(500)).await;
@@ -399,6 +389,26 @@ async fn a_node_is_held_in_each_schema_by_its_own_holder_postgres() {
         "the URL's search_path puts the store's tables in the schema"
     );
     let holder = spawn_holder(true, &in_other);
+
+    // A pool whose sessions set their schema as they start, which the node's own session
+    // does not: the lock is taken in the schema the pool's tables are in.
+    let pool = sqlx::postgres::PgPoolOptions::new()
+        .after_connect(|session, _| {
+            Box::pin(async move {
+                sqlx::Executor::execute(session, "SET search_path = other").await?;
+                Ok(())
+            })
+        })
+        .connect(&db.url)
+        .await
+        .unwrap();
+    let set_on_start = dacapo::store::PostgresStore::with_pool(pool)
+        .await
+        .unwrap()
+        .node_id(NODE)
+        .node_timeout(Duration::from_millis(500));
+    let refused = set_on_start.heartbeat().await.unwrap_err();
+    assert!(is_held_elsewhere(&refused), "{refused}");
 
     let public = store(true, &db.url, NODE, WAIT).await;
     public.heartbeat().await.unwrap();

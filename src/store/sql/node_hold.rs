@@ -55,15 +55,16 @@ pub(crate) struct Server {
 }
 
 impl Target {
-    /// The database and the node, as this process's holds are found by (a file path and a
-    /// PostgreSQL instance never read alike).
+    /// The database and the node, as this process's holds are found by: its parts quoted,
+    /// so that no two of them run together into another's (a file path and a PostgreSQL
+    /// instance never read alike).
     fn key(&self, node: &str) -> String {
         match self {
             #[cfg(feature = "sqlite")]
-            Self::File(file) => format!("{file}#{node}"),
+            Self::File(file) => format!("{:?}", ("sqlite", file, node)),
             #[cfg(feature = "postgres")]
             Self::Session(server) => {
-                format!("postgres {} {}#{node}", server.instance, server.schema)
+                format!("{:?}", ("postgres", &server.instance, &server.schema, node))
             }
         }
     }
@@ -75,13 +76,19 @@ impl Target {
             #[cfg(feature = "sqlite")]
             Self::File(file) => file.clone(),
             #[cfg(feature = "postgres")]
-            Self::Session(server) => format!(
-                "postgres://{}:{}/{} (schema {})",
-                server.options.get_host(),
-                server.options.get_port(),
-                server.options.get_database().unwrap_or_default(),
-                server.schema
-            ),
+            Self::Session(server) => {
+                let database = format!(
+                    "postgres://{}:{}/{}",
+                    server.options.get_host(),
+                    server.options.get_port(),
+                    server.options.get_database().unwrap_or_default(),
+                );
+                if server.schema.is_empty() {
+                    database
+                } else {
+                    format!("{database} (schema {})", server.schema)
+                }
+            }
         }
     }
 }
