@@ -25,7 +25,9 @@
 //! `DACAPO_BENCH_POSTGRES`, default `postgres://postgres@127.0.0.1:5432/postgres`; a scratch
 //! database is created and dropped). Three rounds (`B2_ROUNDS`), every contender once a round;
 //! each ratio is a round's own, and the figures are the rounds' medians. `B2_ONLY=live,batched`
-//! runs some contenders. Goal (issue 11): at least 0.6 of the batched loop.
+//! runs some contenders (and the latency runs only when it lists `latency`);
+//! `B2_BACKEND=sqlite` or `postgres` runs one backend. Goal (issue 11): at least 0.6 of the
+//! batched loop.
 
 use std::time::{Duration, Instant};
 
@@ -956,16 +958,29 @@ async fn main() {
         .and_then(|rounds| rounds.parse().ok())
         .unwrap_or(3);
     let (mut sqlite_rounds, mut postgres_rounds) = (Vec::new(), Vec::new());
+    // `B2_BACKEND=sqlite` (or `postgres`) runs one backend alone, for a profile of it.
+    let backend = std::env::var("B2_BACKEND").unwrap_or_default();
     for _ in 0..rounds {
-        sqlite_rounds.push(sqlite(deliveries).await);
-        postgres_rounds.push(postgres(deliveries).await);
+        if backend != "postgres" {
+            sqlite_rounds.push(sqlite(deliveries).await);
+        }
+        if backend != "sqlite" {
+            postgres_rounds.push(postgres(deliveries).await);
+        }
     }
     println!(
         "B2/B3: {deliveries} durable deliveries, one INSERT each (SQLite WAL synchronous=FULL; \
          PostgreSQL synchronous_commit=on); medians of {rounds} rounds, the contenders interleaved, \
          ratios each round's own"
     );
-    print("B2 SQLite", &sqlite_rounds);
-    print("B3 Postgres", &postgres_rounds);
-    latencies(rounds).await;
+    if !sqlite_rounds.is_empty() {
+        print("B2 SQLite", &sqlite_rounds);
+    }
+    if !postgres_rounds.is_empty() {
+        print("B3 Postgres", &postgres_rounds);
+    }
+    let only = std::env::var("B2_ONLY").unwrap_or_default();
+    if only.is_empty() || only.split(',').any(|name| name == "latency") {
+        latencies(rounds).await;
+    }
 }
