@@ -283,3 +283,38 @@ async fn the_runtimes_writers_take_turns_on_sqlite() {
     }
     runtime.shutdown().await;
 }
+
+/// A lone write commits at once, whatever the linger: only writes that wait together wait for
+/// more. A linger of an hour would hold a lone accept or settle for that hour.
+async fn a_lone_write_never_lingers<D: Dialect>(store: SqlStore<D>) {
+    let recorder = Recorder::<TicketSold>::new();
+    let harness = TestHarness::builder()
+        .store(store.group_commit(64, Duration::from_secs(3600)))
+        .module(Module::new("box_office").handle_named::<TicketSold, _>("count", recorder.clone()))
+        .build()
+        .unwrap();
+    harness.idle().await.unwrap();
+    for ticket in 0..3 {
+        let report = tokio::time::timeout(
+            Duration::from_secs(30),
+            harness.publish(&TicketSold { ticket }),
+        )
+        .await
+        .expect("a lone write lingered")
+        .unwrap();
+        assert!(report.is_handled(), "{report:?}");
+    }
+    assert_eq!(recorder.count(), 3);
+}
+
+#[tokio::test]
+async fn a_lone_write_never_lingers_sqlite() {
+    let db = ScratchDatabase::sqlite();
+    a_lone_write_never_lingers(db.sqlite_store().await.unwrap()).await;
+}
+
+#[tokio::test]
+async fn a_lone_write_never_lingers_postgres() {
+    let db = ScratchDatabase::postgres(&admin_url()).await.unwrap();
+    a_lone_write_never_lingers(db.postgres_store().await.unwrap()).await;
+}

@@ -11,6 +11,12 @@ pub trait Dialect: sealed::Sealed + sqlx::Database {
     /// PostgreSQL (which flushes concurrent commits together).
     #[doc(hidden)]
     const CONCURRENT_COMMITS: usize;
+
+    /// How long a group commit waits for more writes, when more than one waits: on SQLite,
+    /// where the next group waits for this one, long enough for the writes of deliveries that
+    /// are finishing to join; on PostgreSQL none, the next group starting at once beside it.
+    #[doc(hidden)]
+    const LINGER: std::time::Duration;
 }
 
 #[cfg(feature = "sqlite")]
@@ -19,6 +25,7 @@ impl sealed::Sealed for sqlx::Sqlite {}
 #[cfg(feature = "sqlite")]
 impl Dialect for sqlx::Sqlite {
     const CONCURRENT_COMMITS: usize = 1;
+    const LINGER: std::time::Duration = std::time::Duration::from_micros(150);
 }
 
 #[cfg(feature = "postgres")]
@@ -27,4 +34,5 @@ impl sealed::Sealed for sqlx::Postgres {}
 #[cfg(feature = "postgres")]
 impl Dialect for sqlx::Postgres {
     const CONCURRENT_COMMITS: usize = 4;
+    const LINGER: std::time::Duration = std::time::Duration::ZERO;
 }
