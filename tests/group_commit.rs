@@ -284,8 +284,9 @@ async fn the_runtimes_writers_take_turns_on_sqlite() {
     runtime.shutdown().await;
 }
 
-/// A lone write commits at once, whatever the linger: only writes that wait together wait for
-/// more. A linger of an hour would hold a lone accept or settle for that hour.
+/// A lone write commits at once, whatever the linger, and so do two: only three or more
+/// waiting together wait for more. A linger of an hour would hold a lone accept or settle,
+/// or a publisher's accept beside its last delivery's settle, for that hour.
 async fn a_lone_write_never_lingers<D: Dialect>(store: SqlStore<D>) {
     let recorder = Recorder::<TicketSold>::new();
     let harness = TestHarness::builder()
@@ -304,7 +305,23 @@ async fn a_lone_write_never_lingers<D: Dialect>(store: SqlStore<D>) {
         .unwrap();
         assert!(report.is_handled(), "{report:?}");
     }
-    assert_eq!(recorder.count(), 3);
+    let pair: Vec<Envelope> = (3..5)
+        .map(|ticket| {
+            harness
+                .runtime()
+                .envelope(&TicketSold { ticket }, SendOptions::default())
+                .unwrap()
+        })
+        .collect();
+    let accepted = tokio::time::timeout(Duration::from_secs(30), accept_all(&harness, &pair))
+        .await
+        .expect("two writes lingered");
+    assert!(accepted.iter().all(Result::is_ok), "{accepted:?}");
+    tokio::time::timeout(Duration::from_secs(30), harness.idle())
+        .await
+        .expect("two settles lingered")
+        .unwrap();
+    assert_eq!(recorder.count(), 5);
 }
 
 #[tokio::test]

@@ -12,7 +12,7 @@ pub trait Dialect: sealed::Sealed + sqlx::Database {
     #[doc(hidden)]
     const CONCURRENT_COMMITS: usize;
 
-    /// How long a group commit waits for more writes, when more than one waits: on SQLite,
+    /// How long a group commit waits for more writes, when three or more wait: on SQLite,
     /// where the next group waits for this one, long enough for the writes of deliveries that
     /// are finishing to join; on PostgreSQL none, the next group starting at once beside it.
     #[doc(hidden)]

@@ -215,9 +215,10 @@ impl<D: Dialect> SqlStore<D> {
 
     /// How accepts, attempt begins, scheduled retries and settles are committed together
     /// (group commit): at most `max_batch` deliveries' writes in one transaction (default 128; 1 commits each alone), and, when
-    /// more than one waits, up to `linger` for others to join first (default 150 µs on
+    /// three or more wait, up to `linger` for others to join first (default 150 µs on
     /// SQLite, zero on PostgreSQL; zero makes a batch what arrived while the previous commit
-    /// ran). A lone write never lingers. Each caller still returns only once its
+    /// ran). A lone write never lingers, nor two (a publisher's accept and the settle of its
+    /// last message, with no one else to come). Each caller still returns only once its
     /// own write committed, and a batch that fails fails every write in it. SQLite commits one
     /// group at a time (it has one writer); PostgreSQL up to four at once, since it flushes
     /// concurrent commits together: a write arriving while a group commits starts the next,
