@@ -335,3 +335,48 @@ async fn a_lone_write_never_lingers_postgres() {
     let db = ScratchDatabase::postgres(&admin_url()).await.unwrap();
     a_lone_write_never_lingers(db.postgres_store().await.unwrap()).await;
 }
+
+/// Three writes waiting together wait `linger` for company: a fourth that comes during it
+/// commits with them. A failing commit shows it: the one commit fails all four.
+async fn three_waiting_writes_linger_for_a_fourth<D: Dialect>(store: SqlStore<D>) {
+    let recorder = Recorder::<TicketSold>::new();
+    let harness = TestHarness::builder()
+        .store(store.group_commit(64, Duration::from_secs(2)))
+        .module(Module::new("box_office").handle_named::<TicketSold, _>("count", recorder.clone()))
+        .build()
+        .unwrap();
+    harness.idle().await.unwrap();
+    let envelopes = envelopes(&harness);
+    harness
+        .store_fault(StoreFault::failing_commits().times(1))
+        .unwrap();
+    let (three, fourth) = futures::join!(accept_all(&harness, &envelopes[..3]), async {
+        // Well inside the linger, whatever the machine's load.
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        harness.runtime().receive(envelopes[3].clone()).await
+    });
+    assert_eq!(
+        harness.store_faults().unwrap().struck(),
+        1,
+        "one commit for all"
+    );
+    for answer in three.iter().chain([&fourth]) {
+        assert!(
+            matches!(answer, Err(error) if error.is_retryable()),
+            "the fourth joined the three's commit: {answer:?}"
+        );
+    }
+    assert_eq!(recorder.count(), 0);
+}
+
+#[tokio::test]
+async fn three_waiting_writes_linger_for_a_fourth_sqlite() {
+    let db = ScratchDatabase::sqlite();
+    three_waiting_writes_linger_for_a_fourth(db.sqlite_store().await.unwrap()).await;
+}
+
+#[tokio::test]
+async fn three_waiting_writes_linger_for_a_fourth_postgres() {
+    let db = ScratchDatabase::postgres(&admin_url()).await.unwrap();
+    three_waiting_writes_linger_for_a_fourth(db.postgres_store().await.unwrap()).await;
+}

@@ -220,7 +220,8 @@ type Reply = oneshot::Sender<Result<Written, Error>>;
 const LINGER_FROM: usize = 3;
 
 /// How writes are grouped: at most `max_batch` in one transaction, and — when
-/// [`LINGER_FROM`] or more wait — up to `linger` for others to join before committing; up to `commits`
+/// [`LINGER_FROM`] or more wait — `linger` (rounded up to the timer's millisecond tick) for
+/// others to join before committing; up to `commits`
 /// transactions at once. SQLite takes one: it has one writer, so a second transaction would
 /// only wait for the first. PostgreSQL takes several: it flushes the WAL of concurrent commits
 /// together, so a write that arrives while a group commits starts the next group at once
@@ -232,6 +233,8 @@ pub(crate) struct Grouping {
     pub(crate) commits: usize,
 }
 
+/// A store starts from its database's own linger and number of commits
+/// ([`Dialect`](super::Dialect)); these are the rest.
 impl Default for Grouping {
     fn default() -> Self {
         Self {

@@ -214,15 +214,17 @@ impl<D: Dialect> SqlStore<D> {
     }
 
     /// How accepts, attempt begins, scheduled retries and settles are committed together
-    /// (group commit): at most `max_batch` deliveries' writes in one transaction (default 128; 1 commits each alone), and, when
-    /// three or more wait, up to `linger` for others to join first (default 150 µs on
-    /// SQLite, zero on PostgreSQL; zero makes a batch what arrived while the previous commit
-    /// ran). A lone write never lingers, nor two (a publisher's accept and the settle of its
-    /// last message, with no one else to come). Each caller still returns only once its
-    /// own write committed, and a batch that fails fails every write in it. SQLite commits one
+    /// (group commit): at most `max_batch` deliveries' writes in one transaction (default
+    /// 128; 1 commits each alone), and, when three or more wait, the group waits `linger` for
+    /// others to join first (default 150 µs on SQLite, zero on PostgreSQL; zero makes a batch
+    /// what arrived while the previous commit ran). The wait is on tokio's timer, which counts
+    /// whole milliseconds: it ends at the first tick after `linger`, so 150 µs waits 0.15 to
+    /// 1.15 ms. A lone write never lingers, nor two (a publisher's accept and the settle of its
+    /// last message, with no one else to come). Each caller still returns only once its own
+    /// write committed, and a batch that fails fails every write in it. SQLite commits one
     /// group at a time (it has one writer); PostgreSQL up to four at once, since it flushes
-    /// concurrent commits together: a write arriving while a group commits starts the next,
-    /// so on PostgreSQL `linger` only holds a group back once four are committing.
+    /// concurrent commits together: a write arriving while a group commits starts the next
+    /// group at once, which lingers as any does.
     #[must_use]
     pub fn group_commit(mut self, max_batch: usize, linger: Duration) -> Self {
         self.group = GroupCommit::new(Grouping {
