@@ -26,6 +26,23 @@ impl Message for TicketSold {
 
 const CALLERS: u64 = 16;
 
+/// Two tests running `$body` on a fresh store: a SQLite file, and a PostgreSQL database.
+macro_rules! on_both_stores {
+    ($sqlite:ident, $postgres:ident, $body:ident) => {
+        #[tokio::test]
+        async fn $sqlite() {
+            let db = ScratchDatabase::sqlite();
+            $body(db.sqlite_store().await.unwrap()).await;
+        }
+
+        #[tokio::test]
+        async fn $postgres() {
+            let db = ScratchDatabase::postgres(&admin_url()).await.unwrap();
+            $body(db.postgres_store().await.unwrap()).await;
+        }
+    };
+}
+
 /// What `$sql` counts, on `$pool`, each time it is called.
 macro_rules! count_rows {
     ($pool:ident, $sql:expr) => {
@@ -34,11 +51,18 @@ macro_rules! count_rows {
 }
 const COUNT_INBOX: &str = "SELECT count(*) FROM dacapo_inbox";
 
-/// A harness whose store groups up to 64 writes, lingering 50 ms for company.
-fn harness<D: Dialect>(store: SqlStore<D>, recorder: &Recorder<TicketSold>) -> TestHarness {
+/// How long the tests' groups linger for company, unless a test says otherwise.
+const LINGER: Duration = Duration::from_millis(50);
+
+/// A harness whose store groups up to 64 writes, lingering `linger` for company.
+fn harness<D: Dialect>(
+    store: SqlStore<D>,
+    recorder: &Recorder<TicketSold>,
+    linger: Duration,
+) -> TestHarness {
     TestHarness::builder()
         .settle_timeout(Duration::from_secs(20))
-        .store(store.group_commit(64, Duration::from_millis(50)))
+        .store(store.group_commit(64, linger))
         .module(Module::new("box_office").handle_named::<TicketSold, _>("count", recorder.clone()))
         .build()
         .unwrap()
@@ -68,7 +92,7 @@ async fn accept_all(harness: &TestHarness, envelopes: &[Envelope]) -> Vec<Result
 
 async fn failed_group_commit<D: Dialect>(store: SqlStore<D>, stored: impl AsyncFn() -> i64) {
     let recorder = Recorder::<TicketSold>::new();
-    let harness = harness(store, &recorder);
+    let harness = harness(store, &recorder, LINGER);
     let envelopes = envelopes(&harness);
     harness.idle().await.unwrap();
 
@@ -126,7 +150,7 @@ async fn a_write_the_database_refuses_fails_alone_and_the_rest_of_its_group_comm
     let store = db.postgres_store().await.unwrap();
     let pool = store.pool().clone();
     let recorder = Recorder::<TicketSold>::new();
-    let harness = harness(store, &recorder);
+    let harness = harness(store, &recorder, LINGER);
     let mut envelopes = envelopes(&harness);
     // PostgreSQL refuses a NUL byte in text: this envelope's row can never be written.
     envelopes[5].deduplication_id = Some("ticket\0five".into());
@@ -151,22 +175,16 @@ async fn a_write_the_database_refuses_fails_alone_and_the_rest_of_its_group_comm
     assert_eq!(recorder.count(), CALLERS as usize - 1);
 }
 
-#[tokio::test]
-async fn a_redelivery_in_the_same_group_is_a_duplicate_sqlite() {
-    let db = ScratchDatabase::sqlite();
-    redelivery_in_the_same_group(db.sqlite_store().await.unwrap()).await;
-}
-
-#[tokio::test]
-async fn a_redelivery_in_the_same_group_is_a_duplicate_postgres() {
-    let db = ScratchDatabase::postgres(&admin_url()).await.unwrap();
-    redelivery_in_the_same_group(db.postgres_store().await.unwrap()).await;
-}
+on_both_stores!(
+    a_redelivery_in_the_same_group_is_a_duplicate_sqlite,
+    a_redelivery_in_the_same_group_is_a_duplicate_postgres,
+    redelivery_in_the_same_group
+);
 
 /// Four receives of one envelope in one group commit: one statement inserts it once.
 async fn redelivery_in_the_same_group<D: Dialect>(store: SqlStore<D>) {
     let recorder = Recorder::<TicketSold>::new();
-    let harness = harness(store, &recorder);
+    let harness = harness(store, &recorder, LINGER);
     let envelope = harness
         .runtime()
         .envelope(&TicketSold { ticket: 1 }, SendOptions::default())
@@ -289,11 +307,7 @@ async fn the_runtimes_writers_take_turns_on_sqlite() {
 /// or a publisher's accept beside its last delivery's settle, for that hour.
 async fn a_lone_write_never_lingers<D: Dialect>(store: SqlStore<D>) {
     let recorder = Recorder::<TicketSold>::new();
-    let harness = TestHarness::builder()
-        .store(store.group_commit(64, Duration::from_secs(3600)))
-        .module(Module::new("box_office").handle_named::<TicketSold, _>("count", recorder.clone()))
-        .build()
-        .unwrap();
+    let harness = harness(store, &recorder, Duration::from_secs(3600));
     harness.idle().await.unwrap();
     for ticket in 0..3 {
         let report = tokio::time::timeout(
@@ -324,27 +338,17 @@ async fn a_lone_write_never_lingers<D: Dialect>(store: SqlStore<D>) {
     assert_eq!(recorder.count(), 5);
 }
 
-#[tokio::test]
-async fn a_lone_write_never_lingers_sqlite() {
-    let db = ScratchDatabase::sqlite();
-    a_lone_write_never_lingers(db.sqlite_store().await.unwrap()).await;
-}
-
-#[tokio::test]
-async fn a_lone_write_never_lingers_postgres() {
-    let db = ScratchDatabase::postgres(&admin_url()).await.unwrap();
-    a_lone_write_never_lingers(db.postgres_store().await.unwrap()).await;
-}
+on_both_stores!(
+    a_lone_write_never_lingers_sqlite,
+    a_lone_write_never_lingers_postgres,
+    a_lone_write_never_lingers
+);
 
 /// Three writes waiting together wait `linger` for company: a fourth that comes during it
 /// commits with them. A failing commit shows it: the one commit fails all four.
 async fn three_waiting_writes_linger_for_a_fourth<D: Dialect>(store: SqlStore<D>) {
     let recorder = Recorder::<TicketSold>::new();
-    let harness = TestHarness::builder()
-        .store(store.group_commit(64, Duration::from_secs(2)))
-        .module(Module::new("box_office").handle_named::<TicketSold, _>("count", recorder.clone()))
-        .build()
-        .unwrap();
+    let harness = harness(store, &recorder, Duration::from_secs(2));
     harness.idle().await.unwrap();
     let envelopes = envelopes(&harness);
     harness
@@ -369,14 +373,8 @@ async fn three_waiting_writes_linger_for_a_fourth<D: Dialect>(store: SqlStore<D>
     assert_eq!(recorder.count(), 0);
 }
 
-#[tokio::test]
-async fn three_waiting_writes_linger_for_a_fourth_sqlite() {
-    let db = ScratchDatabase::sqlite();
-    three_waiting_writes_linger_for_a_fourth(db.sqlite_store().await.unwrap()).await;
-}
-
-#[tokio::test]
-async fn three_waiting_writes_linger_for_a_fourth_postgres() {
-    let db = ScratchDatabase::postgres(&admin_url()).await.unwrap();
-    three_waiting_writes_linger_for_a_fourth(db.postgres_store().await.unwrap()).await;
-}
+on_both_stores!(
+    three_waiting_writes_linger_for_a_fourth_sqlite,
+    three_waiting_writes_linger_for_a_fourth_postgres,
+    three_waiting_writes_linger_for_a_fourth
+);
