@@ -349,3 +349,133 @@ async fn a_write_on_postgresql_commits_while_an_earlier_group_is_still_committin
     let settled = tokio::time::timeout(WAIT, settling).await.unwrap().unwrap();
     assert_eq!(settled.unwrap(), Handled::Written { in_outbox: true });
 }
+
+/// Puts `envelope` back in the inbox as a tool's replay does: unowned, no attempt begun, for
+/// any running node's recovery to take.
+async fn replayed_for_any_node(db: &support_stores::TestDatabase, envelope: &Envelope) {
+    use dacapo::DeadLetter;
+    use dacapo::ports::{DeadLetterStore, Replay, ReplayTo};
+    let letter = DeadLetter::rejected(
+        envelope.clone(),
+        DeadLetterReason::NoHandler("none yet".to_owned()),
+        chrono::Utc::now(),
+    );
+    let store: Box<dyn DeadLetterStore> = match db.backend {
+        support_stores::Backend::Sqlite => Box::new(db.sqlite().await),
+        support_stores::Backend::Postgres => Box::new(db.postgres().await),
+    };
+    store.put(letter).await.unwrap();
+    let replayed = db
+        .sqlite_or_postgres_inbox()
+        .await
+        .replay(envelope.id, ReplayTo::AnyNode)
+        .await
+        .unwrap();
+    assert!(matches!(replayed, Replay::Replayed(_)), "{replayed:?}");
+}
+
+on_both_backends!(
+    a_claim_begins_the_first_attempt_of_a_delivery_that_never_ran_sqlite,
+    a_claim_begins_the_first_attempt_of_a_delivery_that_never_ran_postgres,
+    |db| {
+        use dacapo::ports::Fenced;
+        let inbox = db.sqlite_or_postgres_inbox().await;
+        let never_ran = Envelope::for_message(&member_removed()).unwrap();
+        replayed_for_any_node(&db, &never_ran).await;
+        // Received (its first attempt begun with it), then given up by its node.
+        let interrupted = Envelope::for_message(&member_removed()).unwrap();
+        inbox.receive(&interrupted).await.unwrap();
+        let mut later = Envelope::for_message(&member_removed()).unwrap();
+        later.scheduled_for = Some(chrono::Utc::now() + chrono::Duration::hours(1));
+        inbox.receive(&later).await.unwrap();
+        inbox
+            .release_before(chrono::Utc::now() + chrono::Duration::seconds(1))
+            .await
+            .unwrap();
+
+        let claimed = inbox
+            .recover(10, chrono::DateTime::<chrono::Utc>::MAX_UTC)
+            .await
+            .unwrap();
+        assert_eq!(claimed.len(), 3, "{claimed:?}");
+        let find = |id| {
+            claimed
+                .iter()
+                .find(|resumable| resumable.envelope.id == id)
+                .unwrap()
+        };
+        let begun = find(never_ran.id);
+        assert!(begun.first_attempt_begun);
+        assert_eq!(begun.envelope.attempts, 0, "none ran yet");
+        assert_eq!(begun.due_at, None);
+        // An attempt that was running counts as interrupted; a scheduled one begins when due.
+        let resumed = find(interrupted.id);
+        assert!(!resumed.first_attempt_begun);
+        assert_eq!(resumed.envelope.attempts, 1);
+        let scheduled = find(later.id);
+        assert!(!scheduled.first_attempt_begun);
+        assert!(scheduled.due_at.is_some());
+        assert_eq!(
+            db.scalar(
+                "SELECT count(*) FROM dacapo_inbox WHERE attempts = 1 AND status = 'incoming'"
+            )
+            .await,
+            2,
+            "the claim's commit recorded the first attempt as started"
+        );
+        // The begin its supervisor used to write finds it begun: fenced, nothing changed.
+        assert_eq!(
+            inbox.begin_attempt(never_ran.id, 1).await.unwrap(),
+            Fenced::OwnedElsewhere
+        );
+        assert_eq!(
+            db.scalar("SELECT count(*) FROM dacapo_inbox WHERE attempts = 0")
+                .await,
+            1,
+            "only the scheduled one"
+        );
+    }
+);
+
+on_both_backends!(
+    a_recovered_delivery_whose_claim_began_its_attempt_runs_it_as_the_first_sqlite,
+    a_recovered_delivery_whose_claim_began_its_attempt_runs_it_as_the_first_postgres,
+    |db| {
+        let envelopes: Vec<Envelope> = (0..3)
+            .map(|_| Envelope::for_message(&member_removed()).unwrap())
+            .collect();
+        for envelope in &envelopes {
+            replayed_for_any_node(&db, envelope).await;
+        }
+        let calls = Recorder::default();
+        let runtime = db
+            .store(Runtime::builder(), "node-a", Duration::from_secs(30))
+            .await
+            .module(
+                Module::new("billing").handle_named::<MemberRemoved, _>("charge", calls.clone()),
+            )
+            .build()
+            .unwrap();
+        tokio::time::timeout(WAIT, runtime.first_recovery())
+            .await
+            .unwrap();
+        tokio::time::timeout(WAIT, runtime.idle()).await.unwrap();
+        let mut seen: Vec<_> = calls
+            .calls()
+            .iter()
+            .map(|call| (call.message_id.unwrap(), call.attempt))
+            .collect();
+        seen.sort();
+        let mut expected: Vec<_> = envelopes.iter().map(|envelope| (envelope.id, 1)).collect();
+        expected.sort();
+        assert_eq!(seen, expected, "each run once, as its first attempt");
+        assert_eq!(
+            db.scalar(
+                "SELECT count(*) FROM dacapo_inbox WHERE status = 'handled' AND attempts = 1"
+            )
+            .await,
+            3
+        );
+        runtime.shutdown().await;
+    }
+);
