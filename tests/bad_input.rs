@@ -360,3 +360,84 @@ async fn a_url_that_is_not_postgresql_is_refused_by_postgres_store() {
         "{text}"
     );
 }
+
+#[cfg(feature = "sqlite")]
+#[tokio::test]
+async fn an_interval_of_zero_is_refused_with_its_name() {
+    use std::time::Duration;
+    let zero = Duration::ZERO;
+    for (builder, name) in [
+        (
+            Runtime::builder().recovery_interval(zero),
+            "recovery_interval",
+        ),
+        (Runtime::builder().relay_interval(zero), "relay_interval"),
+        (
+            Runtime::builder().cleanup_interval(zero),
+            "cleanup_interval",
+        ),
+        (
+            Runtime::builder().deduplication_reap_interval(zero),
+            "deduplication_reap_interval",
+        ),
+    ] {
+        let error = builder.build().expect_err("refused");
+        assert!(
+            matches!(&error, Error::Configuration(text) if text.starts_with(name)),
+            "{name}: {error}"
+        );
+    }
+    let scratch = dacapo::testing::ScratchDatabase::sqlite();
+    let store = scratch.sqlite_store().await.unwrap().node_timeout(zero);
+    let error = Runtime::builder()
+        .store(store)
+        .build()
+        .expect_err("refused");
+    assert!(
+        matches!(&error, Error::Configuration(text) if text.contains("node_timeout")),
+        "{error}"
+    );
+}
+
+#[cfg(feature = "sqlite")]
+#[tokio::test]
+async fn intervals_too_long_to_add_to_the_clock_are_waited_out_not_a_panic() {
+    use std::time::Duration;
+    let scratch = dacapo::testing::ScratchDatabase::sqlite();
+    let store = scratch
+        .sqlite_store()
+        .await
+        .unwrap()
+        .node_id("forever")
+        .node_timeout(Duration::MAX);
+    let pool = store.pool().clone();
+    let counter = Counter::default();
+    let runtime = Runtime::builder()
+        .store(store)
+        .recovery_interval(Duration::MAX)
+        .relay_interval(Duration::MAX)
+        .cleanup_interval(Duration::MAX)
+        .module(
+            Module::new("workspaces").handle_named::<MemberRemoved, _>("revoke", counter.clone()),
+        )
+        .build()
+        .unwrap();
+    // The node's hold, with a wait as long as its timeout.
+    runtime.publish(&member_removed()).await.unwrap();
+    // The relay, with a lease ten times its interval.
+    let mut tx = pool.begin_with("BEGIN IMMEDIATE").await.unwrap();
+    runtime
+        .outbox()
+        .enlist(&mut tx, &member_removed())
+        .await
+        .unwrap();
+    runtime.outbox().commit(tx).await.unwrap();
+    tokio::time::timeout(Duration::from_secs(20), async {
+        while counter.count() < 2 {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    })
+    .await
+    .expect("both handled");
+    runtime.shutdown().await;
+}

@@ -272,6 +272,7 @@ macro_rules! endpoints {
 
             pub(super) fn router(store: SqlStore<$db>, app: App) -> Router {
                 let layer = IdempotencyLayer::new(store.clone()).max_stored_body(16 * 1024);
+                let forever = IdempotencyLayer::new(store.clone()).retention(Duration::MAX);
                 let by_tenant = IdempotencyLayer::new(store).scope(|parts| {
                     let tenant = parts
                         .headers
@@ -297,6 +298,11 @@ macro_rules! endpoints {
                         Router::new()
                             .route("/tenant", post(place))
                             .route_layer(by_tenant),
+                    )
+                    .merge(
+                        Router::new()
+                            .route("/intent-kept-forever", post(intent))
+                            .route_layer(forever),
                     )
                     .route("/open", post(listing))
                     .with_state(app)
@@ -385,7 +391,29 @@ macro_rules! on_both {
     };
 }
 
+/// A retention too long to add to the clock keeps the intent's claim as long as there is
+/// time: a second request for it is refused, not a panic.
+async fn an_intent_kept_longer_than_the_clock_goes_is_still_refused_once_repeated(
+    db: &TestDatabase,
+) {
+    let (base, _) = serve(db).await;
+    let client = reqwest::Client::new();
+    let url = format!("{base}/intent-kept-forever");
+    assert_eq!(
+        post_with(&client, &url, Some("k-1"), "order-1", &[])
+            .await
+            .status(),
+        201
+    );
+    let (status, _, body) =
+        problem(post_with(&client, &url, Some("k-2"), "order-1", &[]).await).await;
+    assert_eq!(status, StatusCode::CONFLICT);
+    assert_eq!(body["type"], "urn:dacapo:problem:duplicate-intent");
+    assert_eq!(db.scalar("SELECT count(*) FROM dacapo_outbox").await, 1);
+}
+
 on_both!(
+    an_intent_kept_longer_than_the_clock_goes_is_still_refused_once_repeated,
     a_missing_key_is_400_with_a_problem,
     a_retry_gets_the_first_answer_byte_for_byte_without_running_again,
     the_same_key_while_the_first_runs_is_409,

@@ -156,3 +156,19 @@ async fn a_row_postgresql_cannot_hold_dead_letters_its_envelope_only() {
     )
     .await;
 }
+
+/// A poll interval too long to add to the clock: an idle node waits for notifications alone,
+/// and takes what they announce.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_node_that_never_polls_takes_what_it_is_notified_of() {
+    let store = TestStore::postgres().await;
+    let url = store.url().to_owned();
+    routed_messages_cross_the_broker_once(store, || {
+        PostgresQueue::connect(&url, "pings")
+            .unwrap()
+            .route::<Ping>()
+            .poll_interval(std::time::Duration::MAX)
+            .into()
+    })
+    .await;
+}

@@ -249,9 +249,10 @@ impl Actor for RecoveryActor {
         self.tick(ctx);
         let timers = self.dispatcher.shared.timers.clone();
         timers.every(self.interval, ctx, Self::tick);
-        let timeout = self.inbox.node_timeout();
-        if timeout / 3 < self.interval {
-            timers.every(timeout / 3, ctx, Self::beat);
+        // A millisecond at least: a timer of zero would beat without pause.
+        let beat = (self.inbox.node_timeout() / 3).max(Duration::from_millis(1));
+        if beat < self.interval {
+            timers.every(beat, ctx, Self::beat);
         }
     }
 }

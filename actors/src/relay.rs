@@ -38,6 +38,9 @@ pub struct RelayActor {
 /// How often the relay measures its backlog and removes old published rows.
 const HOUSEKEEPING: Duration = Duration::from_secs(5);
 
+/// A deadline that never comes in practice.
+const FAR_FUTURE: Duration = Duration::from_secs(100 * 365 * 24 * 60 * 60);
+
 impl std::fmt::Debug for RelayActor {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("RelayActor")
@@ -143,7 +146,11 @@ impl RelayActor {
                     return (None, lease_taken_at);
                 }
             }
-            let mut lease = Lease::new(Arc::clone(&outbox), &dispatcher, interval * 10);
+            let mut lease = Lease::new(
+                Arc::clone(&outbox),
+                &dispatcher,
+                interval.saturating_mul(10),
+            );
             lease.taken_at = lease_taken_at;
             if lease.half_gone() {
                 match lease.take().await {
@@ -317,8 +324,11 @@ impl RelayActor {
                 .map(|(elsewhere, taken_at), actor, ctx| {
                     actor.busy = false;
                     actor.lease_taken_at = taken_at;
-                    actor.leased_elsewhere_until =
-                        elsewhere.map(|lease| tokio::time::Instant::now() + lease);
+                    // A lease too long to add to the clock is waited out as if for ever.
+                    actor.leased_elsewhere_until = elsewhere.map(|lease| {
+                        let now = tokio::time::Instant::now();
+                        now.checked_add(lease).unwrap_or(now + FAR_FUTURE)
+                    });
                     if actor.again && elsewhere.is_none() {
                         actor.tick(ctx);
                     }

@@ -543,7 +543,7 @@ where
 
 /// When an answer kept now expires; the furthest time there is for a retention too long to
 /// add.
-fn expiry(now: DateTime<Utc>, retention: Duration) -> DateTime<Utc> {
+pub(super) fn expiry(now: DateTime<Utc>, retention: Duration) -> DateTime<Utc> {
     chrono::TimeDelta::from_std(retention)
         .ok()
         .and_then(|retention| now.checked_add_signed(retention))

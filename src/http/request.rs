@@ -202,8 +202,7 @@ impl<DB: Backend> RequestTransaction<DB> {
             .deduplication_id(deduplication_id.clone())
             .apply(&mut envelope);
         let now = self.store.now();
-        let expires =
-            now + chrono::TimeDelta::from_std(self.retention).unwrap_or(chrono::TimeDelta::MAX);
+        let expires = super::layer::expiry(now, self.retention);
         let handler = format!("http:{}", M::TYPE);
         let key_hash = hex(&Sha256::digest(deduplication_id.as_bytes()));
         let fingerprint = hex(&Sha256::digest(&envelope.payload));

@@ -485,8 +485,36 @@ impl RuntimeBuilder {
         self
     }
 
+    /// Refuses a timer of zero: it would fire without pause and spin the thread it runs on
+    /// (and a zero relay interval leaves the relay no time to publish at all).
+    fn check_intervals(&self) -> Result<(), Error> {
+        let durability = self.engine.durability.clone().unwrap_or_default();
+        let node_timeout = self.durable.as_ref().map(|durable| durable.node_timeout());
+        let intervals = [
+            ("recovery_interval", Some(durability.recovery_interval)),
+            ("relay_interval", Some(durability.relay_interval)),
+            ("cleanup_interval", Some(durability.cleanup_interval)),
+            (
+                "deduplication_reap_interval",
+                Some(self.engine.deduplication_reap_interval),
+            ),
+            ("the store's node_timeout", node_timeout),
+        ];
+        match intervals
+            .into_iter()
+            .find(|(_, interval)| interval.is_some_and(|interval| interval.is_zero()))
+        {
+            Some((name, _)) => Err(Error::Configuration(format!(
+                "{name} is zero: a timer of zero would run without pause; give it at least a \
+                 millisecond"
+            ))),
+            None => Ok(()),
+        }
+    }
+
     /// The handler registry this builder would run, to adjust before starting.
     pub(crate) fn into_parts(self) -> Result<(Registry, Self), Error> {
+        self.check_intervals()?;
         if !self.transports.is_empty() && self.durable.is_none() {
             return Err(Error::Configuration(
                 "a transport needs a durable store (RuntimeBuilder::store): routed messages \
@@ -524,7 +552,8 @@ impl RuntimeBuilder {
     ///
     /// [`Error::Registry`] for inconsistent registrations (a handler registered twice, a
     /// policy for a type nobody handles), [`Error::Configuration`] for a durable store given to
-    /// [`inbox`](Self::inbox), and [`Error::Startup`] if threads cannot start.
+    /// [`inbox`](Self::inbox) or an interval of zero (recovery, relay, cleanup, reaping, the
+    /// store's node timeout), and [`Error::Startup`] if threads cannot start.
     pub fn build(self) -> Result<Runtime, Error> {
         let (registry, this) = self.into_parts()?;
         this.start(registry)

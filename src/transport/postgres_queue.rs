@@ -20,6 +20,12 @@ const NAME: &str = "postgres-queue";
 /// The channel each publishing commit notifies, with the queue's name as payload.
 const CHANNEL: &str = "dacapo_queue";
 
+/// The shortest poll interval a node takes.
+const MIN_POLL_INTERVAL: Duration = Duration::from_millis(1);
+
+/// A deadline that never comes in practice, for intervals too long to add to the clock.
+const FAR_FUTURE: Duration = Duration::from_secs(100 * 365 * 24 * 60 * 60);
+
 /// Envelopes published to a named queue in a PostgreSQL database, unowned until a node takes
 /// a batch of them: every live node listening on the queue takes a share.
 ///
@@ -109,10 +115,11 @@ impl PostgresQueue {
         self
     }
 
-    /// How often a node looks at the queue when no notification came (default 1 s).
+    /// How often a node looks at the queue when no notification came (default 1 s; at
+    /// least 1 ms, so that an idle node never polls without pause).
     #[must_use]
     pub fn poll_interval(mut self, interval: Duration) -> Self {
-        self.poll_interval = interval;
+        self.poll_interval = interval.max(MIN_POLL_INTERVAL);
         self
     }
 
@@ -374,7 +381,11 @@ impl Subscriber {
             tokio::time::sleep(self.poll_interval).await;
             return Ok(());
         };
-        let deadline = tokio::time::Instant::now() + self.poll_interval;
+        let now = tokio::time::Instant::now();
+        // An interval too long to add to the clock waits for a notification alone.
+        let deadline = now
+            .checked_add(self.poll_interval)
+            .unwrap_or_else(|| now + FAR_FUTURE);
         loop {
             match tokio::time::timeout_at(deadline, listener.recv()).await {
                 Err(_) => return Ok(()),

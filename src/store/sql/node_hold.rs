@@ -26,6 +26,9 @@ const CHECK_SESSION: Duration = Duration::from_secs(2);
 #[cfg(feature = "postgres")]
 const SETTLE: Duration = Duration::from_secs(5);
 
+/// A deadline that never comes in practice.
+const FAR_FUTURE: Duration = Duration::from_secs(100 * 365 * 24 * 60 * 60);
+
 /// The advisory lock of a node (`$1`), in the schema the store's tables are in (`$2`).
 #[cfg(feature = "postgres")]
 const TRY_LOCK: &str = "SELECT pg_try_advisory_lock(hashtextextended($1 || ':' || $2, 0))";
@@ -214,7 +217,9 @@ async fn take(target: &Target, node: &str, wait: Duration) -> Result<Arc<Held>, 
     {
         return Ok(held);
     }
-    let deadline = Instant::now() + wait;
+    let now = Instant::now();
+    // A node timeout too long to add to the clock waits as if for ever.
+    let deadline = now.checked_add(wait).unwrap_or_else(|| now + FAR_FUTURE);
     let lock = match target {
         #[cfg(feature = "sqlite")]
         Target::File(file) => lock_file(file, node, deadline).await,
