@@ -81,16 +81,16 @@ impl Capacity {
         slots
     }
 
-    /// Takes a slot, waiting while the engine is full.
-    ///
-    /// # Cancel safety
-    ///
-    /// Cancel safe: a cancelled wait takes no slot.
     /// A slot if one is free now.
     pub(crate) fn try_acquire(self: &Arc<Self>) -> Option<Slot> {
         self.try_take(false).then(|| Slot(Arc::clone(self)))
     }
 
+    /// Takes a slot, waiting while the engine is full.
+    ///
+    /// # Cancel safety
+    ///
+    /// Cancel safe: a cancelled wait takes no slot.
     pub(crate) async fn acquire(self: &Arc<Self>) -> Slot {
         if self.try_take(false) {
             return Slot(Arc::clone(self));

@@ -19,8 +19,14 @@ const NAME: &str = "nats";
 
 /// NATS JetStream as a transport: routed message types are published to the subject
 /// `dacapo.<type>` (the prefix settable), which a file-backed stream (`DACAPO`) keeps; each
-/// service listens through a durable pull consumer of its own, filtered on the routed types it
-/// handles, which the nodes of that service share.
+/// service listens through durable pull consumers of its own, one per routed type it handles
+/// (filtered on that type's subject), which the nodes of that service share.
+///
+/// A consumer is named `<service>_<type>_<hash>`: the service name given to [`Nats::new`],
+/// the message type with each character other than an ASCII letter, digit or `-` replaced by
+/// `_` (JetStream names allow no `.`), and the first 8 hex digits of the type's SHA-256, which
+/// keeps apart two types that read alike once replaced. With [`declare(false)`](Nats::declare)
+/// those are the consumers to create beforehand.
 ///
 /// Each publication carries `Nats-Msg-Id` set to the envelope id, so JetStream's duplicate
 /// window drops a republication before the inbox has to. A node acknowledges a message once
@@ -67,8 +73,8 @@ struct Settings {
 }
 
 impl Nats {
-    /// The server at `url` (`nats://host:port`); this service consumes through the durable
-    /// consumer named `consumer`.
+    /// The server at `url` (`nats://host:port`); this service consumes through durable
+    /// consumers named after `consumer`, one per routed type (see [`Nats`] for the names).
     pub fn new(url: impl Into<String>, consumer: impl Into<String>) -> Self {
         Self {
             settings: Settings {
@@ -140,8 +146,8 @@ impl Nats {
 
     wire::wire_settings!();
 
-    /// Whether to create the stream and the consumer at start (the default; the consumer's
-    /// filter is brought up to date) or only check that they exist.
+    /// Whether to create the stream and the consumers at start (the default; each
+    /// consumer's filter is brought up to date) or only check that they exist.
     #[must_use]
     pub fn declare(mut self, declare: bool) -> Self {
         self.settings.declare = declare;
@@ -506,4 +512,22 @@ fn read(message: &jetstream::Message) -> Received {
         ..Fallback::default()
     };
     wire::decode(headers, message.payload.to_vec(), fallback)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::consumer_name;
+
+    #[test]
+    fn a_consumer_is_named_after_its_service_its_type_and_the_types_hash() {
+        assert_eq!(
+            consumer_name("billing", "orders.placed"),
+            "billing_orders_placed_456a4dba"
+        );
+        // Alike once `.` is replaced, kept apart by the hash.
+        assert_eq!(
+            consumer_name("billing", "orders_placed"),
+            "billing_orders_placed_abc363bf"
+        );
+    }
 }
