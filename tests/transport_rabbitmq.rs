@@ -277,3 +277,168 @@ impl RawPublisher for Broker {
             .unwrap();
     }
 }
+
+/// Routed to the test's exchange, where no queue takes it until the test binds one.
+#[derive(Clone, Debug, serde::Serialize, serde::Deserialize)]
+struct Orphan {
+    n: u32,
+}
+
+impl dacapo::Message for Orphan {
+    const TYPE: &'static str = "tests.orphan";
+}
+
+/// Envelopes in the outbox not yet marked sent.
+async fn outbox_depth(runtime: &Runtime) -> Option<u64> {
+    runtime
+        .outbox_backlog()
+        .await
+        .unwrap()
+        .map(|backlog| backlog.depth)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_envelope_no_queue_takes_yet_waits_in_the_outbox_and_holds_back_nothing_else() {
+    use lapin::options::QueueBindOptions;
+    let broker = Broker::new().await;
+    let store = TestStore::sqlite().await;
+    let TestStore::Sqlite(sqlite, _) = &store else {
+        unreachable!()
+    };
+    let pool = sqlite.pool().clone();
+    let seen = Seen::default();
+    let runtime = store.runtime(
+        module(&seen, "a"),
+        broker.transport(&url()).route::<Orphan>(),
+    );
+    listening(&runtime).await;
+
+    // One commit, so one batch of the relay, the orphan first.
+    let mut tx = pool.begin_with("BEGIN IMMEDIATE").await.unwrap();
+    let orphan = runtime
+        .outbox()
+        .enlist(&mut tx, &Orphan { n: 1 })
+        .await
+        .unwrap();
+    let ping = runtime
+        .outbox()
+        .enlist(&mut tx, &Ping { n: 2 })
+        .await
+        .unwrap();
+    runtime.outbox().commit(tx).await.unwrap();
+    let calls = seen.wait_for(1, WAIT).await;
+    assert_eq!(calls[0].id, ping);
+    // The ping's row is marked; the orphan's waits.
+    let deadline = tokio::time::Instant::now() + WAIT;
+    while outbox_depth(&runtime).await != Some(1) {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the ping was never marked sent"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    }
+
+    // A queue bound for its type takes it on a later round.
+    let orphans = unique("orphans-");
+    broker
+        .channel
+        .queue_declare(
+            orphans.as_str().into(),
+            QueueDeclareOptions::default(),
+            FieldTable::default(),
+        )
+        .await
+        .unwrap();
+    broker
+        .channel
+        .queue_bind(
+            orphans.as_str().into(),
+            broker.exchange.as_str().into(),
+            <Orphan as dacapo::Message>::TYPE.into(),
+            QueueBindOptions::default(),
+            FieldTable::default(),
+        )
+        .await
+        .unwrap();
+    let deadline = tokio::time::Instant::now() + WAIT;
+    while outbox_depth(&runtime).await != Some(0) {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the orphan never left"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    }
+    let queued = broker
+        .channel
+        .queue_declare(
+            orphans.as_str().into(),
+            QueueDeclareOptions {
+                passive: true,
+                ..QueueDeclareOptions::default()
+            },
+            FieldTable::default(),
+        )
+        .await
+        .unwrap()
+        .message_count();
+    assert_eq!(queued, 1, "the orphan {orphan} went out once, once placed");
+    assert_eq!(seen.calls().len(), 1, "the ping was handled once");
+    assert!(runtime.shutdown().await.is_clean());
+    let _ = broker
+        .channel
+        .queue_delete(orphans.as_str().into(), QueueDeleteOptions::default())
+        .await;
+    broker.remove().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_nul_in_a_type_or_deduplication_id_is_dead_lettered_in_postgresql_not_lost() {
+    let broker = Broker::new().await;
+    let store = TestStore::postgres().await;
+    let seen = Seen::default();
+    let runtime = store.runtime(module(&seen, "a"), broker.transport(&url()));
+    listening(&runtime).await;
+    let id = Uuid::new_v4().to_string();
+    broker
+        .publish_raw(
+            "tests.ping",
+            &[("message-id", &id), ("message-type", "tests.\0ping")],
+            br#"{"n":1}"#,
+        )
+        .await;
+    let other = Uuid::new_v4().to_string();
+    broker
+        .publish_raw(
+            "tests.ping",
+            &[
+                ("message-id", &other),
+                ("message-type", "tests.ping"),
+                ("deduplication-id", "order\0-7"),
+            ],
+            br#"{"n":2}"#,
+        )
+        .await;
+    let letters = dead_letters(&runtime, 2).await;
+    for letter in &letters {
+        assert!(
+            matches!(&letter.reason, dacapo::DeadLetterReason::Unreadable(why) if why.contains("NUL")),
+            "{:?}",
+            letter.reason
+        );
+    }
+    let typed = letters
+        .iter()
+        .find(|letter| {
+            letter
+                .envelope
+                .headers
+                .get("message-type")
+                .map(String::as_str)
+                == Some("tests.\0ping")
+        })
+        .expect("the headers kept as they arrived");
+    assert_eq!(typed.envelope.message_type.as_ref(), "unknown");
+    assert!(seen.calls().is_empty());
+    assert!(runtime.shutdown().await.is_clean());
+    broker.remove().await;
+}

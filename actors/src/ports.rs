@@ -707,14 +707,37 @@ pub trait Outbound: Send + Sync + 'static {
     fn carries(&self, message_type: &str) -> bool;
 
     /// Sends `envelopes`, in order; `Ok` once the broker confirmed every one of them but those
-    /// it answers with: the envelopes (by id, with why) that this broker can never take (a
-    /// header it cannot carry, a body over its limit), which were not sent. The relay keeps
-    /// those as dead letters instead of trying them forever.
+    /// the answer names: [`Sent::refused`], which this broker can never take, and
+    /// [`Sent::held`], which it could not place now. The relay marks the others sent.
     ///
     /// # Errors
     ///
     /// [`Error::Transport`] when the broker failed (unreachable, a publication not
     /// confirmed): none of them counts as sent, and the relay sends them all again on a later
     /// round (the receiving inbox discards the copies that did arrive).
-    async fn send(&self, envelopes: &[Envelope]) -> Result<Vec<(Uuid, String)>, Error>;
+    async fn send(&self, envelopes: &[Envelope]) -> Result<Sent, Error>;
+}
+
+/// What a broker made of a batch [`Outbound::send`] sent, beyond the envelopes it confirmed.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct Sent {
+    /// Envelopes (by id, with why) this broker can never take (a header it cannot carry, a
+    /// body over its limit), which were not sent. The relay keeps them as dead letters instead
+    /// of trying them forever.
+    pub refused: Vec<(Uuid, String)>,
+    /// Envelopes (by id, with why) the broker took but could not place now (RabbitMQ returns
+    /// one for which no queue is bound yet). The relay leaves them in the outbox and sends
+    /// them again on a later round; the rest of the batch counts as sent.
+    pub held: Vec<(Uuid, String)>,
+}
+
+impl Sent {
+    /// Every envelope confirmed but `refused`, none held.
+    pub fn refusing(refused: Vec<(Uuid, String)>) -> Self {
+        Self {
+            refused,
+            held: Vec::new(),
+        }
+    }
 }

@@ -5,7 +5,7 @@ use actix::{Actor, ActorFutureExt, AsyncContext, Context, WrapFuture};
 use futures::StreamExt;
 
 use crate::batches::delete_in_batches;
-use crate::ports::{DeadLetterStore, Outbound, OutboxStore};
+use crate::ports::{DeadLetterStore, Outbound, OutboxStore, Sent};
 use crate::{DeadLetter, DeadLetterReason, Dispatcher, Durability, Envelope};
 
 /// Publishes what the application enlisted in its outbox: in outbox order, in bounded batches,
@@ -379,8 +379,8 @@ async fn send_away(
         return None;
     }
     let (positions, envelopes): (Vec<i64>, Vec<Envelope>) = away.into_iter().unzip();
-    let refused = match outbound.send(&envelopes).await {
-        Ok(refused) => refused,
+    let Sent { refused, held, .. } = match outbound.send(&envelopes).await {
+        Ok(sent) => sent,
         Err(error) => {
             tracing::warn!(%error, envelopes = envelopes.len(), "sending outbox envelopes to the broker failed; retrying on the next round");
             return None;
@@ -388,6 +388,11 @@ async fn send_away(
     };
     let mut marked = Vec::with_capacity(positions.len());
     for (position, envelope) in positions.into_iter().zip(envelopes) {
+        if let Some((_, why)) = held.iter().find(|(id, _)| *id == envelope.id) {
+            // Left unmarked, so the rest of its batch is marked and never sent again.
+            tracing::warn!(messaging.message.id = %envelope.id, %why, "the broker could not place this envelope yet; it stays in the outbox for a later round");
+            continue;
+        }
         let Some((_, why)) = refused.iter().find(|(id, _)| *id == envelope.id) else {
             marked.push(position);
             continue;
@@ -583,7 +588,7 @@ mod tests {
     use uuid::Uuid;
 
     use super::send_away;
-    use crate::ports::{Outbound, OutboxBacklog, OutboxStore, SystemClock};
+    use crate::ports::{Outbound, OutboxBacklog, OutboxStore, Sent, SystemClock};
     use crate::{Envelope, Error};
 
     /// What happened, in order.
@@ -627,9 +632,13 @@ mod tests {
         fn carries(&self, _: &str) -> bool {
             true
         }
-        async fn send(&self, _: &[Envelope]) -> Result<Vec<(Uuid, String)>, Error> {
+        async fn send(&self, envelopes: &[Envelope]) -> Result<Sent, Error> {
             self.0.lock().unwrap().push("send");
-            Ok(Vec::new())
+            // The second envelope has no queue bound yet.
+            Ok(Sent {
+                refused: Vec::new(),
+                held: vec![(envelopes[1].id, "no queue bound".to_owned())],
+            })
         }
     }
 
@@ -652,7 +661,7 @@ mod tests {
     #[tokio::test]
     async fn rows_go_to_the_broker_only_once_the_outbox_synced_them() {
         let (sent, happened) = send_three(false).await;
-        assert_eq!(sent, Some(vec![1, 2, 3]));
+        assert_eq!(sent, Some(vec![1, 3]), "the held one is left unmarked");
         assert_eq!(happened, ["sync", "send"]);
     }
 

@@ -10,7 +10,6 @@ use dacapo_actors::ports::{Clock, DeadLetterStore, Outbound};
 use dacapo_actors::{Backoff, DeadLetter, DeadLetterReason, Envelope};
 use futures::FutureExt;
 use tokio::sync::{mpsc, oneshot, watch};
-use uuid::Uuid;
 
 use super::Listener;
 use super::routes::Routes;
@@ -20,16 +19,17 @@ use crate::Error;
 /// What a broker consumer handed over: an envelope, or a message that is not one.
 pub(crate) type Received = Result<Envelope, Unreadable>;
 
-/// Envelopes a broker can never take, by id, with why.
-pub(crate) type Refused = Vec<(Uuid, String)>;
+/// What a broker made of a batch beyond the envelopes it confirmed: those it can never take,
+/// and those it could not place now.
+pub(crate) use dacapo_actors::ports::Sent;
 
 /// A broker's publishing side. A failed call leaves nothing half-sent that the next call
 /// would not send again, and the next call reconnects if the connection is gone.
 #[async_trait]
 pub(crate) trait Publish: Send + 'static {
-    /// Publishes `envelopes`; `Ok` once the broker confirmed each but those it answers with,
-    /// which it checked it can never carry and did not send.
-    async fn publish(&mut self, envelopes: &[Envelope]) -> Result<Refused, Error>;
+    /// Publishes `envelopes`; `Ok` once the broker confirmed each but those it answers with:
+    /// refused (checked it can never carry them, not sent) or held (not placed now).
+    async fn publish(&mut self, envelopes: &[Envelope]) -> Result<Sent, Error>;
 
     /// Forgets the connection, so the next call makes a new one: after a publication timed
     /// out or panicked, which `publish` did not see end.
@@ -150,7 +150,7 @@ pub enum TransportState {
 /// One publication the relay asked for.
 struct Request {
     envelopes: Vec<Envelope>,
-    reply: oneshot::Sender<Result<Refused, Error>>,
+    reply: oneshot::Sender<Result<Sent, Error>>,
 }
 
 /// The relay's handle on the transports' publishing sides.
@@ -166,10 +166,10 @@ impl Outbound for Outbounds {
             .any(|(routes, ..)| routes.carries(message_type))
     }
 
-    async fn send(&self, envelopes: &[Envelope]) -> Result<Refused, dacapo_actors::Error> {
+    async fn send(&self, envelopes: &[Envelope]) -> Result<Sent, dacapo_actors::Error> {
         // Each envelope leaves through the first transport that carries its type.
         let mut remaining: Vec<&Envelope> = envelopes.iter().collect();
-        let mut refused = Vec::new();
+        let mut sent = Sent::default();
         for (routes, name, requests) in &self.transports {
             let (mine, rest): (Vec<&Envelope>, Vec<&Envelope>) = remaining
                 .into_iter()
@@ -186,19 +186,21 @@ impl Outbound for Outbounds {
             let stopped = || dacapo_actors::Error::transport(name, "the transport has stopped");
             requests.send(request).await.map_err(|_| stopped())?;
             let answered = answer.await.map_err(|_| stopped())?;
-            refused.extend(answered.map_err(|error| match error {
+            let answered = answered.map_err(|error| match error {
                 Error::Transport { transport, source } => {
                     dacapo_actors::Error::Transport { transport, source }
                 }
                 other => dacapo_actors::Error::transport(name, other.to_string()),
-            })?);
+            })?;
+            sent.refused.extend(answered.refused);
+            sent.held.extend(answered.held);
         }
-        refused.extend(
+        sent.refused.extend(
             remaining
                 .into_iter()
                 .map(|envelope| (envelope.id, "no transport carries its type".to_owned())),
         );
-        Ok(refused)
+        Ok(sent)
     }
 }
 

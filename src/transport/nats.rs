@@ -10,7 +10,7 @@ use async_trait::async_trait;
 use dacapo_actors::Envelope;
 use futures::{FutureExt, StreamExt};
 
-use super::host::{GatherError, Publish, Received, Refused, Subscribe, Transport, gather};
+use super::host::{GatherError, Publish, Received, Sent, Subscribe, Transport, gather};
 use super::routes::{Routes, routing};
 use super::wire::{self, Binding, Fallback, WireFormat};
 use crate::Error;
@@ -277,7 +277,7 @@ struct Publisher {
 }
 
 impl Publisher {
-    async fn send(&mut self, envelopes: &[Envelope]) -> Result<Refused, Error> {
+    async fn send(&mut self, envelopes: &[Envelope]) -> Result<Sent, Error> {
         if self.context.is_none() {
             let context = connect(&self.settings).await?;
             stream(&context, &self.settings).await?;
@@ -325,7 +325,7 @@ impl Publisher {
                 }
             }
         }
-        Ok(refused)
+        Ok(Sent::refusing(refused))
     }
 }
 
@@ -367,7 +367,7 @@ fn headers(envelope: &Envelope, settings: &Settings) -> Result<HeaderMap, String
 
 #[async_trait]
 impl Publish for Publisher {
-    async fn publish(&mut self, envelopes: &[Envelope]) -> Result<Refused, Error> {
+    async fn publish(&mut self, envelopes: &[Envelope]) -> Result<Sent, Error> {
         let sent = self.send(envelopes).await;
         if sent.is_err() {
             self.reset();

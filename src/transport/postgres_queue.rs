@@ -8,7 +8,7 @@ use dacapo_actors::Envelope;
 use sqlx::postgres::{PgConnectOptions, PgListener, PgPool, PgPoolOptions, PgRow};
 use sqlx::{Postgres, Row as _, Transaction};
 
-use super::host::{Publish, Received, Refused, Subscribe, Transport};
+use super::host::{Publish, Received, Sent, Subscribe, Transport};
 use super::routes::{Routes, routing};
 use super::wire::Unreadable;
 use crate::Error;
@@ -247,7 +247,7 @@ struct Publisher {
 
 #[async_trait]
 impl Publish for Publisher {
-    async fn publish(&mut self, envelopes: &[Envelope]) -> Result<Refused, Error> {
+    async fn publish(&mut self, envelopes: &[Envelope]) -> Result<Sent, Error> {
         if !self.declared {
             declare(&self.pool, self.declare).await?;
             self.declared = true;
@@ -300,7 +300,7 @@ impl Publish for Publisher {
                 .map_err(failed)?;
         }
         tx.commit().await.map_err(failed)?;
-        Ok(refused)
+        Ok(Sent::refusing(refused))
     }
 
     fn reset(&mut self) {

@@ -13,7 +13,7 @@ use lapin::options::{
 use lapin::types::{AMQPValue, FieldTable, LongString, ShortString};
 use lapin::{BasicProperties, Channel, Connection, ConnectionProperties, ExchangeKind};
 
-use super::host::{GatherError, Publish, Received, Refused, Subscribe, Transport, gather};
+use super::host::{GatherError, Publish, Received, Sent, Subscribe, Transport, gather};
 use super::routes::{Routes, routing};
 use super::wire::{self, Binding, Fallback, WireFormat};
 use crate::Error;
@@ -316,7 +316,7 @@ impl Publisher {
         }
     }
 
-    async fn send(&mut self, envelopes: &[Envelope]) -> Result<Refused, Error> {
+    async fn send(&mut self, envelopes: &[Envelope]) -> Result<Sent, Error> {
         let settings = Arc::clone(&self.settings);
         // What AMQP cannot carry is refused before anything is sent.
         let mut refused = Vec::new();
@@ -358,6 +358,7 @@ impl Publisher {
                 .map_err(failed)?;
             confirms.push((envelope.id, home, confirm));
         }
+        let mut held = Vec::new();
         for (id, home, confirm) in confirms {
             let confirmation = confirm.await.map_err(failed)?;
             if confirmation.is_nack() {
@@ -367,20 +368,24 @@ impl Publisher {
                 continue;
             }
             // No queue is bound for the type: this service's own is bound before publishing,
-            // so the topology changed under us, or another service's is not bound yet. Sent
-            // again later, never counted as sent.
+            // so the topology changed under us, or another service's is not bound yet. Held
+            // for a later round, never counted as sent; the rest of the batch was placed, and
+            // sending it again each round would repeat it past the receivers' memory of ids.
             let whose = if home { "this service's" } else { "its" };
-            return Err(failed(format!(
-                "envelope {id} came back unrouted: no queue is bound for its type on {whose} exchange"
-            )));
+            held.push((
+                id,
+                format!("came back unrouted: no queue is bound for its type on {whose} exchange"),
+            ));
         }
-        Ok(refused)
+        let mut sent = Sent::refusing(refused);
+        sent.held = held;
+        Ok(sent)
     }
 }
 
 #[async_trait]
 impl Publish for Publisher {
-    async fn publish(&mut self, envelopes: &[Envelope]) -> Result<Refused, Error> {
+    async fn publish(&mut self, envelopes: &[Envelope]) -> Result<Sent, Error> {
         let sent = self.send(envelopes).await;
         if sent.is_err() {
             self.reset();

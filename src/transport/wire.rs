@@ -203,7 +203,7 @@ impl Unreadable {
                 [TYPE, "cloudevents_type", "cloudevents:type", "ce-type"].contains(&name.as_str())
             })
             .map(|(_, value)| value.clone())
-            .filter(|value| !value.is_empty())
+            .filter(|value| !value.is_empty() && !value.contains('\0'))
             .unwrap_or_else(|| "unknown".to_owned());
         let mut envelope = Envelope::new(message_type, self.body);
         envelope.id = Uuid::new_v5(&FOREIGN_IDS, &identity);
@@ -308,9 +308,22 @@ fn read(headers: &BTreeMap<String, String>, fallback: Fallback) -> Result<Fields
         Some(source) if Uuid::parse_str(&id).is_err() => foreign_id(&format!("{source}\n{id}")),
         _ => foreign_id(&id),
     };
-    let message_type = get(&message_type)
+    let message_type_header = message_type;
+    let message_type = get(&message_type_header)
         .or(fallback.message_type)
-        .ok_or_else(|| format!("no {message_type} header: the message's type is unknown"))?;
+        .ok_or_else(|| format!("no {message_type_header} header: the message's type is unknown"))?;
+    // Kept in text columns, where PostgreSQL refuses a NUL: refused here, the message becomes
+    // a dead letter that keeps it (its headers are kept as escaped JSON).
+    let no_nul = |header: &str, value: &str| {
+        if value.contains('\0') {
+            Err(format!(
+                "{header} header holds a NUL character, which no store keeps as text"
+            ))
+        } else {
+            Ok(())
+        }
+    };
+    no_nul(&message_type_header, &message_type)?;
     let time = |name: &str| -> Result<Option<DateTime<Utc>>, String> {
         get(name)
             .map(|text| {
@@ -330,7 +343,13 @@ fn read(headers: &BTreeMap<String, String>, fallback: Fallback) -> Result<Fields
             .or(fallback.correlation_id)
             .map(|id| foreign_id(&id)),
         causation_id: get(&causation).map(|id| foreign_id(&id)),
-        deduplication_id: get(&deduplication),
+        deduplication_id: match get(&deduplication) {
+            Some(value) => {
+                no_nul(&deduplication, &value)?;
+                Some(value)
+            }
+            None => None,
+        },
         scheduled_for: time(&scheduled)?,
     })
 }
