@@ -261,10 +261,13 @@ on_both_backends!(
     a_live_node_is_never_taken_for_dead_between_far_apart_recovery_rounds_sqlite,
     a_live_node_is_never_taken_for_dead_between_far_apart_recovery_rounds_postgres,
     |db| {
-        // Recovery every 10 s (the default), and presumed dead after 1 s without a heartbeat.
+        // Recovery every 10 s (the default), and presumed dead after 3 s without a heartbeat:
+        // the heartbeat has a timer of its own, every second. (With 1 s, a test machine busy
+        // with the tests around it once stalled a beat past the timeout.)
+        let timeout = Duration::from_secs(3);
         let busy = Stuck::default();
         let live = db
-            .store(Runtime::builder(), "live", Duration::from_secs(1))
+            .store(Runtime::builder(), "live", timeout)
             .await
             .module(Module::new("m").handle_named::<MemberRemoved, _>("h", busy.clone()))
             .build()
@@ -274,14 +277,25 @@ on_both_backends!(
 
         let calls = Recorder::<MemberRemoved>::new();
         let watcher = db
-            .store(Runtime::builder(), "watcher", Duration::from_secs(1))
+            .store(Runtime::builder(), "watcher", timeout)
             .await
             .recovery_interval(Duration::from_millis(50))
             .module(Module::new("m").handle_named::<MemberRemoved, _>("h", calls.clone()))
             .build()
             .unwrap();
-        // What is asserted is that nothing happens, so this waits out several node timeouts.
-        tokio::time::sleep(Duration::from_secs(3)).await;
+        // The live node's own heartbeats, read from its row, mark the time: once it has beaten
+        // for two node timeouts while the watcher looked every 50 ms, the watcher had every
+        // chance to take the delivery over.
+        const BEAT: &str = "SELECT heartbeat_at FROM dacapo_nodes WHERE id = 'live'";
+        let first = db.scalar(BEAT).await;
+        let span = i64::try_from(2 * timeout.as_millis()).unwrap();
+        tokio::time::timeout(WAIT, async {
+            while db.scalar(BEAT).await < first + span {
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+        })
+        .await
+        .expect("the live node heartbeats for two node timeouts");
         assert!(
             calls.calls().is_empty(),
             "the watcher took over a delivery its live owner was still running"
