@@ -54,11 +54,6 @@ pub struct Resumable {
     /// What those handlers cascaded (outside a handler transaction), sent once the delivery
     /// is handled.
     pub cascaded: Vec<Envelope>,
-    /// The inbox recorded the first attempt as started with the claim that handed this
-    /// delivery back (`envelope.attempts` is still 0: none ran), so the runtime runs it
-    /// without a write of its own, as it runs a fresh receive's. Should the runtime stop
-    /// before it ends, that attempt counts as interrupted.
-    pub first_attempt_begun: bool,
 }
 
 impl Resumable {
@@ -76,16 +71,7 @@ impl Resumable {
             failures,
             succeeded,
             cascaded,
-            first_attempt_begun: false,
         }
-    }
-
-    /// This delivery, its first attempt recorded as started with its claim: see
-    /// [`first_attempt_begun`](Self::first_attempt_begun).
-    #[must_use]
-    pub fn with_first_attempt_begun(mut self) -> Self {
-        self.first_attempt_begun = true;
-        self
     }
 }
 

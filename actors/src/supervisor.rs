@@ -39,8 +39,6 @@ pub struct DeliverySupervisor {
     resume: Option<Resume>,
     /// Whether it came back from a durable inbox (every attempt is then recorded first).
     recovered: bool,
-    /// Whether the claim that handed it back recorded its first attempt as started.
-    first_attempt_begun: bool,
     route: Option<Arc<Route>>,
     message: Option<Decoded>,
     /// This attempt's failures with their handler's index (empty, unallocated, on success).
@@ -114,7 +112,6 @@ impl DeliverySupervisor {
             delivery: Delivery::new(envelope, Vec::new(), Vec::new(), Vec::new()),
             resume: None,
             recovered: false,
-            first_attempt_begun: false,
             route: None,
             message: None,
             results: Vec::new(),
@@ -147,24 +144,20 @@ impl DeliverySupervisor {
             failures,
             succeeded,
             cascaded,
-            first_attempt_begun,
             ..
         } = resumable;
         let resume = match due_at {
-            // Its claim began the first attempt: it starts as a fresh receive does.
-            None if first_attempt_begun => None,
-            Some(at) => Some(Resume::Due(at)),
+            Some(at) => Resume::Due(at),
             // An attempt was started and never recorded as failed: it ran when the runtime stopped.
-            None if envelope.attempts as usize > failures.len() => Some(Resume::Interrupted),
-            None => Some(Resume::Due(worker.shared.clock.now())),
+            None if envelope.attempts as usize > failures.len() => Resume::Interrupted,
+            None => Resume::Due(worker.shared.clock.now()),
         };
         let mut supervisor = Self::new(worker, envelope, permit, None, busy);
         let envelope = supervisor.delivery.envelope.clone();
         supervisor.delivery = Delivery::new(envelope, failures, Vec::new(), cascaded);
         supervisor.succeeded_before = succeeded;
-        supervisor.resume = resume;
+        supervisor.resume = Some(resume);
         supervisor.recovered = true;
-        supervisor.first_attempt_begun = first_attempt_begun;
         supervisor
     }
 
@@ -186,7 +179,7 @@ impl DeliverySupervisor {
         self.stepped_at = (now, self.worker.shared.timers.mark());
         let rules = Rules {
             now,
-            first_attempt_recorded: !self.recovered || self.first_attempt_begun,
+            first_attempt_recorded: !self.recovered,
             policy: &policy,
         };
         if let Some(effect) = self.delivery.step(event, &rules) {

@@ -20,7 +20,7 @@ use super::columns::{
     DeadLetterColumns, EnvelopeColumns, attempts, failures_from, from_json, id_text, json, millis,
     parse_id, stored_attempts, time,
 };
-use super::database::{Database, Row, Tx, Value};
+use super::database::{Database, Row, Value};
 use super::group_commit::{GroupCommit, Grouping, Write, Written, in_one_transaction};
 use super::node_hold::NodeHold;
 use super::statements::*;
@@ -415,47 +415,6 @@ impl<D: Dialect> SqlStore<D> {
     }
 }
 
-/// Begins, in the claim's own transaction, the first attempt of each claimed delivery that
-/// never started one and is due now: the write its supervisor would make first, without a
-/// commit of its own (one per group of begins, each an fsync on SQLite). Answers the ids it
-/// began. A delivery cooling down or scheduled for later begins when it is due, as before.
-async fn begin_first_attempts(
-    tx: &mut Tx,
-    node: &str,
-    claimed: &[Resumable],
-    now: DateTime<Utc>,
-) -> Result<HashSet<String>, Error> {
-    let fresh: Vec<String> = claimed
-        .iter()
-        .filter(|resumable| {
-            resumable.envelope.attempts == 0
-                && resumable.due_at.is_none()
-                && resumable
-                    .envelope
-                    .scheduled_for
-                    .is_none_or(|scheduled_for| scheduled_for <= now)
-        })
-        .map(|resumable| id_text(resumable.envelope.id))
-        .collect();
-    let mut begun = HashSet::with_capacity(fresh.len());
-    let mut rest = fresh.as_slice();
-    for size in Rows::sizes(fresh.len()) {
-        let (run, after) = rest.split_at(size);
-        rest = after;
-        let values: Vec<Value<'_>> = [Value::Int32(1), Value::Text(node), Value::Int32(0)]
-            .into_iter()
-            .chain(run.iter().map(|id| Value::Text(id)))
-            .collect();
-        for row in tx
-            .fetch_all_built(BEGIN_ATTEMPT_ROWS.text(size), &values)
-            .await?
-        {
-            begun.insert(row.get::<String>("id")?);
-        }
-    }
-    Ok(begun)
-}
-
 /// Creates the schema, or brings it up to date, in one transaction (under a lock where nodes
 /// may start together).
 async fn migrate(db: &Database) -> Result<(), Error> {
@@ -676,15 +635,8 @@ impl<D: Dialect> DurableInbox for SqlStore<D> {
         ];
         let mut tx = self.db.begin().await?;
         let rows = tx.fetch_all(self.db.claim_statement(), &values).await?;
-        let mut claimed: Vec<Resumable> = rows.iter().filter_map(Self::readable).collect();
-        let begun = begin_first_attempts(&mut tx, &self.node, &claimed, self.now()).await?;
         tx.commit().await?;
-        for resumable in &mut claimed {
-            if begun.contains(&id_text(resumable.envelope.id)) {
-                resumable.first_attempt_begun = true;
-            }
-        }
-        Ok(claimed)
+        Ok(rows.iter().filter_map(Self::readable).collect())
     }
 
     async fn orphaned(
