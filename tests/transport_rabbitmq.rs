@@ -442,3 +442,30 @@ async fn a_nul_in_a_type_or_deduplication_id_is_dead_lettered_in_postgresql_not_
     assert!(runtime.shutdown().await.is_clean());
     broker.remove().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_binding_removed_under_the_service_is_made_again_and_its_message_goes_out() {
+    let broker = Broker::new().await;
+    let store = TestStore::sqlite().await;
+    let seen = Seen::default();
+    let runtime = store.runtime(module(&seen, "a"), broker.transport(&url()));
+    listening(&runtime).await;
+    // The first publication connects the publisher, which binds the service's queue.
+    runtime.publish(&Ping { n: 1 }).await.unwrap();
+    seen.wait_for(1, WAIT).await;
+    broker
+        .channel
+        .queue_unbind(
+            broker.queue.as_str().into(),
+            broker.exchange.as_str().into(),
+            <Ping as dacapo::Message>::TYPE.into(),
+            FieldTable::default(),
+        )
+        .await
+        .unwrap();
+    let second = runtime.publish(&Ping { n: 2 }).await.unwrap();
+    let calls = seen.wait_for(2, WAIT).await;
+    assert!(calls.iter().any(|call| call.id == second), "{calls:?}");
+    assert!(runtime.shutdown().await.is_clean());
+    broker.remove().await;
+}

@@ -585,7 +585,6 @@ mod tests {
 
     use async_trait::async_trait;
     use chrono::{DateTime, Utc};
-    use uuid::Uuid;
 
     use super::send_away;
     use crate::ports::{Outbound, OutboxBacklog, OutboxStore, Sent, SystemClock};

@@ -356,10 +356,11 @@ impl Publisher {
                 )
                 .await
                 .map_err(failed)?;
-            confirms.push((envelope.id, home, confirm));
+            confirms.push((envelope.id, &envelope.message_type, home, confirm));
         }
         let mut held = Vec::new();
-        for (id, home, confirm) in confirms {
+        let mut rebind = false;
+        for (id, message_type, home, confirm) in confirms {
             let confirmation = confirm.await.map_err(failed)?;
             if confirmation.is_nack() {
                 return Err(failed(format!("the broker refused envelope {id} (nack)")));
@@ -372,10 +373,20 @@ impl Publisher {
             // for a later round, never counted as sent; the rest of the batch was placed, and
             // sending it again each round would repeat it past the receivers' memory of ids.
             let whose = if home { "this service's" } else { "its" };
+            // A binding of this service's own queue removed under us is made again on the
+            // next connection, which declares them all.
+            rebind |= home
+                && self
+                    .listened
+                    .iter()
+                    .any(|listened| **listened == **message_type);
             held.push((
                 id,
                 format!("came back unrouted: no queue is bound for its type on {whose} exchange"),
             ));
+        }
+        if rebind {
+            self.reset();
         }
         let mut sent = Sent::refusing(refused);
         sent.held = held;
