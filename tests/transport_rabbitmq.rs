@@ -82,6 +82,15 @@ impl Broker {
     }
 }
 
+/// A node of service `a` on `store` with `transport`, once it listens; and what its handlers
+/// saw.
+async fn listening_node(store: &TestStore, transport: RabbitMq) -> (Runtime, Seen) {
+    let seen = Seen::default();
+    let runtime = store.runtime(module(&seen, "a"), transport);
+    listening(&runtime).await;
+    (runtime, seen)
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn routed_messages_cross_a_classic_queue_once() {
     let broker = Broker::new().await;
@@ -140,9 +149,7 @@ async fn a_foreign_service_reaches_the_handler_with_its_ids() {
 async fn a_redelivered_envelope_is_discarded_by_the_inbox() {
     let broker = Broker::new().await;
     let store = TestStore::sqlite().await;
-    let seen = Seen::default();
-    let runtime = store.runtime(module(&seen, "a"), broker.transport(&url()));
-    listening(&runtime).await;
+    let (runtime, seen) = listening_node(&store, broker.transport(&url())).await;
     let id = Uuid::new_v4().to_string();
     let headers = [("message-id", id.as_str()), ("message-type", "tests.ping")];
     // What a relay that crashed between the broker's confirm and its mark sends again.
@@ -306,12 +313,7 @@ async fn an_envelope_no_queue_takes_yet_waits_in_the_outbox_and_holds_back_nothi
         unreachable!()
     };
     let pool = sqlite.pool().clone();
-    let seen = Seen::default();
-    let runtime = store.runtime(
-        module(&seen, "a"),
-        broker.transport(&url()).route::<Orphan>(),
-    );
-    listening(&runtime).await;
+    let (runtime, seen) = listening_node(&store, broker.transport(&url()).route::<Orphan>()).await;
 
     // One commit, so one batch of the relay, the orphan first.
     let mut tx = pool.begin_with("BEGIN IMMEDIATE").await.unwrap();
@@ -395,9 +397,7 @@ async fn an_envelope_no_queue_takes_yet_waits_in_the_outbox_and_holds_back_nothi
 async fn a_nul_in_a_type_or_deduplication_id_is_dead_lettered_in_postgresql_not_lost() {
     let broker = Broker::new().await;
     let store = TestStore::postgres().await;
-    let seen = Seen::default();
-    let runtime = store.runtime(module(&seen, "a"), broker.transport(&url()));
-    listening(&runtime).await;
+    let (runtime, seen) = listening_node(&store, broker.transport(&url())).await;
     let id = Uuid::new_v4().to_string();
     broker
         .publish_raw(
@@ -447,9 +447,7 @@ async fn a_nul_in_a_type_or_deduplication_id_is_dead_lettered_in_postgresql_not_
 async fn a_binding_removed_under_the_service_is_made_again_and_its_message_goes_out() {
     let broker = Broker::new().await;
     let store = TestStore::sqlite().await;
-    let seen = Seen::default();
-    let runtime = store.runtime(module(&seen, "a"), broker.transport(&url()));
-    listening(&runtime).await;
+    let (runtime, seen) = listening_node(&store, broker.transport(&url())).await;
     // The first publication connects the publisher, which binds the service's queue.
     runtime.publish(&Ping { n: 1 }).await.unwrap();
     seen.wait_for(1, WAIT).await;
