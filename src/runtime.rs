@@ -361,7 +361,9 @@ impl Runtime {
     /// retries included, and — with a durable store — until the outbox is empty, so the
     /// messages deliveries cascaded through it have been published and settled too. A message
     /// routed to a broker counts as done here once the broker confirmed it: its handling,
-    /// wherever it is consumed, is not waited for.
+    /// wherever it is consumed, is not waited for. An envelope that stays in the outbox — one
+    /// no broker queue takes yet, or a row that cannot be read — keeps it waiting: bound it
+    /// with a timeout where that can happen.
     ///
     /// # Cancel safety
     ///

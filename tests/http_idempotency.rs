@@ -429,7 +429,47 @@ on_both!(
     a_kept_4xx_is_kept_without_the_endpoints_work_even_after_a_failed_statement,
     an_endpoint_writes_then_claims_and_a_second_borrow_is_refused,
     a_401_is_not_kept,
+    a_kept_answer_damaged_in_the_store_is_500_and_the_endpoint_does_not_run_again,
 );
+
+/// A kept answer whose status or headers were damaged by hand is refused with a problem of
+/// its own, each time: not replayed as something the endpoint never answered, not retried as
+/// a store outage, and the endpoint never runs twice.
+async fn a_kept_answer_damaged_in_the_store_is_500_and_the_endpoint_does_not_run_again(
+    db: &TestDatabase,
+) {
+    let (base, app) = serve(db).await;
+    let client = reqwest::Client::new();
+    let url = format!("{base}/orders");
+    for (key, damage) in [
+        ("k-status", "UPDATE dacapo_http_keys SET status = 0"),
+        (
+            "k-headers",
+            "UPDATE dacapo_http_keys SET headers = 'not json'",
+        ),
+    ] {
+        assert_eq!(
+            post_with(&client, &url, Some(key), "A-1", &[])
+                .await
+                .status(),
+            201
+        );
+        db.execute(damage).await;
+        for _ in 0..2 {
+            let (status, _, body) =
+                problem(post_with(&client, &url, Some(key), "A-1", &[]).await).await;
+            assert_eq!(status, StatusCode::INTERNAL_SERVER_ERROR);
+            assert_eq!(body["type"], "urn:dacapo:problem:kept-answer-unreadable");
+        }
+        db.execute("DELETE FROM dacapo_http_keys").await;
+    }
+    assert_eq!(
+        app.runs.load(Ordering::SeqCst),
+        2,
+        "once per key, never again"
+    );
+    assert_eq!(db.scalar("SELECT count(*) FROM dacapo_outbox").await, 2);
+}
 
 async fn a_5xx_rolls_the_endpoints_writes_back(db: &TestDatabase) {
     let (base, app) = serve(db).await;

@@ -14,7 +14,6 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::Duration;
 
-use dacapo::Envelope;
 use dacapo::prelude::*;
 use dacapo::testing::Recorder;
 use support::MemberRemoved;
@@ -94,7 +93,10 @@ on_both_backends!(
             )
             .build()
             .unwrap();
-        runtime.receive(rows[0].1.clone()).await.unwrap();
+        runtime
+            .receive(rows[0].1.as_ref().unwrap().clone())
+            .await
+            .unwrap();
         // The relay finds the row unpublished and publishes the same envelope again.
         tokio::time::timeout(WAIT, async {
             while db
@@ -251,6 +253,60 @@ on_both_backends!(
         })
         .await
         .expect("published rows were removed after their retention");
+        runtime.shutdown().await;
+    }
+);
+
+on_both_backends!(
+    an_outbox_row_that_cannot_be_read_holds_back_no_other_sqlite,
+    an_outbox_row_that_cannot_be_read_holds_back_no_other_postgres,
+    |db| {
+        db.outbox_transaction(&[removed(1), removed(2), removed(3)], true)
+            .await;
+        // The oldest row was damaged by hand: it can never be read as an envelope.
+        db.execute(
+            "UPDATE dacapo_outbox SET id = 'not-a-uuid' \
+             WHERE seq = (SELECT min(seq) FROM dacapo_outbox)",
+        )
+        .await;
+        let calls = Recorder::<MemberRemoved>::new();
+        let runtime = db
+            .store(Runtime::builder(), "local", Duration::from_secs(30))
+            .await
+            .relay_interval(Duration::from_millis(20))
+            .module(
+                Module::new("webhooks").handle_named::<MemberRemoved, _>("queue", calls.clone()),
+            )
+            .workers(1)
+            .build()
+            .unwrap();
+        until(|| calls.count() == 2).await;
+        // Rounds after it still publish what comes later, and never the damaged row.
+        db.outbox_transaction(&[removed(4)], true).await;
+        until(|| calls.count() == 3).await;
+        let members: Vec<u64> = calls.calls().iter().map(|c| c.message.member_id).collect();
+        assert_eq!(members, [2, 3, 4]);
+        tokio::time::timeout(WAIT, async {
+            while db
+                .scalar("SELECT count(*) FROM dacapo_outbox WHERE published_at IS NULL")
+                .await
+                > 1
+            {
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+        })
+        .await
+        .expect("the readable rows were marked");
+        assert_eq!(
+            db.scalar(
+                "SELECT count(*) FROM dacapo_outbox \
+                 WHERE published_at IS NULL AND id = 'not-a-uuid'"
+            )
+            .await,
+            1,
+            "left for an operator, not marked as if sent"
+        );
+        assert_eq!(runtime.outbox_backlog().await.unwrap().unwrap().depth, 1);
         runtime.shutdown().await;
     }
 );
@@ -453,7 +509,7 @@ impl dacapo::ports::OutboxStore for Observed {
         &self,
         after: i64,
         limit: usize,
-    ) -> Result<Vec<(i64, Envelope)>, dacapo::EngineError> {
+    ) -> Result<Vec<dacapo::ports::OutboxRow>, dacapo::EngineError> {
         let read = self.reads.fetch_add(1, Ordering::SeqCst);
         if let Some((_, pause)) = self.slow_read.filter(|(slow, _)| *slow == read) {
             tokio::time::sleep(pause).await;

@@ -121,6 +121,30 @@ async fn routed_messages_cross_jetstream_once() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn durations_longer_than_jetstream_counts_are_its_longest_not_an_overflow() {
+    let server = Server::new().await;
+    let forever = std::time::Duration::MAX;
+    routed_messages_cross_the_broker_once(TestStore::sqlite().await, || {
+        server
+            .transport(&url())
+            .max_age(forever)
+            .duplicate_window(forever)
+            .ack_wait(forever)
+            .into()
+    })
+    .await;
+    let mut stream = server.jetstream.get_stream(&server.stream).await.unwrap();
+    let config = stream.info().await.unwrap().config.clone();
+    assert_eq!(config.max_age, std::time::Duration::ZERO, "no age limit");
+    let longest = std::time::Duration::from_nanos(i64::MAX.unsigned_abs());
+    assert_eq!(config.duplicate_window, longest);
+    for consumer in server.consumers().await {
+        assert_eq!(consumer.config.ack_wait, longest);
+    }
+    server.remove().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn routed_messages_cross_jetstream_once_as_cloud_events() {
     let server = Server::new().await;
     routed_messages_cross_the_broker_once(TestStore::postgres().await, || {

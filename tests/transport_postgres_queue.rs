@@ -129,6 +129,55 @@ async fn a_row_that_is_no_envelope_is_dead_lettered_and_taken_off_the_queue() {
     pool.close().await;
 }
 
+/// A notification sent while the listening connection is down is lost with it: a node that
+/// never polls looks at the queue once its listener is cut, instead of listening again
+/// past the row that came meanwhile.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_node_that_never_polls_takes_what_came_while_its_listener_was_cut() {
+    let store = TestStore::postgres().await;
+    let seen = Seen::default();
+    let queue = PostgresQueue::connect(store.url(), "pings")
+        .unwrap()
+        .route::<Ping>()
+        .poll_interval(std::time::Duration::MAX);
+    let runtime = store.runtime(module(&seen, "a"), queue);
+    listening(&runtime).await;
+    let pool = dacapo::sqlx::PgPool::connect(store.url()).await.unwrap();
+    // Its notification was lost: the row alone is there.
+    dacapo::sqlx::query(
+        "INSERT INTO dacapo_queue (queue, id, message_type, payload, headers, sent_at, \
+         enqueued_at) VALUES ('pings', $1, 'tests.ping', '\\x7b226e223a377d', '{}', 0, 0)",
+    )
+    .bind(uuid::Uuid::new_v4().to_string())
+    .execute(&pool)
+    .await
+    .unwrap();
+    let deadline = tokio::time::Instant::now() + WAIT;
+    loop {
+        let (cut,): (i64,) = dacapo::sqlx::query_as(
+            "SELECT count(pg_terminate_backend(pid)) FROM pg_stat_activity \
+             WHERE datname = current_database() AND query LIKE 'LISTEN%' \
+             AND pid <> pg_backend_pid()",
+        )
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+        if cut > 0 {
+            break;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the node's listening connection was found"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    }
+    let calls = seen.wait_for(1, WAIT).await;
+    assert_eq!(calls[0].n, 7);
+    assert!(runtime.shutdown().await.is_clean());
+    assert_eq!(rows_left(store.url()).await, 0);
+    pool.close().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_queue_only_checked_and_missing_stops_listening_with_a_clear_error() {
     let store = TestStore::sqlite().await;

@@ -444,6 +444,46 @@ async fn a_nul_in_a_type_or_deduplication_id_is_dead_lettered_in_postgresql_not_
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn unreadable_messages_told_apart_only_by_their_amqp_message_id_keep_a_dead_letter_each() {
+    let broker = Broker::new().await;
+    let store = TestStore::sqlite().await;
+    let (runtime, seen) = listening_node(&store, broker.transport(&url())).await;
+    // The same headers and body, no type anywhere: unreadable, and different messages.
+    let ids = ["order-1", "order-2"];
+    for id in ids {
+        let mut headers = FieldTable::default();
+        headers.insert("x".into(), AMQPValue::LongString("1".into()));
+        broker
+            .channel
+            .basic_publish(
+                broker.exchange.as_str().into(),
+                "tests.ping".into(),
+                BasicPublishOptions::default(),
+                b"same body",
+                BasicProperties::default()
+                    .with_message_id(id.into())
+                    .with_headers(headers),
+            )
+            .await
+            .unwrap()
+            .await
+            .unwrap();
+    }
+    let letters = dead_letters(&runtime, 2).await;
+    let mut kept: Vec<&str> = letters
+        .iter()
+        .filter_map(|letter| letter.envelope.headers.get("property-message-id"))
+        .map(String::as_str)
+        .collect();
+    kept.sort_unstable();
+    assert_eq!(kept, ids, "each keeps the id it arrived with");
+    assert_ne!(letters[0].envelope.id, letters[1].envelope.id);
+    assert!(seen.calls().is_empty());
+    assert!(runtime.shutdown().await.is_clean());
+    broker.remove().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_binding_removed_under_the_service_is_made_again_and_its_message_goes_out() {
     let broker = Broker::new().await;
     let store = TestStore::sqlite().await;

@@ -596,6 +596,9 @@ impl OutboxBacklog {
     }
 }
 
+/// An unpublished outbox row: its position, and its envelope or why it cannot be read.
+pub type OutboxRow = (i64, Result<Envelope, Error>);
+
 /// The relay's side of the outbox: envelopes the application enlisted in its own transactions,
 /// in order, until they are published.
 #[async_trait]
@@ -612,10 +615,13 @@ pub trait OutboxStore: Send + Sync + 'static {
     /// position. A relay reads from `i64::MIN` at the start of each round, so an envelope whose
     /// transaction committed after later positions were published is found on the next round.
     ///
+    /// A row that cannot be read as an envelope (a column written by hand, say) comes as its
+    /// position with the error: the relay leaves it for an operator and publishes the others.
+    ///
     /// # Errors
     ///
     /// [`Error::Store`] when the store cannot answer.
-    async fn unpublished(&self, after: i64, limit: usize) -> Result<Vec<(i64, Envelope)>, Error>;
+    async fn unpublished(&self, after: i64, limit: usize) -> Result<Vec<OutboxRow>, Error>;
 
     /// How many envelopes wait to be published, and since when the oldest does.
     ///

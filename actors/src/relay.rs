@@ -5,7 +5,7 @@ use actix::{Actor, ActorFutureExt, AsyncContext, Context, WrapFuture};
 use futures::StreamExt;
 
 use crate::batches::delete_in_batches;
-use crate::ports::{DeadLetterStore, Outbound, OutboxStore, Sent};
+use crate::ports::{DeadLetterStore, Outbound, OutboxRow, OutboxStore, Sent};
 use crate::{DeadLetter, DeadLetterReason, Dispatcher, Durability, Envelope};
 
 /// Publishes what the application enlisted in its outbox: in outbox order, in bounded batches,
@@ -180,12 +180,13 @@ impl RelayActor {
                 };
                 let count = rows.len();
                 // A full batch may have more behind it: the next read starts after everything
-                // this one read (the broker's rows included, sent or not).
+                // this one read (the broker's rows and unreadable ones included, sent or not).
                 let read_after = rows
                     .iter()
                     .map(|(position, _)| *position)
                     .max()
                     .filter(|_| count == batch);
+                let rows = readable(rows);
                 // What leaves for a broker goes in one confirmed send, before the local rows.
                 // A failed send marks none of it; the round goes on with the local rows, and
                 // reads on past the broker's rows without sending them again until the next.
@@ -419,6 +420,20 @@ async fn send_away(
 /// Outbox rows: each envelope with its position.
 type Rows = Vec<(i64, Envelope)>;
 
+/// The rows that can be read; one that cannot is logged each round and left unpublished for
+/// an operator (the backlog's age shows it), rather than holding back every row after it.
+fn readable(rows: Vec<OutboxRow>) -> Rows {
+    rows.into_iter()
+        .filter_map(|(position, envelope)| match envelope {
+            Ok(envelope) => Some((position, envelope)),
+            Err(error) => {
+                tracing::error!(position, %error, "an outbox row cannot be read; it is left unpublished for an operator");
+                None
+            }
+        })
+        .collect()
+}
+
 /// Splits a batch of outbox rows into those routed to `outbound` and those for this node.
 fn split_by_route(rows: Rows, outbound: Option<&dyn Outbound>) -> (Rows, Rows) {
     match outbound {
@@ -587,7 +602,7 @@ mod tests {
     use chrono::{DateTime, Utc};
 
     use super::send_away;
-    use crate::ports::{Outbound, OutboxBacklog, OutboxStore, Sent, SystemClock};
+    use crate::ports::{Outbound, OutboxBacklog, OutboxRow, OutboxStore, Sent, SystemClock};
     use crate::{Envelope, Error};
 
     /// What happened, in order.
@@ -603,7 +618,7 @@ mod tests {
         async fn lease(&self, _: DateTime<Utc>, _: DateTime<Utc>) -> Result<bool, Error> {
             Ok(true)
         }
-        async fn unpublished(&self, _: i64, _: usize) -> Result<Vec<(i64, Envelope)>, Error> {
+        async fn unpublished(&self, _: i64, _: usize) -> Result<Vec<OutboxRow>, Error> {
             Ok(Vec::new())
         }
         async fn backlog(&self) -> Result<OutboxBacklog, Error> {

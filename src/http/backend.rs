@@ -79,7 +79,7 @@ pub(crate) mod sealed {
         ) -> impl Future<Output = Result<Option<Slot<Self>>, sqlx::Error>> + Send;
 
         /// The kept answer for `id`, if one is kept and not expired; in the transaction when
-        /// there is one.
+        /// there is one. A kept answer that cannot be read back is a decoding error.
         #[allow(private_interfaces)]
         fn lookup(
             slot: &mut Slot<Self>,
@@ -145,12 +145,13 @@ macro_rules! backend {
                     None => query.fetch_optional(&slot.pool).await?,
                 };
                 row.map(|row| {
-                    Ok(Record {
-                        fingerprint: row.try_get("fingerprint")?,
-                        status: u16::try_from(row.try_get::<i32, _>("status")?).unwrap_or(500),
-                        headers: Record::headers_from_json(&row.try_get::<String, _>("headers")?),
-                        body: row.try_get("body")?,
-                    })
+                    Record::stored(
+                        row.try_get("fingerprint")?,
+                        row.try_get("status")?,
+                        &row.try_get::<String, _>("headers")?,
+                        row.try_get("body")?,
+                    )
+                    .map_err(|why| sqlx::Error::Decode(why.into()))
                 })
                 .transpose()
             }

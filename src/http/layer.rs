@@ -458,11 +458,18 @@ where
         Err(error) => return Ok(unavailable(&error)),
     };
     match DB::lookup(&mut slot, &id, millis(store.now())).await {
-        Err(error) => return Ok(unavailable(&error)),
-        Ok(Some(kept)) => return Ok(answer_kept(kept, &fingerprint)),
+        Err(error) => {
+            release(&mut slot).await;
+            return Ok(lookup_failed(&error));
+        }
+        Ok(Some(kept)) => {
+            release(&mut slot).await;
+            return Ok(answer_kept(kept, &fingerprint));
+        }
         Ok(None) => {}
     }
     if let Err(error) = DB::mark(&mut slot).await {
+        release(&mut slot).await;
         return Ok(unavailable(&error));
     }
 
@@ -523,13 +530,14 @@ where
         },
         Ok(false) => {
             // Another process kept an answer for this key meanwhile: this one's work is
-            // undone (the transaction rolls back as it drops), and that answer given.
-            slot.tx = None;
+            // undone, and that answer given.
+            release(&mut slot).await;
             drop(slot);
             return Ok(answer_kept_since(store, &id, &fingerprint).await);
         }
         Err(error) => Err(error),
     };
+    release(&mut slot).await;
     drop(slot);
     if let Err(error) = committed {
         return Ok(unavailable(&error));
@@ -577,14 +585,38 @@ async fn answer_kept_since<DB: Backend>(
     match DB::lookup(&mut slot, id, millis(store.now())).await {
         Ok(Some(kept)) => answer_kept(kept, fingerprint),
         Ok(None) => in_flight(),
-        Err(error) => unavailable(&error),
+        Err(error) => lookup_failed(&error),
     }
+}
+
+/// The store could not answer, or kept an answer that cannot be read back: that one is not
+/// retried (the request may have run) and not run again.
+fn lookup_failed(error: &sqlx::Error) -> Response<ResponseBody> {
+    if matches!(
+        error,
+        sqlx::Error::Decode(_) | sqlx::Error::ColumnDecode { .. }
+    ) {
+        tracing::error!(%error, "the answer kept for an Idempotency-Key cannot be read back; it is left for an operator");
+        return problem(
+            Problem::KeptAnswerUnreadable,
+            "the answer kept for this Idempotency-Key cannot be read back; the request was not \
+             run again",
+        );
+    }
+    unavailable(error)
 }
 
 /// Rolls the request's transaction back: the endpoint's work is undone, the key left free.
 async fn roll_back<DB: Backend>(transaction: &RequestTransaction<DB>) {
     let mut slot = transaction.slot().lock().await;
     slot.ended = true;
+    release(&mut slot).await;
+}
+
+/// Rolls back what is left of the request's transaction before it answers. Dropped instead,
+/// the rollback would wait for its connection's next use, and on PostgreSQL the key's lock
+/// with it: a retry arriving meanwhile would be answered 409 for a request that is over.
+async fn release<DB: Backend>(slot: &mut Slot<DB>) {
     if let Some(tx) = slot.tx.take()
         && let Err(error) = tx.rollback().await
     {

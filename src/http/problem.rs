@@ -26,6 +26,9 @@ pub enum Problem {
     DuplicateIntent,
     /// 503: the store could not be reached; nothing was done, retry with the same key.
     StoreUnavailable,
+    /// 500: an answer is kept for the key but cannot be read back (its row was damaged); the
+    /// request is not run again, and retrying gets the same answer until an operator acts.
+    KeptAnswerUnreadable,
 }
 
 impl Problem {
@@ -40,6 +43,7 @@ impl Problem {
             Self::KeyReused => StatusCode::UNPROCESSABLE_ENTITY,
             Self::RequestTooLarge => StatusCode::PAYLOAD_TOO_LARGE,
             Self::StoreUnavailable => StatusCode::SERVICE_UNAVAILABLE,
+            Self::KeptAnswerUnreadable => StatusCode::INTERNAL_SERVER_ERROR,
         }
     }
 
@@ -55,6 +59,7 @@ impl Problem {
             Self::ResponseUnreadable => "urn:dacapo:problem:response-unreadable",
             Self::DuplicateIntent => "urn:dacapo:problem:duplicate-intent",
             Self::StoreUnavailable => "urn:dacapo:problem:idempotency-store-unavailable",
+            Self::KeptAnswerUnreadable => "urn:dacapo:problem:kept-answer-unreadable",
         }
     }
 
@@ -69,6 +74,7 @@ impl Problem {
             Self::ResponseUnreadable => "The endpoint's answer failed",
             Self::DuplicateIntent => "Duplicate intent",
             Self::StoreUnavailable => "Idempotency store unavailable",
+            Self::KeptAnswerUnreadable => "The answer kept for this Idempotency-Key is unreadable",
         }
     }
 

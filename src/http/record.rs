@@ -75,16 +75,42 @@ impl Record {
         serde_json::to_string(&self.headers).unwrap_or_else(|_| "[]".to_owned())
     }
 
-    /// Headers read back from [`headers_json`](Self::headers_json).
-    pub(crate) fn headers_from_json(text: &str) -> Vec<(String, Vec<u8>)> {
-        serde_json::from_str(text).unwrap_or_default()
+    /// A record read back from its columns; why not, for a status or headers no response can
+    /// have (a row written by hand, or damaged): replaying it would answer something the
+    /// endpoint never said.
+    pub(crate) fn stored(
+        fingerprint: String,
+        status: i32,
+        headers: &str,
+        body: Option<Vec<u8>>,
+    ) -> Result<Self, String> {
+        let status = u16::try_from(status)
+            .ok()
+            .filter(|status| StatusCode::from_u16(*status).is_ok())
+            .ok_or_else(|| format!("kept status {status} is no HTTP status"))?;
+        let headers: Vec<(String, Vec<u8>)> = serde_json::from_str(headers)
+            .map_err(|error| format!("kept headers are not a list of names and bytes: {error}"))?;
+        for (name, value) in &headers {
+            HeaderName::from_bytes(name.as_bytes())
+                .map_err(|_| format!("kept header name {name:?} is no header name"))?;
+            HeaderValue::from_bytes(value)
+                .map_err(|_| format!("kept header {name:?} has a value no header can hold"))?;
+        }
+        Ok(Self {
+            fingerprint,
+            status,
+            headers,
+            body,
+        })
     }
 
     /// The replay: the stored status, headers and body, marked as a replay.
     pub(crate) fn replay<B: From<Bytes>>(self) -> Response<B> {
         let stored = self.body.is_some();
         let mut response = Response::new(B::from(Bytes::from(self.body.unwrap_or_default())));
-        *response.status_mut() = StatusCode::from_u16(self.status).unwrap_or(StatusCode::OK);
+        // Both checked when the record was read back.
+        *response.status_mut() =
+            StatusCode::from_u16(self.status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
         for (name, value) in self.headers {
             if let (Ok(name), Ok(value)) = (
                 HeaderName::from_bytes(name.as_bytes()),
@@ -157,15 +183,37 @@ mod tests {
             Some(b"\x00\xff"),
             false,
         );
-        let stored = record.headers_json();
-        let record = Record {
-            headers: Record::headers_from_json(&stored),
-            ..record
-        };
+        let record = Record::stored(
+            record.fingerprint.clone(),
+            i32::from(record.status),
+            &record.headers_json(),
+            record.body.clone(),
+        )
+        .unwrap();
         let replay: Response<Bytes> = record.replay();
         assert_eq!(replay.status(), StatusCode::ACCEPTED);
         assert_eq!(replay.headers()["x-opaque"].as_bytes(), [0xfe, b'a']);
         assert_eq!(replay.headers()[super::super::REPLAYED], "true");
         assert_eq!(replay.body().as_ref(), b"\x00\xff");
+    }
+
+    #[test]
+    fn a_kept_answer_no_response_can_have_is_refused_not_replayed() {
+        let read = |status: i32, headers: &str| {
+            Record::stored(String::new(), status, headers, None).map(|_| ())
+        };
+        assert_eq!(read(201, "[]"), Ok(()));
+        for (status, headers) in [
+            (0, "[]"),
+            (70_000, "[]"),
+            (-1, "[]"),
+            (200, "not json"),
+            (200, r#"{"location": "/x"}"#),
+            (200, r#"[["bad name", [97]]]"#),
+            (200, r#"[["x-line", [10]]]"#),
+        ] {
+            let error = read(status, headers).unwrap_err();
+            assert!(error.starts_with("kept "), "{status} {headers}: {error}");
+        }
     }
 }

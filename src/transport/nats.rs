@@ -17,6 +17,9 @@ use crate::Error;
 
 const NAME: &str = "nats";
 
+/// The longest duration JetStream holds: nanoseconds in an `i64`.
+const LONGEST: Duration = Duration::from_nanos(i64::MAX.unsigned_abs());
+
 /// NATS JetStream as a transport: routed message types are published to the subject
 /// `dacapo.<type>` (the prefix settable), which a file-backed stream (`DACAPO`) keeps; each
 /// service listens through durable pull consumers of its own, one per routed type it handles
@@ -123,24 +126,30 @@ impl Nats {
     /// the time to record a batch in the inbox — and, when the runtime has
     /// [`max_in_flight`](crate::RuntimeBuilder::max_in_flight) deliveries already, to wait for
     /// room — not to handle it.
+    ///
+    /// JetStream counts it in nanoseconds in 64 bits: a longer wait (`Duration::MAX`) is
+    /// taken as the longest it can hold, about 292 years.
     #[must_use]
     pub fn ack_wait(mut self, wait: Duration) -> Self {
-        self.settings.ack_wait = wait;
+        self.settings.ack_wait = wait.min(LONGEST);
         self
     }
 
-    /// The stream's duplicate window for `Nats-Msg-Id` (default 2 min), when it is created.
+    /// The stream's duplicate window for `Nats-Msg-Id` (default 2 min), when it is created;
+    /// at most about 292 years, as [`ack_wait`](Self::ack_wait), and no longer than the
+    /// stream's [`max_age`](Self::max_age) (JetStream refuses the stream otherwise).
     #[must_use]
     pub fn duplicate_window(mut self, window: Duration) -> Self {
-        self.settings.duplicate_window = window;
+        self.settings.duplicate_window = window.min(LONGEST);
         self
     }
 
     /// How long the stream keeps a message, when it is created (default 7 days): a consumer
-    /// created later, or renamed, starts from what the stream still has.
+    /// created later, or renamed, starts from what the stream still has. Zero, or an age
+    /// JetStream cannot count (`Duration::MAX`), keeps messages without an age limit.
     #[must_use]
     pub fn max_age(mut self, age: Duration) -> Self {
-        self.settings.max_age = age;
+        self.settings.max_age = if age >= LONGEST { Duration::ZERO } else { age };
         self
     }
 

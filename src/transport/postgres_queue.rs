@@ -387,10 +387,14 @@ impl Subscriber {
             .checked_add(self.poll_interval)
             .unwrap_or_else(|| now + FAR_FUTURE);
         loop {
-            match tokio::time::timeout_at(deadline, listener.recv()).await {
-                Err(_) => return Ok(()),
-                Ok(Ok(notification)) if notification.payload() == self.queue => return Ok(()),
-                Ok(Ok(_)) => {}
+            // A lost connection ends the wait: a notification sent while it was down is lost
+            // with it, so the queue is looked at before the next call listens again.
+            match tokio::time::timeout_at(deadline, listener.try_recv()).await {
+                Err(_) | Ok(Ok(None)) => return Ok(()),
+                Ok(Ok(Some(notification))) if notification.payload() == self.queue => {
+                    return Ok(());
+                }
+                Ok(Ok(Some(_))) => {}
                 Ok(Err(error)) => {
                     self.notifications = None;
                     return Err(failed(error));

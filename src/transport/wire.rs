@@ -220,7 +220,7 @@ pub(crate) fn decode(
     body: Vec<u8>,
     fallback: Fallback,
 ) -> Result<Envelope, Unreadable> {
-    match read(&headers, fallback) {
+    match read(&headers, &fallback) {
         Ok(fields) => {
             let mut envelope = Envelope::new(fields.message_type, body);
             envelope.id = fields.id;
@@ -235,8 +235,39 @@ pub(crate) fn decode(
                 .collect();
             Ok(envelope)
         }
-        Err(why) => Err(Unreadable { headers, body, why }),
+        Err(why) => Err(Unreadable {
+            headers: with_properties(headers, &fallback),
+            body,
+            why,
+        }),
     }
+}
+
+/// The headers of an unreadable message with the transport's own properties (AMQP's
+/// `message_id`, `type`, …) added under `property-` names: its dead letter then shows them,
+/// and two messages that differ only there keep a dead letter each.
+fn with_properties(
+    mut headers: BTreeMap<String, String>,
+    properties: &Fallback,
+) -> BTreeMap<String, String> {
+    let sent_at = properties.sent_at.map(|at| at.to_rfc3339());
+    let kept = [
+        ("property-message-id", properties.id.as_ref()),
+        ("property-type", properties.message_type.as_ref()),
+        (
+            "property-correlation-id",
+            properties.correlation_id.as_ref(),
+        ),
+        ("property-timestamp", sent_at.as_ref()),
+    ];
+    for (name, value) in kept {
+        if let Some(value) = value {
+            headers
+                .entry(name.to_owned())
+                .or_insert_with(|| value.clone());
+        }
+    }
+    headers
 }
 
 struct Fields {
@@ -249,7 +280,7 @@ struct Fields {
     scheduled_for: Option<DateTime<Utc>>,
 }
 
-fn read(headers: &BTreeMap<String, String>, fallback: Fallback) -> Result<Fields, String> {
+fn read(headers: &BTreeMap<String, String>, fallback: &Fallback) -> Result<Fields, String> {
     let lowered: BTreeMap<String, &str> = headers
         .iter()
         .map(|(name, value)| (name.to_ascii_lowercase(), value.as_str()))
@@ -301,7 +332,7 @@ fn read(headers: &BTreeMap<String, String>, fallback: Fallback) -> Result<Fields
         scheduled,
     ] = names;
     let id = get(&id)
-        .or(fallback.id)
+        .or_else(|| fallback.id.clone())
         .ok_or_else(|| format!("no {id} header: the message has no id to deduplicate on"))?;
     // A CloudEvent is identified by its source and id together.
     let id = match &source {
@@ -310,7 +341,7 @@ fn read(headers: &BTreeMap<String, String>, fallback: Fallback) -> Result<Fields
     };
     let message_type_header = message_type;
     let message_type = get(&message_type_header)
-        .or(fallback.message_type)
+        .or_else(|| fallback.message_type.clone())
         .ok_or_else(|| format!("no {message_type_header} header: the message's type is unknown"))?;
     // Kept in text columns, where PostgreSQL refuses a NUL: refused here, the message becomes
     // a dead letter that keeps it (its headers are kept as escaped JSON).
@@ -340,7 +371,7 @@ fn read(headers: &BTreeMap<String, String>, fallback: Fallback) -> Result<Fields
         message_type,
         sent_at: time(&sent_at)?.or(fallback.sent_at),
         correlation_id: get(&correlation)
-            .or(fallback.correlation_id)
+            .or_else(|| fallback.correlation_id.clone())
             .map(|id| foreign_id(&id)),
         causation_id: get(&causation).map(|id| foreign_id(&id)),
         deduplication_id: match get(&deduplication) {
@@ -491,6 +522,29 @@ mod tests {
         )
         .unwrap();
         assert_eq!((got.id, got.message_type.as_ref()), (id, "orders.placed"));
+    }
+
+    #[test]
+    fn an_unreadable_message_keeps_the_transports_properties_in_its_dead_letter() {
+        let with_id = |id: &str| {
+            decode(
+                map(vec![("x".into(), "1".into())]),
+                b"junk".to_vec(),
+                Fallback {
+                    id: Some(id.to_owned()),
+                    ..Fallback::default()
+                },
+            )
+            .unwrap_err()
+            .into_envelope(Utc::now())
+        };
+        let (first, second) = (with_id("a"), with_id("b"));
+        assert_ne!(first.id, second.id, "two messages, two dead letters");
+        assert_eq!(first.id, with_id("a").id, "one message, one dead letter");
+        assert_eq!(
+            first.headers.get("property-message-id").map(String::as_str),
+            Some("a")
+        );
     }
 
     #[test]

@@ -9,7 +9,7 @@ use async_trait::async_trait;
 use chrono::{DateTime, Utc};
 use dacapo_actors::ports::{
     Claim, ClaimOutcome, Claims, Clock, DeadLetterStore, DurableInbox, Fenced, Handled, Inbox,
-    OutboxBacklog, OutboxStore, Receipt, Replay, ReplayTo, Resumable, RetryRecord,
+    OutboxBacklog, OutboxRow, OutboxStore, Receipt, Replay, ReplayTo, Resumable, RetryRecord,
     ScheduledEnvelope, SystemClock,
 };
 use dacapo_actors::{DeadLetter, DeadLetterFilter, Envelope, Error};
@@ -855,13 +855,14 @@ impl<D: Dialect> OutboxStore for SqlStore<D> {
         self.db.enlisted_signals()
     }
 
-    async fn unpublished(&self, after: i64, limit: usize) -> Result<Vec<(i64, Envelope)>, Error> {
+    async fn unpublished(&self, after: i64, limit: usize) -> Result<Vec<OutboxRow>, Error> {
         let values = [Self::limit(limit), Value::Int64(after)];
         let rows = self.db.fetch_all(UNPUBLISHED, &values).await?;
         rows.iter()
             .map(|row| {
                 let position: i64 = row.get("seq")?;
-                Ok((position, EnvelopeColumns::read(row)?.into_envelope(0)?))
+                let envelope = EnvelopeColumns::read(row).and_then(|row| row.into_envelope(0));
+                Ok((position, envelope))
             })
             .collect()
     }
