@@ -24,7 +24,9 @@
 //! Run with `cargo bench --bench b2_durable --features postgres` (PostgreSQL at
 //! `DACAPO_BENCH_POSTGRES`, default `postgres://postgres@127.0.0.1:5432/postgres`; a scratch
 //! database is created and dropped). Three rounds (`B2_ROUNDS`), every contender once a round;
-//! each ratio is a round's own, and the figures are the rounds' medians. `B2_ONLY=live,batched`
+//! each ratio is a round's own, and the figures are the rounds' medians; before each contender
+//! times its run, the writes the system still holds (the last contender's, its own seed's) are
+//! flushed to the disk, so none is slowed by another's. `B2_ONLY=live,batched`
 //! runs some contenders (and the latency runs only when it lists `latency`);
 //! `B2_BACKEND=sqlite` or `postgres` runs one backend. Goal (issue 11): at least 0.6 of the
 //! batched loop.
@@ -690,6 +692,7 @@ macro_rules! measure {
                 .await
                 .unwrap();
         }
+        scratch::flush_writes();
         let store = if $contender.ends_with("alone") {
             $store.group_commit(1, Duration::ZERO)
         } else {

@@ -387,3 +387,65 @@ async fn a_connection_left_mid_transaction_is_rolled_back_before_the_next_writer
         .collect();
     assert!(locked.is_empty(), "{locked:#?}");
 }
+
+/// On its first attempt, writes its row in a statement slow enough to outlast the handler's
+/// timeout: the attempt is cancelled while SQLite still runs it.
+struct OutlastsItsTimeout;
+
+/// About a second of SQLite's time before the row is written.
+const SLOW_INSERT: &str = "INSERT INTO tallies (id, member) SELECT $1, $2 FROM \
+    (WITH RECURSIVE c(x) AS (SELECT 1 UNION ALL SELECT x + 1 FROM c WHERE x < 3000000) \
+     SELECT max(x) FROM c) WHERE true ON CONFLICT (id) DO NOTHING";
+
+impl Handler<MemberRemoved> for OutlastsItsTimeout {
+    async fn handle(
+        &self,
+        event: &MemberRemoved,
+        ctx: &MessageContext,
+    ) -> Result<(), HandlerError> {
+        let id = ids::derive_or_random(ctx.message_id(), "tally");
+        let statement = if ctx.attempt() == 1 {
+            SLOW_INSERT
+        } else {
+            INSERT
+        };
+        let mut connection = ctx.connection::<sqlx::Sqlite>().await?;
+        sqlx::query(statement)
+            .bind(&id)
+            .bind(event.member_id as i64)
+            .execute(&mut *connection)
+            .await?;
+        Ok(())
+    }
+}
+
+/// A handler cancelled mid-statement gives its turn back at once; the statement it left
+/// running holds SQLite's lock a while, and the runtime's next writes wait for it (the busy
+/// timeout) instead of failing: the retry runs, and the row is written once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_handler_cancelled_mid_statement_leaves_the_next_writers_waiting_not_failing() {
+    let warnings = support_warnings::warnings();
+    let db = support_stores::TestDatabase::new(Backend::Sqlite).await;
+    db.execute(TABLE).await;
+    let store = db.sqlite().await;
+    let pool = store.pool().clone();
+    let runtime = Runtime::builder()
+        .store(store)
+        .retry_policy(quick_retries())
+        .handler_timeout(Duration::from_millis(100))
+        .module(
+            Module::new("billing").handle_named::<MemberRemoved, _>("tally", OutlastsItsTimeout),
+        )
+        .build()
+        .unwrap();
+    runtime.publish_batch(&members(2)).await.unwrap();
+    assert_eq!(settled(runtime, &pool).await, ((2, 2, 0), 2));
+    let locked: Vec<String> = warnings
+        .lock()
+        .unwrap()
+        .iter()
+        .filter(|warning| warning.contains("locked") || warning.contains("busy"))
+        .cloned()
+        .collect();
+    assert!(locked.is_empty(), "{locked:#?}");
+}

@@ -406,12 +406,6 @@ async fn apalis_postgres(workload: Workload, tuning: Tuning) -> Duration {
     elapsed
 }
 
-/// Writes the system still holds for the disk, out before the next contender starts: the
-/// last one's would otherwise be flushed during this one's fsyncs, and slow them.
-fn flush_writes() {
-    let _ = std::process::Command::new("sync").status();
-}
-
 /// The handlers' rows.
 async fn rows<'e, E>(pool: E) -> i64
 where
@@ -457,18 +451,18 @@ async fn main() {
     let mut postgres: Vec<Rates> = WORKLOADS.iter().map(|_| Rates::default()).collect();
     for _ in 0..ROUNDS {
         for (at, workload) in WORKLOADS.into_iter().enumerate() {
-            flush_writes();
+            scratch::flush_writes();
             sqlite[at].dacapo.push(rate(dacapo_sqlite(workload).await));
             for (tuned, tuning) in TUNINGS.into_iter().enumerate() {
-                flush_writes();
+                scratch::flush_writes();
                 sqlite[at].apalis[tuned].push(rate(apalis_sqlite(workload, tuning).await));
             }
-            flush_writes();
+            scratch::flush_writes();
             postgres[at]
                 .dacapo
                 .push(rate(dacapo_postgres(workload).await));
             for (tuned, tuning) in TUNINGS.into_iter().enumerate() {
-                flush_writes();
+                scratch::flush_writes();
                 postgres[at].apalis[tuned].push(rate(apalis_postgres(workload, tuning).await));
             }
         }
