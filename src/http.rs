@@ -19,7 +19,7 @@
 //! | a request body that cannot be read | 400, problem `request-unreadable` |
 //! | an endpoint answer that fails midway | 502, problem `response-unreadable`; nothing kept |
 //! | an intent already carried out ([`RequestTransaction::enlist_once`]) | 409, problem `duplicate-intent`, answered by the endpoint |
-//! | the same key, its kept answer damaged in the store (a status or headers no response has) | 500, problem `kept-answer-unreadable`; the endpoint does not run |
+//! | the same key, its kept answer damaged in the store (a status or headers no response has) | 500, problem `kept-answer-unreadable`, until it expires; the endpoint does not run |
 //!
 //! Problems are RFC 9457 `application/problem+json` bodies whose `type` is
 //! `urn:dacapo:problem:<name>`. Keys are scoped to the route by default; give

@@ -206,21 +206,14 @@ impl<DB: Backend> Drop for HandlerConnection<'_, DB> {
     /// Finishes what the connection was asked, then gives the turn. A transaction dropped
     /// unfinished on it leaves its rollback pending until the connection's next use, holding
     /// SQLite's lock meanwhile: a ping runs it (bounded by [`CLOSING`]) before the turn goes,
-    /// so the next writer never finds the lock taken. Without one, the turn goes at once: a
-    /// statement cut short by a cancelled handler may still be finishing, and a writer that
-    /// meets its lock waits for it (the busy timeout), as any second writer does.
+    /// so the next writer never finds the lock taken. The ping is made after every use, not
+    /// only after a transaction: a statement whose future a cancelled handler dropped still
+    /// runs on sqlx's worker, and only a command queued behind it tells when it ended.
     fn drop(&mut self) {
         let connection = self.connection.take();
         let turn = self.turn.take();
         let unsynced = self.unsynced.take();
-        // Nothing left pending (the common case): the turn goes now, without a round trip.
-        let pending = connection
-            .as_ref()
-            .is_some_and(|connection| sqlx::Connection::is_in_transaction(&**connection));
-        let runtime = tokio::runtime::Handle::try_current()
-            .ok()
-            .filter(|_| pending);
-        let Some(runtime) = runtime else {
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
             // No runtime to ping on (a handler always has one): gone as it is.
             if let Some(unsynced) = unsynced {
                 unsynced.closed();

@@ -419,16 +419,14 @@ impl Handler<MemberRemoved> for OutlastsItsTimeout {
     }
 }
 
-/// A handler cancelled mid-statement gives its turn back at once; the statement it left
-/// running holds SQLite's lock a while, and the runtime's next writes wait for it (the busy
-/// timeout) instead of failing: the retry runs, and the row is written once.
+/// A handler cancelled mid-statement keeps its turn until the statement it left running has
+/// finished: with SQLite's busy timeout at zero, none of the runtime's next writes finds the
+/// database locked (one would fail at once), the retry runs, and the row is written once.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_handler_cancelled_mid_statement_leaves_the_next_writers_waiting_not_failing() {
+async fn a_handler_cancelled_mid_statement_keeps_its_turn_until_the_statement_ends() {
     let warnings = support_warnings::warnings();
     let db = support_stores::TestDatabase::new(Backend::Sqlite).await;
-    db.execute(TABLE).await;
-    let store = db.sqlite().await;
-    let pool = store.pool().clone();
+    let (pool, store) = support_stores::never_waiting_sqlite(&db.url, TABLE).await;
     let runtime = Runtime::builder()
         .store(store)
         .retry_policy(quick_retries())

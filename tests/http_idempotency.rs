@@ -461,6 +461,14 @@ async fn a_kept_answer_damaged_in_the_store_is_500_and_the_endpoint_does_not_run
             assert_eq!(status, StatusCode::INTERNAL_SERVER_ERROR);
             assert_eq!(body["type"], "urn:dacapo:problem:kept-answer-unreadable");
         }
+        let (status, _, body) =
+            problem(post_with(&client, &url, Some(key), "B-2", &[]).await).await;
+        assert_eq!(
+            status,
+            StatusCode::UNPROCESSABLE_ENTITY,
+            "a reused key is still told"
+        );
+        assert_eq!(body["type"], "urn:dacapo:problem:idempotency-key-reused");
         db.execute("DELETE FROM dacapo_http_keys").await;
     }
     assert_eq!(
@@ -1010,4 +1018,59 @@ async fn a_layer_told_to_keep_server_errors_replays_them() {
     assert_eq!(again.status(), 500);
     assert!(replayed(again.headers()));
     assert_eq!(app.runs.load(Ordering::SeqCst), 1);
+}
+
+/// A service under the layer that fails without an answer (a timeout layer inside it, say)
+/// has its request's work undone and its key's lock let go before the error goes up: the
+/// retry right after it runs, never answered 409, and nothing it wrote is kept.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_service_that_fails_without_an_answer_leaves_the_key_free_and_its_work_undone() {
+    use tower::{Layer, ServiceExt};
+    let db = TestDatabase::new(Which::Postgres).await;
+    let store = db.postgres().await;
+    let runs = Arc::new(AtomicUsize::new(0));
+    let failing = {
+        let runs = Arc::clone(&runs);
+        tower::service_fn(move |request: axum::http::Request<axum::body::Body>| {
+            let runs = Arc::clone(&runs);
+            async move {
+                runs.fetch_add(1, Ordering::SeqCst);
+                let transaction = request
+                    .extensions()
+                    .get::<RequestTransaction<sqlx::Postgres>>()
+                    .expect("the layer's transaction")
+                    .clone();
+                let mut tx = transaction.get().await.unwrap();
+                sqlx::query(
+                    "INSERT INTO dacapo_idempotency_keys (key, recorded_at) VALUES ('effect', 0)",
+                )
+                .execute(&mut **tx)
+                .await
+                .unwrap();
+                drop(tx);
+                Err::<axum::http::Response<axum::body::Body>, _>(std::io::Error::other(
+                    "the service gave up",
+                ))
+            }
+        })
+    };
+    let service = IdempotencyLayer::new(store).layer(failing);
+    for attempt in 1..=5 {
+        let request = axum::http::Request::post("/orders")
+            .header("idempotency-key", "k-1")
+            .body(axum::body::Body::from("A-1"))
+            .unwrap();
+        let failed = service.clone().oneshot(request).await;
+        assert!(
+            failed.is_err(),
+            "attempt {attempt}: the service's error goes up"
+        );
+        assert_eq!(runs.load(Ordering::SeqCst), attempt, "never answered 409");
+    }
+    assert_eq!(
+        db.scalar("SELECT count(*) FROM dacapo_idempotency_keys")
+            .await,
+        0,
+        "its work undone each time"
+    );
 }

@@ -1,4 +1,5 @@
-use std::sync::Arc;
+use std::collections::HashSet;
+use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
 use actix::{Actor, ActorFutureExt, AsyncContext, Context, WrapFuture};
@@ -33,6 +34,8 @@ pub struct RelayActor {
     /// A wake came during a round, which may have read the outbox before the enlist
     /// committed: run another round right after.
     again: bool,
+    /// Positions of rows that could not be read: told once, and no reason to take the lease.
+    unreadable: Arc<Mutex<HashSet<i64>>>,
 }
 
 /// How often the relay measures its backlog and removes old published rows.
@@ -70,6 +73,7 @@ impl RelayActor {
             leased_elsewhere_until: None,
             lease_taken_at: None,
             again: false,
+            unreadable: Arc::default(),
         }
     }
 
@@ -135,11 +139,20 @@ impl RelayActor {
         let dead_letters = self.dead_letters.clone();
         let lease_taken_at = self.lease_taken_at;
         let (batch, interval) = (self.batch, self.interval);
+        let unreadable = Arc::clone(&self.unreadable);
         let round = async move {
-            // An idle node writes nothing: a read finds the outbox empty before any lease is
-            // taken (on SQLite a lease is a commit, so an fsync, every poll).
-            match outbox.unpublished(i64::MIN, 1).await {
-                Ok(rows) if rows.is_empty() => return (None, lease_taken_at),
+            // An idle node writes nothing: a read finds the outbox empty — but for rows known
+            // to be unreadable — before any lease is taken (on SQLite a lease is a commit, so
+            // an fsync, every poll).
+            let known = lock(&unreadable).len();
+            match outbox.unpublished(i64::MIN, known + 1).await {
+                Ok(rows)
+                    if rows.iter().all(|(at, envelope)| {
+                        envelope.is_err() && lock(&unreadable).contains(at)
+                    }) =>
+                {
+                    return (None, lease_taken_at);
+                }
                 Ok(_) => {}
                 Err(error) => {
                     tracing::warn!(%error, "reading the outbox failed; retrying on the next round");
@@ -186,7 +199,7 @@ impl RelayActor {
                     .map(|(position, _)| *position)
                     .max()
                     .filter(|_| count == batch);
-                let rows = readable(rows);
+                let rows = readable(rows, &unreadable);
                 // What leaves for a broker goes in one confirmed send, before the local rows.
                 // A failed send marks none of it; the round goes on with the local rows, and
                 // reads on past the broker's rows without sending them again until the next.
@@ -420,18 +433,31 @@ async fn send_away(
 /// Outbox rows: each envelope with its position.
 type Rows = Vec<(i64, Envelope)>;
 
-/// The rows that can be read; one that cannot is logged each round and left unpublished for
-/// an operator (the backlog's age shows it), rather than holding back every row after it.
-fn readable(rows: Vec<OutboxRow>) -> Rows {
+/// The rows that can be read; one that cannot is left unpublished for an operator rather
+/// than holding back every row after it, told once as an error (the backlog's warning goes on
+/// showing its age). Repaired, it goes out in a later round, after the rows behind it.
+fn readable(rows: Vec<OutboxRow>, unreadable: &Mutex<HashSet<i64>>) -> Rows {
     rows.into_iter()
         .filter_map(|(position, envelope)| match envelope {
-            Ok(envelope) => Some((position, envelope)),
+            Ok(envelope) => {
+                let mut known = lock(unreadable);
+                if !known.is_empty() {
+                    known.remove(&position);
+                }
+                Some((position, envelope))
+            }
             Err(error) => {
-                tracing::error!(position, %error, "an outbox row cannot be read; it is left unpublished for an operator");
+                if lock(unreadable).insert(position) {
+                    tracing::error!(position, %error, "an outbox row cannot be read; it is left unpublished for an operator");
+                }
                 None
             }
         })
         .collect()
+}
+
+fn lock(unreadable: &Mutex<HashSet<i64>>) -> std::sync::MutexGuard<'_, HashSet<i64>> {
+    unreadable.lock().unwrap_or_else(PoisonError::into_inner)
 }
 
 /// Splits a batch of outbox rows into those routed to `outbound` and those for this node.

@@ -79,7 +79,7 @@ pub(crate) mod sealed {
         ) -> impl Future<Output = Result<Option<Slot<Self>>, sqlx::Error>> + Send;
 
         /// The kept answer for `id`, if one is kept and not expired; in the transaction when
-        /// there is one. A kept answer that cannot be read back is a decoding error.
+        /// there is one. A column of another type than kept there is a decoding error.
         #[allow(private_interfaces)]
         fn lookup(
             slot: &mut Slot<Self>,
@@ -145,13 +145,12 @@ macro_rules! backend {
                     None => query.fetch_optional(&slot.pool).await?,
                 };
                 row.map(|row| {
-                    Record::stored(
+                    Ok(Record::stored(
                         row.try_get("fingerprint")?,
                         row.try_get("status")?,
                         &row.try_get::<String, _>("headers")?,
                         row.try_get("body")?,
-                    )
-                    .map_err(|why| sqlx::Error::Decode(why.into()))
+                    ))
                 })
                 .transpose()
             }

@@ -475,9 +475,18 @@ where
 
     let transaction = RequestTransaction::new(slot, store.clone(), settings.retention);
     parts.extensions.insert(transaction.clone());
-    let response = inner
+    let response = match inner
         .call(Request::from_parts(parts, ReqBody::from(body)))
-        .await?;
+        .await
+    {
+        Ok(response) => response,
+        Err(error) => {
+            // The service failed without an answer: its work is undone and the key left free
+            // before the error goes up.
+            roll_back(&transaction).await;
+            return Err(error);
+        }
+    };
     let (mut head, body) = response.into_parts();
     let read = match read_up_to(Box::pin(body), settings.max_stored_body).await {
         Ok(read) => read,
@@ -561,7 +570,10 @@ pub(super) fn expiry(now: DateTime<Utc>, retention: Duration) -> DateTime<Utc> {
 /// The kept answer, or 422 when it was kept for another request.
 fn answer_kept(kept: Record, fingerprint: &str) -> Response<ResponseBody> {
     if constant_time_eq(kept.fingerprint.as_bytes(), fingerprint.as_bytes()) {
-        boxed(kept.replay::<Full<Bytes>>())
+        match kept.damaged {
+            Some(why) => kept_answer_unreadable(&why),
+            None => boxed(kept.replay::<Full<Bytes>>()),
+        }
     } else {
         problem(
             Problem::KeyReused,
@@ -589,21 +601,26 @@ async fn answer_kept_since<DB: Backend>(
     }
 }
 
-/// The store could not answer, or kept an answer that cannot be read back: that one is not
-/// retried (the request may have run) and not run again.
+/// The store could not answer, or kept an answer whose columns cannot be read back: that
+/// one is not retried as an outage (the request ran) and not run again.
 fn lookup_failed(error: &sqlx::Error) -> Response<ResponseBody> {
     if matches!(
         error,
         sqlx::Error::Decode(_) | sqlx::Error::ColumnDecode { .. }
     ) {
-        tracing::error!(%error, "the answer kept for an Idempotency-Key cannot be read back; it is left for an operator");
-        return problem(
-            Problem::KeptAnswerUnreadable,
-            "the answer kept for this Idempotency-Key cannot be read back; the request was not \
-             run again",
-        );
+        return kept_answer_unreadable(error);
     }
     unavailable(error)
+}
+
+/// 500 for an answer kept for this request that cannot be replayed, until it expires.
+fn kept_answer_unreadable(why: &dyn std::fmt::Display) -> Response<ResponseBody> {
+    tracing::error!(%why, "the answer kept for an Idempotency-Key cannot be read back; it is left for an operator");
+    problem(
+        Problem::KeptAnswerUnreadable,
+        "the answer kept for this Idempotency-Key cannot be read back; the request was not run \
+         again",
+    )
 }
 
 /// Rolls the request's transaction back: the endpoint's work is undone, the key left free.

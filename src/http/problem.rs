@@ -27,7 +27,8 @@ pub enum Problem {
     /// 503: the store could not be reached; nothing was done, retry with the same key.
     StoreUnavailable,
     /// 500: an answer is kept for the key but cannot be read back (its row was damaged); the
-    /// request is not run again, and retrying gets the same answer until an operator acts.
+    /// request is not run again, and retrying gets the same answer until an operator acts or
+    /// the kept answer expires.
     KeptAnswerUnreadable,
 }
 

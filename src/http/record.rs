@@ -44,6 +44,8 @@ pub struct Record {
     pub(crate) headers: Vec<(String, Vec<u8>)>,
     /// `None` when it was over the size limit and not kept.
     pub(crate) body: Option<Vec<u8>>,
+    /// Why it cannot be replayed, when its row holds a status or headers no response has.
+    pub(crate) damaged: Option<String>,
 }
 
 impl Record {
@@ -67,6 +69,7 @@ impl Record {
             status: status.as_u16(),
             headers,
             body: body.map(<[u8]>::to_vec),
+            damaged: None,
         }
     }
 
@@ -75,15 +78,36 @@ impl Record {
         serde_json::to_string(&self.headers).unwrap_or_else(|_| "[]".to_owned())
     }
 
-    /// A record read back from its columns; why not, for a status or headers no response can
-    /// have (a row written by hand, or damaged): replaying it would answer something the
-    /// endpoint never said.
+    /// A record read back from its columns. One whose status or headers no response can have
+    /// (a row written by hand, or damaged) says why in `damaged`: replaying it would answer
+    /// something the endpoint never said. Its fingerprint still tells a reused key apart.
     pub(crate) fn stored(
         fingerprint: String,
         status: i32,
         headers: &str,
         body: Option<Vec<u8>>,
-    ) -> Result<Self, String> {
+    ) -> Self {
+        match Self::readable(status, headers) {
+            Ok((status, headers)) => Self {
+                fingerprint,
+                status,
+                headers,
+                body,
+                damaged: None,
+            },
+            Err(why) => Self {
+                fingerprint,
+                status: 0,
+                headers: Vec::new(),
+                body: None,
+                damaged: Some(why),
+            },
+        }
+    }
+
+    /// The status and headers of a kept row, or why they are no response's.
+    #[allow(clippy::type_complexity)]
+    fn readable(status: i32, headers: &str) -> Result<(u16, Vec<(String, Vec<u8>)>), String> {
         let status = u16::try_from(status)
             .ok()
             .filter(|status| StatusCode::from_u16(*status).is_ok())
@@ -96,12 +120,7 @@ impl Record {
             HeaderValue::from_bytes(value)
                 .map_err(|_| format!("kept header {name:?} has a value no header can hold"))?;
         }
-        Ok(Self {
-            fingerprint,
-            status,
-            headers,
-            body,
-        })
+        Ok((status, headers))
     }
 
     /// The replay: the stored status, headers and body, marked as a replay.
@@ -188,8 +207,8 @@ mod tests {
             i32::from(record.status),
             &record.headers_json(),
             record.body.clone(),
-        )
-        .unwrap();
+        );
+        assert_eq!(record.damaged, None);
         let replay: Response<Bytes> = record.replay();
         assert_eq!(replay.status(), StatusCode::ACCEPTED);
         assert_eq!(replay.headers()["x-opaque"].as_bytes(), [0xfe, b'a']);
@@ -200,7 +219,9 @@ mod tests {
     #[test]
     fn a_kept_answer_no_response_can_have_is_refused_not_replayed() {
         let read = |status: i32, headers: &str| {
-            Record::stored(String::new(), status, headers, None).map(|_| ())
+            let record = Record::stored("fp".to_owned(), status, headers, None);
+            assert_eq!(record.fingerprint, "fp", "kept to tell a reused key apart");
+            record.damaged.map_or(Ok(()), Err)
         };
         assert_eq!(read(201, "[]"), Ok(()));
         for (status, headers) in [

@@ -427,6 +427,7 @@ impl Subscriber {
             .into(),
             body,
             why,
+            properties: Vec::new(),
         };
         match columns() {
             Ok(columns) => {

@@ -181,6 +181,8 @@ pub(crate) struct Unreadable {
     pub(crate) headers: BTreeMap<String, String>,
     pub(crate) body: Vec<u8>,
     pub(crate) why: String,
+    /// The transport's own properties (AMQP's `message_id`, `type`, …) by `property-` name.
+    pub(crate) properties: Vec<(&'static str, String)>,
 }
 
 impl Unreadable {
@@ -189,6 +191,17 @@ impl Unreadable {
     pub(crate) fn into_envelope(self, now: DateTime<Utc>) -> Envelope {
         let mut identity = Vec::with_capacity(self.body.len() + 64);
         for (name, value) in &self.headers {
+            identity.extend_from_slice(name.as_bytes());
+            identity.push(0);
+            identity.extend_from_slice(value.as_bytes());
+            identity.push(0);
+        }
+        // Apart from the headers, so a header that reads like a property cannot stand in
+        // for it: two messages told apart only by their properties keep a dead letter each.
+        if !self.properties.is_empty() {
+            identity.extend_from_slice(b"\0properties\0");
+        }
+        for (name, value) in &self.properties {
             identity.extend_from_slice(name.as_bytes());
             identity.push(0);
             identity.extend_from_slice(value.as_bytes());
@@ -208,7 +221,12 @@ impl Unreadable {
         let mut envelope = Envelope::new(message_type, self.body);
         envelope.id = Uuid::new_v5(&FOREIGN_IDS, &identity);
         envelope.correlation_id = None;
-        envelope.headers = self.headers;
+        let mut headers = self.headers;
+        // Shown beside the headers for an operator, where no header has the name already.
+        for (name, value) in self.properties {
+            headers.entry(name.to_owned()).or_insert(value);
+        }
+        envelope.headers = headers;
         envelope.sent_at = now;
         envelope
     }
@@ -236,38 +254,29 @@ pub(crate) fn decode(
             Ok(envelope)
         }
         Err(why) => Err(Unreadable {
-            headers: with_properties(headers, &fallback),
+            headers,
             body,
             why,
+            properties: properties(fallback),
         }),
     }
 }
 
-/// The headers of an unreadable message with the transport's own properties (AMQP's
-/// `message_id`, `type`, …) added under `property-` names: its dead letter then shows them,
-/// and two messages that differ only there keep a dead letter each.
-fn with_properties(
-    mut headers: BTreeMap<String, String>,
-    properties: &Fallback,
-) -> BTreeMap<String, String> {
-    let sent_at = properties.sent_at.map(|at| at.to_rfc3339());
-    let kept = [
-        ("property-message-id", properties.id.as_ref()),
-        ("property-type", properties.message_type.as_ref()),
+/// The transport's own properties (AMQP's `message_id`, `type`, …) an unreadable message
+/// came with, under `property-` names.
+fn properties(fallback: Fallback) -> Vec<(&'static str, String)> {
+    [
+        ("property-message-id", fallback.id),
+        ("property-type", fallback.message_type),
+        ("property-correlation-id", fallback.correlation_id),
         (
-            "property-correlation-id",
-            properties.correlation_id.as_ref(),
+            "property-timestamp",
+            fallback.sent_at.map(|at| at.to_rfc3339()),
         ),
-        ("property-timestamp", sent_at.as_ref()),
-    ];
-    for (name, value) in kept {
-        if let Some(value) = value {
-            headers
-                .entry(name.to_owned())
-                .or_insert_with(|| value.clone());
-        }
-    }
-    headers
+    ]
+    .into_iter()
+    .filter_map(|(name, value)| value.map(|value| (name, value)))
+    .collect()
 }
 
 struct Fields {
@@ -544,6 +553,28 @@ mod tests {
         assert_eq!(
             first.headers.get("property-message-id").map(String::as_str),
             Some("a")
+        );
+        // A header of the property's name stands in for neither its display nor its identity.
+        let posing = |id: &str| {
+            decode(
+                map(vec![("property-message-id".into(), "posing".into())]),
+                b"junk".to_vec(),
+                Fallback {
+                    id: Some(id.to_owned()),
+                    ..Fallback::default()
+                },
+            )
+            .unwrap_err()
+            .into_envelope(Utc::now())
+        };
+        assert_ne!(posing("a").id, posing("b").id);
+        assert_eq!(
+            posing("a")
+                .headers
+                .get("property-message-id")
+                .map(String::as_str),
+            Some("posing"),
+            "the header as it arrived"
         );
     }
 

@@ -1,10 +1,11 @@
-//! Every warning logged anywhere in a test binary, through one global subscriber (the engine
+//! Every warning (and error) logged anywhere in a test binary, through one global subscriber (the engine
 //! logs on its own threads, which a thread-local subscriber would not see).
 #![allow(dead_code, unreachable_pub)]
 
 use std::sync::{Mutex, OnceLock};
 
-/// Every warning logged anywhere in this test binary (the engine logs on its own threads).
+/// Every warning or error logged anywhere in this test binary (the engine logs on its own
+/// threads).
 pub fn warnings() -> &'static Mutex<Vec<String>> {
     static WARNINGS: OnceLock<Mutex<Vec<String>>> = OnceLock::new();
     WARNINGS.get_or_init(|| {
@@ -15,7 +16,8 @@ pub fn warnings() -> &'static Mutex<Vec<String>> {
                 event: &tracing::Event<'_>,
                 _: tracing_subscriber::layer::Context<'_, S>,
             ) {
-                if *event.metadata().level() != tracing::Level::WARN {
+                // Errors too: more severe than a warning, they are never left out.
+                if *event.metadata().level() > tracing::Level::WARN {
                     return;
                 }
                 struct Text(String);
