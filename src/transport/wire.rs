@@ -535,9 +535,10 @@ mod tests {
 
     #[test]
     fn an_unreadable_message_keeps_the_transports_properties_in_its_dead_letter() {
-        let with_id = |id: &str| {
+        // A message without a type, with `header`, that came with the property `id`.
+        let dead_letter = |header: (&str, &str), id: &str| {
             decode(
-                map(vec![("x".into(), "1".into())]),
+                map(vec![(header.0.into(), header.1.into())]),
                 b"junk".to_vec(),
                 Fallback {
                     id: Some(id.to_owned()),
@@ -547,6 +548,7 @@ mod tests {
             .unwrap_err()
             .into_envelope(Utc::now())
         };
+        let with_id = |id: &str| dead_letter(("x", "1"), id);
         let (first, second) = (with_id("a"), with_id("b"));
         assert_ne!(first.id, second.id, "two messages, two dead letters");
         assert_eq!(first.id, with_id("a").id, "one message, one dead letter");
@@ -555,18 +557,7 @@ mod tests {
             Some("a")
         );
         // A header of the property's name stands in for neither its display nor its identity.
-        let posing = |id: &str| {
-            decode(
-                map(vec![("property-message-id".into(), "posing".into())]),
-                b"junk".to_vec(),
-                Fallback {
-                    id: Some(id.to_owned()),
-                    ..Fallback::default()
-                },
-            )
-            .unwrap_err()
-            .into_envelope(Utc::now())
-        };
+        let posing = |id: &str| dead_letter(("property-message-id", "posing"), id);
         assert_ne!(posing("a").id, posing("b").id);
         assert_eq!(
             posing("a")
