@@ -518,6 +518,7 @@ fn read(message: &jetstream::Message) -> Received {
     }
     let fallback = Fallback {
         id: msg_id,
+        in_headers: true,
         ..Fallback::default()
     };
     wire::decode(headers, message.payload.to_vec(), fallback)

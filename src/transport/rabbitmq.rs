@@ -560,6 +560,7 @@ fn read(delivery: Delivery) -> Received {
             .timestamp()
             .and_then(|seconds| i64::try_from(seconds).ok())
             .and_then(|seconds| chrono::DateTime::from_timestamp(seconds, 0)),
+        in_headers: false,
     };
     wire::decode(headers, delivery.data, fallback)
 }

@@ -173,6 +173,9 @@ pub(crate) struct Fallback {
     pub(crate) message_type: Option<String>,
     pub(crate) correlation_id: Option<String>,
     pub(crate) sent_at: Option<DateTime<Utc>>,
+    /// Read from the message's own headers (JetStream's `Nats-Msg-Id`): an unreadable
+    /// message's dead letter keeps them already, and they are not added again.
+    pub(crate) in_headers: bool,
 }
 
 /// A message that could not be read as an envelope, as it arrived: it becomes a dead letter.
@@ -265,6 +268,9 @@ pub(crate) fn decode(
 /// The transport's own properties (AMQP's `message_id`, `type`, …) an unreadable message
 /// came with, under `property-` names.
 fn properties(fallback: Fallback) -> Vec<(&'static str, String)> {
+    if fallback.in_headers {
+        return Vec::new();
+    }
     [
         ("property-message-id", fallback.id),
         ("property-type", fallback.message_type),
@@ -548,6 +554,17 @@ mod tests {
             .unwrap_err()
             .into_envelope(Utc::now())
         };
+        let in_headers = decode(
+            map(vec![("Nats-Msg-Id".into(), "a".into())]),
+            b"junk".to_vec(),
+            Fallback {
+                id: Some("a".to_owned()),
+                in_headers: true,
+                ..Fallback::default()
+            },
+        )
+        .unwrap_err();
+        assert!(in_headers.properties.is_empty(), "kept once, as a header");
         let with_id = |id: &str| dead_letter(("x", "1"), id);
         let (first, second) = (with_id("a"), with_id("b"));
         assert_ne!(first.id, second.id, "two messages, two dead letters");
