@@ -91,6 +91,14 @@ async fn listening_node(store: &TestStore, transport: RabbitMq) -> (Runtime, See
     (runtime, seen)
 }
 
+/// Checks that `runtime` handled nothing (what it got was dead-lettered), stops it cleanly,
+/// and removes the test's broker objects.
+async fn none_handled_then_removed(runtime: Runtime, seen: &Seen, broker: Broker) {
+    assert!(seen.calls().is_empty());
+    assert!(runtime.shutdown().await.is_clean());
+    broker.remove().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn routed_messages_cross_a_classic_queue_once() {
     let broker = Broker::new().await;
@@ -438,9 +446,7 @@ async fn a_nul_in_a_type_or_deduplication_id_is_dead_lettered_in_postgresql_not_
         })
         .expect("the headers kept as they arrived");
     assert_eq!(typed.envelope.message_type.as_ref(), "unknown");
-    assert!(seen.calls().is_empty());
-    assert!(runtime.shutdown().await.is_clean());
-    broker.remove().await;
+    none_handled_then_removed(runtime, &seen, broker).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -478,9 +484,7 @@ async fn unreadable_messages_told_apart_only_by_their_amqp_message_id_keep_a_dea
     kept.sort_unstable();
     assert_eq!(kept, ids, "each keeps the id it arrived with");
     assert_ne!(letters[0].envelope.id, letters[1].envelope.id);
-    assert!(seen.calls().is_empty());
-    assert!(runtime.shutdown().await.is_clean());
-    broker.remove().await;
+    none_handled_then_removed(runtime, &seen, broker).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
