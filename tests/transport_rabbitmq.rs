@@ -91,6 +91,13 @@ async fn listening_node(store: &TestStore, transport: RabbitMq) -> (Runtime, See
     (runtime, seen)
 }
 
+/// This test's broker objects and a node of service `a` on `store` listening on them.
+async fn broker_and_node(store: &TestStore) -> (Broker, Runtime, Seen) {
+    let broker = Broker::new().await;
+    let (runtime, seen) = listening_node(store, broker.transport(&url())).await;
+    (broker, runtime, seen)
+}
+
 /// Checks that `runtime` handled nothing (what it got was dead-lettered), stops it cleanly,
 /// and removes the test's broker objects.
 async fn none_handled_then_removed(runtime: Runtime, seen: &Seen, broker: Broker) {
@@ -155,9 +162,8 @@ async fn a_foreign_service_reaches_the_handler_with_its_ids() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_redelivered_envelope_is_discarded_by_the_inbox() {
-    let broker = Broker::new().await;
     let store = TestStore::sqlite().await;
-    let (runtime, seen) = listening_node(&store, broker.transport(&url())).await;
+    let (broker, runtime, seen) = broker_and_node(&store).await;
     let id = Uuid::new_v4().to_string();
     let headers = [("message-id", id.as_str()), ("message-type", "tests.ping")];
     // What a relay that crashed between the broker's confirm and its mark sends again.
@@ -403,9 +409,8 @@ async fn an_envelope_no_queue_takes_yet_waits_in_the_outbox_and_holds_back_nothi
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_nul_in_a_type_or_deduplication_id_is_dead_lettered_in_postgresql_not_lost() {
-    let broker = Broker::new().await;
     let store = TestStore::postgres().await;
-    let (runtime, seen) = listening_node(&store, broker.transport(&url())).await;
+    let (broker, runtime, seen) = broker_and_node(&store).await;
     let id = Uuid::new_v4().to_string();
     broker
         .publish_raw(
@@ -451,9 +456,8 @@ async fn a_nul_in_a_type_or_deduplication_id_is_dead_lettered_in_postgresql_not_
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn unreadable_messages_told_apart_only_by_their_amqp_message_id_keep_a_dead_letter_each() {
-    let broker = Broker::new().await;
     let store = TestStore::sqlite().await;
-    let (runtime, seen) = listening_node(&store, broker.transport(&url())).await;
+    let (broker, runtime, seen) = broker_and_node(&store).await;
     // The same headers and body, no type anywhere: unreadable, and different messages.
     let ids = ["order-1", "order-2"];
     for id in ids {
@@ -489,9 +493,8 @@ async fn unreadable_messages_told_apart_only_by_their_amqp_message_id_keep_a_dea
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_binding_removed_under_the_service_is_made_again_and_its_message_goes_out() {
-    let broker = Broker::new().await;
     let store = TestStore::sqlite().await;
-    let (runtime, seen) = listening_node(&store, broker.transport(&url())).await;
+    let (broker, runtime, seen) = broker_and_node(&store).await;
     // The first publication connects the publisher, which binds the service's queue.
     runtime.publish(&Ping { n: 1 }).await.unwrap();
     seen.wait_for(1, WAIT).await;
