@@ -28,8 +28,8 @@
 //! times its run, the writes the system still holds (the last contender's, its own seed's) are
 //! flushed to the disk, so none is slowed by another's. `B2_ONLY=live,batched`
 //! runs some contenders (and the latency runs only when it lists `latency`);
-//! `B2_BACKEND=sqlite` or `postgres` runs one backend. Goal (issue 11): at least 0.6 of the
-//! batched loop.
+//! `B2_BACKEND=sqlite` or `postgres` runs one backend; `B2_VERBOSE=1` prints each run as it
+//! ends. Goal (issue 11): at least 0.6 of the batched loop.
 
 use std::time::{Duration, Instant};
 
@@ -766,8 +766,20 @@ async fn sqlite(deliveries: u64) -> Figures {
         );
         pool.close().await;
         figures.set(contender, rate(count, elapsed));
+        verbose("sqlite", contender, count, elapsed);
     }
     figures
+}
+
+/// With `B2_VERBOSE` set, each contender's run on standard error as it ends, to see the
+/// spread the medians hide.
+fn verbose(backend: &str, contender: &str, count: u64, elapsed: Duration) {
+    if std::env::var_os("B2_VERBOSE").is_some() {
+        eprintln!(
+            "{backend} {contender:<20} {count:>6} in {elapsed:>10.3?}: {:>7.0}/s",
+            rate(count, elapsed)
+        );
+    }
 }
 
 async fn postgres(deliveries: u64) -> Figures {
@@ -792,6 +804,7 @@ async fn postgres(deliveries: u64) -> Figures {
         pool.close().await;
         scratch.remove().await;
         figures.set(contender, rate(count, elapsed));
+        verbose("postgres", contender, count, elapsed);
     }
     figures
 }

@@ -182,20 +182,38 @@ impl HandlerTransactions for MessageContext {
 /// whose deliveries settle in another inbox — it is a connection of the runtime's own pool,
 /// at the store's own level.
 ///
-/// **On SQLite it holds the turn to write** until it is dropped and has finished what it was
-/// asked (the rollback of an sqlx transaction dropped unfinished on it; a `BEGIN` run by hand
-/// is the handler's to end): the runtime's own writes wait for it, so keep it short — no calls
-/// to other services while it is open. It borrows the handler's [`MessageContext`], and a copy
-/// of the context kept past its attempt opens none: a write after the attempt would come after
-/// the settle that makes it durable.
+/// **On SQLite it holds the turn to write** until it is dropped: the runtime's own writes wait
+/// for it, so keep it short — no calls to other services while it is open. What it leaves
+/// running when dropped (a statement whose future was dropped, the rollback of an sqlx
+/// transaction dropped unfinished) still ends before the runtime's next write, and before
+/// the next handler connection's first statement: that one is the same connection, its
+/// statements queued behind. A `BEGIN` run by hand is the handler's to end: left open, the
+/// next handler's statements would run inside it. It borrows the handler's
+/// [`MessageContext`], and a copy of the context kept past its attempt opens none: a write
+/// after the attempt would come after the settle that makes it durable.
 pub struct HandlerConnection<'a, DB: Backend> {
     /// `None` only once dropped.
     connection: Option<sqlx::pool::PoolConnection<DB>>,
-    /// SQLite's turn to write; released once the connection is done with what it was asked.
+    /// SQLite's turn to write; released once the connection is parked, or elsewhere done with
+    /// what it was asked.
     turn: Option<tokio::sync::OwnedSemaphorePermit>,
     /// Told when the connection opens and closes, where its commits wait for a later sync.
     unsynced: Option<Arc<crate::store::sql::Unsynced>>,
+    /// Where the connection waits with the turn for the next handler, on SQLite's handler
+    /// pool (see `store::sql::parking`); `None` where it goes back to its pool.
+    park: Option<Park<DB>>,
     _handler: std::marker::PhantomData<&'a MessageContext>,
+}
+
+/// Leaves a handler connection with the turn to write.
+type Park<DB> = Box<dyn FnOnce(sqlx::pool::PoolConnection<DB>) + Send + Sync>;
+
+/// The turn to write for a handler connection, the connection parked with it, and where to
+/// park the connection after use.
+struct ParkedTurn<DB: sqlx::Database> {
+    turn: Option<tokio::sync::OwnedSemaphorePermit>,
+    connection: Option<sqlx::pool::PoolConnection<DB>>,
+    park: Park<DB>,
 }
 
 /// How long a closing handler connection may take to finish what it was asked (a rollback
@@ -203,16 +221,29 @@ pub struct HandlerConnection<'a, DB: Backend> {
 const CLOSING: std::time::Duration = std::time::Duration::from_secs(5);
 
 impl<DB: Backend> Drop for HandlerConnection<'_, DB> {
-    /// Finishes what the connection was asked, then gives the turn. A transaction dropped
-    /// unfinished on it leaves its rollback pending until the connection's next use, holding
-    /// SQLite's lock meanwhile: a ping runs it (bounded by [`CLOSING`]) before the turn goes,
-    /// so the next writer never finds the lock taken. The ping is made after every use, not
-    /// only after a transaction: a statement whose future a cancelled handler dropped still
-    /// runs on sqlx's worker, and only a command queued behind it tells when it ended.
+    /// Gives the turn, and the connection with it to the next handler, on SQLite's handler
+    /// pool: what this handler left running on it (a statement a cancelled handler dropped,
+    /// the rollback of a transaction dropped unfinished) ends before anything the next one
+    /// asks, and a writer of the runtime's waits for it (`store::sql::parking`).
+    ///
+    /// Elsewhere, finishes what the connection was asked, then gives the turn: a ping, queued
+    /// behind that work (bounded by [`CLOSING`]), tells when it ended, so the next writer
+    /// never finds SQLite's lock taken.
     fn drop(&mut self) {
         let connection = self.connection.take();
         let turn = self.turn.take();
         let unsynced = self.unsynced.take();
+        if let Some(park) = self.park.take()
+            && let Some(connection) = connection
+        {
+            park(connection);
+            // What it committed comes before the next settle's sync, which waits for it.
+            if let Some(unsynced) = unsynced {
+                unsynced.closed();
+            }
+            drop(turn);
+            return;
+        }
         let Ok(runtime) = tokio::runtime::Handle::try_current() else {
             // No runtime to ping on (a handler always has one): gone as it is.
             if let Some(unsynced) = unsynced {
@@ -438,7 +469,7 @@ fn handling<'c, S: 'static>(
 }
 
 macro_rules! backend {
-    ($db:ty, $store:ty, $begin:expr) => {
+    ($db:ty, $store:ty, $begin:expr, parked = |$parked_store:ident| $parked:expr) => {
         impl sealed::Sealed for $db {}
 
         impl Backend for $db {
@@ -494,15 +525,25 @@ macro_rules! backend {
                 context: &MessageContext,
             ) -> Result<HandlerConnection<'_, Self>, Error> {
                 let (_, _, store) = handling::<$store>(context, stringify!($store))?;
-                let turn = store.write_turn().await?;
+                let $parked_store = store;
+                let (turn, parked, park) = match $parked {
+                    Some(parked) => (parked.turn, parked.connection, Some(parked.park)),
+                    None => (store.write_turn().await?, None, None),
+                };
                 // Checked with the turn held: the settle takes the turn after the attempt
                 // closed, so a copy of the context kept past its attempt can never write
                 // after the settle that makes it durable.
                 if !context.attempt_running() {
+                    if let (Some(park), Some(parked)) = (park, parked) {
+                        park(parked);
+                    }
                     return Err(dacapo_actors::Error::Detached.into());
                 }
                 let (pool, unsynced) = store.handler_pool();
-                let connection = pool.acquire().await.map_err(crate::store::sql::db_error)?;
+                let connection = match parked {
+                    Some(parked) => parked,
+                    None => pool.acquire().await.map_err(crate::store::sql::db_error)?,
+                };
                 let unsynced = unsynced.map(Arc::clone);
                 if let Some(unsynced) = &unsynced {
                     unsynced.opened();
@@ -511,6 +552,7 @@ macro_rules! backend {
                     connection: Some(connection),
                     turn,
                     unsynced,
+                    park,
                     _handler: std::marker::PhantomData,
                 })
             }
@@ -550,6 +592,21 @@ macro_rules! backend {
 }
 
 #[cfg(feature = "sqlite")]
-backend!(sqlx::Sqlite, crate::store::SqliteStore, "BEGIN IMMEDIATE");
+backend!(
+    sqlx::Sqlite,
+    crate::store::SqliteStore,
+    "BEGIN IMMEDIATE",
+    parked = |store| store.parked_handler_turn().await?.map(|parked| ParkedTurn {
+        turn: parked.turn,
+        connection: parked.connection,
+        park: Box::new(move |connection| parked.parking.park(connection)) as Park<Self>,
+    })
+);
+// No turn to write on PostgreSQL: a handler connection goes back to the pool.
 #[cfg(feature = "postgres")]
-backend!(sqlx::Postgres, crate::store::PostgresStore, "BEGIN");
+backend!(
+    sqlx::Postgres,
+    crate::store::PostgresStore,
+    "BEGIN",
+    parked = |_store| None::<ParkedTurn<Self>>
+);

@@ -430,12 +430,56 @@ impl Handler<MemberRemoved> for OutlastsItsTimeout {
     }
 }
 
-/// A handler cancelled mid-statement keeps its turn until the statement it left running has
-/// finished: with SQLite's busy timeout at zero, none of the runtime's next writes finds the
-/// database locked (one would fail at once), the retry runs, and the row is written once.
+/// A statement a cancelled handler left running ends before the runtime's next write: with
+/// SQLite's busy timeout at zero, none of the runtime's writes finds the database locked (one
+/// would fail at once), the retry runs, and the row is written once.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_handler_cancelled_mid_statement_keeps_its_turn_until_the_statement_ends() {
+async fn a_statement_a_cancelled_handler_left_running_ends_before_the_runtimes_next_write() {
     let builder = Runtime::builder().handler_timeout(Duration::from_millis(100));
     let ran = run_never_waiting(OutlastsItsTimeout, builder, 2).await;
     assert_eq!(ran, ((2, 2, 0), 2));
+}
+
+/// The first run to come opens a transaction on its handler connection, writes its row, and
+/// runs a query slow enough to outlast its own patience: it gives up after 100 ms, dropping
+/// the query while SQLite still runs it, the database's write lock held until the
+/// transaction's rollback, queued behind it, has run. Every other run writes its row at once.
+#[derive(Default)]
+struct GivesUpOnItsQuery {
+    slow_taken: std::sync::atomic::AtomicBool,
+}
+
+/// About a second of SQLite's time.
+const SLOW_QUERY: &str = "SELECT max(x) FROM (WITH RECURSIVE c(x) AS \
+    (SELECT 1 UNION ALL SELECT x + 1 FROM c WHERE x < 3000000) SELECT x FROM c)";
+
+impl Handler<MemberRemoved> for GivesUpOnItsQuery {
+    async fn handle(
+        &self,
+        event: &MemberRemoved,
+        ctx: &MessageContext,
+    ) -> Result<(), HandlerError> {
+        let id = ids::derive_or_random(ctx.message_id(), "tally");
+        let mut connection = ctx.connection::<sqlx::Sqlite>().await?;
+        let insert = sqlx::query(INSERT).bind(&id).bind(event.member_id as i64);
+        if self
+            .slow_taken
+            .swap(true, std::sync::atomic::Ordering::SeqCst)
+        {
+            insert.execute(&mut *connection).await?;
+            return Ok(());
+        }
+        let mut tx = sqlx::Connection::begin_with(&mut *connection, "BEGIN IMMEDIATE").await?;
+        insert.execute(&mut *tx).await?;
+        tokio::select! {
+            _ = sqlx::query(SLOW_QUERY).execute(&mut *tx) => Err("not given up".into()),
+            () = tokio::time::sleep(Duration::from_millis(100)) => Err("gave up on a slow query".into()),
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_next_handler_writes_behind_what_a_cancelled_handler_left_on_its_connection() {
+    let ran = run_never_waiting(GivesUpOnItsQuery::default(), Runtime::builder(), 4).await;
+    assert_eq!(ran, ((4, 1, 0), 4));
 }

@@ -10,6 +10,8 @@ mod dialect;
 mod group_commit;
 mod handler_pool;
 mod node_hold;
+#[cfg(feature = "sqlite")]
+mod parking;
 mod statements;
 mod store;
 
@@ -17,6 +19,8 @@ pub(crate) use columns::{EnvelopeColumns, id_text, millis};
 pub(crate) use database::{Database, Value, bind};
 pub use dialect::Dialect;
 pub(crate) use handler_pool::{HandlerPool, Unsynced};
+#[cfg(feature = "sqlite")]
+pub(crate) use parking::Parking;
 pub(crate) use statements::{COMPLETE_CLAIM, ENLIST, ENLIST_ONCE};
 pub use store::SqlStore;
 

@@ -110,8 +110,15 @@ pub(crate) struct Database {
 /// SQLite lets one connection write at a time, and one that finds the lock taken sleeps and
 /// polls (1 ms, then 2, 5, 10 … up to 100 ms between polls): the pool's own writes, queued
 /// here instead, start as soon as the one before them commits.
+///
+/// The handler connection that last had the turn is parked with it ([`super::parking`]): a
+/// writer of the runtime's waits for it to finish before it writes.
 #[derive(Clone, Debug)]
-struct Writer(std::sync::Arc<tokio::sync::Semaphore>);
+struct Writer {
+    turn: std::sync::Arc<tokio::sync::Semaphore>,
+    #[cfg(feature = "sqlite")]
+    parking: super::Parking,
+}
 
 /// How long a write waits for its turn before it fails (then, with its turn, it may still
 /// wait out SQLite's busy timeout behind a writer outside the runtime). The wait is on tokio's
@@ -121,13 +128,29 @@ const WRITER_WAIT: std::time::Duration = std::time::Duration::from_secs(30);
 impl Writer {
     #[cfg_attr(not(feature = "sqlite"), allow(dead_code))]
     fn new() -> Self {
-        Self(std::sync::Arc::new(tokio::sync::Semaphore::new(1)))
+        Self {
+            turn: std::sync::Arc::new(tokio::sync::Semaphore::new(1)),
+            #[cfg(feature = "sqlite")]
+            parking: super::Parking::default(),
+        }
     }
 
-    /// This writer's turn, once the writes before it ended.
+    /// This writer's turn, once the writes before it ended, the parked handler connection's
+    /// included.
     async fn turn(&self) -> Result<tokio::sync::OwnedSemaphorePermit, Error> {
-        match tokio::time::timeout(WRITER_WAIT, std::sync::Arc::clone(&self.0).acquire_owned())
-            .await
+        let turn = self.turn_alone().await?;
+        #[cfg(feature = "sqlite")]
+        self.parking.quiesce().await;
+        Ok(turn)
+    }
+
+    /// The turn, with whatever the parked handler connection may still be running.
+    async fn turn_alone(&self) -> Result<tokio::sync::OwnedSemaphorePermit, Error> {
+        match tokio::time::timeout(
+            WRITER_WAIT,
+            std::sync::Arc::clone(&self.turn).acquire_owned(),
+        )
+        .await
         {
             Ok(Ok(turn)) => Ok(turn),
             Ok(Err(_)) => Err(Error::store("the SQLite writer's queue is closed")),
@@ -349,6 +372,34 @@ impl Database {
             Some(writer) => writer.turn().await.map(Some),
             None => Ok(None),
         }
+    }
+
+    /// The turn to write for a handler connection, and the connection parked with it: the
+    /// handler's statements queue behind what the last handler left running on it. No turn
+    /// and no connection on PostgreSQL.
+    #[cfg(feature = "sqlite")]
+    pub(crate) async fn handler_turn(
+        &self,
+    ) -> Result<
+        (
+            Option<tokio::sync::OwnedSemaphorePermit>,
+            Option<sqlx::pool::PoolConnection<sqlx::Sqlite>>,
+        ),
+        Error,
+    > {
+        match &self.writer {
+            Some(writer) => {
+                let turn = writer.turn_alone().await?;
+                Ok((Some(turn), writer.parking.take()))
+            }
+            None => Ok((None, None)),
+        }
+    }
+
+    /// Where a handler connection is parked with the turn, on SQLite.
+    #[cfg(feature = "sqlite")]
+    pub(crate) fn parking(&self) -> Option<&super::Parking> {
+        self.writer.as_ref().map(|writer| &writer.parking)
     }
 
     /// How many times a statement is tried on connections whose session the server ended.

@@ -1,0 +1,275 @@
+//! The handler connection that last had SQLite's turn to write, kept with the turn instead
+//! of going back to its pool.
+//!
+//! A handler may leave work running on its connection when it gives the connection up: a
+//! statement whose future it dropped (a cancelled attempt), the rollback of a transaction it
+//! dropped unfinished. sqlx's worker runs a connection's commands in order, so a later command
+//! on the *same* connection starts only after that work ended. Parking the connection with
+//! the turn uses this: the next handler to hold the turn writes on it, queued behind what the
+//! last one left, and the turn passes from handler to handler at once. A writer of the
+//! runtime's own (the settle of a delivery, a claim, a handler transaction) writes on another
+//! connection: taking the turn, it first waits for the parked connection to finish
+//! ([`Parking::quiesce`]), one round trip for as many handler connections as came before it.
+//! So no writer of the runtime ever finds SQLite's lock taken by a handler, and a settle
+//! still commits (and syncs the log) after every handler write before it.
+
+use std::sync::{Arc, Mutex, PoisonError};
+use std::time::Duration;
+
+use sqlx::pool::PoolConnection;
+
+/// How long a writer waits for the parked connection to finish what it was asked before it
+/// writes anyway (then SQLite's busy timeout decides), and gives that connection up.
+const QUIESCE_WITHIN: Duration = Duration::from_secs(5);
+
+/// Where a handler connection waits with the turn; shared by everyone who takes the turn.
+#[derive(Clone, Debug, Default)]
+pub(crate) struct Parking(Arc<Slot>);
+
+#[derive(Debug, Default)]
+struct Slot(Mutex<Option<Parked>>);
+
+impl Drop for Slot {
+    /// A store can be dropped after the runtime that used it ended: sqlx gives a connection
+    /// back to its pool on a task, which needs a runtime. Without one, the connection is
+    /// closed instead.
+    fn drop(&mut self) {
+        let parked = self
+            .0
+            .get_mut()
+            .unwrap_or_else(PoisonError::into_inner)
+            .take();
+        if let Some(parked) = parked
+            && tokio::runtime::Handle::try_current().is_err()
+        {
+            drop(parked.connection.detach());
+        }
+    }
+}
+
+#[derive(Debug)]
+struct Parked {
+    connection: PoolConnection<sqlx::Sqlite>,
+    /// Nothing asked of it since it was last seen to finish.
+    quiet: bool,
+}
+
+impl Parking {
+    fn slot(&self) -> std::sync::MutexGuard<'_, Option<Parked>> {
+        self.0.0.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Leaves `connection` for the next holder of the turn. Call it with the turn held, before
+    /// giving the turn up.
+    pub(crate) fn park(&self, connection: PoolConnection<sqlx::Sqlite>) {
+        let earlier = self.slot().replace(Parked {
+            connection,
+            quiet: false,
+        });
+        // Only one connection holds the turn at a time, and it takes the parked one first:
+        // there is never a second. Were there one, it goes back to its pool (sqlx pings it
+        // there first).
+        drop(earlier);
+    }
+
+    /// The parked connection, for a handler that now holds the turn.
+    pub(crate) fn take(&self) -> Option<PoolConnection<sqlx::Sqlite>> {
+        self.slot().take().map(|parked| parked.connection)
+    }
+
+    /// Waits until the parked connection finished everything it was asked: call it with the
+    /// turn held, before writing on another connection. At most [`QUIESCE_WITHIN`]: a
+    /// connection still busy then is given up (back to its pool) and the write goes ahead.
+    ///
+    /// # Cancel safety
+    ///
+    /// Cancelled, the connection stays parked, still to wait for.
+    pub(crate) async fn quiesce(&self) {
+        let busy = {
+            let mut slot = self.slot();
+            match slot.as_ref() {
+                Some(parked) if !parked.quiet => slot.take(),
+                _ => None,
+            }
+        };
+        let Some(parked) = busy else {
+            return;
+        };
+        let mut waiting = Waiting {
+            parking: self,
+            parked: Some(parked),
+        };
+        let Some(parked) = waiting.parked.as_mut() else {
+            return;
+        };
+        let finished = tokio::time::timeout(
+            QUIESCE_WITHIN,
+            sqlx::Connection::ping(&mut *parked.connection),
+        )
+        .await;
+        match finished {
+            Ok(Ok(())) => parked.quiet = true,
+            Ok(Err(error)) => {
+                tracing::warn!(%error, "a handler connection failed; it is closed");
+                waiting.parked = None;
+            }
+            Err(_) => {
+                tracing::warn!(
+                    "a handler connection was still busy after {QUIESCE_WITHIN:?}; the runtime \
+                     writes without waiting further"
+                );
+                waiting.parked = None;
+            }
+        }
+    }
+}
+
+/// A parked connection taken out to wait for it: back in its place when the wait ends, or
+/// is cancelled.
+struct Waiting<'a> {
+    parking: &'a Parking,
+    parked: Option<Parked>,
+}
+
+impl Drop for Waiting<'_> {
+    fn drop(&mut self) {
+        if let Some(parked) = self.parked.take() {
+            *self.parking.slot() = Some(parked);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use sqlx::pool::PoolConnection;
+    use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePoolOptions};
+
+    use super::Parking;
+
+    /// About a second of SQLite's time before the row is written.
+    const SLOW_INSERT: &str = "INSERT INTO rows (n) SELECT max(x) FROM \
+        (WITH RECURSIVE c(x) AS (SELECT 1 UNION ALL SELECT x + 1 FROM c WHERE x < 3000000) \
+         SELECT x FROM c)";
+
+    /// A database file of its own, removed after, with a table to write to.
+    struct Database {
+        directory: std::path::PathBuf,
+        pool: sqlx::SqlitePool,
+    }
+
+    impl Database {
+        async fn new() -> Self {
+            let directory = std::env::temp_dir()
+                .join(format!("dacapo-parking-{}", uuid::Uuid::new_v4().simple()));
+            std::fs::create_dir_all(&directory).unwrap();
+            let options = SqliteConnectOptions::new()
+                .filename(directory.join("db.sqlite"))
+                .create_if_missing(true)
+                .journal_mode(SqliteJournalMode::Wal);
+            let pool = SqlitePoolOptions::new()
+                .max_connections(2)
+                .connect_with(options)
+                .await
+                .unwrap();
+            sqlx::query("CREATE TABLE rows (n INTEGER)")
+                .execute(&pool)
+                .await
+                .unwrap();
+            Self { directory, pool }
+        }
+
+        /// A connection on which a slow insert runs, its future dropped after it was sent:
+        /// what a cancelled handler leaves behind.
+        async fn left_running(&self) -> PoolConnection<sqlx::Sqlite> {
+            let mut connection = self.pool.acquire().await.unwrap();
+            {
+                let insert = sqlx::query(SLOW_INSERT).execute(&mut *connection);
+                futures::pin_mut!(insert);
+                assert!(futures::poll!(insert).is_pending(), "the insert is slow");
+            }
+            connection
+        }
+
+        async fn rows(&self) -> i64 {
+            sqlx::query_scalar("SELECT count(*) FROM rows")
+                .fetch_one(&self.pool)
+                .await
+                .unwrap()
+        }
+    }
+
+    impl Drop for Database {
+        fn drop(&mut self) {
+            let _ = std::fs::remove_dir_all(&self.directory);
+        }
+    }
+
+    #[tokio::test]
+    async fn a_writer_waits_for_what_the_parked_connection_left_running() {
+        let db = Database::new().await;
+        let parking = Parking::default();
+        parking.park(db.left_running().await);
+        parking.quiesce().await;
+        assert_eq!(
+            db.rows().await,
+            1,
+            "the insert ended before the writer's turn"
+        );
+        assert!(
+            parking.take().is_some(),
+            "still parked for the next handler"
+        );
+    }
+
+    #[tokio::test]
+    async fn a_parked_connection_still_busy_after_the_bound_is_given_up() {
+        let db = Database::new().await;
+        let parking = Parking::default();
+        parking.park(db.left_running().await);
+        // Paused, the clock jumps to the bound as soon as nothing else is left to run.
+        tokio::time::pause();
+        let started = tokio::time::Instant::now();
+        parking.quiesce().await;
+        assert!(
+            started.elapsed() >= super::QUIESCE_WITHIN,
+            "waited to the bound"
+        );
+        assert!(parking.take().is_none(), "given up, not left with the turn");
+    }
+
+    #[test]
+    fn a_connection_parked_when_its_runtime_ends_is_closed_without_one() {
+        let (parking, pool) = {
+            let runtime = tokio::runtime::Runtime::new().unwrap();
+            runtime.block_on(async {
+                let db = Database::new().await;
+                let parking = Parking::default();
+                parking.park(db.pool.acquire().await.unwrap());
+                (parking, db.pool.clone())
+            })
+        };
+        let open = pool.size();
+        // Dropped with no runtime to give the connection back to its pool on.
+        drop(parking);
+        assert_eq!(pool.size(), open - 1, "the connection was closed");
+    }
+
+    #[tokio::test]
+    async fn a_cancelled_wait_leaves_the_connection_parked_and_still_to_wait_for() {
+        let db = Database::new().await;
+        let parking = Parking::default();
+        parking.park(db.left_running().await);
+        {
+            let quiesce = parking.quiesce();
+            futures::pin_mut!(quiesce);
+            assert!(futures::poll!(quiesce).is_pending());
+        }
+        tokio::time::timeout(Duration::from_secs(30), parking.quiesce())
+            .await
+            .expect("the insert ends");
+        assert_eq!(db.rows().await, 1, "the second wait waited for the insert");
+        assert!(parking.take().is_some());
+    }
+}
