@@ -6,6 +6,8 @@
 
 #[path = "support/messages.rs"]
 mod support;
+#[path = "support/child.rs"]
+mod support_child;
 #[path = "support/stores.rs"]
 mod support_stores;
 #[path = "support/warnings.rs"]
@@ -482,4 +484,100 @@ impl Handler<MemberRemoved> for GivesUpOnItsQuery {
 async fn the_next_handler_writes_behind_what_a_cancelled_handler_left_on_its_connection() {
     let ran = run_never_waiting(GivesUpOnItsQuery::default(), Runtime::builder(), 4).await;
     assert_eq!(ran, ((4, 1, 0), 4));
+}
+
+/// What the killed node is told, through its environment: its SQLite file.
+const KILLED: &str = "DACAPO_HANDLER_CONNECTIONS_KILL_TEST";
+
+/// The messages the killed node publishes, and the name it and its successor share.
+const KILLED_MESSAGES: u64 = 3000;
+const KILLED_NODE: &str = "tally-1";
+
+/// A node on the SQLite file at `path` whose handler tallies on a handler connection, and
+/// the application's pool.
+async fn tallying_node(path: &str) -> (Runtime, sqlx::SqlitePool) {
+    let store = dacapo::store::SqliteStore::open(path)
+        .await
+        .unwrap()
+        .node_id(KILLED_NODE);
+    let pool = store.pool().clone();
+    sqlx::query(TABLE).execute(&pool).await.unwrap();
+    let runtime = Runtime::builder()
+        .store(store)
+        .module(
+            Module::new("billing")
+                .handle_named::<MemberRemoved, _>("tally", Tally::new(Backend::Sqlite, false)),
+        )
+        .build()
+        .unwrap();
+    (runtime, pool)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "the node the kill test starts and kills itself"]
+async fn tallying_node_to_kill() {
+    let path = std::env::var(KILLED).expect("run by the kill test");
+    let (runtime, _pool) = tallying_node(&path).await;
+    runtime
+        .publish_batch(&members(KILLED_MESSAGES))
+        .await
+        .unwrap();
+    println!("published");
+    std::future::pending::<()>().await;
+}
+
+/// A node killed (`kill -9`) while its handlers write on parked handler connections: the
+/// node restarted under its name handles the rest, and every message has its row once, every
+/// delivery settled.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_node_killed_while_its_handlers_write_loses_no_row_and_writes_none_twice() {
+    let db = support_stores::TestDatabase::new(Backend::Sqlite).await;
+    let mut child = support_child::spawn(
+        "tallying_node_to_kill",
+        (KILLED, &db.url),
+        "published",
+        WAIT,
+    );
+    let pool = sqlx::SqlitePool::connect(&db.url).await.unwrap();
+    let rows = async || -> i64 {
+        sqlx::query_scalar("SELECT count(*) FROM tallies")
+            .fetch_one(&pool)
+            .await
+            .unwrap()
+    };
+    let deadline = tokio::time::Instant::now() + WAIT;
+    while rows().await < 10 {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the node handles within {WAIT:?}"
+        );
+        tokio::task::yield_now().await;
+    }
+    child.kill().unwrap();
+    child.wait().unwrap();
+    let before = rows().await;
+    pool.close().await;
+
+    let (runtime, pool) = tallying_node(&db.url).await;
+    tokio::time::timeout(WAIT, runtime.first_recovery())
+        .await
+        .unwrap();
+    let ((handled, retried, dead_lettered), rows) = settled(runtime, &pool).await;
+    let unsettled: i64 =
+        sqlx::query_scalar("SELECT count(*) FROM dacapo_inbox WHERE status <> 'handled'")
+            .fetch_one(&pool)
+            .await
+            .unwrap();
+    eprintln!("{before} rows before the kill, {handled} deliveries handled after it");
+    assert_eq!(rows, KILLED_MESSAGES as i64, "each message's row, once");
+    assert_eq!(unsettled, 0, "every delivery settled");
+    // Those whose rows were written but whose settle was not run again, and find their rows.
+    let missing = (KILLED_MESSAGES as i64 - before) as u64;
+    assert!(
+        (missing..=KILLED_MESSAGES).contains(&handled),
+        "{handled} handled after the kill, {missing} rows missing"
+    );
+    // An attempt the kill cut short counts as failed: each resumed delivery runs again once.
+    assert!(retried <= handled, "{retried} retried");
+    assert_eq!(dead_lettered, 0);
 }
