@@ -185,12 +185,15 @@ impl HandlerTransactions for MessageContext {
 /// **On SQLite it holds the turn to write** until it is dropped: the runtime's own writes wait
 /// for it, so keep it short — no calls to other services while it is open. What it leaves
 /// running when dropped (a statement whose future was dropped, the rollback of an sqlx
-/// transaction dropped unfinished) still ends before the runtime's next write, and before
-/// the next handler connection's first statement: that one is the same connection, its
-/// statements queued behind. A `BEGIN` run by hand is the handler's to end: left open, the
-/// next handler's statements would run inside it. It borrows the handler's
-/// [`MessageContext`], and a copy of the context kept past its attempt opens none: a write
-/// after the attempt would come after the settle that makes it durable.
+/// transaction dropped unfinished) ends before the next handler connection's first
+/// statement — that one is the same connection, its statements queued behind — and before
+/// the runtime's next write, which waits up to 5 s for it and then writes anyway (SQLite's
+/// busy timeout then decides); a rollback is waited for, as long, before the next handler
+/// gets the connection. A `BEGIN` run by hand is the handler's to end: left open, it keeps
+/// SQLite's lock, the next handlers' statements run inside it, and the runtime's writes fail
+/// (busy) until the process restarts. It borrows the handler's [`MessageContext`], and a
+/// copy of the context kept past its attempt opens none: a write after the attempt would
+/// come after the settle that makes it durable.
 pub struct HandlerConnection<'a, DB: Backend> {
     /// `None` only once dropped.
     connection: Option<sqlx::pool::PoolConnection<DB>>,
@@ -212,7 +215,8 @@ type Park<DB> = Box<dyn FnOnce(sqlx::pool::PoolConnection<DB>) + Send + Sync>;
 /// park the connection after use.
 struct ParkedTurn<DB: sqlx::Database> {
     turn: Option<tokio::sync::OwnedSemaphorePermit>,
-    connection: Option<sqlx::pool::PoolConnection<DB>>,
+    /// The parked connection, and whether it still counts as an open handler connection.
+    connection: Option<(sqlx::pool::PoolConnection<DB>, bool)>,
     park: Park<DB>,
 }
 
@@ -236,12 +240,10 @@ impl<DB: Backend> Drop for HandlerConnection<'_, DB> {
         if let Some(park) = self.park.take()
             && let Some(connection) = connection
         {
+            // It counts as an open handler connection until a writer sees it finish: what it
+            // may still commit comes before the next sync, the settle's or the relay's.
             park(connection);
-            // What it committed comes before the next settle's sync, which waits for it.
-            if let Some(unsynced) = unsynced {
-                unsynced.closed();
-            }
-            drop(turn);
+            drop((unsynced, turn));
             return;
         }
         let Ok(runtime) = tokio::runtime::Handle::try_current() else {
@@ -530,31 +532,34 @@ macro_rules! backend {
                     Some(parked) => (parked.turn, parked.connection, Some(parked.park)),
                     None => (store.write_turn().await?, None, None),
                 };
-                // Checked with the turn held: the settle takes the turn after the attempt
-                // closed, so a copy of the context kept past its attempt can never write
-                // after the settle that makes it durable.
-                if !context.attempt_running() {
-                    if let (Some(park), Some(parked)) = (park, parked) {
-                        park(parked);
-                    }
-                    return Err(dacapo_actors::Error::Detached.into());
-                }
                 let (pool, unsynced) = store.handler_pool();
-                let connection = match parked {
-                    Some(parked) => parked,
-                    None => pool.acquire().await.map_err(crate::store::sql::db_error)?,
-                };
                 let unsynced = unsynced.map(Arc::clone);
-                if let Some(unsynced) = &unsynced {
+                let (connection, counted) = match parked {
+                    Some(parked) => parked,
+                    None => (
+                        pool.acquire().await.map_err(crate::store::sql::db_error)?,
+                        false,
+                    ),
+                };
+                // A parked connection not yet seen to finish is counted open already.
+                if let Some(unsynced) = unsynced.as_ref().filter(|_| !counted) {
                     unsynced.opened();
                 }
-                Ok(HandlerConnection {
+                let connection = HandlerConnection {
                     connection: Some(connection),
                     turn,
                     unsynced,
                     park,
                     _handler: std::marker::PhantomData,
-                })
+                };
+                // Checked with the turn held: the settle takes the turn after the attempt
+                // closed, so a copy of the context kept past its attempt can never write
+                // after the settle that makes it durable. Dropped, the connection is parked
+                // again (or goes back to its pool).
+                if !context.attempt_running() {
+                    return Err(dacapo_actors::Error::Detached.into());
+                }
+                Ok(connection)
             }
 
             async fn finish(transaction: &mut HandlerTransaction<Self>) -> Result<(), Error> {
@@ -596,11 +601,17 @@ backend!(
     sqlx::Sqlite,
     crate::store::SqliteStore,
     "BEGIN IMMEDIATE",
-    parked = |store| store.parked_handler_turn().await?.map(|parked| ParkedTurn {
-        turn: parked.turn,
-        connection: parked.connection,
-        park: Box::new(move |connection| parked.parking.park(connection)) as Park<Self>,
-    })
+    parked = |store| {
+        let unsynced = store.handler_pool().1.cloned();
+        store.parked_handler_turn().await?.map(|parked| ParkedTurn {
+            turn: parked.turn,
+            connection: parked
+                .connection
+                .map(|taken| (taken.connection, taken.counted)),
+            park: Box::new(move |connection| parked.parking.park(connection, unsynced))
+                as Park<Self>,
+        })
+    }
 );
 // No turn to write on PostgreSQL: a handler connection goes back to the pool.
 #[cfg(feature = "postgres")]

@@ -362,9 +362,10 @@ impl Handler<MemberRemoved> for GivesUpMidTransaction {
     }
 }
 
-/// A connection goes back to its pool — the rollback left pending on it run — before its turn
-/// goes to the next writer: with SQLite's busy timeout at zero, no runtime write finds the
-/// database locked after forty handlers gave up mid-transaction, and each wrote its row once.
+/// The rollback a handler left pending on its connection when it gave up mid-transaction runs
+/// before the next writer writes: with SQLite's busy timeout at zero, no write — the
+/// runtime's or the next handler's — finds the database locked after forty handlers gave up
+/// mid-transaction, and each wrote its row once.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_connection_left_mid_transaction_is_rolled_back_before_the_next_writer_goes() {
     let ran = run_never_waiting(GivesUpMidTransaction, Runtime::builder(), 40).await;
@@ -493,15 +494,22 @@ const KILLED: &str = "DACAPO_HANDLER_CONNECTIONS_KILL_TEST";
 const KILLED_MESSAGES: u64 = 3000;
 const KILLED_NODE: &str = "tally-1";
 
-/// A node on the SQLite file at `path` whose handler tallies on a handler connection, and
-/// the application's pool.
-async fn tallying_node(path: &str) -> (Runtime, sqlx::SqlitePool) {
+/// The application's pool and the store of the node on the SQLite file at `path`, its table
+/// created.
+async fn tallying_node_store(path: &str) -> (sqlx::SqlitePool, dacapo::store::SqliteStore) {
     let store = dacapo::store::SqliteStore::open(path)
         .await
         .unwrap()
         .node_id(KILLED_NODE);
     let pool = store.pool().clone();
     sqlx::query(TABLE).execute(&pool).await.unwrap();
+    (pool, store)
+}
+
+/// A node on the SQLite file at `path` whose handler tallies on a handler connection, and
+/// the application's pool.
+async fn tallying_node(path: &str) -> (Runtime, sqlx::SqlitePool) {
+    let (pool, store) = tallying_node_store(path).await;
     let runtime = Runtime::builder()
         .store(store)
         .module(
@@ -518,12 +526,17 @@ async fn tallying_node(path: &str) -> (Runtime, sqlx::SqlitePool) {
 async fn tallying_node_to_kill() {
     let path = std::env::var(KILLED).expect("run by the kill test");
     let (runtime, _pool) = tallying_node(&path).await;
+    // Told first: the batch commits as one, then waits for the engine's capacity as its
+    // deliveries are handled, so most would be handled before it returns.
+    println!("publishing");
     runtime
         .publish_batch(&members(KILLED_MESSAGES))
         .await
         .unwrap();
-    println!("published");
-    std::future::pending::<()>().await;
+    // Until it is killed, or its parent ends however it ends (its standard input closes).
+    tokio::task::spawn_blocking(|| std::io::stdin().lines().count())
+        .await
+        .unwrap();
 }
 
 /// A node killed (`kill -9`) while its handlers write on parked handler connections: the
@@ -532,13 +545,15 @@ async fn tallying_node_to_kill() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_node_killed_while_its_handlers_write_loses_no_row_and_writes_none_twice() {
     let db = support_stores::TestDatabase::new(Backend::Sqlite).await;
+    // Opened first, so that counting rows later waits for nothing.
+    let (_, store) = tallying_node_store(&db.url).await;
+    let pool = store.pool().clone();
     let mut child = support_child::spawn(
         "tallying_node_to_kill",
         (KILLED, &db.url),
-        "published",
+        "publishing",
         WAIT,
     );
-    let pool = sqlx::SqlitePool::connect(&db.url).await.unwrap();
     let rows = async || -> i64 {
         sqlx::query_scalar("SELECT count(*) FROM tallies")
             .fetch_one(&pool)
@@ -546,12 +561,13 @@ async fn a_node_killed_while_its_handlers_write_loses_no_row_and_writes_none_twi
             .unwrap()
     };
     let deadline = tokio::time::Instant::now() + WAIT;
-    while rows().await < 10 {
+    // Killed about a third of the way, at whatever point its handlers and settles are then.
+    while rows().await < KILLED_MESSAGES as i64 / 3 {
         assert!(
             tokio::time::Instant::now() < deadline,
             "the node handles within {WAIT:?}"
         );
-        tokio::task::yield_now().await;
+        tokio::time::sleep(Duration::from_millis(2)).await;
     }
     child.kill().unwrap();
     child.wait().unwrap();

@@ -20,7 +20,7 @@ pub(crate) use database::{Database, Value, bind};
 pub use dialect::Dialect;
 pub(crate) use handler_pool::{HandlerPool, Unsynced};
 #[cfg(feature = "sqlite")]
-pub(crate) use parking::Parking;
+pub(crate) use parking::{Parking, Taken};
 pub(crate) use statements::{COMPLETE_CLAIM, ENLIST, ENLIST_ONCE};
 pub use store::SqlStore;
 

@@ -383,14 +383,14 @@ impl Database {
     ) -> Result<
         (
             Option<tokio::sync::OwnedSemaphorePermit>,
-            Option<sqlx::pool::PoolConnection<sqlx::Sqlite>>,
+            Option<super::Taken>,
         ),
         Error,
     > {
         match &self.writer {
             Some(writer) => {
                 let turn = writer.turn_alone().await?;
-                Ok((Some(turn), writer.parking.take()))
+                Ok((Some(turn), writer.parking.take().await))
             }
             None => Ok((None, None)),
         }

@@ -94,7 +94,7 @@ impl Unsynced {
     }
 
     /// Whether the log needs a sync now; clears the mark a sync is about to honour.
-    fn take(&self) -> bool {
+    pub(super) fn take(&self) -> bool {
         let dirty = self.dirty.swap(false, Ordering::SeqCst);
         dirty || self.open.load(Ordering::SeqCst) > 0
     }

@@ -10,13 +10,20 @@
 //! runtime's own (the settle of a delivery, a claim, a handler transaction) writes on another
 //! connection: taking the turn, it first waits for the parked connection to finish
 //! ([`Parking::quiesce`]), one round trip for as many handler connections as came before it.
-//! So no writer of the runtime ever finds SQLite's lock taken by a handler, and a settle
-//! still commits (and syncs the log) after every handler write before it.
+//! So no writer of the runtime finds SQLite's lock taken by a handler, and a settle still
+//! commits (and syncs the log) after every handler write before it — unless the parked
+//! connection is still busy after [`QUIESCE_WITHIN`], when the writer goes ahead anyway.
+//!
+//! Until a writer has seen it finish, a parked connection still counts as an open handler
+//! connection for the log's sync ([`Unsynced`]): what it may still commit is synced by the
+//! next sync, the outbox relay's included.
 
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
 use sqlx::pool::PoolConnection;
+
+use super::Unsynced;
 
 /// How long a writer waits for the parked connection to finish what it was asked before it
 /// writes anyway (then SQLite's busy timeout decides), and gives that connection up.
@@ -30,19 +37,14 @@ pub(crate) struct Parking(Arc<Slot>);
 struct Slot(Mutex<Option<Parked>>);
 
 impl Drop for Slot {
-    /// A store can be dropped after the runtime that used it ended: sqlx gives a connection
-    /// back to its pool on a task, which needs a runtime. Without one, the connection is
-    /// closed instead.
     fn drop(&mut self) {
         let parked = self
             .0
             .get_mut()
             .unwrap_or_else(PoisonError::into_inner)
             .take();
-        if let Some(parked) = parked
-            && tokio::runtime::Handle::try_current().is_err()
-        {
-            drop(parked.connection.detach());
+        if let Some(parked) = parked {
+            parked.let_go();
         }
     }
 }
@@ -52,6 +54,47 @@ struct Parked {
     connection: PoolConnection<sqlx::Sqlite>,
     /// Nothing asked of it since it was last seen to finish.
     quiet: bool,
+    /// Where it counts as an open handler connection, for as long as it is not quiet.
+    unsynced: Option<Arc<Unsynced>>,
+}
+
+impl Parked {
+    /// No longer counted as open: it was seen to finish, or failed.
+    fn finished(&mut self) {
+        if !self.quiet {
+            self.quiet = true;
+            if let Some(unsynced) = &self.unsynced {
+                unsynced.closed();
+            }
+        }
+    }
+
+    /// Gives the connection up: back to its pool once it finished (it stays counted as open
+    /// until then), or closed when there is no runtime to give it back on — a store can be
+    /// dropped after the runtime that used it ended, and sqlx gives a connection back on a
+    /// task.
+    fn let_go(mut self) {
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            self.finished();
+            drop(self.connection.detach());
+            return;
+        };
+        if self.quiet {
+            return;
+        }
+        runtime.spawn(async move {
+            let _ = sqlx::Connection::ping(&mut *self.connection).await;
+            self.finished();
+        });
+    }
+}
+
+/// A parked connection, taken by the handler that now holds the turn.
+#[derive(Debug)]
+pub(crate) struct Taken {
+    pub(crate) connection: PoolConnection<sqlx::Sqlite>,
+    /// It still counts as an open handler connection: the handler takes that count over.
+    pub(crate) counted: bool,
 }
 
 impl Parking {
@@ -59,27 +102,51 @@ impl Parking {
         self.0.0.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
-    /// Leaves `connection` for the next holder of the turn. Call it with the turn held, before
-    /// giving the turn up.
-    pub(crate) fn park(&self, connection: PoolConnection<sqlx::Sqlite>) {
+    /// Leaves `connection` for the next holder of the turn, with the count of an open handler
+    /// connection it holds in `unsynced`. Call it with the turn held, before giving the turn
+    /// up.
+    pub(crate) fn park(
+        &self,
+        connection: PoolConnection<sqlx::Sqlite>,
+        unsynced: Option<Arc<Unsynced>>,
+    ) {
         let earlier = self.slot().replace(Parked {
             connection,
             quiet: false,
+            unsynced,
         });
         // Only one connection holds the turn at a time, and it takes the parked one first:
-        // there is never a second. Were there one, it goes back to its pool (sqlx pings it
-        // there first).
-        drop(earlier);
+        // there is never a second.
+        if let Some(earlier) = earlier {
+            earlier.let_go();
+        }
     }
 
-    /// The parked connection, for a handler that now holds the turn.
-    pub(crate) fn take(&self) -> Option<PoolConnection<sqlx::Sqlite>> {
-        self.slot().take().map(|parked| parked.connection)
+    /// The parked connection, for a handler that now holds the turn. One left with a
+    /// transaction's rollback still to run is waited for first, as a writer of the runtime's
+    /// does ([`quiesce`](Self::quiesce)): the handler would otherwise hold the turn behind it
+    /// without a bound.
+    ///
+    /// # Cancel safety
+    ///
+    /// Cancelled, the connection stays parked.
+    pub(crate) async fn take(&self) -> Option<Taken> {
+        let rolling_back = self.slot().as_ref().is_some_and(|parked| {
+            !parked.quiet && sqlx::Connection::is_in_transaction(&*parked.connection)
+        });
+        if rolling_back {
+            self.quiesce().await;
+        }
+        self.slot().take().map(|parked| Taken {
+            counted: !parked.quiet,
+            connection: parked.connection,
+        })
     }
 
     /// Waits until the parked connection finished everything it was asked: call it with the
     /// turn held, before writing on another connection. At most [`QUIESCE_WITHIN`]: a
-    /// connection still busy then is given up (back to its pool) and the write goes ahead.
+    /// connection still busy then is given up (back to its pool once it finishes) and the
+    /// write goes ahead.
     ///
     /// # Cancel safety
     ///
@@ -108,9 +175,10 @@ impl Parking {
         )
         .await;
         match finished {
-            Ok(Ok(())) => parked.quiet = true,
+            Ok(Ok(())) => parked.finished(),
             Ok(Err(error)) => {
                 tracing::warn!(%error, "a handler connection failed; it is closed");
+                parked.finished();
                 waiting.parked = None;
             }
             Err(_) => {
@@ -118,7 +186,9 @@ impl Parking {
                     "a handler connection was still busy after {QUIESCE_WITHIN:?}; the runtime \
                      writes without waiting further"
                 );
-                waiting.parked = None;
+                if let Some(parked) = waiting.parked.take() {
+                    parked.let_go();
+                }
             }
         }
     }
@@ -146,12 +216,19 @@ mod tests {
     use sqlx::pool::PoolConnection;
     use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePoolOptions};
 
-    use super::Parking;
+    use std::sync::Arc;
 
-    /// About a second of SQLite's time before the row is written.
+    use super::{Parking, Unsynced};
+
+    /// A quarter of a second of SQLite's time (unoptimized), far within the writer's bound,
+    /// before the row is written.
     const SLOW_INSERT: &str = "INSERT INTO rows (n) SELECT max(x) FROM \
-        (WITH RECURSIVE c(x) AS (SELECT 1 UNION ALL SELECT x + 1 FROM c WHERE x < 3000000) \
+        (WITH RECURSIVE c(x) AS (SELECT 1 UNION ALL SELECT x + 1 FROM c WHERE x < 1000000) \
          SELECT x FROM c)";
+
+    /// As long, writing nothing.
+    const SLOW_QUERY: &str = "SELECT max(x) FROM (WITH RECURSIVE c(x) AS \
+        (SELECT 1 UNION ALL SELECT x + 1 FROM c WHERE x < 1000000) SELECT x FROM c)";
 
     /// A database file of its own, removed after, with a table to write to.
     struct Database {
@@ -210,7 +287,7 @@ mod tests {
     async fn a_writer_waits_for_what_the_parked_connection_left_running() {
         let db = Database::new().await;
         let parking = Parking::default();
-        parking.park(db.left_running().await);
+        parking.park(db.left_running().await, None);
         parking.quiesce().await;
         assert_eq!(
             db.rows().await,
@@ -218,16 +295,63 @@ mod tests {
             "the insert ended before the writer's turn"
         );
         assert!(
-            parking.take().is_some(),
+            parking.take().await.is_some(),
             "still parked for the next handler"
         );
+    }
+
+    #[tokio::test]
+    async fn a_parked_connection_counts_as_open_until_a_writer_sees_it_finish() {
+        let db = Database::new().await;
+        let parking = Parking::default();
+        let unsynced = Arc::new(Unsynced::default());
+        unsynced.opened();
+        parking.park(db.left_running().await, Some(Arc::clone(&unsynced)));
+        assert!(unsynced.take());
+        assert!(
+            unsynced.take(),
+            "a sync now would miss what the insert still commits"
+        );
+        parking.quiesce().await;
+        assert!(unsynced.take(), "what it committed since the last sync");
+        assert!(!unsynced.take(), "seen to finish, it no longer counts");
+        let taken = parking.take().await.expect("still parked");
+        assert!(!taken.counted, "the next handler counts itself open");
+    }
+
+    #[tokio::test]
+    async fn a_connection_left_rolling_back_is_waited_for_before_a_handler_takes_it() {
+        let db = Database::new().await;
+        let mut connection = db.pool.acquire().await.unwrap();
+        {
+            let mut tx = sqlx::Connection::begin_with(&mut *connection, "BEGIN IMMEDIATE")
+                .await
+                .unwrap();
+            sqlx::query("INSERT INTO rows (n) VALUES (1)")
+                .execute(&mut *tx)
+                .await
+                .unwrap();
+            let slow = sqlx::query(SLOW_QUERY).execute(&mut *tx);
+            futures::pin_mut!(slow);
+            assert!(futures::poll!(slow).is_pending(), "the query is slow");
+        }
+        let parking = Parking::default();
+        parking.park(connection, None);
+        let taken = parking.take().await.expect("parked");
+        assert!(
+            !sqlx::Connection::is_in_transaction(&*taken.connection),
+            "the rollback ran before the handler got the connection"
+        );
+        assert!(!taken.counted);
+        drop(taken);
+        assert_eq!(db.rows().await, 0, "rolled back");
     }
 
     #[tokio::test]
     async fn a_parked_connection_still_busy_after_the_bound_is_given_up() {
         let db = Database::new().await;
         let parking = Parking::default();
-        parking.park(db.left_running().await);
+        parking.park(db.left_running().await, None);
         // Paused, the clock jumps to the bound as soon as nothing else is left to run.
         tokio::time::pause();
         let started = tokio::time::Instant::now();
@@ -236,7 +360,10 @@ mod tests {
             started.elapsed() >= super::QUIESCE_WITHIN,
             "waited to the bound"
         );
-        assert!(parking.take().is_none(), "given up, not left with the turn");
+        assert!(
+            parking.take().await.is_none(),
+            "given up, not left with the turn"
+        );
     }
 
     #[test]
@@ -246,7 +373,7 @@ mod tests {
             runtime.block_on(async {
                 let db = Database::new().await;
                 let parking = Parking::default();
-                parking.park(db.pool.acquire().await.unwrap());
+                parking.park(db.pool.acquire().await.unwrap(), None);
                 (parking, db.pool.clone())
             })
         };
@@ -260,7 +387,7 @@ mod tests {
     async fn a_cancelled_wait_leaves_the_connection_parked_and_still_to_wait_for() {
         let db = Database::new().await;
         let parking = Parking::default();
-        parking.park(db.left_running().await);
+        parking.park(db.left_running().await, None);
         {
             let quiesce = parking.quiesce();
             futures::pin_mut!(quiesce);
@@ -270,6 +397,6 @@ mod tests {
             .await
             .expect("the insert ends");
         assert_eq!(db.rows().await, 1, "the second wait waited for the insert");
-        assert!(parking.take().is_some());
+        assert!(parking.take().await.is_some());
     }
 }

@@ -445,7 +445,7 @@ async fn migrate(db: &Database) -> Result<(), Error> {
 #[cfg(feature = "sqlite")]
 pub(crate) struct HandlerTurn {
     pub(crate) turn: Option<tokio::sync::OwnedSemaphorePermit>,
-    pub(crate) connection: Option<sqlx::pool::PoolConnection<sqlx::Sqlite>>,
+    pub(crate) connection: Option<super::Taken>,
     pub(crate) parking: super::Parking,
 }
 
