@@ -214,14 +214,7 @@ async fn in_memory_a_handler_connection_is_the_runtimes_own() {
 async fn handler_connections_take_turns_with_the_runtimes_writers_on_sqlite() {
     let db = support_stores::TestDatabase::new(Backend::Sqlite).await;
     let (pool, store) = support_stores::never_waiting_sqlite(&db.url, TABLE).await;
-    let runtime = Runtime::builder()
-        .store(store)
-        .module(
-            Module::new("billing")
-                .handle_named::<MemberRemoved, _>("tally", Tally::new(Backend::Sqlite, false)),
-        )
-        .build()
-        .unwrap();
+    let runtime = tallying_runtime(store);
     let batches = (0..16u64).map(|batch| {
         let messages: Vec<MemberRemoved> = (0..20)
             .map(|n| MemberRemoved {
@@ -481,6 +474,10 @@ impl Handler<MemberRemoved> for GivesUpOnItsQuery {
     }
 }
 
+/// The next handler connection is the one a handler left a statement running on, its
+/// statements queued behind it: with SQLite's busy timeout at zero, the other messages'
+/// handlers, which take the turn while the first one's transaction still holds the
+/// database's lock, never find it locked (on another connection they would fail at once).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_next_handler_writes_behind_what_a_cancelled_handler_left_on_its_connection() {
     let ran = run_never_waiting(GivesUpOnItsQuery::default(), Runtime::builder(), 4).await;
@@ -510,15 +507,19 @@ async fn tallying_node_store(path: &str) -> (sqlx::SqlitePool, dacapo::store::Sq
 /// the application's pool.
 async fn tallying_node(path: &str) -> (Runtime, sqlx::SqlitePool) {
     let (pool, store) = tallying_node_store(path).await;
-    let runtime = Runtime::builder()
+    (tallying_runtime(store), pool)
+}
+
+/// A runtime on `store` whose one handler tallies on a handler connection.
+fn tallying_runtime(store: dacapo::store::SqliteStore) -> Runtime {
+    Runtime::builder()
         .store(store)
         .module(
             Module::new("billing")
                 .handle_named::<MemberRemoved, _>("tally", Tally::new(Backend::Sqlite, false)),
         )
         .build()
-        .unwrap();
-    (runtime, pool)
+        .unwrap()
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
