@@ -455,13 +455,28 @@ async fn a_nul_in_a_type_or_deduplication_id_is_dead_lettered_in_postgresql_not_
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn unreadable_messages_told_apart_only_by_their_amqp_message_id_keep_a_dead_letter_each() {
+async fn unreadable_messages_told_apart_only_by_their_amqp_properties_or_headers_keep_a_dead_letter_each()
+ {
     let store = TestStore::sqlite().await;
     let (broker, runtime, seen) = broker_and_node(&store).await;
-    // The same headers and body, no type anywhere: unreadable, and different messages.
-    let ids = ["order-1", "order-2"];
-    for id in ids {
+    // The same headers and body, no type anywhere: unreadable, and different messages, told
+    // apart by their message id, another property, or a header no text reads.
+    let plain = || BasicProperties::default();
+    let with_header = |value: AMQPValue| {
         let mut headers = FieldTable::default();
+        headers.insert("amount".into(), value);
+        BasicProperties::default().with_headers(headers)
+    };
+    let messages = [
+        plain().with_message_id("order-1".into()),
+        plain().with_message_id("order-2".into()),
+        plain().with_app_id("billing".into()),
+        plain().with_app_id("orders".into()),
+        with_header(AMQPValue::Double(1.5)),
+        with_header(AMQPValue::Double(2.5)),
+    ];
+    for properties in messages {
+        let mut headers = properties.headers().clone().unwrap_or_default();
         headers.insert("x".into(), AMQPValue::LongString("1".into()));
         broker
             .channel
@@ -470,24 +485,33 @@ async fn unreadable_messages_told_apart_only_by_their_amqp_message_id_keep_a_dea
                 "tests.ping".into(),
                 BasicPublishOptions::default(),
                 b"same body",
-                BasicProperties::default()
-                    .with_message_id(id.into())
-                    .with_headers(headers),
+                properties.with_headers(headers),
             )
             .await
             .unwrap()
             .await
             .unwrap();
     }
-    let letters = dead_letters(&runtime, 2).await;
-    let mut kept: Vec<&str> = letters
-        .iter()
-        .filter_map(|letter| letter.envelope.headers.get("property-message-id"))
-        .map(String::as_str)
-        .collect();
-    kept.sort_unstable();
-    assert_eq!(kept, ids, "each keeps the id it arrived with");
-    assert_ne!(letters[0].envelope.id, letters[1].envelope.id);
+    let letters = dead_letters(&runtime, 6).await;
+    let kept = |name: &str| {
+        let mut kept: Vec<&str> = letters
+            .iter()
+            .filter_map(|letter| letter.envelope.headers.get(name))
+            .map(String::as_str)
+            .collect();
+        kept.sort_unstable();
+        kept
+    };
+    assert_eq!(
+        kept("property-message-id"),
+        ["order-1", "order-2"],
+        "each keeps the id it arrived with"
+    );
+    assert_eq!(kept("property-app-id"), ["billing", "orders"]);
+    assert_eq!(kept("amount").len(), 2, "{:?}", kept("amount"));
+    let ids: std::collections::HashSet<_> =
+        letters.iter().map(|letter| letter.envelope.id).collect();
+    assert_eq!(ids.len(), 6, "a dead letter each");
     none_handled_then_removed(runtime, &seen, broker).await;
 }
 

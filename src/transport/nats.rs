@@ -507,6 +507,7 @@ impl Subscribe for Subscriber {
 fn read(message: &jetstream::Message) -> Received {
     let mut headers = BTreeMap::new();
     let mut msg_id = None;
+    let mut more = Vec::new();
     if let Some(map) = &message.headers {
         for (name, values) in map.iter() {
             let Some(value) = values.last() else { continue };
@@ -514,11 +515,17 @@ fn read(message: &jetstream::Message) -> Received {
                 msg_id = Some(value.as_str().to_owned());
             }
             headers.insert(name.to_string(), value.as_str().to_owned());
+            // The last value is the header's; all of them, should the message be unreadable.
+            if values.len() > 1 {
+                let all: Vec<&str> = values.iter().map(|value| value.as_str()).collect();
+                more.push((name.to_string(), format!("{all:?}")));
+            }
         }
     }
     let fallback = Fallback {
         id: msg_id,
         in_headers: true,
+        more,
         ..Fallback::default()
     };
     wire::decode(headers, message.payload.to_vec(), fallback)

@@ -539,14 +539,20 @@ impl Subscribe for Subscriber {
 fn read(delivery: Delivery) -> Received {
     let properties = &delivery.properties;
     let mut headers = BTreeMap::new();
+    let mut more = other_properties(properties);
     if let Some(table) = properties.headers() {
         for (name, value) in table.inner() {
             if is_the_brokers(name.as_str()) {
                 continue;
             }
-            if let Some(value) = text(value) {
-                headers.insert(name.to_string(), value);
-            }
+            match text(value) {
+                Some(value) => headers.insert(name.to_string(), value),
+                // Kept, as it reads, should the message be unreadable.
+                None => {
+                    more.push((name.to_string(), format!("{value:?}")));
+                    None
+                }
+            };
         }
     }
     let fallback = Fallback {
@@ -561,8 +567,38 @@ fn read(delivery: Delivery) -> Received {
             .and_then(|seconds| i64::try_from(seconds).ok())
             .and_then(|seconds| chrono::DateTime::from_timestamp(seconds, 0)),
         in_headers: false,
+        more,
     };
     wire::decode(headers, delivery.data, fallback)
+}
+
+/// The AMQP properties no header or envelope field reads, by `property-` name: kept with an
+/// unreadable message, whose dead letter they tell apart from another's.
+fn other_properties(properties: &BasicProperties) -> Vec<(String, String)> {
+    let short = |value: &Option<lapin::types::ShortString>| value.as_ref().map(ToString::to_string);
+    [
+        ("property-content-type", short(properties.content_type())),
+        (
+            "property-content-encoding",
+            short(properties.content_encoding()),
+        ),
+        (
+            "property-delivery-mode",
+            properties.delivery_mode().map(|mode| mode.to_string()),
+        ),
+        (
+            "property-priority",
+            properties.priority().map(|priority| priority.to_string()),
+        ),
+        ("property-reply-to", short(properties.reply_to())),
+        ("property-expiration", short(properties.expiration())),
+        ("property-user-id", short(properties.user_id())),
+        ("property-app-id", short(properties.app_id())),
+        ("property-cluster-id", short(properties.cluster_id())),
+    ]
+    .into_iter()
+    .filter_map(|(name, value)| value.map(|value| (name.to_owned(), value)))
+    .collect()
 }
 
 /// Whether RabbitMQ added the header (a quorum queue's delivery count, dead-lettering's

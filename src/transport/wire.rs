@@ -176,6 +176,11 @@ pub(crate) struct Fallback {
     /// Read from the message's own headers (JetStream's `Nats-Msg-Id`): an unreadable
     /// message's dead letter keeps them already, and they are not added again.
     pub(crate) in_headers: bool,
+    /// What else the message came with that no header holds as text — the transport's other
+    /// properties (AMQP's `app_id`, `reply_to`, … as `property-app-id`, …), headers of other
+    /// types, a header's earlier values — by name: an unreadable message's dead letter keeps
+    /// it, and two messages told apart only by it keep a dead letter each.
+    pub(crate) more: Vec<(String, String)>,
 }
 
 /// A message that could not be read as an envelope, as it arrived: it becomes a dead letter.
@@ -184,8 +189,9 @@ pub(crate) struct Unreadable {
     pub(crate) headers: BTreeMap<String, String>,
     pub(crate) body: Vec<u8>,
     pub(crate) why: String,
-    /// The transport's own properties (AMQP's `message_id`, `type`, …) by `property-` name.
-    pub(crate) properties: Vec<(&'static str, String)>,
+    /// The transport's own properties (AMQP's `message_id`, `type`, …) by `property-` name,
+    /// and what else it came with ([`Fallback::more`]).
+    pub(crate) properties: Vec<(String, String)>,
 }
 
 impl Unreadable {
@@ -227,7 +233,7 @@ impl Unreadable {
         let mut headers = self.headers;
         // Shown beside the headers for an operator, where no header has the name already.
         for (name, value) in self.properties {
-            headers.entry(name.to_owned()).or_insert(value);
+            headers.entry(name).or_insert(value);
         }
         envelope.headers = headers;
         envelope.sent_at = now;
@@ -266,23 +272,25 @@ pub(crate) fn decode(
 }
 
 /// The transport's own properties (AMQP's `message_id`, `type`, …) an unreadable message
-/// came with, under `property-` names.
-fn properties(fallback: Fallback) -> Vec<(&'static str, String)> {
-    if fallback.in_headers {
-        return Vec::new();
-    }
-    [
-        ("property-message-id", fallback.id),
-        ("property-type", fallback.message_type),
-        ("property-correlation-id", fallback.correlation_id),
-        (
-            "property-timestamp",
-            fallback.sent_at.map(|at| at.to_rfc3339()),
-        ),
-    ]
-    .into_iter()
-    .filter_map(|(name, value)| value.map(|value| (name, value)))
-    .collect()
+/// came with, under `property-` names, then what else it came with.
+fn properties(fallback: Fallback) -> Vec<(String, String)> {
+    let read = if fallback.in_headers {
+        Vec::new()
+    } else {
+        vec![
+            ("property-message-id", fallback.id),
+            ("property-type", fallback.message_type),
+            ("property-correlation-id", fallback.correlation_id),
+            (
+                "property-timestamp",
+                fallback.sent_at.map(|at| at.to_rfc3339()),
+            ),
+        ]
+    };
+    read.into_iter()
+        .filter_map(|(name, value)| value.map(|value| (name.to_owned(), value)))
+        .chain(fallback.more)
+        .collect()
 }
 
 struct Fields {
@@ -584,6 +592,41 @@ mod tests {
             Some("posing"),
             "the header as it arrived"
         );
+    }
+
+    #[test]
+    fn what_else_an_unreadable_message_came_with_tells_its_dead_letter_apart() {
+        let dead_letter = |more: &[(&str, &str)]| {
+            decode(
+                map(vec![("x".into(), "1".into())]),
+                b"junk".to_vec(),
+                Fallback {
+                    more: more
+                        .iter()
+                        .map(|(name, value)| ((*name).to_owned(), (*value).to_owned()))
+                        .collect(),
+                    ..Fallback::default()
+                },
+            )
+            .unwrap_err()
+            .into_envelope(Utc::now())
+        };
+        let billing = dead_letter(&[("property-app-id", "billing")]);
+        assert_ne!(billing.id, dead_letter(&[]).id);
+        assert_ne!(billing.id, dead_letter(&[("property-app-id", "orders")]).id);
+        assert_eq!(
+            billing.id,
+            dead_letter(&[("property-app-id", "billing")]).id
+        );
+        assert_eq!(
+            billing.headers.get("property-app-id").map(String::as_str),
+            Some("billing"),
+            "shown beside the headers"
+        );
+        // A header's value stays the header's; what the header held besides counts apart.
+        let all_values = dead_letter(&[("x", "[\"0\", \"1\"]")]);
+        assert_ne!(all_values.id, dead_letter(&[]).id);
+        assert_eq!(all_values.headers.get("x").map(String::as_str), Some("1"));
     }
 
     #[test]
