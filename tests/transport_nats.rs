@@ -261,6 +261,33 @@ async fn bad_input_from_the_wire_is_dead_lettered_and_acknowledged() {
     server.remove().await;
 }
 
+/// Two unreadable messages (no type) whose one header ends on the same value but held another
+/// before it: a dead letter each, the earlier values kept.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn unreadable_messages_told_apart_only_by_a_headers_earlier_value_keep_a_dead_letter_each() {
+    let server = Server::new().await;
+    let store = TestStore::sqlite().await;
+    let seen = Seen::default();
+    let runtime = store.runtime(module(&seen, "a"), server.transport(&url()));
+    listening(&runtime).await;
+    for first in ["0", "2"] {
+        server
+            .publish_raw("tests.ping", &[("x", first), ("x", "1")], b"same body")
+            .await;
+    }
+    let letters = dead_letters(&runtime, 2).await;
+    assert_ne!(letters[0].envelope.id, letters[1].envelope.id);
+    for letter in &letters {
+        assert_eq!(
+            letter.envelope.headers.get("x").map(String::as_str),
+            Some("1")
+        );
+    }
+    assert!(seen.calls().is_empty());
+    assert!(runtime.shutdown().await.is_clean());
+    server.remove().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_stream_only_checked_and_missing_stops_listening_with_a_clear_error() {
     let server = Server::new().await;
@@ -358,9 +385,10 @@ impl RawPublisher for Server {
     const CLOUD_EVENTS: &'static str = "ce-";
 
     async fn publish_raw(&self, message_type: &str, headers: &[(&str, &str)], body: &[u8]) {
+        // A name given twice is a header sent with two values.
         let mut map = HeaderMap::new();
         for (name, value) in headers {
-            map.insert(*name, *value);
+            map.append(*name, *value);
         }
         self.jetstream
             .publish_with_headers(
