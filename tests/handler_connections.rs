@@ -598,3 +598,64 @@ async fn a_node_killed_while_its_handlers_write_loses_no_row_and_writes_none_twi
     assert!(retried <= handled, "{retried} retried");
     assert_eq!(dead_lettered, 0);
 }
+
+/// Once every one of a burst's handlers has started, asks for a handler connection, and
+/// before writing its row on it notes how many deliveries were settled.
+#[derive(Clone)]
+struct NotesSettled {
+    all_started: Arc<tokio::sync::Barrier>,
+    settled: Arc<Mutex<Vec<i64>>>,
+}
+
+impl Handler<MemberRemoved> for NotesSettled {
+    async fn handle(
+        &self,
+        event: &MemberRemoved,
+        ctx: &MessageContext,
+    ) -> Result<(), HandlerError> {
+        let id = ids::derive_or_random(ctx.message_id(), "tally");
+        self.all_started.wait().await;
+        let mut connection = ctx.connection::<sqlx::Sqlite>().await?;
+        let settled: i64 =
+            sqlx::query_scalar("SELECT count(*) FROM dacapo_inbox WHERE status = 'handled'")
+                .fetch_one(&mut *connection)
+                .await?;
+        sqlx::query(INSERT)
+            .bind(&id)
+            .bind(event.member_id as i64)
+            .execute(&mut *connection)
+            .await?;
+        // In the order of the turns, which the connection holds until it is dropped.
+        self.settled.lock().unwrap().push(settled);
+        Ok(())
+    }
+}
+
+/// A settle waits for its turn behind a few dozen handler connections, not behind every
+/// delivery in flight: in a burst of 1 000 messages whose handlers all ask for a connection
+/// at once, deliveries are settled well before the 500th handler writes (behind all of them,
+/// the first would be settled after the 1 000th).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn settles_take_their_turn_between_handler_connections_in_a_burst() {
+    let db = support_stores::TestDatabase::new(Backend::Sqlite).await;
+    db.execute(TABLE).await;
+    let handler = NotesSettled {
+        all_started: Arc::new(tokio::sync::Barrier::new(1000)),
+        settled: Arc::default(),
+    };
+    let runtime = Runtime::builder()
+        .store(db.sqlite().await)
+        .module(Module::new("billing").handle_named::<MemberRemoved, _>("tally", handler.clone()))
+        .build()
+        .unwrap();
+    runtime.publish_batch(&members(1000)).await.unwrap();
+    tokio::time::timeout(WAIT, runtime.idle()).await.unwrap();
+    runtime.shutdown().await;
+    let settled = handler.settled.lock().unwrap().clone();
+    assert_eq!(settled.len(), 1000);
+    assert!(
+        settled[499] > 0,
+        "settled before the 500th handler wrote: {}",
+        settled[499]
+    );
+}

@@ -113,12 +113,24 @@ pub(crate) struct Database {
 ///
 /// The handler connection that last had the turn is parked with it ([`super::parking`]): a
 /// writer of the runtime's waits for it to finish before it writes.
+///
+/// Handler connections queue for the turn a few at a time ([`HANDLERS_AHEAD`]), so that a
+/// writer of the runtime's waits behind those few, not behind every delivery in flight.
 #[derive(Clone, Debug)]
 struct Writer {
     turn: std::sync::Arc<tokio::sync::Semaphore>,
     #[cfg(feature = "sqlite")]
+    handlers_ahead: std::sync::Arc<tokio::sync::Semaphore>,
+    #[cfg(feature = "sqlite")]
     parking: super::Parking,
 }
+
+/// How many handler connections may queue for the turn at once. A settle makes its
+/// delivery's handler writes durable and frees its slot in the engine: behind every other
+/// handler of a thousand deliveries in flight, it would wait for all of their writes, and a
+/// crash meanwhile would run all of them again. A few dozen keep the settles' groups large.
+#[cfg(feature = "sqlite")]
+const HANDLERS_AHEAD: usize = 64;
 
 /// How long a write waits for its turn before it fails (then, with its turn, it may still
 /// wait out SQLite's busy timeout behind a writer outside the runtime). The wait is on tokio's
@@ -130,6 +142,8 @@ impl Writer {
     fn new() -> Self {
         Self {
             turn: std::sync::Arc::new(tokio::sync::Semaphore::new(1)),
+            #[cfg(feature = "sqlite")]
+            handlers_ahead: std::sync::Arc::new(tokio::sync::Semaphore::new(HANDLERS_AHEAD)),
             #[cfg(feature = "sqlite")]
             parking: super::Parking::default(),
         }
@@ -146,12 +160,31 @@ impl Writer {
 
     /// The turn, with whatever the parked handler connection may still be running.
     async fn turn_alone(&self) -> Result<tokio::sync::OwnedSemaphorePermit, Error> {
-        match tokio::time::timeout(
-            WRITER_WAIT,
-            std::sync::Arc::clone(&self.turn).acquire_owned(),
-        )
-        .await
-        {
+        self.within_wait(std::sync::Arc::clone(&self.turn).acquire_owned())
+            .await
+    }
+
+    /// The turn for a handler connection, once fewer than [`HANDLERS_AHEAD`] others queue
+    /// for it.
+    #[cfg(feature = "sqlite")]
+    async fn handler_turn(&self) -> Result<tokio::sync::OwnedSemaphorePermit, Error> {
+        let queued = async {
+            let _queued = std::sync::Arc::clone(&self.handlers_ahead)
+                .acquire_owned()
+                .await?;
+            std::sync::Arc::clone(&self.turn).acquire_owned().await
+        };
+        self.within_wait(queued).await
+    }
+
+    /// What `acquired` gives, within [`WRITER_WAIT`].
+    async fn within_wait(
+        &self,
+        acquired: impl std::future::Future<
+            Output = Result<tokio::sync::OwnedSemaphorePermit, tokio::sync::AcquireError>,
+        >,
+    ) -> Result<tokio::sync::OwnedSemaphorePermit, Error> {
+        match tokio::time::timeout(WRITER_WAIT, acquired).await {
             Ok(Ok(turn)) => Ok(turn),
             Ok(Err(_)) => Err(Error::store("the SQLite writer's queue is closed")),
             Err(_) => Err(Error::store(format!(
@@ -389,7 +422,7 @@ impl Database {
     > {
         match &self.writer {
             Some(writer) => {
-                let turn = writer.turn_alone().await?;
+                let turn = writer.handler_turn().await?;
                 Ok((Some(turn), writer.parking.take().await))
             }
             None => Ok((None, None)),
