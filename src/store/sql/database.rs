@@ -164,6 +164,21 @@ impl Writer {
             .await
     }
 
+    /// The turn for a handler's write on the runtime's pool (a handler transaction, a handler
+    /// connection where there is no handler pool): queued as a handler's, written as the
+    /// runtime's, once the parked connection finished.
+    async fn handler_write_turn(&self) -> Result<tokio::sync::OwnedSemaphorePermit, Error> {
+        #[cfg(feature = "sqlite")]
+        let turn = {
+            let turn = self.handler_turn().await?;
+            self.parking.quiesce().await;
+            turn
+        };
+        #[cfg(not(feature = "sqlite"))]
+        let turn = self.turn().await?;
+        Ok(turn)
+    }
+
     /// The turn for a handler connection, once fewer than [`HANDLERS_AHEAD`] others queue
     /// for it.
     #[cfg(feature = "sqlite")]
@@ -403,6 +418,17 @@ impl Database {
     pub(crate) async fn turn(&self) -> Result<Option<tokio::sync::OwnedSemaphorePermit>, Error> {
         match &self.writer {
             Some(writer) => writer.turn().await.map(Some),
+            None => Ok(None),
+        }
+    }
+
+    /// The turn to write for a handler's own write on the runtime's pool, on SQLite: in the
+    /// handlers' queue, so that the runtime's writes wait behind a few of them only.
+    pub(crate) async fn handler_write_turn(
+        &self,
+    ) -> Result<Option<tokio::sync::OwnedSemaphorePermit>, Error> {
+        match &self.writer {
+            Some(writer) => writer.handler_write_turn().await.map(Some),
             None => Ok(None),
         }
     }
@@ -908,5 +934,46 @@ mod tests {
         let error = positional("SELECT $2", &[Value::Int32(7)]).unwrap_err();
         assert!(error.to_string().contains("$2"), "{error}");
         assert!(positional("SELECT $0", &[Value::Int32(7)]).is_err());
+    }
+
+    /// A writer of the runtime's asking for the turn while 200 handler connections wait for
+    /// it gets it behind at most [`HANDLERS_AHEAD`](super::HANDLERS_AHEAD) of them, not
+    /// behind all 200.
+    #[cfg(feature = "sqlite")]
+    #[tokio::test(flavor = "current_thread")]
+    async fn a_runtime_writer_waits_behind_a_few_handler_connections_not_all() {
+        use std::sync::{Arc, Mutex};
+
+        const RUNTIME: usize = usize::MAX;
+        let writer = super::Writer::new();
+        let held = writer.turn().await.unwrap();
+        let order = Arc::new(Mutex::new(Vec::new()));
+        let turn_taken = |n: usize, runtime: bool| {
+            let (writer, order) = (writer.clone(), Arc::clone(&order));
+            tokio::spawn(async move {
+                let _turn = if runtime {
+                    writer.turn().await.unwrap()
+                } else {
+                    writer.handler_turn().await.unwrap()
+                };
+                order.lock().unwrap().push(n);
+            })
+        };
+        let mut tasks: Vec<_> = (0..200).map(|n| turn_taken(n, false)).collect();
+        // On this one thread, a yield lets every spawned task run up to its wait.
+        tokio::task::yield_now().await;
+        tasks.push(turn_taken(RUNTIME, true));
+        tokio::task::yield_now().await;
+        drop(held);
+        for task in tasks {
+            task.await.unwrap();
+        }
+        let order = order.lock().unwrap();
+        assert_eq!(order.len(), 201);
+        let place = order.iter().position(|&n| n == RUNTIME).unwrap();
+        assert!(
+            place <= super::HANDLERS_AHEAD,
+            "behind {place} handler connections"
+        );
     }
 }

@@ -302,12 +302,12 @@ impl<D: Dialect> SqlStore<D> {
         &self.http_in_flight
     }
 
-    /// The turn to write on SQLite, for a handler transaction on the runtime's pool: it then
-    /// waits for the runtime's writes, and they for it, in turn.
+    /// The turn to write on SQLite, for a handler transaction (or connection) on the
+    /// runtime's pool: it then waits for the runtime's writes, and they for it, in turn.
     pub(crate) async fn write_turn(
         &self,
     ) -> Result<Option<tokio::sync::OwnedSemaphorePermit>, Error> {
-        self.db.turn().await
+        self.db.handler_write_turn().await
     }
 
     /// The runtime's own pool, which handler transactions run on.
