@@ -518,7 +518,7 @@ fn read(message: &jetstream::Message) -> Received {
             // The last value is the header's; all of them, should the message be unreadable.
             if values.len() > 1 {
                 let all: Vec<&str> = values.iter().map(|value| value.as_str()).collect();
-                more.push((name.to_string(), format!("{all:?}")));
+                more.push((format!("{name}-all-values"), format!("{all:?}")));
             }
         }
     }

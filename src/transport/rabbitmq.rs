@@ -591,7 +591,8 @@ fn other_properties(properties: &BasicProperties) -> Vec<(String, String)> {
             properties.priority().map(|priority| priority.to_string()),
         ),
         ("property-reply-to", short(properties.reply_to())),
-        ("property-expiration", short(properties.expiration())),
+        // Not `expiration`: RabbitMQ removes it from a message it dead-letters, which may
+        // come back to this queue.
         ("property-user-id", short(properties.user_id())),
         ("property-app-id", short(properties.app_id())),
         ("property-cluster-id", short(properties.cluster_id())),
@@ -606,13 +607,15 @@ fn other_properties(properties: &BasicProperties) -> Vec<(String, String)> {
 fn is_the_brokers(name: &str) -> bool {
     let name = name.to_ascii_lowercase();
     name == "x-delivery-count"
+        || name == "x-acquired-count"
         || name == "x-death"
         || name == "x-received-from"
         || name.starts_with("x-first-death-")
         || name.starts_with("x-last-death-")
 }
 
-/// A header's value as text; values of no textual form (tables, arrays) are not read.
+/// A header's value as text; values of no textual form (tables, arrays, floats) are not read
+/// as headers (an unreadable message keeps them as they read).
 fn text(value: &AMQPValue) -> Option<String> {
     Some(match value {
         AMQPValue::LongString(text) => String::from_utf8_lossy(text.as_bytes()).into_owned(),
@@ -628,4 +631,24 @@ fn text(value: &AMQPValue) -> Option<String> {
         AMQPValue::Timestamp(value) => value.to_string(),
         _ => return None,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn the_headers_rabbitmq_adds_on_a_redelivery_are_the_brokers() {
+        for name in [
+            "x-delivery-count",
+            "X-Acquired-Count",
+            "x-death",
+            "x-first-death-queue",
+            "x-last-death-reason",
+            "x-received-from",
+        ] {
+            assert!(super::is_the_brokers(name), "{name}");
+        }
+        for name in ["x-tenant", "tenant", "x-deaths"] {
+            assert!(!super::is_the_brokers(name), "{name}");
+        }
+    }
 }

@@ -198,25 +198,25 @@ impl Unreadable {
     /// The envelope its dead letter keeps: the headers and body as they arrived, under an id
     /// derived from them, so a redelivery of the same message replaces its dead letter.
     pub(crate) fn into_envelope(self, now: DateTime<Utc>) -> Envelope {
+        // Each part after its length, so no part can pass for another (a header for a
+        // property, headers for the start of a body): two messages told apart by any part
+        // keep a dead letter each.
         let mut identity = Vec::with_capacity(self.body.len() + 64);
+        let mut part = |bytes: &[u8]| {
+            identity.extend_from_slice(&(bytes.len() as u64).to_le_bytes());
+            identity.extend_from_slice(bytes);
+        };
+        part(&(self.headers.len() as u64).to_le_bytes());
         for (name, value) in &self.headers {
-            identity.extend_from_slice(name.as_bytes());
-            identity.push(0);
-            identity.extend_from_slice(value.as_bytes());
-            identity.push(0);
+            part(name.as_bytes());
+            part(value.as_bytes());
         }
-        // Apart from the headers, so a header that reads like a property cannot stand in
-        // for it: two messages told apart only by their properties keep a dead letter each.
-        if !self.properties.is_empty() {
-            identity.extend_from_slice(b"\0properties\0");
-        }
+        part(&(self.properties.len() as u64).to_le_bytes());
         for (name, value) in &self.properties {
-            identity.extend_from_slice(name.as_bytes());
-            identity.push(0);
-            identity.extend_from_slice(value.as_bytes());
-            identity.push(0);
+            part(name.as_bytes());
+            part(value.as_bytes());
         }
-        identity.extend_from_slice(&self.body);
+        part(&self.body);
         let message_type = self
             .headers
             .iter()
@@ -287,9 +287,13 @@ fn properties(fallback: Fallback) -> Vec<(String, String)> {
             ),
         ]
     };
+    let mut more = fallback.more;
+    // In one order whatever order the client gave them in (a hash map's, for JetStream's
+    // headers): a redelivery keeps its dead letter's id.
+    more.sort_unstable();
     read.into_iter()
         .filter_map(|(name, value)| value.map(|value| (name.to_owned(), value)))
-        .chain(fallback.more)
+        .chain(more)
         .collect()
 }
 
@@ -624,9 +628,34 @@ mod tests {
             "shown beside the headers"
         );
         // A header's value stays the header's; what the header held besides counts apart.
-        let all_values = dead_letter(&[("x", "[\"0\", \"1\"]")]);
+        let all_values = dead_letter(&[("x-all-values", "[\"0\", \"1\"]")]);
         assert_ne!(all_values.id, dead_letter(&[]).id);
         assert_eq!(all_values.headers.get("x").map(String::as_str), Some("1"));
+        // Given in another order (a hash map's), the same message.
+        assert_eq!(
+            dead_letter(&[("a", "1"), ("b", "2")]).id,
+            dead_letter(&[("b", "2"), ("a", "1")]).id
+        );
+    }
+
+    #[test]
+    fn no_part_of_an_unreadable_message_passes_for_another_in_its_dead_letter_id() {
+        let id = |headers: Vec<(&str, &str)>, body: &[u8]| {
+            let headers = headers
+                .into_iter()
+                .map(|(name, value)| (name.to_owned(), value.to_owned()))
+                .collect();
+            decode(map(headers), body.to_vec(), Fallback::default())
+                .unwrap_err()
+                .into_envelope(Utc::now())
+                .id
+        };
+        // Read as names and values ended by NULs, each pair would be the same bytes.
+        assert_ne!(id(vec![("a", "b")], b"X"), id(vec![], b"a\0b\0X"));
+        assert_ne!(
+            id(vec![("a", "b\0c\0d")], b""),
+            id(vec![("a", "b"), ("c", "d")], b"")
+        );
     }
 
     #[test]
