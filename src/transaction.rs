@@ -209,15 +209,15 @@ pub struct HandlerConnection<'a, DB: Backend> {
 }
 
 /// Leaves a handler connection with the turn to write.
-type Park<DB> = Box<dyn FnOnce(sqlx::pool::PoolConnection<DB>) + Send + Sync>;
+pub(crate) type Park<DB> = Box<dyn FnOnce(sqlx::pool::PoolConnection<DB>) + Send + Sync>;
 
 /// The turn to write for a handler connection, the connection parked with it, and where to
 /// park the connection after use.
-struct ParkedTurn<DB: sqlx::Database> {
-    turn: Option<tokio::sync::OwnedSemaphorePermit>,
+pub(crate) struct ParkedTurn<DB: sqlx::Database> {
+    pub(crate) turn: Option<tokio::sync::OwnedSemaphorePermit>,
     /// The parked connection, and whether it still counts as an open handler connection.
-    connection: Option<(sqlx::pool::PoolConnection<DB>, bool)>,
-    park: Park<DB>,
+    pub(crate) connection: Option<(sqlx::pool::PoolConnection<DB>, bool)>,
+    pub(crate) park: Park<DB>,
 }
 
 /// How long a closing handler connection may take to finish what it was asked (a rollback
@@ -601,17 +601,7 @@ backend!(
     sqlx::Sqlite,
     crate::store::SqliteStore,
     "BEGIN IMMEDIATE",
-    parked = |store| {
-        let unsynced = store.handler_pool().1.cloned();
-        store.parked_handler_turn().await?.map(|parked| ParkedTurn {
-            turn: parked.turn,
-            connection: parked
-                .connection
-                .map(|taken| (taken.connection, taken.counted)),
-            park: Box::new(move |connection| parked.parking.park(connection, unsynced))
-                as Park<Self>,
-        })
-    }
+    parked = |store| store.parked_handler_turn().await?
 );
 // No turn to write on PostgreSQL: a handler connection goes back to the pool.
 #[cfg(feature = "postgres")]

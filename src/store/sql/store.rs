@@ -441,32 +441,24 @@ async fn migrate(db: &Database) -> Result<(), Error> {
     tx.commit().await
 }
 
-/// A handler connection's turn to write on SQLite: see [`SqlStore::parked_handler_turn`].
-#[cfg(feature = "sqlite")]
-pub(crate) struct HandlerTurn {
-    pub(crate) turn: Option<tokio::sync::OwnedSemaphorePermit>,
-    pub(crate) connection: Option<super::Taken>,
-    pub(crate) parking: super::Parking,
-}
-
 #[cfg(feature = "sqlite")]
 impl SqlStore<sqlx::Sqlite> {
     /// The turn to write for a handler connection on SQLite's handler pool, the connection
     /// parked with the turn if there is one, and where to park it once the handler is done;
     /// `None` when handler connections come from the runtime's own pool, which parks none (its
     /// readers would miss the connection).
-    pub(crate) async fn parked_handler_turn(&self) -> Result<Option<HandlerTurn>, Error> {
-        if self.handlers.is_none() {
-            return Ok(None);
-        }
-        let Some(parking) = self.db.parking().cloned() else {
+    pub(crate) async fn parked_handler_turn(
+        &self,
+    ) -> Result<Option<crate::transaction::ParkedTurn<sqlx::Sqlite>>, Error> {
+        let (Some(handlers), Some(parking)) = (&self.handlers, self.db.parking().cloned()) else {
             return Ok(None);
         };
-        let (turn, connection) = self.db.handler_turn().await?;
-        Ok(Some(HandlerTurn {
+        let unsynced = Arc::clone(&handlers.unsynced);
+        let (turn, taken) = self.db.handler_turn().await?;
+        Ok(Some(crate::transaction::ParkedTurn {
             turn,
-            connection,
-            parking,
+            connection: taken.map(|taken| (taken.connection, taken.counted)),
+            park: Box::new(move |connection| parking.park(connection, Some(unsynced))),
         }))
     }
 }
