@@ -21,6 +21,12 @@
 //! starts on them, against a raw loop that reads a hundred pending envelopes and commits
 //! their inserts and marks in one transaction.
 //!
+//! `live` and `16 publishers` are also set against their limit with their own durability:
+//! publishers that await each publish cannot have more of them in one commit than there are
+//! publishers, so the loops `live-limit` (one commit per message) and `16-limit` (a commit
+//! for what the sixteen have waiting) commit each envelope with its handling — the handler's
+//! insert and its mark — in the commit its publisher awaits.
+//!
 //! Run with `cargo bench --bench b2_durable --features postgres` (PostgreSQL at
 //! `DACAPO_BENCH_POSTGRES`, default `postgres://postgres@127.0.0.1:5432/postgres`; a scratch
 //! database is created and dropped). Three rounds (`B2_ROUNDS`), every contender once a round;
@@ -364,6 +370,88 @@ macro_rules! live_limit {
 live_limit!(live_limit_sqlite, sqlx::SqlitePool);
 live_limit!(live_limit_postgres, sqlx::PgPool);
 
+/// The 16-publisher workload's limit, with its durability: sixteen publishers each await
+/// their publish, so a commit holds at most sixteen envelopes (what is waiting when the last
+/// commit ends, none lingered for), and at best each rides with its handling — the handler's
+/// insert and its mark in the same commit. One committer on SQLite, which has one writer;
+/// four on PostgreSQL, which flushes concurrent commits together (as the runtime runs up to
+/// four group commits at once there).
+macro_rules! publishers_limit {
+    ($name:ident, $pool:ty, $committers:expr) => {
+        async fn $name(pool: &$pool, deliveries: u64) -> Duration {
+            type Waiting = (u64, tokio::sync::oneshot::Sender<()>);
+            let start = Instant::now();
+            let (send, receive) = tokio::sync::mpsc::channel::<Waiting>(PUBLISHERS as usize);
+            let receive = std::sync::Arc::new(tokio::sync::Mutex::new(receive));
+            let mut committers = tokio::task::JoinSet::new();
+            for _ in 0..$committers {
+                let (receive, pool) = (std::sync::Arc::clone(&receive), pool.clone());
+                committers.spawn(async move {
+                    let mut waiting: Vec<Waiting> = Vec::with_capacity(PUBLISHERS as usize);
+                    while receive
+                        .lock()
+                        .await
+                        .recv_many(&mut waiting, PUBLISHERS as usize)
+                        .await
+                        > 0
+                    {
+                        let now = chrono::Utc::now().timestamp_millis();
+                        let mut tx = pool.begin().await.unwrap();
+                        for (n, _) in &waiting {
+                            let id = uuid::Uuid::now_v7().simple().to_string();
+                            sqlx::query(RAW_RECEIVE)
+                                .bind(&id)
+                                .bind(serde_json::to_vec(&Ping { n: *n }).unwrap())
+                                .bind(now)
+                                .execute(&mut *tx)
+                                .await
+                                .unwrap();
+                            sqlx::query(INSERT_ROW)
+                                .bind(format!("{id}-row"))
+                                .bind(*n as i64)
+                                .execute(&mut *tx)
+                                .await
+                                .unwrap();
+                            sqlx::query(RAW_HANDLED)
+                                .bind(&id)
+                                .bind(now)
+                                .execute(&mut *tx)
+                                .await
+                                .unwrap();
+                        }
+                        tx.commit().await.unwrap();
+                        for (_, committed) in waiting.drain(..) {
+                            committed.send(()).unwrap();
+                        }
+                    }
+                });
+            }
+            let mut publishing = tokio::task::JoinSet::new();
+            for publisher in 0..PUBLISHERS {
+                let send = send.clone();
+                publishing.spawn(async move {
+                    let mut n = publisher;
+                    while n < deliveries {
+                        let (committed, on_commit) = tokio::sync::oneshot::channel();
+                        send.send((n, committed)).await.unwrap();
+                        on_commit.await.unwrap();
+                        n += PUBLISHERS;
+                    }
+                });
+            }
+            drop(send);
+            while publishing.join_next().await.is_some() {}
+            while committers.join_next().await.is_some() {}
+            start.elapsed()
+        }
+    };
+}
+publishers_limit!(publishers_limit_sqlite, sqlx::SqlitePool, 1);
+publishers_limit!(publishers_limit_postgres, sqlx::PgPool, 4);
+
+/// How many tasks publish at once in the 16-publisher workload.
+const PUBLISHERS: u64 = 16;
+
 /// The backlog workload's limit: a hundred pending envelopes read, then their handlers'
 /// inserts and their marks in one transaction, until none is left.
 macro_rules! batched_drain {
@@ -658,11 +746,12 @@ fn rate(deliveries: u64, elapsed: Duration) -> f64 {
 /// The runs of one backend, by name: dacapo's workloads — the handler inserting on the
 /// application's pool, then (`-conn`) on a handler connection, and (`-alone`) with group
 /// commit off — then the raw loops.
-const CONTENDERS: [&str; 16] = [
+const CONTENDERS: [&str; 17] = [
     "live",
     "live-limit",
     "live-conn",
     "16",
+    "16-limit",
     "16-conn",
     "live-alone",
     "16-alone",
@@ -683,7 +772,7 @@ const BACKLOG: u64 = 20_000;
 /// Runs `$contender` on `$store` and its `$pool`, with this backend's raw loops; how many
 /// deliveries it made, and its time.
 macro_rules! measure {
-    ($contender:ident, $store:ident, $pool:ident, $deliveries:ident, $batched:ident, $raw:ident, $seed:ident, $drain:ident, $multirow:ident, $multirow_drain:ident, $live_limit:ident) => {{
+    ($contender:ident, $store:ident, $pool:ident, $deliveries:ident, $batched:ident, $raw:ident, $seed:ident, $drain:ident, $multirow:ident, $multirow_drain:ident, $live_limit:ident, $publishers_limit:ident) => {{
         $pool.execute(TABLE).await.unwrap();
         if $contender.starts_with("backlog") {
             sqlx::query($seed)
@@ -708,7 +797,7 @@ macro_rules! measure {
             ),
             "16" | "16-conn" | "16-alone" => (
                 $deliveries,
-                through_dacapo(builder, handler, $deliveries, 16).await,
+                through_dacapo(builder, handler, $deliveries, PUBLISHERS).await,
             ),
             "publish-batch" | "publish-batch-conn" => (
                 $deliveries,
@@ -716,6 +805,7 @@ macro_rules! measure {
             ),
             "batched" => ($deliveries, $batched(&$pool, $deliveries).await),
             "live-limit" => ($deliveries, $live_limit(&$pool, $deliveries).await),
+            "16-limit" => ($deliveries, $publishers_limit(&$pool, $deliveries).await),
             "backlog" | "backlog-conn" => (
                 BACKLOG,
                 drain_backlog(builder, $pool.clone(), on_connection, BACKLOG).await,
@@ -762,7 +852,8 @@ async fn sqlite(deliveries: u64) -> Figures {
             batched_drain_sqlite,
             multirow_sqlite,
             multirow_drain_sqlite,
-            live_limit_sqlite
+            live_limit_sqlite,
+            publishers_limit_sqlite
         );
         pool.close().await;
         figures.set(contender, rate(count, elapsed));
@@ -799,7 +890,8 @@ async fn postgres(deliveries: u64) -> Figures {
             batched_drain_postgres,
             multirow_postgres,
             multirow_drain_postgres,
-            live_limit_postgres
+            live_limit_postgres,
+            publishers_limit_postgres
         );
         pool.close().await;
         scratch.remove().await;
@@ -877,6 +969,13 @@ fn print(name: &str, rounds: &[Figures]) {
         rate("live-limit"),
         ratio_of(rounds, "live", "live-limit"),
         ratio_of(rounds, "live-conn", "live-limit"),
+    );
+    println!(
+        "  {:<11} 16 publishers against their limit with the same durability (a commit holds the publishes waiting, each handled in it: {:>7.0}/s): app pool {}, handler conn. {}",
+        "",
+        rate("16-limit"),
+        ratio_of(rounds, "16", "16-limit"),
+        ratio_of(rounds, "16-conn", "16-limit"),
     );
     println!(
         "  {:<11} group commit off: live {:>7.0}/s, 16 publishers {:>7.0}/s   backlog limit (read 100, insert and mark in one transaction) {:>7.0}/s   database limits {:>7.0}/s, backlog {:>7.0}/s",
