@@ -299,20 +299,42 @@ impl<DB: Backend> DerefMut for HandlerConnection<'_, DB> {
 /// idempotency keys and [`Outbox`](crate::outbox::Outbox) rows can be written in it.
 ///
 /// Dropped without [`commit`](Self::commit), it rolls back, completion record included: the
-/// handler's next attempt opens it anew.
+/// handler's next attempt opens it anew. On SQLite it holds the turn to write until it ended
+/// on its connection — a statement it left running, then its rollback — so the runtime's next
+/// write never finds SQLite's lock taken.
 pub struct HandlerTransaction<DB: Backend> {
-    tx: sqlx::Transaction<'static, DB>,
+    /// `None` only once committed, rolled back or dropped.
+    tx: Option<sqlx::Transaction<'static, DB>>,
     context: MessageContext,
     message_id: Uuid,
     handler: String,
     /// The store's node, which the handler's claim must still be held by at commit.
     node: String,
     enlisted: HashMap<(String, Vec<u8>), u32>,
-    /// SQLite's turn to write, which the runtime's own writers wait for; released with the
-    /// transaction (fields drop in order; a transaction dropped unfinished rolls back on its
-    /// connection a moment later, which a writer right behind it waits out through SQLite's
-    /// busy timeout).
-    _turn: Option<tokio::sync::OwnedSemaphorePermit>,
+    /// SQLite's turn to write, which the runtime's own writers wait for; released once the
+    /// transaction ended on its connection, its commit or rollback included.
+    turn: Option<tokio::sync::OwnedSemaphorePermit>,
+}
+
+impl<DB: Backend> Drop for HandlerTransaction<DB> {
+    /// Dropped unfinished (an error on the way, a cancelled handler), the transaction rolls
+    /// back on its connection's thread a moment later, still holding SQLite's lock — after
+    /// whatever statement the handler left running there: the turn goes once that ended, so
+    /// that the next writer never finds the lock taken.
+    fn drop(&mut self) {
+        let Some(tx) = self.tx.take() else {
+            return;
+        };
+        match (self.turn.take(), tokio::runtime::Handle::try_current()) {
+            (Some(turn), Ok(runtime)) => {
+                runtime.spawn(async move {
+                    let _ = tx.rollback().await;
+                    drop(turn);
+                });
+            }
+            _ => drop(tx),
+        }
+    }
 }
 
 impl<DB: Backend> std::fmt::Debug for HandlerTransaction<DB> {
@@ -328,13 +350,17 @@ impl<DB: Backend> Deref for HandlerTransaction<DB> {
     type Target = sqlx::Transaction<'static, DB>;
 
     fn deref(&self) -> &Self::Target {
-        &self.tx
+        self.tx
+            .as_ref()
+            .expect("a handler transaction is open until it is consumed or dropped")
     }
 }
 
 impl<DB: Backend> DerefMut for HandlerTransaction<DB> {
     fn deref_mut(&mut self) -> &mut Self::Target {
-        &mut self.tx
+        self.tx
+            .as_mut()
+            .expect("a handler transaction is open until it is consumed or dropped")
     }
 }
 
@@ -415,7 +441,13 @@ impl<DB: Backend> HandlerTransaction<DB> {
             return Err(error);
         }
         let context = self.context.clone();
-        match self.tx.commit().await {
+        let committed = match self.tx.take() {
+            Some(tx) => crate::store::sql::to_the_end(self.turn.take(), tx.commit())
+                .await
+                .and_then(|committed| committed.map_err(crate::store::sql::db_error)),
+            None => Err(dacapo_actors::Error::store("the transaction already ended")),
+        };
+        match committed {
             Ok(()) => {
                 context.wake_outbox();
                 Ok(())
@@ -423,7 +455,7 @@ impl<DB: Backend> HandlerTransaction<DB> {
             Err(error) => {
                 // Had it committed after all, the outbox keeps one row per envelope id.
                 context.restore_published(published).await;
-                Err(dacapo_actors::Error::store(error).into())
+                Err(error.into())
             }
         }
     }
@@ -440,10 +472,12 @@ impl<DB: Backend> HandlerTransaction<DB> {
     /// # Errors
     ///
     /// The database's error; the transaction is rolled back when its connection closes.
-    pub async fn rollback(self) -> Result<(), Error> {
-        self.tx
-            .rollback()
-            .await
+    pub async fn rollback(mut self) -> Result<(), Error> {
+        let Some(tx) = self.tx.take() else {
+            return Ok(());
+        };
+        crate::store::sql::to_the_end(self.turn.take(), tx.rollback())
+            .await?
             .map_err(crate::store::sql::db_error)?;
         Ok(())
     }
@@ -490,37 +524,38 @@ macro_rules! backend {
                 if !context.attempt_running() {
                     return Err(dacapo_actors::Error::Detached.into());
                 }
-                let mut tx = crate::store::sql::on_live_session(tries, || pool.begin_with($begin))
+                let tx = crate::store::sql::on_live_session(tries, || pool.begin_with($begin))
                     .await
                     .map_err(crate::store::sql::db_error)?;
-                let handler = handler.to_string();
+                // Held by the handler's transaction from here, so that an error (or a
+                // cancellation) on the way ends the transaction before the turn goes.
+                let mut transaction = HandlerTransaction {
+                    tx: Some(tx),
+                    context: context.clone(),
+                    message_id,
+                    handler: handler.to_string(),
+                    node: store.node().to_owned(),
+                    enlisted: HashMap::new(),
+                    turn,
+                };
                 let recorded = sqlx::query(RECORD_COMPLETION)
                     .bind(id_text(message_id))
-                    .bind(&handler)
+                    .bind(&transaction.handler)
                     .bind(millis(store.now()))
-                    .execute(&mut *tx)
+                    .execute(&mut **transaction)
                     .await
                     .map_err(crate::store::sql::db_error)?
                     .rows_affected();
                 if recorded == 0 {
                     tracing::debug!(
                         messaging.message.id = %message_id,
-                        dacapo.handler = %handler,
+                        dacapo.handler = %transaction.handler,
                         "handler transaction committed by an earlier attempt; not opened again"
                     );
-                    // Ended before its turn goes, so the next writer finds SQLite's lock free.
-                    tx.rollback().await.map_err(crate::store::sql::db_error)?;
+                    transaction.rollback().await?;
                     return Ok(None);
                 }
-                Ok(Some(HandlerTransaction {
-                    tx,
-                    context: context.clone(),
-                    message_id,
-                    handler,
-                    node: store.node().to_owned(),
-                    enlisted: HashMap::new(),
-                    _turn: turn,
-                }))
+                Ok(Some(transaction))
             }
 
             async fn connect(
@@ -564,12 +599,15 @@ macro_rules! backend {
 
             async fn finish(transaction: &mut HandlerTransaction<Self>) -> Result<(), Error> {
                 if let Some(claim) = transaction.context.deduplication_claim() {
+                    let tx = transaction.tx.as_mut().ok_or_else(|| {
+                        dacapo_actors::Error::store("the transaction already ended")
+                    })?;
                     let rows = sqlx::query(COMPLETE_CLAIM)
                         .bind(&claim.handler)
                         .bind(&claim.key_hash)
                         .bind(&claim.envelope_id)
                         .bind(&transaction.node)
-                        .execute(&mut *transaction.tx)
+                        .execute(&mut **tx)
                         .await
                         .map_err(crate::store::sql::db_error)?
                         .rows_affected();
@@ -587,7 +625,7 @@ macro_rules! backend {
                 let columns = EnvelopeColumns::of(envelope)?;
                 let values = columns.values_and(&[Value::Int64(millis(chrono::Utc::now()))]);
                 bind(sqlx::query(ENLIST_ONCE), &values)
-                    .execute(&mut *transaction.tx)
+                    .execute(&mut ***transaction)
                     .await
                     .map_err(crate::store::sql::db_error)?;
                 Ok(())

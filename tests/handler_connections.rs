@@ -484,6 +484,54 @@ async fn the_next_handler_writes_behind_what_a_cancelled_handler_left_on_its_con
     assert_eq!(ran, ((4, 1, 0), 4));
 }
 
+/// The first run to come opens a handler transaction, writes its row in it, and gives up on
+/// a query slow enough to outlast its patience, dropping the transaction while SQLite still
+/// runs the query: the transaction's rollback, queued behind it, releases the database's
+/// write lock. Every other run writes its row in a handler transaction and commits.
+#[derive(Default)]
+struct GivesUpInItsTransaction {
+    slow_taken: std::sync::atomic::AtomicBool,
+}
+
+impl Handler<MemberRemoved> for GivesUpInItsTransaction {
+    async fn handle(
+        &self,
+        event: &MemberRemoved,
+        ctx: &MessageContext,
+    ) -> Result<(), HandlerError> {
+        let id = ids::derive_or_random(ctx.message_id(), "tally");
+        let Some(mut tx) = ctx.transaction::<sqlx::Sqlite>().await? else {
+            return Ok(());
+        };
+        sqlx::query(INSERT)
+            .bind(&id)
+            .bind(event.member_id as i64)
+            .execute(&mut **tx)
+            .await?;
+        if self
+            .slow_taken
+            .swap(true, std::sync::atomic::Ordering::SeqCst)
+        {
+            tx.commit().await?;
+            return Ok(());
+        }
+        tokio::select! {
+            _ = sqlx::query(SLOW_QUERY).execute(&mut **tx) => Err("not given up".into()),
+            () = tokio::time::sleep(Duration::from_millis(100)) => Err("gave up on a slow query".into()),
+        }
+    }
+}
+
+/// A handler transaction dropped while a statement of its still runs keeps the turn to write
+/// until its rollback ran: with SQLite's busy timeout at zero, no writer after it — the
+/// runtime's settles, the other handlers' transactions — finds the database locked (one would
+/// fail at once), and each message's row is written once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_handler_transaction_dropped_mid_statement_ends_before_the_next_writer_goes() {
+    let ran = run_never_waiting(GivesUpInItsTransaction::default(), Runtime::builder(), 4).await;
+    assert_eq!(ran, ((4, 1, 0), 4));
+}
+
 /// What the killed node is told, through its environment: its SQLite file.
 const KILLED: &str = "DACAPO_HANDLER_CONNECTIONS_KILL_TEST";
 

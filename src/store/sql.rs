@@ -16,7 +16,7 @@ mod statements;
 mod store;
 
 pub(crate) use columns::{EnvelopeColumns, id_text, millis};
-pub(crate) use database::{Database, Value, bind};
+pub(crate) use database::{Database, Value, bind, to_the_end};
 pub use dialect::Dialect;
 pub(crate) use handler_pool::{HandlerPool, Unsynced};
 #[cfg(feature = "sqlite")]

@@ -45,6 +45,74 @@ where
     query
 }
 
+/// A statement parameter of its own, for a statement run on a task of its own.
+#[cfg(feature = "sqlite")]
+#[derive(Debug)]
+enum OwnedValue {
+    Text(String),
+    OptionalText(Option<String>),
+    Int64(i64),
+    OptionalInt64(Option<i64>),
+    Int32(i32),
+    Bytes(Vec<u8>),
+}
+
+#[cfg(feature = "sqlite")]
+impl OwnedValue {
+    fn all_of(values: &[Value<'_>]) -> Vec<Self> {
+        values
+            .iter()
+            .map(|value| match *value {
+                Value::Text(text) => Self::Text(text.to_owned()),
+                Value::OptionalText(text) => Self::OptionalText(text.map(str::to_owned)),
+                Value::Int64(number) => Self::Int64(number),
+                Value::OptionalInt64(number) => Self::OptionalInt64(number),
+                Value::Int32(number) => Self::Int32(number),
+                Value::Bytes(bytes) => Self::Bytes(bytes.to_vec()),
+            })
+            .collect()
+    }
+
+    fn value(&self) -> Value<'_> {
+        match self {
+            Self::Text(text) => Value::Text(text),
+            Self::OptionalText(text) => Value::OptionalText(text.as_deref()),
+            Self::Int64(number) => Value::Int64(*number),
+            Self::OptionalInt64(number) => Value::OptionalInt64(*number),
+            Self::Int32(number) => Value::Int32(*number),
+            Self::Bytes(bytes) => Value::Bytes(bytes),
+        }
+    }
+}
+
+/// Runs `work` to its end on a task of its own, holding SQLite's `turn` until then, and
+/// waits for it. A caller that stops waiting must not give the turn up while its statement,
+/// commit or rollback still runs on the connection's thread, holding SQLite's lock: the next
+/// writer would find the lock taken. Without a turn (PostgreSQL), `work` runs in place.
+///
+/// # Errors
+///
+/// [`Error::Store`] when the task running `work` panicked or its runtime stopped.
+///
+/// # Cancel safety
+///
+/// Cancelled, `work` still runs to its end, and the turn goes only then.
+pub(crate) async fn to_the_end<T: Send + 'static>(
+    turn: Option<tokio::sync::OwnedSemaphorePermit>,
+    work: impl Future<Output = T> + Send + 'static,
+) -> Result<T, Error> {
+    let Some(turn) = turn else {
+        return Ok(work.await);
+    };
+    tokio::spawn(async move {
+        let done = work.await;
+        drop(turn);
+        done
+    })
+    .await
+    .map_err(|error| Error::store(format!("a write stopped before its end: {error}")))
+}
+
 /// A statement built with `$N` parameters, as SQLite runs it fastest: every parameter a `?`,
 /// and the values in the order the `?`s stand. SQLite looks a named parameter up by a linear
 /// search of the statement's names, once per parameter at each execution: for the hundreds
@@ -505,14 +573,19 @@ impl Database {
         values: &[Value<'_>],
     ) -> Result<u64, Error> {
         before_commit(&self.hooks, false).await?;
-        let _turn = self.turn().await?;
+        let turn = self.turn().await?;
         let done = match &self.pool {
             #[cfg(feature = "sqlite")]
-            Pool::Sqlite(pool) => on_live_session(self.tries(), || {
-                bind(sqlx::query(sql), values).execute(pool)
-            })
-            .await
-            .map(|done| done.rows_affected()),
+            Pool::Sqlite(pool) => {
+                let (pool, tries, owned) = (pool.clone(), self.tries(), OwnedValue::all_of(values));
+                to_the_end(turn, async move {
+                    let values: Vec<Value<'_>> = owned.iter().map(OwnedValue::value).collect();
+                    on_live_session(tries, || bind(sqlx::query(sql), &values).execute(&pool))
+                        .await
+                        .map(|done| done.rows_affected())
+                })
+                .await?
+            }
             #[cfg(feature = "postgres")]
             Pool::Postgres(pool) => on_live_session(self.tries(), || {
                 bind(sqlx::query(sql), values).execute(pool)
@@ -530,16 +603,22 @@ impl Database {
         values: &[Value<'_>],
     ) -> Result<u64, Error> {
         before_commit(&self.hooks, false).await?;
-        let _turn = self.turn().await?;
+        let turn = self.turn().await?;
         let done = match &self.pool {
             #[cfg(feature = "sqlite")]
             Pool::Sqlite(pool) => {
                 let (sql, values) = positional(&sql, values)?;
-                on_live_session(self.tries(), || {
-                    bind(sqlx::query(sqlx::AssertSqlSafe(sql.clone())), &values).execute(pool)
+                let (pool, tries, owned) =
+                    (pool.clone(), self.tries(), OwnedValue::all_of(&values));
+                to_the_end(turn, async move {
+                    let values: Vec<Value<'_>> = owned.iter().map(OwnedValue::value).collect();
+                    on_live_session(tries, || {
+                        bind(sqlx::query(sqlx::AssertSqlSafe(sql.clone())), &values).execute(&pool)
+                    })
+                    .await
+                    .map(|done| done.rows_affected())
                 })
-                .await
-                .map(|done| done.rows_affected())
+                .await?
             }
             #[cfg(feature = "postgres")]
             Pool::Postgres(pool) => on_live_session(self.tries(), || {
@@ -764,15 +843,17 @@ impl Tx {
             .inner
             .take()
             .ok_or_else(|| Error::store("the transaction already ended"))?;
-        let committed = match inner {
-            #[cfg(feature = "sqlite")]
-            TxInner::Sqlite(tx) => tx.commit().await,
-            #[cfg(feature = "postgres")]
-            TxInner::Postgres(tx) => tx.commit().await,
-        };
         // A commit that failed left no transaction open: the turn goes with it.
-        drop(self.turn.take());
-        committed.map_err(db_error)
+        to_the_end(self.turn.take(), async move {
+            match inner {
+                #[cfg(feature = "sqlite")]
+                TxInner::Sqlite(tx) => tx.commit().await,
+                #[cfg(feature = "postgres")]
+                TxInner::Postgres(tx) => tx.commit().await,
+            }
+        })
+        .await?
+        .map_err(db_error)
     }
 
     pub(crate) async fn rollback(mut self) -> Result<(), Error> {
@@ -780,9 +861,9 @@ impl Tx {
             .inner
             .take()
             .ok_or_else(|| Error::store("the transaction already ended"))?;
-        let rolled_back = inner.rollback().await;
-        drop(self.turn.take());
-        rolled_back.map_err(db_error)
+        to_the_end(self.turn.take(), inner.rollback())
+            .await?
+            .map_err(db_error)
     }
 }
 
@@ -975,5 +1056,54 @@ mod tests {
             place <= super::HANDLERS_AHEAD,
             "behind {place} handler connections"
         );
+    }
+
+    /// A statement whose caller stopped waiting still runs on its connection's thread, holding
+    /// SQLite's lock: its turn goes only once it ended, so the next writer — on another
+    /// connection, with SQLite's busy timeout at zero — never finds the database locked.
+    #[cfg(feature = "sqlite")]
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_write_whose_caller_stopped_waiting_keeps_the_turn_until_it_ended() {
+        use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePoolOptions};
+
+        /// About a second of SQLite's time before its row is written.
+        const SLOW_INSERT: &str = "INSERT INTO rows (n) SELECT max(x) FROM \
+            (WITH RECURSIVE c(x) AS (SELECT 1 UNION ALL SELECT x + 1 FROM c WHERE x < 3000000) \
+             SELECT x FROM c)";
+        let directory =
+            std::env::temp_dir().join(format!("dacapo-turn-{}", uuid::Uuid::new_v4().simple()));
+        std::fs::create_dir_all(&directory).unwrap();
+        let options = SqliteConnectOptions::new()
+            .filename(directory.join("db.sqlite"))
+            .create_if_missing(true)
+            .journal_mode(SqliteJournalMode::Wal)
+            .busy_timeout(std::time::Duration::ZERO);
+        let pool = SqlitePoolOptions::new()
+            .max_connections(2)
+            .connect_with(options)
+            .await
+            .unwrap();
+        let db = super::Database::sqlite(pool.clone());
+        db.execute("CREATE TABLE rows (n INTEGER)", &[])
+            .await
+            .unwrap();
+
+        let given_up = tokio::time::timeout(
+            std::time::Duration::from_millis(50),
+            db.execute(SLOW_INSERT, &[]),
+        )
+        .await;
+        assert!(given_up.is_err(), "the insert is slow");
+        db.execute("INSERT INTO rows (n) VALUES ($1)", &[Value::Int64(7)])
+            .await
+            .expect("the next write waited for the turn, not SQLite's lock");
+
+        let rows: i64 = sqlx::query_scalar("SELECT count(*) FROM rows")
+            .fetch_one(&pool)
+            .await
+            .unwrap();
+        assert_eq!(rows, 2, "the insert given up on ran to its end");
+        pool.close().await;
+        let _ = std::fs::remove_dir_all(&directory);
     }
 }
