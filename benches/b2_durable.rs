@@ -330,6 +330,33 @@ batched_loop!(batched_postgres, sqlx::PgPool);
 const RAW_NEXT: &str = "SELECT id, payload FROM dacapo_inbox \
     WHERE status IN ('incoming', 'scheduled') ORDER BY received_at LIMIT 100";
 
+/// Message `n`'s envelope recorded in `tx`, and handled in it: its handler's insert and its
+/// mark — the commit its publisher awaits carries its handling too.
+macro_rules! handled_in_its_commit {
+    ($tx:ident, $n:expr, $now:expr) => {{
+        let id = uuid::Uuid::now_v7().simple().to_string();
+        sqlx::query(RAW_RECEIVE)
+            .bind(&id)
+            .bind(serde_json::to_vec(&Ping { n: $n }).unwrap())
+            .bind($now)
+            .execute(&mut *$tx)
+            .await
+            .unwrap();
+        sqlx::query(INSERT_ROW)
+            .bind(format!("{id}-row"))
+            .bind($n as i64)
+            .execute(&mut *$tx)
+            .await
+            .unwrap();
+        sqlx::query(RAW_HANDLED)
+            .bind(&id)
+            .bind($now)
+            .execute(&mut *$tx)
+            .await
+            .unwrap();
+    }};
+}
+
 /// The live workload's limit, with its durability: one publisher that awaits each publish
 /// commits each envelope on its own (no loop can batch what a caller awaits one at a time),
 /// and at best the envelope's handling rides in that commit — its handler's insert and its
@@ -339,28 +366,9 @@ macro_rules! live_limit {
         async fn $name(pool: &$pool, deliveries: u64) -> Duration {
             let start = Instant::now();
             for n in 0..deliveries {
-                let id = uuid::Uuid::now_v7().simple().to_string();
                 let now = chrono::Utc::now().timestamp_millis();
                 let mut tx = pool.begin().await.unwrap();
-                sqlx::query(RAW_RECEIVE)
-                    .bind(&id)
-                    .bind(serde_json::to_vec(&Ping { n }).unwrap())
-                    .bind(now)
-                    .execute(&mut *tx)
-                    .await
-                    .unwrap();
-                sqlx::query(INSERT_ROW)
-                    .bind(format!("{id}-row"))
-                    .bind(n as i64)
-                    .execute(&mut *tx)
-                    .await
-                    .unwrap();
-                sqlx::query(RAW_HANDLED)
-                    .bind(&id)
-                    .bind(now)
-                    .execute(&mut *tx)
-                    .await
-                    .unwrap();
+                handled_in_its_commit!(tx, n, now);
                 tx.commit().await.unwrap();
             }
             start.elapsed()
@@ -397,27 +405,8 @@ macro_rules! publishers_limit {
                     {
                         let now = chrono::Utc::now().timestamp_millis();
                         let mut tx = pool.begin().await.unwrap();
-                        for (n, _) in &waiting {
-                            let id = uuid::Uuid::now_v7().simple().to_string();
-                            sqlx::query(RAW_RECEIVE)
-                                .bind(&id)
-                                .bind(serde_json::to_vec(&Ping { n: *n }).unwrap())
-                                .bind(now)
-                                .execute(&mut *tx)
-                                .await
-                                .unwrap();
-                            sqlx::query(INSERT_ROW)
-                                .bind(format!("{id}-row"))
-                                .bind(*n as i64)
-                                .execute(&mut *tx)
-                                .await
-                                .unwrap();
-                            sqlx::query(RAW_HANDLED)
-                                .bind(&id)
-                                .bind(now)
-                                .execute(&mut *tx)
-                                .await
-                                .unwrap();
+                        for &(n, _) in &waiting {
+                            handled_in_its_commit!(tx, n, now);
                         }
                         tx.commit().await.unwrap();
                         for (_, committed) in waiting.drain(..) {

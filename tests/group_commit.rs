@@ -303,8 +303,9 @@ async fn the_runtimes_writers_take_turns_on_sqlite() {
 }
 
 /// A lone write commits at once, whatever the linger, and so do two: only three or more
-/// waiting together wait for more. A linger of an hour would hold a lone accept or settle,
-/// or a publisher's accept beside its last delivery's settle, for that hour.
+/// waiting together wait for more — and one or two settles, for the next write, 1 ms at most.
+/// A linger of an hour would hold a lone accept or settle, or a publisher's accept beside its
+/// last delivery's settle, for that hour.
 async fn a_lone_write_never_lingers<D: Dialect>(store: SqlStore<D>) {
     let recorder = Recorder::<TicketSold>::new();
     let harness = harness(store, &recorder, Duration::from_secs(3600));

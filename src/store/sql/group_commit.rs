@@ -136,6 +136,12 @@ impl Write {
         }
     }
 
+    /// Whether the write ends an attempt (a settle, a retry scheduled): no caller waits on
+    /// it to go on with its work.
+    fn ends_an_attempt(&self) -> bool {
+        matches!(self, Self::Settle { .. } | Self::ScheduleRetry { .. })
+    }
+
     /// The id of the envelope the write is about.
     fn id(&self) -> &str {
         match self {
@@ -219,9 +225,16 @@ type Reply = oneshot::Sender<Result<Written, Error>>;
 /// of 1 550–1 780/s).
 const LINGER_FROM: usize = 3;
 
+/// How long, at most, one or two writes that end attempts wait for another write to join them
+/// when the store lingers at all (SQLite). No caller waits on them to go on, and a lone
+/// publisher's next accept, which commits (and fsyncs) anyway, is usually on its way: the
+/// settle of its last delivery rides in that commit instead of taking one of its own before it.
+const ENDINGS_WAIT_AT_MOST: Duration = Duration::from_millis(1);
+
 /// How writes are grouped: at most `max_batch` in one transaction, and — when
 /// [`LINGER_FROM`] or more wait — `linger` (rounded up to the timer's millisecond tick) for
-/// others to join before committing; up to `commits`
+/// others to join before committing (one or two that only end attempts wait for the next
+/// write, as long, at most [`ENDINGS_WAIT_AT_MOST`]); up to `commits`
 /// transactions at once. SQLite takes one: it has one writer, so a second transaction would
 /// only wait for the first. PostgreSQL takes several: it flushes the WAL of concurrent commits
 /// together, so a write that arrives while a group commits starts the next group at once
@@ -231,6 +244,36 @@ pub(crate) struct Grouping {
     pub(crate) max_batch: usize,
     pub(crate) linger: Duration,
     pub(crate) commits: usize,
+}
+
+/// What a leader waits for before it takes what waits into a commit.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Wait {
+    /// Nothing: it commits at once.
+    None,
+    /// This long, for as many as come.
+    Linger(Duration),
+    /// Another write to join, at most this long.
+    ForAnother(Duration),
+}
+
+impl Grouping {
+    /// What a leader waits for with `waiting` writes in its queue, `only_endings` when they
+    /// all end attempts: many wait for more; one or two whose callers go on once they
+    /// committed (an accept, an attempt's begin) never wait; one or two that only end
+    /// attempts wait for the next write, briefly. Nothing waits without a linger, or with a
+    /// full batch.
+    fn wait_before_commit(&self, waiting: usize, only_endings: bool) -> Wait {
+        if self.linger.is_zero() || waiting == 0 || waiting >= self.max_batch {
+            Wait::None
+        } else if waiting >= LINGER_FROM {
+            Wait::Linger(self.linger)
+        } else if only_endings {
+            Wait::ForAnother(self.linger.min(ENDINGS_WAIT_AT_MOST))
+        } else {
+            Wait::None
+        }
+    }
 }
 
 /// A store starts from its database's own linger and number of commits
@@ -252,10 +295,21 @@ struct Queue {
     leaders: usize,
 }
 
+impl Queue {
+    /// Whether everything waiting ends an attempt.
+    fn only_endings(&self) -> bool {
+        self.waiting
+            .iter()
+            .all(|(write, _)| write.ends_an_attempt())
+    }
+}
+
 /// Groups the writes of one store's runtime pool into shared commits.
 pub(crate) struct GroupCommit {
     grouping: Grouping,
     queue: Mutex<Queue>,
+    /// Told each time a write joins the queue, for a leader waiting for company.
+    joined: tokio::sync::Notify,
 }
 
 impl std::fmt::Debug for GroupCommit {
@@ -276,6 +330,7 @@ impl GroupCommit {
                 ..grouping
             },
             queue: Mutex::default(),
+            joined: tokio::sync::Notify::new(),
         })
     }
 
@@ -306,6 +361,7 @@ impl GroupCommit {
             queue.leaders += usize::from(leads);
             leads
         };
+        self.joined.notify_waiters();
         if leads {
             // Committed on a task of its own: a caller that stops waiting must not take the
             // others' commit with it.
@@ -329,12 +385,22 @@ impl GroupCommit {
 async fn lead(mut leading: Leading, db: Database) {
     let group = Arc::clone(&leading.group);
     loop {
-        let waiting = group.queue().waiting.len();
-        if waiting >= LINGER_FROM
-            && waiting < group.grouping.max_batch
-            && !group.grouping.linger.is_zero()
-        {
-            tokio::time::sleep(group.grouping.linger).await;
+        // Registered before the queue is looked at, so a write joining after that wakes it.
+        let joined = group.joined.notified();
+        futures::pin_mut!(joined);
+        joined.as_mut().enable();
+        let wait = {
+            let queue = group.queue();
+            group
+                .grouping
+                .wait_before_commit(queue.waiting.len(), queue.only_endings())
+        };
+        match wait {
+            Wait::None => {}
+            Wait::Linger(linger) => tokio::time::sleep(linger).await,
+            Wait::ForAnother(at_most) => {
+                let _ = tokio::time::timeout(at_most, joined).await;
+            }
         }
         let batch: Vec<(Write, Reply)> = {
             let mut queue = group.queue();
@@ -623,5 +689,67 @@ fn answer_run(
 ) {
     for &at in run {
         answers[at] = Some(answer(changed.remove(writes[at].id())));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use super::{ENDINGS_WAIT_AT_MOST, Grouping, LINGER_FROM, Wait};
+
+    fn grouping(linger: Duration) -> Grouping {
+        Grouping {
+            max_batch: 128,
+            linger,
+            commits: 1,
+        }
+    }
+
+    #[test]
+    fn a_write_its_caller_goes_on_from_never_waits_alone_or_in_two() {
+        let grouping = grouping(Duration::from_secs(3600));
+        for waiting in 1..LINGER_FROM {
+            assert_eq!(grouping.wait_before_commit(waiting, false), Wait::None);
+        }
+    }
+
+    #[test]
+    fn writes_that_only_end_attempts_wait_briefly_for_the_next_write() {
+        let quick = grouping(Duration::from_micros(150));
+        assert_eq!(
+            quick.wait_before_commit(1, true),
+            Wait::ForAnother(Duration::from_micros(150))
+        );
+        let slow = grouping(Duration::from_secs(3600));
+        for waiting in 1..LINGER_FROM {
+            assert_eq!(
+                slow.wait_before_commit(waiting, true),
+                Wait::ForAnother(ENDINGS_WAIT_AT_MOST),
+                "however long the linger"
+            );
+        }
+    }
+
+    #[test]
+    fn many_waiting_linger_and_a_full_batch_or_no_linger_commits_at_once() {
+        let linger = Duration::from_millis(2);
+        let grouping = grouping(linger);
+        for only_endings in [false, true] {
+            assert_eq!(
+                grouping.wait_before_commit(LINGER_FROM, only_endings),
+                Wait::Linger(linger)
+            );
+            assert_eq!(grouping.wait_before_commit(128, only_endings), Wait::None);
+            assert_eq!(
+                super::Grouping {
+                    linger: Duration::ZERO,
+                    ..grouping
+                }
+                .wait_before_commit(1, only_endings),
+                Wait::None
+            );
+        }
+        assert_eq!(grouping.wait_before_commit(0, true), Wait::None);
     }
 }
