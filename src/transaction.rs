@@ -424,7 +424,9 @@ impl<DB: Backend> HandlerTransaction<DB> {
     ///
     /// # Errors
     ///
-    /// The database's error; nothing of the transaction took effect.
+    /// The database's error; nothing of the transaction took effect. A store error saying the
+    /// write stopped before its end (its task panicked, or the runtime is stopping): the commit
+    /// may or may not have happened, as when cancelled.
     ///
     /// # Cancel safety
     ///

@@ -843,7 +843,9 @@ impl Tx {
             .inner
             .take()
             .ok_or_else(|| Error::store("the transaction already ended"))?;
-        // A commit that failed left no transaction open: the turn goes with it.
+        // The turn goes once the commit returned. One that failed as busy would leave the
+        // transaction open until sqlx's rollback ran; under `BEGIN IMMEDIATE` in WAL mode, which
+        // holds the lock from the start, it does not fail so, and other errors roll back.
         to_the_end(self.turn.take(), async move {
             match inner {
                 #[cfg(feature = "sqlite")]

@@ -136,10 +136,16 @@ impl Write {
         }
     }
 
-    /// Whether the write ends an attempt (a settle, a retry scheduled): no caller waits on
-    /// it to go on with its work.
-    fn ends_an_attempt(&self) -> bool {
-        matches!(self, Self::Settle { .. } | Self::ScheduleRetry { .. })
+    /// Whether the write only ends an attempt — a settle that cascades no message, a retry
+    /// scheduled — so that no work waits on its commit. A settle's cascaded messages are
+    /// delivered once it committed: a chain of them would wait at each link for a write that
+    /// cannot come before.
+    fn only_ends_an_attempt(&self) -> bool {
+        match self {
+            Self::Settle { cascaded, .. } => cascaded.is_empty(),
+            Self::ScheduleRetry { .. } => true,
+            Self::Receive { .. } | Self::BeginAttempt { .. } => false,
+        }
     }
 
     /// The id of the envelope the write is about.
@@ -225,16 +231,23 @@ type Reply = oneshot::Sender<Result<Written, Error>>;
 /// of 1 550–1 780/s).
 const LINGER_FROM: usize = 3;
 
-/// How long, at most, one or two writes that end attempts wait for another write to join them
-/// when the store lingers at all (SQLite). No caller waits on them to go on, and a lone
-/// publisher's next accept, which commits (and fsyncs) anyway, is usually on its way: the
-/// settle of its last delivery rides in that commit instead of taking one of its own before it.
+/// How long, at most, one or two writes that only end attempts wait for another write to join
+/// them when the store lingers at all (SQLite), before the timer's rounding up to its next
+/// millisecond tick. No work waits on them, and a lone publisher's next accept, which commits
+/// (and fsyncs) anyway, is usually on its way: the settle of its last delivery rides in that
+/// commit instead of taking one of its own before it.
 const ENDINGS_WAIT_AT_MOST: Duration = Duration::from_millis(1);
+
+/// How many times such writes do not wait after a wait no write came to end: the next write
+/// may be waiting for them (a publisher held back by the engine's capacity, which a settle
+/// frees), and they would wait in vain each time.
+const SKIPS_AFTER_A_WAIT_IN_VAIN: usize = 16;
 
 /// How writes are grouped: at most `max_batch` in one transaction, and — when
 /// [`LINGER_FROM`] or more wait — `linger` (rounded up to the timer's millisecond tick) for
 /// others to join before committing (one or two that only end attempts wait for the next
-/// write, as long, at most [`ENDINGS_WAIT_AT_MOST`]); up to `commits`
+/// write, as long, at most [`ENDINGS_WAIT_AT_MOST`], unless such a wait lately ended with no
+/// write: [`EndingsWaits`]); up to `commits`
 /// transactions at once. SQLite takes one: it has one writer, so a second transaction would
 /// only wait for the first. PostgreSQL takes several: it flushes the WAL of concurrent commits
 /// together, so a write that arrives while a group commits starts the next group at once
@@ -293,14 +306,37 @@ impl Default for Grouping {
 struct Queue {
     waiting: VecDeque<(Write, Reply)>,
     leaders: usize,
+    endings_waits: EndingsWaits,
 }
 
 impl Queue {
-    /// Whether everything waiting ends an attempt.
+    /// Whether everything waiting only ends an attempt.
     fn only_endings(&self) -> bool {
         self.waiting
             .iter()
-            .all(|(write, _)| write.ends_an_attempt())
+            .all(|(write, _)| write.only_ends_an_attempt())
+    }
+}
+
+/// Whether writes that only end attempts wait for another write: not for the next
+/// [`SKIPS_AFTER_A_WAIT_IN_VAIN`] times after one such wait ended with no write.
+#[derive(Debug, Default)]
+struct EndingsWaits {
+    to_skip: usize,
+}
+
+impl EndingsWaits {
+    /// Whether this one waits; counts a skip.
+    fn take(&mut self) -> bool {
+        if self.to_skip == 0 {
+            return true;
+        }
+        self.to_skip -= 1;
+        false
+    }
+
+    fn in_vain(&mut self) {
+        self.to_skip = SKIPS_AFTER_A_WAIT_IN_VAIN;
     }
 }
 
@@ -385,21 +421,30 @@ impl GroupCommit {
 async fn lead(mut leading: Leading, db: Database) {
     let group = Arc::clone(&leading.group);
     loop {
-        // Registered before the queue is looked at, so a write joining after that wakes it.
-        let joined = group.joined.notified();
-        futures::pin_mut!(joined);
-        joined.as_mut().enable();
-        let wait = {
-            let queue = group.queue();
-            group
+        let (wait, looked) = {
+            let mut queue = group.queue();
+            let waiting = queue.waiting.len();
+            match group
                 .grouping
-                .wait_before_commit(queue.waiting.len(), queue.only_endings())
+                .wait_before_commit(waiting, queue.only_endings())
+            {
+                Wait::ForAnother(_) if !queue.endings_waits.take() => (Wait::None, waiting),
+                wait => (wait, waiting),
+            }
         };
         match wait {
             Wait::None => {}
             Wait::Linger(linger) => tokio::time::sleep(linger).await,
             Wait::ForAnother(at_most) => {
-                let _ = tokio::time::timeout(at_most, joined).await;
+                let joined = group.joined.notified();
+                futures::pin_mut!(joined);
+                joined.as_mut().enable();
+                // Registered, then looked again: a write that joined since is company already,
+                // and one that joins from now on wakes it.
+                let alone = group.queue().waiting.len() == looked;
+                if alone && tokio::time::timeout(at_most, joined).await.is_err() {
+                    group.queue().endings_waits.in_vain();
+                }
             }
         }
         let batch: Vec<(Write, Reply)> = {
@@ -696,7 +741,9 @@ fn answer_run(
 mod tests {
     use std::time::Duration;
 
-    use super::{ENDINGS_WAIT_AT_MOST, Grouping, LINGER_FROM, Wait};
+    use super::{
+        ENDINGS_WAIT_AT_MOST, EndingsWaits, Grouping, LINGER_FROM, SKIPS_AFTER_A_WAIT_IN_VAIN, Wait,
+    };
 
     fn grouping(linger: Duration) -> Grouping {
         Grouping {
@@ -751,5 +798,34 @@ mod tests {
             );
         }
         assert_eq!(grouping.wait_before_commit(0, true), Wait::None);
+    }
+
+    #[test]
+    fn after_a_wait_in_vain_the_next_endings_do_not_wait_for_a_while() {
+        let mut waits = EndingsWaits::default();
+        assert!(waits.take(), "they wait until one waited in vain");
+        assert!(waits.take());
+        waits.in_vain();
+        for skip in 0..SKIPS_AFTER_A_WAIT_IN_VAIN {
+            assert!(!waits.take(), "skip {skip}");
+        }
+        assert!(waits.take(), "then wait again");
+    }
+
+    #[test]
+    fn a_settle_that_cascades_messages_is_waited_on() {
+        let settle = |cascaded: Vec<super::EnvelopeColumns>| super::Write::Settle {
+            id: "e".to_owned(),
+            node: "n".into(),
+            now: 0,
+            cascaded,
+        };
+        assert!(settle(Vec::new()).only_ends_an_attempt());
+        let cascaded = dacapo_actors::Envelope::new("orders.placed", b"{}".to_vec());
+        let columns = super::EnvelopeColumns::of(&cascaded).unwrap();
+        assert!(
+            !settle(vec![columns]).only_ends_an_attempt(),
+            "its messages are delivered once it committed"
+        );
     }
 }
