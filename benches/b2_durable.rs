@@ -952,20 +952,28 @@ fn print(name: &str, rounds: &[Figures]) {
             ">= 0.60",
         );
     }
-    println!(
-        "  {:<11} live against its limit with the same durability (one commit per awaited publish, the message handled in it: {:>7.0}/s): app pool {}, handler conn. {}",
-        "",
-        rate("live-limit"),
-        ratio_of(rounds, "live", "live-limit"),
-        ratio_of(rounds, "live-conn", "live-limit"),
-    );
-    println!(
-        "  {:<11} 16 publishers against their limit with the same durability (a commit holds the publishes waiting, each handled in it: {:>7.0}/s): app pool {}, handler conn. {}",
-        "",
-        rate("16-limit"),
-        ratio_of(rounds, "16", "16-limit"),
-        ratio_of(rounds, "16-conn", "16-limit"),
-    );
+    for (workload, contender, limit, how) in [
+        (
+            "live",
+            "live",
+            "live-limit",
+            "one commit per awaited publish, the message handled in it",
+        ),
+        (
+            "16 publishers",
+            "16",
+            "16-limit",
+            "a commit holds the publishes waiting, each handled in it",
+        ),
+    ] {
+        println!(
+            "  {:<11} {workload} against its limit with the same durability ({how}: {:>7.0}/s): app pool {}, handler conn. {}",
+            "",
+            rate(limit),
+            ratio_of(rounds, contender, limit),
+            ratio_of(rounds, &format!("{contender}-conn"), limit),
+        );
+    }
     println!(
         "  {:<11} group commit off: live {:>7.0}/s, 16 publishers {:>7.0}/s   backlog limit (read 100, insert and mark in one transaction) {:>7.0}/s   database limits {:>7.0}/s, backlog {:>7.0}/s",
         "",
