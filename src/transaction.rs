@@ -205,11 +205,13 @@ pub struct HandlerConnection<'a, DB: Backend> {
     /// Where the connection waits with the turn for the next handler, on SQLite's handler
     /// pool (see `store::sql::parking`); `None` where it goes back to its pool.
     park: Option<Park<DB>>,
-    _handler: std::marker::PhantomData<&'a MessageContext>,
+    /// Asked, once the connection is dropped, whether the runtime gave up on the handler.
+    context: &'a MessageContext,
 }
 
-/// Leaves a handler connection with the turn to write.
-pub(crate) type Park<DB> = Box<dyn FnOnce(sqlx::pool::PoolConnection<DB>) + Send + Sync>;
+/// Leaves a handler connection with the turn to write, told whether the runtime gave up on
+/// its handler (what runs on it was abandoned).
+pub(crate) type Park<DB> = Box<dyn FnOnce(sqlx::pool::PoolConnection<DB>, bool) + Send + Sync>;
 
 /// The turn to write for a handler connection, the connection parked with it, and where to
 /// park the connection after use.
@@ -228,7 +230,8 @@ impl<DB: Backend> Drop for HandlerConnection<'_, DB> {
     /// Gives the turn, and the connection with it to the next handler, on SQLite's handler
     /// pool: what this handler left running on it (a statement a cancelled handler dropped,
     /// the rollback of a transaction dropped unfinished) ends before anything the next one
-    /// asks, and a writer of the runtime's waits for it (`store::sql::parking`).
+    /// asks, and a writer of the runtime's waits for it (`store::sql::parking`). A statement
+    /// left outside a transaction by a handler the runtime gave up on is interrupted.
     ///
     /// Elsewhere, finishes what the connection was asked, then gives the turn: a ping, queued
     /// behind that work (bounded by [`CLOSING`]), tells when it ended, so the next writer
@@ -242,7 +245,7 @@ impl<DB: Backend> Drop for HandlerConnection<'_, DB> {
         {
             // It counts as an open handler connection until a writer sees it finish: what it
             // may still commit comes before the next sync, the settle's or the relay's.
-            park(connection);
+            park(connection, self.context.given_up());
             drop((unsynced, turn));
             return;
         }
@@ -587,7 +590,7 @@ macro_rules! backend {
                     turn,
                     unsynced,
                     park,
-                    _handler: std::marker::PhantomData,
+                    context,
                 };
                 // Checked with the turn held: the settle takes the turn after the attempt
                 // closed, so a copy of the context kept past its attempt can never write

@@ -443,6 +443,48 @@ async fn a_statement_a_cancelled_handler_left_running_ends_before_the_runtimes_n
     assert_eq!(ran, ((2, 2, 0), 2));
 }
 
+/// On its first attempt, writes its row in a statement that would run for minutes before it
+/// wrote it: the runtime gives up on the attempt long before.
+struct RunsAway;
+
+/// Minutes of SQLite's time before the row is written.
+const RUNAWAY_INSERT: &str = "INSERT INTO tallies (id, member) SELECT $1, $2 FROM \
+    (WITH RECURSIVE c(x) AS (SELECT 1 UNION ALL SELECT x + 1 FROM c WHERE x < 1000000000) \
+     SELECT max(x) FROM c) WHERE true ON CONFLICT (id) DO NOTHING";
+
+impl Handler<MemberRemoved> for RunsAway {
+    async fn handle(
+        &self,
+        event: &MemberRemoved,
+        ctx: &MessageContext,
+    ) -> Result<(), HandlerError> {
+        let id = ids::derive_or_random(ctx.message_id(), "tally");
+        let statement = if ctx.attempt() == 1 {
+            RUNAWAY_INSERT
+        } else {
+            INSERT
+        };
+        let mut connection = ctx.connection::<sqlx::Sqlite>().await?;
+        sqlx::query(statement)
+            .bind(&id)
+            .bind(event.member_id as i64)
+            .execute(&mut *connection)
+            .await?;
+        Ok(())
+    }
+}
+
+/// A statement left running by a handler the runtime gave up on is interrupted: the runtime's
+/// next write waits for it no longer than it takes to stop (waiting its 5 s out, the runtime
+/// would warn that the connection was still busy, and with SQLite's busy timeout at zero its
+/// write would then fail at once), the retry runs, and the row is written once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_statement_left_running_by_a_handler_given_up_on_is_interrupted() {
+    let builder = Runtime::builder().handler_timeout(Duration::from_millis(100));
+    let ran = run_never_waiting(RunsAway, builder, 2).await;
+    assert_eq!(ran, ((2, 2, 0), 2));
+}
+
 /// The first run to come opens a transaction on its handler connection, writes its row, and
 /// runs a query slow enough to outlast its own patience: it gives up after 100 ms, dropping
 /// the query while SQLite still runs it, the database's write lock held until the

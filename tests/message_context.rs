@@ -473,3 +473,65 @@ impl Handler<MemberRemoved> for QueuesWebhookAnyAttempt {
         Ok(())
     }
 }
+
+/// Tells, when dropped, whether the runtime had given up on the handler that held it.
+struct Held<'a> {
+    context: &'a MessageContext,
+    told: Arc<Mutex<Vec<(u32, bool)>>>,
+}
+
+impl Drop for Held<'_> {
+    fn drop(&mut self) {
+        self.told
+            .lock()
+            .unwrap()
+            .push((self.context.attempt(), self.context.given_up()));
+    }
+}
+
+/// Outlasts its timeout on the first attempt, returns on the second.
+struct OutlastsItsFirstTimeout(Arc<Mutex<Vec<(u32, bool)>>>);
+
+impl Handler<MemberRemoved> for OutlastsItsFirstTimeout {
+    async fn handle(
+        &self,
+        _: &MemberRemoved,
+        context: &MessageContext,
+    ) -> Result<(), HandlerError> {
+        let _held = Held {
+            context,
+            told: Arc::clone(&self.0),
+        };
+        if context.attempt() == 1 {
+            std::future::pending::<()>().await;
+        }
+        Ok(())
+    }
+}
+
+/// What a handler holds can tell, when it is dropped, a run the runtime gave up on (its
+/// timeout passed) from one that ended: the adapter of handler connections stops what a
+/// handler given up on left running by this.
+#[tokio::test]
+async fn what_a_handler_holds_tells_when_dropped_whether_the_runtime_gave_up_on_it() {
+    let told = Arc::new(Mutex::new(Vec::new()));
+    let runtime = Runtime::builder()
+        .handler_timeout(std::time::Duration::from_millis(50))
+        .retry_policy(RetryPolicy {
+            min_retry_interval: std::time::Duration::from_millis(10),
+            ..RetryPolicy::default()
+        })
+        .module(
+            Module::new("m")
+                .handle_named::<MemberRemoved, _>("h", OutlastsItsFirstTimeout(Arc::clone(&told))),
+        )
+        .build()
+        .unwrap();
+    runtime.publish(&member_removed()).await.unwrap();
+    tokio::time::timeout(std::time::Duration::from_secs(10), runtime.idle())
+        .await
+        .unwrap();
+    assert_eq!(runtime.stats().handled, 1);
+    assert_eq!(*told.lock().unwrap(), [(1, true), (2, false)]);
+    assert!(runtime.shutdown().await.is_clean());
+}

@@ -232,25 +232,32 @@ pub(crate) enum Deadline {
     Virtual(Sleep),
 }
 
-/// `work`, or [`TimedOut`] once `deadline` comes; on a virtual clock the deadline's token then
-/// goes to `running`.
+/// `work`, or [`TimedOut`] once `deadline` comes, told to `given_up` before `work` is
+/// dropped; on a virtual clock the deadline's token then goes to `running`.
 pub(crate) async fn within<F: Future>(
     deadline: Deadline,
     running: &Running,
     work: F,
+    given_up: impl FnOnce(),
 ) -> Result<F::Output, TimedOut> {
+    // Pinned here, so that `given_up` is told before the work is dropped, on return.
+    let work = std::pin::pin!(work);
     match deadline {
         // Tokio's own timeout fires even when the work has used up the task's budget.
-        Deadline::Real(timeout) => tokio::time::timeout(timeout, work)
-            .await
-            .map_err(|_| TimedOut),
+        Deadline::Real(timeout) => match tokio::time::timeout(timeout, work).await {
+            Ok(done) => Ok(done),
+            Err(_) => {
+                given_up();
+                Err(TimedOut)
+            }
+        },
         Deadline::Virtual(sleep) => {
-            let work = std::pin::pin!(work);
             let sleep = tokio::task::unconstrained(sleep);
             match futures::future::select(work, sleep).await {
                 futures::future::Either::Left((done, _)) => Ok(done),
                 futures::future::Either::Right((busy, _)) => {
                     running.put(busy);
+                    given_up();
                     Err(TimedOut)
                 }
             }

@@ -135,6 +135,7 @@ impl ContextActor {
                 handler: HandlerRef::InRoute(route, handler),
                 claim: claim.map(Arc::new),
                 running,
+                given_up: Arc::default(),
             }),
         }
     }
@@ -271,6 +272,8 @@ struct Attached {
     claim: Option<Arc<Claim>>,
     /// The handler's token of work for the engine's timers.
     running: Running,
+    /// Set when the runtime gives up on the handler's run (its timeout), before it drops it.
+    given_up: Arc<std::sync::atomic::AtomicBool>,
 }
 
 /// Which handler a context was given to.
@@ -421,6 +424,26 @@ impl MessageContext {
                 .closed
                 .load(std::sync::atomic::Ordering::Acquire)
         })
+    }
+
+    /// Whether the runtime gave up on the run of the handler this context was given to (its
+    /// timeout passed): told before the handler's future is dropped, so what the handler holds
+    /// can tell, when it is dropped, that what it left running was abandoned (the adapter asks;
+    /// handlers do not).
+    #[doc(hidden)]
+    pub fn given_up(&self) -> bool {
+        self.scope
+            .as_ref()
+            .is_some_and(|attached| attached.given_up.load(std::sync::atomic::Ordering::Acquire))
+    }
+
+    /// Marks the handler's run given up, before its future is dropped.
+    pub(crate) fn give_up(&self) {
+        if let Some(attached) = &self.scope {
+            attached
+                .given_up
+                .store(true, std::sync::atomic::Ordering::Release);
+        }
     }
 
     /// The handler this context was given to.
@@ -775,6 +798,7 @@ impl TestContext {
                 handler: HandlerRef::Named(self.handler),
                 claim: None,
                 running: Running::default(),
+                given_up: Arc::default(),
             }),
         }
     }

@@ -114,6 +114,7 @@ impl HandlerActor {
         let span = self.span.clone();
         let message_id = self.context.message_id().unwrap_or_default();
         let (timers, running) = (self.timers(), self.running.clone());
+        let context = self.context.clone();
         let work = async move {
             let PendingClaim {
                 claim,
@@ -175,6 +176,7 @@ impl HandlerActor {
                         timers.deadline(timeout),
                         &running,
                         AssertUnwindSafe(HandlerCode(call)).catch_unwind(),
+                        || context.give_up(),
                     )
                     .instrument(span)
                     .await;
@@ -292,11 +294,13 @@ impl Actor for HandlerActor {
             Ok(None) => {}
         }
         let running = self.running.clone();
+        let context = self.context.clone();
         let guarded = async move {
             within(
                 deadline,
                 &running,
                 AssertUnwindSafe(HandlerCode(call)).catch_unwind(),
+                || context.give_up(),
             )
             .await
         };

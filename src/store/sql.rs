@@ -9,6 +9,8 @@ mod database;
 mod dialect;
 mod group_commit;
 mod handler_pool;
+#[cfg(feature = "sqlite")]
+mod interrupt;
 mod node_hold;
 #[cfg(feature = "sqlite")]
 mod parking;
@@ -19,6 +21,8 @@ pub(crate) use columns::{EnvelopeColumns, id_text, millis};
 pub(crate) use database::{Database, Value, bind, to_the_end};
 pub use dialect::Dialect;
 pub(crate) use handler_pool::{HandlerPool, Unsynced};
+#[cfg(feature = "sqlite")]
+pub(crate) use interrupt::Interrupt;
 #[cfg(feature = "sqlite")]
 pub(crate) use parking::{Parking, Taken};
 pub(crate) use statements::{COMPLETE_CLAIM, ENLIST, ENLIST_ONCE};

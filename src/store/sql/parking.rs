@@ -17,13 +17,18 @@
 //! Until a writer has seen it finish, a parked connection still counts as an open handler
 //! connection for the log's sync ([`Unsynced`]): what it may still commit is synced by the
 //! next sync, the outbox relay's included.
+//!
+//! A connection parked by a handler the runtime gave up on (its timeout) comes with its
+//! [`Interrupt`] raised when it was not in a transaction: the statement it left running stops
+//! at once instead of holding the turn for as long as it would run, and whoever takes the turn
+//! next waits for it to stop (it lowers the interrupt once the connection finished).
 
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
 use sqlx::pool::PoolConnection;
 
-use super::Unsynced;
+use super::{Interrupt, Unsynced};
 
 /// How long a writer waits for the parked connection to finish what it was asked before it
 /// writes anyway (then SQLite's busy timeout decides), and gives that connection up.
@@ -56,11 +61,14 @@ struct Parked {
     quiet: bool,
     /// Where it counts as an open handler connection, for as long as it is not quiet.
     unsynced: Option<Arc<Unsynced>>,
+    /// Raised, what it runs stops; lowered once it is seen to finish.
+    interrupt: Interrupt,
 }
 
 impl Parked {
     /// No longer counted as open: it was seen to finish, or failed.
     fn finished(&mut self) {
+        self.interrupt.lower();
         if !self.quiet {
             self.quiet = true;
             if let Some(unsynced) = &self.unsynced {
@@ -95,6 +103,8 @@ pub(crate) struct Taken {
     pub(crate) connection: PoolConnection<sqlx::Sqlite>,
     /// It still counts as an open handler connection: the handler takes that count over.
     pub(crate) counted: bool,
+    /// Its interrupt, lowered, to park it with again.
+    pub(crate) interrupt: Interrupt,
 }
 
 impl Parking {
@@ -103,17 +113,19 @@ impl Parking {
     }
 
     /// Leaves `connection` for the next holder of the turn, with the count of an open handler
-    /// connection it holds in `unsynced`. Call it with the turn held, before giving the turn
-    /// up.
+    /// connection it holds in `unsynced`, and its `interrupt` (raised if what it runs was
+    /// abandoned). Call it with the turn held, before giving the turn up.
     pub(crate) fn park(
         &self,
         connection: PoolConnection<sqlx::Sqlite>,
         unsynced: Option<Arc<Unsynced>>,
+        interrupt: Interrupt,
     ) {
         let earlier = self.slot().replace(Parked {
             connection,
             quiet: false,
             unsynced,
+            interrupt,
         });
         // Only one connection holds the turn at a time, and it takes the parked one first:
         // there is never a second.
@@ -125,21 +137,25 @@ impl Parking {
     /// The parked connection, for a handler that now holds the turn. One left with a
     /// transaction's rollback still to run is waited for first, as a writer of the runtime's
     /// does ([`quiesce`](Self::quiesce)): the handler would otherwise hold the turn behind it
-    /// without a bound.
+    /// without a bound. So is one whose interrupt is raised, which must see its statement
+    /// stop before it runs the next.
     ///
     /// # Cancel safety
     ///
     /// Cancelled, the connection stays parked.
     pub(crate) async fn take(&self) -> Option<Taken> {
-        let rolling_back = self.slot().as_ref().is_some_and(|parked| {
-            !parked.quiet && sqlx::Connection::is_in_transaction(&*parked.connection)
+        let to_wait_for = self.slot().as_ref().is_some_and(|parked| {
+            !parked.quiet
+                && (sqlx::Connection::is_in_transaction(&*parked.connection)
+                    || parked.interrupt.raised())
         });
-        if rolling_back {
+        if to_wait_for {
             self.quiesce().await;
         }
         self.slot().take().map(|parked| Taken {
             counted: !parked.quiet,
             connection: parked.connection,
+            interrupt: parked.interrupt,
         })
     }
 
@@ -218,7 +234,7 @@ mod tests {
 
     use std::sync::Arc;
 
-    use super::{Parking, Unsynced};
+    use super::{Interrupt, Parking, Unsynced};
 
     /// A quarter of a second of SQLite's time (unoptimized), far within the writer's bound,
     /// before the row is written.
@@ -229,6 +245,11 @@ mod tests {
     /// As long, writing nothing.
     const SLOW_QUERY: &str = "SELECT max(x) FROM (WITH RECURSIVE c(x) AS \
         (SELECT 1 UNION ALL SELECT x + 1 FROM c WHERE x < 1000000) SELECT x FROM c)";
+
+    /// Minutes of SQLite's time before its row is written, were it not stopped.
+    const RUNAWAY_INSERT: &str = "INSERT INTO rows (n) SELECT max(x) FROM \
+        (WITH RECURSIVE c(x) AS (SELECT 1 UNION ALL SELECT x + 1 FROM c WHERE x < 1000000000) \
+         SELECT x FROM c)";
 
     /// A database file of its own, removed after, with a table to write to.
     struct Database {
@@ -287,7 +308,7 @@ mod tests {
     async fn a_writer_waits_for_what_the_parked_connection_left_running() {
         let db = Database::new().await;
         let parking = Parking::default();
-        parking.park(db.left_running().await, None);
+        parking.park(db.left_running().await, None, Interrupt::default());
         parking.quiesce().await;
         assert_eq!(
             db.rows().await,
@@ -306,7 +327,11 @@ mod tests {
         let parking = Parking::default();
         let unsynced = Arc::new(Unsynced::default());
         unsynced.opened();
-        parking.park(db.left_running().await, Some(Arc::clone(&unsynced)));
+        parking.park(
+            db.left_running().await,
+            Some(Arc::clone(&unsynced)),
+            Interrupt::default(),
+        );
         assert!(unsynced.take());
         assert!(
             unsynced.take(),
@@ -336,7 +361,7 @@ mod tests {
             assert!(futures::poll!(slow).is_pending(), "the query is slow");
         }
         let parking = Parking::default();
-        parking.park(connection, None);
+        parking.park(connection, None, Interrupt::default());
         let taken = parking.take().await.expect("parked");
         assert!(
             !sqlx::Connection::is_in_transaction(&*taken.connection),
@@ -348,10 +373,42 @@ mod tests {
     }
 
     #[tokio::test]
+    async fn a_statement_abandoned_by_a_handler_given_up_on_stops_before_the_next_handler_gets_the_connection()
+     {
+        let db = Database::new().await;
+        let mut connection = db.pool.acquire().await.unwrap();
+        let interrupt = Interrupt::install(&mut connection).await.unwrap();
+        {
+            let runaway = sqlx::query(RUNAWAY_INSERT).execute(&mut *connection);
+            futures::pin_mut!(runaway);
+            assert!(futures::poll!(runaway).is_pending(), "the insert is slow");
+        }
+        interrupt.raise();
+        let parking = Parking::default();
+        parking.park(connection, None, interrupt);
+        let started = std::time::Instant::now();
+        let mut taken = parking.take().await.expect("parked");
+        assert!(
+            started.elapsed() < super::QUIESCE_WITHIN,
+            "stopped, not waited for to the bound"
+        );
+        assert!(!taken.interrupt.raised(), "lowered for the next handler");
+        sqlx::query("INSERT INTO rows (n) VALUES (2)")
+            .execute(&mut *taken.connection)
+            .await
+            .expect("the next handler's statement runs");
+        let rows: Vec<i64> = sqlx::query_scalar("SELECT n FROM rows")
+            .fetch_all(&db.pool)
+            .await
+            .unwrap();
+        assert_eq!(rows, [2], "the abandoned insert wrote nothing");
+    }
+
+    #[tokio::test]
     async fn a_parked_connection_still_busy_after_the_bound_is_given_up() {
         let db = Database::new().await;
         let parking = Parking::default();
-        parking.park(db.left_running().await, None);
+        parking.park(db.left_running().await, None, Interrupt::default());
         // Paused, the clock jumps to the bound as soon as nothing else is left to run.
         tokio::time::pause();
         let started = tokio::time::Instant::now();
@@ -373,7 +430,7 @@ mod tests {
             runtime.block_on(async {
                 let db = Database::new().await;
                 let parking = Parking::default();
-                parking.park(db.pool.acquire().await.unwrap(), None);
+                parking.park(db.pool.acquire().await.unwrap(), None, Interrupt::default());
                 (parking, db.pool.clone())
             })
         };
@@ -387,7 +444,7 @@ mod tests {
     async fn a_cancelled_wait_leaves_the_connection_parked_and_still_to_wait_for() {
         let db = Database::new().await;
         let parking = Parking::default();
-        parking.park(db.left_running().await, None);
+        parking.park(db.left_running().await, None, Interrupt::default());
         {
             let quiesce = parking.quiesce();
             futures::pin_mut!(quiesce);

@@ -455,10 +455,30 @@ impl SqlStore<sqlx::Sqlite> {
         };
         let unsynced = Arc::clone(&handlers.unsynced);
         let (turn, taken) = self.db.handler_turn().await?;
+        let (connection, counted, interrupt) = match taken {
+            Some(taken) => (taken.connection, taken.counted, taken.interrupt),
+            None => {
+                let mut connection = handlers.pool.acquire().await.map_err(super::db_error)?;
+                // Fresh from the pool: a progress handler of its own, to stop what a handler
+                // given up on leaves running.
+                let interrupt = super::Interrupt::install(&mut connection)
+                    .await
+                    .map_err(super::db_error)?;
+                (connection, false, interrupt)
+            }
+        };
         Ok(Some(crate::transaction::ParkedTurn {
             turn,
-            connection: taken.map(|taken| (taken.connection, taken.counted)),
-            park: Box::new(move |connection| parking.park(connection, Some(unsynced))),
+            connection: Some((connection, counted)),
+            park: Box::new(move |connection, given_up| {
+                // Inside a transaction, its rollback is queued behind the statement, and an
+                // interrupted write would roll the transaction back under sqlx's feet: the
+                // next holder of the turn waits for it to end instead (see `parking`).
+                if given_up && !sqlx::Connection::is_in_transaction(&*connection) {
+                    interrupt.raise();
+                }
+                parking.park(connection, Some(unsynced), interrupt);
+            }),
         }))
     }
 }
