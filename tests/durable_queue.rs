@@ -20,6 +20,9 @@ use tokio::sync::Notify;
 
 const WAIT: Duration = Duration::from_secs(20);
 
+/// The runtime's default: far longer than any stall of a loaded test machine.
+const NODE_TIMEOUT: Duration = Duration::from_secs(30);
+
 async fn until(mut done: impl FnMut() -> bool) {
     tokio::time::timeout(WAIT, async {
         while !done() {
@@ -213,7 +216,7 @@ on_both_backends!(
             .try_init();
         let stuck = Stuck::default();
         let dead = db
-            .store(Runtime::builder(), "dead", Duration::from_millis(500))
+            .store(Runtime::builder(), "dead", NODE_TIMEOUT)
             .await
             .module(Module::new("m").handle_named::<MemberRemoved, _>("h", stuck.clone()))
             .build()
@@ -231,7 +234,7 @@ on_both_backends!(
         let mut survivors = Vec::new();
         for name in ["survivor-a", "survivor-b"] {
             survivors.push(
-                db.store(Runtime::builder(), name, Duration::from_millis(500))
+                db.store(Runtime::builder(), name, NODE_TIMEOUT)
                     .await
                     .recovery_interval(Duration::from_millis(50))
                     .recovery_batch(3)
@@ -244,7 +247,22 @@ on_both_backends!(
                     .unwrap(),
             );
         }
-        until(|| calls.count() >= 30).await;
+        // The dead node went silent long ago, its rows received long ago: they are taken over
+        // at once, while the survivors, on the default timeout, never take each other's over
+        // when a loaded machine holds up a heartbeat of theirs (on a timeout of half a second,
+        // they once did). Set again until its rows are resumed, in case a heartbeat of the
+        // dead node's was still on its way.
+        db.execute("UPDATE dacapo_inbox SET received_at = 0 WHERE owner = 'dead'")
+            .await;
+        tokio::time::timeout(WAIT, async {
+            while calls.count() < 30 {
+                db.execute("UPDATE dacapo_nodes SET heartbeat_at = 0 WHERE id = 'dead'")
+                    .await;
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            }
+        })
+        .await
+        .expect("the dead node's rows resumed in time");
         for survivor in &survivors {
             tokio::time::timeout(WAIT, survivor.idle()).await.unwrap();
         }
