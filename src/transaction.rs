@@ -207,6 +207,8 @@ pub struct HandlerConnection<'a, DB: Backend> {
     park: Option<Park<DB>>,
     /// Asked, once the connection is dropped, whether the runtime gave up on the handler.
     context: &'a MessageContext,
+    /// Given to the handler: what runs on it may be the handler's.
+    handed: bool,
 }
 
 /// Leaves a handler connection with the turn to write, told whether the runtime gave up on
@@ -245,7 +247,7 @@ impl<DB: Backend> Drop for HandlerConnection<'_, DB> {
         {
             // It counts as an open handler connection until a writer sees it finish: what it
             // may still commit comes before the next sync, the settle's or the relay's.
-            park(connection, self.context.given_up());
+            park(connection, self.handed && self.context.given_up());
             drop((unsynced, turn));
             return;
         }
@@ -585,12 +587,13 @@ macro_rules! backend {
                 if let Some(unsynced) = unsynced.as_ref().filter(|_| !counted) {
                     unsynced.opened();
                 }
-                let connection = HandlerConnection {
+                let mut connection = HandlerConnection {
                     connection: Some(connection),
                     turn,
                     unsynced,
                     park,
                     context,
+                    handed: false,
                 };
                 // Checked with the turn held: the settle takes the turn after the attempt
                 // closed, so a copy of the context kept past its attempt can never write
@@ -599,6 +602,7 @@ macro_rules! backend {
                 if !context.attempt_running() {
                     return Err(dacapo_actors::Error::Detached.into());
                 }
+                connection.handed = true;
                 Ok(connection)
             }
 

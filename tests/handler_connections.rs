@@ -401,9 +401,9 @@ async fn run_never_waiting(
     ran
 }
 
-/// On its first attempt, writes its row in a statement slow enough to outlast the handler's
-/// timeout: the attempt is cancelled while SQLite still runs it.
-struct OutlastsItsTimeout;
+/// On its first attempt, writes its row in the statement it holds, slow enough to outlast the
+/// handler's timeout: the attempt is cancelled while SQLite still runs it.
+struct OutlastsItsTimeout(&'static str);
 
 /// A third of a second or more of SQLite's time (unoptimized in a test build) before the row is
 /// written.
@@ -418,11 +418,7 @@ impl Handler<MemberRemoved> for OutlastsItsTimeout {
         ctx: &MessageContext,
     ) -> Result<(), HandlerError> {
         let id = ids::derive_or_random(ctx.message_id(), "tally");
-        let statement = if ctx.attempt() == 1 {
-            SLOW_INSERT
-        } else {
-            INSERT
-        };
+        let statement = if ctx.attempt() == 1 { self.0 } else { INSERT };
         let mut connection = ctx.connection::<sqlx::Sqlite>().await?;
         sqlx::query(statement)
             .bind(&id)
@@ -439,40 +435,14 @@ impl Handler<MemberRemoved> for OutlastsItsTimeout {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_statement_a_cancelled_handler_left_running_ends_before_the_runtimes_next_write() {
     let builder = Runtime::builder().handler_timeout(Duration::from_millis(100));
-    let ran = run_never_waiting(OutlastsItsTimeout, builder, 2).await;
+    let ran = run_never_waiting(OutlastsItsTimeout(SLOW_INSERT), builder, 2).await;
     assert_eq!(ran, ((2, 2, 0), 2));
 }
-
-/// On its first attempt, writes its row in a statement that would run for minutes before it
-/// wrote it: the runtime gives up on the attempt long before.
-struct RunsAway;
 
 /// Minutes of SQLite's time before the row is written.
 const RUNAWAY_INSERT: &str = "INSERT INTO tallies (id, member) SELECT $1, $2 FROM \
     (WITH RECURSIVE c(x) AS (SELECT 1 UNION ALL SELECT x + 1 FROM c WHERE x < 1000000000) \
      SELECT max(x) FROM c) WHERE true ON CONFLICT (id) DO NOTHING";
-
-impl Handler<MemberRemoved> for RunsAway {
-    async fn handle(
-        &self,
-        event: &MemberRemoved,
-        ctx: &MessageContext,
-    ) -> Result<(), HandlerError> {
-        let id = ids::derive_or_random(ctx.message_id(), "tally");
-        let statement = if ctx.attempt() == 1 {
-            RUNAWAY_INSERT
-        } else {
-            INSERT
-        };
-        let mut connection = ctx.connection::<sqlx::Sqlite>().await?;
-        sqlx::query(statement)
-            .bind(&id)
-            .bind(event.member_id as i64)
-            .execute(&mut *connection)
-            .await?;
-        Ok(())
-    }
-}
 
 /// A statement left running by a handler the runtime gave up on is interrupted: the runtime's
 /// next write waits for it no longer than it takes to stop (waiting its 5 s out, the runtime
@@ -481,7 +451,7 @@ impl Handler<MemberRemoved> for RunsAway {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_statement_left_running_by_a_handler_given_up_on_is_interrupted() {
     let builder = Runtime::builder().handler_timeout(Duration::from_millis(100));
-    let ran = run_never_waiting(RunsAway, builder, 2).await;
+    let ran = run_never_waiting(OutlastsItsTimeout(RUNAWAY_INSERT), builder, 2).await;
     assert_eq!(ran, ((2, 2, 0), 2));
 }
 

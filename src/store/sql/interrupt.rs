@@ -6,7 +6,14 @@
 //! connection) until it ends, which for a runaway statement is no time soon. Each handler
 //! connection carries a progress handler that stops its statement with `SQLITE_INTERRUPT`
 //! while the connection's [`Interrupt`] is raised. An interrupted statement outside a
-//! transaction commits nothing: the attempt failed anyway, and its retry writes again.
+//! transaction is rolled back (unless it was already committing when SQLite looked): the
+//! attempt failed anyway, and its retry writes again.
+//!
+//! Only what the given-up handler runs is stopped: a connection is interrupted for its holder
+//! only if it was quiet (or fresh) when taken, so that a statement an earlier handler left
+//! running for its own reasons still runs to its end. A handler that installs a progress
+//! handler of its own on the connection replaces this one, until the connection goes back to
+//! its pool.
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};

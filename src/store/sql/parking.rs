@@ -19,7 +19,8 @@
 //! next sync, the outbox relay's included.
 //!
 //! A connection parked by a handler the runtime gave up on (its timeout) comes with its
-//! [`Interrupt`] raised when it was not in a transaction: the statement it left running stops
+//! [`Interrupt`] raised when it was not in a transaction, and was quiet (or fresh) when that
+//! handler took it, so that all it runs is that handler's: the statement it left running stops
 //! at once instead of holding the turn for as long as it would run, and whoever takes the turn
 //! next waits for it to stop (it lowers the interrupt once the connection finished).
 

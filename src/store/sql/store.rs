@@ -467,6 +467,11 @@ impl SqlStore<sqlx::Sqlite> {
                 (connection, false, interrupt)
             }
         };
+        // Taken while still counted open, it may still run what the last holder left (a
+        // statement whose future that handler dropped, its own business): an interrupt would
+        // stop that too, so only a connection that was quiet, or fresh, when taken is
+        // interrupted for its holder.
+        let only_its_holders = !counted;
         Ok(Some(crate::transaction::ParkedTurn {
             turn,
             connection: Some((connection, counted)),
@@ -474,7 +479,10 @@ impl SqlStore<sqlx::Sqlite> {
                 // Inside a transaction, its rollback is queued behind the statement, and an
                 // interrupted write would roll the transaction back under sqlx's feet: the
                 // next holder of the turn waits for it to end instead (see `parking`).
-                if given_up && !sqlx::Connection::is_in_transaction(&*connection) {
+                if given_up
+                    && only_its_holders
+                    && !sqlx::Connection::is_in_transaction(&*connection)
+                {
                     interrupt.raise();
                 }
                 parking.park(connection, Some(unsynced), interrupt);
@@ -1026,4 +1034,99 @@ fn filter_values(filter: &DeadLetterFilter) -> [Value<'_>; 3] {
                 .map_or(i64::MAX, |n| i64::try_from(n).unwrap_or(i64::MAX)),
         ),
     ]
+}
+
+#[cfg(all(test, feature = "sqlite"))]
+mod tests {
+    use crate::store::SqliteStore;
+
+    /// A third of a second or more of SQLite's time (unoptimized) before its row is written.
+    const SLOW_INSERT: &str = "INSERT INTO rows (n) SELECT 1 FROM (WITH RECURSIVE c(x) AS \
+        (SELECT 1 UNION ALL SELECT x + 1 FROM c WHERE x < 1000000) SELECT max(x) FROM c)";
+
+    /// Minutes of SQLite's time before its row is written, were it not stopped.
+    const RUNAWAY_INSERT: &str = "INSERT INTO rows (n) SELECT 2 FROM (WITH RECURSIVE c(x) AS \
+        (SELECT 1 UNION ALL SELECT x + 1 FROM c WHERE x < 1000000000) SELECT max(x) FROM c)";
+
+    /// Takes the turn and the handler connection, as a handler's `ctx.connection()` does:
+    /// whether it was taken while still counted open, and what `work` answered on it; then
+    /// parks it, told whether the runtime gave up on the handler.
+    async fn as_a_handler<T>(
+        store: &SqliteStore,
+        given_up: bool,
+        work: impl AsyncFnOnce(&mut sqlx::SqliteConnection) -> T,
+    ) -> (bool, T) {
+        let parked = store
+            .parked_handler_turn()
+            .await
+            .unwrap()
+            .expect("a handler pool");
+        let (mut connection, counted) = parked.connection.expect("a connection");
+        let answer = work(&mut connection).await;
+        (parked.park)(connection, given_up);
+        drop(parked.turn);
+        (counted, answer)
+    }
+
+    /// Starts `insert` on `connection` and drops its future: it still runs.
+    async fn left_running(connection: &mut sqlx::SqliteConnection, insert: &'static str) {
+        let running = sqlx::query(insert).execute(connection);
+        futures::pin_mut!(running);
+        assert!(futures::poll!(running).is_pending(), "the insert is slow");
+    }
+
+    async fn rows(connection: &mut sqlx::SqliteConnection) -> Vec<i64> {
+        sqlx::query_scalar("SELECT n FROM rows ORDER BY n")
+            .fetch_all(connection)
+            .await
+            .unwrap()
+    }
+
+    #[tokio::test]
+    async fn a_handler_given_up_on_interrupts_what_it_ran_and_nothing_an_earlier_handler_left() {
+        let directory = std::env::temp_dir().join(format!(
+            "dacapo-interrupt-{}",
+            uuid::Uuid::new_v4().simple()
+        ));
+        std::fs::create_dir_all(&directory).unwrap();
+        let path = directory.join("db.sqlite");
+        let store = SqliteStore::open(path.to_str().unwrap()).await.unwrap();
+        sqlx::query("CREATE TABLE rows (n INTEGER)")
+            .execute(store.pool())
+            .await
+            .unwrap();
+
+        // One handler leaves its insert running (its own business), and returns.
+        let (busy, ()) = as_a_handler(&store, false, async |connection| {
+            left_running(connection, SLOW_INSERT).await;
+        })
+        .await;
+        assert!(!busy, "fresh from its pool");
+        // The next, given up on, takes the connection while that insert still runs.
+        let (busy, ()) = as_a_handler(&store, true, async |_| {}).await;
+        assert!(busy, "taken before it was seen to finish");
+        let (_, seen) = as_a_handler(&store, false, rows).await;
+        assert_eq!(seen, [1], "the earlier handler's insert ran to its end");
+
+        // Seen to finish by the runtime's next write, the connection is the next handler's
+        // alone: given up on, what it left running is stopped.
+        store.db.parking().expect("SQLite").quiesce().await;
+        let (busy, ()) = as_a_handler(&store, true, async |connection| {
+            left_running(connection, RUNAWAY_INSERT).await;
+        })
+        .await;
+        assert!(!busy, "quiet when taken");
+        // Within the 5 s after which a connection still busy would be given up.
+        let (busy, seen) = tokio::time::timeout(
+            std::time::Duration::from_secs(4),
+            as_a_handler(&store, false, rows),
+        )
+        .await
+        .expect("stopped at once");
+        assert!(!busy, "the next handler got it once it stopped");
+        assert_eq!(seen, [1], "the runaway insert wrote nothing");
+
+        drop(store);
+        let _ = std::fs::remove_dir_all(&directory);
+    }
 }
