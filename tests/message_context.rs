@@ -511,27 +511,40 @@ impl Handler<MemberRemoved> for OutlastsItsFirstTimeout {
 
 /// What a handler holds can tell, when it is dropped, a run the runtime gave up on (its
 /// timeout passed) from one that ended: the adapter of handler connections stops what a
-/// handler given up on left running by this.
+/// handler given up on left running by this. Told alike for a handler that deduplicates,
+/// which runs behind its claim.
 #[tokio::test]
 async fn what_a_handler_holds_tells_when_dropped_whether_the_runtime_gave_up_on_it() {
-    let told = Arc::new(Mutex::new(Vec::new()));
-    let runtime = Runtime::builder()
-        .handler_timeout(std::time::Duration::from_millis(50))
-        .retry_policy(RetryPolicy {
-            min_retry_interval: std::time::Duration::from_millis(10),
-            ..RetryPolicy::default()
-        })
-        .module(
-            Module::new("m")
-                .handle_named::<MemberRemoved, _>("h", OutlastsItsFirstTimeout(Arc::clone(&told))),
-        )
-        .build()
-        .unwrap();
-    runtime.publish(&member_removed()).await.unwrap();
-    tokio::time::timeout(std::time::Duration::from_secs(10), runtime.idle())
-        .await
-        .unwrap();
-    assert_eq!(runtime.stats().handled, 1);
-    assert_eq!(*told.lock().unwrap(), [(1, true), (2, false)]);
-    assert!(runtime.shutdown().await.is_clean());
+    for deduplicated in [false, true] {
+        let told = Arc::new(Mutex::new(Vec::new()));
+        let mut module = Module::new("m")
+            .handle_named::<MemberRemoved, _>("h", OutlastsItsFirstTimeout(Arc::clone(&told)));
+        let mut builder = Runtime::builder()
+            .handler_timeout(std::time::Duration::from_millis(50))
+            .retry_policy(RetryPolicy {
+                min_retry_interval: std::time::Duration::from_millis(10),
+                ..RetryPolicy::default()
+            });
+        let mut options = SendOptions::new();
+        if deduplicated {
+            module = module.deduplicate("h", Deduplication::from_envelope());
+            builder = builder.enable_deduplication();
+            options = options.deduplication_id("member-1|removed");
+        }
+        let runtime = builder.module(module).build().unwrap();
+        runtime
+            .publish_with(&member_removed(), options)
+            .await
+            .unwrap();
+        tokio::time::timeout(std::time::Duration::from_secs(10), runtime.idle())
+            .await
+            .unwrap();
+        assert_eq!(runtime.stats().handled, 1, "deduplicated: {deduplicated}");
+        assert_eq!(
+            *told.lock().unwrap(),
+            [(1, true), (2, false)],
+            "deduplicated: {deduplicated}"
+        );
+        assert!(runtime.shutdown().await.is_clean());
+    }
 }
