@@ -100,6 +100,13 @@ pub trait Backend: sealed::Sealed + sqlx::Database {
     fn connect(
         context: &MessageContext,
     ) -> impl Future<Output = Result<HandlerConnection<'_, Self>, Error>> + Send;
+
+    /// Waits until `connection` finished what it was asked, then rolls back a transaction a
+    /// handler began by hand and left open on it; whether there was one.
+    #[doc(hidden)]
+    fn end_left_open(
+        connection: &mut Self::Connection,
+    ) -> impl Future<Output = Result<bool, sqlx::Error>> + Send;
 }
 
 /// Opens handler transactions from a [`MessageContext`].
@@ -189,9 +196,13 @@ impl HandlerTransactions for MessageContext {
 /// statement — that one is the same connection, its statements queued behind — and before
 /// the runtime's next write, which waits up to 5 s for it and then writes anyway (SQLite's
 /// busy timeout then decides); a rollback is waited for, as long, before the next handler
-/// gets the connection. A `BEGIN` run by hand is the handler's to end: left open, it keeps
-/// SQLite's lock, the next handlers' statements run inside it, and the runtime's writes fail
-/// (busy) until the process restarts. It borrows the handler's [`MessageContext`], and a
+/// gets the connection. A `BEGIN` run by hand is the handler's to end; left open when the
+/// connection is dropped, the runtime ends it (with a warning) before its own next write and
+/// before the connection goes back to its pool: rolled back where it goes back to its pool
+/// (PostgreSQL, SQLite without a parked connection), committed on SQLite's parked connection,
+/// which the next handlers may already have written on inside it (a `BEGIN` of theirs fails
+/// meanwhile). Commit what you begin, or begin with sqlx's `begin`, which rolls back when
+/// dropped. It borrows the handler's [`MessageContext`], and a
 /// copy of the context kept past its attempt opens none: a write after the attempt would
 /// come after the settle that makes it durable.
 pub struct HandlerConnection<'a, DB: Backend> {
@@ -235,9 +246,11 @@ impl<DB: Backend> Drop for HandlerConnection<'_, DB> {
     /// asks, and a writer of the runtime's waits for it (`store::sql::parking`). A statement
     /// left outside a transaction by a handler the runtime gave up on is interrupted.
     ///
-    /// Elsewhere, finishes what the connection was asked, then gives the turn: a ping, queued
-    /// behind that work (bounded by [`CLOSING`]), tells when it ended, so the next writer
-    /// never finds SQLite's lock taken.
+    /// Elsewhere, finishes what the connection was asked, then gives the turn: a statement,
+    /// queued behind that work (bounded by [`CLOSING`]), tells when it ended, so the next
+    /// writer never finds SQLite's lock taken, and rolls back a transaction the handler began
+    /// by hand and left open (`store::sql::left_open`) before the connection goes back to its
+    /// pool.
     fn drop(&mut self) {
         let connection = self.connection.take();
         let turn = self.turn.take();
@@ -261,8 +274,13 @@ impl<DB: Backend> Drop for HandlerConnection<'_, DB> {
         };
         runtime.spawn(async move {
             if let Some(mut connection) = connection {
-                let _ =
-                    tokio::time::timeout(CLOSING, sqlx::Connection::ping(&mut *connection)).await;
+                let ended =
+                    tokio::time::timeout(CLOSING, DB::end_left_open(&mut *connection)).await;
+                if !matches!(ended, Ok(Ok(_))) {
+                    // Failed, or still busy: closed rather than given back to the pool with
+                    // what it may hold, which ends with it.
+                    drop(connection.detach());
+                }
             }
             // What it committed comes before: the next sync covers it.
             if let Some(unsynced) = unsynced {
@@ -512,7 +530,13 @@ fn handling<'c, S: 'static>(
 }
 
 macro_rules! backend {
-    ($db:ty, $store:ty, $begin:expr, parked = |$parked_store:ident| $parked:expr) => {
+    (
+        $db:ty,
+        $store:ty,
+        $begin:expr,
+        parked = |$parked_store:ident| $parked:expr,
+        end_left_open = |$connection:ident| $end_left_open:expr
+    ) => {
         impl sealed::Sealed for $db {}
 
         impl Backend for $db {
@@ -606,6 +630,12 @@ macro_rules! backend {
                 Ok(connection)
             }
 
+            async fn end_left_open(
+                $connection: &mut <Self as sqlx::Database>::Connection,
+            ) -> Result<bool, sqlx::Error> {
+                $end_left_open.await
+            }
+
             async fn finish(transaction: &mut HandlerTransaction<Self>) -> Result<(), Error> {
                 if let Some(claim) = transaction.context.deduplication_claim() {
                     let tx = transaction.tx.as_mut().ok_or_else(|| {
@@ -648,7 +678,11 @@ backend!(
     sqlx::Sqlite,
     crate::store::SqliteStore,
     "BEGIN IMMEDIATE",
-    parked = |store| store.parked_handler_turn().await?
+    parked = |store| store.parked_handler_turn().await?,
+    end_left_open = |connection| crate::store::sql::end_on_sqlite(
+        connection,
+        crate::store::sql::Ending::Rollback
+    )
 );
 // No turn to write on PostgreSQL: a handler connection goes back to the pool.
 #[cfg(feature = "postgres")]
@@ -656,5 +690,6 @@ backend!(
     sqlx::Postgres,
     crate::store::PostgresStore,
     "BEGIN",
-    parked = |_store| None::<ParkedTurn<Self>>
+    parked = |_store| None::<ParkedTurn<Self>>,
+    end_left_open = |connection| crate::store::sql::end_on_postgres(connection)
 );

@@ -365,6 +365,151 @@ async fn a_connection_left_mid_transaction_is_rolled_back_before_the_next_writer
     assert_eq!(ran, ((40, 40, 0), 40));
 }
 
+/// Begins a transaction by hand (a `BEGIN` statement, which sqlx knows nothing of) for
+/// members that are multiples of `every`, writes its row in it and returns without
+/// committing; writes the other members' rows each on its own.
+struct LeavesItsTransactionOpen {
+    backend: Backend,
+    every: u64,
+}
+
+impl Handler<MemberRemoved> for LeavesItsTransactionOpen {
+    async fn handle(
+        &self,
+        event: &MemberRemoved,
+        ctx: &MessageContext,
+    ) -> Result<(), HandlerError> {
+        let id = ids::derive_or_random(ctx.message_id(), "tally");
+        let member = event.member_id as i64;
+        let left_open = event.member_id.is_multiple_of(self.every);
+        match self.backend {
+            Backend::Sqlite => {
+                let mut connection = ctx.connection::<sqlx::Sqlite>().await?;
+                if left_open {
+                    sqlx::query("BEGIN").execute(&mut *connection).await?;
+                }
+                let insert = sqlx::query(INSERT).bind(&id).bind(member);
+                insert.execute(&mut *connection).await?;
+            }
+            Backend::Postgres => {
+                let mut connection = ctx.connection::<sqlx::Postgres>().await?;
+                if left_open {
+                    sqlx::query("BEGIN").execute(&mut *connection).await?;
+                }
+                let insert = sqlx::query(INSERT).bind(&id).bind(member);
+                insert.execute(&mut *connection).await?;
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Whether the runtime told that it ended a transaction a handler left open, by `ending`.
+fn told_it_ended(ending: &str) -> bool {
+    support_warnings::warnings()
+        .lock()
+        .unwrap()
+        .iter()
+        .any(|warning| warning.contains("began by hand") && warning.contains(ending))
+}
+
+/// On SQLite's parked handler connection, a transaction a handler began by hand and left open
+/// is committed before the runtime's next write: the next handlers' statements, meant to
+/// commit one by one, may already be inside it. The runtime's writes never meet its lock
+/// (the busy timeout is zero), and every row lands.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_transaction_a_handler_left_open_on_a_parked_connection_is_committed() {
+    let handler = LeavesItsTransactionOpen {
+        backend: Backend::Sqlite,
+        every: 10,
+    };
+    let ran = run_never_waiting(handler, Runtime::builder(), 10).await;
+    assert_eq!(ran, ((10, 0, 0), 10));
+    assert!(told_it_ended("COMMIT"));
+}
+
+/// Where a handler connection goes back to the runtime's own pool (SQLite at `NORMAL`), a
+/// transaction its handler began by hand and left open is rolled back before the connection
+/// goes back, or the turn to write does: what the handler did not commit is not there, the
+/// runtime's own writes neither wait for its lock nor run inside it, and every delivery
+/// settles.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_transaction_a_handler_left_open_on_the_runtimes_pool_is_rolled_back_sqlite() {
+    let db = support_stores::TestDatabase::new(Backend::Sqlite).await;
+    let store =
+        dacapo::store::SqliteStore::open_with(&db.url, sqlx::sqlite::SqliteSynchronous::Normal)
+            .await
+            .unwrap();
+    sqlx::query(TABLE).execute(store.pool()).await.unwrap();
+    let pool = store.pool().clone();
+    let runtime = Runtime::builder()
+        .store(store)
+        .module(Module::new("billing").handle_named::<MemberRemoved, _>(
+            "tally",
+            LeavesItsTransactionOpen {
+                backend: Backend::Sqlite,
+                every: 2,
+            },
+        ))
+        .build()
+        .unwrap();
+    runtime.publish_batch(&members(10)).await.unwrap();
+    assert_eq!(settled(runtime, &pool).await, ((10, 0, 0), 5));
+    let odd: i64 = sqlx::query_scalar("SELECT count(*) FROM tallies WHERE member % 2 = 1")
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    assert_eq!(odd, 5);
+    assert!(told_it_ended("ROLLBACK"));
+}
+
+/// On PostgreSQL a handler connection is one of the runtime's own: a transaction its handler
+/// began by hand and left open is rolled back before the connection goes back to the pool.
+/// On a pool of two connections, the runtime's statements run on that connection after the
+/// handler: left open, they would run inside it, and another session would not see them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_transaction_a_handler_left_open_on_the_runtimes_pool_is_rolled_back_postgres() {
+    let db = support_stores::TestDatabase::new(Backend::Postgres).await;
+    let pool = sqlx::postgres::PgPoolOptions::new()
+        .max_connections(2)
+        .connect(&db.url)
+        .await
+        .unwrap();
+    let store = dacapo::store::PostgresStore::with_pool(pool).await.unwrap();
+    db.execute(TABLE).await;
+    let runtime = Runtime::builder()
+        .store(store)
+        .module(Module::new("billing").handle_named::<MemberRemoved, _>(
+            "tally",
+            LeavesItsTransactionOpen {
+                backend: Backend::Postgres,
+                every: 2,
+            },
+        ))
+        .build()
+        .unwrap();
+    runtime.publish_batch(&members(10)).await.unwrap();
+    tokio::time::timeout(WAIT, runtime.idle()).await.unwrap();
+    runtime.publish(&members(1)[0].clone()).await.unwrap();
+    tokio::time::timeout(WAIT, runtime.idle()).await.unwrap();
+    let stats = runtime.stats();
+    runtime.shutdown().await;
+    assert_eq!((stats.handled, stats.retried), (11, 0), "{stats:?}");
+    // Seen from sessions of their own.
+    assert_eq!(
+        db.scalar("SELECT count(*) FROM dacapo_inbox WHERE status = 'handled'")
+            .await,
+        11
+    );
+    assert_eq!(db.scalar("SELECT count(*) FROM tallies").await, 5);
+    assert_eq!(
+        db.scalar("SELECT count(*) FROM tallies WHERE member % 2 = 1")
+            .await,
+        5
+    );
+    assert!(told_it_ended("ROLLBACK"));
+}
+
 /// Runs `count` messages through `handler` on a SQLite file whose busy timeout is zero, with
 /// quick retries: what `settled` tells. A write that found the database locked would fail at
 /// once, and none was warned of.

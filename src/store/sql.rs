@@ -11,6 +11,7 @@ mod group_commit;
 mod handler_pool;
 #[cfg(feature = "sqlite")]
 mod interrupt;
+mod left_open;
 mod node_hold;
 #[cfg(feature = "sqlite")]
 mod parking;
@@ -23,6 +24,10 @@ pub use dialect::Dialect;
 pub(crate) use handler_pool::{HandlerPool, Unsynced};
 #[cfg(feature = "sqlite")]
 pub(crate) use interrupt::Interrupt;
+#[cfg(feature = "postgres")]
+pub(crate) use left_open::end_on_postgres;
+#[cfg(feature = "sqlite")]
+pub(crate) use left_open::{Ending, end_on_sqlite};
 #[cfg(feature = "sqlite")]
 pub(crate) use parking::{Parking, Taken};
 pub(crate) use statements::{COMPLETE_CLAIM, ENLIST, ENLIST_ONCE};

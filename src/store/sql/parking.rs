@@ -14,6 +14,10 @@
 //! commits (and syncs the log) after every handler write before it — unless the parked
 //! connection is still busy after [`QUIESCE_WITHIN`], when the writer goes ahead anyway.
 //!
+//! A writer sees it finish with two statements, a deferred `BEGIN` and its `ROLLBACK`, which
+//! also tell whether a transaction a handler began by hand was left open there: committed
+//! then, since the handlers after it may have written inside it (`left_open`).
+//!
 //! Until a writer has seen it finish, a parked connection still counts as an open handler
 //! connection for the log's sync ([`Unsynced`]): what it may still commit is synced by the
 //! next sync, the outbox relay's included.
@@ -29,7 +33,7 @@ use std::time::Duration;
 
 use sqlx::pool::PoolConnection;
 
-use super::{Interrupt, Unsynced};
+use super::{Ending, Interrupt, Unsynced};
 
 /// How long a writer waits for the parked connection to finish what it was asked before it
 /// writes anyway (then SQLite's busy timeout decides), and gives that connection up.
@@ -92,8 +96,11 @@ impl Parked {
             return;
         }
         runtime.spawn(async move {
-            let _ = sqlx::Connection::ping(&mut *self.connection).await;
+            let ended = super::end_on_sqlite(&mut self.connection, Ending::Commit).await;
             self.finished();
+            if ended.is_err() {
+                drop(self.connection.detach());
+            }
         });
     }
 }
@@ -188,15 +195,17 @@ impl Parking {
         };
         let finished = tokio::time::timeout(
             QUIESCE_WITHIN,
-            sqlx::Connection::ping(&mut *parked.connection),
+            super::end_on_sqlite(&mut parked.connection, Ending::Commit),
         )
         .await;
         match finished {
-            Ok(Ok(())) => parked.finished(),
+            Ok(Ok(_)) => parked.finished(),
             Ok(Err(error)) => {
                 tracing::warn!(%error, "a handler connection failed; it is closed");
                 parked.finished();
-                waiting.parked = None;
+                if let Some(parked) = waiting.parked.take() {
+                    drop(parked.connection.detach());
+                }
             }
             Err(_) => {
                 tracing::warn!(
