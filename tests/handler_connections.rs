@@ -382,23 +382,20 @@ impl Handler<MemberRemoved> for LeavesItsTransactionOpen {
         let id = ids::derive_or_random(ctx.message_id(), "tally");
         let member = event.member_id as i64;
         let left_open = event.member_id.is_multiple_of(self.every);
+        // The same statements on either database's connection.
+        macro_rules! write_on {
+            ($db:ty) => {{
+                let mut connection = ctx.connection::<$db>().await?;
+                if left_open {
+                    sqlx::query("BEGIN").execute(&mut *connection).await?;
+                }
+                let insert = sqlx::query(INSERT).bind(&id).bind(member);
+                insert.execute(&mut *connection).await?;
+            }};
+        }
         match self.backend {
-            Backend::Sqlite => {
-                let mut connection = ctx.connection::<sqlx::Sqlite>().await?;
-                if left_open {
-                    sqlx::query("BEGIN").execute(&mut *connection).await?;
-                }
-                let insert = sqlx::query(INSERT).bind(&id).bind(member);
-                insert.execute(&mut *connection).await?;
-            }
-            Backend::Postgres => {
-                let mut connection = ctx.connection::<sqlx::Postgres>().await?;
-                if left_open {
-                    sqlx::query("BEGIN").execute(&mut *connection).await?;
-                }
-                let insert = sqlx::query(INSERT).bind(&id).bind(member);
-                insert.execute(&mut *connection).await?;
-            }
+            Backend::Sqlite => write_on!(sqlx::Sqlite),
+            Backend::Postgres => write_on!(sqlx::Postgres),
         }
         Ok(())
     }
