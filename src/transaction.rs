@@ -198,11 +198,10 @@ impl HandlerTransactions for MessageContext {
 /// busy timeout then decides); a rollback is waited for, as long, before the next handler
 /// gets the connection. A `BEGIN` run by hand is the handler's to end; left open when the
 /// connection is dropped, the runtime ends it (with a warning) before its own next write and
-/// before the connection goes back to its pool: rolled back where it goes back to its pool
-/// (PostgreSQL, SQLite without a parked connection), committed on SQLite's parked connection,
-/// which the next handlers may already have written on inside it (a `BEGIN` of theirs fails
-/// meanwhile). Commit what you begin, or begin with sqlx's `begin`, which rolls back when
-/// dropped. It borrows the handler's [`MessageContext`], and a
+/// before the connection goes back to its pool: rolled back where nobody used the connection
+/// since, committed when the next handler took SQLite's parked connection first and may have
+/// written inside it (a `BEGIN` of its own fails meanwhile). Commit what you begin, or begin
+/// with sqlx's `begin`, which rolls back when dropped. It borrows the handler's [`MessageContext`], and a
 /// copy of the context kept past its attempt opens none: a write after the attempt would
 /// come after the settle that makes it durable.
 pub struct HandlerConnection<'a, DB: Backend> {
@@ -236,7 +235,8 @@ pub(crate) struct ParkedTurn<DB: sqlx::Database> {
 }
 
 /// How long a closing handler connection may take to finish what it was asked (a rollback
-/// left pending) before its turn goes anyway.
+/// left pending) before its turn goes anyway; the connection goes back to its pool only once
+/// it finished.
 const CLOSING: std::time::Duration = std::time::Duration::from_secs(5);
 
 impl<DB: Backend> Drop for HandlerConnection<'_, DB> {
@@ -273,13 +273,27 @@ impl<DB: Backend> Drop for HandlerConnection<'_, DB> {
             return;
         };
         runtime.spawn(async move {
-            if let Some(mut connection) = connection {
-                let ended =
-                    tokio::time::timeout(CLOSING, DB::end_left_open(&mut *connection)).await;
-                if !matches!(ended, Ok(Ok(_))) {
-                    // Failed, or still busy: closed rather than given back to the pool with
-                    // what it may hold, which ends with it.
-                    drop(connection.detach());
+            let mut turn = turn;
+            if let Some(connection) = connection {
+                let mut closing = Closing(Some(connection));
+                let ended = match closing.0.as_deref_mut() {
+                    Some(connection) => {
+                        let ending = DB::end_left_open(connection);
+                        tokio::pin!(ending);
+                        match tokio::time::timeout(CLOSING, &mut ending).await {
+                            Ok(ended) => ended,
+                            Err(_) => {
+                                // Still busy: the turn goes (the next writer's busy timeout
+                                // decides), the connection only once it ended.
+                                drop(turn.take());
+                                ending.await
+                            }
+                        }
+                    }
+                    None => Ok(false),
+                };
+                if ended.is_ok() {
+                    closing.give_back();
                 }
             }
             // What it committed comes before: the next sync covers it.
@@ -288,6 +302,25 @@ impl<DB: Backend> Drop for HandlerConnection<'_, DB> {
             }
             drop(turn);
         });
+    }
+}
+
+/// A handler connection on its way back to its pool, closed instead if it never gets there
+/// (it failed, or its task was dropped with the runtime) — with whatever it may still hold,
+/// which ends with it.
+struct Closing<DB: sqlx::Database>(Option<sqlx::pool::PoolConnection<DB>>);
+
+impl<DB: sqlx::Database> Closing<DB> {
+    fn give_back(mut self) {
+        drop(self.0.take());
+    }
+}
+
+impl<DB: sqlx::Database> Drop for Closing<DB> {
+    fn drop(&mut self) {
+        if let Some(connection) = self.0.take() {
+            drop(connection.detach());
+        }
     }
 }
 

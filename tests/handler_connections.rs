@@ -379,7 +379,7 @@ impl Handler<MemberRemoved> for LeavesItsTransactionOpen {
         event: &MemberRemoved,
         ctx: &MessageContext,
     ) -> Result<(), HandlerError> {
-        let id = ids::derive_or_random(ctx.message_id(), "tally");
+        let id = ids::derive_or_random(ctx.message_id(), "left-open");
         let member = event.member_id as i64;
         let left_open = event.member_id.is_multiple_of(self.every);
         // The same statements on either database's connection.
@@ -401,28 +401,90 @@ impl Handler<MemberRemoved> for LeavesItsTransactionOpen {
     }
 }
 
-/// Whether the runtime told that it ended a transaction a handler left open, by `ending`.
-fn told_it_ended(ending: &str) -> bool {
+/// The left-open tests one at a time: each reads the endings the runtime told while it ran.
+static LEFT_OPEN: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
+/// How the runtime ended each transaction a handler left open, as it told (`"COMMIT"` or
+/// `"ROLLBACK"`), in this test binary so far. Its first call starts the capture.
+fn endings_told() -> Vec<String> {
     support_warnings::warnings()
         .lock()
         .unwrap()
         .iter()
-        .any(|warning| warning.contains("began by hand") && warning.contains(ending))
+        .filter(|warning| warning.contains("began by hand"))
+        .map(|warning| {
+            if warning.contains("COMMIT") {
+                "COMMIT".to_owned()
+            } else {
+                "ROLLBACK".to_owned()
+            }
+        })
+        .collect()
+}
+
+/// On SQLite's parked handler connection, a transaction a handler began by hand and left
+/// open, with nobody taking the connection after it, is rolled back before the runtime's next
+/// write, like an sqlx transaction dropped: its row is not there, the runtime's writes never
+/// meet its lock (the busy timeout is zero), and the next message is handled.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_transaction_a_handler_left_open_alone_on_a_parked_connection_is_rolled_back() {
+    let _alone = LEFT_OPEN.lock().await;
+    let told = endings_told().len();
+    let handler = LeavesItsTransactionOpen {
+        backend: Backend::Sqlite,
+        every: 2,
+    };
+    let db = support_stores::TestDatabase::new(Backend::Sqlite).await;
+    let (pool, store) = support_stores::never_waiting_sqlite(&db.url, TABLE).await;
+    let runtime = Runtime::builder()
+        .store(store)
+        .module(Module::new("billing").handle_named::<MemberRemoved, _>("tally", handler))
+        .build()
+        .unwrap();
+    for member in members(2) {
+        runtime.publish(&member).await.unwrap();
+        tokio::time::timeout(WAIT, runtime.idle()).await.unwrap();
+    }
+    assert_eq!(settled(runtime, &pool).await, ((2, 0, 0), 1));
+    assert_eq!(endings_told()[told..], ["ROLLBACK"]);
 }
 
 /// On SQLite's parked handler connection, a transaction a handler began by hand and left open
-/// is committed before the runtime's next write: the next handlers' statements, meant to
-/// commit one by one, may already be inside it. The runtime's writes never meet its lock
-/// (the busy timeout is zero), and every row lands.
+/// is committed when the next handler took the connection before the runtime's next write:
+/// that handler's statements, meant to commit one by one, may be inside it. Two handlers of
+/// one message, one leaving its transaction open: the other's row always lands, the first's
+/// as the runtime told, and the delivery settles.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_transaction_a_handler_left_open_on_a_parked_connection_is_committed() {
-    let handler = LeavesItsTransactionOpen {
+async fn a_transaction_a_handler_left_open_on_a_parked_connection_keeps_the_next_handlers_rows() {
+    let _alone = LEFT_OPEN.lock().await;
+    let told = endings_told().len();
+    let db = support_stores::TestDatabase::new(Backend::Sqlite).await;
+    let (pool, store) = support_stores::never_waiting_sqlite(&db.url, TABLE).await;
+    let left_open = LeavesItsTransactionOpen {
         backend: Backend::Sqlite,
-        every: 10,
+        every: 1,
     };
-    let ran = run_never_waiting(handler, Runtime::builder(), 10).await;
-    assert_eq!(ran, ((10, 0, 0), 10));
-    assert!(told_it_ended("COMMIT"));
+    let runtime = Runtime::builder()
+        .store(store)
+        .module(
+            Module::new("billing")
+                .handle_named::<MemberRemoved, _>("left-open", left_open)
+                .handle_named::<MemberRemoved, _>("tally", Tally::new(Backend::Sqlite, false)),
+        )
+        .build()
+        .unwrap();
+    let message_id = runtime.publish(&members(1)[0]).await.unwrap();
+    let ((handled, retried, dead), rows) = settled(runtime, &pool).await;
+    assert_eq!((handled, retried, dead), (1, 0, 0));
+    let told = endings_told()[told..].to_vec();
+    assert_eq!(told.len(), 1, "{told:?}");
+    let tally: i64 = sqlx::query_scalar("SELECT count(*) FROM tallies WHERE id = $1")
+        .bind(ids::derive_or_random(Some(message_id), "tally"))
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    assert_eq!(tally, 1, "the other handler's row");
+    assert_eq!(rows, if told[0] == "COMMIT" { 2 } else { 1 }, "{told:?}");
 }
 
 /// Where a handler connection goes back to the runtime's own pool (SQLite at `NORMAL`), a
@@ -432,6 +494,8 @@ async fn a_transaction_a_handler_left_open_on_a_parked_connection_is_committed()
 /// settles.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_transaction_a_handler_left_open_on_the_runtimes_pool_is_rolled_back_sqlite() {
+    let _alone = LEFT_OPEN.lock().await;
+    let told = endings_told().len();
     let db = support_stores::TestDatabase::new(Backend::Sqlite).await;
     let store =
         dacapo::store::SqliteStore::open_with(&db.url, sqlx::sqlite::SqliteSynchronous::Normal)
@@ -457,7 +521,7 @@ async fn a_transaction_a_handler_left_open_on_the_runtimes_pool_is_rolled_back_s
         .await
         .unwrap();
     assert_eq!(odd, 5);
-    assert!(told_it_ended("ROLLBACK"));
+    assert_eq!(endings_told()[told..], ["ROLLBACK"; 5]);
 }
 
 /// On PostgreSQL a handler connection is one of the runtime's own: a transaction its handler
@@ -466,6 +530,8 @@ async fn a_transaction_a_handler_left_open_on_the_runtimes_pool_is_rolled_back_s
 /// handler: left open, they would run inside it, and another session would not see them.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_transaction_a_handler_left_open_on_the_runtimes_pool_is_rolled_back_postgres() {
+    let _alone = LEFT_OPEN.lock().await;
+    let told = endings_told().len();
     let db = support_stores::TestDatabase::new(Backend::Postgres).await;
     let pool = sqlx::postgres::PgPoolOptions::new()
         .max_connections(2)
@@ -504,7 +570,8 @@ async fn a_transaction_a_handler_left_open_on_the_runtimes_pool_is_rolled_back_p
             .await,
         5
     );
-    assert!(told_it_ended("ROLLBACK"));
+    // The message published last left its transaction open too.
+    assert_eq!(endings_told()[told..], ["ROLLBACK"; 6]);
 }
 
 /// Runs `count` messages through `handler` on a SQLite file whose busy timeout is zero, with

@@ -222,7 +222,7 @@ impl Writer {
     async fn turn(&self) -> Result<tokio::sync::OwnedSemaphorePermit, Error> {
         let turn = self.turn_alone().await?;
         #[cfg(feature = "sqlite")]
-        self.parking.quiesce().await;
+        self.parking.quiesce().await?;
         Ok(turn)
     }
 
@@ -239,7 +239,7 @@ impl Writer {
         #[cfg(feature = "sqlite")]
         let turn = {
             let turn = self.handler_turn().await?;
-            self.parking.quiesce().await;
+            self.parking.quiesce().await?;
             turn
         };
         #[cfg(not(feature = "sqlite"))]
@@ -517,7 +517,7 @@ impl Database {
         match &self.writer {
             Some(writer) => {
                 let turn = writer.handler_turn().await?;
-                Ok((Some(turn), writer.parking.take().await))
+                Ok((Some(turn), writer.parking.take().await?))
             }
             None => Ok((None, None)),
         }

@@ -8,9 +8,9 @@
 //! run inside it and commit with it, if ever. So the runtime ends it before anyone else
 //! writes on that connection, or through SQLite's lock: rolled back, like a dropped sqlx
 //! transaction, where nobody else used the connection since; committed on SQLite's parked
-//! handler connection (see `parking`), which the next handler may already have written on —
-//! its statements, each meant to commit on its own, are then inside that transaction, and a
-//! rollback would take back work whose delivery settles as handled.
+//! handler connection (see `parking`) when the next handler took it first — its statements,
+//! each meant to commit on its own, are then inside that transaction, and a rollback would
+//! take back work whose delivery settles as handled.
 
 /// How a transaction left open is ended.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -42,32 +42,35 @@ impl Ending {
 /// Waits until `connection` finished everything it was asked (what a ping tells), then ends
 /// a transaction left open on it by `ending`. Answers whether there was one.
 ///
-/// A deferred `BEGIN` fails on a connection already in a transaction, and otherwise takes no
-/// lock: its `ROLLBACK`, in the same round trip, ends it at once.
+/// One statement, `ending`'s own: outside a transaction SQLite refuses it and changes
+/// nothing.
 ///
 /// # Errors
 ///
-/// The database's error when the connection fails.
+/// The database's error when the connection fails, or the transaction left open cannot end
+/// as asked (a commit refused: a deferred constraint, a full disk).
 ///
 /// # Cancel safety
 ///
-/// Cancelled, the statements already sent still run, in order, before anything asked later.
+/// Cancelled, the statement may still run, after what was asked before it: the connection
+/// is then out of any transaction, as asked; it is never left in one of the runtime's own.
 #[cfg(feature = "sqlite")]
 pub(crate) async fn end_on_sqlite(
     connection: &mut sqlx::SqliteConnection,
     ending: Ending,
 ) -> Result<bool, sqlx::Error> {
-    match sqlx::raw_sql("BEGIN; ROLLBACK")
+    match sqlx::raw_sql(ending.statement())
         .execute(&mut *connection)
         .await
     {
-        Ok(_) => Ok(false),
-        Err(sqlx::Error::Database(error)) if error.message().contains("within a transaction") => {
-            sqlx::raw_sql(ending.statement())
-                .execute(&mut *connection)
-                .await?;
+        Ok(_) => {
             ending.told();
             Ok(true)
+        }
+        Err(sqlx::Error::Database(error))
+            if error.message().contains("no transaction is active") =>
+        {
+            Ok(false)
         }
         Err(error) => Err(error),
     }
@@ -90,7 +93,8 @@ const IN_FAILED_TRANSACTION: &str = "25P02";
 ///
 /// # Cancel safety
 ///
-/// Cancelled, the connection may be left between two statements: close it.
+/// Cancelled, the connection may be left between the two statements, in the transaction:
+/// close it.
 #[cfg(feature = "postgres")]
 pub(crate) async fn end_on_postgres(
     connection: &mut sqlx::PgConnection,

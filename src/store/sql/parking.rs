@@ -14,9 +14,10 @@
 //! commits (and syncs the log) after every handler write before it — unless the parked
 //! connection is still busy after [`QUIESCE_WITHIN`], when the writer goes ahead anyway.
 //!
-//! A writer sees it finish with two statements, a deferred `BEGIN` and its `ROLLBACK`, which
-//! also tell whether a transaction a handler began by hand was left open there: committed
-//! then, since the handlers after it may have written inside it (`left_open`).
+//! A writer sees it finish with a statement that also ends a transaction a handler began by
+//! hand and left open there (`left_open`): a `ROLLBACK` when its last holder took it quiet or
+//! fresh, so that all it ran is that holder's; a `COMMIT` when that holder took it from the
+//! one before still counted open, since its writes may be inside such a transaction.
 //!
 //! Until a writer has seen it finish, a parked connection still counts as an open handler
 //! connection for the log's sync ([`Unsynced`]): what it may still commit is synced by the
@@ -32,6 +33,8 @@ use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
 use sqlx::pool::PoolConnection;
+
+use dacapo_actors::Error;
 
 use super::{Ending, Interrupt, Unsynced};
 
@@ -68,9 +71,22 @@ struct Parked {
     unsynced: Option<Arc<Unsynced>>,
     /// Raised, what it runs stops; lowered once it is seen to finish.
     interrupt: Interrupt,
+    /// Its last holder took it still counted open, from the holder before: a transaction
+    /// left open on it may hold later holders' writes (see `left_open`).
+    shared: bool,
 }
 
 impl Parked {
+    /// How a transaction left open on it ends: committed when a later holder may have
+    /// written inside it, rolled back when it can only be its last holder's.
+    fn ending(&self) -> Ending {
+        if self.shared {
+            Ending::Commit
+        } else {
+            Ending::Rollback
+        }
+    }
+
     /// No longer counted as open: it was seen to finish, or failed.
     fn finished(&mut self) {
         self.interrupt.lower();
@@ -96,9 +112,15 @@ impl Parked {
             return;
         }
         runtime.spawn(async move {
-            let ended = super::end_on_sqlite(&mut self.connection, Ending::Commit).await;
+            let ending = self.ending();
+            let ended = super::end_on_sqlite(&mut self.connection, ending).await;
             self.finished();
-            if ended.is_err() {
+            if let Err(error) = ended {
+                tracing::error!(
+                    %error,
+                    ?ending,
+                    "a handler connection given up on failed; it is closed, with what it held"
+                );
                 drop(self.connection.detach());
             }
         });
@@ -121,19 +143,22 @@ impl Parking {
     }
 
     /// Leaves `connection` for the next holder of the turn, with the count of an open handler
-    /// connection it holds in `unsynced`, and its `interrupt` (raised if what it runs was
-    /// abandoned). Call it with the turn held, before giving the turn up.
+    /// connection it holds in `unsynced`, its `interrupt` (raised if what it runs was
+    /// abandoned), and whether its holder took it `shared` (still counted open). Call it with
+    /// the turn held, before giving the turn up.
     pub(crate) fn park(
         &self,
         connection: PoolConnection<sqlx::Sqlite>,
         unsynced: Option<Arc<Unsynced>>,
         interrupt: Interrupt,
+        shared: bool,
     ) {
         let earlier = self.slot().replace(Parked {
             connection,
             quiet: false,
             unsynced,
             interrupt,
+            shared,
         });
         // Only one connection holds the turn at a time, and it takes the parked one first:
         // there is never a second.
@@ -148,23 +173,27 @@ impl Parking {
     /// without a bound. So is one whose interrupt is raised, which must see its statement
     /// stop before it runs the next.
     ///
+    /// # Errors
+    ///
+    /// As [`quiesce`](Self::quiesce).
+    ///
     /// # Cancel safety
     ///
     /// Cancelled, the connection stays parked.
-    pub(crate) async fn take(&self) -> Option<Taken> {
+    pub(crate) async fn take(&self) -> Result<Option<Taken>, Error> {
         let to_wait_for = self.slot().as_ref().is_some_and(|parked| {
             !parked.quiet
                 && (sqlx::Connection::is_in_transaction(&*parked.connection)
                     || parked.interrupt.raised())
         });
         if to_wait_for {
-            self.quiesce().await;
+            self.quiesce().await?;
         }
-        self.slot().take().map(|parked| Taken {
+        Ok(self.slot().take().map(|parked| Taken {
             counted: !parked.quiet,
             connection: parked.connection,
             interrupt: parked.interrupt,
-        })
+        }))
     }
 
     /// Waits until the parked connection finished everything it was asked: call it with the
@@ -172,10 +201,20 @@ impl Parking {
     /// connection still busy then is given up (back to its pool once it finishes) and the
     /// write goes ahead.
     ///
+    /// A transaction a handler left open there is ended first (`left_open`).
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Store`] when a transaction left open, which later handlers may have written
+    /// inside, failed to commit: the write waiting for it must not go, since it may settle
+    /// deliveries over writes that never commit. SQLite refusing the commit (a deferred
+    /// constraint, a full disk) leaves the connection parked, the transaction open, for the
+    /// next writer to try again; a connection that failed is closed.
+    ///
     /// # Cancel safety
     ///
     /// Cancelled, the connection stays parked, still to wait for.
-    pub(crate) async fn quiesce(&self) {
+    pub(crate) async fn quiesce(&self) -> Result<(), Error> {
         let busy = {
             let mut slot = self.slot();
             match slot.as_ref() {
@@ -184,27 +223,54 @@ impl Parking {
             }
         };
         let Some(parked) = busy else {
-            return;
+            return Ok(());
         };
         let mut waiting = Waiting {
             parking: self,
             parked: Some(parked),
         };
         let Some(parked) = waiting.parked.as_mut() else {
-            return;
+            return Ok(());
         };
+        let ending = parked.ending();
         let finished = tokio::time::timeout(
             QUIESCE_WITHIN,
-            super::end_on_sqlite(&mut parked.connection, Ending::Commit),
+            super::end_on_sqlite(&mut parked.connection, ending),
         )
         .await;
         match finished {
-            Ok(Ok(_)) => parked.finished(),
+            Ok(Ok(_)) => {
+                parked.finished();
+                Ok(())
+            }
+            Ok(Err(sqlx::Error::Database(error))) if ending == Ending::Commit => {
+                // Kept open and parked, still counted open: what later handlers wrote inside
+                // it is not lost, and the next writer tries the commit again.
+                tracing::error!(
+                    %error,
+                    "a transaction a handler left open on its connection, which later \
+                     handlers may have written inside, failed to commit; the runtime's write \
+                     waiting for it fails"
+                );
+                Err(Error::store(format!(
+                    "a transaction a handler left open on its connection failed to commit: \
+                     {error}"
+                )))
+            }
             Ok(Err(error)) => {
                 tracing::warn!(%error, "a handler connection failed; it is closed");
                 parked.finished();
                 if let Some(parked) = waiting.parked.take() {
                     drop(parked.connection.detach());
+                }
+                match ending {
+                    // What later handlers may have written inside a transaction left open
+                    // went with the connection.
+                    Ending::Commit => Err(Error::store(format!(
+                        "a handler connection failed before what it held was seen to commit: \
+                         {error}"
+                    ))),
+                    Ending::Rollback => Ok(()),
                 }
             }
             Err(_) => {
@@ -215,6 +281,7 @@ impl Parking {
                 if let Some(parked) = waiting.parked.take() {
                     parked.let_go();
                 }
+                Ok(())
             }
         }
     }
@@ -318,15 +385,15 @@ mod tests {
     async fn a_writer_waits_for_what_the_parked_connection_left_running() {
         let db = Database::new().await;
         let parking = Parking::default();
-        parking.park(db.left_running().await, None, Interrupt::default());
-        parking.quiesce().await;
+        parking.park(db.left_running().await, None, Interrupt::default(), false);
+        parking.quiesce().await.unwrap();
         assert_eq!(
             db.rows().await,
             1,
             "the insert ended before the writer's turn"
         );
         assert!(
-            parking.take().await.is_some(),
+            parking.take().await.unwrap().is_some(),
             "still parked for the next handler"
         );
     }
@@ -341,16 +408,17 @@ mod tests {
             db.left_running().await,
             Some(Arc::clone(&unsynced)),
             Interrupt::default(),
+            false,
         );
         assert!(unsynced.take());
         assert!(
             unsynced.take(),
             "a sync now would miss what the insert still commits"
         );
-        parking.quiesce().await;
+        parking.quiesce().await.unwrap();
         assert!(unsynced.take(), "what it committed since the last sync");
         assert!(!unsynced.take(), "seen to finish, it no longer counts");
-        let taken = parking.take().await.expect("still parked");
+        let taken = parking.take().await.unwrap().expect("still parked");
         assert!(!taken.counted, "the next handler counts itself open");
     }
 
@@ -371,8 +439,8 @@ mod tests {
             assert!(futures::poll!(slow).is_pending(), "the query is slow");
         }
         let parking = Parking::default();
-        parking.park(connection, None, Interrupt::default());
-        let taken = parking.take().await.expect("parked");
+        parking.park(connection, None, Interrupt::default(), false);
+        let taken = parking.take().await.unwrap().expect("parked");
         assert!(
             !sqlx::Connection::is_in_transaction(&*taken.connection),
             "the rollback ran before the handler got the connection"
@@ -395,9 +463,9 @@ mod tests {
         }
         interrupt.raise();
         let parking = Parking::default();
-        parking.park(connection, None, interrupt);
+        parking.park(connection, None, interrupt, false);
         let started = std::time::Instant::now();
-        let mut taken = parking.take().await.expect("parked");
+        let mut taken = parking.take().await.unwrap().expect("parked");
         assert!(
             started.elapsed() < super::QUIESCE_WITHIN,
             "stopped, not waited for to the bound"
@@ -418,17 +486,17 @@ mod tests {
     async fn a_parked_connection_still_busy_after_the_bound_is_given_up() {
         let db = Database::new().await;
         let parking = Parking::default();
-        parking.park(db.left_running().await, None, Interrupt::default());
+        parking.park(db.left_running().await, None, Interrupt::default(), false);
         // Paused, the clock jumps to the bound as soon as nothing else is left to run.
         tokio::time::pause();
         let started = tokio::time::Instant::now();
-        parking.quiesce().await;
+        parking.quiesce().await.unwrap();
         assert!(
             started.elapsed() >= super::QUIESCE_WITHIN,
             "waited to the bound"
         );
         assert!(
-            parking.take().await.is_none(),
+            parking.take().await.unwrap().is_none(),
             "given up, not left with the turn"
         );
     }
@@ -440,7 +508,12 @@ mod tests {
             runtime.block_on(async {
                 let db = Database::new().await;
                 let parking = Parking::default();
-                parking.park(db.pool.acquire().await.unwrap(), None, Interrupt::default());
+                parking.park(
+                    db.pool.acquire().await.unwrap(),
+                    None,
+                    Interrupt::default(),
+                    false,
+                );
                 (parking, db.pool.clone())
             })
         };
@@ -454,7 +527,7 @@ mod tests {
     async fn a_cancelled_wait_leaves_the_connection_parked_and_still_to_wait_for() {
         let db = Database::new().await;
         let parking = Parking::default();
-        parking.park(db.left_running().await, None, Interrupt::default());
+        parking.park(db.left_running().await, None, Interrupt::default(), false);
         {
             let quiesce = parking.quiesce();
             futures::pin_mut!(quiesce);
@@ -462,8 +535,77 @@ mod tests {
         }
         tokio::time::timeout(Duration::from_secs(30), parking.quiesce())
             .await
-            .expect("the insert ends");
+            .expect("the insert ends")
+            .unwrap();
         assert_eq!(db.rows().await, 1, "the second wait waited for the insert");
-        assert!(parking.take().await.is_some());
+        assert!(parking.take().await.unwrap().is_some());
+    }
+
+    /// A connection on which a transaction was begun by hand and a row written in it, left
+    /// open.
+    async fn left_open(db: &Database) -> PoolConnection<sqlx::Sqlite> {
+        let mut connection = db.pool.acquire().await.unwrap();
+        sqlx::raw_sql("BEGIN; INSERT INTO rows (n) VALUES (1)")
+            .execute(&mut *connection)
+            .await
+            .unwrap();
+        connection
+    }
+
+    /// Left open by its holder alone, the transaction is rolled back, like an sqlx
+    /// transaction dropped; taken by a later holder still counted open (`shared`), it may
+    /// hold that holder's writes, and commits.
+    #[tokio::test]
+    async fn a_transaction_left_open_is_rolled_back_unless_a_later_holder_shared_it() {
+        for (shared, rows) in [(false, 0), (true, 1)] {
+            let db = Database::new().await;
+            let parking = Parking::default();
+            parking.park(left_open(&db).await, None, Interrupt::default(), shared);
+            parking.quiesce().await.unwrap();
+            assert_eq!(db.rows().await, rows, "shared: {shared}");
+            let taken = parking.take().await.unwrap().expect("still parked");
+            assert!(!taken.counted, "seen to finish");
+            let mut connection = taken.connection;
+            assert!(
+                !super::super::end_on_sqlite(&mut connection, super::Ending::Commit)
+                    .await
+                    .unwrap(),
+                "out of any transaction"
+            );
+        }
+    }
+
+    /// A shared transaction left open that SQLite refuses to commit (a deferred constraint
+    /// broken in it) fails the writer waiting for it, and stays open and parked, for the
+    /// next writer to try again: what later holders wrote in it is not dropped.
+    #[tokio::test]
+    async fn a_shared_transaction_left_open_that_fails_to_commit_fails_the_writer_and_stays() {
+        let db = Database::new().await;
+        let mut connection = db.pool.acquire().await.unwrap();
+        sqlx::raw_sql(
+            "CREATE TABLE parents (id INTEGER PRIMARY KEY); \
+             CREATE TABLE children (parent INTEGER REFERENCES parents (id) \
+                 DEFERRABLE INITIALLY DEFERRED); \
+             BEGIN; INSERT INTO rows (n) VALUES (1); INSERT INTO children VALUES (7)",
+        )
+        .execute(&mut *connection)
+        .await
+        .unwrap();
+        let parking = Parking::default();
+        parking.park(connection, None, Interrupt::default(), true);
+        for _ in 0..2 {
+            assert!(parking.quiesce().await.is_err());
+        }
+        assert_eq!(db.rows().await, 0, "not committed");
+        let taken = parking.take().await.unwrap().expect("still parked");
+        assert!(taken.counted, "never seen to finish");
+        let mut connection = taken.connection;
+        sqlx::raw_sql("INSERT INTO parents VALUES (7)")
+            .execute(&mut *connection)
+            .await
+            .unwrap();
+        parking.park(connection, None, Interrupt::default(), true);
+        parking.quiesce().await.unwrap();
+        assert_eq!(db.rows().await, 1, "committed once it could");
     }
 }

@@ -485,7 +485,9 @@ impl SqlStore<sqlx::Sqlite> {
                 {
                     interrupt.raise();
                 }
-                parking.park(connection, Some(unsynced), interrupt);
+                // Taken still counted open, what this handler wrote may be inside a
+                // transaction an earlier one left open: it commits rather than rolls back.
+                parking.park(connection, Some(unsynced), interrupt, !only_its_holders);
             }),
         }))
     }
@@ -1110,7 +1112,7 @@ mod tests {
 
         // Seen to finish by the runtime's next write, the connection is the next handler's
         // alone: given up on, what it left running is stopped.
-        store.db.parking().expect("SQLite").quiesce().await;
+        store.db.parking().expect("SQLite").quiesce().await.unwrap();
         let (busy, ()) = as_a_handler(&store, true, async |connection| {
             left_running(connection, RUNAWAY_INSERT).await;
         })
