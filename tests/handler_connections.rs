@@ -214,7 +214,7 @@ async fn in_memory_a_handler_connection_is_the_runtimes_own() {
 async fn handler_connections_take_turns_with_the_runtimes_writers_on_sqlite() {
     let db = support_stores::TestDatabase::new(Backend::Sqlite).await;
     let (pool, store) = support_stores::never_waiting_sqlite(&db.url, TABLE).await;
-    let runtime = tallying_runtime(store);
+    let runtime = tallying_runtime(store, false);
     let batches = (0..16u64).map(|batch| {
         let messages: Vec<MemberRemoved> = (0..20)
             .map(|n| MemberRemoved {
@@ -367,7 +367,11 @@ async fn a_connection_left_mid_transaction_is_rolled_back_before_the_next_writer
 
 /// Begins a transaction by hand (a `BEGIN` statement, which sqlx knows nothing of) for
 /// members that are multiples of `every`, writes its row in it and returns without
-/// committing; writes the other members' rows each on its own.
+/// committing; writes the other members' rows each on its own. Its rows count members from
+/// [`LEFT_OPEN_ROWS`]. A `BEGIN` on a connection an earlier handler left in a transaction fails: its row
+/// then goes in that one.
+const LEFT_OPEN_ROWS: u64 = 1_000_000;
+
 struct LeavesItsTransactionOpen {
     backend: Backend,
     every: u64,
@@ -380,14 +384,14 @@ impl Handler<MemberRemoved> for LeavesItsTransactionOpen {
         ctx: &MessageContext,
     ) -> Result<(), HandlerError> {
         let id = ids::derive_or_random(ctx.message_id(), "left-open");
-        let member = event.member_id as i64;
         let left_open = event.member_id.is_multiple_of(self.every);
+        let member = (LEFT_OPEN_ROWS + event.member_id) as i64;
         // The same statements on either database's connection.
         macro_rules! write_on {
             ($db:ty) => {{
                 let mut connection = ctx.connection::<$db>().await?;
                 if left_open {
-                    sqlx::query("BEGIN").execute(&mut *connection).await?;
+                    let _ = sqlx::query("BEGIN").execute(&mut *connection).await;
                 }
                 let insert = sqlx::query(INSERT).bind(&id).bind(member);
                 insert.execute(&mut *connection).await?;
@@ -762,6 +766,9 @@ async fn a_handler_transaction_dropped_mid_statement_ends_before_the_next_writer
 
 /// What the killed node is told, through its environment: its SQLite file.
 const KILLED: &str = "DACAPO_HANDLER_CONNECTIONS_KILL_TEST";
+/// The same, for a node whose second handler leaves a transaction open for every third
+/// message.
+const KILLED_LEAVING_OPEN: &str = "DACAPO_HANDLER_CONNECTIONS_KILL_TEST_LEAVING_OPEN";
 
 /// The messages the killed node publishes, and the name it and its successor share.
 const KILLED_MESSAGES: u64 = 3000;
@@ -779,21 +786,29 @@ async fn tallying_node_store(path: &str) -> (sqlx::SqlitePool, dacapo::store::Sq
     (pool, store)
 }
 
-/// A node on the SQLite file at `path` whose handler tallies on a handler connection, and
-/// the application's pool.
-async fn tallying_node(path: &str) -> (Runtime, sqlx::SqlitePool) {
+/// A node on the SQLite file at `path` whose handler tallies on a handler connection (a
+/// second one `leaving_open` a transaction for every third message), and the application's
+/// pool.
+async fn tallying_node(path: &str, leaving_open: bool) -> (Runtime, sqlx::SqlitePool) {
     let (pool, store) = tallying_node_store(path).await;
-    (tallying_runtime(store), pool)
+    (tallying_runtime(store, leaving_open), pool)
 }
 
-/// A runtime on `store` whose one handler tallies on a handler connection.
-fn tallying_runtime(store: dacapo::store::SqliteStore) -> Runtime {
+/// A runtime on `store` whose handler tallies on a handler connection, beside one
+/// `leaving_open` a transaction for every third message.
+fn tallying_runtime(store: dacapo::store::SqliteStore, leaving_open: bool) -> Runtime {
+    let mut billing = Module::new("billing")
+        .handle_named::<MemberRemoved, _>("tally", Tally::new(Backend::Sqlite, false));
+    if leaving_open {
+        let left_open = LeavesItsTransactionOpen {
+            backend: Backend::Sqlite,
+            every: 3,
+        };
+        billing = billing.handle_named::<MemberRemoved, _>("left-open", left_open);
+    }
     Runtime::builder()
         .store(store)
-        .module(
-            Module::new("billing")
-                .handle_named::<MemberRemoved, _>("tally", Tally::new(Backend::Sqlite, false)),
-        )
+        .module(billing)
         .build()
         .unwrap()
 }
@@ -801,8 +816,11 @@ fn tallying_runtime(store: dacapo::store::SqliteStore) -> Runtime {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "the node the kill test starts and kills itself"]
 async fn tallying_node_to_kill() {
-    let path = std::env::var(KILLED).expect("run by the kill test");
-    let (runtime, _pool) = tallying_node(&path).await;
+    let (path, leaving_open) = match std::env::var(KILLED_LEAVING_OPEN) {
+        Ok(path) => (path, true),
+        Err(_) => (std::env::var(KILLED).expect("run by a kill test"), false),
+    };
+    let (runtime, _pool) = tallying_node(&path, leaving_open).await;
     // Told first: the batch commits as one, then waits for the engine's capacity as its
     // deliveries are handled, so most would be handled before it returns.
     println!("publishing");
@@ -821,18 +839,41 @@ async fn tallying_node_to_kill() {
 /// delivery settled.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_node_killed_while_its_handlers_write_loses_no_row_and_writes_none_twice() {
+    killed_while_writing(false).await;
+}
+
+/// As above, with a second handler leaving a transaction open for every third message, which
+/// the tallying handler's statements may run inside until the runtime ends it: killed at
+/// whatever point that is, every tally row is there once, and every delivery settled.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_node_killed_while_a_handler_leaves_transactions_open_loses_no_other_row() {
+    killed_while_writing(true).await;
+}
+
+/// A node, with a second handler `leaving_open` transactions or not, killed a third of the
+/// way, then restarted: what each test above tells.
+async fn killed_while_writing(leaving_open: bool) {
     let db = support_stores::TestDatabase::new(Backend::Sqlite).await;
     // Opened first, so that counting rows later waits for nothing.
     let (_, store) = tallying_node_store(&db.url).await;
     let pool = store.pool().clone();
     let mut child = support_child::spawn(
         "tallying_node_to_kill",
-        (KILLED, &db.url),
+        (
+            if leaving_open {
+                KILLED_LEAVING_OPEN
+            } else {
+                KILLED
+            },
+            &db.url,
+        ),
         "publishing",
         WAIT,
     );
+    // The tallying handler's rows, not the other handler's.
     let rows = async || -> i64 {
-        sqlx::query_scalar("SELECT count(*) FROM tallies")
+        sqlx::query_scalar("SELECT count(*) FROM tallies WHERE member < $1")
+            .bind(LEFT_OPEN_ROWS as i64)
             .fetch_one(&pool)
             .await
             .unwrap()
@@ -851,11 +892,16 @@ async fn a_node_killed_while_its_handlers_write_loses_no_row_and_writes_none_twi
     let before = rows().await;
     pool.close().await;
 
-    let (runtime, pool) = tallying_node(&db.url).await;
+    let (runtime, pool) = tallying_node(&db.url, leaving_open).await;
     tokio::time::timeout(WAIT, runtime.first_recovery())
         .await
         .unwrap();
-    let ((handled, retried, dead_lettered), rows) = settled(runtime, &pool).await;
+    let ((handled, retried, dead_lettered), _) = settled(runtime, &pool).await;
+    let rows: i64 = sqlx::query_scalar("SELECT count(*) FROM tallies WHERE member < $1")
+        .bind(LEFT_OPEN_ROWS as i64)
+        .fetch_one(&pool)
+        .await
+        .unwrap();
     let unsettled: i64 =
         sqlx::query_scalar("SELECT count(*) FROM dacapo_inbox WHERE status <> 'handled'")
             .fetch_one(&pool)
