@@ -201,7 +201,10 @@ impl HandlerTransactions for MessageContext {
 /// before the connection goes back to its pool: rolled back where nobody used the connection
 /// since, committed when the next handler took SQLite's parked connection first and may have
 /// written inside it (a `BEGIN` of its own fails meanwhile). Commit what you begin, or begin
-/// with sqlx's `begin`, which rolls back when dropped. It borrows the handler's [`MessageContext`], and a
+/// with sqlx's `begin`, which rolls back when dropped. Session settings a handler changes on
+/// it (`SET`, a `PRAGMA`) outlive the handler, for the next user of the connection — on
+/// PostgreSQL one of the runtime's own: change them with `SET LOCAL` inside a transaction,
+/// which ends them with it. It borrows the handler's [`MessageContext`], and a
 /// copy of the context kept past its attempt opens none: a write after the attempt would
 /// come after the settle that makes it durable.
 pub struct HandlerConnection<'a, DB: Backend> {
@@ -247,7 +250,7 @@ impl<DB: Backend> Drop for HandlerConnection<'_, DB> {
     /// left outside a transaction by a handler the runtime gave up on is interrupted.
     ///
     /// Elsewhere, finishes what the connection was asked, then gives the turn: a statement,
-    /// queued behind that work (bounded by [`CLOSING`]), tells when it ended, so the next
+    /// queued behind that work (bounded by `CLOSING`), tells when it ended, so the next
     /// writer never finds SQLite's lock taken, and rolls back a transaction the handler began
     /// by hand and left open (`store::sql::left_open`) before the connection goes back to its
     /// pool.
