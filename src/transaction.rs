@@ -279,23 +279,10 @@ impl<DB: Backend> Drop for HandlerConnection<'_, DB> {
             let mut turn = turn;
             if let Some(connection) = connection {
                 let mut closing = Closing(Some(connection));
-                let ended = match closing.0.as_deref_mut() {
-                    Some(connection) => {
-                        let ending = DB::end_left_open(connection);
-                        tokio::pin!(ending);
-                        match tokio::time::timeout(CLOSING, &mut ending).await {
-                            Ok(ended) => ended,
-                            Err(_) => {
-                                // Still busy: the turn goes (the next writer's busy timeout
-                                // decides), the connection only once it ended.
-                                drop(turn.take());
-                                ending.await
-                            }
-                        }
-                    }
-                    None => Ok(false),
-                };
-                if ended.is_ok() {
+                if end_left_open::<DB>(closing.connection(), &mut turn)
+                    .await
+                    .is_ok()
+                {
                     closing.give_back();
                 }
             }
@@ -313,7 +300,31 @@ impl<DB: Backend> Drop for HandlerConnection<'_, DB> {
 /// which ends with it.
 struct Closing<DB: sqlx::Database>(Option<sqlx::pool::PoolConnection<DB>>);
 
+/// Ends what a handler left open on `connection` ([`Backend::end_left_open`]); still busy
+/// after [`CLOSING`], gives the `turn` up (the next writer's busy timeout decides) and waits
+/// on: the connection goes back to its pool only once it ended.
+async fn end_left_open<DB: Backend>(
+    connection: &mut DB::Connection,
+    turn: &mut Option<tokio::sync::OwnedSemaphorePermit>,
+) -> Result<bool, sqlx::Error> {
+    let ending = DB::end_left_open(connection);
+    tokio::pin!(ending);
+    match tokio::time::timeout(CLOSING, &mut ending).await {
+        Ok(ended) => ended,
+        Err(_) => {
+            drop(turn.take());
+            ending.await
+        }
+    }
+}
+
 impl<DB: sqlx::Database> Closing<DB> {
+    fn connection(&mut self) -> &mut DB::Connection {
+        self.0
+            .as_deref_mut()
+            .expect("a closing connection is there until given back or dropped")
+    }
+
     fn give_back(mut self) {
         drop(self.0.take());
     }
