@@ -42,7 +42,12 @@ struct App {
     runs: Arc<AtomicUsize>,
     release: Arc<Notify>,
     entered: Arc<Notify>,
+    /// The task an endpoint left behind, with what its write after the release came to.
+    left_behind: Arc<std::sync::Mutex<Option<LeftBehind>>>,
 }
+
+/// A task an endpoint left running, and what its last write came to.
+type LeftBehind = tokio::task::JoinHandle<Result<(), String>>;
 
 /// Waits until released, then answers.
 async fn slow(State(app): State<App>) -> StatusCode {
@@ -148,6 +153,42 @@ macro_rules! endpoints {
                     std::future::pending::<()>().await;
                 }
                 StatusCode::CREATED
+            }
+
+            /// On its first run, hands the request's transaction to a task of its own that
+            /// enlists a message, waits for the release and enlists another, and hangs; later
+            /// runs enlist a message and answer.
+            async fn hangs_in_a_task(
+                State(app): State<App>,
+                Extension(request): Extension<RequestTransaction<$db>>,
+            ) -> StatusCode {
+                let placed = |reference: &str| OrderPlaced {
+                    reference: reference.into(),
+                };
+                if app.runs.fetch_add(1, Ordering::SeqCst) > 0 {
+                    return match request.enlist(&placed("retried")).await {
+                        Ok(_) => StatusCode::CREATED,
+                        Err(_) => StatusCode::INTERNAL_SERVER_ERROR,
+                    };
+                }
+                let task = tokio::spawn({
+                    let app = app.clone();
+                    async move {
+                        request
+                            .enlist(&placed("first"))
+                            .await
+                            .map_err(|e| e.to_string())?;
+                        app.entered.notify_one();
+                        app.release.notified().await;
+                        request
+                            .enlist(&placed("late"))
+                            .await
+                            .map(drop)
+                            .map_err(|e| e.to_string())
+                    }
+                });
+                *app.left_behind.lock().unwrap() = Some(task);
+                std::future::pending().await
             }
 
             /// Enlists a message, then fails with a 500 on its first run: the message must go
@@ -288,6 +329,7 @@ macro_rules! endpoints {
                     .route("/missing", post(not_found))
                     .route("/big", post(big))
                     .route("/hang", post(hang))
+                    .route("/hangs-in-a-task", post(hangs_in_a_task))
                     .route("/intent", post(intent))
                     .route("/fails-after-writing", post(fails_after_writing))
                     .route("/rejects", post(rejects_after_a_failed_statement))
@@ -422,6 +464,7 @@ on_both!(
     a_5xx_leaves_the_key_free_and_a_4xx_is_kept,
     an_answer_over_the_size_limit_is_given_but_not_kept,
     a_request_dropped_before_its_commit_leaves_the_key_free_and_its_work_undone,
+    a_request_dropped_while_a_task_of_its_endpoint_holds_its_transaction_is_rolled_back,
     fifty_concurrent_requests_with_one_key_make_one_effect,
     bad_keys_are_400_and_routes_that_do_not_opt_in_keep_nothing,
     a_repeated_intent_is_409_from_the_claims_table,
@@ -748,6 +791,55 @@ async fn a_request_dropped_before_its_commit_leaves_the_key_free_and_its_work_un
         1,
         "the dropped request's row was rolled back"
     );
+}
+
+/// An endpoint that moved the request's transaction into a task of its own, which outlives
+/// the request: once the client goes, the request is rolled back and its key freed without
+/// waiting for that task, and the task's later write is refused, not kept.
+async fn a_request_dropped_while_a_task_of_its_endpoint_holds_its_transaction_is_rolled_back(
+    db: &TestDatabase,
+) {
+    let (base, app) = serve(db).await;
+    let url = format!("{base}/hangs-in-a-task");
+    let entered = app.entered.notified();
+    let first = tokio::spawn({
+        let url = url.clone();
+        async move {
+            let client = reqwest::Client::new();
+            post_with(&client, &url, Some("k-8"), "", &[]).await
+        }
+    });
+    entered.await;
+    first.abort();
+    let _ = first.await;
+    let client = reqwest::Client::new();
+    let retried = tokio::time::timeout(Duration::from_secs(20), async {
+        loop {
+            let response = post_with(&client, &url, Some("k-8"), "", &[]).await;
+            if response.status() != 409 {
+                return response;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    })
+    .await
+    .expect("the key was freed while the endpoint's task still held the transaction");
+    assert_eq!(retried.status(), 201);
+    assert!(!replayed(retried.headers()));
+    app.release.notify_one();
+    let task = app.left_behind.lock().unwrap().take().expect("the task");
+    let late = tokio::time::timeout(Duration::from_secs(20), task)
+        .await
+        .expect("the task ends once released")
+        .unwrap();
+    let refused = late.expect_err("the task's write after the request ended is refused");
+    assert!(refused.contains("has ended"), "{refused}");
+    assert_eq!(
+        db.scalar("SELECT count(*) FROM dacapo_outbox").await,
+        1,
+        "only the retry's message is kept"
+    );
+    assert_eq!(app.runs.load(Ordering::SeqCst), 2);
 }
 
 async fn fifty_concurrent_requests_with_one_key_make_one_effect(db: &TestDatabase) {

@@ -449,7 +449,7 @@ where
     if let Err(error) = store.provision().await {
         return Ok(unavailable(&error));
     }
-    let Some(_in_flight) = InFlight::enter(&shared, &id) else {
+    let Some(entered) = InFlight::enter(&shared, &id) else {
         return Ok(in_flight());
     };
     let mut slot = match DB::open(store, lock).await {
@@ -474,6 +474,10 @@ where
     }
 
     let transaction = RequestTransaction::new(slot, store.clone(), settings.retention);
+    let _unanswered = Unanswered {
+        slot: Arc::clone(transaction.slot()),
+        in_flight: Some(entered),
+    };
     parts.extensions.insert(transaction.clone());
     let response = match inner
         .call(Request::from_parts(parts, ReqBody::from(body)))
@@ -630,6 +634,58 @@ async fn roll_back<DB: Backend>(transaction: &RequestTransaction<DB>) {
     release(&mut slot).await;
 }
 
+/// Ends the request's transaction if the layer's future is dropped before it did (the client
+/// went away, a timeout above the layer). A clone of the [`RequestTransaction`] the endpoint
+/// moved into a task of its own would otherwise keep it open, and the key's lock with it (on
+/// SQLite the database's write lock), until that task ends; that task's next borrow is
+/// refused instead. The key stays in flight in this process until the rollback is done.
+struct Unanswered<DB: Backend> {
+    slot: Arc<tokio::sync::Mutex<Slot<DB>>>,
+    in_flight: Option<InFlight<DB>>,
+}
+
+impl<DB: Backend> Drop for Unanswered<DB> {
+    fn drop(&mut self) {
+        let in_flight = self.in_flight.take();
+        let tx = match self.slot.try_lock() {
+            Ok(slot) if slot.ended => return,
+            Ok(mut slot) => {
+                slot.ended = true;
+                slot.tx.take()
+            }
+            // The endpoint's task holds a `RequestTx` (or the layer's own end was cut short
+            // holding the lock): the rollback waits for it.
+            Err(_) => {
+                let slot = Arc::clone(&self.slot);
+                if let Ok(runtime) = tokio::runtime::Handle::try_current() {
+                    runtime.spawn(async move {
+                        let mut slot = slot.lock().await;
+                        if !slot.ended {
+                            slot.ended = true;
+                            tracing::warn!("a request dropped before it answered is rolled back");
+                        }
+                        release(&mut slot).await;
+                        drop(in_flight);
+                    });
+                }
+                return;
+            }
+        };
+        let Some(tx) = tx else { return };
+        tracing::warn!("a request dropped before it answered is rolled back");
+        // Without a runtime (it is shutting down) the dropped transaction's rollback goes
+        // with its connection.
+        if let Ok(runtime) = tokio::runtime::Handle::try_current() {
+            runtime.spawn(async move {
+                if let Err(error) = tx.rollback().await {
+                    tracing::warn!(%error, "a request's transaction could not be rolled back cleanly");
+                }
+                drop(in_flight);
+            });
+        }
+    }
+}
+
 /// Rolls back what is left of the request's transaction before it answers. Dropped instead,
 /// the rollback would wait for its connection's next use, and on PostgreSQL the key's lock
 /// with it: a retry arriving meanwhile would be answered 409 for a request that is over.
@@ -654,4 +710,81 @@ fn unavailable(error: &dyn std::fmt::Display) -> Response<ResponseBody> {
         Problem::StoreUnavailable,
         "the idempotency store could not be reached; nothing was kept: retry with the same key",
     )
+}
+
+#[cfg(all(test, feature = "sqlite"))]
+mod tests {
+    use super::*;
+    use crate::store::SqliteStore;
+
+    /// The endpoint's task still borrows the request's transaction when the request is
+    /// dropped: the rollback waits for the borrow, the key stays in flight until it is done,
+    /// and the task's next borrow is refused.
+    #[tokio::test]
+    async fn a_request_dropped_while_its_transaction_is_borrowed_ends_once_the_borrow_goes() {
+        let directory = std::env::temp_dir().join(format!(
+            "dacapo-unanswered-{}",
+            uuid::Uuid::new_v4().simple()
+        ));
+        std::fs::create_dir_all(&directory).unwrap();
+        let path = directory.join("db.sqlite");
+        let store = SqliteStore::open(path.to_str().unwrap()).await.unwrap();
+        sqlx::query("CREATE TABLE rows (n INTEGER)")
+            .execute(store.pool())
+            .await
+            .unwrap();
+        let shared = Arc::new(Shared {
+            store: store.clone(),
+            settings: IdempotencyLayer::new(store.clone()).settings,
+        });
+        let slot = Slot {
+            pool: store.pool().clone(),
+            tx: None,
+            ended: false,
+        };
+        let transaction = RequestTransaction::new(slot, store.clone(), Duration::from_secs(60));
+        let unanswered = Unanswered {
+            slot: Arc::clone(transaction.slot()),
+            in_flight: InFlight::enter(&shared, "k"),
+        };
+        let mut tx = transaction.get().await.unwrap();
+        sqlx::query("INSERT INTO rows VALUES (1)")
+            .execute(&mut **tx)
+            .await
+            .unwrap();
+
+        drop(unanswered);
+        assert!(
+            InFlight::enter(&shared, "k").is_none(),
+            "the key stays in flight while the endpoint borrows the transaction"
+        );
+        sqlx::query("INSERT INTO rows VALUES (2)")
+            .execute(&mut **tx)
+            .await
+            .unwrap();
+        drop(tx);
+        let freed = tokio::time::timeout(Duration::from_secs(10), async {
+            loop {
+                if let Some(entered) = InFlight::enter(&shared, "k") {
+                    return entered;
+                }
+                tokio::time::sleep(Duration::from_millis(1)).await;
+            }
+        })
+        .await
+        .expect("the key is freed once the borrow goes");
+        drop(freed);
+
+        let refused = transaction.get().await.expect_err("the request has ended");
+        assert!(
+            matches!(refused, crate::Error::RequestTransaction(_)),
+            "{refused}"
+        );
+        let kept: i64 = sqlx::query_scalar("SELECT count(*) FROM rows")
+            .fetch_one(store.pool())
+            .await
+            .unwrap();
+        assert_eq!(kept, 0, "the request's rows are rolled back");
+        std::fs::remove_dir_all(&directory).ok();
+    }
 }

@@ -19,7 +19,10 @@ use crate::store::sql::{SqlStore, db_error, millis};
 /// together with the response the layer keeps for the key, after the endpoint answered. A
 /// crash, a dropped connection or a 5xx answer before that rolls everything back and leaves
 /// the key free, so the client's retry runs the endpoint again; after it, the retry gets the
-/// kept response. The endpoint never commits it.
+/// kept response. The endpoint never commits it. A clone handed to a task that outlives the
+/// request does not keep it open: once the request is dropped (the client went away), the
+/// transaction is rolled back as soon as no [`RequestTx`] of it is held, and the task's later
+/// borrows are refused.
 ///
 /// On SQLite the transaction starts (`BEGIN IMMEDIATE`, the database's one write lock) when
 /// the endpoint first asks for it: ask late, and keep slow calls out of it.
