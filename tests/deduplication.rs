@@ -405,8 +405,12 @@ impl Claims for RecordedReaps {
     async fn release(&self, claim: &Claim) -> Result<(), dacapo::EngineError> {
         self.inner.release(claim).await
     }
-    async fn complete(&self, claim: &Claim) -> Result<(), dacapo::EngineError> {
-        self.inner.complete(claim).await
+    async fn complete(
+        &self,
+        claim: &Claim,
+        cascaded: &[dacapo::Envelope],
+    ) -> Result<bool, dacapo::EngineError> {
+        self.inner.complete(claim, cascaded).await
     }
     async fn reap(&self, now: DateTime<Utc>, limit: usize) -> Result<u64, dacapo::EngineError> {
         let removed = self.inner.reap(now, limit).await?;

@@ -7,7 +7,9 @@
 use std::time::Duration;
 
 use dacapo::prelude::*;
-use dacapo::testing::{Failpoint, Fault, ScratchDatabase, TestHarness, TestHarnessBuilder};
+use dacapo::testing::{
+    Failpoint, Fault, Recorder, ScratchDatabase, TestHarness, TestHarnessBuilder,
+};
 use dacapo::transaction::HandlerTransactions;
 use dacapo::{DeadLetterReason, DeliveryReport, DiscardReason, Error};
 use serde::{Deserialize, Serialize};
@@ -485,4 +487,162 @@ async fn a_retry_a_restart_left_in_the_store_runs_once_the_clock_reaches_it() {
     setup.harness.idle().await.unwrap();
     each_effect_once(&setup).await;
     assert_eq!(last_report(&setup.harness, MemberRemoved::TYPE).attempts, 2);
+}
+
+/// Revokes without a handler transaction, under a deduplication claim, and announces it with
+/// its context: once its claim is completed, a rerun skips it and announces nothing.
+struct RevokeOnce;
+
+impl Handler<MemberRemoved> for RevokeOnce {
+    async fn handle(
+        &self,
+        event: &MemberRemoved,
+        ctx: &MessageContext,
+    ) -> Result<(), HandlerError> {
+        ctx.publish(&AccessRevoked {
+            member_id: event.member_id,
+        })
+        .await?;
+        Ok(())
+    }
+}
+
+on_both_backends!(
+    a_crash_after_a_deduplicated_handler_completed_keeps_what_it_announced_sqlite,
+    a_crash_after_a_deduplicated_handler_completed_keeps_what_it_announced_postgres,
+    crash_after_a_deduplicated_handler
+);
+
+/// A harness whose deduplicated `revoke` announces what it revoked (see [`RevokeOnce`]), and
+/// whose `audit` writes an effect per announcement; `faults` adds to it. The reader lists the
+/// effects.
+async fn announcing(
+    backend: Backend,
+    faults: impl FnOnce(TestHarnessBuilder) -> TestHarnessBuilder,
+) -> (
+    TestHarness,
+    Box<dyn Fn() -> futures::future::BoxFuture<'static, Vec<String>>>,
+    ScratchDatabase,
+) {
+    macro_rules! on {
+        ($db:expr, $store:expr) => {{
+            let db = $db;
+            let store = $store(&db).await.unwrap();
+            let pool = store.pool().clone();
+            dacapo::sqlx::query(EFFECTS).execute(&pool).await.unwrap();
+            let harness = faults(
+                builder()
+                    .store(store)
+                    .configure(|runtime| runtime.enable_deduplication())
+                    .module(
+                        Module::new("access")
+                            .handle_named::<MemberRemoved, _>("revoke", RevokeOnce)
+                            .deduplicate("revoke", Deduplication::from_envelope()),
+                    )
+                    .module(
+                        Module::new("audit")
+                            .handle_named::<AccessRevoked, _>("audit", Audit(pool.clone())),
+                    ),
+            )
+            .build()
+            .unwrap();
+            let effects = Box::new(move || {
+                let pool = pool.clone();
+                Box::pin(async move {
+                    dacapo::sqlx::query_scalar("SELECT handler FROM effects")
+                        .fetch_all(&pool)
+                        .await
+                        .unwrap()
+                }) as futures::future::BoxFuture<'static, Vec<String>>
+            });
+            (harness, effects as _, db)
+        }};
+    }
+    match backend {
+        Backend::Sqlite => on!(ScratchDatabase::sqlite(), ScratchDatabase::sqlite_store),
+        Backend::Postgres => on!(
+            ScratchDatabase::postgres(&admin_url()).await.unwrap(),
+            ScratchDatabase::postgres_store
+        ),
+    }
+}
+
+/// The crash comes after the handler's claim was completed and before the delivery settled:
+/// the attempt after the restart skips the handler, so what it announced must already be in
+/// the outbox.
+async fn crash_after_a_deduplicated_handler(backend: Backend) {
+    let (mut harness, effects, _db) = announcing(backend, |b| b).await;
+    harness
+        .crash_at_message::<MemberRemoved>(Failpoint::BeforeSettle)
+        .unwrap();
+    crashed_at(
+        harness
+            .publish_with(
+                &MemberRemoved { member_id: 7 },
+                SendOptions::new().deduplication_id("member-7"),
+            )
+            .await,
+        Failpoint::BeforeSettle,
+    );
+    harness.restart().await.unwrap();
+    harness.idle().await.unwrap();
+    let report = last_report(&harness, MemberRemoved::TYPE);
+    assert!(report.is_handled(), "{report:?}");
+    assert_eq!(
+        effects().await,
+        ["audit"],
+        "the announcement was delivered, once"
+    );
+}
+
+on_both_backends!(
+    a_replayed_dead_letter_keeps_what_its_completed_deduplicated_handler_announced_sqlite,
+    a_replayed_dead_letter_keeps_what_its_completed_deduplicated_handler_announced_postgres,
+    replay_after_a_deduplicated_handler
+);
+
+/// `revoke` completes its claim while a sibling fails the only attempt: the delivery is
+/// dead-lettered, and its replay skips `revoke`, so what `revoke` announced must not have
+/// gone with the dead letter.
+async fn replay_after_a_deduplicated_handler(backend: Backend) {
+    let sibling = Recorder::<MemberRemoved>::new();
+    let (harness, effects, _db) = announcing(backend, |b| {
+        b.retry_policy(RetryPolicy {
+            retry_limit: 0,
+            ..RetryPolicy::default()
+        })
+        .module(Module::new("mail").handle_named::<MemberRemoved, _>("notify", sibling.clone()))
+        .fault("mail", "notify", Fault::fail_times(1))
+    })
+    .await;
+    let report = harness
+        .publish_with(
+            &MemberRemoved { member_id: 7 },
+            SendOptions::new().deduplication_id("member-7"),
+        )
+        .await
+        .unwrap();
+    assert_eq!(
+        report.outcome,
+        Outcome::DeadLettered(DeadLetterReason::RetriesExhausted)
+    );
+    harness
+        .runtime()
+        .dead_letters()
+        .replay(report.envelope_id)
+        .await
+        .unwrap();
+    harness.idle().await.unwrap();
+    let replayed = last_report(&harness, MemberRemoved::TYPE);
+    assert!(replayed.is_handled(), "{replayed:?}");
+    assert_eq!(
+        sibling.calls().len(),
+        1,
+        "the sibling ran again on the replay"
+    );
+    assert_eq!(
+        effects().await,
+        ["audit"],
+        "the announcement was delivered, once"
+    );
 }

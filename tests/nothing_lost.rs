@@ -751,9 +751,15 @@ on_both_backends!(
             b_claims.claim(&claim_for(&envelope)).await.unwrap(),
             ClaimOutcome::Claimed
         );
-        // Node a wakes up: it can neither complete nor release what it lost.
-        let lost = a_claims.complete(&claim_for(&envelope)).await.unwrap_err();
+        // Node a wakes up: it can neither complete nor release what it lost, and what its
+        // handler cascaded is not enlisted with a completion that did not happen.
+        let cascaded = || Envelope::for_message(&member_removed()).unwrap();
+        let lost = a_claims
+            .complete(&claim_for(&envelope), &[cascaded()])
+            .await
+            .unwrap_err();
         assert!(!lost.is_retryable(), "{lost}");
+        assert_eq!(db.scalar("SELECT count(*) FROM dacapo_outbox").await, 0);
         a_claims.release(&claim_for(&envelope)).await.unwrap();
         assert_eq!(
             db.scalar("SELECT count(*) FROM dacapo_deduplication WHERE node = 'node-b'")
@@ -761,7 +767,22 @@ on_both_backends!(
             1,
             "node b's claim stands"
         );
-        b_claims.complete(&claim_for(&envelope)).await.unwrap();
+        let b_cascaded = [cascaded()];
+        assert!(
+            b_claims
+                .complete(&claim_for(&envelope), &b_cascaded)
+                .await
+                .unwrap(),
+            "enlisted with the completion"
+        );
+        // A retry of the completion (its answer lost) enlists nothing twice.
+        assert!(
+            b_claims
+                .complete(&claim_for(&envelope), &b_cascaded)
+                .await
+                .unwrap()
+        );
+        assert_eq!(db.scalar("SELECT count(*) FROM dacapo_outbox").await, 1);
         assert_eq!(
             b_claims.claim(&claim_for(&envelope)).await.unwrap(),
             ClaimOutcome::Completed,

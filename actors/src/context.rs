@@ -566,6 +566,10 @@ impl MessageContext {
     /// cascaded (the n-th message of a type from this handler), so the
     /// same message cascaded again on a retry is sent once, and a handler that finds its work
     /// already done on a retry may cascade nothing without losing what it cascaded before.
+    /// What a handler cascaded is enlisted in the outbox right away, without waiting for the
+    /// delivery, when the handler's work is recorded as done on its own: with its handler
+    /// transaction, or with the completion of its deduplication claim (a later attempt skips
+    /// that handler).
     ///
     /// # Errors
     ///

@@ -189,10 +189,20 @@ impl HandlerActor {
                         })
                         .await;
                     } else {
-                        let _ = persist("complete deduplication claim", message_id, || {
-                            claims.complete(&claim)
+                        // A later attempt skips this handler once its claim is completed, so
+                        // what it cascaded goes to the outbox with the completion rather than
+                        // waiting in memory for the delivery to settle.
+                        let cascaded = context.take_published().await;
+                        let enlisted = persist("complete deduplication claim", message_id, || {
+                            claims.complete(&claim, &cascaded)
                         })
                         .await;
+                        match enlisted {
+                            Ok(true) => context.wake_outbox(),
+                            // Left to the attempt: a claim not completed is taken over by the
+                            // next attempt of this delivery, which runs the handler again.
+                            Ok(false) | Err(_) => context.restore_published(cascaded).await,
+                        }
                     }
                     failure
                 }

@@ -552,13 +552,17 @@ pub trait Claims: Send + Sync + 'static {
     }
 
     /// Records that the handler holding the claim succeeded: from now on only the window
-    /// ending frees it.
+    /// ending frees it, and a later attempt of the delivery skips the handler. What the
+    /// handler cascaded in this attempt (`cascaded`) must therefore not wait for the delivery
+    /// to settle: a store with an outbox enlists it there in the same write (once per
+    /// envelope id) and returns `true`; `false` leaves it to the attempt, for a store that
+    /// keeps nothing across a crash anyway.
     ///
     /// # Errors
     ///
-    /// [`Error::Store`] when it cannot be recorded.
-    async fn complete(&self, claim: &Claim) -> Result<(), Error> {
-        let _ = claim;
+    /// [`Error::Store`] when it cannot be recorded; nothing was then enlisted either.
+    async fn complete(&self, claim: &Claim, cascaded: &[Envelope]) -> Result<bool, Error> {
+        let _ = (claim, cascaded);
         Err(Error::store(
             "this store cannot enforce deduplication claims",
         ))

@@ -320,14 +320,15 @@ impl Claims for MemoryClaims {
         Ok(())
     }
 
-    async fn complete(&self, claim: &Claim) -> Result<(), Error> {
+    async fn complete(&self, claim: &Claim, _cascaded: &[Envelope]) -> Result<bool, Error> {
         let mut claims = lock(&self.claims);
         if let Some(held) = claims.get_mut(&(claim.handler.clone(), claim.key_hash.clone()))
             && held.envelope_id == claim.envelope_id
         {
             held.completed = true;
         }
-        Ok(())
+        // Nothing here outlives the process: the cascades settle with the attempt.
+        Ok(false)
     }
 
     async fn reap(&self, now: DateTime<Utc>, limit: usize) -> Result<u64, Error> {

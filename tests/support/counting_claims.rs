@@ -47,7 +47,11 @@ impl Claims for CountingClaims {
         self.calls.fetch_add(1, Ordering::SeqCst);
         self.inner.release(claim).await
     }
-    async fn complete(&self, claim: &Claim) -> Result<(), dacapo::EngineError> {
-        self.inner.complete(claim).await
+    async fn complete(
+        &self,
+        claim: &Claim,
+        cascaded: &[dacapo::Envelope],
+    ) -> Result<bool, dacapo::EngineError> {
+        self.inner.complete(claim, cascaded).await
     }
 }

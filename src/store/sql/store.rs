@@ -866,7 +866,7 @@ impl<D: Dialect> Claims for SqlStore<D> {
         Ok(())
     }
 
-    async fn complete(&self, claim: &Claim) -> Result<(), Error> {
+    async fn complete(&self, claim: &Claim, cascaded: &[Envelope]) -> Result<bool, Error> {
         self.held().await?;
         let values = [
             Value::Text(&claim.handler),
@@ -874,10 +874,29 @@ impl<D: Dialect> Claims for SqlStore<D> {
             Value::Text(&claim.envelope_id),
             Value::Text(&self.node),
         ];
-        if self.db.execute(COMPLETE_CLAIM, &values).await? == 0 {
+        if cascaded.is_empty() {
+            if self.db.execute(COMPLETE_CLAIM, &values).await? == 0 {
+                return Err(claim_lost(claim));
+            }
+            return Ok(true);
+        }
+        let columns = cascaded
+            .iter()
+            .map(EnvelopeColumns::of)
+            .collect::<Result<Vec<_>, _>>()?;
+        let at = Value::Int64(millis(self.clock.now()));
+        let mut tx = self.db.begin().await?;
+        // Dropped uncommitted on an early return: neither the completion nor the cascades.
+        if tx.execute(COMPLETE_CLAIM, &values).await? == 0 {
             return Err(claim_lost(claim));
         }
-        Ok(())
+        for columns in &columns {
+            // A retry of this write, or the settle of an attempt that kept them after all,
+            // writes the same deterministic ids: the first row stays.
+            tx.execute(ENLIST_ONCE, &columns.values_and(&[at])).await?;
+        }
+        tx.commit().await?;
+        Ok(true)
     }
 
     async fn reap(&self, now: DateTime<Utc>, limit: usize) -> Result<u64, Error> {
