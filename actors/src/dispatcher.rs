@@ -53,9 +53,10 @@ pub(crate) struct Shared {
     pub(crate) store: Option<Arc<dyn std::any::Any + Send + Sync>>,
     /// Whether the deduplication claims live in that store.
     pub(crate) claims_in_store: bool,
-    /// Recovered deliveries handed to a worker whose supervisor has not started yet: running,
-    /// for the orphan sweep, though the tracker does not list them yet.
-    pub(crate) resuming: std::sync::Mutex<std::collections::HashSet<uuid::Uuid>>,
+    /// Deliveries recorded as this node's whose supervisor has not started yet (recovered,
+    /// replayed, or received and waiting for room or for their worker): running, for the
+    /// orphan sweep, though the tracker does not list them yet.
+    pub(crate) starting: std::sync::Mutex<std::collections::HashSet<uuid::Uuid>>,
     /// Where a test crashes the engine.
     pub(crate) failpoints: Option<Arc<crate::Failpoints>>,
     /// Recovery rounds finished so far.
@@ -63,6 +64,22 @@ pub(crate) struct Shared {
 }
 
 impl Shared {
+    /// Lists a delivery as starting, until its supervisor starts.
+    pub(crate) fn list_starting(&self, id: uuid::Uuid) {
+        self.starting
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .insert(id);
+    }
+
+    /// Takes a delivery off the starting list: its supervisor started, or never will here.
+    pub(crate) fn unlist_starting(&self, id: uuid::Uuid) {
+        self.starting
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .remove(&id);
+    }
+
     /// Whether the engine crashes at `point` (or crashed before): the caller stops there.
     pub(crate) fn crashes_at(&self, point: crate::Failpoint, message_type: &str) -> bool {
         self.failpoints
@@ -219,6 +236,7 @@ impl Worker {
         }
         // From here the supervisor accounts for the delivery.
         std::mem::forget(admission);
+        shared.list_starting(envelope.id);
         let worker = Arc::clone(self);
         // Built on its worker: only the parts travel, not the whole supervisor.
         DeliverySupervisor::start_in_arbiter(&self.arbiter, move |_| {
@@ -256,6 +274,24 @@ fn start_resumed(worker: Arc<Worker>, resumable: Resumable, permit: crate::capac
     DeliverySupervisor::start_in_arbiter(&on, move |_| {
         DeliverySupervisor::resumed(worker, resumable, permit, busy)
     });
+}
+
+/// The new deliveries of a persisted batch still waiting for room, listed as starting; those
+/// not started when it is dropped (the batch's caller gave up) go back to the orphan sweep.
+struct Waiting<'a> {
+    shared: &'a Shared,
+    /// In the batch's order.
+    ids: Vec<uuid::Uuid>,
+    /// How many of `ids` have their supervisor on its way.
+    started: usize,
+}
+
+impl Drop for Waiting<'_> {
+    fn drop(&mut self) {
+        for id in self.ids.iter().skip(self.started) {
+            self.shared.unlist_starting(*id);
+        }
+    }
 }
 
 /// The entry point of received envelopes: it asks the inbox, waits for capacity, and starts a
@@ -365,6 +401,21 @@ impl Dispatcher {
             let _busy = self.shared.timers.busy();
             self.next_worker().inbox.receive_batch(&envelopes).await?
         };
+        // Waiting for room can take longer than the node timeout: listed meanwhile, these
+        // are not taken for orphans and run a second time.
+        let mut waiting = Waiting {
+            shared: &self.shared,
+            ids: envelopes
+                .iter()
+                .zip(&receipts)
+                .filter(|(_, receipt)| **receipt == Receipt::New)
+                .map(|(envelope, _)| envelope.id)
+                .collect(),
+            started: 0,
+        };
+        for id in &waiting.ids {
+            self.shared.list_starting(*id);
+        }
         self.shared
             .pass(crate::Failpoint::BeforeAcknowledge, None)
             .await;
@@ -373,8 +424,12 @@ impl Dispatcher {
             counters.bump(Counter::Received);
             let permit = self.shared.capacity.acquire().await;
             let busy = self.shared.timers.busy();
+            let new = receipt == Receipt::New;
             self.next_worker()
                 .start_received(admission, envelope, receipt, permit, busy, None);
+            if new {
+                waiting.started += 1;
+            }
         }
         Ok(())
     }
@@ -406,18 +461,14 @@ impl Dispatcher {
         }
     }
 
-    /// Counts a resumed delivery in and lists it as resuming (its supervisor takes it off the
+    /// Counts a resumed delivery in and lists it as starting (its supervisor takes it off the
     /// list when it starts); the worker that will run it, `None` once a shutdown began.
     fn admit_resume(&self, id: uuid::Uuid) -> Option<Arc<Worker>> {
         // A closing runtime hands its work back rather than taking more.
         if !self.shared.tracker.admit(true) {
             return None;
         }
-        self.shared
-            .resuming
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
-            .insert(id);
+        self.shared.list_starting(id);
         Some(Arc::clone(self.next_worker()))
     }
 

@@ -220,7 +220,7 @@ impl Engine {
                         recovering: tokio::sync::Mutex::new(()),
                         store: parts.store.clone(),
                         claims_in_store: parts.claims_in_store,
-                        resuming: std::sync::Mutex::default(),
+                        starting: std::sync::Mutex::default(),
                     });
                     let workers = arbiters
                         .into_iter()

@@ -30,8 +30,8 @@ impl Round {
 
 /// Resumes this node's own unsettled rows that nothing in the process runs: an accept whose
 /// commit succeeded although its caller saw an error, a cancelled publish. Only rows older
-/// than the node timeout are looked at, so a delivery just received and not yet started is
-/// never taken for an orphan.
+/// than the node timeout are looked at, and a delivery received but not started yet (waiting
+/// for room, or for its worker) is listed as starting, so it is never taken for an orphan.
 async fn resume_orphaned(dispatcher: &Dispatcher, inbox: &dyn DurableInbox, batch: usize) {
     let shared = &dispatcher.shared;
     let timeout = inbox.node_timeout();
@@ -43,10 +43,10 @@ async fn resume_orphaned(dispatcher: &Dispatcher, inbox: &dyn DurableInbox, batc
     if slots.is_empty() {
         return;
     }
-    // `resuming` first: a supervisor moves from it to the tracker (listed there before it
-    // leaves `resuming`), so read in this order it is in one set or the other, never neither.
+    // `starting` first: a supervisor moves from it to the tracker (listed there before it
+    // leaves `starting`), so read in this order it is in one set or the other, never neither.
     let mut running: std::collections::HashSet<uuid::Uuid> = shared
-        .resuming
+        .starting
         .lock()
         .unwrap_or_else(std::sync::PoisonError::into_inner)
         .clone();

@@ -682,13 +682,7 @@ impl Actor for DeliverySupervisor {
                 .tracker
                 .supervise(self.worker.index, self.delivery.envelope.id),
         );
-        if self.recovered {
-            shared
-                .resuming
-                .lock()
-                .unwrap_or_else(std::sync::PoisonError::into_inner)
-                .remove(&self.delivery.envelope.id);
-        }
+        shared.unlist_starting(self.delivery.envelope.id);
         let start = self.check();
         self.apply(Event::Started(start), ctx);
     }
