@@ -489,8 +489,13 @@ impl<DB: Backend> HandlerTransaction<DB> {
     }
 
     /// Completes the handler's deduplication claim, if it holds one, and commits: the
-    /// handler's writes, keys, outbox rows, claim and completion record land together. The
-    /// outbox relay is woken at once.
+    /// handler's writes, keys, outbox rows, claim and completion record land together, with
+    /// what the handler published with its context so far. The outbox relay is woken at once.
+    ///
+    /// Publish before committing (or [`enlist`](Self::enlist)): what the handler publishes
+    /// with its context after the commit waits in memory for the delivery to settle, and a
+    /// rerun after a crash in between finds the work done, opens no transaction and publishes
+    /// nothing.
     ///
     /// # Errors
     ///
