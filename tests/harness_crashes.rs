@@ -646,3 +646,57 @@ async fn replay_after_a_deduplicated_handler(backend: Backend) {
         "the announcement was delivered, once"
     );
 }
+
+/// Claims kept in a database of their own, apart from the runtime's store: what the
+/// deduplicated handler announced settles with the delivery, through the runtime's outbox,
+/// not into the claims database's outbox, which nothing relays.
+#[tokio::test]
+async fn a_deduplicated_handler_with_claims_kept_apart_announces_through_the_runtimes_outbox() {
+    let db = ScratchDatabase::sqlite();
+    let claims_db = ScratchDatabase::sqlite();
+    let store = db.sqlite_store().await.unwrap();
+    let claims = claims_db.sqlite_store().await.unwrap();
+    let claims_pool = claims.pool().clone();
+    let pool = store.pool().clone();
+    dacapo::sqlx::query(EFFECTS).execute(&pool).await.unwrap();
+    let harness = builder()
+        .store(store)
+        .configure(|runtime| {
+            runtime
+                .enable_deduplication()
+                .claims(std::sync::Arc::new(claims))
+        })
+        .module(
+            Module::new("access")
+                .handle_named::<MemberRemoved, _>("revoke", RevokeOnce)
+                .deduplicate("revoke", Deduplication::from_envelope()),
+        )
+        .module(Module::new("audit").handle_named::<AccessRevoked, _>("audit", Audit(pool.clone())))
+        .build()
+        .unwrap();
+    let report = harness
+        .publish_with(
+            &MemberRemoved { member_id: 7 },
+            SendOptions::new().deduplication_id("member-7"),
+        )
+        .await
+        .unwrap();
+    assert!(report.is_handled(), "{report:?}");
+    harness.idle().await.unwrap();
+    let audited: Vec<String> = dacapo::sqlx::query_scalar("SELECT handler FROM effects")
+        .fetch_all(&pool)
+        .await
+        .unwrap();
+    assert_eq!(audited, ["audit"], "the announcement was delivered");
+    let completed: i64 =
+        dacapo::sqlx::query_scalar("SELECT count(*) FROM dacapo_deduplication WHERE completed = 1")
+            .fetch_one(&claims_pool)
+            .await
+            .unwrap();
+    assert_eq!(completed, 1, "the claim is kept apart, completed");
+    let stray: i64 = dacapo::sqlx::query_scalar("SELECT count(*) FROM dacapo_outbox")
+        .fetch_one(&claims_pool)
+        .await
+        .unwrap();
+    assert_eq!(stray, 0, "nothing enlisted where nothing relays");
+}

@@ -568,8 +568,8 @@ impl MessageContext {
     /// already done on a retry may cascade nothing without losing what it cascaded before.
     /// What a handler cascaded is enlisted in the outbox right away, without waiting for the
     /// delivery, when the handler's work is recorded as done on its own: with its handler
-    /// transaction, or with the completion of its deduplication claim (a later attempt skips
-    /// that handler).
+    /// transaction, or with the completion of its deduplication claim kept in the runtime's
+    /// store (a later attempt skips that handler).
     ///
     /// # Errors
     ///

@@ -64,8 +64,12 @@ pub(crate) struct Shared {
 }
 
 impl Shared {
-    /// Lists a delivery as starting, until its supervisor starts.
+    /// Lists a delivery as starting, until its supervisor starts. Only a durable inbox has
+    /// an orphan sweep to keep off it.
     pub(crate) fn list_starting(&self, id: uuid::Uuid) {
+        if self.durable.is_none() {
+            return;
+        }
         self.starting
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner)
@@ -74,6 +78,9 @@ impl Shared {
 
     /// Takes a delivery off the starting list: its supervisor started, or never will here.
     pub(crate) fn unlist_starting(&self, id: uuid::Uuid) {
+        if self.durable.is_none() {
+            return;
+        }
         self.starting
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner)

@@ -191,14 +191,22 @@ impl HandlerActor {
                     } else {
                         // A later attempt skips this handler once its claim is completed, so
                         // what it cascaded goes to the outbox with the completion rather than
-                        // waiting in memory for the delivery to settle.
-                        let cascaded = context.take_published().await;
+                        // waiting in memory for the delivery to settle: the runtime's outbox,
+                        // when the claims live in its store (claims kept elsewhere would
+                        // enlist into an outbox nothing relays; there, they still settle with
+                        // the delivery).
+                        let cascaded = if context.deduplication_claim().is_some() {
+                            context.take_published().await
+                        } else {
+                            Vec::new()
+                        };
                         let enlisted = persist("complete deduplication claim", message_id, || {
                             claims.complete(&claim, &cascaded)
                         })
                         .await;
                         match enlisted {
-                            Ok(true) => context.wake_outbox(),
+                            Ok(true) if !cascaded.is_empty() => context.wake_outbox(),
+                            Ok(true) => {}
                             // Left to the attempt: a claim not completed is taken over by the
                             // next attempt of this delivery, which runs the handler again.
                             Ok(false) | Err(_) => context.restore_published(cascaded).await,

@@ -53,7 +53,10 @@ pub struct DeliveryReport {
     /// clock (virtual under the test harness, so cooldowns can be checked exactly); the first
     /// entry is therefore zero.
     pub attempt_offsets: Vec<Duration>,
-    /// The messages its handlers cascaded (sent only when it was handled).
+    /// The messages its handlers cascaded that settled with it (sent only when it was
+    /// handled). Those a handler's work recorded on its own — a handler transaction's commit,
+    /// or the completion of a deduplication claim kept in the runtime's store — went to the
+    /// outbox then, and are not listed here.
     pub cascaded: Vec<Envelope>,
 }
 

@@ -648,7 +648,8 @@ impl<DB: Backend> Drop for Unanswered<DB> {
     fn drop(&mut self) {
         let in_flight = self.in_flight.take();
         let tx = match self.slot.try_lock() {
-            Ok(slot) if slot.ended => return,
+            // Ended by the layer, which may have been cut short before its commit or rollback
+            // with the transaction still there.
             Ok(mut slot) => {
                 slot.ended = true;
                 slot.tx.take()
@@ -780,6 +781,63 @@ mod tests {
             matches!(refused, crate::Error::RequestTransaction(_)),
             "{refused}"
         );
+        let kept: i64 = sqlx::query_scalar("SELECT count(*) FROM rows")
+            .fetch_one(store.pool())
+            .await
+            .unwrap();
+        assert_eq!(kept, 0, "the request's rows are rolled back");
+        std::fs::remove_dir_all(&directory).ok();
+    }
+
+    /// The layer was cut short while ending the request (it marked it ended, then was dropped
+    /// before its commit or rollback), with a clone still held elsewhere: the transaction is
+    /// rolled back all the same, not kept open by that clone.
+    #[tokio::test]
+    async fn a_request_dropped_while_the_layer_ends_it_is_rolled_back() {
+        let directory = std::env::temp_dir().join(format!(
+            "dacapo-unanswered-{}",
+            uuid::Uuid::new_v4().simple()
+        ));
+        std::fs::create_dir_all(&directory).unwrap();
+        let path = directory.join("db.sqlite");
+        let store = SqliteStore::open(path.to_str().unwrap()).await.unwrap();
+        sqlx::query("CREATE TABLE rows (n INTEGER)")
+            .execute(store.pool())
+            .await
+            .unwrap();
+        let shared = Arc::new(Shared {
+            store: store.clone(),
+            settings: IdempotencyLayer::new(store.clone()).settings,
+        });
+        let slot = Slot {
+            pool: store.pool().clone(),
+            tx: None,
+            ended: false,
+        };
+        let transaction = RequestTransaction::new(slot, store.clone(), Duration::from_secs(60));
+        let held_elsewhere = transaction.clone();
+        let unanswered = Unanswered {
+            slot: Arc::clone(transaction.slot()),
+            in_flight: InFlight::enter(&shared, "k"),
+        };
+        let mut tx = transaction.get().await.unwrap();
+        sqlx::query("INSERT INTO rows VALUES (1)")
+            .execute(&mut **tx)
+            .await
+            .unwrap();
+        drop(tx);
+        transaction.slot().lock().await.ended = true;
+
+        drop(unanswered);
+        drop(transaction);
+        tokio::time::timeout(Duration::from_secs(10), async {
+            while InFlight::enter(&shared, "k").is_none() {
+                tokio::time::sleep(Duration::from_millis(1)).await;
+            }
+        })
+        .await
+        .expect("the key is freed once rolled back");
+        assert!(held_elsewhere.slot().lock().await.tx.is_none());
         let kept: i64 = sqlx::query_scalar("SELECT count(*) FROM rows")
             .fetch_one(store.pool())
             .await
