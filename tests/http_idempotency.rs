@@ -753,28 +753,25 @@ async fn an_answer_over_the_size_limit_is_given_but_not_kept(db: &TestDatabase) 
     );
 }
 
-async fn a_request_dropped_before_its_commit_leaves_the_key_free_and_its_work_undone(
-    db: &TestDatabase,
-) {
-    let (base, app) = serve(db).await;
-    let url = format!("{base}/hang");
+/// Posts to `url` under `key` until the endpoint tells `app.entered`, goes away, then posts
+/// again until the answer is not 409 (the key in flight): that answer. The server drops the
+/// request when its client goes, and its transaction rolls back.
+async fn abandoned_then_retried(app: &App, url: &str, key: &str) -> reqwest::Response {
     let entered = app.entered.notified();
     let first = tokio::spawn({
-        let url = url.clone();
+        let (url, key) = (url.to_owned(), key.to_owned());
         async move {
             let client = reqwest::Client::new();
-            post_with(&client, &url, Some("k-7"), "", &[]).await
+            post_with(&client, &url, Some(&key), "", &[]).await
         }
     });
-    // The endpoint wrote in the request's transaction and hangs: the client goes away.
     entered.await;
     first.abort();
     let _ = first.await;
-    // The server drops the request when the client goes: its transaction rolls back.
     let client = reqwest::Client::new();
-    let retried = tokio::time::timeout(Duration::from_secs(20), async {
+    tokio::time::timeout(Duration::from_secs(20), async {
         loop {
-            let response = post_with(&client, &url, Some("k-7"), "", &[]).await;
+            let response = post_with(&client, url, Some(key), "", &[]).await;
             if response.status() != 409 {
                 return response;
             }
@@ -782,7 +779,15 @@ async fn a_request_dropped_before_its_commit_leaves_the_key_free_and_its_work_un
         }
     })
     .await
-    .expect("the key was freed");
+    .expect("the key is freed within 20s")
+}
+
+async fn a_request_dropped_before_its_commit_leaves_the_key_free_and_its_work_undone(
+    db: &TestDatabase,
+) {
+    let (base, app) = serve(db).await;
+    // The endpoint wrote in the request's transaction and hangs: the client goes away.
+    let retried = abandoned_then_retried(&app, &format!("{base}/hang"), "k-7").await;
     assert_eq!(retried.status(), 201);
     assert!(!replayed(retried.headers()));
     assert_eq!(app.runs.load(Ordering::SeqCst), 2);
@@ -801,29 +806,7 @@ async fn a_request_dropped_while_a_task_of_its_endpoint_holds_its_transaction_is
 ) {
     let (base, app) = serve(db).await;
     let url = format!("{base}/hangs-in-a-task");
-    let entered = app.entered.notified();
-    let first = tokio::spawn({
-        let url = url.clone();
-        async move {
-            let client = reqwest::Client::new();
-            post_with(&client, &url, Some("k-8"), "", &[]).await
-        }
-    });
-    entered.await;
-    first.abort();
-    let _ = first.await;
-    let client = reqwest::Client::new();
-    let retried = tokio::time::timeout(Duration::from_secs(20), async {
-        loop {
-            let response = post_with(&client, &url, Some("k-8"), "", &[]).await;
-            if response.status() != 409 {
-                return response;
-            }
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
-    })
-    .await
-    .expect("the key was freed while the endpoint's task still held the transaction");
+    let retried = abandoned_then_retried(&app, &url, "k-8").await;
     assert_eq!(retried.status(), 201);
     assert!(!replayed(retried.headers()));
     app.release.notify_one();

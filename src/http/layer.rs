@@ -718,32 +718,75 @@ mod tests {
     use super::*;
     use crate::store::SqliteStore;
 
+    /// A request under way on a fresh SQLite file with a `rows` table, its key not entered.
+    struct Request {
+        directory: std::path::PathBuf,
+        store: SqliteStore,
+        shared: Arc<Shared<sqlx::Sqlite>>,
+        transaction: RequestTransaction<sqlx::Sqlite>,
+    }
+
+    impl Request {
+        async fn new() -> Self {
+            let directory = std::env::temp_dir().join(format!(
+                "dacapo-unanswered-{}",
+                uuid::Uuid::new_v4().simple()
+            ));
+            std::fs::create_dir_all(&directory).unwrap();
+            let path = directory.join("db.sqlite");
+            let store = SqliteStore::open(path.to_str().unwrap()).await.unwrap();
+            sqlx::query("CREATE TABLE rows (n INTEGER)")
+                .execute(store.pool())
+                .await
+                .unwrap();
+            let shared = Arc::new(Shared {
+                store: store.clone(),
+                settings: IdempotencyLayer::new(store.clone()).settings,
+            });
+            let slot = Slot {
+                pool: store.pool().clone(),
+                tx: None,
+                ended: false,
+            };
+            let transaction = RequestTransaction::new(slot, store.clone(), Duration::from_secs(60));
+            Self {
+                directory,
+                store,
+                shared,
+                transaction,
+            }
+        }
+    }
+
+    async fn rows(store: &SqliteStore) -> i64 {
+        sqlx::query_scalar("SELECT count(*) FROM rows")
+            .fetch_one(store.pool())
+            .await
+            .unwrap()
+    }
+
+    /// Waits until the key `k` can be entered again (its entry is let go at once).
+    async fn freed(shared: &Arc<Shared<sqlx::Sqlite>>) {
+        tokio::time::timeout(Duration::from_secs(10), async {
+            while InFlight::enter(shared, "k").is_none() {
+                tokio::time::sleep(Duration::from_millis(1)).await;
+            }
+        })
+        .await
+        .expect("the key is freed within 10s");
+    }
+
     /// The endpoint's task still borrows the request's transaction when the request is
     /// dropped: the rollback waits for the borrow, the key stays in flight until it is done,
     /// and the task's next borrow is refused.
     #[tokio::test]
     async fn a_request_dropped_while_its_transaction_is_borrowed_ends_once_the_borrow_goes() {
-        let directory = std::env::temp_dir().join(format!(
-            "dacapo-unanswered-{}",
-            uuid::Uuid::new_v4().simple()
-        ));
-        std::fs::create_dir_all(&directory).unwrap();
-        let path = directory.join("db.sqlite");
-        let store = SqliteStore::open(path.to_str().unwrap()).await.unwrap();
-        sqlx::query("CREATE TABLE rows (n INTEGER)")
-            .execute(store.pool())
-            .await
-            .unwrap();
-        let shared = Arc::new(Shared {
-            store: store.clone(),
-            settings: IdempotencyLayer::new(store.clone()).settings,
-        });
-        let slot = Slot {
-            pool: store.pool().clone(),
-            tx: None,
-            ended: false,
-        };
-        let transaction = RequestTransaction::new(slot, store.clone(), Duration::from_secs(60));
+        let Request {
+            directory,
+            store,
+            shared,
+            transaction,
+        } = Request::new().await;
         let unanswered = Unanswered {
             slot: Arc::clone(transaction.slot()),
             in_flight: InFlight::enter(&shared, "k"),
@@ -764,28 +807,14 @@ mod tests {
             .await
             .unwrap();
         drop(tx);
-        let freed = tokio::time::timeout(Duration::from_secs(10), async {
-            loop {
-                if let Some(entered) = InFlight::enter(&shared, "k") {
-                    return entered;
-                }
-                tokio::time::sleep(Duration::from_millis(1)).await;
-            }
-        })
-        .await
-        .expect("the key is freed once the borrow goes");
-        drop(freed);
+        freed(&shared).await;
 
         let refused = transaction.get().await.expect_err("the request has ended");
         assert!(
             matches!(refused, crate::Error::RequestTransaction(_)),
             "{refused}"
         );
-        let kept: i64 = sqlx::query_scalar("SELECT count(*) FROM rows")
-            .fetch_one(store.pool())
-            .await
-            .unwrap();
-        assert_eq!(kept, 0, "the request's rows are rolled back");
+        assert_eq!(rows(&store).await, 0, "the request's rows are rolled back");
         std::fs::remove_dir_all(&directory).ok();
     }
 
@@ -794,27 +823,12 @@ mod tests {
     /// rolled back all the same, not kept open by that clone.
     #[tokio::test]
     async fn a_request_dropped_while_the_layer_ends_it_is_rolled_back() {
-        let directory = std::env::temp_dir().join(format!(
-            "dacapo-unanswered-{}",
-            uuid::Uuid::new_v4().simple()
-        ));
-        std::fs::create_dir_all(&directory).unwrap();
-        let path = directory.join("db.sqlite");
-        let store = SqliteStore::open(path.to_str().unwrap()).await.unwrap();
-        sqlx::query("CREATE TABLE rows (n INTEGER)")
-            .execute(store.pool())
-            .await
-            .unwrap();
-        let shared = Arc::new(Shared {
-            store: store.clone(),
-            settings: IdempotencyLayer::new(store.clone()).settings,
-        });
-        let slot = Slot {
-            pool: store.pool().clone(),
-            tx: None,
-            ended: false,
-        };
-        let transaction = RequestTransaction::new(slot, store.clone(), Duration::from_secs(60));
+        let Request {
+            directory,
+            store,
+            shared,
+            transaction,
+        } = Request::new().await;
         let held_elsewhere = transaction.clone();
         let unanswered = Unanswered {
             slot: Arc::clone(transaction.slot()),
@@ -830,19 +844,9 @@ mod tests {
 
         drop(unanswered);
         drop(transaction);
-        tokio::time::timeout(Duration::from_secs(10), async {
-            while InFlight::enter(&shared, "k").is_none() {
-                tokio::time::sleep(Duration::from_millis(1)).await;
-            }
-        })
-        .await
-        .expect("the key is freed once rolled back");
+        freed(&shared).await;
         assert!(held_elsewhere.slot().lock().await.tx.is_none());
-        let kept: i64 = sqlx::query_scalar("SELECT count(*) FROM rows")
-            .fetch_one(store.pool())
-            .await
-            .unwrap();
-        assert_eq!(kept, 0, "the request's rows are rolled back");
+        assert_eq!(rows(&store).await, 0, "the request's rows are rolled back");
         std::fs::remove_dir_all(&directory).ok();
     }
 }
