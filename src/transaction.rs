@@ -492,10 +492,9 @@ impl<DB: Backend> HandlerTransaction<DB> {
     /// handler's writes, keys, outbox rows, claim and completion record land together, with
     /// what the handler published with its context so far. The outbox relay is woken at once.
     ///
-    /// Publish before committing (or [`enlist`](Self::enlist)): what the handler publishes
-    /// with its context after the commit waits in memory for the delivery to settle, and a
-    /// rerun after a crash in between finds the work done, opens no transaction and publishes
-    /// nothing.
+    /// What the handler publishes with its context after the commit is enlisted in the
+    /// outbox at once, in a write of its own: a rerun after a crash finds the work done, opens
+    /// no transaction and publishes nothing, so it cannot wait for the delivery to settle.
     ///
     /// # Errors
     ///
@@ -526,6 +525,7 @@ impl<DB: Backend> HandlerTransaction<DB> {
         };
         match committed {
             Ok(()) => {
+                context.recorded_on_its_own();
                 context.wake_outbox();
                 Ok(())
             }

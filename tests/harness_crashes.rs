@@ -700,3 +700,159 @@ async fn a_deduplicated_handler_with_claims_kept_apart_announces_through_the_run
         .unwrap();
     assert_eq!(stray, 0, "nothing enlisted where nothing relays");
 }
+
+/// Revokes in a handler transaction and announces it with its context only after the commit.
+struct RevokeThenAnnounce<P>(P);
+
+macro_rules! announcing_after_commit {
+    ($pool:ty, $db:ty) => {
+        impl Handler<MemberRemoved> for RevokeThenAnnounce<$pool> {
+            async fn handle(
+                &self,
+                event: &MemberRemoved,
+                ctx: &MessageContext,
+            ) -> Result<(), HandlerError> {
+                let Some(mut tx) = ctx.transaction::<$db>().await? else {
+                    return Ok(());
+                };
+                let id = dacapo::ids::derive(tx.message_id(), "revoke");
+                dacapo::sqlx::query("INSERT INTO effects (id, handler) VALUES ($1, 'revoke')")
+                    .bind(&id)
+                    .execute(&mut **tx)
+                    .await?;
+                tx.commit().await?;
+                ctx.publish(&AccessRevoked {
+                    member_id: event.member_id,
+                })
+                .await?;
+                Ok(())
+            }
+        }
+    };
+}
+
+announcing_after_commit!(dacapo::sqlx::SqlitePool, dacapo::sqlx::Sqlite);
+announcing_after_commit!(dacapo::sqlx::PgPool, dacapo::sqlx::Postgres);
+
+on_both_backends!(
+    a_crash_after_a_handler_announced_past_its_commit_keeps_the_announcement_sqlite,
+    a_crash_after_a_handler_announced_past_its_commit_keeps_the_announcement_postgres,
+    crash_after_announcing_past_the_commit
+);
+
+/// The handler publishes after its transaction committed, and the runtime crashes before the
+/// delivery settles: the rerun finds the work done and publishes nothing, so the announcement
+/// must already be in the outbox.
+async fn crash_after_announcing_past_the_commit(backend: Backend) {
+    macro_rules! run {
+        ($db:expr, $store:expr) => {{
+            let db = $db;
+            let store = $store(&db).await.unwrap();
+            let pool = store.pool().clone();
+            dacapo::sqlx::query(EFFECTS).execute(&pool).await.unwrap();
+            let mut harness =
+                builder()
+                    .store(store)
+                    .module(Module::new("access").handle_named::<MemberRemoved, _>(
+                        "revoke",
+                        RevokeThenAnnounce(pool.clone()),
+                    ))
+                    .module(
+                        Module::new("audit")
+                            .handle_named::<AccessRevoked, _>("audit", Audit(pool.clone())),
+                    )
+                    .build()
+                    .unwrap();
+            harness
+                .crash_at_message::<MemberRemoved>(Failpoint::BeforeSettle)
+                .unwrap();
+            crashed_at(
+                harness.publish(&MemberRemoved { member_id: 7 }).await,
+                Failpoint::BeforeSettle,
+            );
+            harness.restart().await.unwrap();
+            harness.idle().await.unwrap();
+            let report = last_report(&harness, MemberRemoved::TYPE);
+            assert!(report.is_handled(), "{report:?}");
+            let mut effects: Vec<String> =
+                dacapo::sqlx::query_scalar("SELECT handler FROM effects")
+                    .fetch_all(&pool)
+                    .await
+                    .unwrap();
+            effects.sort();
+            assert_eq!(effects, ["audit", "revoke"], "each effect once");
+        }};
+    }
+    match backend {
+        Backend::Sqlite => run!(ScratchDatabase::sqlite(), ScratchDatabase::sqlite_store),
+        Backend::Postgres => run!(
+            ScratchDatabase::postgres(&admin_url()).await.unwrap(),
+            ScratchDatabase::postgres_store
+        ),
+    }
+}
+
+/// Like [`RevokeThenAnnounce`], with the store unavailable while it announces.
+struct RevokeThenAnnounceInAnOutage(dacapo::testing::StoreFaults);
+
+impl Handler<MemberRemoved> for RevokeThenAnnounceInAnOutage {
+    async fn handle(
+        &self,
+        event: &MemberRemoved,
+        ctx: &MessageContext,
+    ) -> Result<(), HandlerError> {
+        let Some(mut tx) = ctx.transaction::<dacapo::sqlx::Sqlite>().await? else {
+            return Ok(());
+        };
+        let id = dacapo::ids::derive(tx.message_id(), "revoke");
+        dacapo::sqlx::query("INSERT INTO effects (id, handler) VALUES ($1, 'revoke')")
+            .bind(&id)
+            .execute(&mut **tx)
+            .await?;
+        tx.commit().await?;
+        self.0.inject(dacapo::testing::StoreFault::unavailable());
+        let published = ctx
+            .publish(&AccessRevoked {
+                member_id: event.member_id,
+            })
+            .await;
+        self.0.end();
+        published?;
+        Ok(())
+    }
+}
+
+/// A message published after the handler's commit that the outbox refuses to take at once
+/// settles with the delivery instead: it is delivered all the same.
+#[tokio::test]
+async fn an_announcement_past_the_commit_the_outbox_refuses_settles_with_the_delivery() {
+    let db = ScratchDatabase::sqlite();
+    let store = db.sqlite_store().await.unwrap();
+    let pool = store.pool().clone();
+    dacapo::sqlx::query(EFFECTS).execute(&pool).await.unwrap();
+    let builder = builder();
+    let faults = builder.store_faults();
+    let harness = builder
+        .store(store)
+        .module(Module::new("access").handle_named::<MemberRemoved, _>(
+            "revoke",
+            RevokeThenAnnounceInAnOutage(faults.clone()),
+        ))
+        .module(Module::new("audit").handle_named::<AccessRevoked, _>("audit", Audit(pool.clone())))
+        .build()
+        .unwrap();
+    let report = harness
+        .publish(&MemberRemoved { member_id: 7 })
+        .await
+        .unwrap();
+    assert!(report.is_handled(), "{report:?}");
+    assert_eq!(report.cascaded.len(), 1, "it settled with the delivery");
+    assert!(faults.struck() > 0, "the outbox was refused");
+    harness.idle().await.unwrap();
+    let mut effects: Vec<String> = dacapo::sqlx::query_scalar("SELECT handler FROM effects")
+        .fetch_all(&pool)
+        .await
+        .unwrap();
+    effects.sort();
+    assert_eq!(effects, ["audit", "revoke"], "each effect once");
+}

@@ -136,6 +136,7 @@ impl ContextActor {
                 claim: claim.map(Arc::new),
                 running,
                 given_up: Arc::default(),
+                recorded: Arc::default(),
             }),
         }
     }
@@ -274,6 +275,10 @@ struct Attached {
     running: Running,
     /// Set when the runtime gives up on the handler's run (its timeout), before it drops it.
     given_up: Arc<std::sync::atomic::AtomicBool>,
+    /// Set once the handler's work is recorded on its own (its handler transaction
+    /// committed): a rerun skips that work, so what it cascades from then on cannot wait for
+    /// the delivery to settle.
+    recorded: Arc<std::sync::atomic::AtomicBool>,
 }
 
 /// Which handler a context was given to.
@@ -626,10 +631,37 @@ impl MessageContext {
         let Some(actor) = scope.actor_or_start() else {
             return Ok(scope.keep_published(handler, envelope));
         };
-        actor
+        let id = actor
             .send(Cascade(handler, envelope))
             .await
-            .map_err(|_| Error::Detached)
+            .map_err(|_| Error::Detached)?;
+        if attached.recorded.load(std::sync::atomic::Ordering::Acquire)
+            && let Some(worker) = &scope.worker
+            && let Some(outbox) = &worker.shared.outbox
+        {
+            // Enlisted now, or, if the outbox refuses, left to settle with the delivery.
+            let cascaded = self.take_published().await;
+            match outbox.enlist(&cascaded).await {
+                Ok(()) => worker.shared.outbox_enlisted.notify_one(),
+                Err(error) => {
+                    tracing::warn!(%error, "a message cascaded after its handler's work was recorded could not be enlisted; it settles with the delivery");
+                    self.restore_published(cascaded).await;
+                }
+            }
+        }
+        Ok(id)
+    }
+
+    /// Tells the runtime that this handler's work is recorded on its own (its handler
+    /// transaction committed, with what it cascaded so far): what it cascades from now on is
+    /// enlisted in the outbox at once, since a rerun finds the work done and skips it.
+    #[doc(hidden)]
+    pub fn recorded_on_its_own(&self) {
+        if let Some(attached) = &self.scope {
+            attached
+                .recorded
+                .store(true, std::sync::atomic::Ordering::Release);
+        }
     }
 }
 
@@ -803,6 +835,7 @@ impl TestContext {
                 claim: None,
                 running: Running::default(),
                 given_up: Arc::default(),
+                recorded: Arc::default(),
             }),
         }
     }

@@ -57,6 +57,9 @@ pub(crate) struct Shared {
     /// replayed, or received and waiting for room or for their worker): running, for the
     /// orphan sweep, though the tracker does not list them yet.
     pub(crate) starting: std::sync::Mutex<std::collections::HashSet<uuid::Uuid>>,
+    /// The outbox the relay publishes from, if any: cascades that cannot wait for their
+    /// delivery to settle are enlisted there on their own.
+    pub(crate) outbox: Option<Arc<dyn crate::ports::OutboxStore>>,
     /// Where a test crashes the engine.
     pub(crate) failpoints: Option<Arc<crate::Failpoints>>,
     /// Recovery rounds finished so far.
