@@ -34,9 +34,35 @@ impl Message for AccessRevoked {
 
 const EFFECTS: &str = "CREATE TABLE effects (id TEXT PRIMARY KEY, handler TEXT NOT NULL)";
 
-/// Writes its effect and announces it in one handler transaction: a rerun finds the work
-/// committed and does nothing.
-struct Revoke<P>(P);
+/// Writes its effect in a handler transaction and announces it — in that transaction, or
+/// with its context after the commit (and then, given store faults, in an outage): a rerun
+/// finds the work committed and does nothing.
+struct Revoke<P> {
+    /// The pool's type names the database the transaction is on.
+    database: std::marker::PhantomData<fn() -> P>,
+    after_commit: bool,
+    outage: Option<dacapo::testing::StoreFaults>,
+}
+
+impl<P> Revoke<P> {
+    /// Announces in its transaction.
+    fn enlisting(_pool: P) -> Self {
+        Self {
+            database: std::marker::PhantomData,
+            after_commit: false,
+            outage: None,
+        }
+    }
+
+    /// Announces with its context after its commit, in an outage of `outage` if given.
+    fn publishing_after_commit(_pool: P, outage: Option<dacapo::testing::StoreFaults>) -> Self {
+        Self {
+            database: std::marker::PhantomData,
+            after_commit: true,
+            outage,
+        }
+    }
+}
 /// Writes the announcement's effect in a handler transaction too.
 struct Audit<P>(P);
 
@@ -56,11 +82,23 @@ macro_rules! handlers {
                     .bind(&id)
                     .execute(&mut **tx)
                     .await?;
-                tx.enlist(&AccessRevoked {
+                let announcement = AccessRevoked {
                     member_id: event.member_id,
-                })
-                .await?;
+                };
+                if !self.after_commit {
+                    tx.enlist(&announcement).await?;
+                }
                 tx.commit().await?;
+                if self.after_commit {
+                    if let Some(outage) = &self.outage {
+                        outage.inject(dacapo::testing::StoreFault::unavailable());
+                    }
+                    let published = ctx.publish(&announcement).await;
+                    if let Some(outage) = &self.outage {
+                        outage.end();
+                    }
+                    published?;
+                }
                 Ok(())
             }
         }
@@ -120,20 +158,21 @@ macro_rules! setup_on {
     ($db:ident, $store:ident, $faults:ident) => {{
         let pool = $store.pool().clone();
         dacapo::sqlx::query(EFFECTS).execute(&pool).await.unwrap();
-        let harness = $faults(
-            builder()
-                .store($store)
-                .module(
-                    Module::new("access")
-                        .handle_named::<MemberRemoved, _>("revoke", Revoke(pool.clone())),
-                )
-                .module(
-                    Module::new("audit")
-                        .handle_named::<AccessRevoked, _>("audit", Audit(pool.clone())),
-                ),
-        )
-        .build()
-        .unwrap();
+        let harness =
+            $faults(
+                builder()
+                    .store($store)
+                    .module(Module::new("access").handle_named::<MemberRemoved, _>(
+                        "revoke",
+                        Revoke::enlisting(pool.clone()),
+                    ))
+                    .module(
+                        Module::new("audit")
+                            .handle_named::<AccessRevoked, _>("audit", Audit(pool.clone())),
+                    ),
+            )
+            .build()
+            .unwrap();
         let inbox = pool.clone();
         let announcements = Box::new(move || {
             let pool = inbox.clone();
@@ -701,39 +740,6 @@ async fn a_deduplicated_handler_with_claims_kept_apart_announces_through_the_run
     assert_eq!(stray, 0, "nothing enlisted where nothing relays");
 }
 
-/// Revokes in a handler transaction and announces it with its context only after the commit.
-struct RevokeThenAnnounce<P>(P);
-
-macro_rules! announcing_after_commit {
-    ($pool:ty, $db:ty) => {
-        impl Handler<MemberRemoved> for RevokeThenAnnounce<$pool> {
-            async fn handle(
-                &self,
-                event: &MemberRemoved,
-                ctx: &MessageContext,
-            ) -> Result<(), HandlerError> {
-                let Some(mut tx) = ctx.transaction::<$db>().await? else {
-                    return Ok(());
-                };
-                let id = dacapo::ids::derive(tx.message_id(), "revoke");
-                dacapo::sqlx::query("INSERT INTO effects (id, handler) VALUES ($1, 'revoke')")
-                    .bind(&id)
-                    .execute(&mut **tx)
-                    .await?;
-                tx.commit().await?;
-                ctx.publish(&AccessRevoked {
-                    member_id: event.member_id,
-                })
-                .await?;
-                Ok(())
-            }
-        }
-    };
-}
-
-announcing_after_commit!(dacapo::sqlx::SqlitePool, dacapo::sqlx::Sqlite);
-announcing_after_commit!(dacapo::sqlx::PgPool, dacapo::sqlx::Postgres);
-
 on_both_backends!(
     a_crash_after_a_handler_announced_past_its_commit_keeps_the_announcement_sqlite,
     a_crash_after_a_handler_announced_past_its_commit_keeps_the_announcement_postgres,
@@ -750,19 +756,18 @@ async fn crash_after_announcing_past_the_commit(backend: Backend) {
             let store = $store(&db).await.unwrap();
             let pool = store.pool().clone();
             dacapo::sqlx::query(EFFECTS).execute(&pool).await.unwrap();
-            let mut harness =
-                builder()
-                    .store(store)
-                    .module(Module::new("access").handle_named::<MemberRemoved, _>(
-                        "revoke",
-                        RevokeThenAnnounce(pool.clone()),
-                    ))
-                    .module(
-                        Module::new("audit")
-                            .handle_named::<AccessRevoked, _>("audit", Audit(pool.clone())),
-                    )
-                    .build()
-                    .unwrap();
+            let mut harness = builder()
+                .store(store)
+                .module(Module::new("access").handle_named::<MemberRemoved, _>(
+                    "revoke",
+                    Revoke::publishing_after_commit(pool.clone(), None),
+                ))
+                .module(
+                    Module::new("audit")
+                        .handle_named::<AccessRevoked, _>("audit", Audit(pool.clone())),
+                )
+                .build()
+                .unwrap();
             harness
                 .crash_at_message::<MemberRemoved>(Failpoint::BeforeSettle)
                 .unwrap();
@@ -792,36 +797,6 @@ async fn crash_after_announcing_past_the_commit(backend: Backend) {
     }
 }
 
-/// Like [`RevokeThenAnnounce`], with the store unavailable while it announces.
-struct RevokeThenAnnounceInAnOutage(dacapo::testing::StoreFaults);
-
-impl Handler<MemberRemoved> for RevokeThenAnnounceInAnOutage {
-    async fn handle(
-        &self,
-        event: &MemberRemoved,
-        ctx: &MessageContext,
-    ) -> Result<(), HandlerError> {
-        let Some(mut tx) = ctx.transaction::<dacapo::sqlx::Sqlite>().await? else {
-            return Ok(());
-        };
-        let id = dacapo::ids::derive(tx.message_id(), "revoke");
-        dacapo::sqlx::query("INSERT INTO effects (id, handler) VALUES ($1, 'revoke')")
-            .bind(&id)
-            .execute(&mut **tx)
-            .await?;
-        tx.commit().await?;
-        self.0.inject(dacapo::testing::StoreFault::unavailable());
-        let published = ctx
-            .publish(&AccessRevoked {
-                member_id: event.member_id,
-            })
-            .await;
-        self.0.end();
-        published?;
-        Ok(())
-    }
-}
-
 /// A message published after the handler's commit that the outbox refuses to take at once
 /// settles with the delivery instead: it is delivered all the same.
 #[tokio::test]
@@ -836,7 +811,7 @@ async fn an_announcement_past_the_commit_the_outbox_refuses_settles_with_the_del
         .store(store)
         .module(Module::new("access").handle_named::<MemberRemoved, _>(
             "revoke",
-            RevokeThenAnnounceInAnOutage(faults.clone()),
+            Revoke::publishing_after_commit(pool.clone(), Some(faults.clone())),
         ))
         .module(Module::new("audit").handle_named::<AccessRevoked, _>("audit", Audit(pool.clone())))
         .build()
