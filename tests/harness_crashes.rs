@@ -152,6 +152,22 @@ fn builder() -> TestHarnessBuilder {
     TestHarness::builder().settle_timeout(Duration::from_secs(20))
 }
 
+/// A reader of the effects table on `$pool`, by handler name.
+macro_rules! effects_of {
+    ($pool:expr) => {{
+        let pool = $pool;
+        Box::new(move || {
+            let pool = pool.clone();
+            Box::pin(async move {
+                dacapo::sqlx::query_scalar("SELECT handler FROM effects ORDER BY handler")
+                    .fetch_all(&pool)
+                    .await
+                    .unwrap()
+            }) as futures::future::BoxFuture<'static, Vec<String>>
+        })
+    }};
+}
+
 /// The setup on `$db`, a scratch database, and `$store`, its store: the effects table, the
 /// two handlers on its pool, and a reader of the effects.
 macro_rules! setup_on {
@@ -185,15 +201,7 @@ macro_rules! setup_on {
                 .unwrap()
             }) as futures::future::BoxFuture<'static, Vec<String>>
         });
-        let effects = Box::new(move || {
-            let pool = pool.clone();
-            Box::pin(async move {
-                dacapo::sqlx::query_scalar("SELECT handler FROM effects ORDER BY handler")
-                    .fetch_all(&pool)
-                    .await
-                    .unwrap()
-            }) as futures::future::BoxFuture<'static, Vec<String>>
-        });
+        let effects = effects_of!(pool);
         Setup {
             harness,
             effects,
@@ -585,15 +593,7 @@ async fn announcing(
             )
             .build()
             .unwrap();
-            let effects = Box::new(move || {
-                let pool = pool.clone();
-                Box::pin(async move {
-                    dacapo::sqlx::query_scalar("SELECT handler FROM effects")
-                        .fetch_all(&pool)
-                        .await
-                        .unwrap()
-                }) as futures::future::BoxFuture<'static, Vec<String>>
-            });
+            let effects = effects_of!(pool);
             (harness, effects as _, db)
         }};
     }
