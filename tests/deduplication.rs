@@ -646,3 +646,84 @@ async fn a_retry_of_the_same_message_is_not_counted_as_a_duplicate_intent() {
         "a new message with the same id is a duplicate, once per attempt it skipped the handler"
     );
 }
+
+#[derive(Clone, Debug, Serialize, Deserialize)]
+struct ProjectionRebuilt {
+    projection: String,
+}
+
+impl Message for ProjectionRebuilt {
+    const TYPE: &'static str = "projections.rebuilt";
+}
+
+/// Rebuilds, then announces it.
+#[derive(Clone, Default)]
+struct RebuildAndAnnounce(Counter);
+
+impl Handler<RebuildProjection> for RebuildAndAnnounce {
+    async fn handle(
+        &self,
+        message: &RebuildProjection,
+        context: &MessageContext,
+    ) -> Result<(), HandlerError> {
+        self.0.handle(message, context).await?;
+        context
+            .publish(&ProjectionRebuilt {
+                projection: message.projection.clone(),
+            })
+            .await?;
+        Ok(())
+    }
+}
+
+/// Without a store, `rebuild` completes its claim while a sibling fails the only attempt: the
+/// delivery is dead-lettered, and its replay skips `rebuild`, whose claim is completed. What
+/// `rebuild` announced therefore leaves with the completion, not with the delivery.
+#[tokio::test]
+async fn a_completed_handler_announces_even_when_its_delivery_is_dead_lettered_and_replayed() {
+    let rebuild_handler = RebuildAndAnnounce::default();
+    let announced = dacapo::testing::Recorder::<ProjectionRebuilt>::new();
+    let sibling = Counter::default();
+    let harness = TestHarness::builder()
+        .configure(RuntimeBuilder::enable_deduplication)
+        .retry_policy(RetryPolicy {
+            retry_limit: 0,
+            ..RetryPolicy::default()
+        })
+        .module(
+            Module::new("projections")
+                .handle_named::<RebuildProjection, _>("rebuild", rebuild_handler.clone())
+                .deduplicate("rebuild", Deduplication::from_envelope()),
+        )
+        .module(
+            Module::new("search").handle_named::<RebuildProjection, _>("reindex", sibling.clone()),
+        )
+        .module(Module::new("audit").handle_named::<ProjectionRebuilt, _>("log", announced.clone()))
+        .fault("search", "reindex", Fault::fail_times(1))
+        .build()
+        .unwrap();
+    let dead = harness
+        .publish_with(&rebuild("orders"), keyed("k"))
+        .await
+        .unwrap();
+    assert_eq!(
+        dead.outcome,
+        Outcome::DeadLettered(DeadLetterReason::RetriesExhausted)
+    );
+    harness.idle().await.unwrap();
+    assert_eq!(announced.calls().len(), 1, "announced with the completion");
+    harness
+        .runtime()
+        .dead_letters()
+        .replay(dead.envelope_id)
+        .await
+        .unwrap();
+    harness.idle().await.unwrap();
+    assert_eq!(
+        rebuild_handler.0.count(),
+        1,
+        "the replay skipped the completed handler"
+    );
+    assert_eq!(sibling.count(), 1, "the sibling ran on the replay");
+    assert_eq!(announced.calls().len(), 1, "announced once");
+}

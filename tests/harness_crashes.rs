@@ -560,27 +560,60 @@ on_both_backends!(
     crash_after_a_deduplicated_handler
 );
 
+on_both_backends!(
+    a_crash_after_a_deduplicated_handler_with_claims_apart_completed_keeps_what_it_announced_sqlite,
+    a_crash_after_a_deduplicated_handler_with_claims_apart_completed_keeps_what_it_announced_postgres,
+    crash_after_a_deduplicated_handler_with_claims_apart
+);
+
+/// Where the deduplication claims live.
+#[derive(Clone, Copy, Debug)]
+enum ClaimsIn {
+    /// The runtime's store: a claim's completion enlists the handler's cascades.
+    Store,
+    /// A SQLite database of their own: the cascades are enlisted after the completion.
+    Apart,
+}
+
 /// A harness whose deduplicated `revoke` announces what it revoked (see [`RevokeOnce`]), and
 /// whose `audit` writes an effect per announcement; `faults` adds to it. The reader lists the
-/// effects.
+/// effects; the databases must outlive the harness.
 async fn announcing(
     backend: Backend,
+    claims: ClaimsIn,
     faults: impl FnOnce(TestHarnessBuilder) -> TestHarnessBuilder,
 ) -> (
     TestHarness,
     Box<dyn Fn() -> futures::future::BoxFuture<'static, Vec<String>>>,
-    ScratchDatabase,
+    Vec<ScratchDatabase>,
 ) {
+    let mut databases = Vec::new();
+    let apart = match claims {
+        ClaimsIn::Store => None,
+        ClaimsIn::Apart => {
+            let db = ScratchDatabase::sqlite();
+            let claims = db.sqlite_store().await.unwrap();
+            databases.push(db);
+            Some(std::sync::Arc::new(claims))
+        }
+    };
     macro_rules! on {
         ($db:expr, $store:expr) => {{
             let db = $db;
             let store = $store(&db).await.unwrap();
+            databases.push(db);
             let pool = store.pool().clone();
             dacapo::sqlx::query(EFFECTS).execute(&pool).await.unwrap();
             let harness = faults(
                 builder()
                     .store(store)
-                    .configure(|runtime| runtime.enable_deduplication())
+                    .configure(|runtime| {
+                        let runtime = runtime.enable_deduplication();
+                        match apart {
+                            Some(claims) => runtime.claims(claims),
+                            None => runtime,
+                        }
+                    })
                     .module(
                         Module::new("access")
                             .handle_named::<MemberRemoved, _>("revoke", RevokeOnce)
@@ -594,23 +627,32 @@ async fn announcing(
             .build()
             .unwrap();
             let effects = effects_of!(pool);
-            (harness, effects as _, db)
+            (harness, effects as _)
         }};
     }
-    match backend {
+    let (harness, effects) = match backend {
         Backend::Sqlite => on!(ScratchDatabase::sqlite(), ScratchDatabase::sqlite_store),
         Backend::Postgres => on!(
             ScratchDatabase::postgres(&admin_url()).await.unwrap(),
             ScratchDatabase::postgres_store
         ),
-    }
+    };
+    (harness, effects, databases)
+}
+
+async fn crash_after_a_deduplicated_handler(backend: Backend) {
+    crash_after_completing(backend, ClaimsIn::Store).await;
+}
+
+async fn crash_after_a_deduplicated_handler_with_claims_apart(backend: Backend) {
+    crash_after_completing(backend, ClaimsIn::Apart).await;
 }
 
 /// The crash comes after the handler's claim was completed and before the delivery settled:
 /// the attempt after the restart skips the handler, so what it announced must already be in
 /// the outbox.
-async fn crash_after_a_deduplicated_handler(backend: Backend) {
-    let (mut harness, effects, _db) = announcing(backend, |b| b).await;
+async fn crash_after_completing(backend: Backend, claims: ClaimsIn) {
+    let (mut harness, effects, _dbs) = announcing(backend, claims, |b| b).await;
     harness
         .crash_at_message::<MemberRemoved>(Failpoint::BeforeSettle)
         .unwrap();
@@ -640,12 +682,26 @@ on_both_backends!(
     replay_after_a_deduplicated_handler
 );
 
+on_both_backends!(
+    a_replayed_dead_letter_keeps_what_its_completed_handler_with_claims_apart_announced_sqlite,
+    a_replayed_dead_letter_keeps_what_its_completed_handler_with_claims_apart_announced_postgres,
+    replay_after_a_deduplicated_handler_with_claims_apart
+);
+
+async fn replay_after_a_deduplicated_handler(backend: Backend) {
+    replay_after_completing(backend, ClaimsIn::Store).await;
+}
+
+async fn replay_after_a_deduplicated_handler_with_claims_apart(backend: Backend) {
+    replay_after_completing(backend, ClaimsIn::Apart).await;
+}
+
 /// `revoke` completes its claim while a sibling fails the only attempt: the delivery is
 /// dead-lettered, and its replay skips `revoke`, so what `revoke` announced must not have
 /// gone with the dead letter.
-async fn replay_after_a_deduplicated_handler(backend: Backend) {
+async fn replay_after_completing(backend: Backend, claims: ClaimsIn) {
     let sibling = Recorder::<MemberRemoved>::new();
-    let (harness, effects, _db) = announcing(backend, |b| {
+    let (harness, effects, _dbs) = announcing(backend, claims, |b| {
         b.retry_policy(RetryPolicy {
             retry_limit: 0,
             ..RetryPolicy::default()
@@ -687,32 +743,11 @@ async fn replay_after_a_deduplicated_handler(backend: Backend) {
 }
 
 /// Claims kept in a database of their own, apart from the runtime's store: what the
-/// deduplicated handler announced settles with the delivery, through the runtime's outbox,
-/// not into the claims database's outbox, which nothing relays.
+/// deduplicated handler announced goes through the runtime's outbox, not into the claims
+/// database's outbox, which nothing relays.
 #[tokio::test]
 async fn a_deduplicated_handler_with_claims_kept_apart_announces_through_the_runtimes_outbox() {
-    let db = ScratchDatabase::sqlite();
-    let claims_db = ScratchDatabase::sqlite();
-    let store = db.sqlite_store().await.unwrap();
-    let claims = claims_db.sqlite_store().await.unwrap();
-    let claims_pool = claims.pool().clone();
-    let pool = store.pool().clone();
-    dacapo::sqlx::query(EFFECTS).execute(&pool).await.unwrap();
-    let harness = builder()
-        .store(store)
-        .configure(|runtime| {
-            runtime
-                .enable_deduplication()
-                .claims(std::sync::Arc::new(claims))
-        })
-        .module(
-            Module::new("access")
-                .handle_named::<MemberRemoved, _>("revoke", RevokeOnce)
-                .deduplicate("revoke", Deduplication::from_envelope()),
-        )
-        .module(Module::new("audit").handle_named::<AccessRevoked, _>("audit", Audit(pool.clone())))
-        .build()
-        .unwrap();
+    let (harness, effects, databases) = announcing(Backend::Sqlite, ClaimsIn::Apart, |b| b).await;
     let report = harness
         .publish_with(
             &MemberRemoved { member_id: 7 },
@@ -722,19 +757,16 @@ async fn a_deduplicated_handler_with_claims_kept_apart_announces_through_the_run
         .unwrap();
     assert!(report.is_handled(), "{report:?}");
     harness.idle().await.unwrap();
-    let audited: Vec<String> = dacapo::sqlx::query_scalar("SELECT handler FROM effects")
-        .fetch_all(&pool)
-        .await
-        .unwrap();
-    assert_eq!(audited, ["audit"], "the announcement was delivered");
+    assert_eq!(effects().await, ["audit"], "the announcement was delivered");
+    let claims = databases[0].sqlite_store().await.unwrap();
     let completed: i64 =
         dacapo::sqlx::query_scalar("SELECT count(*) FROM dacapo_deduplication WHERE completed = 1")
-            .fetch_one(&claims_pool)
+            .fetch_one(claims.pool())
             .await
             .unwrap();
     assert_eq!(completed, 1, "the claim is kept apart, completed");
     let stray: i64 = dacapo::sqlx::query_scalar("SELECT count(*) FROM dacapo_outbox")
-        .fetch_one(&claims_pool)
+        .fetch_one(claims.pool())
         .await
         .unwrap();
     assert_eq!(stray, 0, "nothing enlisted where nothing relays");

@@ -571,10 +571,11 @@ impl MessageContext {
     /// cascaded (the n-th message of a type from this handler), so the
     /// same message cascaded again on a retry is sent once, and a handler that finds its work
     /// already done on a retry may cascade nothing without losing what it cascaded before.
-    /// What a handler cascaded is enlisted in the outbox right away, without waiting for the
-    /// delivery, when the handler's work is recorded as done on its own: with its handler
-    /// transaction, or with the completion of its deduplication claim kept in the runtime's
-    /// store (a later attempt skips that handler).
+    /// What a handler cascaded is sent right away, without waiting for the delivery, when the
+    /// handler's work is recorded as done on its own — its handler transaction committed, or
+    /// its deduplication claim completed — since a later attempt skips that handler: enlisted
+    /// in the outbox (with that record, when the store allows), or, on a runtime without a
+    /// durable inbox, delivered at once.
     ///
     /// # Errors
     ///
@@ -635,21 +636,41 @@ impl MessageContext {
             .send(Cascade(handler, envelope))
             .await
             .map_err(|_| Error::Detached)?;
-        if attached.recorded.load(std::sync::atomic::Ordering::Acquire)
-            && let Some(worker) = &scope.worker
-            && let Some(outbox) = &worker.shared.outbox
-        {
-            // Enlisted now, or, if the outbox refuses, left to settle with the delivery.
-            let cascaded = self.take_published().await;
-            match outbox.enlist(&cascaded).await {
-                Ok(()) => worker.shared.outbox_enlisted.notify_one(),
-                Err(error) => {
-                    tracing::warn!(%error, "a message cascaded after its handler's work was recorded could not be enlisted; it settles with the delivery");
-                    self.restore_published(cascaded).await;
-                }
-            }
+        if attached.recorded.load(std::sync::atomic::Ordering::Acquire) {
+            self.send_recorded().await;
         }
         Ok(id)
+    }
+
+    /// Sends what this handler cascaded so far on its own, since its work is recorded (a rerun
+    /// skips it and would cascade nothing): enlisted in the runtime's outbox, or, on a runtime
+    /// without a durable inbox, delivered now. If the outbox refuses it — or the runtime has a
+    /// durable inbox but no outbox — it is left to settle with the delivery.
+    pub(crate) async fn send_recorded(&self) {
+        let Some(worker) = self.scope.as_ref().and_then(|a| a.scope.worker.as_ref()) else {
+            return;
+        };
+        let shared = &worker.shared;
+        if shared.outbox.is_none() && shared.durable.is_some() {
+            return;
+        }
+        let cascaded = self.take_published().await;
+        if cascaded.is_empty() {
+            return;
+        }
+        let Some(outbox) = &shared.outbox else {
+            // Nothing outlives the process here, and a later attempt (a replay of its dead
+            // letter, say) skips this handler: its cascades leave now or never.
+            worker.forward(cascaded);
+            return;
+        };
+        match outbox.enlist(&cascaded).await {
+            Ok(()) => shared.outbox_enlisted.notify_one(),
+            Err(error) => {
+                tracing::warn!(%error, "a message cascaded after its handler's work was recorded could not be enlisted; it settles with the delivery");
+                self.restore_published(cascaded).await;
+            }
+        }
     }
 
     /// Tells the runtime that this handler's work is recorded on its own (its handler

@@ -190,12 +190,13 @@ impl HandlerActor {
                         .await;
                     } else {
                         // A later attempt skips this handler once its claim is completed, so
-                        // what it cascaded goes to the outbox with the completion rather than
-                        // waiting in memory for the delivery to settle: the runtime's outbox,
-                        // when the claims live in its store (claims kept elsewhere would
-                        // enlist into an outbox nothing relays; there, they still settle with
-                        // the delivery).
-                        let cascaded = if context.deduplication_claim().is_some() {
+                        // what it cascaded cannot wait in memory for the delivery to settle.
+                        // With the claims in the runtime's store, it goes to the outbox in
+                        // the completion's own write. Claims kept elsewhere would enlist it
+                        // into an outbox nothing relays: it is sent once the completion is
+                        // recorded.
+                        let in_store = context.deduplication_claim().is_some();
+                        let cascaded = if in_store {
                             context.take_published().await
                         } else {
                             Vec::new()
@@ -205,11 +206,20 @@ impl HandlerActor {
                         })
                         .await;
                         match enlisted {
-                            Ok(true) if !cascaded.is_empty() => context.wake_outbox(),
-                            Ok(true) => {}
+                            Ok(true) if in_store => {
+                                context.recorded_on_its_own();
+                                if !cascaded.is_empty() {
+                                    context.wake_outbox();
+                                }
+                            }
+                            Ok(_) => {
+                                context.restore_published(cascaded).await;
+                                context.recorded_on_its_own();
+                                context.send_recorded().await;
+                            }
                             // Left to the attempt: a claim not completed is taken over by the
                             // next attempt of this delivery, which runs the handler again.
-                            Ok(false) | Err(_) => context.restore_published(cascaded).await,
+                            Err(_) => context.restore_published(cascaded).await,
                         }
                     }
                     failure

@@ -55,8 +55,8 @@ pub struct DeliveryReport {
     pub attempt_offsets: Vec<Duration>,
     /// The messages its handlers cascaded that settled with it (sent only when it was
     /// handled). Those a handler's work recorded on its own — a handler transaction's commit,
-    /// or the completion of a deduplication claim kept in the runtime's store — went to the
-    /// outbox then, and are not listed here.
+    /// or the completion of a deduplication claim — were sent then (through the outbox, on a
+    /// durable runtime), and are not listed here.
     pub cascaded: Vec<Envelope>,
 }
 
