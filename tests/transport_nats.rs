@@ -369,6 +369,44 @@ async fn what_was_delivered_and_not_recorded_at_shutdown_is_handled_by_the_next_
     server.remove().await;
 }
 
+/// Routed to a subject that no stream captures.
+#[derive(serde::Serialize, serde::Deserialize)]
+struct Stray {
+    n: u32,
+}
+
+impl dacapo::Message for Stray {
+    const TYPE: &'static str = "tests.stray";
+}
+
+/// The server refuses one envelope of a batch (no stream captures its subject): it stays in
+/// the outbox for a later round, and the envelopes the stream acknowledged are marked, not
+/// held back behind it nor sent again with it round after round.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_envelope_no_stream_captures_waits_in_the_outbox_without_holding_back_the_others() {
+    let server = Server::new().await;
+    let store = TestStore::sqlite().await;
+    let seen = Seen::default();
+    let transport = server
+        .transport(&url())
+        .route_to::<Stray>(format!("{}.stray", unique("nowhere")));
+    let runtime = store.runtime(module(&seen, "a"), transport);
+    listening(&runtime).await;
+    runtime.publish(&Stray { n: 1 }).await.unwrap();
+    let ping = runtime.publish(&Ping { n: 2 }).await.unwrap();
+    let calls = seen.wait_for(1, WAIT).await;
+    assert_eq!(calls[0].id, ping);
+    wait_until_async(|| async { runtime.outbox_backlog().await.unwrap().unwrap().depth == 1 })
+        .await;
+    assert!(
+        dead_letters(&runtime, 0).await.is_empty(),
+        "held, not refused"
+    );
+    runtime.shutdown().await;
+    assert_eq!(seen.calls().len(), 1);
+    server.remove().await;
+}
+
 /// Waits until the async `condition` holds, at most `WAIT`.
 async fn wait_until_async<F, Fut>(condition: F)
 where

@@ -407,6 +407,96 @@ async fn an_envelope_no_queue_takes_yet_waits_in_the_outbox_and_holds_back_nothi
     broker.remove().await;
 }
 
+/// Declares `queue`, bound for `Orphan` on `broker`'s exchange; with `arguments`.
+async fn orphans_queue(broker: &Broker, queue: &str, arguments: FieldTable) {
+    use lapin::options::QueueBindOptions;
+    broker
+        .channel
+        .queue_declare(queue.into(), QueueDeclareOptions::default(), arguments)
+        .await
+        .unwrap();
+    broker
+        .channel
+        .queue_bind(
+            queue.into(),
+            broker.exchange.as_str().into(),
+            <Orphan as dacapo::Message>::TYPE.into(),
+            QueueBindOptions::default(),
+            FieldTable::default(),
+        )
+        .await
+        .unwrap();
+}
+
+/// Waits until the outbox holds `depth` envelopes not marked sent.
+async fn outbox_reaches(runtime: &Runtime, depth: u64, what: &str) {
+    let deadline = tokio::time::Instant::now() + WAIT;
+    while outbox_depth(runtime).await != Some(depth) {
+        assert!(tokio::time::Instant::now() < deadline, "{what}");
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    }
+}
+
+/// The broker refuses one envelope of a batch (nack: its queue is full and rejects
+/// publications): it waits in the outbox, and the envelope the broker confirmed is marked,
+/// not sent again with it round after round.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_envelope_the_broker_refuses_waits_in_the_outbox_and_holds_back_nothing_else() {
+    let broker = Broker::new().await;
+    let store = TestStore::sqlite().await;
+    let TestStore::Sqlite(sqlite, _) = &store else {
+        unreachable!()
+    };
+    let pool = sqlite.pool().clone();
+    let full = unique("full-");
+    let mut limits = FieldTable::default();
+    limits.insert("x-max-length".into(), AMQPValue::LongLongInt(0));
+    limits.insert(
+        "x-overflow".into(),
+        AMQPValue::LongString(LongString::from("reject-publish")),
+    );
+    let (runtime, seen) = listening_node(&store, broker.transport(&url()).route::<Orphan>()).await;
+    orphans_queue(&broker, &full, limits).await;
+
+    // One commit, so one batch of the relay, the refused one first.
+    let mut tx = pool.begin_with("BEGIN IMMEDIATE").await.unwrap();
+    runtime
+        .outbox()
+        .enlist(&mut tx, &Orphan { n: 1 })
+        .await
+        .unwrap();
+    let ping = runtime
+        .outbox()
+        .enlist(&mut tx, &Ping { n: 2 })
+        .await
+        .unwrap();
+    runtime.outbox().commit(tx).await.unwrap();
+    let calls = seen.wait_for(1, WAIT).await;
+    assert_eq!(calls[0].id, ping);
+    outbox_reaches(&runtime, 1, "the ping was never marked sent").await;
+
+    // A queue with room takes it on a later round.
+    broker
+        .channel
+        .queue_delete(full.as_str().into(), QueueDeleteOptions::default())
+        .await
+        .unwrap();
+    let roomy = unique("orphans-");
+    orphans_queue(&broker, &roomy, FieldTable::default()).await;
+    outbox_reaches(&runtime, 0, "the refused one never left").await;
+    assert!(
+        dead_letters(&runtime, 0).await.is_empty(),
+        "held, not dead-lettered"
+    );
+    assert_eq!(seen.calls().len(), 1, "the ping was handled once");
+    assert!(runtime.shutdown().await.is_clean());
+    let _ = broker
+        .channel
+        .queue_delete(roomy.as_str().into(), QueueDeleteOptions::default())
+        .await;
+    broker.remove().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_nul_in_a_type_or_deduplication_id_is_dead_lettered_in_postgresql_not_lost() {
     let store = TestStore::postgres().await;

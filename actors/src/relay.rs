@@ -225,9 +225,6 @@ impl RelayActor {
                     let mut positions = Vec::with_capacity(count);
                     let mut sent_all = true;
                     if let Some(outbound) = broker {
-                        // Bounded by the lease left: a send outliving it could overlap the
-                        // next holder's. Timed out, it counts as failed (the copies that did
-                        // arrive are discarded by the receiving inbox).
                         let sending = send_away(
                             outbox.as_ref(),
                             outbound,
@@ -235,14 +232,17 @@ impl RelayActor {
                             dead_letters.as_deref(),
                             dispatcher.shared.clock.as_ref(),
                         );
-                        match tokio::time::timeout(lease.left(), sending).await {
+                        match lease.kept_while(sending).await {
                             Ok(Some(sent)) => positions.extend(sent),
                             Ok(None) => broker_failed = true,
-                            Err(_) => {
+                            Err(kept) => {
+                                // Given up: the copies that did arrive are discarded by the
+                                // receiving inbox.
                                 tracing::warn!(
-                                    "the broker did not confirm within the outbox lease; retrying on the next round"
+                                    "the outbox lease could not be kept while the broker confirmed; retrying on the next round"
                                 );
                                 broker_failed = true;
+                                lost |= kept == Kept::Lost;
                             }
                         }
                     }
@@ -470,6 +470,15 @@ fn split_by_route(rows: Rows, outbound: Option<&dyn Outbound>) -> (Rows, Rows) {
     }
 }
 
+/// Why the lease could not be kept while the broker confirmed.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Kept {
+    /// Another node holds it.
+    Lost,
+    /// Renewing it failed.
+    Failed,
+}
+
 /// The relay's hold on the outbox lease during one round, timed on the engine's clock for
 /// what it writes and on a local instant for when to renew.
 struct Lease {
@@ -524,6 +533,29 @@ impl Lease {
                 .unwrap_or(Duration::MAX);
             taken_at.instant.elapsed().max(wall)
         })
+    }
+
+    /// Runs `work` — a broker's confirms, which may take longer than the lease has left —
+    /// renewing the lease each time half of it has passed, so that a slow broker is waited
+    /// for instead of sent the same rows again each round. `work` is dropped when the lease
+    /// cannot be renewed: outliving it could overlap the next holder's sends.
+    async fn kept_while<F: std::future::Future>(&mut self, work: F) -> Result<F::Output, Kept> {
+        let mut work = std::pin::pin!(work);
+        loop {
+            let renew_in = self.left().saturating_sub(self.length / 2);
+            tokio::select! {
+                done = &mut work => return Ok(done),
+                () = tokio::time::sleep(renew_in) => {}
+            }
+            match self.take().await {
+                Ok(true) => {}
+                Ok(false) => return Err(Kept::Lost),
+                Err(error) => {
+                    tracing::warn!(%error, "renewing the outbox lease failed");
+                    return Err(Kept::Failed);
+                }
+            }
+        }
     }
 
     /// Whether half of the lease has passed since it was last taken.
@@ -622,12 +654,14 @@ impl actix::Handler<Wake> for RelayActor {
 
 #[cfg(test)]
 mod tests {
+    use std::sync::atomic::{AtomicBool, Ordering};
     use std::sync::{Arc, Mutex};
+    use std::time::Duration;
 
     use async_trait::async_trait;
     use chrono::{DateTime, Utc};
 
-    use super::send_away;
+    use super::{Kept, Lease, send_away};
     use crate::ports::{Outbound, OutboxBacklog, OutboxRow, OutboxStore, Sent, SystemClock};
     use crate::{Envelope, Error};
 
@@ -710,5 +744,81 @@ mod tests {
         let (sent, happened) = send_three(true).await;
         assert_eq!(sent, None, "nothing to mark: the next round sends them");
         assert_eq!(happened, ["sync"]);
+    }
+
+    /// An outbox whose lease is this node's for its first `kept` asks, then another's.
+    struct Leasing {
+        kept: usize,
+        asked: Mutex<usize>,
+    }
+
+    #[async_trait]
+    impl OutboxStore for Leasing {
+        async fn lease(&self, _: DateTime<Utc>, _: DateTime<Utc>) -> Result<bool, Error> {
+            let mut asked = self.asked.lock().unwrap();
+            *asked += 1;
+            Ok(*asked <= self.kept)
+        }
+        async fn unpublished(&self, _: i64, _: usize) -> Result<Vec<OutboxRow>, Error> {
+            Ok(Vec::new())
+        }
+        async fn backlog(&self) -> Result<OutboxBacklog, Error> {
+            Ok(OutboxBacklog::new(0, None))
+        }
+        async fn delete_published_before(&self, _: DateTime<Utc>, _: usize) -> Result<u64, Error> {
+            Ok(0)
+        }
+        async fn mark_published(&self, _: &[i64], _: DateTime<Utc>) -> Result<(), Error> {
+            Ok(())
+        }
+    }
+
+    /// A lease of two seconds, taken, on an outbox that keeps it `kept` times in all; and a
+    /// broker's confirms that take seven, telling when they are done.
+    async fn confirms_outlasting_the_lease(
+        kept: usize,
+    ) -> (Result<(), Kept>, usize, Arc<AtomicBool>) {
+        let outbox = Arc::new(Leasing {
+            kept,
+            asked: Mutex::new(0),
+        });
+        let mut lease = Lease {
+            outbox: Arc::clone(&outbox) as Arc<dyn OutboxStore>,
+            clock: Arc::new(SystemClock),
+            length: Duration::from_secs(2),
+            taken_at: None,
+        };
+        assert!(lease.take().await.unwrap());
+        let done = Arc::new(AtomicBool::new(false));
+        let confirms = {
+            let done = Arc::clone(&done);
+            async move {
+                tokio::time::sleep(Duration::from_secs(7)).await;
+                done.store(true, Ordering::SeqCst);
+            }
+        };
+        let kept = lease.kept_while(confirms).await;
+        let asked = *outbox.asked.lock().unwrap();
+        (kept, asked, done)
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_broker_slower_than_the_lease_is_waited_for_while_the_lease_is_renewed() {
+        let (kept, asked, done) = confirms_outlasting_the_lease(usize::MAX).await;
+        assert_eq!(kept, Ok(()));
+        assert!(done.load(Ordering::SeqCst));
+        // Renewed each time half of it passed: after 1, 2, … 6 seconds.
+        assert!(
+            (5..=8).contains(&asked),
+            "the lease was asked for {asked} times"
+        );
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn confirms_are_given_up_once_the_lease_is_lost() {
+        let (kept, asked, done) = confirms_outlasting_the_lease(1).await;
+        assert_eq!(kept, Err(Kept::Lost));
+        assert_eq!(asked, 2, "the first renewal found it another's");
+        assert!(!done.load(Ordering::SeqCst), "the confirms were dropped");
     }
 }

@@ -166,10 +166,15 @@ impl Outbound for Outbounds {
             .any(|(routes, ..)| routes.carries(message_type))
     }
 
+    /// Fails only when every transport it had envelopes for failed. One that fails while
+    /// another confirms has its envelopes held, so that what the others confirmed is marked
+    /// and not sent again round after round while the one is down.
     async fn send(&self, envelopes: &[Envelope]) -> Result<Sent, dacapo_actors::Error> {
         // Each envelope leaves through the first transport that carries its type.
         let mut remaining: Vec<&Envelope> = envelopes.iter().collect();
         let mut sent = Sent::default();
+        let mut answered_any = false;
+        let mut first_failure = None;
         for (routes, name, requests) in &self.transports {
             let (mine, rest): (Vec<&Envelope>, Vec<&Envelope>) = remaining
                 .into_iter()
@@ -178,22 +183,41 @@ impl Outbound for Outbounds {
             if mine.is_empty() {
                 continue;
             }
+            let ids: Vec<_> = mine.iter().map(|envelope| envelope.id).collect();
             let (reply, answer) = oneshot::channel();
             let request = Request {
                 envelopes: mine.into_iter().cloned().collect(),
                 reply,
             };
-            let stopped = || dacapo_actors::Error::transport(name, "the transport has stopped");
-            requests.send(request).await.map_err(|_| stopped())?;
-            let answered = answer.await.map_err(|_| stopped())?;
-            let answered = answered.map_err(|error| match error {
-                Error::Transport { transport, source } => {
-                    dacapo_actors::Error::Transport { transport, source }
+            let answered = match requests.send(request).await {
+                Ok(()) => answer
+                    .await
+                    .unwrap_or_else(|_| Err(Error::TransportStopped(name))),
+                Err(_) => Err(Error::TransportStopped(name)),
+            };
+            match answered {
+                Ok(answered) => {
+                    answered_any = true;
+                    sent.refused.extend(answered.refused);
+                    sent.held.extend(answered.held);
                 }
-                other => dacapo_actors::Error::transport(name, other.to_string()),
-            })?;
-            sent.refused.extend(answered.refused);
-            sent.held.extend(answered.held);
+                Err(error) => {
+                    let why = error.to_string();
+                    sent.held
+                        .extend(ids.into_iter().map(|id| (id, why.clone())));
+                    first_failure.get_or_insert(match error {
+                        Error::Transport { transport, source } => {
+                            dacapo_actors::Error::Transport { transport, source }
+                        }
+                        other => dacapo_actors::Error::transport(name, other.to_string()),
+                    });
+                }
+            }
+        }
+        if let Some(failure) = first_failure
+            && !answered_any
+        {
+            return Err(failure);
         }
         sent.refused.extend(
             remaining
@@ -360,7 +384,12 @@ async fn publish(
 ) {
     let mut failures = 0u32;
     let mut resume_at: Option<tokio::time::Instant> = None;
-    while let Some(request) = requests.recv().await {
+    while let Some(mut request) = requests.recv().await {
+        // The relay gave up on it (its lease went): it sends these rows again in a later
+        // round, if they are still its to send.
+        if request.reply.is_closed() {
+            continue;
+        }
         if let Some(at) = resume_at.filter(|at| tokio::time::Instant::now() < *at) {
             let wait = at - tokio::time::Instant::now();
             let _ = request.reply.send(Err(Error::transport(
@@ -371,7 +400,17 @@ async fn publish(
         }
         let attempt =
             std::panic::AssertUnwindSafe(publisher.publish(&request.envelopes)).catch_unwind();
-        let sent = match tokio::time::timeout(PUBLISH_TIMEOUT, attempt).await {
+        let attempt = tokio::time::timeout(PUBLISH_TIMEOUT, attempt);
+        let attempt = tokio::select! {
+            attempt = attempt => attempt,
+            () = request.reply.closed() => {
+                // Cut short, with the connection in an unknown state: what the broker took
+                // of it arrives twice at most, and the receiving inbox discards the copy.
+                publisher.reset();
+                continue;
+            }
+        };
+        let sent = match attempt {
             Ok(Ok(sent)) => sent,
             Ok(Err(_)) => {
                 publisher.reset();
@@ -458,13 +497,25 @@ impl Consumer {
             }
             match self.consume().await {
                 Consumed::Stopped => break,
-                Consumed::Lost(error) => {
-                    failures = 1;
-                    tracing::warn!(transport = self.name, %error, "lost the broker; connecting again");
+                Consumed::Lost { error, received } => {
+                    // A subscription that failed before it brought anything counts as one
+                    // more failure in a row: one that keeps failing so is not made again ten
+                    // times a second.
+                    failures = if received {
+                        1
+                    } else {
+                        failures.saturating_add(1)
+                    };
+                    let pause = RECONNECT.pause(failures);
+                    tracing::warn!(transport = self.name, %error, failures, ?pause, "lost the broker; connecting again after a pause");
                     let _ = self.state.send(TransportState::Connecting {
                         last_error: Some(error.to_string()),
                     });
-                    tokio::time::sleep(RECONNECT.pause(failures)).await;
+                    tokio::select! {
+                        biased;
+                        _ = self.stopping.wait_for(|stop| *stop) => break,
+                        () = tokio::time::sleep(pause) => {}
+                    }
                 }
             }
         }
@@ -474,6 +525,7 @@ impl Consumer {
 
     /// Consumes until the connection is lost or the runtime stops.
     async fn consume(&mut self) -> Consumed {
+        let mut received = false;
         loop {
             let batch = tokio::select! {
                 biased;
@@ -483,8 +535,9 @@ impl Consumer {
             let batch = match batch {
                 Ok(batch) if batch.is_empty() => continue,
                 Ok(batch) => batch,
-                Err(error) => return Consumed::Lost(error),
+                Err(error) => return Consumed::Lost { error, received },
             };
+            received = true;
 
             // Cut short by a shutdown, nothing of the batch is acknowledged: the broker
             // redelivers it, and the inbox discards what was recorded.
@@ -509,7 +562,7 @@ impl Consumer {
             }
             if let Err(error) = self.subscriber.ack().await {
                 // In the store already: the broker's redelivery is discarded by the inbox.
-                return Consumed::Lost(error);
+                return Consumed::Lost { error, received };
             }
         }
     }
@@ -586,5 +639,210 @@ impl Consumer {
 
 enum Consumed {
     Stopped,
-    Lost(Error),
+    /// The subscription failed; `received` tells whether it brought messages first.
+    Lost {
+        error: Error,
+        received: bool,
+    },
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+
+    use super::*;
+
+    /// A broker's publishing side that confirms, or fails, each call after `takes`; counts
+    /// its calls and resets.
+    #[derive(Clone, Default)]
+    struct Broker {
+        fails: bool,
+        takes: Duration,
+        calls: Arc<AtomicUsize>,
+        resets: Arc<AtomicUsize>,
+    }
+
+    #[async_trait]
+    impl Publish for Broker {
+        async fn publish(&mut self, _: &[Envelope]) -> Result<Sent, Error> {
+            self.calls.fetch_add(1, Ordering::SeqCst);
+            tokio::time::sleep(self.takes).await;
+            if self.fails {
+                return Err(Error::transport("broker", "the broker is down"));
+            }
+            Ok(Sent::default())
+        }
+
+        fn reset(&mut self) {
+            self.resets.fetch_add(1, Ordering::SeqCst);
+        }
+    }
+
+    /// One transport per broker, each carrying one message type, each publishing on a task
+    /// of its own.
+    fn outbounds(brokers: &[(&'static str, &str, Broker)]) -> Outbounds {
+        let transports = brokers
+            .iter()
+            .map(|(name, message_type, broker)| {
+                let (requests_tx, requests) = mpsc::channel(16);
+                tokio::spawn(publish(name, Box::new(broker.clone()), requests));
+                let mut routes = Routes::default();
+                routes.add(message_type, None);
+                (routes, *name, requests_tx)
+            })
+            .collect();
+        Outbounds { transports }
+    }
+
+    #[tokio::test]
+    async fn a_transport_that_fails_holds_its_envelopes_and_the_others_confirmed_count_as_sent() {
+        let up = Broker::default();
+        let down = Broker {
+            fails: true,
+            ..Broker::default()
+        };
+        let outbound = outbounds(&[("up", "orders.placed", up), ("down", "mail.queued", down)]);
+        let placed = Envelope::new("orders.placed", b"{}".to_vec());
+        let queued = Envelope::new("mail.queued", b"{}".to_vec());
+        let sent = outbound
+            .send(&[placed.clone(), queued.clone()])
+            .await
+            .unwrap();
+        let held: Vec<_> = sent.held.iter().map(|(id, _)| *id).collect();
+        assert_eq!(
+            held,
+            [queued.id],
+            "only the failed transport's envelope waits"
+        );
+        assert!(sent.refused.is_empty());
+        assert!(
+            sent.held[0].1.contains("the broker is down"),
+            "{:?}",
+            sent.held
+        );
+    }
+
+    #[tokio::test]
+    async fn a_batch_fails_when_every_transport_it_goes_to_fails() {
+        let down = Broker {
+            fails: true,
+            ..Broker::default()
+        };
+        let outbound = outbounds(&[("down", "mail.queued", down)]);
+        let queued = Envelope::new("mail.queued", b"{}".to_vec());
+        let failed = outbound.send(&[queued]).await.unwrap_err();
+        assert!(
+            matches!(&failed, dacapo_actors::Error::Transport { source, .. }
+                if source.to_string() == "the broker is down"),
+            "{failed:?}"
+        );
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_publication_the_relay_gave_up_on_is_cut_short_and_one_it_gave_up_on_before_is_not_sent()
+     {
+        let slow = Broker {
+            takes: Duration::from_secs(3),
+            ..Broker::default()
+        };
+        let (requests_tx, requests) = mpsc::channel(16);
+        let publishing = tokio::spawn(publish("slow", Box::new(slow.clone()), requests));
+        let queued = || Envelope::new("mail.queued", b"{}".to_vec());
+        let (reply, answer) = oneshot::channel();
+        requests_tx
+            .send(Request {
+                envelopes: vec![queued()],
+                reply,
+            })
+            .await
+            .unwrap();
+        // A request whose relay gave up while it waited behind the first.
+        let (reply, abandoned) = oneshot::channel();
+        requests_tx
+            .send(Request {
+                envelopes: vec![queued()],
+                reply,
+            })
+            .await
+            .unwrap();
+        drop(abandoned);
+        tokio::time::sleep(Duration::from_secs(1)).await;
+        assert_eq!(
+            slow.calls.load(Ordering::SeqCst),
+            1,
+            "the first is under way"
+        );
+        drop(answer);
+        // The first is cut short when its relay gives up; the second is never sent.
+        drop(requests_tx);
+        tokio::time::timeout(Duration::from_secs(1), publishing)
+            .await
+            .expect("the publisher stopped without finishing the slow publication")
+            .unwrap();
+        assert_eq!(
+            slow.calls.load(Ordering::SeqCst),
+            1,
+            "the abandoned one was not sent"
+        );
+        assert_eq!(
+            slow.resets.load(Ordering::SeqCst),
+            1,
+            "the connection of the cut-short one is made again"
+        );
+    }
+
+    /// Subscribes, then fails at once when asked for messages (consumer limits a server
+    /// refuses, a table it may not read); counts its subscriptions.
+    struct Flapping(Arc<AtomicUsize>);
+
+    #[async_trait]
+    impl Subscribe for Flapping {
+        async fn subscribe(&mut self) -> Result<(), Error> {
+            self.0.fetch_add(1, Ordering::SeqCst);
+            Ok(())
+        }
+        async fn next(&mut self) -> Result<Vec<Received>, Error> {
+            Err(Error::transport(
+                "flapping",
+                "the server refuses this consumer's limits",
+            ))
+        }
+        async fn ack(&mut self) -> Result<(), Error> {
+            Ok(())
+        }
+        async fn release(&mut self) {}
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_subscription_that_keeps_failing_before_it_brings_anything_backs_off() {
+        let runtime = crate::Runtime::builder().build().unwrap();
+        let subscriptions = Arc::new(AtomicUsize::new(0));
+        let (stop, stopping) = watch::channel(false);
+        let (state, _) = watch::channel(TransportState::Connecting { last_error: None });
+        let consumer = Consumer {
+            name: "flapping",
+            subscriber: Box::new(Flapping(Arc::clone(&subscriptions))),
+            listener: runtime.listener(),
+            dead_letters: Arc::new(crate::store::MemoryDeadLetters::default()),
+            clock: Arc::new(dacapo_actors::ports::SystemClock),
+            stopping,
+            state: Arc::new(state),
+        };
+        let watching = async {
+            tokio::time::sleep(Duration::from_secs(60)).await;
+            let made = subscriptions.load(Ordering::SeqCst);
+            stop.send(true).unwrap();
+            made
+        };
+        let ((), made) = tokio::time::timeout(
+            Duration::from_secs(70),
+            futures::future::join(consumer.run(), watching),
+        )
+        .await
+        .expect("the consumer stops while it pauses");
+        // Pauses of 0.1, 0.2, 0.4, 0.8, 1.6 and 3.2 s, then 5 s each: 17 subscriptions in a
+        // minute, where a pause that never grows makes 600.
+        assert!((2..=18).contains(&made), "{made} subscriptions in a minute");
+        runtime.shutdown().await;
+    }
 }

@@ -297,6 +297,12 @@ impl Publisher {
         };
         let prefix = self.settings.prefix.as_str();
         let mut refused = Vec::new();
+        // Each envelope is answered for on its own: one that fails is held, so that those the
+        // stream acknowledged are not sent again with it (a subject no stream captures fails
+        // alone).
+        let mut held = Vec::new();
+        let mut failure = None;
+        let mut acknowledged = 0usize;
         let mut acks = Vec::with_capacity(envelopes.len());
         for envelope in envelopes {
             let to = match self.routes.destination(&envelope.message_type, prefix) {
@@ -321,20 +327,36 @@ impl Publisher {
                 Ok(ack) => acks.push((envelope.id, ack)),
                 Err(error) => match never_passes(error.kind()) {
                     Some(why) => refused.push((envelope.id, format!("{why}: {error}"))),
-                    None => return Err(failed(error)),
+                    None => {
+                        held.push((envelope.id, error.to_string()));
+                        failure.get_or_insert(failed(error));
+                    }
                 },
             }
         }
         // Every publication is on its way before the first ack is awaited.
         for (id, ack) in acks {
-            if let Err(error) = ack.await {
-                match never_passes(error.kind()) {
+            match ack.await {
+                Ok(_) => acknowledged += 1,
+                Err(error) => match never_passes(error.kind()) {
                     Some(why) => refused.push((id, format!("{why}: {error}"))),
-                    None => return Err(failed(error)),
-                }
+                    None => {
+                        held.push((id, error.to_string()));
+                        failure.get_or_insert(failed(error));
+                    }
+                },
             }
         }
-        Ok(Sent::refusing(refused))
+        // Nothing went through: the server is down, not one subject (some did, so the
+        // connection stands).
+        if let Some(error) = failure
+            && acknowledged == 0
+        {
+            return Err(error);
+        }
+        let mut sent = Sent::refusing(refused);
+        sent.held = held;
+        Ok(sent)
     }
 }
 

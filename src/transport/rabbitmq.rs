@@ -339,11 +339,18 @@ impl Publisher {
             }
         }
         // Every publication goes out before the first confirm is awaited: one round trip for
-        // the batch, not one per envelope.
+        // the batch, not one per envelope. Each envelope is answered for on its own: one
+        // that fails is held, so that those the broker confirmed are not sent again with it.
+        let mut held = Vec::new();
+        let mut broken = None;
         let mut confirms = Vec::with_capacity(sendable.len());
         for (envelope, publication) in sendable {
+            if broken.is_some() {
+                held.push((envelope.id, "not sent: the channel failed".to_owned()));
+                continue;
+            }
             let home = publication.exchange.as_str() == settings.exchange;
-            let confirm = channel
+            let published = channel
                 .basic_publish(
                     publication.exchange,
                     publication.routing_key,
@@ -354,18 +361,34 @@ impl Publisher {
                     &envelope.payload,
                     publication.properties,
                 )
-                .await
-                .map_err(failed)?;
-            confirms.push((envelope.id, &envelope.message_type, home, confirm));
+                .await;
+            match published {
+                Ok(confirm) => confirms.push((envelope.id, &envelope.message_type, home, confirm)),
+                Err(error) => {
+                    held.push((envelope.id, format!("not sent: {error}")));
+                    broken = Some(failed(error));
+                }
+            }
         }
-        let mut held = Vec::new();
+        let mut confirmed = 0usize;
+        let mut nacked = None;
         let mut rebind = false;
         for (id, message_type, home, confirm) in confirms {
-            let confirmation = confirm.await.map_err(failed)?;
+            let confirmation = match confirm.await {
+                Ok(confirmation) => confirmation,
+                Err(error) => {
+                    held.push((id, format!("not confirmed: {error}")));
+                    broken.get_or_insert(failed(error));
+                    continue;
+                }
+            };
             if confirmation.is_nack() {
-                return Err(failed(format!("the broker refused envelope {id} (nack)")));
+                held.push((id, "the broker refused it (nack)".to_owned()));
+                nacked.get_or_insert(id);
+                continue;
             }
             if confirmation.take_message().is_none() {
+                confirmed += 1;
                 continue;
             }
             // No queue is bound for the type: this service's own is bound before publishing,
@@ -385,8 +408,18 @@ impl Publisher {
                 format!("came back unrouted: no queue is bound for its type on {whose} exchange"),
             ));
         }
-        if rebind {
+        if broken.is_some() || rebind {
             self.reset();
+        }
+        // Nothing went through: the broker is down or refusing everything, not one envelope
+        // (failed, the batch is left to the publisher's backoff).
+        if confirmed == 0 {
+            if let Some(error) = broken {
+                return Err(error);
+            }
+            if let Some(id) = nacked {
+                return Err(failed(format!("the broker refused envelope {id} (nack)")));
+            }
         }
         let mut sent = Sent::refusing(refused);
         sent.held = held;
