@@ -441,3 +441,32 @@ async fn a_batch_waiting_for_room_is_not_taken_for_orphans() {
     assert_eq!(attempts, 1, "no attempt counted that never ran");
     runtime.shutdown().await;
 }
+
+/// A broker redelivers a batch while every slot is taken by the deliveries it started the
+/// first time: its copies are discarded at once, without waiting for room they do not need
+/// (a broker's prefetch, or a PostgreSQL queue's open transaction, would wait with them).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_redelivered_batch_is_answered_without_waiting_for_room() {
+    let (_db, runtime, booking) = two_slots().await;
+    let seats: Vec<_> = slow_slow_then("")[..2]
+        .iter()
+        .map(|seat| dacapo::Envelope::for_message(seat).unwrap())
+        .collect();
+    let listener = runtime.listener();
+    listener.accept_batch(seats.clone()).await.unwrap();
+    tokio::time::timeout(Duration::from_secs(20), booking.entered.acquire_many(2))
+        .await
+        .expect("the slow seats start within 20s")
+        .unwrap()
+        .forget();
+    // Both slots are held until the test releases them.
+    tokio::time::timeout(Duration::from_secs(20), listener.accept_batch(seats))
+        .await
+        .expect("the copies are answered for while both slots are taken")
+        .unwrap();
+    booking.release.add_permits(2);
+    tokio::time::timeout(Duration::from_secs(20), runtime.idle())
+        .await
+        .expect("every seat settles within 20s");
+    runtime.shutdown().await;
+}

@@ -205,6 +205,46 @@ impl Worker {
         Ok(())
     }
 
+    /// Reports an envelope that starts no delivery — scheduled for later, or a duplicate —
+    /// and says whether `receipt` was such.
+    fn answered_without_starting(
+        &self,
+        envelope: &Envelope,
+        receipt: Receipt,
+        reply: &mut Option<oneshot::Sender<DeliveryReport>>,
+    ) -> bool {
+        let shared = &self.shared;
+        match receipt {
+            Receipt::Scheduled => {
+                let due_at = envelope.scheduled_for.unwrap_or_else(|| shared.clock.now());
+                tracing::debug!(
+                    messaging.message.id = %envelope.id,
+                    %due_at,
+                    "envelope scheduled for later"
+                );
+                shared.report(
+                    reply.take(),
+                    DeliveryReport::accepted(envelope, Outcome::Scheduled(due_at)),
+                );
+                true
+            }
+            Receipt::Duplicate => {
+                shared.stats.dispatching().bump(Counter::Deduplicated);
+                tracing::info!(
+                    messaging.message.id = %envelope.id,
+                    dacapo.message_type = %envelope.message_type,
+                    "duplicate envelope discarded"
+                );
+                shared.report(
+                    reply.take(),
+                    DeliveryReport::discarded(envelope, DiscardReason::DuplicateEnvelope),
+                );
+                true
+            }
+            _ => false,
+        }
+    }
+
     /// Starts the delivery of an envelope the inbox answered for with `receipt`: reports a
     /// scheduled or duplicate one, and starts a supervisor for a new one.
     fn start_received(
@@ -217,31 +257,8 @@ impl Worker {
         reply: Option<oneshot::Sender<DeliveryReport>>,
     ) {
         let shared = &self.shared;
-        let counters = shared.stats.dispatching();
-        if receipt == Receipt::Scheduled {
-            let due_at = envelope.scheduled_for.unwrap_or_else(|| shared.clock.now());
-            tracing::debug!(
-                messaging.message.id = %envelope.id,
-                %due_at,
-                "envelope scheduled for later"
-            );
-            shared.report(
-                reply,
-                DeliveryReport::accepted(&envelope, Outcome::Scheduled(due_at)),
-            );
-            return;
-        }
-        if receipt == Receipt::Duplicate {
-            counters.bump(Counter::Deduplicated);
-            tracing::info!(
-                messaging.message.id = %envelope.id,
-                dacapo.message_type = %envelope.message_type,
-                "duplicate envelope discarded"
-            );
-            shared.report(
-                reply,
-                DeliveryReport::discarded(&envelope, DiscardReason::DuplicateEnvelope),
-            );
+        let mut reply = reply;
+        if self.answered_without_starting(&envelope, receipt, &mut reply) {
             return;
         }
         // From here the supervisor accounts for the delivery.
@@ -432,6 +449,15 @@ impl Dispatcher {
         for ((envelope, receipt), admission) in envelopes.into_iter().zip(receipts).zip(admissions)
         {
             counters.bump(Counter::Received);
+            // A duplicate or a scheduled envelope is answered for at once: it takes no room,
+            // and its broker message is not held back behind deliveries that do.
+            if self
+                .next_worker()
+                .answered_without_starting(&envelope, receipt, &mut None)
+            {
+                drop(admission);
+                continue;
+            }
             let permit = self.shared.capacity.acquire().await;
             let busy = self.shared.timers.busy();
             let new = receipt == Receipt::New;

@@ -400,11 +400,15 @@ async fn send_away(
             return None;
         }
     };
+    if let Some((id, why)) = held.first() {
+        // Told once a batch: a transport down for a while holds every row it carries, each
+        // round.
+        tracing::warn!(held = held.len(), first = %id, %why, "the broker could not take some envelopes now; they stay in the outbox for a later round");
+    }
     let mut marked = Vec::with_capacity(positions.len());
     for (position, envelope) in positions.into_iter().zip(envelopes) {
-        if let Some((_, why)) = held.iter().find(|(id, _)| *id == envelope.id) {
+        if held.iter().any(|(id, _)| *id == envelope.id) {
             // Left unmarked, so the rest of its batch is marked and never sent again.
-            tracing::warn!(messaging.message.id = %envelope.id, %why, "the broker could not place this envelope yet; it stays in the outbox for a later round");
             continue;
         }
         let Some((_, why)) = refused.iter().find(|(id, _)| *id == envelope.id) else {
