@@ -538,7 +538,9 @@ async fn a_retry_a_restart_left_in_the_store_runs_once_the_clock_reaches_it() {
 
 /// Revokes without a handler transaction, under a deduplication claim, and announces it with
 /// its context: once its claim is completed, a rerun skips it and announces nothing.
-struct RevokeOnce;
+/// Given faults, it starts an outage of the runtime's store as it returns.
+#[derive(Default)]
+struct RevokeOnce(Option<dacapo::testing::StoreFaults>);
 
 impl Handler<MemberRemoved> for RevokeOnce {
     async fn handle(
@@ -550,6 +552,11 @@ impl Handler<MemberRemoved> for RevokeOnce {
             member_id: event.member_id,
         })
         .await?;
+        if let Some(faults) = &self.0 {
+            faults.inject(
+                dacapo::testing::StoreFault::unavailable().lasting(Duration::from_millis(300)),
+            );
+        }
         Ok(())
     }
 }
@@ -616,7 +623,7 @@ async fn announcing(
                     })
                     .module(
                         Module::new("access")
-                            .handle_named::<MemberRemoved, _>("revoke", RevokeOnce)
+                            .handle_named::<MemberRemoved, _>("revoke", RevokeOnce::default())
                             .deduplicate("revoke", Deduplication::from_envelope()),
                     )
                     .module(
@@ -770,6 +777,69 @@ async fn a_deduplicated_handler_with_claims_kept_apart_announces_through_the_run
         .await
         .unwrap();
     assert_eq!(stray, 0, "nothing enlisted where nothing relays");
+}
+
+/// Claims kept apart, and the runtime's store down as the deduplicated handler returns:
+/// what it announced is enlisted once the store answers, before its claim is completed, so
+/// the dead letter that a failing sibling makes, and its replay (which skips the handler),
+/// lose nothing.
+#[tokio::test]
+async fn a_store_outage_as_a_handler_with_claims_apart_completes_loses_none_of_its_announcements() {
+    let db = ScratchDatabase::sqlite();
+    let claims_db = ScratchDatabase::sqlite();
+    let store = db.sqlite_store().await.unwrap();
+    let claims = std::sync::Arc::new(claims_db.sqlite_store().await.unwrap());
+    let pool = store.pool().clone();
+    dacapo::sqlx::query(EFFECTS).execute(&pool).await.unwrap();
+    let builder = builder();
+    let faults = builder.store_faults();
+    let sibling = Recorder::<MemberRemoved>::new();
+    let harness = builder
+        .store(store)
+        .configure(|runtime| runtime.enable_deduplication().claims(claims))
+        .retry_policy(RetryPolicy {
+            retry_limit: 0,
+            ..RetryPolicy::default()
+        })
+        .module(
+            Module::new("access")
+                .handle_named::<MemberRemoved, _>("revoke", RevokeOnce(Some(faults.clone())))
+                .deduplicate("revoke", Deduplication::from_envelope()),
+        )
+        .module(Module::new("mail").handle_named::<MemberRemoved, _>("notify", sibling.clone()))
+        .fault("mail", "notify", Fault::fail_times(1))
+        .module(Module::new("audit").handle_named::<AccessRevoked, _>("audit", Audit(pool.clone())))
+        .build()
+        .unwrap();
+    let report = harness
+        .publish_with(
+            &MemberRemoved { member_id: 7 },
+            SendOptions::new().deduplication_id("member-7"),
+        )
+        .await
+        .unwrap();
+    assert_eq!(
+        report.outcome,
+        Outcome::DeadLettered(DeadLetterReason::RetriesExhausted)
+    );
+    assert!(
+        faults.struck() > 0,
+        "the store was down as the handler returned"
+    );
+    harness
+        .runtime()
+        .dead_letters()
+        .replay(report.envelope_id)
+        .await
+        .unwrap();
+    harness.idle().await.unwrap();
+    assert_eq!(sibling.calls().len(), 1, "the sibling ran on the replay");
+    let effects = effects_of!(pool);
+    assert_eq!(
+        effects().await,
+        ["audit"],
+        "the announcement was delivered, once"
+    );
 }
 
 on_both_backends!(

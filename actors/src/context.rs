@@ -642,6 +642,29 @@ impl MessageContext {
         Ok(id)
     }
 
+    /// Enlists what this handler cascaded so far in the runtime's outbox, waiting out store
+    /// failures, ahead of a record of its work kept elsewhere (a deduplication claim in a
+    /// store of its own): a crash between the two finds the work unrecorded and runs the
+    /// handler again, whose cascades have the same ids, which the outbox keeps once. Without
+    /// an outbox, or if the outbox rejects them, they stay with the attempt.
+    pub(crate) async fn enlist_ahead(&self) {
+        let Some(worker) = self.scope.as_ref().and_then(|a| a.scope.worker.as_ref()) else {
+            return;
+        };
+        let Some(outbox) = &worker.shared.outbox else {
+            return;
+        };
+        let cascaded = self.take_published().await;
+        if cascaded.is_empty() {
+            return;
+        }
+        let id = self.message_id().unwrap_or_default();
+        match crate::supervisor::persist("enlist cascades", id, || outbox.enlist(&cascaded)).await {
+            Ok(()) => worker.shared.outbox_enlisted.notify_one(),
+            Err(_) => self.restore_published(cascaded).await,
+        }
+    }
+
     /// Sends what this handler cascaded so far on its own, since its work is recorded (a rerun
     /// skips it and would cascade nothing): enlisted in the runtime's outbox, or, on a runtime
     /// without a durable inbox, delivered now. If the outbox refuses it — or the runtime has a

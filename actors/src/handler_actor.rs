@@ -193,12 +193,14 @@ impl HandlerActor {
                         // what it cascaded cannot wait in memory for the delivery to settle.
                         // With the claims in the runtime's store, it goes to the outbox in
                         // the completion's own write. Claims kept elsewhere would enlist it
-                        // into an outbox nothing relays: it is sent once the completion is
-                        // recorded.
+                        // into an outbox nothing relays: it goes to the runtime's outbox
+                        // ahead of the completion, or, without one, is sent once the
+                        // completion is recorded.
                         let in_store = context.deduplication_claim().is_some();
                         let cascaded = if in_store {
                             context.take_published().await
                         } else {
+                            context.enlist_ahead().await;
                             Vec::new()
                         };
                         let enlisted = persist("complete deduplication claim", message_id, || {
