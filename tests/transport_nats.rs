@@ -369,6 +369,27 @@ async fn what_was_delivered_and_not_recorded_at_shutdown_is_handled_by_the_next_
     server.remove().await;
 }
 
+/// Nodes that start together each find the stream missing and create it: the ones whose
+/// create comes second find the stream the first made, and listen.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn nodes_declaring_one_stream_at_once_all_listen() {
+    let server = Server::new().await;
+    let mut stores = Vec::new();
+    for _ in 0..6 {
+        stores.push(TestStore::sqlite().await);
+    }
+    let seen = Seen::default();
+    let runtimes: Vec<_> = stores
+        .iter()
+        .map(|store| store.runtime(module(&seen, "a"), server.transport(&url())))
+        .collect();
+    futures::future::join_all(runtimes.iter().map(listening)).await;
+    for runtime in runtimes {
+        assert!(runtime.shutdown().await.is_clean());
+    }
+    server.remove().await;
+}
+
 /// Routed to a subject that no stream captures.
 #[derive(serde::Serialize, serde::Deserialize)]
 struct Stray {

@@ -282,7 +282,10 @@ impl Worker {
             self.shared.tracker.admit(false);
         }
         let worker = Arc::clone(self);
-        actix::spawn(async move {
+        let count = envelopes.len();
+        // On the worker's arbiter, from wherever it is called: a handler's own task may
+        // publish once its work is recorded.
+        let spawned = self.arbiter.spawn(async move {
             for envelope in envelopes {
                 let id = envelope.id;
                 let admission = Admission(&worker.shared.tracker);
@@ -291,6 +294,16 @@ impl Worker {
                 }
             }
         });
+        if !spawned {
+            // The worker is gone (the runtime stopped): nothing to wait for.
+            tracing::error!(
+                count,
+                "cascaded messages could not be delivered: the runtime has stopped"
+            );
+            for _ in 0..count {
+                drop(Admission(&self.shared.tracker));
+            }
+        }
     }
 }
 

@@ -1,4 +1,4 @@
-use std::collections::HashSet;
+use std::collections::{HashMap, HashSet};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
@@ -36,6 +36,8 @@ pub struct RelayActor {
     again: bool,
     /// Positions of rows that could not be read: told once, and no reason to take the lease.
     unreadable: Arc<Mutex<HashSet<i64>>>,
+    /// Rows the broker could not take lately, waiting out a backoff before they are sent again.
+    held_back: Arc<Mutex<HeldBack>>,
 }
 
 /// How often the relay measures its backlog and removes old published rows.
@@ -74,6 +76,7 @@ impl RelayActor {
             lease_taken_at: None,
             again: false,
             unreadable: Arc::default(),
+            held_back: Arc::default(),
         }
     }
 
@@ -140,15 +143,24 @@ impl RelayActor {
         let lease_taken_at = self.lease_taken_at;
         let (batch, interval) = (self.batch, self.interval);
         let unreadable = Arc::clone(&self.unreadable);
+        let held_back = Arc::clone(&self.held_back);
         let round = async move {
             // An idle node writes nothing: a read finds the outbox empty — but for rows known
             // to be unreadable — before any lease is taken (on SQLite a lease is a commit, so
             // an fsync, every poll).
-            let known = lock(&unreadable).len();
+            let known = lock(&unreadable).len()
+                + held_back
+                    .lock()
+                    .unwrap_or_else(PoisonError::into_inner)
+                    .len();
             match outbox.unpublished(i64::MIN, known + 1).await {
                 Ok(rows)
                     if rows.iter().all(|(at, envelope)| {
-                        envelope.is_err() && lock(&unreadable).contains(at)
+                        (envelope.is_err() && lock(&unreadable).contains(at))
+                            || held_back
+                                .lock()
+                                .unwrap_or_else(PoisonError::into_inner)
+                                .waiting(*at, tokio::time::Instant::now())
                     }) =>
                 {
                     return (None, lease_taken_at);
@@ -204,6 +216,14 @@ impl RelayActor {
                 // A failed send marks none of it; the round goes on with the local rows, and
                 // reads on past the broker's rows without sending them again until the next.
                 let (away, rows) = split_by_route(rows, outbound.as_deref());
+                let away: Rows = {
+                    let mut held_back = held_back.lock().unwrap_or_else(PoisonError::into_inner);
+                    let now = tokio::time::Instant::now();
+                    held_back.forget_stale(now);
+                    away.into_iter()
+                        .filter(|(at, _)| !held_back.waiting(*at, now))
+                        .collect()
+                };
                 let broker = match outbound.as_deref() {
                     Some(outbound) if !away.is_empty() && !broker_failed => Some(outbound),
                     _ => None,
@@ -233,7 +253,13 @@ impl RelayActor {
                             dispatcher.shared.clock.as_ref(),
                         );
                         match lease.kept_while(sending).await {
-                            Ok(Some(sent)) => positions.extend(sent),
+                            Ok(Some((sent, held))) => {
+                                let mut held_back =
+                                    held_back.lock().unwrap_or_else(PoisonError::into_inner);
+                                held_back.held(&held, tokio::time::Instant::now());
+                                held_back.sent(&sent);
+                                positions.extend(sent);
+                            }
                             Ok(None) => broker_failed = true,
                             Err(kept) => {
                                 // Given up: the copies that did arrive are discarded by the
@@ -378,16 +404,16 @@ async fn mark(
 
 /// Sends the rows routed to the broker, once the outbox made them durable (a broker acts on
 /// what it receives: a row it sent on must never be taken back by a power cut); the positions
-/// to mark: those the broker confirmed, and those it can never take once their dead letter is
-/// kept. `None` when the sync or the send failed: none is marked, and the next round sends
-/// them again.
+/// to mark — those the broker confirmed, and those it can never take once their dead letter is
+/// kept — and those it held. `None` when the sync or the send failed: none is marked, and the
+/// next round sends them again.
 async fn send_away(
     outbox: &dyn OutboxStore,
     outbound: &dyn Outbound,
     away: Rows,
     dead_letters: Option<&dyn DeadLetterStore>,
     clock: &dyn crate::ports::Clock,
-) -> Option<Vec<i64>> {
+) -> Option<(Vec<i64>, Vec<i64>)> {
     if let Err(error) = outbox.sync().await {
         tracing::warn!(%error, "making the outbox durable before sending to the broker failed; retrying on the next round");
         return None;
@@ -406,9 +432,11 @@ async fn send_away(
         tracing::warn!(held = held.len(), first = %id, %why, "the broker could not take some envelopes now; they stay in the outbox for a later round");
     }
     let mut marked = Vec::with_capacity(positions.len());
+    let mut kept_back = Vec::with_capacity(held.len());
     for (position, envelope) in positions.into_iter().zip(envelopes) {
         if held.iter().any(|(id, _)| *id == envelope.id) {
             // Left unmarked, so the rest of its batch is marked and never sent again.
+            kept_back.push(position);
             continue;
         }
         let Some((_, why)) = refused.iter().find(|(id, _)| *id == envelope.id) else {
@@ -431,7 +459,7 @@ async fn send_away(
             }
         }
     }
-    Some(marked)
+    Some((marked, kept_back))
 }
 
 /// Outbox rows: each envelope with its position.
@@ -473,6 +501,59 @@ fn split_by_route(rows: Rows, outbound: Option<&dyn Outbound>) -> (Rows, Rows) {
         None => (Vec::new(), rows),
     }
 }
+
+/// Rows the broker held (a nack, a subject no stream captures, a transport down while
+/// another is up), by position: each is sent again after a pause that grows with each hold,
+/// instead of every round.
+#[derive(Debug, Default)]
+struct HeldBack {
+    rows: HashMap<i64, (u32, tokio::time::Instant)>,
+}
+
+/// The pause before a held row is sent again, by how many times in a row it was held.
+const HELD_BACK: crate::Backoff =
+    crate::Backoff::new(Duration::from_millis(500), Duration::from_secs(30));
+
+impl HeldBack {
+    /// Whether the row at `position` waits out its pause at `now`.
+    fn waiting(&self, position: i64, now: tokio::time::Instant) -> bool {
+        self.rows
+            .get(&position)
+            .is_some_and(|(_, until)| now < *until)
+    }
+
+    /// The rows at `positions` were held once more.
+    fn held(&mut self, positions: &[i64], now: tokio::time::Instant) {
+        for position in positions {
+            let (times, until) = self.rows.entry(*position).or_insert((0, now));
+            *times = times.saturating_add(1);
+            *until = now + HELD_BACK.pause(*times);
+        }
+    }
+
+    /// The rows at `positions` left.
+    fn sent(&mut self, positions: &[i64]) {
+        if !self.rows.is_empty() {
+            for position in positions {
+                self.rows.remove(position);
+            }
+        }
+    }
+
+    /// Forgets rows whose pause ended long ago: another node's relay sent them, or an
+    /// operator removed them.
+    fn forget_stale(&mut self, now: tokio::time::Instant) {
+        self.rows
+            .retain(|_, (_, until)| now.saturating_duration_since(*until) < STALE_HELD_BACK);
+    }
+
+    fn len(&self) -> usize {
+        self.rows.len()
+    }
+}
+
+/// How long after its pause ended a held row this relay has not seen again is forgotten.
+const STALE_HELD_BACK: Duration = Duration::from_secs(300);
 
 /// Why the lease could not be kept while the broker confirmed.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -665,7 +746,7 @@ mod tests {
     use async_trait::async_trait;
     use chrono::{DateTime, Utc};
 
-    use super::{Kept, Lease, send_away};
+    use super::{HeldBack, Kept, Lease, send_away};
     use crate::ports::{Outbound, OutboxBacklog, OutboxRow, OutboxStore, Sent, SystemClock};
     use crate::{Envelope, Error};
 
@@ -722,7 +803,7 @@ mod tests {
 
     /// Three rows sent away through an outbox whose sync fails when `sync_fails`: the
     /// positions to mark, and what happened in order.
-    async fn send_three(sync_fails: bool) -> (Option<Vec<i64>>, Vec<&'static str>) {
+    async fn send_three(sync_fails: bool) -> (Option<(Vec<i64>, Vec<i64>)>, Vec<&'static str>) {
         let log = Log::default();
         let outbox = Outbox {
             log: Arc::clone(&log),
@@ -739,7 +820,11 @@ mod tests {
     #[tokio::test]
     async fn rows_go_to_the_broker_only_once_the_outbox_synced_them() {
         let (sent, happened) = send_three(false).await;
-        assert_eq!(sent, Some(vec![1, 3]), "the held one is left unmarked");
+        assert_eq!(
+            sent,
+            Some((vec![1, 3], vec![2])),
+            "the held one is left unmarked"
+        );
         assert_eq!(happened, ["sync", "send"]);
     }
 
@@ -824,5 +909,30 @@ mod tests {
         assert_eq!(kept, Err(Kept::Lost));
         assert_eq!(asked, 2, "the first renewal found it another's");
         assert!(!done.load(Ordering::SeqCst), "the confirms were dropped");
+    }
+
+    #[test]
+    fn a_row_held_again_and_again_waits_longer_each_time_and_is_forgotten_once_sent() {
+        let mut held_back = HeldBack::default();
+        let start = tokio::time::Instant::now();
+        let at = |seconds: f64| start + Duration::from_secs_f64(seconds);
+        held_back.held(&[7], at(0.0));
+        assert!(held_back.waiting(7, at(0.4)));
+        assert!(!held_back.waiting(7, at(0.5)), "due after half a second");
+        assert!(
+            !held_back.waiting(8, at(0.0)),
+            "a row never held waits for nothing"
+        );
+        held_back.held(&[7], at(0.5));
+        assert!(held_back.waiting(7, at(1.4)));
+        assert!(!held_back.waiting(7, at(1.5)), "then after a second");
+        held_back.sent(&[7]);
+        assert!(!held_back.waiting(7, at(1.0)));
+        assert_eq!(held_back.len(), 0);
+        held_back.held(&[9], at(0.0));
+        held_back.forget_stale(at(100.0));
+        assert_eq!(held_back.len(), 1, "recently due: kept");
+        held_back.forget_stale(at(400.0));
+        assert_eq!(held_back.len(), 0, "not seen for minutes: forgotten");
     }
 }

@@ -405,8 +405,11 @@ async fn publish(
             attempt = attempt => attempt,
             () = request.reply.closed() => {
                 // Cut short, with the connection in an unknown state: what the broker took
-                // of it arrives twice at most, and the receiving inbox discards the copy.
+                // of it is sent again, and the receiving inbox discards the copy. Counted as
+                // a failure, so that a relay that keeps giving up does not resend at once.
                 publisher.reset();
+                failures = failures.saturating_add(1);
+                resume_at = Some(tokio::time::Instant::now() + RECONNECT.pause(failures));
                 continue;
             }
         };
@@ -498,7 +501,7 @@ impl Consumer {
             match self.consume().await {
                 Consumed::Stopped => break,
                 Consumed::Lost { error, received } => {
-                    // A subscription that failed before it brought anything counts as one
+                    // A subscription that failed before it answered at all counts as one
                     // more failure in a row: one that keeps failing so is not made again ten
                     // times a second.
                     failures = if received {
@@ -525,6 +528,7 @@ impl Consumer {
 
     /// Consumes until the connection is lost or the runtime stops.
     async fn consume(&mut self) -> Consumed {
+        // Whether the subscription worked: it brought messages, or answered a poll.
         let mut received = false;
         loop {
             let batch = tokio::select! {
@@ -533,7 +537,10 @@ impl Consumer {
                 batch = self.subscriber.next() => batch,
             };
             let batch = match batch {
-                Ok(batch) if batch.is_empty() => continue,
+                Ok(batch) if batch.is_empty() => {
+                    received = true;
+                    continue;
+                }
                 Ok(batch) => batch,
                 Err(error) => return Consumed::Lost { error, received },
             };
@@ -639,7 +646,8 @@ impl Consumer {
 
 enum Consumed {
     Stopped,
-    /// The subscription failed; `received` tells whether it brought messages first.
+    /// The subscription failed; `received` tells whether it worked first (brought messages,
+    /// or answered a poll with none).
     Lost {
         error: Error,
         received: bool,
@@ -773,7 +781,22 @@ mod tests {
             "the first is under way"
         );
         drop(answer);
-        // The first is cut short when its relay gives up; the second is never sent.
+        // The first is cut short when its relay gives up, and counts as a failure: the next
+        // request waits out the publisher's backoff instead of going out at once.
+        let (reply, answer) = oneshot::channel();
+        requests_tx
+            .send(Request {
+                envelopes: vec![queued()],
+                reply,
+            })
+            .await
+            .unwrap();
+        let refused = answer.await.unwrap().unwrap_err();
+        assert!(
+            refused.to_string().contains("failed 1 time(s)"),
+            "{refused}"
+        );
+        // The second was never sent.
         drop(requests_tx);
         tokio::time::timeout(Duration::from_secs(1), publishing)
             .await
@@ -791,17 +814,27 @@ mod tests {
         );
     }
 
-    /// Subscribes, then fails at once when asked for messages (consumer limits a server
-    /// refuses, a table it may not read); counts its subscriptions.
-    struct Flapping(Arc<AtomicUsize>);
+    /// Subscribes, then fails when asked for messages: at once (consumer limits a server
+    /// refuses, a table it may not read), or, when `polled`, after answering one quiet poll
+    /// (a working subscription whose connection drops); counts its subscriptions.
+    struct Flapping {
+        subscriptions: Arc<AtomicUsize>,
+        polled: bool,
+        answered: bool,
+    }
 
     #[async_trait]
     impl Subscribe for Flapping {
         async fn subscribe(&mut self) -> Result<(), Error> {
-            self.0.fetch_add(1, Ordering::SeqCst);
+            self.subscriptions.fetch_add(1, Ordering::SeqCst);
+            self.answered = false;
             Ok(())
         }
         async fn next(&mut self) -> Result<Vec<Received>, Error> {
+            if self.polled && !self.answered {
+                self.answered = true;
+                return Ok(Vec::new());
+            }
             Err(Error::transport(
                 "flapping",
                 "the server refuses this consumer's limits",
@@ -813,15 +846,19 @@ mod tests {
         async fn release(&mut self) {}
     }
 
-    #[tokio::test(start_paused = true)]
-    async fn a_subscription_that_keeps_failing_before_it_brings_anything_backs_off() {
+    /// How many subscriptions a consumer on `Flapping` makes in a minute.
+    async fn subscriptions_in_a_minute(polled: bool) -> usize {
         let runtime = crate::Runtime::builder().build().unwrap();
         let subscriptions = Arc::new(AtomicUsize::new(0));
         let (stop, stopping) = watch::channel(false);
         let (state, _) = watch::channel(TransportState::Connecting { last_error: None });
         let consumer = Consumer {
             name: "flapping",
-            subscriber: Box::new(Flapping(Arc::clone(&subscriptions))),
+            subscriber: Box::new(Flapping {
+                subscriptions: Arc::clone(&subscriptions),
+                polled,
+                answered: false,
+            }),
             listener: runtime.listener(),
             dead_letters: Arc::new(crate::store::MemoryDeadLetters::default()),
             clock: Arc::new(dacapo_actors::ports::SystemClock),
@@ -840,9 +877,21 @@ mod tests {
         )
         .await
         .expect("the consumer stops while it pauses");
+        runtime.shutdown().await;
+        made
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_subscription_that_keeps_failing_before_it_answers_backs_off() {
         // Pauses of 0.1, 0.2, 0.4, 0.8, 1.6 and 3.2 s, then 5 s each: 17 subscriptions in a
         // minute, where a pause that never grows makes 600.
+        let made = subscriptions_in_a_minute(false).await;
         assert!((2..=18).contains(&made), "{made} subscriptions in a minute");
-        runtime.shutdown().await;
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_subscription_that_worked_before_it_dropped_is_made_again_after_the_first_pause() {
+        let made = subscriptions_in_a_minute(true).await;
+        assert!(made > 500, "{made} subscriptions in a minute, 0.1 s apart");
     }
 }

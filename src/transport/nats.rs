@@ -250,19 +250,30 @@ async fn stream(
                 ..stream::Config::default()
             })
             .await;
-        return created.map_err(|error| {
-            // Subjects another stream keeps, or a stream of that name with other subjects.
-            let conflict = matches!(error.kind(), jetstream::context::CreateStreamErrorKind::JetStream(ref js)
-                if matches!(js.error_code().0, 10065 | 10058));
-            if conflict {
-                Error::Configuration(format!(
-                    "JetStream cannot create stream {:?} for {}.>: {error}",
-                    settings.stream, settings.prefix
-                ))
-            } else {
-                failed(error)
-            }
-        });
+        let error = match created {
+            Ok(stream) => return Ok(stream),
+            Err(error) => error,
+        };
+        // Subjects another stream keeps, or a stream of that name with other subjects — or
+        // another node that created this very stream between our look and our create.
+        let conflict = matches!(error.kind(), jetstream::context::CreateStreamErrorKind::JetStream(ref js)
+            if matches!(js.error_code().0, 10065 | 10058));
+        if !conflict {
+            return Err(failed(error));
+        }
+        let subjects = format!("{}.>", settings.prefix);
+        if let Ok(mut stream) = context.get_stream(&settings.stream).await
+            && stream
+                .info()
+                .await
+                .is_ok_and(|info| info.config.subjects.contains(&subjects))
+        {
+            return Ok(stream);
+        }
+        return Err(Error::Configuration(format!(
+            "JetStream cannot create stream {:?} for {subjects}: {error}",
+            settings.stream
+        )));
     }
     match context.get_stream(&settings.stream).await {
         Ok(stream) => Ok(stream),
@@ -555,7 +566,31 @@ fn read(message: &jetstream::Message) -> Received {
 
 #[cfg(test)]
 mod tests {
-    use super::consumer_name;
+    use super::{Nats, connect, consumer_name, stream};
+
+    /// Against the real server (`DACAPO_TEST_NATS`, by default the one `.ci/run` starts).
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn nodes_creating_one_stream_at_once_all_find_it() {
+        let url = std::env::var("DACAPO_TEST_NATS")
+            .unwrap_or_else(|_| "nats://127.0.0.1:4222".to_owned());
+        let unique = uuid::Uuid::new_v4().simple().to_string();
+        let nats = Nats::new(url, "racing")
+            .stream(format!("RACE{}", &unique[..12]))
+            .subject_prefix(format!("race{}", &unique[..12]));
+        let settings = &nats.settings;
+        let mut contexts = Vec::new();
+        for _ in 0..8 {
+            contexts.push(connect(settings).await.expect("NATS runs for the tests"));
+        }
+        // Each looks, finds nothing and creates, at the same moment.
+        let created =
+            futures::future::join_all(contexts.iter().map(|context| stream(context, settings)))
+                .await;
+        let _ = contexts[0].delete_stream(&settings.stream).await;
+        for outcome in created {
+            assert!(outcome.is_ok(), "{:?}", outcome.err());
+        }
+    }
 
     #[test]
     fn a_consumer_is_named_after_its_service_its_type_and_the_types_hash() {
