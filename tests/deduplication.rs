@@ -216,23 +216,30 @@ impl Handler<RebuildProjection> for Flaky {
     }
 }
 
-#[tokio::test]
-async fn a_claim_is_released_when_the_message_is_dead_lettered() {
-    let flaky = Flaky::default();
-    flaky.broken.store(true, Ordering::SeqCst);
-    let harness = TestHarness::builder()
+/// A harness whose deduplicated `projections/rebuild` is `handler`, retried `retry_limit`
+/// times.
+fn rebuilding(
+    handler: impl Handler<RebuildProjection>,
+    retry_limit: u32,
+) -> dacapo::testing::TestHarnessBuilder {
+    TestHarness::builder()
         .configure(RuntimeBuilder::enable_deduplication)
         .retry_policy(RetryPolicy {
-            retry_limit: 1,
+            retry_limit,
             ..RetryPolicy::default()
         })
         .module(
             Module::new("projections")
-                .handle_named::<RebuildProjection, _>("rebuild", flaky.clone())
+                .handle_named::<RebuildProjection, _>("rebuild", handler)
                 .deduplicate("rebuild", Deduplication::from_envelope()),
         )
-        .build()
-        .unwrap();
+}
+
+#[tokio::test]
+async fn a_claim_is_released_when_the_message_is_dead_lettered() {
+    let flaky = Flaky::default();
+    flaky.broken.store(true, Ordering::SeqCst);
+    let harness = rebuilding(flaky.clone(), 1).build().unwrap();
     let dead = harness
         .publish_with(&rebuild("orders"), keyed("k"))
         .await
@@ -684,17 +691,7 @@ async fn a_completed_handler_announces_even_when_its_delivery_is_dead_lettered_a
     let rebuild_handler = RebuildAndAnnounce::default();
     let announced = dacapo::testing::Recorder::<ProjectionRebuilt>::new();
     let sibling = Counter::default();
-    let harness = TestHarness::builder()
-        .configure(RuntimeBuilder::enable_deduplication)
-        .retry_policy(RetryPolicy {
-            retry_limit: 0,
-            ..RetryPolicy::default()
-        })
-        .module(
-            Module::new("projections")
-                .handle_named::<RebuildProjection, _>("rebuild", rebuild_handler.clone())
-                .deduplicate("rebuild", Deduplication::from_envelope()),
-        )
+    let harness = rebuilding(rebuild_handler.clone(), 0)
         .module(
             Module::new("search").handle_named::<RebuildProjection, _>("reindex", sibling.clone()),
         )

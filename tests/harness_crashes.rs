@@ -573,6 +573,14 @@ on_both_backends!(
     crash_after_a_deduplicated_handler_with_claims_apart
 );
 
+/// Whether the runtime's store is down as `revoke` returns.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Outage {
+    None,
+    /// For 300 ms, from the moment `revoke` returns.
+    AsRevokeReturns,
+}
+
 /// Where the deduplication claims live.
 #[derive(Clone, Copy, Debug)]
 enum ClaimsIn {
@@ -588,6 +596,7 @@ enum ClaimsIn {
 async fn announcing(
     backend: Backend,
     claims: ClaimsIn,
+    outage: Outage,
     faults: impl FnOnce(TestHarnessBuilder) -> TestHarnessBuilder,
 ) -> (
     TestHarness,
@@ -611,8 +620,13 @@ async fn announcing(
             databases.push(db);
             let pool = store.pool().clone();
             dacapo::sqlx::query(EFFECTS).execute(&pool).await.unwrap();
+            let builder = builder();
+            let revoke = match outage {
+                Outage::None => RevokeOnce::default(),
+                Outage::AsRevokeReturns => RevokeOnce(Some(builder.store_faults())),
+            };
             let harness = faults(
-                builder()
+                builder
                     .store(store)
                     .configure(|runtime| {
                         let runtime = runtime.enable_deduplication();
@@ -623,7 +637,7 @@ async fn announcing(
                     })
                     .module(
                         Module::new("access")
-                            .handle_named::<MemberRemoved, _>("revoke", RevokeOnce::default())
+                            .handle_named::<MemberRemoved, _>("revoke", revoke)
                             .deduplicate("revoke", Deduplication::from_envelope()),
                     )
                     .module(
@@ -659,7 +673,7 @@ async fn crash_after_a_deduplicated_handler_with_claims_apart(backend: Backend) 
 /// the attempt after the restart skips the handler, so what it announced must already be in
 /// the outbox.
 async fn crash_after_completing(backend: Backend, claims: ClaimsIn) {
-    let (mut harness, effects, _dbs) = announcing(backend, claims, |b| b).await;
+    let (mut harness, effects, _dbs) = announcing(backend, claims, Outage::None, |b| b).await;
     harness
         .crash_at_message::<MemberRemoved>(Failpoint::BeforeSettle)
         .unwrap();
@@ -696,19 +710,19 @@ on_both_backends!(
 );
 
 async fn replay_after_a_deduplicated_handler(backend: Backend) {
-    replay_after_completing(backend, ClaimsIn::Store).await;
+    replay_after_completing(backend, ClaimsIn::Store, Outage::None).await;
 }
 
 async fn replay_after_a_deduplicated_handler_with_claims_apart(backend: Backend) {
-    replay_after_completing(backend, ClaimsIn::Apart).await;
+    replay_after_completing(backend, ClaimsIn::Apart, Outage::None).await;
 }
 
 /// `revoke` completes its claim while a sibling fails the only attempt: the delivery is
 /// dead-lettered, and its replay skips `revoke`, so what `revoke` announced must not have
 /// gone with the dead letter.
-async fn replay_after_completing(backend: Backend, claims: ClaimsIn) {
+async fn replay_after_completing(backend: Backend, claims: ClaimsIn, outage: Outage) {
     let sibling = Recorder::<MemberRemoved>::new();
-    let (harness, effects, _dbs) = announcing(backend, claims, |b| {
+    let (harness, effects, _dbs) = announcing(backend, claims, outage, |b| {
         b.retry_policy(RetryPolicy {
             retry_limit: 0,
             ..RetryPolicy::default()
@@ -728,6 +742,13 @@ async fn replay_after_completing(backend: Backend, claims: ClaimsIn) {
         report.outcome,
         Outcome::DeadLettered(DeadLetterReason::RetriesExhausted)
     );
+    if outage == Outage::AsRevokeReturns {
+        let faults = harness.store_faults().unwrap();
+        assert!(
+            faults.struck() > 0,
+            "the store was down as the handler returned"
+        );
+    }
     harness
         .runtime()
         .dead_letters()
@@ -754,7 +775,8 @@ async fn replay_after_completing(backend: Backend, claims: ClaimsIn) {
 /// database's outbox, which nothing relays.
 #[tokio::test]
 async fn a_deduplicated_handler_with_claims_kept_apart_announces_through_the_runtimes_outbox() {
-    let (harness, effects, databases) = announcing(Backend::Sqlite, ClaimsIn::Apart, |b| b).await;
+    let (harness, effects, databases) =
+        announcing(Backend::Sqlite, ClaimsIn::Apart, Outage::None, |b| b).await;
     let report = harness
         .publish_with(
             &MemberRemoved { member_id: 7 },
@@ -785,61 +807,7 @@ async fn a_deduplicated_handler_with_claims_kept_apart_announces_through_the_run
 /// lose nothing.
 #[tokio::test]
 async fn a_store_outage_as_a_handler_with_claims_apart_completes_loses_none_of_its_announcements() {
-    let db = ScratchDatabase::sqlite();
-    let claims_db = ScratchDatabase::sqlite();
-    let store = db.sqlite_store().await.unwrap();
-    let claims = std::sync::Arc::new(claims_db.sqlite_store().await.unwrap());
-    let pool = store.pool().clone();
-    dacapo::sqlx::query(EFFECTS).execute(&pool).await.unwrap();
-    let builder = builder();
-    let faults = builder.store_faults();
-    let sibling = Recorder::<MemberRemoved>::new();
-    let harness = builder
-        .store(store)
-        .configure(|runtime| runtime.enable_deduplication().claims(claims))
-        .retry_policy(RetryPolicy {
-            retry_limit: 0,
-            ..RetryPolicy::default()
-        })
-        .module(
-            Module::new("access")
-                .handle_named::<MemberRemoved, _>("revoke", RevokeOnce(Some(faults.clone())))
-                .deduplicate("revoke", Deduplication::from_envelope()),
-        )
-        .module(Module::new("mail").handle_named::<MemberRemoved, _>("notify", sibling.clone()))
-        .fault("mail", "notify", Fault::fail_times(1))
-        .module(Module::new("audit").handle_named::<AccessRevoked, _>("audit", Audit(pool.clone())))
-        .build()
-        .unwrap();
-    let report = harness
-        .publish_with(
-            &MemberRemoved { member_id: 7 },
-            SendOptions::new().deduplication_id("member-7"),
-        )
-        .await
-        .unwrap();
-    assert_eq!(
-        report.outcome,
-        Outcome::DeadLettered(DeadLetterReason::RetriesExhausted)
-    );
-    assert!(
-        faults.struck() > 0,
-        "the store was down as the handler returned"
-    );
-    harness
-        .runtime()
-        .dead_letters()
-        .replay(report.envelope_id)
-        .await
-        .unwrap();
-    harness.idle().await.unwrap();
-    assert_eq!(sibling.calls().len(), 1, "the sibling ran on the replay");
-    let effects = effects_of!(pool);
-    assert_eq!(
-        effects().await,
-        ["audit"],
-        "the announcement was delivered, once"
-    );
+    replay_after_completing(Backend::Sqlite, ClaimsIn::Apart, Outage::AsRevokeReturns).await;
 }
 
 on_both_backends!(

@@ -320,91 +320,15 @@ async fn outbox_depth(runtime: &Runtime) -> Option<u64> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_envelope_no_queue_takes_yet_waits_in_the_outbox_and_holds_back_nothing_else() {
-    use lapin::options::QueueBindOptions;
     let broker = Broker::new().await;
     let store = TestStore::sqlite().await;
-    let TestStore::Sqlite(sqlite, _) = &store else {
-        unreachable!()
-    };
-    let pool = sqlite.pool().clone();
     let (runtime, seen) = listening_node(&store, broker.transport(&url()).route::<Orphan>()).await;
-
-    // One commit, so one batch of the relay, the orphan first.
-    let mut tx = pool.begin_with("BEGIN IMMEDIATE").await.unwrap();
-    let orphan = runtime
-        .outbox()
-        .enlist(&mut tx, &Orphan { n: 1 })
-        .await
-        .unwrap();
-    let ping = runtime
-        .outbox()
-        .enlist(&mut tx, &Ping { n: 2 })
-        .await
-        .unwrap();
-    runtime.outbox().commit(tx).await.unwrap();
-    let calls = seen.wait_for(1, WAIT).await;
-    assert_eq!(calls[0].id, ping);
-    // The ping's row is marked; the orphan's waits.
-    let deadline = tokio::time::Instant::now() + WAIT;
-    while outbox_depth(&runtime).await != Some(1) {
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "the ping was never marked sent"
-        );
-        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
-    }
+    let orphan = orphan_held_and_ping_sent(&store, &runtime, &seen).await;
 
     // A queue bound for its type takes it on a later round.
     let orphans = unique("orphans-");
-    broker
-        .channel
-        .queue_declare(
-            orphans.as_str().into(),
-            QueueDeclareOptions::default(),
-            FieldTable::default(),
-        )
-        .await
-        .unwrap();
-    broker
-        .channel
-        .queue_bind(
-            orphans.as_str().into(),
-            broker.exchange.as_str().into(),
-            <Orphan as dacapo::Message>::TYPE.into(),
-            QueueBindOptions::default(),
-            FieldTable::default(),
-        )
-        .await
-        .unwrap();
-    let deadline = tokio::time::Instant::now() + WAIT;
-    while outbox_depth(&runtime).await != Some(0) {
-        assert!(
-            tokio::time::Instant::now() < deadline,
-            "the orphan never left"
-        );
-        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
-    }
-    let queued = broker
-        .channel
-        .queue_declare(
-            orphans.as_str().into(),
-            QueueDeclareOptions {
-                passive: true,
-                ..QueueDeclareOptions::default()
-            },
-            FieldTable::default(),
-        )
-        .await
-        .unwrap()
-        .message_count();
-    assert_eq!(queued, 1, "the orphan {orphan} went out once, once placed");
-    assert_eq!(seen.calls().len(), 1, "the ping was handled once");
-    assert!(runtime.shutdown().await.is_clean());
-    let _ = broker
-        .channel
-        .queue_delete(orphans.as_str().into(), QueueDeleteOptions::default())
-        .await;
-    broker.remove().await;
+    orphans_queue(&broker, &orphans, FieldTable::default()).await;
+    went_out_once(broker, runtime, &seen, &orphans, orphan).await;
 }
 
 /// Declares `queue`, bound for `Orphan` on `broker`'s exchange; with `arguments`.
@@ -437,30 +361,15 @@ async fn outbox_reaches(runtime: &Runtime, depth: u64, what: &str) {
     }
 }
 
-/// The broker refuses one envelope of a batch (nack: its queue is full and rejects
-/// publications): it waits in the outbox, and the envelope the broker confirmed is marked,
-/// not sent again with it round after round.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn an_envelope_the_broker_refuses_waits_in_the_outbox_and_holds_back_nothing_else() {
-    let broker = Broker::new().await;
-    let store = TestStore::sqlite().await;
-    let TestStore::Sqlite(sqlite, _) = &store else {
+/// Enlists an `Orphan` and a `Ping` in one commit, so in one batch of the relay, the orphan
+/// first; returns the orphan's id once the ping was handled and marked sent while the orphan
+/// waits in the outbox.
+async fn orphan_held_and_ping_sent(store: &TestStore, runtime: &Runtime, seen: &Seen) -> Uuid {
+    let TestStore::Sqlite(sqlite, _) = store else {
         unreachable!()
     };
-    let pool = sqlite.pool().clone();
-    let full = unique("full-");
-    let mut limits = FieldTable::default();
-    limits.insert("x-max-length".into(), AMQPValue::LongLongInt(0));
-    limits.insert(
-        "x-overflow".into(),
-        AMQPValue::LongString(LongString::from("reject-publish")),
-    );
-    let (runtime, seen) = listening_node(&store, broker.transport(&url()).route::<Orphan>()).await;
-    orphans_queue(&broker, &full, limits).await;
-
-    // One commit, so one batch of the relay, the refused one first.
-    let mut tx = pool.begin_with("BEGIN IMMEDIATE").await.unwrap();
-    runtime
+    let mut tx = sqlite.pool().begin_with("BEGIN IMMEDIATE").await.unwrap();
+    let orphan = runtime
         .outbox()
         .enlist(&mut tx, &Orphan { n: 1 })
         .await
@@ -473,7 +382,58 @@ async fn an_envelope_the_broker_refuses_waits_in_the_outbox_and_holds_back_nothi
     runtime.outbox().commit(tx).await.unwrap();
     let calls = seen.wait_for(1, WAIT).await;
     assert_eq!(calls[0].id, ping);
-    outbox_reaches(&runtime, 1, "the ping was never marked sent").await;
+    outbox_reaches(runtime, 1, "the ping was never marked sent").await;
+    orphan
+}
+
+/// Checks that the orphan left, once, into `queue`, that the ping was handled once, and
+/// removes the test's broker objects.
+async fn went_out_once(broker: Broker, runtime: Runtime, seen: &Seen, queue: &str, orphan: Uuid) {
+    outbox_reaches(&runtime, 0, "the orphan never left").await;
+    let queued = broker
+        .channel
+        .queue_declare(
+            queue.into(),
+            QueueDeclareOptions {
+                passive: true,
+                ..QueueDeclareOptions::default()
+            },
+            FieldTable::default(),
+        )
+        .await
+        .unwrap()
+        .message_count();
+    assert_eq!(queued, 1, "the orphan {orphan} went out once, once placed");
+    assert!(
+        dead_letters(&runtime, 0).await.is_empty(),
+        "held, not dead-lettered"
+    );
+    assert_eq!(seen.calls().len(), 1, "the ping was handled once");
+    assert!(runtime.shutdown().await.is_clean());
+    let _ = broker
+        .channel
+        .queue_delete(queue.into(), QueueDeleteOptions::default())
+        .await;
+    broker.remove().await;
+}
+
+/// The broker refuses one envelope of a batch (nack: its queue is full and rejects
+/// publications): it waits in the outbox, and the envelope the broker confirmed is marked,
+/// not sent again with it round after round.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_envelope_the_broker_refuses_waits_in_the_outbox_and_holds_back_nothing_else() {
+    let broker = Broker::new().await;
+    let store = TestStore::sqlite().await;
+    let full = unique("full-");
+    let mut limits = FieldTable::default();
+    limits.insert("x-max-length".into(), AMQPValue::LongLongInt(0));
+    limits.insert(
+        "x-overflow".into(),
+        AMQPValue::LongString(LongString::from("reject-publish")),
+    );
+    let (runtime, seen) = listening_node(&store, broker.transport(&url()).route::<Orphan>()).await;
+    orphans_queue(&broker, &full, limits).await;
+    let orphan = orphan_held_and_ping_sent(&store, &runtime, &seen).await;
 
     // A queue with room takes it on a later round.
     broker
@@ -483,18 +443,7 @@ async fn an_envelope_the_broker_refuses_waits_in_the_outbox_and_holds_back_nothi
         .unwrap();
     let roomy = unique("orphans-");
     orphans_queue(&broker, &roomy, FieldTable::default()).await;
-    outbox_reaches(&runtime, 0, "the refused one never left").await;
-    assert!(
-        dead_letters(&runtime, 0).await.is_empty(),
-        "held, not dead-lettered"
-    );
-    assert_eq!(seen.calls().len(), 1, "the ping was handled once");
-    assert!(runtime.shutdown().await.is_clean());
-    let _ = broker
-        .channel
-        .queue_delete(roomy.as_str().into(), QueueDeleteOptions::default())
-        .await;
-    broker.remove().await;
+    went_out_once(broker, runtime, &seen, &roomy, orphan).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

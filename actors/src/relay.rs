@@ -753,15 +753,22 @@ mod tests {
     /// What happened, in order.
     type Log = Arc<Mutex<Vec<&'static str>>>;
 
+    /// An outbox whose sync fails when `sync_fails`, and whose lease is this node's for its
+    /// first `kept` asks, then another's.
+    #[derive(Default)]
     struct Outbox {
         log: Log,
         sync_fails: bool,
+        kept: usize,
+        asked: Mutex<usize>,
     }
 
     #[async_trait]
     impl OutboxStore for Outbox {
         async fn lease(&self, _: DateTime<Utc>, _: DateTime<Utc>) -> Result<bool, Error> {
-            Ok(true)
+            let mut asked = self.asked.lock().unwrap();
+            *asked += 1;
+            Ok(*asked <= self.kept)
         }
         async fn unpublished(&self, _: i64, _: usize) -> Result<Vec<OutboxRow>, Error> {
             Ok(Vec::new())
@@ -808,6 +815,7 @@ mod tests {
         let outbox = Outbox {
             log: Arc::clone(&log),
             sync_fails,
+            ..Outbox::default()
         };
         let rows = (1..=3)
             .map(|position| (position, Envelope::new("orders.placed", b"{}".to_vec())))
@@ -835,41 +843,14 @@ mod tests {
         assert_eq!(happened, ["sync"]);
     }
 
-    /// An outbox whose lease is this node's for its first `kept` asks, then another's.
-    struct Leasing {
-        kept: usize,
-        asked: Mutex<usize>,
-    }
-
-    #[async_trait]
-    impl OutboxStore for Leasing {
-        async fn lease(&self, _: DateTime<Utc>, _: DateTime<Utc>) -> Result<bool, Error> {
-            let mut asked = self.asked.lock().unwrap();
-            *asked += 1;
-            Ok(*asked <= self.kept)
-        }
-        async fn unpublished(&self, _: i64, _: usize) -> Result<Vec<OutboxRow>, Error> {
-            Ok(Vec::new())
-        }
-        async fn backlog(&self) -> Result<OutboxBacklog, Error> {
-            Ok(OutboxBacklog::new(0, None))
-        }
-        async fn delete_published_before(&self, _: DateTime<Utc>, _: usize) -> Result<u64, Error> {
-            Ok(0)
-        }
-        async fn mark_published(&self, _: &[i64], _: DateTime<Utc>) -> Result<(), Error> {
-            Ok(())
-        }
-    }
-
     /// A lease of two seconds, taken, on an outbox that keeps it `kept` times in all; and a
     /// broker's confirms that take seven, telling when they are done.
     async fn confirms_outlasting_the_lease(
         kept: usize,
     ) -> (Result<(), Kept>, usize, Arc<AtomicBool>) {
-        let outbox = Arc::new(Leasing {
+        let outbox = Arc::new(Outbox {
             kept,
-            asked: Mutex::new(0),
+            ..Outbox::default()
         });
         let mut lease = Lease {
             outbox: Arc::clone(&outbox) as Arc<dyn OutboxStore>,
