@@ -308,6 +308,36 @@ async fn a_stream_only_checked_and_missing_stops_listening_with_a_clear_error() 
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn subjects_another_stream_captures_stop_listening_with_a_clear_error() {
+    let server = Server::new().await;
+    let other = unique("OTHER");
+    server
+        .jetstream
+        .create_stream(jetstream::stream::Config {
+            name: other.clone(),
+            subjects: vec![format!("{}.>", server.prefix)],
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    let store = TestStore::sqlite().await;
+    let seen = Seen::default();
+    let runtime = store.runtime(module(&seen, "a"), server.transport(&url()));
+    let error = tokio::time::timeout(WAIT, runtime.listening())
+        .await
+        .expect("answers within the wait")
+        .unwrap_err();
+    assert!(!error.is_retryable(), "{error}");
+    assert!(
+        error.to_string().contains("cannot create stream"),
+        "{error}"
+    );
+    runtime.shutdown().await;
+    let _ = server.jetstream.delete_stream(&other).await;
+    server.remove().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_header_nats_cannot_carry_dead_letters_its_envelope_only() {
     let server = Server::new().await;
     what_the_broker_can_never_take_is_dead_lettered(

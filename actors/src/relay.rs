@@ -148,11 +148,12 @@ impl RelayActor {
             // An idle node writes nothing: a read finds the outbox empty — but for rows known
             // to be unreadable — before any lease is taken (on SQLite a lease is a commit, so
             // an fsync, every poll).
-            let known = lock(&unreadable).len()
-                + held_back
-                    .lock()
-                    .unwrap_or_else(PoisonError::into_inner)
-                    .len();
+            let known = lock(&unreadable).len() + {
+                let mut held_back = held_back.lock().unwrap_or_else(PoisonError::into_inner);
+                // Once a round, not once a batch: a pass over every row held.
+                held_back.forget_stale(tokio::time::Instant::now());
+                held_back.len()
+            };
             match outbox.unpublished(i64::MIN, known + 1).await {
                 Ok(rows)
                     if rows.iter().all(|(at, envelope)| {
@@ -217,9 +218,8 @@ impl RelayActor {
                 // reads on past the broker's rows without sending them again until the next.
                 let (away, rows) = split_by_route(rows, outbound.as_deref());
                 let away: Rows = {
-                    let mut held_back = held_back.lock().unwrap_or_else(PoisonError::into_inner);
+                    let held_back = held_back.lock().unwrap_or_else(PoisonError::into_inner);
                     let now = tokio::time::Instant::now();
-                    held_back.forget_stale(now);
                     away.into_iter()
                         .filter(|(at, _)| !held_back.waiting(*at, now))
                         .collect()
@@ -510,9 +510,12 @@ struct HeldBack {
     rows: HashMap<i64, (u32, tokio::time::Instant)>,
 }
 
-/// The pause before a held row is sent again, by how many times in a row it was held.
+/// The pause before a held row is sent again, by how many times in a row it was held. At
+/// most the longest pause of a transport reconnecting: rows a full queue held wait no longer
+/// for a slot than rows of a broker that was down, though newer rows, sent at once, may still
+/// take the slots before them.
 const HELD_BACK: crate::Backoff =
-    crate::Backoff::new(Duration::from_millis(500), Duration::from_secs(30));
+    crate::Backoff::new(Duration::from_millis(500), Duration::from_secs(5));
 
 impl HeldBack {
     /// Whether the row at `position` waits out its pause at `now`.
@@ -907,6 +910,14 @@ mod tests {
         held_back.held(&[7], at(0.5));
         assert!(held_back.waiting(7, at(1.4)));
         assert!(!held_back.waiting(7, at(1.5)), "then after a second");
+        for _ in 0..10 {
+            held_back.held(&[7], at(2.0));
+        }
+        assert!(held_back.waiting(7, at(6.9)));
+        assert!(
+            !held_back.waiting(7, at(7.0)),
+            "never longer than a transport reconnecting"
+        );
         held_back.sent(&[7]);
         assert!(!held_back.waiting(7, at(1.0)));
         assert_eq!(held_back.len(), 0);

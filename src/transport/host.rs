@@ -444,6 +444,12 @@ async fn publish(
 /// How long the consumer waits before connecting again, by failures so far.
 const RECONNECT: Backoff = Backoff::new(Duration::from_millis(100), Duration::from_secs(5));
 
+/// How long a subscription stays up, bringing nothing, before it counts as one that worked:
+/// the longest pause. One that drops sooner (a proxy cutting each connection right after it
+/// is made, a listener whose connection goes at once) is one more failure in a row, not a
+/// fresh start ten times a second.
+const WORKED_WHEN_UP_FOR: Duration = Duration::from_secs(5);
+
 struct Consumer {
     name: &'static str,
     subscriber: Box<dyn Subscribe>,
@@ -500,11 +506,11 @@ impl Consumer {
             }
             match self.consume().await {
                 Consumed::Stopped => break,
-                Consumed::Lost { error, received } => {
-                    // A subscription that failed before it answered at all counts as one
-                    // more failure in a row: one that keeps failing so is not made again ten
-                    // times a second.
-                    failures = if received {
+                Consumed::Lost { error, worked } => {
+                    // A subscription that failed before it worked counts as one more failure
+                    // in a row: one that keeps failing so is not made again ten times a
+                    // second.
+                    failures = if worked {
                         1
                     } else {
                         failures.saturating_add(1)
@@ -528,8 +534,9 @@ impl Consumer {
 
     /// Consumes until the connection is lost or the runtime stops.
     async fn consume(&mut self) -> Consumed {
-        // Whether the subscription worked: it brought messages, or answered a poll.
-        let mut received = false;
+        let up_since = tokio::time::Instant::now();
+        let mut brought = false;
+        let worked = |brought: bool| brought || up_since.elapsed() >= WORKED_WHEN_UP_FOR;
         loop {
             let batch = tokio::select! {
                 biased;
@@ -537,14 +544,16 @@ impl Consumer {
                 batch = self.subscriber.next() => batch,
             };
             let batch = match batch {
-                Ok(batch) if batch.is_empty() => {
-                    received = true;
-                    continue;
-                }
+                Ok(batch) if batch.is_empty() => continue,
                 Ok(batch) => batch,
-                Err(error) => return Consumed::Lost { error, received },
+                Err(error) => {
+                    return Consumed::Lost {
+                        error,
+                        worked: worked(brought),
+                    };
+                }
             };
-            received = true;
+            brought = true;
 
             // Cut short by a shutdown, nothing of the batch is acknowledged: the broker
             // redelivers it, and the inbox discards what was recorded.
@@ -569,7 +578,10 @@ impl Consumer {
             }
             if let Err(error) = self.subscriber.ack().await {
                 // In the store already: the broker's redelivery is discarded by the inbox.
-                return Consumed::Lost { error, received };
+                return Consumed::Lost {
+                    error,
+                    worked: worked(brought),
+                };
             }
         }
     }
@@ -646,11 +658,11 @@ impl Consumer {
 
 enum Consumed {
     Stopped,
-    /// The subscription failed; `received` tells whether it worked first (brought messages,
-    /// or answered a poll with none).
+    /// The subscription failed; `worked` tells whether it worked first: brought messages, or
+    /// stayed up [`WORKED_WHEN_UP_FOR`].
     Lost {
         error: Error,
-        received: bool,
+        worked: bool,
     },
 }
 
@@ -799,11 +811,11 @@ mod tests {
     }
 
     /// Subscribes, then fails when asked for messages: at once (consumer limits a server
-    /// refuses, a table it may not read), or, when `polled`, after answering one quiet poll
-    /// (a working subscription whose connection drops); counts its subscriptions.
+    /// refuses, a table it may not read), or, when `up_for` is given, after answering quiet
+    /// polls for that long (a subscription whose connection drops); counts its subscriptions.
     struct Flapping {
         subscriptions: Arc<AtomicUsize>,
-        polled: bool,
+        up_for: Option<Duration>,
         answered: bool,
     }
 
@@ -815,8 +827,11 @@ mod tests {
             Ok(())
         }
         async fn next(&mut self) -> Result<Vec<Received>, Error> {
-            if self.polled && !self.answered {
+            if let Some(up_for) = self.up_for
+                && !self.answered
+            {
                 self.answered = true;
+                tokio::time::sleep(up_for).await;
                 return Ok(Vec::new());
             }
             Err(Error::transport(
@@ -831,7 +846,7 @@ mod tests {
     }
 
     /// How many subscriptions a consumer on `Flapping` makes in a minute.
-    async fn subscriptions_in_a_minute(polled: bool) -> usize {
+    async fn subscriptions_in_a_minute(up_for: Option<Duration>) -> usize {
         let runtime = crate::Runtime::builder().build().unwrap();
         let subscriptions = Arc::new(AtomicUsize::new(0));
         let (stop, stopping) = watch::channel(false);
@@ -840,7 +855,7 @@ mod tests {
             name: "flapping",
             subscriber: Box::new(Flapping {
                 subscriptions: Arc::clone(&subscriptions),
-                polled,
+                up_for,
                 answered: false,
             }),
             listener: runtime.listener(),
@@ -869,13 +884,23 @@ mod tests {
     async fn a_subscription_that_keeps_failing_before_it_answers_backs_off() {
         // Pauses of 0.1, 0.2, 0.4, 0.8, 1.6 and 3.2 s, then 5 s each: 17 subscriptions in a
         // minute, where a pause that never grows makes 600.
-        let made = subscriptions_in_a_minute(false).await;
+        let made = subscriptions_in_a_minute(None).await;
         assert!((2..=18).contains(&made), "{made} subscriptions in a minute");
     }
 
     #[tokio::test(start_paused = true)]
-    async fn a_subscription_that_worked_before_it_dropped_is_made_again_after_the_first_pause() {
-        let made = subscriptions_in_a_minute(true).await;
-        assert!(made > 500, "{made} subscriptions in a minute, 0.1 s apart");
+    async fn a_subscription_dropped_right_after_a_quiet_poll_backs_off() {
+        // A listener whose connection goes as soon as it is made answers one poll with
+        // nothing: it has not worked, and the pause grows as if it had failed at once.
+        let made = subscriptions_in_a_minute(Some(Duration::ZERO)).await;
+        assert!((2..=18).contains(&made), "{made} subscriptions in a minute");
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_subscription_that_stayed_up_before_it_dropped_is_made_again_after_the_first_pause() {
+        // Up 5 s each time, then 0.1 s apart: twelve in a minute. Pauses growing from one
+        // drop to the next (0.1, 0.2, 0.4 s…) would make nine.
+        let made = subscriptions_in_a_minute(Some(WORKED_WHEN_UP_FOR)).await;
+        assert!(made >= 11, "{made} subscriptions in a minute, 5.1 s apart");
     }
 }

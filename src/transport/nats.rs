@@ -262,18 +262,29 @@ async fn stream(
             return Err(failed(error));
         }
         let subjects = format!("{}.>", settings.prefix);
-        if let Ok(mut stream) = context.get_stream(&settings.stream).await
-            && stream
-                .info()
-                .await
-                .is_ok_and(|info| info.config.subjects.contains(&subjects))
-        {
-            return Ok(stream);
-        }
-        return Err(Error::Configuration(format!(
-            "JetStream cannot create stream {:?} for {subjects}: {error}",
-            settings.stream
-        )));
+        let misconfigured = || {
+            Error::Configuration(format!(
+                "JetStream cannot create stream {:?} for {subjects}: {error}",
+                settings.stream
+            ))
+        };
+        // Only what the server answered is a configuration error; a lookup that failed on
+        // the way (a dropped connection) is tried again like any other.
+        let mut stream = match context.get_stream(&settings.stream).await {
+            Ok(stream) => stream,
+            Err(lookup)
+                if matches!(lookup.kind(), jetstream::context::GetStreamErrorKind::JetStream(ref js)
+                    if js.error_code() == jetstream::ErrorCode::STREAM_NOT_FOUND) =>
+            {
+                return Err(misconfigured());
+            }
+            Err(lookup) => return Err(failed(lookup)),
+        };
+        return match stream.info().await {
+            Ok(info) if info.config.subjects.contains(&subjects) => Ok(stream),
+            Ok(_) => Err(misconfigured()),
+            Err(lookup) => Err(failed(lookup)),
+        };
     }
     match context.get_stream(&settings.stream).await {
         Ok(stream) => Ok(stream),
