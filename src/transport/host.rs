@@ -903,4 +903,125 @@ mod tests {
         let made = subscriptions_in_a_minute(Some(WORKED_WHEN_UP_FOR)).await;
         assert!(made >= 11, "{made} subscriptions in a minute, 5.1 s apart");
     }
+
+    /// A publishing side that takes every envelope but those of `mail.held`, which it holds
+    /// (a queue that stays full), telling when it was asked for each of those.
+    #[derive(Clone, Default)]
+    struct Holding {
+        asked_for_held: Arc<std::sync::Mutex<Vec<std::time::Instant>>>,
+        asked: Arc<tokio::sync::Notify>,
+    }
+
+    #[async_trait]
+    impl Publish for Holding {
+        async fn publish(&mut self, envelopes: &[Envelope]) -> Result<Sent, Error> {
+            let mut sent = Sent::default();
+            for envelope in envelopes {
+                if envelope.message_type == "mail.held" {
+                    self.asked_for_held
+                        .lock()
+                        .unwrap()
+                        .push(std::time::Instant::now());
+                    sent.held
+                        .push((envelope.id, "the queue is full".to_owned()));
+                }
+            }
+            self.asked.notify_one();
+            Ok(sent)
+        }
+
+        fn reset(&mut self) {}
+    }
+
+    /// A listening side that never brings anything.
+    struct Quiet;
+
+    #[async_trait]
+    impl Subscribe for Quiet {
+        async fn subscribe(&mut self) -> Result<(), Error> {
+            Ok(())
+        }
+        async fn next(&mut self) -> Result<Vec<Received>, Error> {
+            std::future::pending().await
+        }
+        async fn ack(&mut self) -> Result<(), Error> {
+            Ok(())
+        }
+        async fn release(&mut self) {}
+    }
+
+    #[derive(serde::Serialize, serde::Deserialize)]
+    struct Held;
+
+    impl crate::Message for Held {
+        const TYPE: &'static str = "mail.held";
+    }
+
+    #[derive(serde::Serialize, serde::Deserialize)]
+    struct Taken;
+
+    impl crate::Message for Taken {
+        const TYPE: &'static str = "mail.taken";
+    }
+
+    #[cfg(feature = "sqlite")]
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn an_envelope_the_broker_keeps_holding_is_sent_again_after_a_growing_pause() {
+        let scratch = crate::testing::ScratchDatabase::sqlite();
+        let store = scratch.sqlite_store().await.unwrap();
+        let holding = Holding::default();
+        let mut routes = Routes::default();
+        routes.add("mail.held", None);
+        routes.add("mail.taken", None);
+        let transport = Transport {
+            name: "holding",
+            routes,
+            home: "holding".to_owned(),
+            open: Box::new({
+                let holding = holding.clone();
+                move |_| (Box::new(holding), Box::new(Quiet))
+            }),
+        };
+        // Rounds every 20 ms: a row sent again each round would be asked for fifty times a
+        // second.
+        let runtime = crate::Runtime::builder()
+            .store(store)
+            .relay_interval(Duration::from_millis(20))
+            .transport(transport)
+            .build()
+            .unwrap();
+        runtime.publish(&Held).await.unwrap();
+        // Others the broker takes keep coming, so that every round has rows to send.
+        let traffic = async {
+            loop {
+                runtime.publish(&Taken).await.unwrap();
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+        };
+        let held_three_times = async {
+            while holding.asked_for_held.lock().unwrap().len() < 3 {
+                holding.asked.notified().await;
+            }
+        };
+        tokio::time::timeout(Duration::from_secs(20), async {
+            tokio::select! {
+                () = traffic => {}
+                () = held_three_times => {}
+            }
+        })
+        .await
+        .expect("the held envelope is sent a third time");
+        let asked = holding.asked_for_held.lock().unwrap().clone();
+        // Held once, it waits half a second; held twice, a second.
+        let (first, second) = (asked[1] - asked[0], asked[2] - asked[1]);
+        assert!(
+            first >= Duration::from_millis(500),
+            "{first:?} after the first"
+        );
+        assert!(
+            second >= Duration::from_secs(1),
+            "{second:?} after the second"
+        );
+        runtime.shutdown().await;
+    }
 }
