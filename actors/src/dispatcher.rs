@@ -135,6 +135,30 @@ impl Drop for Admission<'_> {
     }
 }
 
+/// Cascaded messages admitted and not yet handed to their delivery. Dropped with them — its
+/// task refused by an arbiter that stopped, or dropped unfinished as it stops — it tells of
+/// them and counts them out, so that nothing waits for them.
+struct Unstarted {
+    worker: Arc<Worker>,
+    envelopes: std::collections::VecDeque<Envelope>,
+}
+
+impl Drop for Unstarted {
+    fn drop(&mut self) {
+        if self.envelopes.is_empty() {
+            return;
+        }
+        let ids: Vec<_> = self.envelopes.iter().map(|envelope| envelope.id).collect();
+        tracing::error!(
+            message_ids = ?ids,
+            "cascaded messages could not be delivered: the runtime has stopped"
+        );
+        for _ in &ids {
+            drop(Admission(&self.worker.shared.tracker));
+        }
+    }
+}
+
 /// One worker thread (an arbiter) and its own handles on the routes and the stores.
 ///
 /// A delivery's supervisor holds its worker, not the engine: the reference counts it touches
@@ -281,12 +305,15 @@ impl Worker {
         for _ in &envelopes {
             self.shared.tracker.admit(false);
         }
-        let worker = Arc::clone(self);
-        let count = envelopes.len();
+        let mut unstarted = Unstarted {
+            worker: Arc::clone(self),
+            envelopes: envelopes.into(),
+        };
         // On the worker's arbiter, from wherever it is called: a handler's own task may
         // publish once its work is recorded.
-        let spawned = self.arbiter.spawn(async move {
-            for envelope in envelopes {
+        self.arbiter.spawn(async move {
+            let worker = Arc::clone(&unstarted.worker);
+            while let Some(envelope) = unstarted.envelopes.pop_front() {
                 let id = envelope.id;
                 let admission = Admission(&worker.shared.tracker);
                 if let Err(error) = worker.deliver(admission, envelope, None, &mut None).await {
@@ -294,16 +321,6 @@ impl Worker {
                 }
             }
         });
-        if !spawned {
-            // The worker is gone (the runtime stopped): nothing to wait for.
-            tracing::error!(
-                count,
-                "cascaded messages could not be delivered: the runtime has stopped"
-            );
-            for _ in 0..count {
-                drop(Admission(&self.shared.tracker));
-            }
-        }
     }
 }
 
