@@ -135,9 +135,10 @@ impl Drop for Admission<'_> {
     }
 }
 
-/// Cascaded messages admitted and not yet handed to their delivery. Dropped with them — its
+/// Cascaded messages admitted and not yet taken up by their delivery. Dropped with them — its
 /// task refused by an arbiter that stopped, or dropped unfinished as it stops — it tells of
-/// them and counts them out, so that nothing waits for them.
+/// them and counts them out, so that nothing waits for them. (The one being delivered counts
+/// itself out if dropped; once its supervisor is on its way, the supervisor accounts for it.)
 struct Unstarted {
     worker: Arc<Worker>,
     envelopes: std::collections::VecDeque<Envelope>,

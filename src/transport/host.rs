@@ -905,10 +905,12 @@ mod tests {
     }
 
     /// A publishing side that takes every envelope but those of `mail.held`, which it holds
-    /// (a queue that stays full), telling when it was asked for each of those.
+    /// (a queue that stays full), telling when it was asked for each held one and when it
+    /// took each other one.
     #[derive(Clone, Default)]
     struct Holding {
         asked_for_held: Arc<std::sync::Mutex<Vec<std::time::Instant>>>,
+        took: Arc<std::sync::Mutex<Vec<std::time::Instant>>>,
         asked: Arc<tokio::sync::Notify>,
     }
 
@@ -924,6 +926,8 @@ mod tests {
                         .push(std::time::Instant::now());
                     sent.held
                         .push((envelope.id, "the queue is full".to_owned()));
+                } else {
+                    self.took.lock().unwrap().push(std::time::Instant::now());
                 }
             }
             self.asked.notify_one();
@@ -1011,6 +1015,7 @@ mod tests {
         })
         .await
         .expect("the held envelope is sent a third time");
+        runtime.shutdown().await;
         let asked = holding.asked_for_held.lock().unwrap().clone();
         // Held once, it waits half a second; held twice, a second.
         let (first, second) = (asked[1] - asked[0], asked[2] - asked[1]);
@@ -1022,6 +1027,17 @@ mod tests {
             second >= Duration::from_secs(1),
             "{second:?} after the second"
         );
-        runtime.shutdown().await;
+        // Meanwhile the rows around it went out round after round.
+        let took_meanwhile = holding
+            .took
+            .lock()
+            .unwrap()
+            .iter()
+            .filter(|&&took| (asked[0]..asked[2]).contains(&took))
+            .count();
+        assert!(
+            took_meanwhile >= 10,
+            "{took_meanwhile} others sent while it waited"
+        );
     }
 }

@@ -268,8 +268,9 @@ async fn stream(
                 settings.stream
             ))
         };
-        // Only what the server answered is a configuration error; a lookup that failed on
-        // the way (a dropped connection) is tried again like any other.
+        // Only the server's word that no such stream exists, or that it keeps other subjects,
+        // is a configuration error; any other failed lookup (a dropped connection) is tried
+        // again like any other.
         let mut stream = match context.get_stream(&settings.stream).await {
             Ok(stream) => stream,
             Err(lookup)
