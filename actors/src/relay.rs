@@ -626,7 +626,8 @@ impl Lease {
     /// Runs `work` — a broker's confirms, which may take longer than the lease has left —
     /// renewing the lease each time half of it has passed, so that a slow broker is waited
     /// for instead of sent the same rows again each round. `work` is dropped when the lease
-    /// cannot be renewed: outliving it could overlap the next holder's sends.
+    /// cannot be renewed, or its renewal does not answer before the lease ends: outliving it
+    /// could overlap the next holder's sends.
     async fn kept_while<F: std::future::Future>(&mut self, work: F) -> Result<F::Output, Kept> {
         let mut work = std::pin::pin!(work);
         loop {
@@ -635,11 +636,27 @@ impl Lease {
                 done = &mut work => return Ok(done),
                 () = tokio::time::sleep(renew_in) => {}
             }
-            match self.take().await {
-                Ok(true) => {}
-                Ok(false) => return Err(Kept::Lost),
-                Err(error) => {
+            // A renewal gets what is left of the lease, no more: a store that hangs must not
+            // keep the confirms waiting past the lease, into the next holder's round. The
+            // confirms go on meanwhile, under the lease still held.
+            let left = self.left();
+            let renewal = tokio::time::timeout(left, self.take());
+            let renewed = tokio::select! {
+                done = &mut work => return Ok(done),
+                renewed = renewal => renewed,
+            };
+            match renewed {
+                Ok(Ok(true)) => {}
+                Ok(Ok(false)) => return Err(Kept::Lost),
+                Ok(Err(error)) => {
                     tracing::warn!(%error, "renewing the outbox lease failed");
+                    return Err(Kept::Failed);
+                }
+                Err(_) => {
+                    tracing::warn!(
+                        ?left,
+                        "renewing the outbox lease took longer than the lease had left"
+                    );
                     return Err(Kept::Failed);
                 }
             }
@@ -757,21 +774,28 @@ mod tests {
     type Log = Arc<Mutex<Vec<&'static str>>>;
 
     /// An outbox whose sync fails when `sync_fails`, and whose lease is this node's for its
-    /// first `kept` asks, then another's.
+    /// first `kept` asks, then another's — or, when `hangs`, never answered after those.
     #[derive(Default)]
     struct Outbox {
         log: Log,
         sync_fails: bool,
         kept: usize,
+        hangs: bool,
         asked: Mutex<usize>,
     }
 
     #[async_trait]
     impl OutboxStore for Outbox {
         async fn lease(&self, _: DateTime<Utc>, _: DateTime<Utc>) -> Result<bool, Error> {
-            let mut asked = self.asked.lock().unwrap();
-            *asked += 1;
-            Ok(*asked <= self.kept)
+            let kept = {
+                let mut asked = self.asked.lock().unwrap();
+                *asked += 1;
+                *asked <= self.kept
+            };
+            if !kept && self.hangs {
+                std::future::pending::<()>().await;
+            }
+            Ok(kept)
         }
         async fn unpublished(&self, _: i64, _: usize) -> Result<Vec<OutboxRow>, Error> {
             Ok(Vec::new())
@@ -846,13 +870,17 @@ mod tests {
         assert_eq!(happened, ["sync"]);
     }
 
-    /// A lease of two seconds, taken, on an outbox that keeps it `kept` times in all; and a
-    /// broker's confirms that take seven, telling when they are done.
-    async fn confirms_outlasting_the_lease(
+    /// A lease of two seconds, taken, on an outbox that keeps it `kept` times in all (and then
+    /// never answers, when `hangs`); and a broker's confirms that take `confirming`, telling
+    /// when they are done.
+    async fn confirms_while_the_lease_is_renewed(
         kept: usize,
+        hangs: bool,
+        confirming: Duration,
     ) -> (Result<(), Kept>, usize, Arc<AtomicBool>) {
         let outbox = Arc::new(Outbox {
             kept,
+            hangs,
             ..Outbox::default()
         });
         let mut lease = Lease {
@@ -866,18 +894,22 @@ mod tests {
         let confirms = {
             let done = Arc::clone(&done);
             async move {
-                tokio::time::sleep(Duration::from_secs(7)).await;
+                tokio::time::sleep(confirming).await;
                 done.store(true, Ordering::SeqCst);
             }
         };
-        let kept = lease.kept_while(confirms).await;
+        // Bounded: a renewal that hangs must not hang the test with it.
+        let kept = tokio::time::timeout(Duration::from_secs(60), lease.kept_while(confirms))
+            .await
+            .expect("the confirms were neither kept nor given up within a minute");
         let asked = *outbox.asked.lock().unwrap();
         (kept, asked, done)
     }
 
     #[tokio::test(start_paused = true)]
     async fn a_broker_slower_than_the_lease_is_waited_for_while_the_lease_is_renewed() {
-        let (kept, asked, done) = confirms_outlasting_the_lease(usize::MAX).await;
+        let (kept, asked, done) =
+            confirms_while_the_lease_is_renewed(usize::MAX, false, Duration::from_secs(7)).await;
         assert_eq!(kept, Ok(()));
         assert!(done.load(Ordering::SeqCst));
         // Renewed each time half of it passed: after 1, 2, … 6 seconds.
@@ -889,10 +921,35 @@ mod tests {
 
     #[tokio::test(start_paused = true)]
     async fn confirms_are_given_up_once_the_lease_is_lost() {
-        let (kept, asked, done) = confirms_outlasting_the_lease(1).await;
+        let (kept, asked, done) =
+            confirms_while_the_lease_is_renewed(1, false, Duration::from_secs(7)).await;
         assert_eq!(kept, Err(Kept::Lost));
         assert_eq!(asked, 2, "the first renewal found it another's");
         assert!(!done.load(Ordering::SeqCst), "the confirms were dropped");
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn confirms_are_given_up_when_a_renewal_does_not_answer_before_the_lease_ends() {
+        let start = tokio::time::Instant::now();
+        let (kept, asked, done) =
+            confirms_while_the_lease_is_renewed(1, true, Duration::from_secs(7)).await;
+        assert_eq!(kept, Err(Kept::Failed));
+        assert_eq!(asked, 2, "one renewal, never answered");
+        assert!(!done.load(Ordering::SeqCst), "the confirms were dropped");
+        let waited = start.elapsed();
+        assert!(
+            waited <= Duration::from_secs(2),
+            "given up within the two-second lease, not {waited:?} later"
+        );
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn confirms_that_end_while_a_renewal_hangs_are_kept() {
+        let (kept, asked, done) =
+            confirms_while_the_lease_is_renewed(1, true, Duration::from_millis(1500)).await;
+        assert_eq!(kept, Ok(()), "they ended under the lease still held");
+        assert_eq!(asked, 2, "the renewal began after one second");
+        assert!(done.load(Ordering::SeqCst));
     }
 
     #[test]
