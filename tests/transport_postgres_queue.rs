@@ -7,7 +7,7 @@ mod proxy;
 
 use brokers::*;
 use dacapo::DeadLetterReason;
-use dacapo::transport::{PostgresQueue, Transport};
+use dacapo::transport::{PostgresQueue, Transport, TransportState};
 use proxy::Proxy;
 
 fn queue_on(store: &TestStore, queue: &str) -> PostgresQueue {
@@ -15,6 +15,26 @@ fn queue_on(store: &TestStore, queue: &str) -> PostgresQueue {
         .unwrap()
         .route::<Ping>()
         .prefetch(20)
+}
+
+/// Rows of the queue table of the database at `url` that a transaction holds locked (a
+/// consumer's batch, taken and not yet acknowledged).
+async fn locked_rows(url: &str) -> i64 {
+    let pool = dacapo::sqlx::PgPool::connect(url).await.unwrap();
+    let mut tx = pool.begin().await.unwrap();
+    let (all,): (i64,) = dacapo::sqlx::query_as("SELECT count(*) FROM dacapo_queue")
+        .fetch_one(&mut *tx)
+        .await
+        .unwrap();
+    let (free,): (i64,) = dacapo::sqlx::query_as(
+        "SELECT count(*) FROM (SELECT seq FROM dacapo_queue FOR UPDATE SKIP LOCKED) AS free",
+    )
+    .fetch_one(&mut *tx)
+    .await
+    .unwrap();
+    tx.rollback().await.unwrap();
+    pool.close().await;
+    all - free
 }
 
 /// Rows left in the queue table of the database at `url`.
@@ -220,4 +240,156 @@ async fn a_node_that_never_polls_takes_what_it_is_notified_of() {
             .into()
     })
     .await;
+}
+
+/// Waits at its gate once it counted its call: the engine stays full until the test opens it.
+struct Gated {
+    calls: std::sync::Arc<std::sync::atomic::AtomicUsize>,
+    gate: std::sync::Arc<tokio::sync::Semaphore>,
+    seen: PingHandler,
+}
+
+impl dacapo::Handler<Ping> for Gated {
+    async fn handle(
+        &self,
+        ping: &Ping,
+        ctx: &dacapo::MessageContext,
+    ) -> Result<(), dacapo::HandlerError> {
+        self.calls.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        drop(self.gate.acquire().await.unwrap());
+        dacapo::Handler::<Ping>::handle(&self.seen, ping, ctx).await
+    }
+}
+
+/// A node on `store` whose engine is full: one delivery held at its gate, a second batch
+/// taken from the queue and waiting for room, the rest of five pings on the queue.
+struct FullEngine {
+    runtime: dacapo::Runtime,
+    publisher: dacapo::Runtime,
+    _elsewhere: TestStore,
+    seen: Seen,
+    calls: std::sync::Arc<std::sync::atomic::AtomicUsize>,
+    gate: std::sync::Arc<tokio::sync::Semaphore>,
+    ids: Vec<uuid::Uuid>,
+}
+
+impl FullEngine {
+    async fn on(store: &TestStore) -> Self {
+        let TestStore::Postgres(postgres, _) = store else {
+            unreachable!("a PostgreSQL store");
+        };
+        let seen = Seen::default();
+        let calls = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let gate = std::sync::Arc::new(tokio::sync::Semaphore::new(0));
+        let runtime = dacapo::Runtime::builder()
+            .module(dacapo::Module::new("pings").handle::<Ping, _>(Gated {
+                calls: std::sync::Arc::clone(&calls),
+                gate: std::sync::Arc::clone(&gate),
+                seen: seen.handler("a"),
+            }))
+            .transport(queue_on(store, "pings"))
+            .max_in_flight(1)
+            .store(postgres.clone())
+            .build()
+            .unwrap();
+        listening(&runtime).await;
+        let elsewhere = TestStore::sqlite().await;
+        let publisher =
+            elsewhere.runtime(dacapo::Module::new("elsewhere"), queue_on(store, "pings"));
+        listening(&publisher).await;
+        let ids = publish_pings(&publisher, 0, 5).await;
+        wait_until(WAIT, || {
+            calls.load(std::sync::atomic::Ordering::SeqCst) == 1 && runtime.stats().received >= 2
+        })
+        .await;
+        Self {
+            runtime,
+            publisher,
+            _elsewhere: elsewhere,
+            seen,
+            calls,
+            gate,
+            ids,
+        }
+    }
+
+    fn calls(&self) -> usize {
+        self.calls.load(std::sync::atomic::Ordering::SeqCst)
+    }
+}
+
+/// A node whose engine is full acknowledges what it took from the queue once its inbox
+/// recorded it, not once there is room to start it: its transaction on the queue (with the
+/// rows it locked) does not stay open for as long as the engine stays full, where a server's
+/// `idle_in_transaction_session_timeout` would end it, over and over.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_full_engine_acknowledges_what_its_inbox_recorded_without_waiting_for_room() {
+    let store = TestStore::postgres().await;
+    let full = FullEngine::on(&store).await;
+    let deadline = tokio::time::Instant::now() + WAIT;
+    loop {
+        let locked = locked_rows(store.url()).await;
+        if locked == 0 {
+            break;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "{locked} rows still locked on the queue after {WAIT:?} with the engine full: the \
+             batch waiting for room was not acknowledged"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    }
+    assert_eq!(
+        full.calls(),
+        1,
+        "acknowledged while the engine was still full"
+    );
+    assert!(
+        rows_left(store.url()).await > 0,
+        "the consumer keeps the engine's pace: it takes no further batch while one waits"
+    );
+
+    full.gate.add_permits(full.ids.len());
+    full.seen.wait_for(full.ids.len(), WAIT).await;
+    let counts = full.seen.counts();
+    for id in &full.ids {
+        assert_eq!(counts.get(id), Some(&1), "envelope {id} handled once");
+    }
+    assert!(full.publisher.shutdown().await.is_clean());
+    assert!(full.runtime.shutdown().await.is_clean());
+}
+
+/// A shutdown while an acknowledged batch waits for room leaves its deliveries in the durable
+/// inbox instead of waiting to start them: the next node on the store handles them, once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_acknowledged_batch_still_waiting_for_room_at_shutdown_is_handled_by_the_next_node() {
+    let store = TestStore::postgres().await;
+    let full = FullEngine::on(&store).await;
+    let stopped = || {
+        full.runtime
+            .transports()
+            .iter()
+            .all(|(_, state)| matches!(state, TransportState::Stopped))
+    };
+    // The gate opens only once the consumer stopped: the waiting batch never gets room.
+    let open_once_stopped = async {
+        wait_until(WAIT, stopped).await;
+        full.gate.add_permits(full.ids.len());
+    };
+    let (report, ()) = tokio::join!(full.runtime.shutdown(), open_once_stopped);
+    assert!(report.is_clean(), "{report:?}");
+    assert_eq!(full.calls(), 1, "the waiting batch was not started");
+    assert_eq!(full.seen.calls().len(), 1);
+
+    let next = store.runtime(module(&full.seen, "b"), queue_on(&store, "pings"));
+    listening(&next).await;
+    full.seen.wait_for(full.ids.len(), WAIT).await;
+    next.idle().await;
+    let counts = full.seen.counts();
+    for id in &full.ids {
+        assert_eq!(counts.get(id), Some(&1), "envelope {id} handled once");
+    }
+    assert!(full.publisher.shutdown().await.is_clean());
+    assert!(next.shutdown().await.is_clean());
+    assert_eq!(rows_left(store.url()).await, 0);
 }

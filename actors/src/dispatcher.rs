@@ -336,18 +336,74 @@ fn start_resumed(worker: Arc<Worker>, resumable: Resumable, permit: crate::capac
 
 /// The new deliveries of a persisted batch still waiting for room, listed as starting; those
 /// not started when it is dropped (the batch's caller gave up) go back to the orphan sweep.
-struct Waiting<'a> {
-    shared: &'a Shared,
+struct Waiting {
+    shared: Arc<Shared>,
     /// In the batch's order.
     ids: Vec<uuid::Uuid>,
     /// How many of `ids` have their supervisor on its way.
     started: usize,
 }
 
-impl Drop for Waiting<'_> {
+impl Drop for Waiting {
     fn drop(&mut self) {
         for id in self.ids.iter().skip(self.started) {
             self.shared.unlist_starting(*id);
+        }
+    }
+}
+
+/// A batch [`Dispatcher::persist_batch`] persisted, whose deliveries are still to start.
+/// Dropped unstarted, they are counted out and left in the inbox: a durable one resumes them
+/// (this node's orphan sweep, or after a shutdown the next node on the store); an in-memory
+/// one loses them, so start what it persisted.
+#[must_use = "the deliveries start only once `start` is awaited"]
+pub struct Persisted {
+    dispatcher: Dispatcher,
+    waiting: Waiting,
+    /// In the batch's order, each with its receipt; each holds an admission until started.
+    to_start: std::collections::VecDeque<(Envelope, Receipt)>,
+}
+
+impl std::fmt::Debug for Persisted {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Persisted")
+            .field("to_start", &self.to_start.len())
+            .finish_non_exhaustive()
+    }
+}
+
+impl Drop for Persisted {
+    fn drop(&mut self) {
+        for _ in &self.to_start {
+            self.dispatcher.shared.tracker.release();
+        }
+    }
+}
+
+impl Persisted {
+    /// Starts the batch's deliveries, each once the engine has room for it; returns once
+    /// every one is on its way.
+    ///
+    /// # Cancel safety
+    ///
+    /// Cancelled, those not started yet are left to the orphan sweep, as when dropped.
+    pub async fn start(mut self) {
+        let shared = Arc::clone(&self.dispatcher.shared);
+        while !self.to_start.is_empty() {
+            let permit = shared.capacity.acquire().await;
+            let Some((envelope, receipt)) = self.to_start.pop_front() else {
+                break;
+            };
+            // Its admission, held since the batch was persisted.
+            let admission = Admission(&shared.tracker);
+            let busy = shared.timers.busy();
+            let new = receipt == Receipt::New;
+            self.dispatcher
+                .next_worker()
+                .start_received(admission, envelope, receipt, permit, busy, None);
+            if new {
+                self.waiting.started += 1;
+            }
         }
     }
 }
@@ -440,6 +496,25 @@ impl Dispatcher {
     /// Not cancel safe: cancelled once the batch is persisted, the deliveries not started yet
     /// are resumed by this node's orphan sweep.
     pub async fn dispatch_batch(&self, envelopes: Vec<Envelope>) -> Result<(), Error> {
+        self.persist_batch(envelopes).await?.start().await;
+        Ok(())
+    }
+
+    /// The first half of [`dispatch_batch`](Self::dispatch_batch): persists the batch, all or
+    /// nothing, and answers at once for its duplicates and scheduled envelopes; the rest wait
+    /// for [`Persisted::start`]. A transport acknowledges the batch in between, so that
+    /// nothing of the broker's (a PostgreSQL queue's transaction, a prefetch) stays held
+    /// while the deliveries wait for room, and starts them before it takes the next batch,
+    /// which keeps its pace to the engine's.
+    ///
+    /// # Errors
+    ///
+    /// As [`dispatch_batch`](Self::dispatch_batch).
+    ///
+    /// # Cancel safety
+    ///
+    /// As [`dispatch_batch`](Self::dispatch_batch); so is dropping what it returns unstarted.
+    pub async fn persist_batch(&self, envelopes: Vec<Envelope>) -> Result<Persisted, Error> {
         let tracker = &self.shared.tracker;
         let mut admissions = Vec::with_capacity(envelopes.len());
         for envelope in &envelopes {
@@ -453,7 +528,6 @@ impl Dispatcher {
             // The attempts another system counted are not this runtime's.
             envelope.attempts = 0;
         }
-        let counters = self.shared.stats.dispatching();
         let receipts = {
             // Persisting is work: the virtual clock waits for it.
             let _busy = self.shared.timers.busy();
@@ -461,8 +535,8 @@ impl Dispatcher {
         };
         // Waiting for room can take longer than the node timeout: listed meanwhile, these
         // are not taken for orphans and run a second time.
-        let mut waiting = Waiting {
-            shared: &self.shared,
+        let waiting = Waiting {
+            shared: Arc::clone(&self.shared),
             ids: envelopes
                 .iter()
                 .zip(&receipts)
@@ -477,6 +551,8 @@ impl Dispatcher {
         self.shared
             .pass(crate::Failpoint::BeforeAcknowledge, None)
             .await;
+        let counters = self.shared.stats.dispatching();
+        let mut to_start = std::collections::VecDeque::with_capacity(envelopes.len());
         for ((envelope, receipt), admission) in envelopes.into_iter().zip(receipts).zip(admissions)
         {
             counters.bump(Counter::Received);
@@ -489,16 +565,15 @@ impl Dispatcher {
                 drop(admission);
                 continue;
             }
-            let permit = self.shared.capacity.acquire().await;
-            let busy = self.shared.timers.busy();
-            let new = receipt == Receipt::New;
-            self.next_worker()
-                .start_received(admission, envelope, receipt, permit, busy, None);
-            if new {
-                waiting.started += 1;
-            }
+            // Its admission goes with it: `Persisted` counts it out if it never starts.
+            std::mem::forget(admission);
+            to_start.push_back((envelope, receipt));
         }
-        Ok(())
+        Ok(Persisted {
+            dispatcher: self.clone(),
+            waiting,
+            to_start,
+        })
     }
 
     /// Resumes a delivery whose state the inbox already recorded as this node's (recovered,

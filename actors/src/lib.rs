@@ -56,9 +56,9 @@ pub use dead_letter::{DeadLetter, DeadLetterFilter, DeadLetterReason};
 #[doc(hidden)]
 pub use deduplication::DeduplicationRules;
 pub use deduplication::{Conflicts, Deduplication};
-#[doc(hidden)]
-pub use dispatcher::Dispatcher;
 pub use dispatcher::UnknownMessageTypes;
+#[doc(hidden)]
+pub use dispatcher::{Dispatcher, Persisted};
 pub use engine::ShutdownReport;
 #[doc(hidden)]
 pub use engine::{Durability, Engine, EngineConfig, EngineParts, ReportSink};

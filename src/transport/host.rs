@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use dacapo_actors::ports::{Clock, DeadLetterStore, Outbound};
-use dacapo_actors::{Backoff, DeadLetter, DeadLetterReason, Envelope};
+use dacapo_actors::{Backoff, DeadLetter, DeadLetterReason, Envelope, Persisted};
 use futures::FutureExt;
 use tokio::sync::{mpsc, oneshot, watch};
 
@@ -563,7 +563,7 @@ impl Consumer {
                 _ = stopping.wait_for(|stop| *stop) => None,
                 recorded = self.record(batch) => Some(recorded),
             };
-            match recorded {
+            let persisted = match recorded {
                 None => {
                     self.subscriber.release().await;
                     return Consumed::Stopped;
@@ -574,9 +574,25 @@ impl Consumer {
                     self.subscriber.release().await;
                     return Consumed::Stopped;
                 }
-                Some(Ok(())) => {}
+                Some(Ok(persisted)) => persisted,
+            };
+            // Acknowledged once persisted, before the deliveries wait for room: a broker's
+            // hold on the batch (a PostgreSQL queue's open transaction) would otherwise last
+            // as long as the engine stays full.
+            let acked = self.subscriber.ack().await;
+            if let Some(persisted) = persisted {
+                // Started before the next batch is taken: the transport keeps the engine's
+                // pace. A shutdown leaves them in the inbox, durable wherever a transport
+                // runs (the builder requires it), for the next node on the store.
+                let start = persisted.start();
+                tokio::pin!(start);
+                tokio::select! {
+                    biased;
+                    _ = stopping.wait_for(|stop| *stop) => return Consumed::Stopped,
+                    () = &mut start => {}
+                }
             }
-            if let Err(error) = self.subscriber.ack().await {
+            if let Err(error) = acked {
                 // In the store already: the broker's redelivery is discarded by the inbox.
                 return Consumed::Lost {
                     error,
@@ -586,8 +602,9 @@ impl Consumer {
         }
     }
 
-    /// Dead-letters what is unreadable and accepts the rest.
-    async fn record(&self, batch: Vec<Received>) -> Result<(), Error> {
+    /// Dead-letters what is unreadable and persists the rest, whose deliveries are still to
+    /// start (`None` when there is nothing to start).
+    async fn record(&self, batch: Vec<Received>) -> Result<Option<Persisted>, Error> {
         let mut envelopes = Vec::with_capacity(batch.len());
         for received in batch {
             match received {
@@ -595,15 +612,16 @@ impl Consumer {
                 Err(unreadable) => self.dead_letter(unreadable).await,
             }
         }
-        self.accept(envelopes).await
+        self.persist(envelopes).await
     }
 
-    /// Accepts the batch in one store transaction; a batch the store refuses for one
-    /// envelope's data is accepted one by one, and a refused envelope dead-lettered.
-    async fn accept(&self, envelopes: Vec<Envelope>) -> Result<(), Error> {
-        match self.listener.accept_batch(envelopes.clone()).await {
+    /// Persists the batch in one store transaction; a batch the store refuses for one
+    /// envelope's data is accepted one by one (each started as it is), and a refused
+    /// envelope dead-lettered.
+    async fn persist(&self, envelopes: Vec<Envelope>) -> Result<Option<Persisted>, Error> {
+        match self.listener.persist_batch(envelopes.clone()).await {
             Err(Error::Rejected(_)) => {}
-            accepted => return accepted,
+            persisted => return persisted,
         }
         for envelope in envelopes {
             match self.listener.accept(envelope.clone()).await {
@@ -618,7 +636,7 @@ impl Consumer {
                 accepted => accepted?,
             }
         }
-        Ok(())
+        Ok(None)
     }
 
     async fn dead_letter(&self, unreadable: Unreadable) {

@@ -1,7 +1,7 @@
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
-use dacapo_actors::{Backoff, Envelope};
+use dacapo_actors::{Backoff, Envelope, Persisted};
 
 use super::InProcess;
 use crate::Error;
@@ -91,15 +91,40 @@ impl Listener {
             .await
     }
 
+    /// [`accept_batch`](Self::accept_batch) in two halves: `Ok` once the batch is
+    /// persisted (acknowledge it then), with its deliveries still to start
+    /// ([`Persisted::start`]: before the next batch is taken, which keeps the transport's pace
+    /// to the engine's). Nothing of the broker's is held while they wait for room.
+    ///
+    /// # Errors
+    ///
+    /// As [`accept_batch`](Self::accept_batch).
+    ///
+    /// # Cancel safety
+    ///
+    /// As [`accept_batch`](Self::accept_batch); dropped unstarted, the deliveries are resumed
+    /// by this node's orphan sweep.
+    pub(crate) async fn persist_batch(
+        &self,
+        envelopes: Vec<Envelope>,
+    ) -> Result<Option<Persisted>, Error> {
+        let Some(first) = envelopes.first().map(|envelope| envelope.id) else {
+            return Ok(None);
+        };
+        self.waiting_out_the_store(first, || self.transport.persist_batch(envelopes.clone()))
+            .await
+            .map(Some)
+    }
+
     /// Runs `accept` until the store takes it, pausing after each store failure.
-    async fn waiting_out_the_store<F, Fut>(
+    async fn waiting_out_the_store<T, F, Fut>(
         &self,
         id: uuid::Uuid,
         mut accept: F,
-    ) -> Result<(), Error>
+    ) -> Result<T, Error>
     where
         F: FnMut() -> Fut,
-        Fut: std::future::Future<Output = Result<(), Error>>,
+        Fut: std::future::Future<Output = Result<T, Error>>,
     {
         let mut failures = 0u32;
         loop {

@@ -31,7 +31,8 @@ const FAR_FUTURE: Duration = Duration::from_secs(100 * 365 * 24 * 60 * 60);
 ///
 /// A node takes a batch with `FOR UPDATE SKIP LOCKED` in a transaction that stays open while
 /// the node's inbox records them, and deletes them in that transaction once recorded (the
-/// acknowledgement). A node killed in between holds nothing: its transaction rolls back and
+/// acknowledgement) — not once its engine has room to start them, which they wait for in the
+/// inbox, the node taking no further batch meanwhile. A node killed in between holds nothing: its transaction rolls back and
 /// another node takes the batch, whose copies the inbox discards by envelope id. Nodes are
 /// woken by `LISTEN/NOTIFY` at every commit that published, and poll as a fallback.
 ///
