@@ -7,7 +7,7 @@ mod proxy;
 
 use brokers::*;
 use dacapo::DeadLetterReason;
-use dacapo::transport::{PostgresQueue, Transport, TransportState};
+use dacapo::transport::{PostgresQueue, Transport};
 use proxy::Proxy;
 
 fn queue_on(store: &TestStore, queue: &str) -> PostgresQueue {
@@ -262,7 +262,7 @@ impl dacapo::Handler<Ping> for Gated {
 }
 
 /// A node on `store` whose engine is full: one delivery held at its gate, a second batch
-/// taken from the queue and waiting for room, the rest of five pings on the queue.
+/// (of one) taken from the queue and waiting for room, the other three pings on the queue.
 struct FullEngine {
     runtime: dacapo::Runtime,
     publisher: dacapo::Runtime,
@@ -287,7 +287,8 @@ impl FullEngine {
                 gate: std::sync::Arc::clone(&gate),
                 seen: seen.handler("a"),
             }))
-            .transport(queue_on(store, "pings"))
+            // One row a batch: the first runs, the second waits for room, three stay queued.
+            .transport(queue_on(store, "pings").prefetch(1))
             .max_in_flight(1)
             .store(postgres.clone())
             .build()
@@ -344,8 +345,9 @@ async fn a_full_engine_acknowledges_what_its_inbox_recorded_without_waiting_for_
         1,
         "acknowledged while the engine was still full"
     );
-    assert!(
-        rows_left(store.url()).await > 0,
+    assert_eq!(
+        rows_left(store.url()).await,
+        3,
         "the consumer keeps the engine's pace: it takes no further batch while one waits"
     );
 
@@ -359,27 +361,31 @@ async fn a_full_engine_acknowledges_what_its_inbox_recorded_without_waiting_for_
     assert!(full.runtime.shutdown().await.is_clean());
 }
 
-/// A shutdown while an acknowledged batch waits for room leaves its deliveries in the durable
-/// inbox instead of waiting to start them: the next node on the store handles them, once.
+/// A shutdown while an acknowledged batch waits for room starts it all the same, once there is
+/// room, and the drain handles it — not left in the inbox, where the next node would resume it
+/// as an attempt that failed. The rest stays on the queue for the next node, handled once.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn an_acknowledged_batch_still_waiting_for_room_at_shutdown_is_handled_by_the_next_node() {
+async fn an_acknowledged_batch_waiting_for_room_at_shutdown_is_handled_in_the_drain() {
     let store = TestStore::postgres().await;
     let full = FullEngine::on(&store).await;
-    let stopped = || {
-        full.runtime
-            .transports()
-            .iter()
-            .all(|(_, state)| matches!(state, TransportState::Stopped))
-    };
-    // The gate opens only once the consumer stopped: the waiting batch never gets room.
-    let open_once_stopped = async {
-        wait_until(WAIT, stopped).await;
+    let taken = full.runtime.stats().received;
+    // The shutdown is asked first: the consumer sees it before the gate opens.
+    let open_the_gate = async {
         full.gate.add_permits(full.ids.len());
     };
-    let (report, ()) = tokio::join!(full.runtime.shutdown(), open_once_stopped);
+    let (report, ()) = tokio::join!(full.runtime.shutdown(), open_the_gate);
     assert!(report.is_clean(), "{report:?}");
-    assert_eq!(full.calls(), 1, "the waiting batch was not started");
-    assert_eq!(full.seen.calls().len(), 1);
+    let stats = full.runtime.stats();
+    assert_eq!(
+        (stats.handled, stats.retried),
+        (taken, 0),
+        "every envelope taken from the queue handled in the drain, none failed"
+    );
+    assert_eq!(
+        rows_left(store.url()).await,
+        full.ids.len() as i64 - taken as i64,
+        "the rest is still on the queue"
+    );
 
     let next = store.runtime(module(&full.seen, "b"), queue_on(&store, "pings"));
     listening(&next).await;
@@ -389,6 +395,8 @@ async fn an_acknowledged_batch_still_waiting_for_room_at_shutdown_is_handled_by_
     for id in &full.ids {
         assert_eq!(counts.get(id), Some(&1), "envelope {id} handled once");
     }
+    assert_eq!(next.stats().retried, 0, "no attempt counted that never ran");
+    assert!(next.dead_letters().list().await.unwrap().is_empty());
     assert!(full.publisher.shutdown().await.is_clean());
     assert!(next.shutdown().await.is_clean());
     assert_eq!(rows_left(store.url()).await, 0);

@@ -638,8 +638,11 @@ impl Lease {
             }
             // A renewal gets what is left of the lease, no more: a store that hangs must not
             // keep the confirms waiting past the lease, into the next holder's round. The
-            // confirms go on meanwhile, under the lease still held.
-            let left = self.left();
+            // confirms go on meanwhile, under the lease still held. At least half a lease,
+            // though: a clock that jumped (the test harness's virtual one) or a thread that
+            // stalled can leave nothing by this node's reckoning, and then the store's answer
+            // says whether the lease is still this node's.
+            let left = self.left().max(self.length / 2);
             let renewal = tokio::time::timeout(left, self.take());
             let renewed = tokio::select! {
                 done = &mut work => return Ok(done),
@@ -654,7 +657,7 @@ impl Lease {
                 }
                 Err(_) => {
                     tracing::warn!(
-                        ?left,
+                        waited = ?left,
                         "renewing the outbox lease took longer than the lease had left"
                     );
                     return Err(Kept::Failed);
@@ -787,6 +790,8 @@ mod tests {
     #[async_trait]
     impl OutboxStore for Outbox {
         async fn lease(&self, _: DateTime<Utc>, _: DateTime<Utc>) -> Result<bool, Error> {
+            // A store answers after a round trip, never on the first poll.
+            tokio::task::yield_now().await;
             let kept = {
                 let mut asked = self.asked.lock().unwrap();
                 *asked += 1;
@@ -941,6 +946,42 @@ mod tests {
             waited <= Duration::from_secs(2),
             "given up within the two-second lease, not {waited:?} later"
         );
+    }
+
+    /// The system's clock, moved forward by `ahead`: the test harness's virtual clock jumps so.
+    #[derive(Default)]
+    struct Jumping {
+        ahead: Mutex<chrono::Duration>,
+    }
+
+    impl crate::ports::Clock for Jumping {
+        fn now(&self) -> DateTime<Utc> {
+            Utc::now() + *self.ahead.lock().unwrap()
+        }
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_lease_the_engine_clock_jumped_past_is_renewed_when_the_store_still_gives_it() {
+        let outbox = Arc::new(Outbox {
+            kept: usize::MAX,
+            ..Outbox::default()
+        });
+        let clock = Arc::new(Jumping::default());
+        let mut lease = Lease {
+            outbox: Arc::clone(&outbox) as Arc<dyn OutboxStore>,
+            clock: Arc::clone(&clock) as Arc<dyn crate::ports::Clock>,
+            length: Duration::from_secs(2),
+            taken_at: None,
+        };
+        assert!(lease.take().await.unwrap());
+        // Nothing left by the engine's clock: the renewal is asked at once.
+        *clock.ahead.lock().unwrap() = chrono::Duration::seconds(60);
+        let confirms = tokio::time::sleep(Duration::from_millis(500));
+        let kept = tokio::time::timeout(Duration::from_secs(60), lease.kept_while(confirms))
+            .await
+            .expect("the confirms were neither kept nor given up within a minute");
+        assert_eq!(kept, Ok(()), "the store still gave this node the lease");
+        assert_eq!(*outbox.asked.lock().unwrap(), 2);
     }
 
     #[tokio::test(start_paused = true)]

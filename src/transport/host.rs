@@ -580,17 +580,12 @@ impl Consumer {
             // hold on the batch (a PostgreSQL queue's open transaction) would otherwise last
             // as long as the engine stays full.
             let acked = self.subscriber.ack().await;
-            if let Some(persisted) = persisted {
-                // Started before the next batch is taken: the transport keeps the engine's
-                // pace. A shutdown leaves them in the inbox, durable wherever a transport
-                // runs (the builder requires it), for the next node on the store.
-                let start = persisted.start();
-                tokio::pin!(start);
-                tokio::select! {
-                    biased;
-                    _ = stopping.wait_for(|stop| *stop) => return Consumed::Stopped,
-                    () = &mut start => {}
-                }
+            // Started before the next batch is taken: the transport keeps the engine's pace.
+            // A shutdown meanwhile starts them all the same, for its drain to handle: they
+            // were acknowledged, and left in the inbox they would come back to the next node
+            // as attempts that failed.
+            for persisted in persisted {
+                persisted.start().await;
             }
             if let Err(error) = acked {
                 // In the store already: the broker's redelivery is discarded by the inbox.
@@ -603,8 +598,8 @@ impl Consumer {
     }
 
     /// Dead-letters what is unreadable and persists the rest, whose deliveries are still to
-    /// start (`None` when there is nothing to start).
-    async fn record(&self, batch: Vec<Received>) -> Result<Option<Persisted>, Error> {
+    /// start.
+    async fn record(&self, batch: Vec<Received>) -> Result<Vec<Persisted>, Error> {
         let mut envelopes = Vec::with_capacity(batch.len());
         for received in batch {
             match received {
@@ -616,15 +611,16 @@ impl Consumer {
     }
 
     /// Persists the batch in one store transaction; a batch the store refuses for one
-    /// envelope's data is accepted one by one (each started as it is), and a refused
-    /// envelope dead-lettered.
-    async fn persist(&self, envelopes: Vec<Envelope>) -> Result<Option<Persisted>, Error> {
+    /// envelope's data is persisted one by one, and a refused envelope dead-lettered.
+    async fn persist(&self, envelopes: Vec<Envelope>) -> Result<Vec<Persisted>, Error> {
         match self.listener.persist_batch(envelopes.clone()).await {
             Err(Error::Rejected(_)) => {}
-            persisted => return persisted,
+            persisted => return Ok(persisted?.into_iter().collect()),
         }
+        let mut persisted = Vec::with_capacity(envelopes.len());
         for envelope in envelopes {
-            match self.listener.accept(envelope.clone()).await {
+            match self.listener.persist_batch(vec![envelope.clone()]).await {
+                Ok(one) => persisted.extend(one),
                 Err(Error::Rejected(error)) => {
                     let letter = DeadLetter::rejected(
                         envelope,
@@ -633,10 +629,10 @@ impl Consumer {
                     );
                     self.put(letter).await;
                 }
-                accepted => accepted?,
+                Err(error) => return Err(error),
             }
         }
-        Ok(None)
+        Ok(persisted)
     }
 
     async fn dead_letter(&self, unreadable: Unreadable) {
