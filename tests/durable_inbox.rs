@@ -134,6 +134,69 @@ on_both_backends!(
 );
 
 on_both_backends!(
+    only_a_first_attempt_never_started_is_taken_back_sqlite,
+    only_a_first_attempt_never_started_is_taken_back_postgres,
+    |db| {
+        use dacapo::ports::{Fenced, Handled, Receipt};
+        let inbox = db.sqlite_or_postgres_inbox().await;
+        let [waiting, handled, running, not_its] =
+            std::array::from_fn(|_| Envelope::for_message(&member_removed()).unwrap());
+        for envelope in [&waiting, &handled, &running, &not_its] {
+            assert_eq!(inbox.receive(envelope).await.unwrap(), Receipt::New);
+        }
+        assert_eq!(
+            inbox.settle_handled(handled.id, &[]).await.unwrap(),
+            Handled::Written { in_outbox: true }
+        );
+        assert_eq!(
+            inbox.begin_attempt(running.id, 2).await.unwrap(),
+            Fenced::Written
+        );
+        inbox
+            .never_started(&[waiting.id, handled.id, running.id])
+            .await
+            .unwrap();
+        // Another node (a store of its own, under another node name) owns none of them.
+        let other = db.sqlite_or_postgres_inbox().await;
+        other.never_started(&[not_its.id]).await.unwrap();
+        let unsettled = inbox
+            .orphaned(
+                chrono::DateTime::<chrono::Utc>::MAX_UTC,
+                &std::collections::HashSet::new(),
+                10,
+            )
+            .await
+            .unwrap();
+        let attempts = |id: uuid::Uuid| {
+            unsettled
+                .iter()
+                .find(|resumable| resumable.envelope.id == id)
+                .map(|resumable| resumable.envelope.attempts)
+        };
+        assert_eq!(
+            attempts(waiting.id),
+            Some(0),
+            "its first attempt taken back"
+        );
+        assert_eq!(
+            attempts(running.id),
+            Some(2),
+            "an attempt that began is kept"
+        );
+        assert_eq!(attempts(handled.id), None, "settled: nothing to take back");
+        assert_eq!(
+            attempts(not_its.id),
+            Some(1),
+            "another node's to take back, not this one's"
+        );
+        assert_eq!(
+            db.inbox_status(handled.id).await.as_deref(),
+            Some("handled")
+        );
+    }
+);
+
+on_both_backends!(
     a_late_attempt_never_takes_a_handled_envelope_back_sqlite,
     a_late_attempt_never_takes_a_handled_envelope_back_postgres,
     |db| {

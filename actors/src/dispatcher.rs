@@ -353,9 +353,9 @@ impl Drop for Waiting {
 }
 
 /// A batch [`Dispatcher::persist_batch`] persisted, whose deliveries are still to start.
-/// Dropped unstarted, they are counted out and left in the inbox: a durable one resumes them
-/// (this node's orphan sweep, or after a shutdown the next node on the store); an in-memory
-/// one loses them, so start what it persisted.
+/// Dropped unstarted, they are counted out and left in the inbox, their first attempt counted
+/// (a durable inbox resumes them as interrupted attempts; an in-memory one loses them):
+/// [`start`](Self::start) them, or [`leave`](Self::leave) them to a durable inbox.
 #[must_use = "the deliveries start only once `start` is awaited"]
 pub struct Persisted {
     dispatcher: Dispatcher,
@@ -386,8 +386,8 @@ impl Persisted {
     ///
     /// # Cancel safety
     ///
-    /// Cancelled, those not started yet are left to the orphan sweep, as when dropped.
-    pub async fn start(mut self) {
+    /// Cancel safe: those not started yet stay, to start (or [`leave`](Self::leave)) later.
+    pub async fn start(&mut self) {
         let shared = Arc::clone(&self.dispatcher.shared);
         while !self.to_start.is_empty() {
             let permit = shared.capacity.acquire().await;
@@ -404,6 +404,28 @@ impl Persisted {
             if new {
                 self.waiting.started += 1;
             }
+        }
+    }
+
+    /// Leaves the deliveries not started yet in the inbox, for whoever resumes it next (this
+    /// node's next start, or another node), their first attempt taken back
+    /// ([`Inbox::never_started`](crate::ports::Inbox::never_started)): for a runtime that
+    /// stops while they wait for room. A store that cannot take it back is logged; they then
+    /// resume as interrupted attempts.
+    pub async fn leave(self) {
+        let ids: Vec<uuid::Uuid> = self
+            .to_start
+            .iter()
+            .filter(|(_, receipt)| *receipt == Receipt::New)
+            .map(|(envelope, _)| envelope.id)
+            .collect();
+        if ids.is_empty() {
+            return;
+        }
+        // Still listed as starting meanwhile: this node's orphan sweep leaves them alone.
+        let inbox = Arc::clone(&self.dispatcher.next_worker().inbox);
+        if let Err(error) = inbox.never_started(&ids).await {
+            tracing::warn!(%error, deliveries = ids.len(), "could not take back the first attempt of deliveries left unstarted; they resume as interrupted attempts");
         }
     }
 }

@@ -188,6 +188,22 @@ pub trait Inbox: Send + Sync + 'static {
         Ok(receipts)
     }
 
+    /// Takes back the first attempt [`receive`](Inbox::receive) recorded for envelopes this
+    /// node persisted and never started (the runtime stopped while they waited for room), so
+    /// that whoever resumes them starts their first attempt, instead of taking it for one that
+    /// failed. Fenced: only deliveries this node still owns, unsettled, with that one attempt
+    /// counted. The default does nothing: an inbox that keeps nothing past the process has
+    /// nothing to resume.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Store`] when it cannot be written: those deliveries then resume as attempts
+    /// that were interrupted.
+    async fn never_started(&self, ids: &[Uuid]) -> Result<(), Error> {
+        let _ = ids;
+        Ok(())
+    }
+
     /// Records that attempt `attempt` of envelope `id` starts, so a crash during it counts it.
     /// Fenced: [`Fenced::OwnedElsewhere`] when this node no longer owns the delivery — another
     /// node recovered it after this node's heartbeat expired, or it was settled meanwhile — and

@@ -636,17 +636,26 @@ impl Lease {
                 done = &mut work => return Ok(done),
                 () = tokio::time::sleep(renew_in) => {}
             }
-            // A renewal gets what is left of the lease, no more: a store that hangs must not
-            // keep the confirms waiting past the lease, into the next holder's round. The
-            // confirms go on meanwhile, under the lease still held. At least half a lease,
-            // though: a clock that jumped (the test harness's virtual one) or a thread that
-            // stalled can leave nothing by this node's reckoning, and then the store's answer
-            // says whether the lease is still this node's.
-            let left = self.left().max(self.length / 2);
-            let renewal = tokio::time::timeout(left, self.take());
-            let renewed = tokio::select! {
-                done = &mut work => return Ok(done),
-                renewed = renewal => renewed,
+            // The confirms go on while the lease is renewed, for as long as it is still held
+            // by this node's reckoning; past that only the store's answer lets them go on. The
+            // renewal gets at least half a lease to answer: a clock that jumped (the test
+            // harness's virtual one) or a thread that stalled can leave nothing, and a store
+            // that never answers must not keep the confirms waiting past the lease, into the
+            // next holder's round, for long.
+            let left = self.left();
+            let bound = left.max(self.length / 2);
+            let renewal = tokio::time::timeout(bound, self.take());
+            tokio::pin!(renewal);
+            let lease_ends = tokio::time::sleep(left);
+            tokio::pin!(lease_ends);
+            let mut held = !left.is_zero();
+            let renewed = loop {
+                tokio::select! {
+                    biased;
+                    renewed = &mut renewal => break renewed,
+                    () = &mut lease_ends, if held => held = false,
+                    done = &mut work, if held => return Ok(done),
+                }
             };
             match renewed {
                 Ok(Ok(true)) => {}
@@ -657,7 +666,7 @@ impl Lease {
                 }
                 Err(_) => {
                     tracing::warn!(
-                        waited = ?left,
+                        waited = ?bound,
                         "renewing the outbox lease took longer than the lease had left"
                     );
                     return Err(Kept::Failed);
@@ -777,13 +786,15 @@ mod tests {
     type Log = Arc<Mutex<Vec<&'static str>>>;
 
     /// An outbox whose sync fails when `sync_fails`, and whose lease is this node's for its
-    /// first `kept` asks, then another's — or, when `hangs`, never answered after those.
+    /// first `kept` asks, then another's — or, when `hangs`, never answered after those; each
+    /// answer `answer_after` the ask.
     #[derive(Default)]
     struct Outbox {
         log: Log,
         sync_fails: bool,
         kept: usize,
         hangs: bool,
+        answer_after: Duration,
         asked: Mutex<usize>,
     }
 
@@ -792,6 +803,7 @@ mod tests {
         async fn lease(&self, _: DateTime<Utc>, _: DateTime<Utc>) -> Result<bool, Error> {
             // A store answers after a round trip, never on the first poll.
             tokio::task::yield_now().await;
+            tokio::time::sleep(self.answer_after).await;
             let kept = {
                 let mut asked = self.asked.lock().unwrap();
                 *asked += 1;
@@ -982,6 +994,38 @@ mod tests {
             .expect("the confirms were neither kept nor given up within a minute");
         assert_eq!(kept, Ok(()), "the store still gave this node the lease");
         assert_eq!(*outbox.asked.lock().unwrap(), 2);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn confirms_that_end_after_the_lease_are_given_up_when_the_renewal_finds_it_another_s() {
+        let outbox = Arc::new(Outbox {
+            kept: 1,
+            answer_after: Duration::from_millis(100),
+            ..Outbox::default()
+        });
+        let clock = Arc::new(Jumping::default());
+        let mut lease = Lease {
+            outbox: Arc::clone(&outbox) as Arc<dyn OutboxStore>,
+            clock: Arc::clone(&clock) as Arc<dyn crate::ports::Clock>,
+            length: Duration::from_secs(2),
+            taken_at: None,
+        };
+        assert!(lease.take().await.unwrap());
+        // Nothing left by the engine's clock; the confirms would end before the store answers.
+        *clock.ahead.lock().unwrap() = chrono::Duration::seconds(60);
+        let done = Arc::new(AtomicBool::new(false));
+        let confirms = {
+            let done = Arc::clone(&done);
+            async move {
+                tokio::time::sleep(Duration::from_millis(50)).await;
+                done.store(true, Ordering::SeqCst);
+            }
+        };
+        let kept = tokio::time::timeout(Duration::from_secs(60), lease.kept_while(confirms))
+            .await
+            .expect("the confirms were neither kept nor given up within a minute");
+        assert_eq!(kept, Err(Kept::Lost), "the store gave the lease to another");
+        assert!(!done.load(Ordering::SeqCst), "not run past the lease");
     }
 
     #[tokio::test(start_paused = true)]

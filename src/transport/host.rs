@@ -581,11 +581,23 @@ impl Consumer {
             // as long as the engine stays full.
             let acked = self.subscriber.ack().await;
             // Started before the next batch is taken: the transport keeps the engine's pace.
-            // A shutdown meanwhile starts them all the same, for its drain to handle: they
-            // were acknowledged, and left in the inbox they would come back to the next node
-            // as attempts that failed.
-            for persisted in persisted {
-                persisted.start().await;
+            // A shutdown meanwhile leaves the rest in the inbox (durable wherever a transport
+            // runs: the builder requires it) for the next node, their first attempt taken
+            // back, so that it does not take them for attempts that failed.
+            let mut persisted = persisted.into_iter();
+            while let Some(mut batch) = persisted.next() {
+                let started = tokio::select! {
+                    biased;
+                    _ = stopping.wait_for(|stop| *stop) => false,
+                    () = batch.start() => true,
+                };
+                if !started {
+                    batch.leave().await;
+                    for rest in persisted {
+                        rest.leave().await;
+                    }
+                    return Consumed::Stopped;
+                }
             }
             if let Err(error) = acked {
                 // In the store already: the broker's redelivery is discarded by the inbox.

@@ -118,6 +118,10 @@ pub(crate) const BEGIN_ATTEMPT: &str = "UPDATE dacapo_inbox \
     SET status = 'incoming', attempts = $2, execute_at = NULL \
     WHERE id = $1 AND status <> 'handled' AND owner = $3 AND attempts = $4";
 
+/// Takes back the first attempt a receive counted, for a delivery its owner never started.
+pub(crate) const NEVER_STARTED: &str = "UPDATE dacapo_inbox SET attempts = 0 \
+    WHERE id = $1 AND status = 'incoming' AND owner = $2 AND attempts = 1";
+
 /// Many deliveries of one owner begin the same attempt in one statement (`$1`, after `$3`);
 /// the ids it answers are those it began.
 pub(crate) const BEGIN_ATTEMPT_ROWS: Rows = Rows {

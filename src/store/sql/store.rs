@@ -522,6 +522,20 @@ impl<D: Dialect> Inbox for SqlStore<D> {
             .collect()
     }
 
+    async fn never_started(&self, ids: &[Uuid]) -> Result<(), Error> {
+        if ids.is_empty() {
+            return Ok(());
+        }
+        self.held().await?;
+        let mut tx = self.db.begin().await?;
+        for id in ids {
+            let id = id_text(*id);
+            tx.execute(NEVER_STARTED, &[Value::Text(&id), Value::Text(&self.node)])
+                .await?;
+        }
+        tx.commit().await
+    }
+
     async fn begin_attempt(&self, id: Uuid, attempt: u32) -> Result<Fenced, Error> {
         self.held().await?;
         let write = Write::BeginAttempt {
