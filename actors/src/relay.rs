@@ -887,26 +887,27 @@ mod tests {
         assert_eq!(happened, ["sync"]);
     }
 
-    /// A lease of two seconds, taken, on an outbox that keeps it `kept` times in all (and then
-    /// never answers, when `hangs`); and a broker's confirms that take `confirming`, telling
-    /// when they are done.
+    /// A lease of two seconds on `outbox`, taken — then, when `jumped`, left behind by the
+    /// engine's clock, a minute ahead (as the test harness's virtual clock can jump) — and a
+    /// broker's confirms that take `confirming`, kept while the lease is renewed: what that
+    /// gave, how many times the lease was asked for, and whether the confirms ended.
     async fn confirms_while_the_lease_is_renewed(
-        kept: usize,
-        hangs: bool,
+        outbox: Outbox,
+        jumped: bool,
         confirming: Duration,
     ) -> (Result<(), Kept>, usize, Arc<AtomicBool>) {
-        let outbox = Arc::new(Outbox {
-            kept,
-            hangs,
-            ..Outbox::default()
-        });
+        let outbox = Arc::new(outbox);
+        let clock = Arc::new(Jumping::default());
         let mut lease = Lease {
             outbox: Arc::clone(&outbox) as Arc<dyn OutboxStore>,
-            clock: Arc::new(SystemClock),
+            clock: Arc::clone(&clock) as Arc<dyn crate::ports::Clock>,
             length: Duration::from_secs(2),
             taken_at: None,
         };
         assert!(lease.take().await.unwrap());
+        if jumped {
+            *clock.ahead.lock().unwrap() = chrono::Duration::seconds(60);
+        }
         let done = Arc::new(AtomicBool::new(false));
         let confirms = {
             let done = Arc::clone(&done);
@@ -923,10 +924,24 @@ mod tests {
         (kept, asked, done)
     }
 
+    /// An outbox that keeps the lease for its first `kept` asks, then gives it to another —
+    /// or, when `hangs`, never answers.
+    fn keeping(kept: usize, hangs: bool) -> Outbox {
+        Outbox {
+            kept,
+            hangs,
+            ..Outbox::default()
+        }
+    }
+
     #[tokio::test(start_paused = true)]
     async fn a_broker_slower_than_the_lease_is_waited_for_while_the_lease_is_renewed() {
-        let (kept, asked, done) =
-            confirms_while_the_lease_is_renewed(usize::MAX, false, Duration::from_secs(7)).await;
+        let (kept, asked, done) = confirms_while_the_lease_is_renewed(
+            keeping(usize::MAX, false),
+            false,
+            Duration::from_secs(7),
+        )
+        .await;
         assert_eq!(kept, Ok(()));
         assert!(done.load(Ordering::SeqCst));
         // Renewed each time half of it passed: after 1, 2, … 6 seconds.
@@ -939,7 +954,8 @@ mod tests {
     #[tokio::test(start_paused = true)]
     async fn confirms_are_given_up_once_the_lease_is_lost() {
         let (kept, asked, done) =
-            confirms_while_the_lease_is_renewed(1, false, Duration::from_secs(7)).await;
+            confirms_while_the_lease_is_renewed(keeping(1, false), false, Duration::from_secs(7))
+                .await;
         assert_eq!(kept, Err(Kept::Lost));
         assert_eq!(asked, 2, "the first renewal found it another's");
         assert!(!done.load(Ordering::SeqCst), "the confirms were dropped");
@@ -949,7 +965,8 @@ mod tests {
     async fn confirms_are_given_up_when_a_renewal_does_not_answer_before_the_lease_ends() {
         let start = tokio::time::Instant::now();
         let (kept, asked, done) =
-            confirms_while_the_lease_is_renewed(1, true, Duration::from_secs(7)).await;
+            confirms_while_the_lease_is_renewed(keeping(1, true), false, Duration::from_secs(7))
+                .await;
         assert_eq!(kept, Err(Kept::Failed));
         assert_eq!(asked, 2, "one renewal, never answered");
         assert!(!done.load(Ordering::SeqCst), "the confirms were dropped");
@@ -974,64 +991,40 @@ mod tests {
 
     #[tokio::test(start_paused = true)]
     async fn a_lease_the_engine_clock_jumped_past_is_renewed_when_the_store_still_gives_it() {
-        let outbox = Arc::new(Outbox {
-            kept: usize::MAX,
-            ..Outbox::default()
-        });
-        let clock = Arc::new(Jumping::default());
-        let mut lease = Lease {
-            outbox: Arc::clone(&outbox) as Arc<dyn OutboxStore>,
-            clock: Arc::clone(&clock) as Arc<dyn crate::ports::Clock>,
-            length: Duration::from_secs(2),
-            taken_at: None,
-        };
-        assert!(lease.take().await.unwrap());
         // Nothing left by the engine's clock: the renewal is asked at once.
-        *clock.ahead.lock().unwrap() = chrono::Duration::seconds(60);
-        let confirms = tokio::time::sleep(Duration::from_millis(500));
-        let kept = tokio::time::timeout(Duration::from_secs(60), lease.kept_while(confirms))
-            .await
-            .expect("the confirms were neither kept nor given up within a minute");
+        let (kept, asked, done) = confirms_while_the_lease_is_renewed(
+            keeping(usize::MAX, false),
+            true,
+            Duration::from_millis(500),
+        )
+        .await;
         assert_eq!(kept, Ok(()), "the store still gave this node the lease");
-        assert_eq!(*outbox.asked.lock().unwrap(), 2);
+        assert_eq!(asked, 2);
+        assert!(done.load(Ordering::SeqCst));
     }
 
     #[tokio::test(start_paused = true)]
     async fn confirms_that_end_after_the_lease_are_given_up_when_the_renewal_finds_it_another_s() {
-        let outbox = Arc::new(Outbox {
-            kept: 1,
-            answer_after: Duration::from_millis(100),
-            ..Outbox::default()
-        });
-        let clock = Arc::new(Jumping::default());
-        let mut lease = Lease {
-            outbox: Arc::clone(&outbox) as Arc<dyn OutboxStore>,
-            clock: Arc::clone(&clock) as Arc<dyn crate::ports::Clock>,
-            length: Duration::from_secs(2),
-            taken_at: None,
-        };
-        assert!(lease.take().await.unwrap());
         // Nothing left by the engine's clock; the confirms would end before the store answers.
-        *clock.ahead.lock().unwrap() = chrono::Duration::seconds(60);
-        let done = Arc::new(AtomicBool::new(false));
-        let confirms = {
-            let done = Arc::clone(&done);
-            async move {
-                tokio::time::sleep(Duration::from_millis(50)).await;
-                done.store(true, Ordering::SeqCst);
-            }
+        let slow = Outbox {
+            answer_after: Duration::from_millis(100),
+            ..keeping(1, false)
         };
-        let kept = tokio::time::timeout(Duration::from_secs(60), lease.kept_while(confirms))
-            .await
-            .expect("the confirms were neither kept nor given up within a minute");
+        let (kept, asked, done) =
+            confirms_while_the_lease_is_renewed(slow, true, Duration::from_millis(50)).await;
         assert_eq!(kept, Err(Kept::Lost), "the store gave the lease to another");
+        assert_eq!(asked, 2);
         assert!(!done.load(Ordering::SeqCst), "not run past the lease");
     }
 
     #[tokio::test(start_paused = true)]
     async fn confirms_that_end_while_a_renewal_hangs_are_kept() {
-        let (kept, asked, done) =
-            confirms_while_the_lease_is_renewed(1, true, Duration::from_millis(1500)).await;
+        let (kept, asked, done) = confirms_while_the_lease_is_renewed(
+            keeping(1, true),
+            false,
+            Duration::from_millis(1500),
+        )
+        .await;
         assert_eq!(kept, Ok(()), "they ended under the lease still held");
         assert_eq!(asked, 2, "the renewal began after one second");
         assert!(done.load(Ordering::SeqCst));
