@@ -142,9 +142,9 @@ pub trait HandlerTransactions {
     /// copy of the context kept past its attempt; [`EngineError::Store`](crate::EngineError::Store)
     /// when the runtime's store is not a `DB` store, when no connection comes within the
     /// pool's acquire timeout, and, on SQLite, when the turn to write does not come within
-    /// 30 s. A handler that already holds a connection or a handler transaction waits for
-    /// itself (on SQLite, the turn is one; on PostgreSQL, each holds one of the runtime's
-    /// connections): drop one before opening the next.
+    /// 30 s. A handler that already holds a connection or a handler transaction may wait for
+    /// itself (on SQLite, the turn is one; on PostgreSQL, each holds a connection of a
+    /// bounded pool): drop one before opening the next.
     ///
     /// # Cancel safety
     ///
@@ -184,10 +184,16 @@ impl HandlerTransactions for MessageContext {
 /// writes them again — keep them idempotent (deterministic ids, `ON CONFLICT`), as a retry
 /// needs anyway. Until then other readers can see them: the outbox relay syncs the log before
 /// it sends what it read to a broker. A database the connection attaches (`ATTACH`) has a log
-/// of its own, which the settle does not sync. Everywhere else — PostgreSQL, an in-memory
-/// SQLite database, another journal mode, a store opened at `synchronous = NORMAL`, a store
-/// whose deliveries settle in another inbox — it is a connection of the runtime's own pool,
-/// at the store's own level.
+/// of its own, which the settle does not sync. On PostgreSQL it comes from a pool of its own
+/// (as large as the application's) with `synchronous_commit = off`: its commits return before
+/// the server flushed them to its write-ahead log, and the settle, committed after them at the
+/// store's own level, has the server flush the log up to it, every commit before it included.
+/// A crash of the server before the settle can take back the last of them with the settle;
+/// the relay has the log flushed before it sends what it read. Everywhere else — an in-memory
+/// SQLite database, another journal mode, a store opened at `synchronous = NORMAL`, a
+/// PostgreSQL store whose own commits do not wait for the flush, a store whose deliveries
+/// settle in another inbox — it is a connection of the runtime's own pool, at the store's own
+/// level.
 ///
 /// **On SQLite it holds the turn to write** until it is dropped: the runtime's own writes wait
 /// for it, so keep it short — no calls to other services while it is open. What it leaves
@@ -203,8 +209,8 @@ impl HandlerTransactions for MessageContext {
 /// written inside it (a `BEGIN` of its own fails meanwhile). Commit what you begin, or begin
 /// with sqlx's `begin`, which rolls back when dropped. Session settings a handler changes on
 /// it (`SET`, a `PRAGMA`) outlive the handler, for the next user of the connection — on
-/// PostgreSQL one of the runtime's own: change them with `SET LOCAL` inside a transaction,
-/// which ends them with it. It borrows the handler's [`MessageContext`], and a
+/// PostgreSQL the next handler's: change them with `SET LOCAL` inside a transaction, which
+/// ends them with it. It borrows the handler's [`MessageContext`], and a
 /// copy of the context kept past its attempt opens none: a write after the attempt would
 /// come after the settle that makes it durable.
 pub struct HandlerConnection<'a, DB: Backend> {

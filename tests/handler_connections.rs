@@ -1,7 +1,7 @@
 //! Handler connections on a real SQLite file and a real PostgreSQL server: a handler's own
 //! statements, each committed on its own, land once per message however often the delivery
-//! runs; on SQLite they take turns with the runtime's writers and leave their fsync to the
-//! delivery's settle.
+//! runs; on SQLite they take turns with the runtime's writers, and on both they leave their
+//! flush to the delivery's settle.
 #![cfg(all(feature = "sqlite", feature = "postgres", feature = "testing"))]
 
 #[path = "support/messages.rs"]
@@ -328,6 +328,160 @@ async fn a_store_whose_deliveries_settle_elsewhere_gives_connections_at_its_own_
     assert_eq!(*tally.levels.lock().unwrap(), [2]);
 }
 
+/// Writes one row per message on a handler connection to PostgreSQL and notes, on that
+/// connection, its `synchronous_commit` and where the server's write-ahead log ended after the
+/// write; then, when given a gate, waits at it before returning.
+#[derive(Clone, Default)]
+struct TallyOnPostgres {
+    seen: Arc<Mutex<Vec<(String, String)>>>,
+    gate: Option<Arc<tokio::sync::Semaphore>>,
+}
+
+impl Handler<MemberRemoved> for TallyOnPostgres {
+    async fn handle(
+        &self,
+        event: &MemberRemoved,
+        ctx: &MessageContext,
+    ) -> Result<(), HandlerError> {
+        let id = ids::derive_or_random(ctx.message_id(), "tally");
+        {
+            let mut connection = ctx.connection::<sqlx::Postgres>().await?;
+            sqlx::query(INSERT)
+                .bind(&id)
+                .bind(event.member_id as i64)
+                .execute(&mut *connection)
+                .await?;
+            let (level, written): (String, String) = sqlx::query_as(
+                "SELECT current_setting('synchronous_commit'), pg_current_wal_insert_lsn()::text",
+            )
+            .fetch_one(&mut *connection)
+            .await?;
+            self.seen.lock().unwrap().push((level, written));
+        }
+        if let Some(gate) = &self.gate {
+            gate.acquire().await?.forget();
+        }
+        Ok(())
+    }
+}
+
+/// Whether the PostgreSQL server behind `pool` has flushed its write-ahead log up to `lsn`.
+async fn flushed_past(pool: &sqlx::PgPool, lsn: &str) -> bool {
+    sqlx::query_scalar("SELECT pg_current_wal_flush_lsn() >= $1::pg_lsn")
+        .bind(lsn)
+        .fetch_one(pool)
+        .await
+        .unwrap()
+}
+
+/// On PostgreSQL a handler connection commits without waiting for the server's flush
+/// (`synchronous_commit = off`) while the runtime's own pool waits for it: once the deliveries
+/// settled, the log is flushed past every handler's write.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn on_postgres_a_handler_connection_leaves_its_flush_to_the_settle() {
+    let db = support_stores::TestDatabase::new(Backend::Postgres).await;
+    db.execute(TABLE).await;
+    let store = db.postgres().await;
+    let pool = store.pool().clone();
+    let tally = TallyOnPostgres::default();
+    let runtime = Runtime::builder()
+        .store(store)
+        .module(Module::new("billing").handle_named::<MemberRemoved, _>("tally", tally.clone()))
+        .build()
+        .unwrap();
+    runtime.publish_batch(&members(3)).await.unwrap();
+    tokio::time::timeout(WAIT, runtime.idle()).await.unwrap();
+    assert_eq!(runtime.stats().handled, 3);
+    let seen = tally.seen.lock().unwrap().clone();
+    for (_, written) in &seen {
+        assert!(flushed_past(&pool, written).await, "{written} not flushed");
+    }
+    runtime.shutdown().await;
+    let levels: Vec<&str> = seen.iter().map(|(level, _)| level.as_str()).collect();
+    assert_eq!(levels, ["off"; 3]);
+    let runtime_level: String = sqlx::query_scalar("SHOW synchronous_commit")
+        .fetch_one(&pool)
+        .await
+        .unwrap();
+    assert_eq!(runtime_level, "on");
+    assert_eq!(db.scalar("SELECT count(*) FROM tallies").await, 3);
+}
+
+/// Before the outbox relay sends what it read to a broker, it has the store make durable
+/// what handler connections committed (`OutboxStore::sync`): on PostgreSQL the log is flushed
+/// past a write whose delivery has not settled yet.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn on_postgres_the_relays_sync_flushes_what_an_unsettled_handler_wrote() {
+    use dacapo::ports::OutboxStore;
+
+    let db = support_stores::TestDatabase::new(Backend::Postgres).await;
+    db.execute(TABLE).await;
+    let store = db.postgres().await;
+    let (pool, relays) = (store.pool().clone(), store.clone());
+    let gate = Arc::new(tokio::sync::Semaphore::new(0));
+    let tally = TallyOnPostgres {
+        seen: Arc::default(),
+        gate: Some(Arc::clone(&gate)),
+    };
+    let runtime = Runtime::builder()
+        .store(store)
+        .module(Module::new("billing").handle_named::<MemberRemoved, _>("tally", tally.clone()))
+        .build()
+        .unwrap();
+    runtime.publish(&members(1)[0]).await.unwrap();
+    let written = tokio::time::timeout(WAIT, async {
+        loop {
+            if let Some((_, written)) = tally.seen.lock().unwrap().first() {
+                return written.clone();
+            }
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+    })
+    .await
+    .expect("the handler wrote");
+    relays.sync().await.unwrap();
+    assert!(flushed_past(&pool, &written).await, "{written} not flushed");
+    assert_eq!(
+        db.scalar("SELECT count(*) FROM dacapo_inbox WHERE status = 'handled'")
+            .await,
+        0,
+        "flushed before the settle"
+    );
+    gate.add_permits(1);
+    tokio::time::timeout(WAIT, runtime.idle()).await.unwrap();
+    assert_eq!(runtime.stats().handled, 1);
+    runtime.shutdown().await;
+}
+
+/// A PostgreSQL store whose deliveries settle in another inbox gives handler connections at
+/// its own level: no settle of its would flush what they wrote.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn on_postgres_a_store_whose_deliveries_settle_elsewhere_gives_connections_at_its_level() {
+    let db = support_stores::TestDatabase::new(Backend::Postgres).await;
+    db.execute(TABLE).await;
+    let tally = TallyOnPostgres::default();
+    let runtime = Runtime::builder()
+        .store(db.postgres().await)
+        .inbox(Arc::new(dacapo::store::MemoryInbox::new(
+            Duration::from_secs(60),
+            Arc::new(dacapo::ports::SystemClock),
+        )))
+        .module(Module::new("billing").handle_named::<MemberRemoved, _>("tally", tally.clone()))
+        .build()
+        .unwrap();
+    runtime.publish(&support::member_removed()).await.unwrap();
+    tokio::time::timeout(WAIT, runtime.idle()).await.unwrap();
+    runtime.shutdown().await;
+    let levels: Vec<String> = tally
+        .seen
+        .lock()
+        .unwrap()
+        .iter()
+        .map(|(level, _)| level.clone())
+        .collect();
+    assert_eq!(levels, ["on"]);
+}
+
 /// Begins a transaction on its connection, writes, and on its first attempt fails before
 /// committing: the transaction is dropped unfinished, its rollback left pending on the
 /// connection.
@@ -528,10 +682,10 @@ async fn a_transaction_a_handler_left_open_on_the_runtimes_pool_is_rolled_back_s
     assert_eq!(endings_told()[told..], ["ROLLBACK"; 5]);
 }
 
-/// On PostgreSQL a handler connection is one of the runtime's own: a transaction its handler
-/// began by hand and left open is rolled back before the connection goes back to the pool.
-/// On a pool of two connections, the runtime's statements run on that connection after the
-/// handler: left open, they would run inside it, and another session would not see them.
+/// On PostgreSQL a transaction a handler began by hand and left open on its connection is
+/// rolled back before the connection goes back to its pool: left open, the next handler's
+/// statements on a pool of two connections would run inside it, and another session would
+/// not see them.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_transaction_a_handler_left_open_on_the_runtimes_pool_is_rolled_back_postgres() {
     let _alone = LEFT_OPEN.lock().await;

@@ -197,6 +197,14 @@ impl RuntimeBuilder {
         {
             self.store = Some(Arc::new(store.clone().without_handler_pool()));
         }
+        #[cfg(feature = "postgres")]
+        if let Some(store) = self
+            .store
+            .as_deref()
+            .and_then(|store| store.downcast_ref::<crate::store::PostgresStore>())
+        {
+            self.store = Some(Arc::new(store.clone().without_handler_pool()));
+        }
         self.inbox = Some(Arc::clone(&inbox) as Arc<dyn Inbox>);
         self.durable_as_inbox = Arc::clone(&inbox).durable().is_some();
         self.durable = None;

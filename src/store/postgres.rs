@@ -6,7 +6,7 @@ use futures::stream::BoxStream;
 use sqlx::Connection;
 use sqlx::postgres::{PgConnectOptions, PgConnection, PgListener, PgPool, PgPoolOptions};
 
-use crate::store::sql::{Database, Migration, SqlStore, migrations, redacted};
+use crate::store::sql::{Database, Flush, HandlerPool, Migration, SqlStore, migrations, redacted};
 
 pub(crate) const MIGRATIONS: &[Migration] = migrations!("postgres");
 
@@ -61,7 +61,12 @@ impl SqlStore<sqlx::Postgres> {
     /// The database's error when the schema cannot be applied.
     pub async fn with_pool(pool: PgPool) -> Result<Self, crate::Error> {
         let engine = engine_pool(&pool);
-        Ok(Self::open_on(pool, engine, Database::postgres).await?)
+        let handlers = handler_pool(&pool, &engine).await?;
+        let store = Self::open_on(pool, engine, Database::postgres).await?;
+        Ok(match handlers {
+            Some(handlers) => store.with_handler_pool(handlers),
+            None => store,
+        })
     }
 
     /// Connects to the PostgreSQL database at `url` (`postgres://` or `postgresql://`) and
@@ -120,6 +125,39 @@ async fn pool(url: &str) -> Result<PgPool, crate::Error> {
         .connect_lazy_with(options))
 }
 
+/// The pool of handler connections: as many connections as the application's pool allows, with
+/// `synchronous_commit = off`, whose commits return before the server flushed them to its
+/// write-ahead log. A delivery's settle commits after its handlers' writes, at the store's own
+/// level, and the server flushes the log in order: up to the settle's commit, every commit
+/// before it included. So the handlers' writes are durable once the settle is, and a crash of
+/// the server that takes them back takes the settle too. `None` (handler connections then come
+/// from the runtime's pool) when the store's own commits do not wait for the flush either.
+async fn handler_pool(
+    pool: &PgPool,
+    engine: &PgPool,
+) -> Result<Option<HandlerPool<sqlx::Postgres>>, crate::Error> {
+    let level: String = sqlx::query_scalar("SHOW synchronous_commit")
+        .fetch_one(pool)
+        .await
+        .map_err(crate::store::sql::db_error)?;
+    if level.eq_ignore_ascii_case("off") {
+        return Ok(None);
+    }
+    let options = (*pool.connect_options())
+        .clone()
+        .options([("synchronous_commit", "off")]);
+    let handlers = pool
+        .options()
+        .clone()
+        .min_connections(0)
+        .test_before_acquire(false)
+        .connect_lazy_with(options);
+    Ok(Some(HandlerPool::new(
+        handlers,
+        Flush::PostgresWal(engine.clone()),
+    )))
+}
+
 /// The runtime's own pool, with every option of the application's (timeouts, hooks) but the
 /// ping before each use: a round trip per statement. A connection the server closed meanwhile
 /// is found by the statement, which runs again on another (`on_live_session`).
@@ -128,4 +166,44 @@ fn engine_pool(pool: &PgPool) -> PgPool {
         .clone()
         .test_before_acquire(false)
         .connect_lazy_with((*pool.connect_options()).clone())
+}
+
+#[cfg(test)]
+mod tests {
+    use std::str::FromStr;
+
+    use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
+
+    fn admin_options() -> PgConnectOptions {
+        let url = std::env::var("DACAPO_TEST_POSTGRES")
+            .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/postgres".to_owned());
+        PgConnectOptions::from_str(&url).unwrap()
+    }
+
+    /// Handler connections leave their flush to the settle where the settle waits for it, and
+    /// run on the runtime's own pool where it does not either.
+    #[tokio::test]
+    async fn handler_connections_leave_their_flush_only_to_a_store_that_waits_for_its_own() {
+        let waits = PgPoolOptions::new()
+            .max_connections(1)
+            .connect_lazy_with(admin_options());
+        let handlers = super::handler_pool(&waits, &waits)
+            .await
+            .unwrap()
+            .expect("a pool of their own");
+        let level: String = sqlx::query_scalar("SHOW synchronous_commit")
+            .fetch_one(&handlers.pool)
+            .await
+            .unwrap();
+        assert_eq!(level, "off");
+        let does_not_wait = PgPoolOptions::new()
+            .max_connections(1)
+            .connect_lazy_with(admin_options().options([("synchronous_commit", "off")]));
+        assert!(
+            super::handler_pool(&does_not_wait, &does_not_wait)
+                .await
+                .unwrap()
+                .is_none()
+        );
+    }
 }

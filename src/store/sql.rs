@@ -21,7 +21,7 @@ mod store;
 pub(crate) use columns::{EnvelopeColumns, id_text, millis};
 pub(crate) use database::{Database, Value, bind, to_the_end};
 pub use dialect::Dialect;
-pub(crate) use handler_pool::{HandlerPool, Unsynced};
+pub(crate) use handler_pool::{Flush, HandlerPool, Unsynced};
 #[cfg(feature = "sqlite")]
 pub(crate) use interrupt::Interrupt;
 #[cfg(feature = "postgres")]

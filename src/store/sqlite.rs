@@ -6,7 +6,7 @@ use sqlx::sqlite::{
     SqliteConnectOptions, SqliteJournalMode, SqlitePool, SqlitePoolOptions, SqliteSynchronous,
 };
 
-use crate::store::sql::{Database, HandlerPool, Migration, SqlStore, migrations};
+use crate::store::sql::{Database, Flush, HandlerPool, Migration, SqlStore, migrations};
 
 pub(crate) const MIGRATIONS: &[Migration] = migrations!("sqlite");
 
@@ -151,7 +151,7 @@ async fn handler_pool(
         .connect_lazy_with(options);
     Ok(Some(HandlerPool::new(
         handlers,
-        PathBuf::from(format!("{file}-wal")),
+        Flush::SqliteLog(PathBuf::from(format!("{file}-wal"))),
     )))
 }
 
@@ -235,7 +235,11 @@ mod tests {
             .await
             .unwrap()
             .expect("a file in WAL mode");
-        handlers.log().to_path_buf()
+        match handlers.flush() {
+            super::Flush::SqliteLog(log) => log.clone(),
+            #[cfg(feature = "postgres")]
+            super::Flush::PostgresWal(_) => unreachable!("a SQLite store flushes its log"),
+        }
     }
 
     #[cfg(unix)]

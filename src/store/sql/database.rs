@@ -573,6 +573,8 @@ impl Database {
         values: &[Value<'_>],
     ) -> Result<u64, Error> {
         before_commit(&self.hooks, false).await?;
+        // SQLite's alone: PostgreSQL has no turn to hold.
+        #[cfg_attr(not(feature = "sqlite"), allow(unused_variables))]
         let turn = self.turn().await?;
         let done = match &self.pool {
             #[cfg(feature = "sqlite")]
@@ -603,6 +605,8 @@ impl Database {
         values: &[Value<'_>],
     ) -> Result<u64, Error> {
         before_commit(&self.hooks, false).await?;
+        // SQLite's alone: PostgreSQL has no turn to hold.
+        #[cfg_attr(not(feature = "sqlite"), allow(unused_variables))]
         let turn = self.turn().await?;
         let done = match &self.pool {
             #[cfg(feature = "sqlite")]

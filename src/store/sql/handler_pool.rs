@@ -1,59 +1,69 @@
-//! Handler connections that leave their fsync to the delivery's settle, on a SQLite file in WAL
-//! mode: their pool, the log a settle (or the outbox relay) syncs, and whether anything they
-//! committed may still wait for that sync.
+//! Handler connections that leave their flush to the delivery's settle: their pool, what makes
+//! their commits durable when something read from them must be (the outbox relay, before it
+//! sends), and whether anything they committed may still wait for that.
 
-use std::path::PathBuf;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 
 use dacapo_actors::Error;
 
-/// Where a store's handler connections come from when their commits are not synced by
+/// Where a store's handler connections come from when their commits are not made durable by
 /// themselves, and what makes them durable.
 #[derive(Debug)]
 pub(crate) struct HandlerPool<D: sqlx::Database> {
     pub(crate) pool: sqlx::Pool<D>,
-    /// The write-ahead log of the database file, as SQLite names it (absolute, links
-    /// resolved).
-    log: PathBuf,
+    flush: Flush,
     pub(crate) unsynced: Arc<Unsynced>,
 }
 
+/// What makes every commit of a handler connection so far durable.
+#[derive(Debug)]
+pub(crate) enum Flush {
+    /// An fsync of SQLite's write-ahead log, named as SQLite names it (absolute, links
+    /// resolved): what a `synchronous = FULL` commit does after writing its own frames, and
+    /// what covers every frame written before it, whichever connection wrote them.
+    #[cfg(feature = "sqlite")]
+    SqliteLog(std::path::PathBuf),
+    /// A commit at the store's own `synchronous_commit`, on the runtime's pool, that writes
+    /// a record to PostgreSQL's write-ahead log ([`FLUSH_WAL`]): the server then flushes the
+    /// log up to that commit, and with it every commit before it, those made with
+    /// `synchronous_commit = off` included.
+    #[cfg(feature = "postgres")]
+    PostgresWal(sqlx::PgPool),
+}
+
+/// A transactional logical message, the smallest write that gives a transaction a commit
+/// record (a read, or an id taken without a write, commits without a flush). Any user may
+/// emit one; nothing decodes it unless a logical replication slot asks for the prefix.
+#[cfg(feature = "postgres")]
+const FLUSH_WAL: &str = "SELECT pg_logical_emit_message(true, 'dacapo', 'handler connections')";
+
 impl<D: sqlx::Database> HandlerPool<D> {
-    #[cfg_attr(not(feature = "sqlite"), allow(dead_code))]
-    pub(crate) fn new(pool: sqlx::Pool<D>, log: PathBuf) -> Self {
+    pub(crate) fn new(pool: sqlx::Pool<D>, flush: Flush) -> Self {
         Self {
             pool,
-            log,
+            flush,
             unsynced: Arc::default(),
         }
     }
 
-    /// The log this pool's commits wait in.
+    /// How this pool's commits are made durable.
     #[cfg(test)]
-    pub(crate) fn log(&self) -> &std::path::Path {
-        &self.log
+    pub(crate) fn flush(&self) -> &Flush {
+        &self.flush
     }
 
-    /// Makes every commit of a handler connection so far durable: an fsync of the log — what
-    /// a `synchronous = FULL` commit does after writing its own frames, and what covers every
-    /// frame written before it, whichever connection wrote them. Nothing to do while no
+    /// Makes every commit of a handler connection so far durable. Nothing to do while no
     /// handler connection was opened since the last sync.
     ///
     /// # Errors
     ///
-    /// [`Error::Store`] when the log cannot be synced.
+    /// [`Error::Store`] when the log cannot be synced or flushed.
     pub(crate) async fn sync(&self) -> Result<(), Error> {
         if !self.unsynced.take() {
             return Ok(());
         }
-        let log = self.log.clone();
-        let synced = tokio::task::spawn_blocking(move || sync_file(&log))
-            .await
-            .map_err(|error| Error::store(format!("syncing the SQLite log: {error}")))
-            .and_then(|synced| {
-                synced.map_err(|error| Error::store(format!("syncing the SQLite log: {error}")))
-            });
+        let synced = self.flush.run().await;
         if synced.is_err() {
             // Still to sync next time.
             self.unsynced.dirty.store(true, Ordering::SeqCst);
@@ -62,8 +72,32 @@ impl<D: sqlx::Database> HandlerPool<D> {
     }
 }
 
+impl Flush {
+    async fn run(&self) -> Result<(), Error> {
+        match self {
+            #[cfg(feature = "sqlite")]
+            Self::SqliteLog(log) => {
+                let log = log.clone();
+                tokio::task::spawn_blocking(move || sync_file(&log))
+                    .await
+                    .map_err(|error| Error::store(format!("syncing the SQLite log: {error}")))?
+                    .map_err(|error| Error::store(format!("syncing the SQLite log: {error}")))
+            }
+            #[cfg(feature = "postgres")]
+            Self::PostgresWal(engine) => sqlx::query(FLUSH_WAL)
+                .execute(engine)
+                .await
+                .map(drop)
+                .map_err(|error| {
+                    Error::store(format!("flushing PostgreSQL's write-ahead log: {error}"))
+                }),
+        }
+    }
+}
+
 /// An fsync of the file at `path`. A log that is not there was checkpointed into the
 /// database and removed, the checkpoint having synced both first.
+#[cfg(feature = "sqlite")]
 fn sync_file(path: &std::path::Path) -> std::io::Result<()> {
     // Opened for writing: some systems refuse to flush a file opened only to read it.
     match std::fs::OpenOptions::new().write(true).open(path) {
@@ -116,6 +150,7 @@ mod tests {
         assert!(!unsynced.take());
     }
 
+    #[cfg(feature = "sqlite")]
     #[test]
     fn a_missing_log_is_synced_and_another_failure_is_told() {
         let directory = std::env::temp_dir().join(format!("dacapo-sync-{}", std::process::id()));

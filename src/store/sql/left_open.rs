@@ -17,7 +17,8 @@
 pub(crate) enum Ending {
     /// Nobody used the connection after the handler that left it open.
     Rollback,
-    /// Later handlers may have written in it.
+    /// Later handlers may have written in it (only on SQLite, whose connections are parked).
+    #[cfg_attr(not(feature = "sqlite"), allow(dead_code))]
     Commit,
 }
 

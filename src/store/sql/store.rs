@@ -36,8 +36,9 @@ pub struct SqlStore<D: Dialect> {
     pool: sqlx::Pool<D>,
     /// The runtime's own pool (the application's when it has one connection only).
     engine: sqlx::Pool<D>,
-    /// Where handler connections come from when not from `engine`: on a SQLite file, a
-    /// connection whose commits leave their fsync to the delivery's settle.
+    /// Where handler connections come from when not from `engine`: connections whose commits
+    /// leave their flush to the delivery's settle (on a SQLite file in WAL mode, on
+    /// PostgreSQL).
     handlers: Option<Arc<super::HandlerPool<D>>>,
     /// `engine`, as the store's code reaches it.
     db: Database,
@@ -325,14 +326,12 @@ impl<D: Dialect> SqlStore<D> {
     }
 
     /// This store with handler connections from `handlers`.
-    #[cfg_attr(not(feature = "sqlite"), allow(dead_code))]
     pub(crate) fn with_handler_pool(mut self, handlers: super::HandlerPool<D>) -> Self {
         self.handlers = Some(Arc::new(handlers));
         self
     }
 
     /// This store with handler connections from the runtime's own pool.
-    #[cfg_attr(not(feature = "sqlite"), allow(dead_code))]
     pub(crate) fn without_handler_pool(mut self) -> Self {
         self.handlers = None;
         self
