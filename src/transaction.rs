@@ -212,7 +212,10 @@ impl HandlerTransactions for MessageContext {
 /// PostgreSQL the next handler's: change them with `SET LOCAL` inside a transaction, which
 /// ends them with it. It borrows the handler's [`MessageContext`], and a
 /// copy of the context kept past its attempt opens none: a write after the attempt would
-/// come after the settle that makes it durable.
+/// come after the settle that makes it durable. On PostgreSQL, which has no turn to hold, that
+/// is checked as the connection opens: one a handler hands to a task of its own, or a
+/// statement it left running when it gave up, can still commit after the settle, and without
+/// a flush of its own; keep the connection, and what runs on it, within the handler.
 pub struct HandlerConnection<'a, DB: Backend> {
     /// `None` only once dropped.
     connection: Option<sqlx::pool::PoolConnection<DB>>,

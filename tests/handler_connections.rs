@@ -399,11 +399,12 @@ async fn on_postgres_a_handler_connection_leaves_its_flush_to_the_settle() {
     runtime.shutdown().await;
     let levels: Vec<&str> = seen.iter().map(|(level, _)| level.as_str()).collect();
     assert_eq!(levels, ["off"; 3]);
-    let runtime_level: String = sqlx::query_scalar("SHOW synchronous_commit")
+    // The store's own level, which its runtime pool shares and its settles commit at.
+    let store_level: String = sqlx::query_scalar("SHOW synchronous_commit")
         .fetch_one(&pool)
         .await
         .unwrap();
-    assert_eq!(runtime_level, "on");
+    assert_eq!(store_level, "on");
     assert_eq!(db.scalar("SELECT count(*) FROM tallies").await, 3);
 }
 
@@ -451,6 +452,90 @@ async fn on_postgres_the_relays_sync_flushes_what_an_unsettled_handler_wrote() {
     tokio::time::timeout(WAIT, runtime.idle()).await.unwrap();
     assert_eq!(runtime.stats().handled, 1);
     runtime.shutdown().await;
+}
+
+/// The relay's sync flushes on PostgreSQL whether or not this process opened a handler
+/// connection: the rows it read may be another node's, written by its handlers with
+/// `synchronous_commit = off`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn on_postgres_the_relays_sync_flushes_what_another_nodes_handlers_wrote() {
+    use dacapo::ports::OutboxStore;
+    use sqlx::Connection;
+
+    let db = support_stores::TestDatabase::new(Backend::Postgres).await;
+    db.execute(TABLE).await;
+    let store = db.postgres().await;
+    let pool = store.pool().clone();
+    let mut elsewhere = sqlx::PgConnection::connect(&db.url).await.unwrap();
+    sqlx::query("SET synchronous_commit = off")
+        .execute(&mut elsewhere)
+        .await
+        .unwrap();
+    sqlx::query(INSERT)
+        .bind("written-elsewhere")
+        .bind(1_i64)
+        .execute(&mut elsewhere)
+        .await
+        .unwrap();
+    let written: String = sqlx::query_scalar("SELECT pg_current_wal_insert_lsn()::text")
+        .fetch_one(&mut elsewhere)
+        .await
+        .unwrap();
+    store.sync().await.unwrap();
+    assert!(flushed_past(&pool, &written).await, "{written} not flushed");
+}
+
+/// Rejects every connection that would commit with `synchronous_commit = off`, as a pooler
+/// in front of the server that refuses the option does.
+fn refusing_unflushed_commits(url: &str) -> sqlx::PgPool {
+    sqlx::postgres::PgPoolOptions::new()
+        .max_connections(4)
+        .after_connect(|connection, _| {
+            Box::pin(async move {
+                let level: String = sqlx::query_scalar("SHOW synchronous_commit")
+                    .fetch_one(&mut *connection)
+                    .await?;
+                if level == "off" {
+                    return Err(sqlx::Error::Protocol(
+                        "unsupported startup parameter".into(),
+                    ));
+                }
+                Ok(())
+            })
+        })
+        .connect_lazy(url)
+        .unwrap()
+}
+
+/// Where a connection with `synchronous_commit = off` cannot be opened, handler connections
+/// come from the runtime's own pool, at the store's level, and work as before.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn on_postgres_handler_connections_the_server_refuses_unflushed_are_the_runtimes_own() {
+    let db = support_stores::TestDatabase::new(Backend::Postgres).await;
+    db.execute(TABLE).await;
+    let store = dacapo::store::PostgresStore::with_pool(refusing_unflushed_commits(&db.url))
+        .await
+        .unwrap();
+    let tally = TallyOnPostgres::default();
+    let runtime = Runtime::builder()
+        .store(store)
+        .module(Module::new("billing").handle_named::<MemberRemoved, _>("tally", tally.clone()))
+        .build()
+        .unwrap();
+    runtime.publish_batch(&members(2)).await.unwrap();
+    tokio::time::timeout(WAIT, runtime.idle()).await.unwrap();
+    let stats = runtime.stats();
+    runtime.shutdown().await;
+    assert_eq!((stats.handled, stats.retried), (2, 0), "{stats:?}");
+    let levels: Vec<String> = tally
+        .seen
+        .lock()
+        .unwrap()
+        .iter()
+        .map(|(level, _)| level.clone())
+        .collect();
+    assert_eq!(levels, ["on", "on"]);
+    assert_eq!(db.scalar("SELECT count(*) FROM tallies").await, 2);
 }
 
 /// A PostgreSQL store whose deliveries settle in another inbox gives handler connections at

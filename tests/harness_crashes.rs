@@ -901,3 +901,50 @@ async fn an_announcement_past_the_commit_the_outbox_refuses_settles_with_the_del
     effects.sort();
     assert_eq!(effects, ["audit", "revoke"], "each effect once");
 }
+
+/// Revokes on a handler connection: an insert under an id derived from the message.
+struct RevokeOnItsConnection;
+
+impl Handler<MemberRemoved> for RevokeOnItsConnection {
+    async fn handle(&self, _: &MemberRemoved, ctx: &MessageContext) -> Result<(), HandlerError> {
+        let id = dacapo::ids::derive_or_random(ctx.message_id(), "revoke");
+        let mut connection = ctx.connection::<dacapo::sqlx::Postgres>().await?;
+        dacapo::sqlx::query(
+            "INSERT INTO effects (id, handler) VALUES ($1, 'revoke') ON CONFLICT (id) DO NOTHING",
+        )
+        .bind(&id)
+        .execute(&mut *connection)
+        .await?;
+        Ok(())
+    }
+}
+
+/// The process a restart starts has handler connections of its own on PostgreSQL: the killed
+/// one's went with its runtime, and a handler given one of them would fail its attempt.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn after_a_restart_handler_connections_on_postgres_are_the_new_processes() {
+    let db = ScratchDatabase::postgres(&admin_url()).await.unwrap();
+    let store = db.postgres_store().await.unwrap();
+    let pool = store.pool().clone();
+    dacapo::sqlx::query(EFFECTS).execute(&pool).await.unwrap();
+    let mut harness = builder()
+        .store(store)
+        .module(
+            Module::new("access").handle_named::<MemberRemoved, _>("revoke", RevokeOnItsConnection),
+        )
+        .build()
+        .unwrap();
+    harness
+        .crash_at_message::<MemberRemoved>(Failpoint::BeforeSettle)
+        .unwrap();
+    crashed_at(
+        harness.publish(&MemberRemoved { member_id: 7 }).await,
+        Failpoint::BeforeSettle,
+    );
+    harness.restart().await.unwrap();
+    harness.idle().await.unwrap();
+    let report = last_report(&harness, MemberRemoved::TYPE);
+    assert!(report.is_handled(), "{report:?}");
+    assert_eq!(report.attempts, 2, "{report:?}");
+    assert_eq!((effects_of!(pool))().await, ["revoke"]);
+}

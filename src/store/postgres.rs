@@ -6,7 +6,9 @@ use futures::stream::BoxStream;
 use sqlx::Connection;
 use sqlx::postgres::{PgConnectOptions, PgConnection, PgListener, PgPool, PgPoolOptions};
 
-use crate::store::sql::{Database, Flush, HandlerPool, Migration, SqlStore, migrations, redacted};
+use crate::store::sql::{
+    Database, FLUSH_WAL, Flush, HandlerPool, Migration, SqlStore, migrations, redacted,
+};
 
 pub(crate) const MIGRATIONS: &[Migration] = migrations!("postgres");
 
@@ -131,7 +133,9 @@ async fn pool(url: &str) -> Result<PgPool, crate::Error> {
 /// level, and the server flushes the log in order: up to the settle's commit, every commit
 /// before it included. So the handlers' writes are durable once the settle is, and a crash of
 /// the server that takes them back takes the settle too. `None` (handler connections then come
-/// from the runtime's pool) when the store's own commits do not wait for the flush either.
+/// from the runtime's pool) when the store's own commits do not wait for the flush either,
+/// and, with a warning, when the server (or a pooler in front of it) refuses what this needs:
+/// the flush the relay makes before it sends to a broker, or the connection option.
 async fn handler_pool(
     pool: &PgPool,
     engine: &PgPool,
@@ -143,6 +147,10 @@ async fn handler_pool(
     if level.eq_ignore_ascii_case("off") {
         return Ok(None);
     }
+    if let Err(error) = sqlx::query(FLUSH_WAL).execute(pool).await {
+        tracing::warn!(%error, "handler connections commit at the store's own level: the server refuses the write that flushes what they leave unflushed");
+        return Ok(None);
+    }
     let options = (*pool.connect_options())
         .clone()
         .options([("synchronous_commit", "off")]);
@@ -152,6 +160,17 @@ async fn handler_pool(
         .min_connections(0)
         .test_before_acquire(false)
         .connect_lazy_with(options);
+    // One connection now: a pooler that refuses the option refuses it here, not in every
+    // handler; and the first handlers do not wait for a connection to open.
+    let refused = match tokio::time::timeout(CONNECT_TIMEOUT, handlers.acquire()).await {
+        Ok(Ok(_)) => None,
+        Ok(Err(error)) => Some(error.to_string()),
+        Err(_) => Some(format!("none within {CONNECT_TIMEOUT:?}")),
+    };
+    if let Some(error) = refused {
+        tracing::warn!(%error, "handler connections commit at the store's own level: a connection with synchronous_commit = off could not be opened");
+        return Ok(None);
+    }
     Ok(Some(HandlerPool::new(
         handlers,
         Flush::PostgresWal(engine.clone()),

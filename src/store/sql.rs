@@ -21,6 +21,8 @@ mod store;
 pub(crate) use columns::{EnvelopeColumns, id_text, millis};
 pub(crate) use database::{Database, Value, bind, to_the_end};
 pub use dialect::Dialect;
+#[cfg(feature = "postgres")]
+pub(crate) use handler_pool::FLUSH_WAL;
 pub(crate) use handler_pool::{Flush, HandlerPool, Unsynced};
 #[cfg(feature = "sqlite")]
 pub(crate) use interrupt::Interrupt;

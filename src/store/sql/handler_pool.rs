@@ -33,10 +33,12 @@ pub(crate) enum Flush {
 }
 
 /// A transactional logical message, the smallest write that gives a transaction a commit
-/// record (a read, or an id taken without a write, commits without a flush). Any user may
-/// emit one; nothing decodes it unless a logical replication slot asks for the prefix.
+/// record (a read, or an id taken without a write, commits without a flush). PostgreSQL lets
+/// any user emit one, though a server may revoke it: the store then keeps handler connections
+/// on its own pool. Logical decoding (change data capture) sees one such message per flush.
 #[cfg(feature = "postgres")]
-const FLUSH_WAL: &str = "SELECT pg_logical_emit_message(true, 'dacapo', 'handler connections')";
+pub(crate) const FLUSH_WAL: &str =
+    "SELECT pg_logical_emit_message(true, 'dacapo', 'handler connections')";
 
 impl<D: sqlx::Database> HandlerPool<D> {
     pub(crate) fn new(pool: sqlx::Pool<D>, flush: Flush) -> Self {
@@ -53,14 +55,45 @@ impl<D: sqlx::Database> HandlerPool<D> {
         &self.flush
     }
 
-    /// Makes every commit of a handler connection so far durable. Nothing to do while no
-    /// handler connection was opened since the last sync.
+    /// This pool anew, with the same settings, flushing through `engine`: for a runtime
+    /// started after another was killed, whose PostgreSQL connections went with it.
+    #[cfg(feature = "testing")]
+    pub(crate) fn on_new_pools(&self, engine: &sqlx::Pool<D>) -> Self {
+        let pool = self
+            .pool
+            .options()
+            .clone()
+            .connect_lazy_with((*self.pool.connect_options()).clone());
+        let flush = match &self.flush {
+            #[cfg(feature = "sqlite")]
+            Flush::SqliteLog(log) => Flush::SqliteLog(log.clone()),
+            #[cfg(feature = "postgres")]
+            Flush::PostgresWal(_) => {
+                let engine: &dyn std::any::Any = engine;
+                Flush::PostgresWal(
+                    engine
+                        .downcast_ref::<sqlx::PgPool>()
+                        .expect("a PostgreSQL store flushes through its own pool")
+                        .clone(),
+                )
+            }
+        };
+        Self::new(pool, flush)
+    }
+
+    /// Makes every commit of a handler connection so far durable. On SQLite, nothing to do
+    /// while no handler connection of this store was opened since the last sync. On
+    /// PostgreSQL the flush is made every time: the rows the relay read may come from
+    /// another node's handlers, whose commits this process knows nothing of.
     ///
     /// # Errors
     ///
     /// [`Error::Store`] when the log cannot be synced or flushed.
     pub(crate) async fn sync(&self) -> Result<(), Error> {
-        if !self.unsynced.take() {
+        let owed = self.unsynced.take();
+        #[cfg(feature = "postgres")]
+        let owed = owed || matches!(self.flush, Flush::PostgresWal(_));
+        if !owed {
             return Ok(());
         }
         let synced = self.flush.run().await;
@@ -129,8 +162,11 @@ impl Unsynced {
 
     /// Whether the log needs a sync now; clears the mark a sync is about to honour.
     pub(super) fn take(&self) -> bool {
+        // `open` first: a connection that closes in between marked `dirty` before it left
+        // `open`, so one or the other tells of it.
+        let open = self.open.load(Ordering::SeqCst) > 0;
         let dirty = self.dirty.swap(false, Ordering::SeqCst);
-        dirty || self.open.load(Ordering::SeqCst) > 0
+        dirty || open
     }
 }
 

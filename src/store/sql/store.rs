@@ -209,6 +209,9 @@ impl<D: Dialect> SqlStore<D> {
             Some(hooks) => (self.database)(engine.clone()).with_hooks(hooks),
             None => (self.database)(engine.clone()),
         };
+        if let Some(handlers) = &self.handlers {
+            store.handlers = Some(Arc::new(handlers.on_new_pools(&engine)));
+        }
         store.engine = engine;
         store.group = GroupCommit::new(self.group.grouping());
         store
@@ -287,7 +290,8 @@ impl<D: Dialect> SqlStore<D> {
     }
 
     /// The connection pool, for the application's own queries. The runtime runs on a pool of
-    /// its own with the same options — so up to twice the connections — (a one-connection
+    /// its own with the same options — so up to twice the connections, three times on
+    /// PostgreSQL, whose handler connections have a third — (a one-connection
     /// SQLite pool, such as an in-memory database, is shared): the connections the runtime
     /// opens for its own writes and handler transactions, on its own threads, never end up in
     /// the application's pool. Queries a handler runs on this pool do open connections on
