@@ -60,7 +60,20 @@ async fn of_two_concurrent_transactions_with_one_key_exactly_one_proceeds() {
         second.commit().await.unwrap();
         proceeded
     });
-    tokio::time::sleep(Duration::from_millis(100)).await;
+    tokio::time::timeout(Duration::from_secs(10), async {
+        while db
+            .scalar(
+                "SELECT count(*) FROM pg_stat_activity \
+                 WHERE datname = current_database() AND wait_event_type = 'Lock'",
+            )
+            .await
+            == 0
+        {
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+    })
+    .await
+    .expect("the second transaction waits for the first's lock");
     assert!(
         !waiting.is_finished(),
         "the unique index holds the second transaction"
