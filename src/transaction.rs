@@ -212,10 +212,12 @@ impl HandlerTransactions for MessageContext {
 /// PostgreSQL the next handler's: change them with `SET LOCAL` inside a transaction, which
 /// ends them with it. It borrows the handler's [`MessageContext`], and a
 /// copy of the context kept past its attempt opens none: a write after the attempt would
-/// come after the settle that makes it durable. On PostgreSQL, which has no turn to hold, that
-/// is checked as the connection opens: one a handler hands to a task of its own, or a
-/// statement it left running when it gave up, can still commit after the settle, and without
-/// a flush of its own; keep the connection, and what runs on it, within the handler.
+/// come after the settle that makes it durable. On PostgreSQL, which has no turn to hold, the
+/// attempt's end (and so its settle) waits instead until every connection opened in it is
+/// dropped and done with what it ran — a statement a handler left running when it gave up, a
+/// connection handed to a task of its own — for up to 5 s, then settles anyway with a
+/// warning: what such a connection commits later comes after the settle, without a flush of
+/// its own. Keep the connection, and what runs on it, within the handler.
 pub struct HandlerConnection<'a, DB: Backend> {
     /// `None` only once dropped.
     connection: Option<sqlx::pool::PoolConnection<DB>>,
@@ -231,6 +233,10 @@ pub struct HandlerConnection<'a, DB: Backend> {
     context: &'a MessageContext,
     /// Given to the handler: what runs on it may be the handler's.
     handed: bool,
+    /// Where no turn keeps the connection inside its attempt (PostgreSQL): a hold on the
+    /// attempt, whose end waits until the connection is back in its pool, whatever ran on it
+    /// over.
+    hold: Option<dacapo_actors::AttemptHold>,
 }
 
 /// Leaves a handler connection with the turn to write, told whether the runtime gave up on
@@ -267,6 +273,7 @@ impl<DB: Backend> Drop for HandlerConnection<'_, DB> {
         let connection = self.connection.take();
         let turn = self.turn.take();
         let unsynced = self.unsynced.take();
+        let hold = self.hold.take();
         if let Some(park) = self.park.take()
             && let Some(connection) = connection
         {
@@ -281,17 +288,17 @@ impl<DB: Backend> Drop for HandlerConnection<'_, DB> {
             if let Some(unsynced) = unsynced {
                 unsynced.closed();
             }
-            drop((connection, turn));
+            drop((connection, turn, hold));
             return;
         };
         runtime.spawn(async move {
-            let mut turn = turn;
+            let (mut turn, mut hold) = (turn, hold);
             if let Some(connection) = connection {
                 let mut closing = Closing(Some(connection));
-                if end_left_open::<DB>(closing.connection(), &mut turn)
-                    .await
-                    .is_ok()
-                {
+                let ended = end_left_open::<DB>(closing.connection(), &mut turn).await;
+                // Nothing on it can write any more: the attempt may end.
+                drop(hold.take());
+                if ended.is_ok() {
                     closing.give_back();
                 }
             }
@@ -299,7 +306,7 @@ impl<DB: Backend> Drop for HandlerConnection<'_, DB> {
             if let Some(unsynced) = unsynced {
                 unsynced.closed();
             }
-            drop(turn);
+            drop((turn, hold));
         });
     }
 }
@@ -659,6 +666,16 @@ macro_rules! backend {
                     Some(parked) => (parked.turn, parked.connection, Some(parked.park)),
                     None => (store.write_turn().await?, None, None),
                 };
+                // Without a turn, nothing else keeps what runs on the connection before the
+                // settle: the attempt's end waits for it.
+                let hold = match (&turn, &park) {
+                    (None, None) => Some(
+                        context
+                            .hold_attempt()
+                            .ok_or(dacapo_actors::Error::Detached)?,
+                    ),
+                    _ => None,
+                };
                 let (pool, unsynced) = store.handler_pool();
                 let unsynced = unsynced.map(Arc::clone);
                 let (connection, counted) = match parked {
@@ -679,6 +696,7 @@ macro_rules! backend {
                     park,
                     context,
                     handed: false,
+                    hold,
                 };
                 // Checked with the turn held: the settle takes the turn after the attempt
                 // closed, so a copy of the context kept past its attempt can never write

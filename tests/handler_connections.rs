@@ -538,6 +538,67 @@ async fn on_postgres_handler_connections_the_server_refuses_unflushed_are_the_ru
     assert_eq!(db.scalar("SELECT count(*) FROM tallies").await, 2);
 }
 
+/// Hands its work to a task of its own, which opens a handler connection while the attempt
+/// runs and writes on it a while after the handler returned, noting the server's clock.
+struct HandsItsConnectionOn;
+
+impl Handler<MemberRemoved> for HandsItsConnectionOn {
+    async fn handle(
+        &self,
+        event: &MemberRemoved,
+        ctx: &MessageContext,
+    ) -> Result<(), HandlerError> {
+        let (opened, open) = tokio::sync::oneshot::channel();
+        let (ctx, member) = (ctx.clone(), event.member_id as i64);
+        tokio::spawn(async move {
+            let mut connection = ctx.connection::<sqlx::Postgres>().await.unwrap();
+            opened.send(()).unwrap();
+            // Work that outlasts the handler.
+            tokio::time::sleep(Duration::from_millis(300)).await;
+            sqlx::query(
+                "INSERT INTO late_rows (member, written_at) \
+                 VALUES ($1, (extract(epoch FROM clock_timestamp()) * 1000)::bigint)",
+            )
+            .bind(member)
+            .execute(&mut *connection)
+            .await
+            .unwrap();
+        });
+        open.await?;
+        Ok(())
+    }
+}
+
+/// On PostgreSQL, with no turn to keep a handler connection inside its attempt, the attempt's
+/// end waits until the connections opened in it are back in their pool: a write made on one
+/// after the handler returned comes before the settle, whose flush covers it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn on_postgres_the_settle_comes_after_what_a_connection_handed_on_wrote() {
+    let db = support_stores::TestDatabase::new(Backend::Postgres).await;
+    db.execute("CREATE TABLE late_rows (member BIGINT PRIMARY KEY, written_at BIGINT NOT NULL)")
+        .await;
+    let runtime = Runtime::builder()
+        .store(db.postgres().await)
+        .module(
+            Module::new("billing").handle_named::<MemberRemoved, _>("late", HandsItsConnectionOn),
+        )
+        .build()
+        .unwrap();
+    runtime.publish(&support::member_removed()).await.unwrap();
+    tokio::time::timeout(WAIT, runtime.idle()).await.unwrap();
+    assert_eq!(runtime.stats().handled, 1);
+    runtime.shutdown().await;
+    assert_eq!(
+        db.scalar(
+            "SELECT count(*) FROM late_rows, dacapo_inbox \
+             WHERE dacapo_inbox.status = 'handled' AND late_rows.written_at <= dacapo_inbox.handled_at"
+        )
+        .await,
+        1,
+        "the row was written before the delivery settled"
+    );
+}
+
 /// A PostgreSQL store whose deliveries settle in another inbox gives handler connections at
 /// its own level: no settle of its would flush what they wrote.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

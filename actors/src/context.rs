@@ -29,7 +29,41 @@ pub(crate) struct Scope {
     actor: OnceLock<Addr<ContextActor>>,
     /// Set when the attempt is over; cascading then fails.
     closed: std::sync::atomic::AtomicBool,
+    /// What the attempt's handlers still hold that may write after they returned (a handler
+    /// connection on PostgreSQL, on its way back to its pool): its end waits for them.
+    holds: Holds,
 }
+
+/// A count of [`AttemptHold`]s, and a wake when it falls to zero.
+#[derive(Debug, Default)]
+struct Holds {
+    count: std::sync::atomic::AtomicUsize,
+    released: tokio::sync::Notify,
+}
+
+/// Something a handler took in its attempt that may still write once the handler returned:
+/// while one is held, the attempt's end (and so its settle) waits, up to
+/// [`HOLDS_WAITED`]. Dropped, it is released.
+#[doc(hidden)]
+#[derive(Debug)]
+pub struct AttemptHold(Arc<Scope>);
+
+impl Drop for AttemptHold {
+    fn drop(&mut self) {
+        let holds = &self.0.holds;
+        if holds
+            .count
+            .fetch_sub(1, std::sync::atomic::Ordering::SeqCst)
+            == 1
+        {
+            holds.released.notify_waiters();
+        }
+    }
+}
+
+/// How long an attempt's end waits for what its handlers still hold (a statement left
+/// running by a handler that gave up, a connection handed to a task of its own).
+pub(crate) const HOLDS_WAITED: std::time::Duration = std::time::Duration::from_secs(5);
 
 impl Scope {
     pub(crate) fn new(
@@ -51,14 +85,37 @@ impl Scope {
             published: std::sync::Mutex::default(),
             actor: OnceLock::new(),
             closed: std::sync::atomic::AtomicBool::new(false),
+            holds: Holds::default(),
         }
+    }
+
+    /// Waits, up to [`HOLDS_WAITED`], until nothing taken in this closed attempt is held;
+    /// whether something still was.
+    pub(crate) async fn released(&self) -> bool {
+        let all_released = async {
+            loop {
+                let released = self.holds.released.notified();
+                if self.holds.count.load(std::sync::atomic::Ordering::SeqCst) == 0 {
+                    return;
+                }
+                released.await;
+            }
+        };
+        tokio::time::timeout(HOLDS_WAITED, all_released)
+            .await
+            .is_err()
+    }
+
+    /// Whether anything taken in this attempt is still held.
+    pub(crate) fn held(&self) -> bool {
+        self.holds.count.load(std::sync::atomic::Ordering::SeqCst) > 0
     }
 
     /// Ends the attempt: no more cascades. Returns the context actor, if a handler cascaded
     /// anything, to collect them from.
     pub(crate) fn close(&self) -> Option<&Addr<ContextActor>> {
-        self.closed
-            .store(true, std::sync::atomic::Ordering::Release);
+        // SeqCst, as `hold` reads it after counting itself: one of the two sees the other.
+        self.closed.store(true, std::sync::atomic::Ordering::SeqCst);
         self.actor.get()
     }
 
@@ -429,6 +486,24 @@ impl MessageContext {
                 .closed
                 .load(std::sync::atomic::Ordering::Acquire)
         })
+    }
+
+    /// A hold on the attempt this context was given for, which its end waits for (up to 5 s)
+    /// until it is dropped; `None` once the attempt is over, and outside a delivery (the
+    /// adapter takes one for what may write after the handler returned; handlers do not).
+    #[doc(hidden)]
+    pub fn hold_attempt(&self) -> Option<AttemptHold> {
+        let attached = self.scope.as_ref()?;
+        let scope = &attached.scope;
+        scope
+            .holds
+            .count
+            .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        let hold = AttemptHold(Arc::clone(scope));
+        if scope.closed.load(std::sync::atomic::Ordering::SeqCst) {
+            return None;
+        }
+        Some(hold)
     }
 
     /// Whether the runtime gave up on the run of the handler this context was given to (its
@@ -871,6 +946,7 @@ impl TestContext {
             published: std::sync::Mutex::default(),
             actor: OnceLock::new(),
             closed: std::sync::atomic::AtomicBool::new(false),
+            holds: Holds::default(),
         };
         MessageContext {
             scope: Some(Attached {
@@ -882,5 +958,40 @@ impl TestContext {
                 recorded: Arc::default(),
             }),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::MessageContext;
+
+    /// An attempt's end waits for what was taken in it, and once it ended nothing more is
+    /// taken: the one check a handler connection on PostgreSQL relies on.
+    #[tokio::test(start_paused = true)]
+    async fn an_attempt_ends_once_its_holds_are_released_and_takes_none_after() {
+        let ctx = MessageContext::for_test().build();
+        let scope = std::sync::Arc::clone(&ctx.scope.as_ref().unwrap().scope);
+        let hold = ctx.hold_attempt().expect("the attempt runs");
+        scope.close();
+        assert!(
+            ctx.hold_attempt().is_none(),
+            "taken after the attempt ended"
+        );
+        assert!(scope.held());
+        let ending = tokio::spawn({
+            let scope = std::sync::Arc::clone(&scope);
+            async move { scope.released().await }
+        });
+        tokio::task::yield_now().await;
+        assert!(!ending.is_finished(), "ended with a hold still taken");
+        drop(hold);
+        assert!(!ending.await.unwrap(), "released, not given up on");
+        assert!(!scope.held());
+        // Never released: given up on after a bounded wait.
+        let kept = MessageContext::for_test().build();
+        let kept_scope = std::sync::Arc::clone(&kept.scope.as_ref().unwrap().scope);
+        let _hold = kept.hold_attempt().unwrap();
+        kept_scope.close();
+        assert!(kept_scope.released().await, "given up on after its bound");
     }
 }

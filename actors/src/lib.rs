@@ -51,7 +51,7 @@ pub use cleanup::CleanupActor;
 pub use clock::{Busy, Timers, VirtualClock};
 #[doc(hidden)]
 pub use context::ContextActor;
-pub use context::{MessageContext, SendOptions, TestContext};
+pub use context::{AttemptHold, MessageContext, SendOptions, TestContext};
 pub use dead_letter::{DeadLetter, DeadLetterFilter, DeadLetterReason};
 #[doc(hidden)]
 pub use deduplication::DeduplicationRules;

@@ -343,15 +343,27 @@ impl DeliverySupervisor {
             return;
         };
         let failed = std::mem::take(&mut self.results);
-        let Some(context) = scope.close().cloned() else {
+        let context = scope.close().cloned();
+        if context.is_none() && !scope.held() {
             let ended = Event::AttemptEnded {
                 failed,
                 cascaded: Vec::new(),
             };
             self.apply(ended, ctx);
             return;
+        }
+        let span = self.span.clone();
+        let take = async move {
+            // What a handler still holds may write yet (a statement it left running, a
+            // connection it handed on): the settle comes after, so that it covers that too.
+            if scope.released().await {
+                tracing::warn!(parent: &span, "a handler still held a connection 5 s after its attempt ended; settling without waiting further");
+            }
+            match context {
+                Some(context) => context.send(TakeCascaded).await.unwrap_or_default(),
+                None => Vec::new(),
+            }
         };
-        let take = async move { context.send(TakeCascaded).await.unwrap_or_default() };
         ctx.spawn(take.into_actor(self).map(|cascaded, actor, ctx| {
             actor.apply(Event::AttemptEnded { failed, cascaded }, ctx);
         }));
