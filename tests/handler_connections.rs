@@ -313,18 +313,10 @@ async fn a_store_whose_deliveries_settle_elsewhere_gives_connections_at_its_own_
     let db = support_stores::TestDatabase::new(Backend::Sqlite).await;
     db.execute(TABLE).await;
     let tally = Tally::new(Backend::Sqlite, false);
-    let runtime = Runtime::builder()
+    let builder = Runtime::builder()
         .store(db.sqlite().await)
-        .inbox(Arc::new(dacapo::store::MemoryInbox::new(
-            Duration::from_secs(60),
-            Arc::new(dacapo::ports::SystemClock),
-        )))
-        .module(Module::new("billing").handle_named::<MemberRemoved, _>("tally", tally.clone()))
-        .build()
-        .unwrap();
-    runtime.publish(&support::member_removed()).await.unwrap();
-    tokio::time::timeout(WAIT, runtime.idle()).await.unwrap();
-    runtime.shutdown().await;
+        .inbox(inbox_elsewhere());
+    handled_once(tallying(builder, tally.clone()), &members(1)).await;
     assert_eq!(*tally.levels.lock().unwrap(), [2]);
 }
 
@@ -374,6 +366,38 @@ async fn flushed_past(pool: &sqlx::PgPool, lsn: &str) -> bool {
         .unwrap()
 }
 
+impl TallyOnPostgres {
+    fn levels(&self) -> Vec<String> {
+        let seen = self.seen.lock().unwrap();
+        seen.iter().map(|(level, _)| level.clone()).collect()
+    }
+}
+
+/// A runtime with `handler` as billing's `tally`.
+fn tallying(builder: dacapo::RuntimeBuilder, handler: impl Handler<MemberRemoved>) -> Runtime {
+    builder
+        .module(Module::new("billing").handle_named::<MemberRemoved, _>("tally", handler))
+        .build()
+        .unwrap()
+}
+
+/// Publishes `messages` on `runtime` and shuts it down once it is idle: what it counted.
+async fn handled_once(runtime: Runtime, messages: &[MemberRemoved]) -> dacapo::StatsSnapshot {
+    runtime.publish_batch(messages).await.unwrap();
+    tokio::time::timeout(WAIT, runtime.idle()).await.unwrap();
+    let stats = runtime.stats();
+    runtime.shutdown().await;
+    stats
+}
+
+/// An inbox apart from the store, which deliveries settle in.
+fn inbox_elsewhere() -> Arc<dacapo::store::MemoryInbox> {
+    Arc::new(dacapo::store::MemoryInbox::new(
+        Duration::from_secs(60),
+        Arc::new(dacapo::ports::SystemClock),
+    ))
+}
+
 /// On PostgreSQL a handler connection commits without waiting for the server's flush
 /// (`synchronous_commit = off`) while the runtime's own pool waits for it: once the deliveries
 /// settled, the log is flushed past every handler's write.
@@ -384,21 +408,13 @@ async fn on_postgres_a_handler_connection_leaves_its_flush_to_the_settle() {
     let store = db.postgres().await;
     let pool = store.pool().clone();
     let tally = TallyOnPostgres::default();
-    let runtime = Runtime::builder()
-        .store(store)
-        .module(Module::new("billing").handle_named::<MemberRemoved, _>("tally", tally.clone()))
-        .build()
-        .unwrap();
-    runtime.publish_batch(&members(3)).await.unwrap();
-    tokio::time::timeout(WAIT, runtime.idle()).await.unwrap();
-    assert_eq!(runtime.stats().handled, 3);
+    let runtime = tallying(Runtime::builder().store(store), tally.clone());
+    assert_eq!(handled_once(runtime, &members(3)).await.handled, 3);
     let seen = tally.seen.lock().unwrap().clone();
-    for (_, written) in &seen {
-        assert!(flushed_past(&pool, written).await, "{written} not flushed");
+    for (_, written) in seen {
+        assert!(flushed_past(&pool, &written).await, "{written} not flushed");
     }
-    runtime.shutdown().await;
-    let levels: Vec<&str> = seen.iter().map(|(level, _)| level.as_str()).collect();
-    assert_eq!(levels, ["off"; 3]);
+    assert_eq!(tally.levels(), ["off"; 3]);
     // The store's own level, which its runtime pool shares and its settles commit at.
     let store_level: String = sqlx::query_scalar("SHOW synchronous_commit")
         .fetch_one(&pool)
@@ -517,24 +533,10 @@ async fn on_postgres_handler_connections_the_server_refuses_unflushed_are_the_ru
         .await
         .unwrap();
     let tally = TallyOnPostgres::default();
-    let runtime = Runtime::builder()
-        .store(store)
-        .module(Module::new("billing").handle_named::<MemberRemoved, _>("tally", tally.clone()))
-        .build()
-        .unwrap();
-    runtime.publish_batch(&members(2)).await.unwrap();
-    tokio::time::timeout(WAIT, runtime.idle()).await.unwrap();
-    let stats = runtime.stats();
-    runtime.shutdown().await;
+    let runtime = tallying(Runtime::builder().store(store), tally.clone());
+    let stats = handled_once(runtime, &members(2)).await;
     assert_eq!((stats.handled, stats.retried), (2, 0), "{stats:?}");
-    let levels: Vec<String> = tally
-        .seen
-        .lock()
-        .unwrap()
-        .iter()
-        .map(|(level, _)| level.clone())
-        .collect();
-    assert_eq!(levels, ["on", "on"]);
+    assert_eq!(tally.levels(), ["on", "on"]);
     assert_eq!(db.scalar("SELECT count(*) FROM tallies").await, 2);
 }
 
@@ -577,17 +579,11 @@ async fn on_postgres_the_settle_comes_after_what_a_connection_handed_on_wrote() 
     let db = support_stores::TestDatabase::new(Backend::Postgres).await;
     db.execute("CREATE TABLE late_rows (member BIGINT PRIMARY KEY, written_at BIGINT NOT NULL)")
         .await;
-    let runtime = Runtime::builder()
-        .store(db.postgres().await)
-        .module(
-            Module::new("billing").handle_named::<MemberRemoved, _>("late", HandsItsConnectionOn),
-        )
-        .build()
-        .unwrap();
-    runtime.publish(&support::member_removed()).await.unwrap();
-    tokio::time::timeout(WAIT, runtime.idle()).await.unwrap();
-    assert_eq!(runtime.stats().handled, 1);
-    runtime.shutdown().await;
+    let runtime = tallying(
+        Runtime::builder().store(db.postgres().await),
+        HandsItsConnectionOn,
+    );
+    assert_eq!(handled_once(runtime, &members(1)).await.handled, 1);
     assert_eq!(
         db.scalar(
             "SELECT count(*) FROM late_rows, dacapo_inbox \
@@ -606,26 +602,11 @@ async fn on_postgres_a_store_whose_deliveries_settle_elsewhere_gives_connections
     let db = support_stores::TestDatabase::new(Backend::Postgres).await;
     db.execute(TABLE).await;
     let tally = TallyOnPostgres::default();
-    let runtime = Runtime::builder()
+    let builder = Runtime::builder()
         .store(db.postgres().await)
-        .inbox(Arc::new(dacapo::store::MemoryInbox::new(
-            Duration::from_secs(60),
-            Arc::new(dacapo::ports::SystemClock),
-        )))
-        .module(Module::new("billing").handle_named::<MemberRemoved, _>("tally", tally.clone()))
-        .build()
-        .unwrap();
-    runtime.publish(&support::member_removed()).await.unwrap();
-    tokio::time::timeout(WAIT, runtime.idle()).await.unwrap();
-    runtime.shutdown().await;
-    let levels: Vec<String> = tally
-        .seen
-        .lock()
-        .unwrap()
-        .iter()
-        .map(|(level, _)| level.clone())
-        .collect();
-    assert_eq!(levels, ["on"]);
+        .inbox(inbox_elsewhere());
+    handled_once(tallying(builder, tally.clone()), &members(1)).await;
+    assert_eq!(tally.levels(), ["on"]);
 }
 
 /// Begins a transaction on its connection, writes, and on its first attempt fails before

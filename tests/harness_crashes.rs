@@ -838,17 +838,7 @@ async fn crash_after_announcing_past_the_commit(backend: Backend) {
                 )
                 .build()
                 .unwrap();
-            harness
-                .crash_at_message::<MemberRemoved>(Failpoint::BeforeSettle)
-                .unwrap();
-            crashed_at(
-                harness.publish(&MemberRemoved { member_id: 7 }).await,
-                Failpoint::BeforeSettle,
-            );
-            harness.restart().await.unwrap();
-            harness.idle().await.unwrap();
-            let report = last_report(&harness, MemberRemoved::TYPE);
-            assert!(report.is_handled(), "{report:?}");
+            crashed_before_the_settle_and_restarted(&mut harness).await;
             let mut effects: Vec<String> =
                 dacapo::sqlx::query_scalar("SELECT handler FROM effects")
                     .fetch_all(&pool)
@@ -902,6 +892,23 @@ async fn an_announcement_past_the_commit_the_outbox_refuses_settles_with_the_del
     assert_eq!(effects, ["audit", "revoke"], "each effect once");
 }
 
+/// Publishes a member's removal on `harness`, crashing before its settle, restarts, and
+/// returns the report of the delivery the restart finished, checked handled.
+async fn crashed_before_the_settle_and_restarted(harness: &mut TestHarness) -> DeliveryReport {
+    harness
+        .crash_at_message::<MemberRemoved>(Failpoint::BeforeSettle)
+        .unwrap();
+    crashed_at(
+        harness.publish(&MemberRemoved { member_id: 7 }).await,
+        Failpoint::BeforeSettle,
+    );
+    harness.restart().await.unwrap();
+    harness.idle().await.unwrap();
+    let report = last_report(harness, MemberRemoved::TYPE);
+    assert!(report.is_handled(), "{report:?}");
+    report
+}
+
 /// Revokes on a handler connection: an insert under an id derived from the message.
 struct RevokeOnItsConnection;
 
@@ -934,17 +941,7 @@ async fn after_a_restart_handler_connections_on_postgres_are_the_new_processes()
         )
         .build()
         .unwrap();
-    harness
-        .crash_at_message::<MemberRemoved>(Failpoint::BeforeSettle)
-        .unwrap();
-    crashed_at(
-        harness.publish(&MemberRemoved { member_id: 7 }).await,
-        Failpoint::BeforeSettle,
-    );
-    harness.restart().await.unwrap();
-    harness.idle().await.unwrap();
-    let report = last_report(&harness, MemberRemoved::TYPE);
-    assert!(report.is_handled(), "{report:?}");
+    let report = crashed_before_the_settle_and_restarted(&mut harness).await;
     assert_eq!(report.attempts, 2, "{report:?}");
     assert_eq!((effects_of!(pool))().await, ["revoke"]);
 }
