@@ -332,6 +332,12 @@ pub async fn what_the_broker_can_never_take_is_dead_lettered(
 /// Two runtimes of one service, on one PostgreSQL store, consuming one queue: every envelope
 /// handled once between them.
 pub async fn two_nodes_share_the_queue(make: impl Fn() -> Transport, both_take_a_share: bool) {
+    // Its warnings (a store write retried, a batch refused) are shown if it fails: it once
+    // saw no call in 30 s on NATS, in a full run, and never again.
+    let _ = tracing_subscriber::fmt()
+        .with_test_writer()
+        .with_max_level(tracing::Level::WARN)
+        .try_init();
     let seen = Seen::default();
     let first = TestStore::postgres().await;
     let second = first.another_node("node-b").await;
@@ -341,7 +347,20 @@ pub async fn two_nodes_share_the_queue(make: impl Fn() -> Transport, both_take_a
     listening(&b).await;
     let mut ids = publish_pings(&a, 0, 100).await;
     ids.extend(publish_pings(&b, 100, 100).await);
-    seen.wait_for(200, WAIT).await;
+    if tokio::time::timeout(WAIT, seen.wait_for(200, WAIT * 2))
+        .await
+        .is_err()
+    {
+        panic!(
+            "{} calls seen within {WAIT:?}, 200 expected; node a: {:?}, {} pauses; node b: \
+             {:?}, {} pauses",
+            seen.calls().len(),
+            a.transports(),
+            a.listener().pauses(),
+            b.transports(),
+            b.listener().pauses(),
+        );
+    }
     a.idle().await;
     b.idle().await;
     let counts = seen.counts();
