@@ -190,21 +190,9 @@ impl RuntimeBuilder {
         // Deliveries settle in `inbox` now, not in the store: the store's handler connections
         // commit at its own level instead of waiting for a settle of its that never comes.
         #[cfg(feature = "sqlite")]
-        if let Some(store) = self
-            .store
-            .as_deref()
-            .and_then(|store| store.downcast_ref::<crate::store::SqliteStore>())
-        {
-            self.store = Some(Arc::new(store.clone().without_handler_pool()));
-        }
+        handlers_on_the_runtimes_pool::<sqlx::Sqlite>(&mut self.store);
         #[cfg(feature = "postgres")]
-        if let Some(store) = self
-            .store
-            .as_deref()
-            .and_then(|store| store.downcast_ref::<crate::store::PostgresStore>())
-        {
-            self.store = Some(Arc::new(store.clone().without_handler_pool()));
-        }
+        handlers_on_the_runtimes_pool::<sqlx::Postgres>(&mut self.store);
         self.inbox = Some(Arc::clone(&inbox) as Arc<dyn Inbox>);
         self.durable_as_inbox = Arc::clone(&inbox).durable().is_some();
         self.durable = None;
@@ -630,5 +618,19 @@ impl RuntimeBuilder {
             max_envelope_size,
             drain_timeout: self.drain_timeout,
         })
+    }
+}
+
+/// Gives `store`, when it is a `SqlStore<D>`, handler connections from its runtime's own pool.
+#[cfg(any(feature = "sqlite", feature = "postgres"))]
+fn handlers_on_the_runtimes_pool<D: crate::store::sql::Dialect>(
+    store: &mut Option<Arc<dyn std::any::Any + Send + Sync>>,
+) {
+    let on_its_pool = store
+        .as_deref()
+        .and_then(|store| store.downcast_ref::<crate::store::sql::SqlStore<D>>())
+        .map(|store| store.clone().without_handler_pool());
+    if let Some(on_its_pool) = on_its_pool {
+        *store = Some(Arc::new(on_its_pool));
     }
 }
