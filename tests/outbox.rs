@@ -634,9 +634,21 @@ async fn a_relay_without_the_lease_does_not_contend_for_it_on_every_wake() {
     })
     .await
     .expect("every commit signalled the relay");
-    // What is checked is that something does not happen: give the wakes those signals queued
-    // time to act (each would be a round, so a lease request, within milliseconds).
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    // Each signal is a wake, handled in turn: once ten were left to the lease holder, none of
+    // them can still ask for the lease.
+    tokio::time::timeout(WAIT, async {
+        while runtime.stats().relay_wakes_deferred < 10 {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    })
+    .await
+    .unwrap_or_else(|_| {
+        panic!(
+            "the wakes were left to the lease holder: {} of 10 within {WAIT:?}, {} lease requests",
+            runtime.stats().relay_wakes_deferred,
+            leases.load(Ordering::SeqCst)
+        )
+    });
     let backlog = runtime.outbox_backlog().await.unwrap().unwrap();
     assert_eq!(backlog.depth, 11, "nothing published by this node");
     assert_eq!(

@@ -34,6 +34,9 @@ pub struct RelayActor {
     /// A wake came during a round, which may have read the outbox before the enlist
     /// committed: run another round right after.
     again: bool,
+    /// Wakes that came during the current round: left to the lease holder if the round finds
+    /// that another node holds the lease.
+    wakes_during_round: u64,
     /// Positions of rows that could not be read: told once, and no reason to take the lease.
     unreadable: Arc<Mutex<HashSet<i64>>>,
     /// Rows the broker could not take lately, waiting out a backoff before they are sent again.
@@ -75,6 +78,7 @@ impl RelayActor {
             leased_elsewhere_until: None,
             lease_taken_at: None,
             again: false,
+            wakes_during_round: 0,
             unreadable: Arc::default(),
             held_back: Arc::default(),
         }
@@ -128,6 +132,15 @@ impl RelayActor {
             }
         };
         ctx.spawn(work.into_actor(self));
+    }
+
+    /// Counts `wakes` left to the node holding the lease.
+    fn deferred(&self, wakes: u64) {
+        self.dispatcher
+            .shared
+            .stats
+            .dispatching()
+            .add(crate::stats::Counter::RelayWakeDeferred, wakes);
     }
 
     fn tick(&mut self, ctx: &mut Context<Self>) {
@@ -369,7 +382,10 @@ impl RelayActor {
                         let now = tokio::time::Instant::now();
                         now.checked_add(lease).unwrap_or(now + FAR_FUTURE)
                     });
-                    if actor.again && elsewhere.is_none() {
+                    let wakes = std::mem::take(&mut actor.wakes_during_round);
+                    if elsewhere.is_some() {
+                        actor.deferred(wakes);
+                    } else if actor.again {
                         actor.tick(ctx);
                     }
                 }),
@@ -763,7 +779,11 @@ impl actix::Handler<Wake> for RelayActor {
             .leased_elsewhere_until
             .is_some_and(|until| tokio::time::Instant::now() < until)
         {
+            self.deferred(1);
             return;
+        }
+        if self.busy {
+            self.wakes_during_round += 1;
         }
         self.tick(ctx);
     }

@@ -17,6 +17,7 @@ pub(crate) struct Counters {
     deduplicated: Cell,
     discarded: Cell,
     duplicate_intents: Cell,
+    relay_wakes_deferred: Cell,
 }
 
 /// Counters of what the engine did since it started.
@@ -48,6 +49,10 @@ pub struct StatsSnapshot {
     /// dead-lettered), counted once per attempt that skipped a handler. A retry of the message
     /// that completed the claim is not counted.
     pub duplicate_intents: u64,
+    /// Wakes of the outbox relay (an enlist here, or one another node told of) that it left
+    /// to the node holding the outbox lease, without asking for the lease: on a fleet, the
+    /// enlists of every node but the relaying one.
+    pub relay_wakes_deferred: u64,
 }
 
 #[derive(Clone, Copy, Debug)]
@@ -60,10 +65,15 @@ pub(crate) enum Counter {
     Deduplicated,
     Discarded,
     DuplicateIntents,
+    RelayWakeDeferred,
 }
 
 impl Counters {
     pub(crate) fn bump(&self, counter: Counter) {
+        self.add(counter, 1);
+    }
+
+    pub(crate) fn add(&self, counter: Counter, n: u64) {
         let cell = match counter {
             Counter::Received => &self.received,
             Counter::Attempts => &self.attempts,
@@ -73,9 +83,10 @@ impl Counters {
             Counter::Deduplicated => &self.deduplicated,
             Counter::Discarded => &self.discarded,
             Counter::DuplicateIntents => &self.duplicate_intents,
+            Counter::RelayWakeDeferred => &self.relay_wakes_deferred,
         };
         // Atomic: the dispatching counters are bumped by every publishing thread.
-        cell.0.fetch_add(1, Ordering::Relaxed);
+        cell.0.fetch_add(n, Ordering::Relaxed);
     }
 }
 
@@ -109,6 +120,7 @@ impl Stats {
             total.deduplicated += read(&w.deduplicated);
             total.discarded += read(&w.discarded);
             total.duplicate_intents += read(&w.duplicate_intents);
+            total.relay_wakes_deferred += read(&w.relay_wakes_deferred);
         }
         total
     }
