@@ -909,13 +909,19 @@ async fn crashed_before_the_settle_and_restarted(harness: &mut TestHarness) -> D
     report
 }
 
-/// Revokes on a handler connection: an insert under an id derived from the message.
+/// Revokes on a handler connection: an insert under an id derived from the message, with a
+/// second connection open meanwhile (a read beside it), so that the pool opens one in the
+/// runtime's own threads beside the one the store opened at start.
 struct RevokeOnItsConnection;
 
 impl Handler<MemberRemoved> for RevokeOnItsConnection {
     async fn handle(&self, _: &MemberRemoved, ctx: &MessageContext) -> Result<(), HandlerError> {
         let id = dacapo::ids::derive_or_random(ctx.message_id(), "revoke");
         let mut connection = ctx.connection::<dacapo::sqlx::Postgres>().await?;
+        let mut beside = ctx.connection::<dacapo::sqlx::Postgres>().await?;
+        dacapo::sqlx::query("SELECT count(*) FROM effects")
+            .execute(&mut *beside)
+            .await?;
         dacapo::sqlx::query(
             "INSERT INTO effects (id, handler) VALUES ($1, 'revoke') ON CONFLICT (id) DO NOTHING",
         )
