@@ -2,7 +2,7 @@
 //! provider that redelivers a webhook, gets the first response again instead of a second
 //! effect.
 //!
-//! [`IdempotencyLayer`] is a tower layer (axum, hyper, tonic) that keeps responses in the
+//! [`IdempotencyLayer`] is a tower layer (axum, hyper) that keeps responses in the
 //! same SQLite or PostgreSQL store as the runtime. On the routes it wraps, for `POST` and
 //! `PATCH` by default:
 //!
@@ -18,6 +18,7 @@
 //! | the store unreachable | 503, problem `idempotency-store-unavailable`, `Retry-After: 1`; nothing ran or was kept |
 //! | a request body that cannot be read | 400, problem `request-unreadable` |
 //! | an endpoint answer that fails midway | 502, problem `response-unreadable`; nothing kept |
+//! | an answer after a failed statement, on PostgreSQL (the transaction is aborted) | 500, problem `endpoint-transaction-aborted`; nothing kept, the work rolled back |
 //! | an intent already carried out ([`RequestTransaction::enlist_once`]) | 409, problem `duplicate-intent`, answered by the endpoint |
 //! | the same key, its kept answer damaged in the store (a status or headers no response has) | 500, problem `kept-answer-unreadable`, until it expires; the endpoint does not run |
 //!

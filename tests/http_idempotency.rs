@@ -36,6 +36,20 @@ impl Message for OrderPlaced {
     const TYPE: &'static str = "orders.placed";
 }
 
+/// An order whose type declares its deduplication id: its reference.
+#[derive(Serialize, Deserialize)]
+struct OrderKeyed {
+    reference: String,
+}
+
+impl Message for OrderKeyed {
+    const TYPE: &'static str = "orders.keyed";
+
+    fn deduplication_id(&self) -> Option<String> {
+        Some(self.reference.clone())
+    }
+}
+
 /// What the endpoints count and wait on.
 #[derive(Clone, Default)]
 struct App {
@@ -246,6 +260,37 @@ macro_rules! endpoints {
                 StatusCode::CREATED
             }
 
+            /// A statement fails (a duplicate key), and the endpoint takes that for "already
+            /// there" and answers 201 all the same.
+            async fn carries_on_after_a_failed_statement(
+                State(app): State<App>,
+                Extension(request): Extension<RequestTransaction<$db>>,
+            ) -> StatusCode {
+                app.runs.fetch_add(1, Ordering::SeqCst);
+                let Ok(mut tx) = request.get().await else {
+                    return StatusCode::SERVICE_UNAVAILABLE;
+                };
+                for _ in 0..2 {
+                    let _already_there = sqlx::query(
+                        "INSERT INTO dacapo_idempotency_keys (key, recorded_at) VALUES ('dup', 0)",
+                    )
+                    .execute(&mut **tx)
+                    .await;
+                }
+                StatusCode::CREATED
+            }
+
+            /// Enlists a message whose type declares its deduplication id.
+            async fn enlists_keyed(
+                Extension(request): Extension<RequestTransaction<$db>>,
+                body: String,
+            ) -> StatusCode {
+                match request.enlist(&OrderKeyed { reference: body }).await {
+                    Ok(_) => StatusCode::CREATED,
+                    Err(_) => StatusCode::INTERNAL_SERVER_ERROR,
+                }
+            }
+
             /// Takes the transaction, writes, lets it go, then claims an intent; and shows a
             /// second borrow while one is held is refused instead of waiting forever.
             async fn writes_then_claims(
@@ -333,6 +378,8 @@ macro_rules! endpoints {
                     .route("/intent", post(intent))
                     .route("/fails-after-writing", post(fails_after_writing))
                     .route("/rejects", post(rejects_after_a_failed_statement))
+                    .route("/carries-on", post(carries_on_after_a_failed_statement))
+                    .route("/keyed", post(enlists_keyed))
                     .route("/writes-then-claims", post(writes_then_claims))
                     .route("/unauthorized-first", post(unauthorized_first))
                     .route_layer(layer)
@@ -473,7 +520,78 @@ on_both!(
     an_endpoint_writes_then_claims_and_a_second_borrow_is_refused,
     a_401_is_not_kept,
     a_kept_answer_damaged_in_the_store_is_500_and_the_endpoint_does_not_run_again,
+    an_endpoint_that_answers_after_a_failed_statement_is_never_told_to_retry_the_store,
+    a_message_enlisted_by_an_endpoint_carries_its_types_deduplication_id,
 );
+
+/// An endpoint that answers 201 after one of its statements failed. SQLite goes on after a
+/// failed statement: the answer and the work are kept. PostgreSQL aborts the transaction:
+/// nothing can commit, so the answer is a 500 of its own, the key stays free and no work is
+/// kept — never a 503 telling the client to retry a store that is up, which would run the
+/// endpoint again and again.
+async fn an_endpoint_that_answers_after_a_failed_statement_is_never_told_to_retry_the_store(
+    db: &TestDatabase,
+) {
+    let (base, app) = serve(db).await;
+    let client = reqwest::Client::new();
+    let url = format!("{base}/carries-on");
+    match db.backend {
+        Which::Sqlite => {
+            let first = post_with(&client, &url, Some("k-40"), "", &[]).await;
+            assert_eq!(first.status(), 201);
+            let again = post_with(&client, &url, Some("k-40"), "", &[]).await;
+            assert_eq!(again.status(), 201);
+            assert!(replayed(again.headers()));
+            assert_eq!(app.runs.load(Ordering::SeqCst), 1);
+            assert_eq!(
+                db.scalar("SELECT count(*) FROM dacapo_idempotency_keys WHERE key = 'dup'")
+                    .await,
+                1
+            );
+        }
+        Which::Postgres => {
+            for run in 1..=2 {
+                let response = post_with(&client, &url, Some("k-40"), "", &[]).await;
+                assert!(response.headers().get("retry-after").is_none());
+                let (status, content_type, body) = problem(response).await;
+                assert_eq!(status, StatusCode::INTERNAL_SERVER_ERROR);
+                assert_eq!(content_type, "application/problem+json");
+                assert_eq!(
+                    body["type"],
+                    "urn:dacapo:problem:endpoint-transaction-aborted"
+                );
+                // Nothing kept: the retry runs the endpoint again.
+                assert_eq!(app.runs.load(Ordering::SeqCst), run);
+            }
+            assert_eq!(
+                db.scalar("SELECT count(*) FROM dacapo_idempotency_keys WHERE key = 'dup'")
+                    .await,
+                0,
+                "its work rolled back"
+            );
+        }
+    }
+    assert_eq!(
+        db.scalar("SELECT count(*) FROM dacapo_http_keys").await,
+        i64::from(matches!(db.backend, Which::Sqlite))
+    );
+}
+
+/// `RequestTransaction::enlist` gives the message its type's deduplication id, as the
+/// application's outbox does: a receiver that requires one finds it.
+async fn a_message_enlisted_by_an_endpoint_carries_its_types_deduplication_id(db: &TestDatabase) {
+    let (base, _) = serve(db).await;
+    let client = reqwest::Client::new();
+    let response = post_with(&client, &format!("{base}/keyed"), Some("k-41"), "A-41", &[]).await;
+    assert_eq!(response.status(), 201);
+    let id: Option<String> = db
+        .value_for(
+            "SELECT deduplication_id FROM dacapo_outbox WHERE message_type = $1",
+            "orders.keyed".to_owned(),
+        )
+        .await;
+    assert_eq!(id.as_deref(), Some("A-41"));
+}
 
 /// A kept answer whose status or headers were damaged by hand is refused with a problem of
 /// its own, each time: not replayed as something the endpoint never answered, not retried as
@@ -1148,4 +1266,41 @@ async fn a_service_that_fails_without_an_answer_leaves_the_key_free_and_its_work
         0,
         "its work undone each time"
     );
+}
+
+/// An answer with trailers (gRPC's status travels in them) reaches the client with them: the
+/// layer reads the answer to keep it, but does not drop what follows the body.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_answers_trailers_reach_the_client() {
+    use http_body_util::{BodyExt, StreamBody};
+    use tower::{Layer, ServiceExt};
+    let db = TestDatabase::new(Which::Sqlite).await;
+    let with_trailers = tower::service_fn(|_: axum::http::Request<axum::body::Body>| async {
+        let mut trailers = axum::http::HeaderMap::new();
+        trailers.insert("grpc-status", "0".parse().unwrap());
+        let frames = [
+            Ok::<_, std::convert::Infallible>(http_body::Frame::data(axum::body::Bytes::from(
+                "answer",
+            ))),
+            Ok(http_body::Frame::trailers(trailers)),
+        ];
+        Ok::<_, std::convert::Infallible>(axum::http::Response::new(StreamBody::new(
+            futures::stream::iter(frames),
+        )))
+    });
+    let service = IdempotencyLayer::new(db.sqlite().await).layer(with_trailers);
+    let request = axum::http::Request::post("/calls")
+        .header("idempotency-key", "k-1")
+        .body(axum::body::Body::from("call"))
+        .unwrap();
+    let response = service.oneshot(request).await.unwrap();
+    assert_eq!(response.status(), 200);
+    let collected = response.into_body().collect().await.unwrap();
+    assert_eq!(
+        collected
+            .trailers()
+            .and_then(|trailers| trailers.get("grpc-status")),
+        Some(&axum::http::HeaderValue::from_static("0"))
+    );
+    assert_eq!(collected.to_bytes(), "answer");
 }

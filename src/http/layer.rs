@@ -338,29 +338,43 @@ fn problem(problem: Problem, detail: &str) -> Response<ResponseBody> {
 /// An endpoint's answer read up to a limit: what was read, and the rest if it went over.
 struct Read<B> {
     head: Bytes,
+    /// The trailers of an answer read to its end: passed on to the client, not kept.
+    trailers: Option<http::HeaderMap>,
     rest: Option<B>,
 }
 
-/// Reads `body` until it ends or passes `limit` bytes; trailers are not kept.
+/// Reads `body` until it ends or passes `limit` bytes.
 async fn read_up_to<B>(mut body: B, limit: usize) -> Result<Read<B>, BoxError>
 where
     B: Body<Data = Bytes> + Unpin,
     B::Error: Into<BoxError>,
 {
     let mut head = BytesMut::new();
+    let mut trailers: Option<http::HeaderMap> = None;
     while let Some(frame) = body.frame().await {
-        if let Ok(data) = frame.map_err(Into::into)?.into_data() {
-            head.extend_from_slice(&data);
-            if head.len() > limit {
-                return Ok(Read {
-                    head: head.freeze(),
-                    rest: Some(body),
-                });
+        let frame = match frame.map_err(Into::into)?.into_data() {
+            Ok(data) => {
+                head.extend_from_slice(&data);
+                if head.len() > limit {
+                    return Ok(Read {
+                        head: head.freeze(),
+                        trailers,
+                        rest: Some(body),
+                    });
+                }
+                continue;
             }
+            Err(frame) => frame,
+        };
+        if let Ok(more) = frame.into_trailers() {
+            trailers
+                .get_or_insert_with(http::HeaderMap::new)
+                .extend(more);
         }
     }
     Ok(Read {
         head: head.freeze(),
+        trailers,
         rest: None,
     })
 }
@@ -371,9 +385,13 @@ where
     B: Body<Data = Bytes> + Send + Unpin + 'static,
     B::Error: Into<BoxError>,
 {
-    match read.rest {
-        None => full(read.head),
-        Some(rest) => {
+    match (read.rest, read.trailers) {
+        (None, None) => full(read.head),
+        (None, Some(trailers)) => {
+            let frames = [Ok(Frame::data(read.head)), Ok(Frame::trailers(trailers))];
+            StreamBody::new(futures::stream::iter(frames)).boxed_unsync()
+        }
+        (Some(rest), _) => {
             let head = futures::stream::once(async move { Ok(Frame::data(read.head)) });
             let rest = BodyStream::new(rest.map_err(Into::into));
             StreamBody::new(head.chain(rest)).boxed_unsync()
@@ -553,6 +571,14 @@ where
     release(&mut slot).await;
     drop(slot);
     if let Err(error) = committed {
+        if aborted(&error) {
+            tracing::warn!(%error, status = %head.status, "the endpoint answered, but one of its statements had failed and its transaction cannot commit; it is rolled back and its answer not kept");
+            return Ok(problem(
+                Problem::TransactionAborted,
+                "one of the endpoint's statements failed, so its transaction cannot commit: its \
+                 work is rolled back and nothing was kept",
+            ));
+        }
         return Ok(unavailable(&error));
     }
     if !keep_body {
@@ -696,6 +722,15 @@ async fn release<DB: Backend>(slot: &mut Slot<DB>) {
     {
         tracing::warn!(%error, "a request's transaction could not be rolled back cleanly");
     }
+}
+
+/// Whether `error` is PostgreSQL refusing a statement in a transaction that an earlier failed
+/// statement aborted: the endpoint's doing, which no retry of the store cures.
+fn aborted(error: &sqlx::Error) -> bool {
+    error
+        .as_database_error()
+        .and_then(|error| error.code())
+        .is_some_and(|code| code == "25P02")
 }
 
 fn in_flight() -> Response<ResponseBody> {

@@ -13,7 +13,9 @@ pub enum Problem {
     KeyInvalid,
     /// 409: a request with the same key is still running; retry later.
     InFlight,
-    /// 422: the key was used before for a different request (method, path or body).
+    /// 422: the key was used before, in the same scope, for a different request (another
+    /// fingerprint: by default another body or query; with the default scope, the route,
+    /// another method or path is another key).
     KeyReused,
     /// 413: the request body is over the layer's limit.
     RequestTooLarge,
@@ -30,6 +32,12 @@ pub enum Problem {
     /// request is not run again, and retrying gets the same answer until an operator acts or
     /// the kept answer expires.
     KeptAnswerUnreadable,
+    /// 500: the endpoint answered, but its transaction cannot commit: one of its statements
+    /// failed, and PostgreSQL refuses every statement after a failed one until the
+    /// transaction ends. Its work is rolled back and nothing is kept; the key is free. An
+    /// endpoint that means to go on after a statement may fail runs that statement under a
+    /// savepoint of its own.
+    TransactionAborted,
 }
 
 impl Problem {
@@ -44,7 +52,9 @@ impl Problem {
             Self::KeyReused => StatusCode::UNPROCESSABLE_ENTITY,
             Self::RequestTooLarge => StatusCode::PAYLOAD_TOO_LARGE,
             Self::StoreUnavailable => StatusCode::SERVICE_UNAVAILABLE,
-            Self::KeptAnswerUnreadable => StatusCode::INTERNAL_SERVER_ERROR,
+            Self::KeptAnswerUnreadable | Self::TransactionAborted => {
+                StatusCode::INTERNAL_SERVER_ERROR
+            }
         }
     }
 
@@ -61,6 +71,7 @@ impl Problem {
             Self::DuplicateIntent => "urn:dacapo:problem:duplicate-intent",
             Self::StoreUnavailable => "urn:dacapo:problem:idempotency-store-unavailable",
             Self::KeptAnswerUnreadable => "urn:dacapo:problem:kept-answer-unreadable",
+            Self::TransactionAborted => "urn:dacapo:problem:endpoint-transaction-aborted",
         }
     }
 
@@ -76,6 +87,7 @@ impl Problem {
             Self::DuplicateIntent => "Duplicate intent",
             Self::StoreUnavailable => "Idempotency store unavailable",
             Self::KeptAnswerUnreadable => "The answer kept for this Idempotency-Key is unreadable",
+            Self::TransactionAborted => "The endpoint's transaction failed",
         }
     }
 

@@ -3,7 +3,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use dacapo_actors::{Envelope, Message, SendOptions};
+use dacapo_actors::{DeduplicationRules, Envelope, Message, SendOptions};
 use sha2::{Digest, Sha256};
 use tokio::sync::{Mutex, MutexGuard};
 use uuid::Uuid;
@@ -141,7 +141,9 @@ impl<DB: Backend> RequestTransaction<DB> {
     }
 
     /// Enlists `message` in the outbox, in the request's transaction: it is published once
-    /// the request commits, and never if it rolls back. Returns its envelope id.
+    /// the request commits, and never if it rolls back. It carries the message type's own
+    /// deduplication id ([`Message::deduplication_id`]), as from the application's outbox.
+    /// Returns its envelope id.
     ///
     /// # Errors
     ///
@@ -172,6 +174,9 @@ impl<DB: Backend> RequestTransaction<DB> {
     ) -> Result<Uuid, Error> {
         let mut envelope = Envelope::for_message(message)?;
         options.apply(&mut envelope);
+        // As the application's outbox: the message type's own declaration gives the logical
+        // id, so that a receiver that requires one finds it.
+        DeduplicationRules::default().apply(message, &mut envelope);
         let mut slot = self.borrow()?;
         DB::begin(&mut slot).await.map_err(db_error)?;
         let tx = slot.tx.as_mut().ok_or_else(ended)?;
