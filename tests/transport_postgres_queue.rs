@@ -115,6 +115,29 @@ async fn a_cut_queue_connection_resumes_and_loses_nothing() {
     assert_eq!(rows_left(queue_database.url()).await, 0);
 }
 
+/// A server that goes silent without closing the connection (a host down, packets dropped):
+/// the node's take or acknowledgement gives up after its reply timeout, the node connects
+/// again, and once the server answers again everything published meanwhile arrives, once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_server_gone_silent_is_a_lost_connection_not_a_wait_for_ever() {
+    let queue_database = TestStore::postgres().await;
+    let (proxy, through) = Proxy::to(queue_database.url()).await;
+    let transport = PostgresQueue::connect(&through, "pings")
+        .unwrap()
+        .route::<Ping>()
+        .poll_interval(std::time::Duration::from_millis(100))
+        .reply_timeout(std::time::Duration::from_secs(1));
+    a_cut_connection_resumes_by_itself(
+        TestStore::sqlite().await,
+        transport.into(),
+        || proxy.stall(),
+        || proxy.restore(),
+        true,
+    )
+    .await;
+    assert_eq!(rows_left(queue_database.url()).await, 0);
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_row_that_is_no_envelope_is_dead_lettered_and_taken_off_the_queue() {
     let store = TestStore::postgres().await;

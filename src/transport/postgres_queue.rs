@@ -62,6 +62,7 @@ pub struct PostgresQueue {
     prefetch: u16,
     poll_interval: Duration,
     declare: bool,
+    reply_timeout: Duration,
 }
 
 impl std::fmt::Debug for PostgresQueue {
@@ -73,6 +74,7 @@ impl std::fmt::Debug for PostgresQueue {
             .field("prefetch", &self.prefetch)
             .field("poll_interval", &self.poll_interval)
             .field("declare", &self.declare)
+            .field("reply_timeout", &self.reply_timeout)
             .finish_non_exhaustive()
     }
 }
@@ -104,6 +106,7 @@ impl PostgresQueue {
             prefetch: 100,
             poll_interval: Duration::from_secs(1),
             declare: true,
+            reply_timeout: Duration::from_secs(30),
         }
     }
 
@@ -121,6 +124,18 @@ impl PostgresQueue {
     #[must_use]
     pub fn poll_interval(mut self, interval: Duration) -> Self {
         self.poll_interval = interval.max(MIN_POLL_INTERVAL);
+        self
+    }
+
+    /// How long a node's take of a batch, or its acknowledgement, waits for the server's answer
+    /// before the connection counts as lost and the node connects again (default 30 s). A
+    /// server gone without closing the connection (a host down, a network that drops
+    /// packets) would otherwise leave the node waiting for as long as TCP takes to notice,
+    /// still listening in name. The rows it held are freed by the server meanwhile, and the
+    /// redelivery of a batch already recorded is discarded by the inbox.
+    #[must_use]
+    pub fn reply_timeout(mut self, timeout: Duration) -> Self {
+        self.reply_timeout = timeout;
         self
     }
 
@@ -165,12 +180,28 @@ impl From<PostgresQueue> for Transport {
                     prefetch: queue.prefetch,
                     poll_interval: queue.poll_interval,
                     declare: queue.declare,
+                    reply_timeout: queue.reply_timeout,
                     notifications: None,
                     taken: None,
                 };
                 (Box::new(publisher), Box::new(subscriber))
             }),
         }
+    }
+}
+
+/// Runs `work` (`what`: a take, an acknowledgement), its error a transport failure, and one
+/// too of a server that does not answer within `timeout`: the connection counts as lost.
+async fn answered_within<T>(
+    timeout: Duration,
+    what: &str,
+    work: impl std::future::Future<Output = Result<T, sqlx::Error>>,
+) -> Result<T, Error> {
+    match tokio::time::timeout(timeout, work).await {
+        Ok(done) => done.map_err(failed),
+        Err(_) => Err(failed(format!(
+            "the server did not answer {what} within {timeout:?}"
+        ))),
     }
 }
 
@@ -316,6 +347,7 @@ struct Subscriber {
     prefetch: u16,
     poll_interval: Duration,
     declare: bool,
+    reply_timeout: Duration,
     notifications: Option<PgListener>,
     /// The open transaction holding the last batch's rows, and their positions.
     taken: Option<(Transaction<'static, Postgres>, Vec<i64>)>,
@@ -333,13 +365,16 @@ impl Subscribe for Subscriber {
     }
 
     async fn next(&mut self) -> Result<Vec<Received>, Error> {
-        let mut tx = self.pool.begin().await.map_err(failed)?;
-        let rows = sqlx::query(TAKE)
-            .bind(&self.queue)
-            .bind(i64::from(self.prefetch))
-            .fetch_all(&mut *tx)
-            .await
-            .map_err(failed)?;
+        let take = async {
+            let mut tx = self.pool.begin().await?;
+            let rows = sqlx::query(TAKE)
+                .bind(&self.queue)
+                .bind(i64::from(self.prefetch))
+                .fetch_all(&mut *tx)
+                .await?;
+            Ok::<_, sqlx::Error>((tx, rows))
+        };
+        let (tx, rows) = answered_within(self.reply_timeout, "a take", take).await?;
         if rows.is_empty() {
             tx.rollback().await.map_err(failed)?;
             self.wait().await?;
@@ -360,12 +395,14 @@ impl Subscribe for Subscriber {
         let Some((mut tx, positions)) = self.taken.take() else {
             return Ok(());
         };
-        sqlx::query(DELETE)
-            .bind(&positions)
-            .execute(&mut *tx)
-            .await
-            .map_err(failed)?;
-        tx.commit().await.map_err(failed)
+        let acknowledge = async {
+            sqlx::query(DELETE)
+                .bind(&positions)
+                .execute(&mut *tx)
+                .await?;
+            tx.commit().await
+        };
+        answered_within(self.reply_timeout, "an acknowledgement", acknowledge).await
     }
 
     async fn release(&mut self) {

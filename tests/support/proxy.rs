@@ -14,6 +14,8 @@ use tokio::task::JoinSet;
 pub struct Proxy {
     pub port: u16,
     up: Arc<AtomicBool>,
+    /// The server's side held back, each connection left open: a server gone silent.
+    stalled: Arc<AtomicBool>,
     cut: Arc<Notify>,
     round_trips: Arc<AtomicU64>,
 }
@@ -24,10 +26,15 @@ impl Proxy {
         let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
         let port = listener.local_addr().unwrap().port();
         let up = Arc::new(AtomicBool::new(true));
+        let stalled = Arc::new(AtomicBool::new(false));
         let cut = Arc::new(Notify::new());
         let round_trips = Arc::new(AtomicU64::new(0));
-        let (up_, cut_, round_trips_) =
-            (Arc::clone(&up), Arc::clone(&cut), Arc::clone(&round_trips));
+        let (up_, stalled_, cut_, round_trips_) = (
+            Arc::clone(&up),
+            Arc::clone(&stalled),
+            Arc::clone(&cut),
+            Arc::clone(&round_trips),
+        );
         tokio::spawn(async move {
             let mut connections = JoinSet::new();
             loop {
@@ -39,9 +46,10 @@ impl Proxy {
                         }
                         let upstream = upstream.clone();
                         let round_trips = Arc::clone(&round_trips_);
+                        let stalled = Arc::clone(&stalled_);
                         connections.spawn(async move {
                             if let Ok(server) = TcpStream::connect(upstream.as_str()).await {
-                                relay(client, server, round_trips).await;
+                                relay(client, server, round_trips, stalled).await;
                             }
                         });
                     }
@@ -52,6 +60,7 @@ impl Proxy {
         Self {
             port,
             up,
+            stalled,
             cut,
             round_trips,
         }
@@ -77,7 +86,18 @@ impl Proxy {
         self.cut.notify_one();
     }
 
+    /// Holds back everything the server sends from now on, on every connection, new ones
+    /// included, and closes none: a server host gone, or a network dropping its packets.
+    pub fn stall(&self) {
+        self.stalled.store(true, Ordering::SeqCst);
+    }
+
+    /// Lets connections through again; those a stall held are closed, as TCP would once it
+    /// noticed.
     pub fn restore(&self) {
+        if self.stalled.swap(false, Ordering::SeqCst) {
+            self.cut.notify_one();
+        }
         self.up.store(true, Ordering::SeqCst);
     }
 
@@ -89,7 +109,12 @@ impl Proxy {
 
 /// Copies both ways; reads the server's side as protocol messages (a type byte, then a
 /// big-endian length that counts itself) to count `ReadyForQuery` (`Z`).
-async fn relay(client: TcpStream, server: TcpStream, round_trips: Arc<AtomicU64>) {
+async fn relay(
+    client: TcpStream,
+    server: TcpStream,
+    round_trips: Arc<AtomicU64>,
+    stalled: Arc<AtomicBool>,
+) {
     let (mut client_read, mut client_write) = client.into_split();
     let (mut server_read, mut server_write) = server.into_split();
     let upstream = async {
@@ -104,6 +129,9 @@ async fn relay(client: TcpStream, server: TcpStream, round_trips: Arc<AtomicU64>
         while let Ok(read) = server_read.read(&mut buffer).await {
             if read == 0 {
                 break;
+            }
+            if stalled.load(Ordering::SeqCst) {
+                std::future::pending::<()>().await;
             }
             let mut at = 0;
             while at < read {
