@@ -446,6 +446,82 @@ async fn an_envelope_the_broker_refuses_waits_in_the_outbox_and_holds_back_nothi
     went_out_once(broker, runtime, &seen, &roomy, orphan).await;
 }
 
+/// Another service's exchange the broker refuses to this node (declared there as `direct`,
+/// where this transport declares topic exchanges): the envelope routed to it waits in the
+/// outbox, and the rest of its batch goes out; once the exchange is one this node can use, it
+/// goes out too, once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_exchange_the_broker_refuses_holds_back_its_envelopes_only() {
+    use lapin::options::{ExchangeDeclareOptions, QueueBindOptions};
+    let broker = Broker::new().await;
+    let store = TestStore::sqlite().await;
+    let billing = unique("billing-");
+    let durable = ExchangeDeclareOptions {
+        durable: true,
+        ..ExchangeDeclareOptions::default()
+    };
+    broker
+        .channel
+        .exchange_declare(
+            billing.as_str().into(),
+            lapin::ExchangeKind::Direct,
+            durable,
+            FieldTable::default(),
+        )
+        .await
+        .unwrap();
+    let (runtime, seen) = listening_node(
+        &store,
+        broker.transport(&url()).route_to::<Orphan>(&billing),
+    )
+    .await;
+    let orphan = orphan_held_and_ping_sent(&store, &runtime, &seen).await;
+
+    // Billing's exchange made again as one this node can publish to, with a queue bound.
+    broker
+        .channel
+        .exchange_delete(billing.as_str().into(), ExchangeDeleteOptions::default())
+        .await
+        .unwrap();
+    broker
+        .channel
+        .exchange_declare(
+            billing.as_str().into(),
+            lapin::ExchangeKind::Topic,
+            durable,
+            FieldTable::default(),
+        )
+        .await
+        .unwrap();
+    let invoices = unique("invoices-");
+    broker
+        .channel
+        .queue_declare(
+            invoices.as_str().into(),
+            QueueDeclareOptions::default(),
+            FieldTable::default(),
+        )
+        .await
+        .unwrap();
+    broker
+        .channel
+        .queue_bind(
+            invoices.as_str().into(),
+            billing.as_str().into(),
+            <Orphan as dacapo::Message>::TYPE.into(),
+            QueueBindOptions::default(),
+            FieldTable::default(),
+        )
+        .await
+        .unwrap();
+    went_out_once(broker, runtime, &seen, &invoices, orphan).await;
+    let cleanup = Broker::new().await;
+    let _ = cleanup
+        .channel
+        .exchange_delete(billing.as_str().into(), ExchangeDeleteOptions::default())
+        .await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_nul_in_a_type_or_deduplication_id_is_dead_lettered_in_postgresql_not_lost() {
     let store = TestStore::postgres().await;

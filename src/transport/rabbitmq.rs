@@ -1,6 +1,6 @@
 //! RabbitMQ, over lapin: publisher confirms, a prefetch, acknowledgements after the inbox.
 
-use std::collections::{BTreeMap, HashSet};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::sync::Arc;
 
 use async_trait::async_trait;
@@ -330,12 +330,26 @@ impl Publisher {
                 Err(why) => refused.push((envelope.id, why)),
             }
         }
-        let channel = self.channel().await?.clone();
+        let mut channel = self.channel().await?.clone();
+        // Exchanges the broker refuses (missing where only checked, declared otherwise, not
+        // this user's), with why: their envelopes wait for an operator, the rest go on.
+        let mut refused_exchanges: HashMap<String, String> = HashMap::new();
         for (_, publication) in &sendable {
             let name = publication.exchange.as_str();
-            if !self.declared.contains(name) {
-                exchange(&channel, name, settings.declare).await?;
-                self.declared.insert(name.to_owned());
+            if self.declared.contains(name) || refused_exchanges.contains_key(name) {
+                continue;
+            }
+            match exchange(&channel, name, settings.declare).await {
+                Ok(()) => {
+                    self.declared.insert(name.to_owned());
+                }
+                Err(Error::Configuration(why)) => {
+                    refused_exchanges.insert(name.to_owned(), why);
+                    // The broker closes a channel whose declaration it refused.
+                    self.reset();
+                    channel = self.channel().await?.clone();
+                }
+                Err(error) => return Err(error),
             }
         }
         // Every publication goes out before the first confirm is awaited: one round trip for
@@ -345,6 +359,10 @@ impl Publisher {
         let mut broken = None;
         let mut confirms = Vec::with_capacity(sendable.len());
         for (envelope, publication) in sendable {
+            if let Some(why) = refused_exchanges.get(publication.exchange.as_str()) {
+                held.push((envelope.id, format!("not sent: {why}")));
+                continue;
+            }
             if broken.is_some() {
                 held.push((envelope.id, "not sent: the channel failed".to_owned()));
                 continue;
