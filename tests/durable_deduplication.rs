@@ -512,3 +512,67 @@ on_both_backends!(
         runtime.shutdown().await;
     }
 );
+
+/// A claim taken over (it had expired, and another message claims its id anew) while the
+/// reaper waits for that row's lock: the reaper, on PostgreSQL, checks the row again and
+/// leaves the new claim, which keeps stopping the intent's duplicates. (It chose the row while
+/// it was expired; checked against its choice alone, it deleted the fresh claim.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_reaper_leaves_a_claim_taken_over_while_it_waited() {
+    use dacapo::ports::Claims;
+    use sqlx::Connection;
+    let db = support_stores::TestDatabase::new(support_stores::Backend::Postgres).await;
+    let store = std::sync::Arc::new(db.postgres().await);
+    store.provision().await.unwrap();
+    db.execute(
+        "INSERT INTO dacapo_deduplication \
+         (handler, key_hash, key, fingerprint, envelope_id, node, completed, claimed_at, expires_at) \
+         VALUES ('h', 'k', 'order-1', 'f', 'first', 'node-a', 1, 0, 1)",
+    )
+    .await;
+
+    let mut takeover = sqlx::PgConnection::connect(&db.url).await.unwrap();
+    sqlx::query("BEGIN").execute(&mut takeover).await.unwrap();
+    sqlx::query(
+        "UPDATE dacapo_deduplication SET envelope_id = 'second', completed = 0, \
+         claimed_at = 2, expires_at = 9000000000000000 WHERE handler = 'h' AND key_hash = 'k'",
+    )
+    .execute(&mut takeover)
+    .await
+    .unwrap();
+    let reaping = tokio::spawn({
+        let store = std::sync::Arc::clone(&store);
+        async move { store.reap(chrono::Utc::now(), 100).await }
+    });
+    let mut watcher = sqlx::PgConnection::connect(&db.url).await.unwrap();
+    tokio::time::timeout(WAIT, async {
+        loop {
+            let waiting: i64 = sqlx::query_scalar(
+                "SELECT count(*) FROM pg_stat_activity \
+                 WHERE datname = current_database() AND wait_event_type = 'Lock'",
+            )
+            .fetch_one(&mut watcher)
+            .await
+            .unwrap();
+            if waiting > 0 {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    })
+    .await
+    .expect("the reaper waits for the claim's lock");
+    sqlx::query("COMMIT").execute(&mut takeover).await.unwrap();
+    let reaped = tokio::time::timeout(WAIT, reaping)
+        .await
+        .expect("the reaper ends once the takeover committed")
+        .unwrap()
+        .unwrap();
+    assert_eq!(reaped, 0);
+    assert_eq!(
+        db.scalar("SELECT count(*) FROM dacapo_deduplication WHERE envelope_id = 'second'")
+            .await,
+        1,
+        "the new claim is kept"
+    );
+}

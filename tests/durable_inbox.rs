@@ -412,3 +412,66 @@ async fn a_write_on_postgresql_commits_while_an_earlier_group_is_still_committin
     let settled = tokio::time::timeout(WAIT, settling).await.unwrap().unwrap();
     assert_eq!(settled.unwrap(), Handled::Written { in_outbox: true });
 }
+
+/// A replay that makes a handled row `incoming` again while the retention sweep waits for that
+/// row's lock: the sweep, on PostgreSQL, checks the row again and leaves it. (It chose the row
+/// while it was handled; checked against its choice alone, it deleted the replayed delivery,
+/// whose dead letter the replay had already removed.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_retention_sweep_leaves_a_row_a_replay_made_incoming_while_it_waited() {
+    use dacapo::ports::Receipt;
+    use sqlx::Connection;
+    let db = support_stores::TestDatabase::new(support_stores::Backend::Postgres).await;
+    let inbox = std::sync::Arc::new(db.sqlite_or_postgres_inbox().await);
+    let envelope = Envelope::for_message(&member_removed()).unwrap();
+    assert_eq!(inbox.receive(&envelope).await.unwrap(), Receipt::New);
+    inbox.settle_handled(envelope.id, &[]).await.unwrap();
+
+    let mut replay = sqlx::PgConnection::connect(&db.url).await.unwrap();
+    sqlx::query("BEGIN").execute(&mut replay).await.unwrap();
+    sqlx::query(
+        "UPDATE dacapo_inbox SET status = 'incoming', attempts = 0, handled_at = NULL \
+         WHERE id = $1",
+    )
+    .bind(envelope.id.simple().to_string())
+    .execute(&mut replay)
+    .await
+    .unwrap();
+    let sweeping = tokio::spawn({
+        let inbox = std::sync::Arc::clone(&inbox);
+        async move {
+            inbox
+                .delete_handled_before(chrono::Utc::now() + chrono::Duration::hours(1), 100)
+                .await
+        }
+    });
+    let mut watcher = sqlx::PgConnection::connect(&db.url).await.unwrap();
+    tokio::time::timeout(WAIT, async {
+        loop {
+            let waiting: i64 = sqlx::query_scalar(
+                "SELECT count(*) FROM pg_stat_activity \
+                 WHERE datname = current_database() AND wait_event_type = 'Lock'",
+            )
+            .fetch_one(&mut watcher)
+            .await
+            .unwrap();
+            if waiting > 0 {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    })
+    .await
+    .expect("the sweep waits for the replayed row's lock");
+    sqlx::query("COMMIT").execute(&mut replay).await.unwrap();
+    tokio::time::timeout(WAIT, sweeping)
+        .await
+        .expect("the sweep ends once the replay committed")
+        .unwrap()
+        .unwrap();
+    assert_eq!(
+        db.inbox_status(envelope.id).await.as_deref(),
+        Some("incoming"),
+        "the replayed delivery is still there"
+    );
+}

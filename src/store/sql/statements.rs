@@ -181,7 +181,12 @@ pub(crate) const RELEASE_BEFORE: &str = "UPDATE dacapo_inbox SET owner = NULL \
 
 pub(crate) const FORGET_NODE: &str = "DELETE FROM dacapo_nodes WHERE id = $1";
 
-pub(crate) const DELETE_HANDLED: &str = "DELETE FROM dacapo_inbox WHERE id IN \
+/// The sweeps below repeat their condition on the row they delete: on PostgreSQL a row another
+/// transaction changed while the sweep waited for its lock is checked again against the outer
+/// condition only, not the subquery's. Without it a sweep deletes the row a replay just made
+/// `incoming` again, or a claim just taken over, or a key just recorded again.
+pub(crate) const DELETE_HANDLED: &str = "DELETE FROM dacapo_inbox \
+    WHERE status = 'handled' AND handled_at < $1 AND id IN \
     (SELECT id FROM dacapo_inbox WHERE status = 'handled' AND handled_at < $1 LIMIT $2)";
 
 pub(crate) const PUT_DEAD_LETTER: &str = "INSERT INTO dacapo_dead_letters \
@@ -225,11 +230,13 @@ pub(crate) const OWN_UNSETTLED_ROW: &str = "SELECT id, message_type, payload, he
     WHERE id = $1 AND owner = $2 AND status IN ('incoming', 'scheduled')";
 
 pub(crate) const DELETE_IDEMPOTENCY_KEYS: &str = "DELETE FROM dacapo_idempotency_keys \
-    WHERE key IN (SELECT key FROM dacapo_idempotency_keys WHERE recorded_at < $1 LIMIT $2)";
+    WHERE recorded_at < $1 \
+    AND key IN (SELECT key FROM dacapo_idempotency_keys WHERE recorded_at < $1 LIMIT $2)";
 
 /// HTTP responses kept for idempotency keys whose retention ended.
 pub(crate) const DELETE_EXPIRED_HTTP_KEYS: &str = "DELETE FROM dacapo_http_keys \
-    WHERE id IN (SELECT id FROM dacapo_http_keys WHERE expires_at <= $1 LIMIT $2)";
+    WHERE expires_at <= $1 \
+    AND id IN (SELECT id FROM dacapo_http_keys WHERE expires_at <= $1 LIMIT $2)";
 
 pub(crate) const INBOX_STATUS: &str = "SELECT status FROM dacapo_inbox WHERE id = $1";
 
@@ -304,7 +311,8 @@ pub(crate) const COMPLETE_CLAIM: &str = "UPDATE dacapo_deduplication SET complet
     WHERE handler = $1 AND key_hash = $2 AND envelope_id = $3 AND node = $4";
 
 pub(crate) const REAP_CLAIMS: &str = "DELETE FROM dacapo_deduplication \
-    WHERE (handler, key_hash) IN (SELECT handler, key_hash FROM dacapo_deduplication \
+    WHERE expires_at <= $1 \
+    AND (handler, key_hash) IN (SELECT handler, key_hash FROM dacapo_deduplication \
     WHERE expires_at <= $1 LIMIT $2)";
 
 /// The columns of an outbox row, and one row's values.
