@@ -773,3 +773,32 @@ on_both_backends!(
         runtime.shutdown().await;
     }
 );
+
+on_both_backends!(
+    a_batch_of_rows_beyond_a_statements_parameters_is_marked_published_sqlite,
+    a_batch_of_rows_beyond_a_statements_parameters_is_marked_published_postgres,
+    |db| {
+        // More positions than one statement binds on either database (32 766 on SQLite, 65 535
+        // on PostgreSQL): a `relay_batch` this large marked nothing before, every round.
+        let outbox = db.sqlite_or_postgres_outbox().await;
+        db.execute(
+            "WITH RECURSIVE n(i) AS (SELECT 1 UNION ALL SELECT i + 1 FROM n WHERE i < 70000) \
+             INSERT INTO dacapo_outbox (id, message_type, payload, headers, sent_at, enlisted_at) \
+             SELECT 'row-' || i, 'tests.many', '', '{}', 0, 0 FROM n",
+        )
+        .await;
+        let positions: Vec<i64> = outbox
+            .unpublished(0, 70_000)
+            .await
+            .unwrap()
+            .into_iter()
+            .map(|(position, _)| position)
+            .collect();
+        assert_eq!(positions.len(), 70_000);
+        outbox
+            .mark_published(&positions, chrono::Utc::now())
+            .await
+            .unwrap();
+        assert_eq!(outbox.backlog().await.unwrap().depth, 0);
+    }
+);

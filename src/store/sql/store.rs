@@ -789,6 +789,10 @@ impl<D: Dialect> DurableInbox for SqlStore<D> {
     }
 }
 
+/// How many outbox rows one statement marks published: far below the parameters a statement
+/// may bind (32 766 on SQLite, 65 535 on PostgreSQL).
+const MARKED_AT_ONCE: usize = 1000;
+
 #[async_trait]
 impl<D: Dialect> Claims for SqlStore<D> {
     async fn provision(&self) -> Result<(), Error> {
@@ -998,13 +1002,26 @@ impl<D: Dialect> OutboxStore for SqlStore<D> {
         if positions.is_empty() {
             return Ok(());
         }
-        let values: Vec<Value<'_>> = std::iter::once(Value::Int64(millis(at)))
-            .chain(positions.iter().map(|position| Value::Int64(*position)))
-            .collect();
-        self.db
-            .execute_built(mark_published(positions.len()), &values)
-            .await?;
-        Ok(())
+        let values = |chunk: &[i64]| -> Vec<Value<'_>> {
+            std::iter::once(Value::Int64(millis(at)))
+                .chain(chunk.iter().map(|position| Value::Int64(*position)))
+                .collect()
+        };
+        if positions.len() <= MARKED_AT_ONCE {
+            self.db
+                .execute_built(mark_published(positions.len()), &values(positions))
+                .await?;
+            return Ok(());
+        }
+        // In statements of a bounded size (a relay batch set larger than a statement's
+        // parameters allow would fail its mark every round, and publish its rows again each
+        // time), all in one transaction.
+        let mut tx = self.db.begin().await?;
+        for chunk in positions.chunks(MARKED_AT_ONCE) {
+            tx.execute_built(mark_published(chunk.len()), &values(chunk))
+                .await?;
+        }
+        tx.commit().await
     }
 
     async fn sync(&self) -> Result<(), Error> {
