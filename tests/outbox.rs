@@ -802,3 +802,53 @@ on_both_backends!(
         assert_eq!(outbox.backlog().await.unwrap().depth, 0);
     }
 );
+
+on_both_backends!(
+    a_dead_letter_the_broker_refused_is_replayed_through_the_outbox_sqlite,
+    a_dead_letter_the_broker_refused_is_replayed_through_the_outbox_postgres,
+    |db| {
+        use dacapo::ports::DeadLetterStore;
+        let calls = Recorder::<MemberRemoved>::new();
+        let runtime = db
+            .store(Runtime::builder(), "local", Duration::from_secs(30))
+            .await
+            .relay_interval(Duration::from_millis(50))
+            .module(
+                Module::new("webhooks").handle_named::<MemberRemoved, _>("queue", calls.clone()),
+            )
+            .build()
+            .unwrap();
+        // As the relay keeps one the broker refused: never in an inbox.
+        let envelope = Envelope::for_message(&removed(7)).unwrap();
+        let now = chrono::Utc::now();
+        let letter = dacapo::DeadLetter::rejected(
+            envelope.clone(),
+            dacapo::DeadLetterReason::Undeliverable("over the broker's max_payload".into()),
+            now,
+        );
+        match db.backend {
+            support_stores::Backend::Sqlite => db.sqlite().await.put(letter).await.unwrap(),
+            support_stores::Backend::Postgres => db.postgres().await.put(letter).await.unwrap(),
+        }
+
+        runtime.dead_letters().replay(envelope.id).await.unwrap();
+        assert_eq!(
+            db.value_for::<i64>(
+                "SELECT count(*) FROM dacapo_outbox WHERE id = $1",
+                envelope.id.simple().to_string(),
+            )
+            .await,
+            1,
+            "back in the outbox, with its id"
+        );
+        // The relay sends it again (here to this node's own handler: no broker routes it).
+        until(|| calls.count() == 1).await;
+        assert_eq!(calls.calls()[0].message_id, Some(envelope.id));
+        assert!(matches!(
+            runtime.dead_letters().inspect(envelope.id).await,
+            Err(dacapo::Error::DeadLetterNotFound(_))
+        ));
+        tokio::time::timeout(WAIT, runtime.idle()).await.unwrap();
+        runtime.shutdown().await;
+    }
+);

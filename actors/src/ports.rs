@@ -149,6 +149,10 @@ pub enum ReplayTo {
 pub enum Replay {
     /// The dead letter moved back to the inbox, fresh attempt count: its envelope.
     Replayed(Envelope),
+    /// The dead letter was one the broker refused on its way out
+    /// ([`DeadLetterReason::Undeliverable`](crate::DeadLetterReason::Undeliverable)): it moved
+    /// back to the outbox, with the same envelope id, for the relay to send again.
+    Enlisted(Envelope),
     /// No dead letter has that id.
     NotFound,
     /// The envelope is being delivered right now (an earlier replay of it runs): refused.

@@ -313,7 +313,9 @@ async fn dead_letters(
                 // One transaction each: the letter leaves the dead letters exactly when its
                 // envelope is back in the inbox, unowned, for a running node to pick up.
                 match store.inbox().replay(id, ReplayTo::AnyNode).await? {
-                    Replay::Replayed(_) => replayed.push(id),
+                    // Refused by the broker on its way out: back in the outbox, for a
+                    // running node's relay to send.
+                    Replay::Replayed(_) | Replay::Enlisted(_) => replayed.push(id),
                     Replay::InProgress if single => {
                         return Err(Failure(format!(
                             "{id} is being delivered right now (replayed already); nothing \

@@ -59,7 +59,10 @@ impl<'a> DeadLetters<'a> {
     }
 
     /// Sends the dead letter's envelope back to the inbox with the same envelope id and a
-    /// fresh attempt count, and runs it on this node.
+    /// fresh attempt count, and runs it on this node. A letter the broker refused on its way
+    /// out ([`DeadLetterReason::Undeliverable`](crate::DeadLetterReason::Undeliverable)) goes
+    /// back to the outbox instead, at its end, and the relay sends it again: to the service it
+    /// was routed to, not to this node's handlers.
     ///
     /// The move is one transition of the inbox: the dead letter is removed and the inbox row
     /// rewritten together, or neither. A replay that fails again at once therefore leaves its
@@ -93,6 +96,7 @@ impl<'a> DeadLetters<'a> {
                 Vec::new(),
                 Vec::new(),
             ))?,
+            Replay::Enlisted(_) => runtime.wake_outbox(),
             Replay::InProgress => return Err(Error::ReplayInProgress(id)),
             _ => return Err(Error::DeadLetterNotFound(id)),
         }

@@ -328,6 +328,10 @@ macro_rules! enlist {
 
 pub(crate) const ENLIST: &str = concat!(enlist!(columns), enlist!(row));
 
+/// An outbox row by envelope id, published or not: a replayed dead letter is enlisted again
+/// in its place, at the outbox's end.
+pub(crate) const DELETE_OUTBOX_ROW: &str = "DELETE FROM dacapo_outbox WHERE id = $1";
+
 /// Many envelopes enlisted in one statement.
 pub(crate) const ENLIST_ROWS: Rows = Rows {
     head: enlist!(columns),

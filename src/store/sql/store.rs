@@ -12,7 +12,7 @@ use dacapo_actors::ports::{
     OutboxBacklog, OutboxRow, OutboxStore, Receipt, Replay, ReplayTo, Resumable, RetryRecord,
     ScheduledEnvelope, SystemClock,
 };
-use dacapo_actors::{DeadLetter, DeadLetterFilter, Envelope, Error};
+use dacapo_actors::{DeadLetter, DeadLetterFilter, DeadLetterReason, Envelope, Error};
 use futures::stream::BoxStream;
 use uuid::Uuid;
 
@@ -646,8 +646,22 @@ impl<D: Dialect> Inbox for SqlStore<D> {
                 _ => Replay::NotFound,
             });
         };
-        let mut envelope = Self::dead_letter_row(&row)?.envelope;
+        let letter = Self::dead_letter_row(&row)?;
+        let mut envelope = letter.envelope;
         envelope.attempts = 0;
+        if matches!(letter.reason, DeadLetterReason::Undeliverable(_)) {
+            // It never reached the broker: out again through the outbox, at its end, not into
+            // this node's inbox (whose handlers, if any, are not the ones it was sent to).
+            let columns = EnvelopeColumns::of(&envelope)?;
+            tx.execute(DELETE_OUTBOX_ROW, &[Value::Text(&id)]).await?;
+            tx.execute(
+                ENLIST,
+                &columns.values_and(&[Value::Int64(millis(self.now()))]),
+            )
+            .await?;
+            tx.commit().await?;
+            return Ok(Replay::Enlisted(envelope));
+        }
         let owner = match to {
             ReplayTo::ThisNode => Some(&*self.node),
             _ => None,
