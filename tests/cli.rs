@@ -533,3 +533,147 @@ async fn count(url: &str, args: &[&str]) -> usize {
     let rows: serde_json::Value = serde_json::from_str(&dacapo(&args).await).unwrap();
     rows.as_array().unwrap().len()
 }
+
+on_both_backends!(
+    a_purge_asked_on_a_terminal_removes_only_the_letters_it_asked_about_sqlite,
+    a_purge_asked_on_a_terminal_removes_only_the_letters_it_asked_about_postgres,
+    |db| {
+        use std::io::{Read, Write};
+        use std::sync::{Arc, Mutex};
+        dead_letters_of_two_types(&db, 2, 0).await;
+        // A terminal for the tool to ask on: `script` runs it on a pseudo-terminal, whose
+        // input is this test's writes and whose output comes back on `script`'s.
+        let command = format!(
+            "{} dead-letters purge --database '{}'",
+            env!("CARGO_BIN_EXE_dacapo"),
+            db.url
+        );
+        let mut child = std::process::Command::new("script")
+            .args(["-qec", &command, "/dev/null"])
+            .env_remove("DACAPO_DATABASE_URL")
+            .stdin(std::process::Stdio::piped())
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .expect("script (util-linux) runs");
+        let shown = Arc::new(Mutex::new(String::new()));
+        let reader = {
+            let shown = Arc::clone(&shown);
+            let mut stdout = child.stdout.take().unwrap();
+            std::thread::spawn(move || {
+                let mut buffer = [0u8; 1024];
+                while let Ok(read) = stdout.read(&mut buffer) {
+                    if read == 0 {
+                        break;
+                    }
+                    shown
+                        .lock()
+                        .unwrap()
+                        .push_str(&String::from_utf8_lossy(&buffer[..read]));
+                }
+            })
+        };
+        tokio::time::timeout(WAIT, async {
+            while !shown.lock().unwrap().contains("[y/N]") {
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+        })
+        .await
+        .unwrap_or_else(|_| panic!("no question within {WAIT:?}: {}", shown.lock().unwrap()));
+        assert!(shown.lock().unwrap().contains("remove 2 dead letter(s)"));
+
+        // A third letter while the operator reads the question.
+        dead_letters_of_two_types(&db, 1, 0).await;
+        let mut stdin = child.stdin.take().unwrap();
+        stdin.write_all(b"y\n").unwrap();
+        stdin.flush().unwrap();
+        let status = tokio::task::spawn_blocking(move || {
+            let status = child.wait();
+            drop(stdin);
+            status
+        });
+        let status = tokio::time::timeout(WAIT, status)
+            .await
+            .expect("the tool ends once answered")
+            .unwrap()
+            .unwrap();
+        reader.join().unwrap();
+        assert!(status.success(), "{}", shown.lock().unwrap());
+        assert!(
+            shown.lock().unwrap().contains("purged 2 dead letter(s)"),
+            "{}",
+            shown.lock().unwrap()
+        );
+        assert_eq!(
+            db.scalar("SELECT count(*) FROM dacapo_dead_letters").await,
+            1,
+            "the letter it never showed is kept"
+        );
+    }
+);
+
+/// A bulk replay that fails part-way (the store refuses one letter's move) stops there, says
+/// which failed, and still reports what it replayed before: a script knows what left the dead
+/// letters, and the rest are still dead letters.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_bulk_replay_that_fails_part_way_reports_what_it_replayed() {
+    let db = support_stores::TestDatabase::new(support_stores::Backend::Sqlite).await;
+    dead_letters_of_two_types(&db, 3, 0).await;
+    let second: String = db
+        .value_for(
+            "SELECT id FROM dacapo_dead_letters WHERE $1 = $1 \
+             ORDER BY first_failure_at, id LIMIT 1 OFFSET 1",
+            String::new(),
+        )
+        .await;
+    db.execute("CREATE TABLE test_refused (id TEXT NOT NULL)")
+        .await;
+    let _: String = db
+        .value_for(
+            "INSERT INTO test_refused (id) VALUES ($1) RETURNING id",
+            second.clone(),
+        )
+        .await;
+    for event in ["INSERT", "UPDATE"] {
+        let trigger = match event {
+            "INSERT" => {
+                "CREATE TRIGGER test_refuse_insert BEFORE INSERT ON dacapo_inbox \
+                 WHEN NEW.id IN (SELECT id FROM test_refused) \
+                 BEGIN SELECT RAISE(ABORT, 'refused by the test'); END"
+            }
+            _ => {
+                "CREATE TRIGGER test_refuse_update BEFORE UPDATE ON dacapo_inbox \
+                 WHEN NEW.id IN (SELECT id FROM test_refused) \
+                 BEGIN SELECT RAISE(ABORT, 'refused by the test'); END"
+            }
+        };
+        db.execute(trigger).await;
+    }
+    let output = run_tool(
+        &[
+            "dead-letters",
+            "replay",
+            "--all",
+            "--json",
+            "--database",
+            &db.url,
+        ],
+        &[],
+    )
+    .await;
+    assert_eq!(output.status.code(), Some(1), "{}", stderr(&output));
+    assert!(stderr(&output).contains(&second), "{}", stderr(&output));
+    let reported: serde_json::Value = serde_json::from_slice(&output.stdout)
+        .unwrap_or_else(|_| panic!("a report on stdout: {:?}", output));
+    assert_eq!(reported["replayed"], 1, "{reported}");
+    assert_eq!(
+        reported["failed"],
+        uuid::Uuid::parse_str(&second).unwrap().to_string(),
+        "{reported}"
+    );
+    assert_eq!(
+        db.scalar("SELECT count(*) FROM dacapo_dead_letters").await,
+        2,
+        "the one that failed and the one after it are still dead letters"
+    );
+}

@@ -308,11 +308,23 @@ async fn dead_letters(
                 }
             };
             let single = id.is_some();
+            let listed = ids.len();
             let (mut replayed, mut skipped) = (Vec::new(), Vec::new());
+            // The replay that failed, which ends a bulk replay: what moved before it is still
+            // reported, so that a script knows what left the dead letters.
+            let mut stopped = None;
             for id in ids {
                 // One transaction each: the letter leaves the dead letters exactly when its
                 // envelope is back in the inbox, unowned, for a running node to pick up.
-                match store.inbox().replay(id, ReplayTo::AnyNode).await? {
+                let outcome = match store.inbox().replay(id, ReplayTo::AnyNode).await {
+                    Ok(outcome) => outcome,
+                    Err(error) if !single => {
+                        stopped = Some((id, error));
+                        break;
+                    }
+                    Err(error) => return Err(error.into()),
+                };
+                match outcome {
                     // Refused by the broker on its way out: back in the outbox, for a
                     // running node's relay to send.
                     Replay::Replayed(_) | Replay::Enlisted(_) => replayed.push(id),
@@ -337,6 +349,7 @@ async fn dead_letters(
                         "replayed": replayed.len(),
                         "ids": replayed,
                         "skipped": skipped,
+                        "failed": stopped.as_ref().map(|(id, _)| id),
                     })
                 );
             } else {
@@ -357,13 +370,32 @@ async fn dead_letters(
                     replayed.len()
                 );
             }
+            if let Some((id, error)) = stopped {
+                let left = listed - replayed.len() - skipped.len();
+                return Err(Failure(format!(
+                    "replaying {} failed, and the {left} dead letter(s) from it on were not \
+                     replayed (they are still dead letters): {error}",
+                    id.simple()
+                )));
+            }
         }
         DeadLetters::Purge { filter, yes } => {
             let filter = filter.to_filter();
-            if !yes {
-                confirm_purge(&store, &filter, database.unwrap_or_default()).await?;
-            }
-            let purged = store.dead_letters().purge(&filter).await?;
+            let purged = if yes {
+                store.dead_letters().purge(&filter).await?
+            } else {
+                // What the operator was asked about, and nothing else: a letter dead-lettered
+                // while they read the question is not theirs to remove unseen.
+                let asked = confirm_purge(&store, &filter, database.unwrap_or_default()).await?;
+                let mut removed = 0u64;
+                for id in asked {
+                    // Gone meanwhile (replayed or purged by someone else): nothing to remove.
+                    if store.dead_letters().remove(id).await?.is_some() {
+                        removed += 1;
+                    }
+                }
+                removed
+            };
             if json {
                 say!(out, "{}", serde_json::json!({ "purged": purged }));
             } else {
@@ -374,12 +406,13 @@ async fn dead_letters(
     Ok(())
 }
 
-/// Asks on the terminal before a purge; refuses without a terminal to ask on.
+/// Asks on the terminal before a purge; refuses without a terminal to ask on. The ids of the
+/// letters it asked about, once the answer is yes.
 async fn confirm_purge(
     store: &Store,
     filter: &DeadLetterFilter,
     database: &str,
-) -> Result<(), Failure> {
+) -> Result<Vec<Uuid>, Failure> {
     if !std::io::stdin().is_terminal() {
         return Err(Failure(
             "purge removes dead letters for good: pass --yes to confirm (standard input is \
@@ -387,12 +420,21 @@ async fn confirm_purge(
                 .to_owned(),
         ));
     }
-    let count = store.dead_letters().list(filter).await?.len();
-    eprint!("remove {count} dead letter(s) from {database} for good? [y/N] ");
+    let listed: Vec<Uuid> = store
+        .dead_letters()
+        .list(filter)
+        .await?
+        .iter()
+        .map(|letter| letter.envelope.id)
+        .collect();
+    eprint!(
+        "remove {} dead letter(s) from {database} for good? [y/N] ",
+        listed.len()
+    );
     let mut answer = String::new();
     std::io::stdin().read_line(&mut answer)?;
     if matches!(answer.trim(), "y" | "Y" | "yes" | "YES" | "Yes") {
-        Ok(())
+        Ok(listed)
     } else {
         Err(Failure("nothing purged".to_owned()))
     }
