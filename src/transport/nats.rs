@@ -434,6 +434,9 @@ impl Publish for Publisher {
     }
 }
 
+/// How often an idle server tells a pull stream that it is still there.
+const IDLE_HEARTBEAT: Duration = Duration::from_secs(5);
+
 struct Subscriber {
     settings: Settings,
     listened: Vec<String>,
@@ -488,6 +491,10 @@ impl Subscribe for Subscriber {
                 consumer
                     .stream()
                     .max_messages_per_batch(usize::from(settings.prefetch))
+                    // The client reconnects by itself, and a pull stream without heartbeats
+                    // shows nothing while the server is gone: with them, two missed ones end
+                    // the subscription, so that the transport reports the outage.
+                    .heartbeat(IDLE_HEARTBEAT)
                     .messages()
                     .await
                     .map_err(failed)?,
