@@ -444,6 +444,9 @@ async fn publish(
 /// How long the consumer waits before connecting again, by failures so far.
 const RECONNECT: Backoff = Backoff::new(Duration::from_millis(100), Duration::from_secs(5));
 
+/// How long recording a received batch may take before the consumer warns that it is slow.
+const SLOW_RECORD: Duration = Duration::from_secs(10);
+
 /// How long a subscription stays up, bringing nothing, before it counts as one that worked:
 /// the longest pause. One that drops sooner (a proxy cutting each connection right after it
 /// is made, a listener whose connection goes at once) is one more failure in a row, not a
@@ -558,10 +561,26 @@ impl Consumer {
             // Cut short by a shutdown, nothing of the batch is acknowledged: the broker
             // redelivers it, and the inbox discards what was recorded.
             let mut stopping = self.stopping.clone();
-            let recorded = tokio::select! {
-                biased;
-                _ = stopping.wait_for(|stop| *stop) => None,
-                recorded = self.record(batch) => Some(recorded),
+            let size = batch.len();
+            let recorded = {
+                let recording = self.record(batch);
+                futures::pin_mut!(recording);
+                let mut slow = std::pin::pin!(tokio::time::sleep(SLOW_RECORD));
+                loop {
+                    tokio::select! {
+                        biased;
+                        _ = stopping.wait_for(|stop| *stop) => break None,
+                        recorded = &mut recording => break Some(recorded),
+                        // Told once: a broker redelivers what stays unacknowledged past its
+                        // own wait (JetStream's ack wait, 30 s by default), here or elsewhere.
+                        () = &mut slow, if !slow.is_elapsed() => tracing::warn!(
+                            transport = self.name,
+                            batch = size,
+                            waited = ?SLOW_RECORD,
+                            "a received batch is still not recorded in the inbox; the broker may deliver it again meanwhile"
+                        ),
+                    }
+                }
             };
             let persisted = match recorded {
                 None => {
