@@ -544,24 +544,8 @@ async fn the_reaper_leaves_a_claim_taken_over_while_it_waited() {
         let store = std::sync::Arc::clone(&store);
         async move { store.reap(chrono::Utc::now(), 100).await }
     });
-    let mut watcher = sqlx::PgConnection::connect(&db.url).await.unwrap();
-    tokio::time::timeout(WAIT, async {
-        loop {
-            let waiting: i64 = sqlx::query_scalar(
-                "SELECT count(*) FROM pg_stat_activity \
-                 WHERE datname = current_database() AND wait_event_type = 'Lock'",
-            )
-            .fetch_one(&mut watcher)
-            .await
-            .unwrap();
-            if waiting > 0 {
-                return;
-            }
-            tokio::time::sleep(Duration::from_millis(10)).await;
-        }
-    })
-    .await
-    .expect("the reaper waits for the claim's lock");
+    db.until_a_session_waits_for_a_lock(WAIT, "the reaper waits for the claim's lock")
+        .await;
     sqlx::query("COMMIT").execute(&mut takeover).await.unwrap();
     let reaped = tokio::time::timeout(WAIT, reaping)
         .await

@@ -382,24 +382,8 @@ async fn a_write_on_postgresql_commits_while_an_earlier_group_is_still_committin
         async move { inbox.settle_handled(held.id, &[]).await }
     });
     // The settle's group is under way once its statement waits for the lock.
-    let mut watcher = sqlx::PgConnection::connect(&db.url).await.unwrap();
-    tokio::time::timeout(WAIT, async {
-        loop {
-            let waiting: i64 = sqlx::query_scalar(
-                "SELECT count(*) FROM pg_stat_activity \
-                 WHERE datname = current_database() AND wait_event_type = 'Lock'",
-            )
-            .fetch_one(&mut watcher)
-            .await
-            .unwrap();
-            if waiting > 0 {
-                return;
-            }
-            tokio::time::sleep(Duration::from_millis(10)).await;
-        }
-    })
-    .await
-    .expect("the settle waits for the row lock");
+    db.until_a_session_waits_for_a_lock(WAIT, "the settle waits for the row lock")
+        .await;
 
     let next = Envelope::for_message(&member_removed()).unwrap();
     let received = tokio::time::timeout(Duration::from_secs(5), inbox.receive(&next))
@@ -445,24 +429,8 @@ async fn the_retention_sweep_leaves_a_row_a_replay_made_incoming_while_it_waited
                 .await
         }
     });
-    let mut watcher = sqlx::PgConnection::connect(&db.url).await.unwrap();
-    tokio::time::timeout(WAIT, async {
-        loop {
-            let waiting: i64 = sqlx::query_scalar(
-                "SELECT count(*) FROM pg_stat_activity \
-                 WHERE datname = current_database() AND wait_event_type = 'Lock'",
-            )
-            .fetch_one(&mut watcher)
-            .await
-            .unwrap();
-            if waiting > 0 {
-                return;
-            }
-            tokio::time::sleep(Duration::from_millis(10)).await;
-        }
-    })
-    .await
-    .expect("the sweep waits for the replayed row's lock");
+    db.until_a_session_waits_for_a_lock(WAIT, "the sweep waits for the replayed row's lock")
+        .await;
     sqlx::query("COMMIT").execute(&mut replay).await.unwrap();
     tokio::time::timeout(WAIT, sweeping)
         .await

@@ -60,20 +60,11 @@ async fn of_two_concurrent_transactions_with_one_key_exactly_one_proceeds() {
         second.commit().await.unwrap();
         proceeded
     });
-    tokio::time::timeout(Duration::from_secs(10), async {
-        while db
-            .scalar(
-                "SELECT count(*) FROM pg_stat_activity \
-                 WHERE datname = current_database() AND wait_event_type = 'Lock'",
-            )
-            .await
-            == 0
-        {
-            tokio::time::sleep(Duration::from_millis(5)).await;
-        }
-    })
-    .await
-    .expect("the second transaction waits for the first's lock");
+    db.until_a_session_waits_for_a_lock(
+        Duration::from_secs(10),
+        "the second transaction waits for the first's lock",
+    )
+    .await;
     assert!(
         !waiting.is_finished(),
         "the unique index holds the second transaction"

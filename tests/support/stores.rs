@@ -285,6 +285,25 @@ impl TestDatabase {
 }
 
 impl TestDatabase {
+    /// Returns once a session of this PostgreSQL database waits for a lock (a statement queued
+    /// behind another transaction's row or key); panics with `what` after `wait`.
+    pub async fn until_a_session_waits_for_a_lock(&self, wait: std::time::Duration, what: &str) {
+        let waiting = tokio::time::timeout(wait, async {
+            while self
+                .scalar(
+                    "SELECT count(*) FROM pg_stat_activity \
+                     WHERE datname = current_database() AND wait_event_type = 'Lock'",
+                )
+                .await
+                == 0
+            {
+                tokio::time::sleep(std::time::Duration::from_millis(5)).await;
+            }
+        })
+        .await;
+        assert!(waiting.is_ok(), "{what}: no session waited within {wait:?}");
+    }
+
     /// The one value `sql` answers with `bind` as its `$1`, read with a connection of its own.
     pub async fn value_for<T>(&self, sql: &'static str, bind: String) -> T
     where
