@@ -37,18 +37,25 @@ async fn until(mut done: impl FnMut() -> bool) {
     .expect("reached in time");
 }
 
+/// A runtime on `db`'s store under the node name `local`, whose `webhooks` module records in
+/// `calls` the messages the relay brings it; the test adds its own settings.
+async fn recording(
+    db: &support_stores::TestDatabase,
+    calls: &Recorder<MemberRemoved>,
+) -> dacapo::RuntimeBuilder {
+    db.store(Runtime::builder(), "local", Duration::from_secs(30))
+        .await
+        .module(Module::new("webhooks").handle_named::<MemberRemoved, _>("queue", calls.clone()))
+}
+
 on_both_backends!(
     committed_messages_are_published_in_order_and_rolled_back_ones_never_sqlite,
     committed_messages_are_published_in_order_and_rolled_back_ones_never_postgres,
     |db| {
         let calls = Recorder::<MemberRemoved>::new();
-        let runtime = db
-            .store(Runtime::builder(), "local", Duration::from_secs(30))
+        let runtime = recording(&db, &calls)
             .await
             .relay_interval(Duration::from_millis(50))
-            .module(
-                Module::new("webhooks").handle_named::<MemberRemoved, _>("queue", calls.clone()),
-            )
             .workers(1)
             .build()
             .unwrap();
@@ -231,14 +238,10 @@ on_both_backends!(
         );
 
         let calls = Recorder::<MemberRemoved>::new();
-        let runtime = db
-            .store(Runtime::builder(), "local", Duration::from_secs(30))
+        let runtime = recording(&db, &calls)
             .await
             .relay_interval(Duration::from_millis(20))
             .outbox_retention(Duration::from_millis(100))
-            .module(
-                Module::new("webhooks").handle_named::<MemberRemoved, _>("queue", calls.clone()),
-            )
             .build()
             .unwrap();
         until(|| calls.count() == 3).await;
@@ -282,14 +285,10 @@ on_both_backends!(
         let outbox = Observed::new(db.sqlite_or_postgres_outbox().await);
         let (leases, reads) = (Arc::clone(&outbox.leases), Arc::clone(&outbox.reads));
         let calls = Recorder::<MemberRemoved>::new();
-        let runtime = db
-            .store(Runtime::builder(), "local", Duration::from_secs(30))
+        let runtime = recording(&db, &calls)
             .await
             .outbox_store(Arc::new(outbox))
             .relay_interval(Duration::from_millis(20))
-            .module(
-                Module::new("webhooks").handle_named::<MemberRemoved, _>("queue", calls.clone()),
-            )
             .workers(1)
             .build()
             .unwrap();
@@ -809,13 +808,9 @@ on_both_backends!(
     |db| {
         use dacapo::ports::DeadLetterStore;
         let calls = Recorder::<MemberRemoved>::new();
-        let runtime = db
-            .store(Runtime::builder(), "local", Duration::from_secs(30))
+        let runtime = recording(&db, &calls)
             .await
             .relay_interval(Duration::from_millis(50))
-            .module(
-                Module::new("webhooks").handle_named::<MemberRemoved, _>("queue", calls.clone()),
-            )
             .build()
             .unwrap();
         // As the relay keeps one the broker refused: never in an inbox.
