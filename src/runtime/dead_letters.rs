@@ -72,7 +72,10 @@ impl<'a> DeadLetters<'a> {
     /// # Errors
     ///
     /// [`Error::DeadLetterNotFound`], [`Error::ReplayInProgress`], or the store's failure, in
-    /// which case the dead letter stays: nothing is lost.
+    /// which case the dead letter stays: nothing is lost. [`Error::ShuttingDown`] when the
+    /// runtime is closing: before the move the dead letter stays; if the shutdown began while
+    /// the move committed, the envelope is in the inbox, this node's, and runs at its next
+    /// start (nothing is lost either way, but the letter may be gone).
     ///
     /// # Cancel safety
     ///
