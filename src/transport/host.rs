@@ -61,8 +61,16 @@ pub(crate) trait Subscribe: Send + 'static {
 /// while the runtime yields, up to `max`. A burst from a broker lands over many socket reads:
 /// gathering it makes one inbox transaction of what would have been many. Yielding costs
 /// microseconds, so a lone message is not held back.
+///
+/// An error after the first message ends the batch without dropping what came before it:
+/// those messages are still recorded and acknowledged, and the error comes back with them for
+/// the caller to answer its next call with. Dropped unanswered, they would wait out the
+/// broker's redelivery timer (JetStream's ack wait, 30 s by default).
 #[cfg(any(feature = "rabbitmq", feature = "nats"))]
-pub(crate) async fn gather<S, T, E>(stream: &mut S, max: usize) -> Result<Vec<T>, GatherError<E>>
+pub(crate) async fn gather<S, T, E>(
+    stream: &mut S,
+    max: usize,
+) -> Result<Gathered<T, E>, GatherError<E>>
 where
     S: futures::Stream<Item = Result<T, E>> + Unpin,
 {
@@ -81,7 +89,12 @@ where
                 taken.push(item);
                 quiet = 0;
             }
-            Some(Some(Err(error))) => return Err(GatherError::Failed(error)),
+            Some(Some(Err(error))) => {
+                return Ok(Gathered {
+                    taken,
+                    cut_short: Some(error),
+                });
+            }
             Some(None) => break,
             None => {
                 quiet += 1;
@@ -89,7 +102,18 @@ where
             }
         }
     }
-    Ok(taken)
+    Ok(Gathered {
+        taken,
+        cut_short: None,
+    })
+}
+
+/// What [`gather`] took: at least one message, and the error that ended the batch early, if
+/// one did.
+#[cfg(any(feature = "rabbitmq", feature = "nats"))]
+pub(crate) struct Gathered<T, E> {
+    pub(crate) taken: Vec<T>,
+    pub(crate) cut_short: Option<E>,
 }
 
 /// How many yields in a row may bring nothing before a batch is taken as it is.
@@ -757,6 +781,31 @@ mod tests {
             })
             .collect();
         Outbounds { transports }
+    }
+
+    #[cfg(any(feature = "rabbitmq", feature = "nats"))]
+    #[tokio::test]
+    async fn a_batch_cut_short_by_an_error_keeps_the_messages_before_it() {
+        let mut stream = futures::stream::iter([Ok(1), Ok(2), Err("cut"), Ok(3)]);
+        let Ok(first) = gather(&mut stream, 10).await else {
+            panic!("the messages before the error were dropped with it");
+        };
+        assert_eq!(first.taken, [1, 2]);
+        assert_eq!(first.cut_short, Some("cut"));
+        let Ok(second) = gather(&mut stream, 10).await else {
+            panic!("the stream goes on after the error");
+        };
+        assert_eq!(second.taken, [3]);
+        assert_eq!(second.cut_short, None);
+        assert!(matches!(
+            gather(&mut stream, 10).await,
+            Err(GatherError::Ended)
+        ));
+        let mut failing = futures::stream::iter([Err::<u8, _>("down"), Ok(1)]);
+        assert!(matches!(
+            gather(&mut failing, 10).await,
+            Err(GatherError::Failed("down"))
+        ));
     }
 
     #[tokio::test]

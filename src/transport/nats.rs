@@ -191,6 +191,7 @@ impl From<Nats> for Transport {
                     messages: None,
                     client: None,
                     batch: Vec::new(),
+                    cut_short: None,
                 };
                 (Box::new(publisher), Box::new(subscriber))
             }),
@@ -445,13 +446,18 @@ struct Subscriber {
     client: Option<async_nats::Client>,
     /// The last batch, acknowledged (or released) one by one.
     batch: Vec<jetstream::Message>,
+    /// The error that ended the last batch early: the answer to the next call.
+    cut_short: Option<Error>,
 }
 
 #[async_trait]
 impl Subscribe for Subscriber {
     async fn subscribe(&mut self) -> Result<(), Error> {
-        self.messages = None;
-        self.batch.clear();
+        // What the lost subscription still holds goes back now, not after its ack wait.
+        if self.messages.is_some() || !self.batch.is_empty() {
+            self.release().await;
+        }
+        self.cut_short = None;
         let settings = &self.settings;
         let context = connect(settings).await?;
         self.client = Some(context.client());
@@ -510,12 +516,17 @@ impl Subscribe for Subscriber {
         let Some(messages) = self.messages.as_mut() else {
             return Err(failed("not subscribed"));
         };
-        self.batch = gather(messages, prefetch)
+        if let Some(error) = self.cut_short.take() {
+            return Err(error);
+        }
+        let gathered = gather(messages, prefetch)
             .await
             .map_err(|error| match error {
                 GatherError::Ended => failed("the consumer's message stream ended"),
                 GatherError::Failed(error) => failed(error),
             })?;
+        self.cut_short = gathered.cut_short.map(failed);
+        self.batch = gathered.taken;
         Ok(self.batch.iter().map(read).collect())
     }
 

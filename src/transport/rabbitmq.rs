@@ -160,6 +160,7 @@ impl From<RabbitMq> for Transport {
                     listened,
                     consuming: None,
                     last_tag: None,
+                    cut_short: None,
                 };
                 (Box::new(publisher), Box::new(subscriber))
             }),
@@ -515,6 +516,8 @@ struct Subscriber {
     consuming: Option<(Connection, Channel, lapin::Consumer)>,
     /// The last delivery of the last batch, acknowledged (or released) with all before it.
     last_tag: Option<u64>,
+    /// The error that ended the last batch early: the answer to the next call.
+    cut_short: Option<Error>,
 }
 
 #[async_trait]
@@ -522,6 +525,7 @@ impl Subscribe for Subscriber {
     async fn subscribe(&mut self) -> Result<(), Error> {
         self.consuming = None;
         self.last_tag = None;
+        self.cut_short = None;
         let settings = &self.settings;
         let (connection, channel) = connect(settings).await?;
         let queue = home_queue(&channel, settings, &self.listened).await?;
@@ -547,12 +551,17 @@ impl Subscribe for Subscriber {
         let Some((_, _, consumer)) = self.consuming.as_mut() else {
             return Err(failed("not subscribed"));
         };
-        let deliveries = gather(consumer, prefetch)
+        if let Some(error) = self.cut_short.take() {
+            return Err(error);
+        }
+        let gathered = gather(consumer, prefetch)
             .await
             .map_err(|error| match error {
                 GatherError::Ended => failed("the broker cancelled the consumer"),
                 GatherError::Failed(error) => failed(error),
             })?;
+        self.cut_short = gathered.cut_short.map(failed);
+        let deliveries = gathered.taken;
         self.last_tag = deliveries.last().map(|delivery| delivery.delivery_tag);
         Ok(deliveries.into_iter().map(read).collect())
     }
