@@ -99,7 +99,7 @@ impl<'a> DeadLetters<'a> {
                 Vec::new(),
                 Vec::new(),
             ))?,
-            Replay::Enlisted(_) => runtime.wake_outbox(),
+            Replay::Enlisted(_) => dispatcher.wake_outbox(),
             Replay::InProgress => return Err(Error::ReplayInProgress(id)),
             _ => return Err(Error::DeadLetterNotFound(id)),
         }
