@@ -561,6 +561,61 @@ impl Handler<MemberRemoved> for RevokeOnce {
     }
 }
 
+/// Counts its calls, and succeeds.
+struct Counting(std::sync::Arc<std::sync::atomic::AtomicUsize>);
+
+impl Handler<MemberRemoved> for Counting {
+    async fn handle(&self, _: &MemberRemoved, _: &MessageContext) -> Result<(), HandlerError> {
+        self.0.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        Ok(())
+    }
+}
+
+on_both_backends!(
+    an_attempt_a_crash_cut_short_is_judged_by_its_modules_policy_sqlite,
+    an_attempt_a_crash_cut_short_is_judged_by_its_modules_policy_postgres,
+    crash_under_a_modules_policy
+);
+
+/// The runtime allows no retry, the module three: the attempt a crash cut short is the
+/// module's delivery, and its policy decides what follows, as for any failure of its handlers.
+async fn crash_under_a_modules_policy(backend: Backend) {
+    let calls = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let patient = RetryPolicy {
+        retry_limit: 3,
+        ..RetryPolicy::default()
+    };
+    let module = Module::new("access")
+        .retry_policy(patient)
+        .handle_named::<MemberRemoved, _>("count", Counting(calls.clone()));
+    let builder = builder()
+        .retry_policy(RetryPolicy::no_retries())
+        .module(module);
+    let (mut harness, _db) = match backend {
+        Backend::Sqlite => {
+            let db = ScratchDatabase::sqlite();
+            let store = db.sqlite_store().await.unwrap();
+            (builder.store(store).build().unwrap(), db)
+        }
+        Backend::Postgres => {
+            let db = ScratchDatabase::postgres(&admin_url()).await.unwrap();
+            let store = db.postgres_store().await.unwrap();
+            (builder.store(store).build().unwrap(), db)
+        }
+    };
+    harness.crash_at(Failpoint::BeforeSettle).unwrap();
+    crashed_at(
+        harness.publish(&MemberRemoved { member_id: 7 }).await,
+        Failpoint::BeforeSettle,
+    );
+    harness.restart().await.unwrap();
+    harness.idle().await.unwrap();
+    let report = last_report(&harness, MemberRemoved::TYPE);
+    assert!(report.is_handled(), "{report:?}");
+    assert_eq!(report.attempts, 2);
+    assert_eq!(calls.load(std::sync::atomic::Ordering::SeqCst), 2);
+}
+
 on_both_backends!(
     a_crash_after_a_deduplicated_handler_completed_keeps_what_it_announced_sqlite,
     a_crash_after_a_deduplicated_handler_completed_keeps_what_it_announced_postgres,

@@ -182,22 +182,26 @@ impl Registry {
     ///
     /// The message type's own policy wins. Otherwise the modules whose handlers failed decide,
     /// and when they disagree the most patient one (highest retry limit) applies, so no module
-    /// gets fewer attempts than it asked for.
+    /// gets fewer attempts than it asked for. A failure that names none of the route's
+    /// handlers — an attempt the runtime's stop cut short, in whichever handler it was — is
+    /// every handler's: all their modules decide.
     pub fn policy_for(&self, route: &Route, failure: &AggregateError) -> RetryPolicy {
         if let Some(policy) = route.policy {
             return policy;
         }
-        failure
-            .failures
-            .iter()
-            .filter_map(|f| {
-                route
-                    .handlers
-                    .iter()
-                    .find(|h| *h.id.module == *f.module && *h.id.name == *f.handler)
-            })
-            .map(|h| h.module_policy.unwrap_or(self.default_policy))
-            .max_by_key(|p| p.retry_limit)
+        let most_patient = |handlers: &mut dyn Iterator<Item = &HandlerEntry>| {
+            handlers
+                .map(|h| h.module_policy.unwrap_or(self.default_policy))
+                .max_by_key(|p| p.retry_limit)
+        };
+        let mut failed = failure.failures.iter().filter_map(|f| {
+            route
+                .handlers
+                .iter()
+                .find(|h| *h.id.module == *f.module && *h.id.name == *f.handler)
+        });
+        most_patient(&mut failed)
+            .or_else(|| most_patient(&mut route.handlers.iter()))
             .unwrap_or(self.default_policy)
     }
 
