@@ -215,8 +215,9 @@ impl Delivery {
                     // The letter with its failures was refused: try the bare envelope once.
                     Err(error) if !bare => {
                         let reason = DeadLetterReason::StoreRejected(error.to_string());
-                        let letter =
+                        let mut letter =
                             DeadLetter::rejected(self.envelope.clone(), reason.clone(), rules.now);
+                        letter.attempts = self.envelope.attempts;
                         self.phase = P::DeadLettering { reason, bare: true };
                         Effect::RecordDeadLetter(Box::new(letter))
                     }
@@ -358,7 +359,10 @@ impl Delivery {
         }
     }
 
-    fn dead_letter(&mut self, letter: DeadLetter) -> Effect {
+    fn dead_letter(&mut self, mut letter: DeadLetter) -> Effect {
+        // The attempts it started, also where the letter's failures end before the last one:
+        // an attempt that succeeded but whose settle the store refused.
+        letter.attempts = self.envelope.attempts;
         self.phase = Phase::DeadLettering {
             reason: letter.reason.clone(),
             bare: false,
@@ -624,6 +628,7 @@ mod tests {
             d.delivery.cascaded.is_empty(),
             "what it published goes with it"
         );
+        assert_eq!(letter.attempts, 1, "the attempt that succeeded counts");
 
         let refused = Error::rejected("the letter too");
         let Some(Effect::RecordDeadLetter(bare)) = d.step(Event::DeadLetterRecorded(Err(refused)))
@@ -631,6 +636,7 @@ mod tests {
             panic!("the bare letter is tried");
         };
         assert!(bare.failures.is_empty());
+        assert_eq!(bare.attempts, 1, "the bare letter counts the attempts too");
         assert_eq!(
             d.step(Event::DeadLetterRecorded(Err(Error::rejected("still")))),
             Some(Effect::RecordDiscard),
