@@ -7,7 +7,8 @@
 //! to open and [`transaction`](HandlerTransactions::transaction) answers `None`. A retry, a
 //! restart or a redelivery within the inbox's retention then never repeats the handler's
 //! database effects, whatever the [`RetryScope`](crate::RetryScope); with
-//! `RetryScope::FailedHandlers` the handler is not even run again once it succeeded.
+//! `RetryScope::FailedHandlers` the handler is not even run again once it succeeded in an
+//! attempt that failed (after a crash mid-attempt it is, and this answers `None`).
 //!
 //! Keep the transaction short and open one at a time per handler: on SQLite it holds the
 //! database's write lock (`BEGIN IMMEDIATE`) until it ends, and the runtime's own writes wait

@@ -100,9 +100,10 @@ pub enum RetryScope {
     /// must tolerate having run already (the default).
     #[default]
     AllHandlers,
-    /// Only the handlers that failed. Each handler's success is recorded with the envelope
-    /// (durably, with a durable store), so a handler that succeeded is not run again, even
-    /// after a restart.
+    /// Only the handlers that failed. Which handlers succeeded is recorded with each failed
+    /// attempt's retry record (durably, with a durable store), so a handler that succeeded is
+    /// not run again, even after a restart during the cooldown. An attempt a crash cut short
+    /// records nothing: all its handlers run again.
     FailedHandlers,
 }
 
