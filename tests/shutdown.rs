@@ -124,6 +124,50 @@ async fn a_delivery_still_running_after_the_drain_timeout_is_reported() {
     );
 }
 
+#[tokio::test]
+async fn a_publish_waiting_for_room_when_the_shutdown_begins_is_handed_back() {
+    // The only slot goes to a delivery whose retry cools down for an hour: nothing frees it
+    // before the shutdown hands that retry back.
+    let runtime = Runtime::builder()
+        .max_in_flight(1)
+        .drain_timeout(Duration::from_millis(200))
+        .retry_policy(RetryPolicy {
+            min_retry_interval: Duration::from_secs(3600),
+            max_retry_interval: Duration::from_secs(3600),
+            ..RetryPolicy::default()
+        })
+        .module(Module::new("m").handle_named::<MemberRemoved, _>("h", AlwaysFails))
+        .build()
+        .unwrap();
+    let first = runtime.publish(&member_removed()).await.unwrap();
+    let message = member_removed();
+    let mut waiting = Box::pin(runtime.publish(&message));
+    assert!(
+        futures::poll!(&mut waiting).is_pending(),
+        "the first delivery holds the only slot"
+    );
+
+    let (report, waited) = tokio::time::timeout(Duration::from_secs(10), async {
+        tokio::join!(runtime.shutdown(), waiting)
+    })
+    .await
+    .expect("the shutdown and the waiting publish end");
+
+    // Accepted, it would have started on a worker that had stopped, and been lost unreported.
+    let Err(Error::ShuttingDown(envelope)) = waited else {
+        panic!("expected the waiting envelope handed back, got {waited:?}");
+    };
+    assert_ne!(envelope.id, first);
+    assert_eq!(envelope.message_type, "organization.member_removed");
+    let pending: Vec<_> = report
+        .pending_retries
+        .iter()
+        .map(|p| p.envelope.id)
+        .collect();
+    assert_eq!(pending, [first]);
+    assert!(report.still_running.is_empty(), "{report:?}");
+}
+
 struct AlwaysFails;
 
 impl Handler<MemberRemoved> for AlwaysFails {

@@ -192,18 +192,35 @@ impl Worker {
     ///
     /// `held` is a caller's token on the virtual clock: given up if the delivery must wait for
     /// capacity, which only time (a cooldown ending) may free.
+    ///
+    /// A caller's envelope (`from_caller`) still waiting for capacity when the engine begins
+    /// to close is handed back with [`Error::ShuttingDown`], nothing of it recorded: the slots
+    /// may be held by retries cooling down, which only the end of the shutdown frees, and it
+    /// would then start on a worker that has stopped. A cascaded one waits: its parent is
+    /// settled already.
     async fn deliver(
         self: &Arc<Self>,
         admission: Admission<'_>,
         envelope: Envelope,
         reply: Option<oneshot::Sender<DeliveryReport>>,
         held: &mut Option<crate::Busy>,
+        from_caller: bool,
     ) -> Result<(), Error> {
         let shared = &self.shared;
         let counters = shared.stats.dispatching();
         counters.bump(Counter::Received);
         let permit = match shared.capacity.try_acquire() {
             Some(permit) => permit,
+            None if from_caller => {
+                held.take();
+                tokio::select! {
+                    biased;
+                    () = shared.tracker.closed() => {
+                        return Err(Error::ShuttingDown(Box::new(envelope)));
+                    }
+                    permit = shared.capacity.acquire() => permit,
+                }
+            }
             None => {
                 held.take();
                 shared.capacity.acquire().await
@@ -317,7 +334,10 @@ impl Worker {
             while let Some(envelope) = unstarted.envelopes.pop_front() {
                 let id = envelope.id;
                 let admission = Admission(&worker.shared.tracker);
-                if let Err(error) = worker.deliver(admission, envelope, None, &mut None).await {
+                if let Err(error) = worker
+                    .deliver(admission, envelope, None, &mut None, false)
+                    .await
+                {
                     tracing::error!(message_id = %id, %error, "cascaded message could not be delivered");
                 }
             }
@@ -500,7 +520,7 @@ impl Dispatcher {
         }
         let admission = Admission(&self.shared.tracker);
         self.next_worker()
-            .deliver(admission, envelope, reply, held)
+            .deliver(admission, envelope, reply, held, true)
             .await
     }
 

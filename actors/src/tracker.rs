@@ -210,6 +210,24 @@ impl Tracker {
 
     pub(crate) fn close(&self) {
         self.closing.store(true, Ordering::Release);
+        self.changed.notify_waiters();
+    }
+
+    /// Waits until [`close`](Self::close) was called.
+    ///
+    /// # Cancel safety
+    ///
+    /// Cancel safe: it only observes.
+    pub(crate) async fn closed(&self) {
+        loop {
+            let notified = self.changed.notified();
+            tokio::pin!(notified);
+            notified.as_mut().enable();
+            if self.is_closing() {
+                return;
+            }
+            notified.await;
+        }
     }
 
     async fn wait_until_zero(&self, mask: u64) {
