@@ -29,6 +29,9 @@ pub(crate) struct Scope {
     actor: OnceLock<Addr<ContextActor>>,
     /// Set when the attempt is over; cascading then fails.
     closed: std::sync::atomic::AtomicBool,
+    /// Taken to start the context actor and to close the attempt: a cascade never starts an
+    /// actor that the close did not see.
+    starting: std::sync::Mutex<()>,
     /// What the attempt's handlers still hold that may write after they returned (a handler
     /// connection on PostgreSQL, on its way back to its pool): its end waits for them.
     holds: Holds,
@@ -85,6 +88,7 @@ impl Scope {
             published: std::sync::Mutex::default(),
             actor: OnceLock::new(),
             closed: std::sync::atomic::AtomicBool::new(false),
+            starting: std::sync::Mutex::new(()),
             holds: Holds::default(),
         }
     }
@@ -114,6 +118,10 @@ impl Scope {
     /// Ends the attempt: no more cascades. Returns the context actor, if a handler cascaded
     /// anything, to collect them from.
     pub(crate) fn close(&self) -> Option<&Addr<ContextActor>> {
+        let _starting = self
+            .starting
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
         // SeqCst, as `hold` reads it after counting itself: one of the two sees the other.
         self.closed.store(true, std::sync::atomic::Ordering::SeqCst);
         self.actor.get()
@@ -141,12 +149,25 @@ impl Scope {
 
     /// The context actor, started on the worker's arbiter by the first cascade; `None` under
     /// a unit test, which keeps cascades in `published`.
-    fn actor_or_start(&self) -> Option<&Addr<ContextActor>> {
-        let worker = self.worker.as_ref()?;
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Detached`] once the attempt is closed.
+    fn actor_or_start(&self) -> Result<Option<&Addr<ContextActor>>, Error> {
+        let Some(worker) = self.worker.as_ref() else {
+            return Ok(None);
+        };
+        let _starting = self
+            .starting
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        if self.closed.load(std::sync::atomic::Ordering::SeqCst) {
+            return Err(Error::Detached);
+        }
         let message_id = self.message_id;
-        Some(self.actor.get_or_init(|| {
+        Ok(Some(self.actor.get_or_init(|| {
             ContextActor::start_in_arbiter(&worker.arbiter, move |_| ContextActor::new(message_id))
-        }))
+        })))
     }
 }
 
@@ -317,7 +338,8 @@ impl actix::Handler<TakeCascaded> for ContextActor {
             cascaded = self.cascaded.len(),
             "attempt over; handing over its cascaded messages"
         );
-        // The attempt is over: a late cascade must fail rather than vanish.
+        // The attempt is over: a late cascade must fail rather than vanish (a stopping actor
+        // takes nothing more from its mailbox, and the sender sees it closed).
         ctx.stop();
         actix::MessageResult(std::mem::take(&mut self.cascaded))
     }
@@ -704,7 +726,7 @@ impl MessageContext {
             return Err(Error::Detached);
         }
         let handler = attached.handler.id().clone();
-        let Some(actor) = scope.actor_or_start() else {
+        let Some(actor) = scope.actor_or_start()? else {
             return Ok(scope.keep_published(handler, envelope));
         };
         let id = actor
@@ -946,6 +968,7 @@ impl TestContext {
             published: std::sync::Mutex::default(),
             actor: OnceLock::new(),
             closed: std::sync::atomic::AtomicBool::new(false),
+            starting: std::sync::Mutex::new(()),
             holds: Holds::default(),
         };
         MessageContext {
@@ -964,6 +987,31 @@ impl TestContext {
 #[cfg(test)]
 mod tests {
     use super::MessageContext;
+
+    /// A cascade that reaches the context actor right behind the supervisor's take fails: the
+    /// take stops the actor, which handles nothing more, so nothing is kept where nobody
+    /// collects it.
+    #[test]
+    fn a_cascade_queued_behind_the_take_is_refused() {
+        use actix::Actor;
+        actix::System::new().block_on(async {
+            let message_id = uuid::Uuid::now_v7();
+            let actor = super::ContextActor::new(message_id).start();
+            let handler = crate::HandlerId {
+                module: "m".into(),
+                name: "h".into(),
+            };
+            let envelope = |n: u8| crate::Envelope::new("t", vec![n]);
+            let kept = actor.send(super::Cascade(handler.clone(), envelope(1)));
+            let taken = actor.send(super::TakeCascaded);
+            let late = actor.send(super::Cascade(handler, envelope(2)));
+            let (kept, taken, late) = futures::join!(kept, taken, late);
+            let kept = kept.expect("cascaded during the attempt");
+            let taken: Vec<_> = taken.unwrap().into_iter().map(|(_, e)| e.id).collect();
+            assert_eq!(taken, [kept]);
+            assert!(late.is_err(), "a late cascade fails: {late:?}");
+        });
+    }
 
     /// An attempt's end waits for what was taken in it, and once it ended nothing more is
     /// taken: the one check a handler connection on PostgreSQL relies on.
