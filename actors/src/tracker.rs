@@ -181,10 +181,14 @@ impl Tracker {
     /// Marks a cooled-down delivery active again; false once a shutdown began (the shutdown
     /// report hands it back) or took it back already.
     pub(crate) fn resume(&self, ticket: Ticket) -> bool {
+        // Read under the worker's lock, which `close` passes through after setting it: a
+        // resume either counts itself active before the shutdown's drain looks, or sees the
+        // close and stays cooling for the report. Read before it, a resume could do neither
+        // and run in no list until the engine stopped under it.
+        let mut supervised = self.worker(ticket.worker);
         if self.closing.load(Ordering::Acquire) {
             return false;
         }
-        let mut supervised = self.worker(ticket.worker);
         let Some(live) = supervised.get_mut(ticket) else {
             return false;
         };
@@ -210,6 +214,10 @@ impl Tracker {
 
     pub(crate) fn close(&self) {
         self.closing.store(true, Ordering::Release);
+        // Through each worker's lock: a resume under way there ends (counted active) first.
+        for worker in 0..self.workers.len() {
+            drop(self.worker(worker));
+        }
         self.changed.notify_waiters();
     }
 
