@@ -88,7 +88,8 @@ async fn run(target: String) -> Result<(), Box<dyn std::error::Error>> {
     webhooks::migrate(&db).await?;
     audit::migrate(&db).await?;
     let organization_id = organizations::seed(&db).await?;
-    // What earlier runs published within the inbox's retention (5 minutes), to replay below.
+    // What earlier runs published within the last four minutes, to replay below: well inside
+    // the inbox's retention (5 minutes), so that every one is still there to be discarded.
     let earlier = organizations::recently_published(&db, 4).await?;
 
     let (

@@ -435,6 +435,21 @@ impl Runtime {
         let drain = self.drain_timeout;
         self.engine.shutdown(drain).await
     }
+
+    /// Returns once the node's first recovery round is over — with the rounds that go on
+    /// where the engine's capacity cut it short: what an earlier run under this node's id left
+    /// unsettled (a crash, a `kill -9`) is resumed by then, so [`idle`](Self::idle) waits for
+    /// it too. A service that reports on its own work starts with both, as the main job does.
+    /// Not included: a retry due later than one recovery interval (a long cooldown) is resumed
+    /// when it falls due. Returns at once without a durable store. A round that could not reach
+    /// the store counts as over: its warning is logged, and the next round takes the rest.
+    ///
+    /// # Cancel safety
+    ///
+    /// Cancel safe.
+    pub async fn first_recovery(&self) {
+        self.engine.first_recovery().await;
+    }
 }
 
 #[cfg(feature = "testing")]
@@ -456,21 +471,6 @@ impl Runtime {
             .send_holding(envelope, Some(reply), held)
             .await?;
         Ok(report)
-    }
-
-    /// Returns once the node's first recovery round is over — with the rounds that go on
-    /// where the engine's capacity cut it short: what an earlier run under this node's id left
-    /// unsettled (a crash, a `kill -9`) is resumed by then, so [`idle`](Self::idle) waits for
-    /// it too. A service that reports on its own work starts with both, as the main job does.
-    /// Not included: a retry due later than one recovery interval (a long cooldown) is resumed
-    /// when it falls due. Returns at once without a durable store. A round that could not reach
-    /// the store counts as over: its warning is logged, and the next round takes the rest.
-    ///
-    /// # Cancel safety
-    ///
-    /// Cancel safe.
-    pub async fn first_recovery(&self) {
-        self.engine.first_recovery().await;
     }
 }
 
