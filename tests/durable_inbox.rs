@@ -197,6 +197,34 @@ on_both_backends!(
 );
 
 on_both_backends!(
+    a_row_with_an_unreadable_id_does_not_stop_the_sweep_for_the_others_sqlite,
+    a_row_with_an_unreadable_id_does_not_stop_the_sweep_for_the_others_postgres,
+    |db| {
+        use dacapo::ports::Receipt;
+        let inbox = db.sqlite_or_postgres_inbox().await;
+        let damaged = Envelope::new("tests.damaged", b"{}".to_vec());
+        let readable = Envelope::for_message(&member_removed()).unwrap();
+        for envelope in [&damaged, &readable] {
+            assert_eq!(inbox.receive(envelope).await.unwrap(), Receipt::New);
+        }
+        db.execute(
+            "UPDATE dacapo_inbox SET id = 'not-a-uuid' WHERE message_type = 'tests.damaged'",
+        )
+        .await;
+        let unsettled = inbox
+            .orphaned(
+                chrono::DateTime::<chrono::Utc>::MAX_UTC,
+                &std::collections::HashSet::new(),
+                10,
+            )
+            .await
+            .expect("the sweep goes on past the row it cannot read");
+        let ids: Vec<_> = unsettled.iter().map(|r| r.envelope.id).collect();
+        assert_eq!(ids, [readable.id]);
+    }
+);
+
+on_both_backends!(
     a_late_attempt_never_takes_a_handled_envelope_back_sqlite,
     a_late_attempt_never_takes_a_handled_envelope_back_postgres,
     |db| {
