@@ -171,6 +171,11 @@ impl RuntimeBuilder {
 
     /// The outbox the relay publishes from, instead of the store's (a store set with
     /// [`store`](Self::store) provides one; without any, no relay runs).
+    ///
+    /// Beside a durable store, it must read that store's own database: the store's settles
+    /// write what handlers cascaded to its `dacapo_outbox`, and only a relay reading that
+    /// table publishes them (an outbox wrapped to observe it, say). An outbox on another
+    /// database leaves them there.
     #[must_use]
     pub fn outbox_store(mut self, outbox: Arc<dyn OutboxStore>) -> Self {
         self.outbox = Some(outbox);
