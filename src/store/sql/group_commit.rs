@@ -346,6 +346,54 @@ pub(crate) struct GroupCommit {
     queue: Mutex<Queue>,
     /// Told each time a write joins the queue, for a leader waiting for company.
     joined: tokio::sync::Notify,
+    /// Where the leaders run, started by the first; `None` if it could not start.
+    committer: std::sync::OnceLock<Option<Committer>>,
+}
+
+/// A thread of the group's own, whose runtime runs its leaders. A leader spawned on the
+/// runtime of the write that started it would run only while that runtime is driven: an
+/// application that accepts with `block_on` and then leaves its runtime idle would leave the
+/// leader suspended in a commit it began for the others' writes, holding SQLite's turn, and
+/// every later write of the store waiting behind it.
+#[derive(Debug)]
+struct Committer {
+    runtime: tokio::runtime::Handle,
+    /// Dropped with the group, it ends the thread (no leader runs then: each holds the group).
+    _stop: oneshot::Sender<()>,
+}
+
+impl Committer {
+    fn start() -> std::io::Result<Self> {
+        let (started, runtime) = std::sync::mpsc::channel();
+        let (stop, stopped) = oneshot::channel::<()>();
+        std::thread::Builder::new()
+            .name("dacapo-commit".into())
+            .spawn(move || {
+                let runtime = match tokio::runtime::Builder::new_current_thread()
+                    .enable_all()
+                    .build()
+                {
+                    Ok(runtime) => runtime,
+                    Err(error) => {
+                        let _ = started.send(Err(error));
+                        return;
+                    }
+                };
+                if started.send(Ok(runtime.handle().clone())).is_ok() {
+                    runtime.block_on(async {
+                        let _ = stopped.await;
+                    });
+                }
+            })?;
+        // The thread's first step: this waits for microseconds, once per store.
+        let runtime = runtime
+            .recv()
+            .map_err(|_| std::io::Error::other("the commit thread ended as it started"))??;
+        Ok(Self {
+            runtime,
+            _stop: stop,
+        })
+    }
 }
 
 impl std::fmt::Debug for GroupCommit {
@@ -367,11 +415,35 @@ impl GroupCommit {
             },
             queue: Mutex::default(),
             joined: tokio::sync::Notify::new(),
+            committer: std::sync::OnceLock::new(),
         })
+    }
+
+    /// The runtime the leaders run on: the committer's, or the caller's if it could not
+    /// start.
+    fn spawn_leader(&self, leader: impl std::future::Future<Output = ()> + Send + 'static) {
+        let committer = self.committer.get_or_init(|| {
+            Committer::start()
+                .inspect_err(|error| {
+                    tracing::warn!(%error, "no thread for the group commit; its leaders run on the runtimes of the writes that start them");
+                })
+                .ok()
+        });
+        match committer {
+            Some(committer) => drop(committer.runtime.spawn(leader)),
+            None => drop(tokio::spawn(leader)),
+        }
     }
 
     pub(crate) fn grouping(&self) -> Grouping {
         self.grouping
+    }
+
+    /// How many writes wait for a leader to take them, and how many leaders run.
+    #[cfg(test)]
+    pub(crate) fn waiting_and_leaders(&self) -> (usize, usize) {
+        let queue = self.queue();
+        (queue.waiting.len(), queue.leaders)
     }
 
     fn queue(&self) -> std::sync::MutexGuard<'_, Queue> {
@@ -399,15 +471,16 @@ impl GroupCommit {
         };
         self.joined.notify_waiters();
         if leads {
-            // Committed on a task of its own: a caller that stops waiting must not take the
-            // others' commit with it.
+            // Committed on a task of its own, on the committer's thread: a caller that stops
+            // waiting must not take the others' commit with it, nor a runtime that stops
+            // being driven.
             // The guard exists before the task: dropped unpolled (its runtime stopping), the
             // task still hands the lead back.
             let leading = Leading {
                 group: Arc::clone(self),
                 handed_back: false,
             };
-            tokio::spawn(lead(leading, db.clone()));
+            self.spawn_leader(lead(leading, db.clone()));
         }
         answer.await.unwrap_or_else(|_| {
             Err(Error::store(

@@ -1114,6 +1114,71 @@ fn filter_values(filter: &DeadLetterFilter) -> [Value<'_>; 3] {
 mod tests {
     use crate::store::SqliteStore;
 
+    /// Waits (a bounded while) until `done` holds.
+    async fn until(what: &str, done: impl Fn() -> bool) {
+        let waited = tokio::time::timeout(std::time::Duration::from_secs(10), async {
+            while !done() {
+                tokio::time::sleep(std::time::Duration::from_millis(1)).await;
+            }
+        })
+        .await;
+        assert!(waited.is_ok(), "not within 10 s: {what}");
+    }
+
+    /// An application that accepts with `block_on` on a runtime of its own, then leaves that
+    /// runtime idle: the commit the group's leader began for the others still ends.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_group_commit_ends_when_the_runtime_that_began_it_is_left_idle() {
+        use dacapo_actors::ports::{Inbox, Receipt};
+        let directory =
+            std::env::temp_dir().join(format!("dacapo-leader-{}", uuid::Uuid::new_v4().simple()));
+        std::fs::create_dir_all(&directory).unwrap();
+        let path = directory.join("db.sqlite");
+        let store = SqliteStore::open(path.to_str().unwrap()).await.unwrap();
+        let envelope = || dacapo_actors::Envelope::new("tests.accepted", b"{}".to_vec());
+        let (first, second) = (envelope(), envelope());
+        // Held, the turn keeps the first commit waiting until the second write queued behind it.
+        let turn = store.db.turn().await.unwrap();
+
+        let (accepted, first_accepted) = tokio::sync::oneshot::channel();
+        let (end, ended) = std::sync::mpsc::channel::<()>();
+        let application = std::thread::spawn({
+            let store = store.clone();
+            move || {
+                let runtime = tokio::runtime::Builder::new_current_thread()
+                    .enable_all()
+                    .build()
+                    .unwrap();
+                let _ = accepted.send(runtime.block_on(store.receive(&first)));
+                // The runtime stays, undriven, until the test is over.
+                let _ = ended.recv_timeout(std::time::Duration::from_secs(30));
+            }
+        });
+        until("the first write taken by its leader", || {
+            store.group.waiting_and_leaders() == (0, 1)
+        })
+        .await;
+        let queued = tokio::spawn({
+            let store = store.clone();
+            async move { store.receive(&second).await }
+        });
+        until("the second write queued behind it", || {
+            store.group.waiting_and_leaders() == (1, 1)
+        })
+        .await;
+        drop(turn);
+
+        assert!(matches!(first_accepted.await, Ok(Ok(Receipt::New))));
+        let second = tokio::time::timeout(std::time::Duration::from_secs(10), queued).await;
+        let _ = end.send(());
+        application.join().unwrap();
+        assert!(
+            matches!(second, Ok(Ok(Ok(Receipt::New)))),
+            "the second write did not commit: {second:?}"
+        );
+        let _ = std::fs::remove_dir_all(&directory);
+    }
+
     /// A third of a second or more of SQLite's time (unoptimized) before its row is written.
     const SLOW_INSERT: &str = "INSERT INTO rows (n) SELECT 1 FROM (WITH RECURSIVE c(x) AS \
         (SELECT 1 UNION ALL SELECT x + 1 FROM c WHERE x < 1000000) SELECT max(x) FROM c)";
