@@ -366,25 +366,18 @@ impl Committer {
     fn start() -> std::io::Result<Self> {
         let (started, runtime) = std::sync::mpsc::channel();
         let (stop, stopped) = oneshot::channel::<()>();
-        std::thread::Builder::new()
-            .name("dacapo-commit".into())
-            .spawn(move || {
-                let runtime = match tokio::runtime::Builder::new_current_thread()
-                    .enable_all()
-                    .build()
-                {
-                    Ok(runtime) => runtime,
-                    Err(error) => {
-                        let _ = started.send(Err(error));
-                        return;
-                    }
-                };
+        super::own_thread::spawn("dacapo-commit", move |runtime| match runtime {
+            Ok(runtime) => {
                 if started.send(Ok(runtime.handle().clone())).is_ok() {
                     runtime.block_on(async {
                         let _ = stopped.await;
                     });
                 }
-            })?;
+            }
+            Err(error) => {
+                let _ = started.send(Err(error));
+            }
+        })?;
         // The thread's first step: this waits for microseconds, once per store.
         let runtime = runtime
             .recv()
@@ -419,20 +412,19 @@ impl GroupCommit {
         })
     }
 
-    /// The runtime the leaders run on: the committer's, or the caller's if it could not
-    /// start.
-    fn spawn_leader(&self, leader: impl std::future::Future<Output = ()> + Send + 'static) {
-        let committer = self.committer.get_or_init(|| {
-            Committer::start()
-                .inspect_err(|error| {
-                    tracing::warn!(%error, "no thread for the group commit; its leaders run on the runtimes of the writes that start them");
-                })
-                .ok()
-        });
-        match committer {
-            Some(committer) => drop(committer.runtime.spawn(leader)),
-            None => drop(tokio::spawn(leader)),
-        }
+    /// The runtime of the committer's thread, started on first use; `None` if it could not
+    /// start (leaders then stay on the runtimes of the writes that start them).
+    fn committer(&self) -> Option<&tokio::runtime::Handle> {
+        self.committer
+            .get_or_init(|| {
+                Committer::start()
+                    .inspect_err(|error| {
+                        tracing::warn!(%error, "no thread for the group commit; its leaders stay on the runtimes of the writes that start them");
+                    })
+                    .ok()
+            })
+            .as_ref()
+            .map(|committer| &committer.runtime)
     }
 
     pub(crate) fn grouping(&self) -> Grouping {
@@ -471,16 +463,17 @@ impl GroupCommit {
         };
         self.joined.notify_waiters();
         if leads {
-            // Committed on a task of its own, on the committer's thread: a caller that stops
-            // waiting must not take the others' commit with it, nor a runtime that stops
-            // being driven.
+            // Committed on a task of its own: a caller that stops waiting must not take the
+            // others' commit with it. Its first batch commits on the caller's runtime, which
+            // its caller drives while it waits, so that the writes of one poll (a `join_all`)
+            // are all queued first; the rest on the committer's thread (see `lead`).
             // The guard exists before the task: dropped unpolled (its runtime stopping), the
             // task still hands the lead back.
             let leading = Leading {
                 group: Arc::clone(self),
                 handed_back: false,
             };
-            self.spawn_leader(lead(leading, db.clone()));
+            tokio::spawn(lead(leading, db.clone()));
         }
         answer.await.unwrap_or_else(|_| {
             Err(Error::store(
@@ -490,8 +483,28 @@ impl GroupCommit {
     }
 }
 
-/// Commits batches until none waits.
-async fn lead(mut leading: Leading, db: Database) {
+/// Commits batches until none waits: the first on the runtime of the write that started the
+/// lead, the rest on the committer's thread. After the first batch that write has its answer,
+/// and its runtime may no longer be driven (a `block_on` that returned): a next commit there
+/// would stay suspended halfway, holding SQLite's turn, with every later write of the store
+/// waiting behind it.
+async fn lead(leading: Leading, db: Database) {
+    let Some(leading) = commit_batches(leading, &db, true).await else {
+        return;
+    };
+    match leading.group.committer().cloned() {
+        Some(committer) => drop(committer.spawn(async move {
+            commit_batches(leading, &db, false).await;
+        })),
+        None => {
+            commit_batches(leading, &db, false).await;
+        }
+    }
+}
+
+/// Commits batches until none waits, and gives the lead back; or, `first_only`, one batch,
+/// and answers the lead, still held, if more may wait.
+async fn commit_batches(mut leading: Leading, db: &Database, first_only: bool) -> Option<Leading> {
     let group = Arc::clone(&leading.group);
     loop {
         let (wait, looked) = {
@@ -526,15 +539,18 @@ async fn lead(mut leading: Leading, db: Database) {
                 // Handed back under the lock a new write takes to decide whether to lead.
                 queue.leaders -= 1;
                 leading.handed_back = true;
-                return;
+                return None;
             }
             let take = queue.waiting.len().min(group.grouping.max_batch);
             queue.waiting.drain(..take).collect()
         };
         let (writes, replies): (Vec<Write>, Vec<Reply>) = batch.into_iter().unzip();
-        let answers = commit(&db, &writes).await;
+        let answers = commit(db, &writes).await;
         for (reply, answer) in replies.into_iter().zip(answers) {
             let _ = reply.send(answer);
+        }
+        if first_only {
+            return Some(leading);
         }
     }
 }
