@@ -14,6 +14,19 @@ use dacapo::testing::Recorder;
 use dacapo::{DeadLetterReason, DiscardReason, Outcome};
 use support::{MemberRemoved, member_removed};
 
+/// Every unsettled row of the inbox's node that nothing runs, up to ten, whatever its age.
+async fn every_orphan(
+    inbox: &dyn dacapo::ports::DurableInbox,
+) -> Result<Vec<dacapo::ports::Resumable>, dacapo::EngineError> {
+    inbox
+        .orphaned(
+            chrono::DateTime::<chrono::Utc>::MAX_UTC,
+            &std::collections::HashSet::new(),
+            10,
+        )
+        .await
+}
+
 const WAIT: Duration = Duration::from_secs(20);
 
 async fn settled(
@@ -159,14 +172,7 @@ on_both_backends!(
         // Another node (a store of its own, under another node name) owns none of them.
         let other = db.sqlite_or_postgres_inbox().await;
         other.never_started(&[not_its.id]).await.unwrap();
-        let unsettled = inbox
-            .orphaned(
-                chrono::DateTime::<chrono::Utc>::MAX_UTC,
-                &std::collections::HashSet::new(),
-                10,
-            )
-            .await
-            .unwrap();
+        let unsettled = every_orphan(&*inbox).await.unwrap();
         let attempts = |id: uuid::Uuid| {
             unsettled
                 .iter()
@@ -211,12 +217,7 @@ on_both_backends!(
             "UPDATE dacapo_inbox SET id = 'not-a-uuid' WHERE message_type = 'tests.damaged'",
         )
         .await;
-        let unsettled = inbox
-            .orphaned(
-                chrono::DateTime::<chrono::Utc>::MAX_UTC,
-                &std::collections::HashSet::new(),
-                10,
-            )
+        let unsettled = every_orphan(&*inbox)
             .await
             .expect("the sweep goes on past the row it cannot read");
         let ids: Vec<_> = unsettled.iter().map(|r| r.envelope.id).collect();

@@ -72,15 +72,7 @@ async fn shutdown_waits_for_running_deliveries_and_refuses_new_ones() {
 
 #[tokio::test]
 async fn retries_waiting_for_their_cooldown_are_handed_back_not_dropped() {
-    let runtime = Runtime::builder()
-        .retry_policy(RetryPolicy {
-            min_retry_interval: Duration::from_secs(3600),
-            max_retry_interval: Duration::from_secs(3600),
-            ..RetryPolicy::default()
-        })
-        .module(Module::new("m").handle_named::<MemberRemoved, _>("h", AlwaysFails))
-        .build()
-        .unwrap();
+    let runtime = failing_an_hour_apart().build().unwrap();
     let id = runtime.publish(&member_removed()).await.unwrap();
 
     // The drain lets the first attempt run and fail; the retry it schedules is handed back.
@@ -128,15 +120,9 @@ async fn a_delivery_still_running_after_the_drain_timeout_is_reported() {
 async fn a_publish_waiting_for_room_when_the_shutdown_begins_is_handed_back() {
     // The only slot goes to a delivery whose retry cools down for an hour: nothing frees it
     // before the shutdown hands that retry back.
-    let runtime = Runtime::builder()
+    let runtime = failing_an_hour_apart()
         .max_in_flight(1)
         .drain_timeout(Duration::from_millis(200))
-        .retry_policy(RetryPolicy {
-            min_retry_interval: Duration::from_secs(3600),
-            max_retry_interval: Duration::from_secs(3600),
-            ..RetryPolicy::default()
-        })
-        .module(Module::new("m").handle_named::<MemberRemoved, _>("h", AlwaysFails))
         .build()
         .unwrap();
     let first = runtime.publish(&member_removed()).await.unwrap();
@@ -166,6 +152,17 @@ async fn a_publish_waiting_for_room_when_the_shutdown_begins_is_handed_back() {
         .collect();
     assert_eq!(pending, [first]);
     assert!(report.still_running.is_empty(), "{report:?}");
+}
+
+/// A runtime whose one handler always fails, its retries an hour apart.
+fn failing_an_hour_apart() -> dacapo::RuntimeBuilder {
+    Runtime::builder()
+        .retry_policy(RetryPolicy {
+            min_retry_interval: Duration::from_secs(3600),
+            max_retry_interval: Duration::from_secs(3600),
+            ..RetryPolicy::default()
+        })
+        .module(Module::new("m").handle_named::<MemberRemoved, _>("h", AlwaysFails))
 }
 
 struct AlwaysFails;

@@ -13,6 +13,7 @@ mod handler_pool;
 mod interrupt;
 mod left_open;
 mod node_hold;
+mod own_thread;
 #[cfg(feature = "sqlite")]
 mod parking;
 mod statements;

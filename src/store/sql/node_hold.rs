@@ -292,29 +292,20 @@ async fn lock_session(
     let lost = Arc::new(AtomicBool::new(false));
     let key = format!("dacapo.node:{node}");
     let keeper_lost = Arc::clone(&lost);
-    std::thread::Builder::new()
-        .name("dacapo-node-hold".into())
-        .spawn(move || {
-            let runtime = match tokio::runtime::Builder::new_current_thread()
-                .enable_all()
-                .build()
-            {
-                Ok(runtime) => runtime,
-                Err(error) => {
-                    let _ = taken_tx.send(Err(Error::store(error)));
-                    return;
-                }
-            };
-            runtime.block_on(keep_session(
-                options,
-                (key, schema),
-                deadline,
-                taken_tx,
-                stop_rx,
-                keeper_lost,
-            ));
-        })
-        .map_err(Error::store)?;
+    super::own_thread::spawn("dacapo-node-hold", move |runtime| match runtime {
+        Ok(runtime) => runtime.block_on(keep_session(
+            options,
+            (key, schema),
+            deadline,
+            taken_tx,
+            stop_rx,
+            keeper_lost,
+        )),
+        Err(error) => {
+            let _ = taken_tx.send(Err(Error::store(error)));
+        }
+    })
+    .map_err(Error::store)?;
     let taken = taken_rx
         .await
         .map_err(|_| Error::store("the thread taking the node's lock ended"))??;
