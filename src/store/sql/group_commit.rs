@@ -346,15 +346,13 @@ pub(crate) struct GroupCommit {
     queue: Mutex<Queue>,
     /// Told each time a write joins the queue, for a leader waiting for company.
     joined: tokio::sync::Notify,
-    /// Where the leaders run, started by the first; `None` if it could not start.
+    /// Where a lead goes on after its first batch, started by the first that does; `None` if
+    /// it could not start.
     committer: std::sync::OnceLock<Option<Committer>>,
 }
 
-/// A thread of the group's own, whose runtime runs its leaders. A leader spawned on the
-/// runtime of the write that started it would run only while that runtime is driven: an
-/// application that accepts with `block_on` and then leaves its runtime idle would leave the
-/// leader suspended in a commit it began for the others' writes, holding SQLite's turn, and
-/// every later write of the store waiting behind it.
+/// A thread of the group's own, whose runtime runs the batches of a lead after its first
+/// (see [`lead`]).
 #[derive(Debug)]
 struct Committer {
     runtime: tokio::runtime::Handle,
@@ -550,7 +548,14 @@ async fn commit_batches(mut leading: Leading, db: &Database, first_only: bool) -
             let _ = reply.send(answer);
         }
         if first_only {
-            return Some(leading);
+            let mut queue = group.queue();
+            if !queue.waiting.is_empty() {
+                return Some(leading);
+            }
+            // Nothing more: handed back here, with no hop to the committer's thread.
+            queue.leaders -= 1;
+            leading.handed_back = true;
+            return None;
         }
     }
 }
