@@ -1,6 +1,9 @@
 //! A TCP proxy to the PostgreSQL server that a test can cut (every connection dropped, new
 //! ones refused) and restore, and which counts round trips: the `ReadyForQuery` messages the
 //! server sends, one per statement, transaction command or ping the client waited for.
+//!
+//! A cut holds from the moment `cut` returns: a connection opened before it forwards no byte
+//! read after it, even before the proxy's task has come round to closing it.
 #![allow(dead_code, unreachable_pub)]
 
 use std::sync::Arc;
@@ -14,6 +17,8 @@ use tokio::task::JoinSet;
 pub struct Proxy {
     pub port: u16,
     up: Arc<AtomicBool>,
+    /// Counts cuts; a connection forwards only while the count is the one it opened under.
+    epoch: Arc<AtomicU64>,
     /// The server's side held back, each connection left open: a server gone silent.
     stalled: Arc<AtomicBool>,
     cut: Arc<Notify>,
@@ -26,11 +31,13 @@ impl Proxy {
         let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
         let port = listener.local_addr().unwrap().port();
         let up = Arc::new(AtomicBool::new(true));
+        let epoch = Arc::new(AtomicU64::new(0));
         let stalled = Arc::new(AtomicBool::new(false));
         let cut = Arc::new(Notify::new());
         let round_trips = Arc::new(AtomicU64::new(0));
-        let (up_, stalled_, cut_, round_trips_) = (
+        let (up_, epoch_, stalled_, cut_, round_trips_) = (
             Arc::clone(&up),
+            Arc::clone(&epoch),
             Arc::clone(&stalled),
             Arc::clone(&cut),
             Arc::clone(&round_trips),
@@ -41,6 +48,12 @@ impl Proxy {
                 tokio::select! {
                     accepted = listener.accept() => {
                         let Ok((client, _)) = accepted else { continue };
+                        // The epoch before `up`: a cut between the two leaves this
+                        // connection with a stale epoch, dead from its first byte.
+                        let opened = Opened {
+                            epoch: Arc::clone(&epoch_),
+                            under: epoch_.load(Ordering::SeqCst),
+                        };
                         if !up_.load(Ordering::SeqCst) {
                             continue; // dropped: refused
                         }
@@ -49,7 +62,7 @@ impl Proxy {
                         let stalled = Arc::clone(&stalled_);
                         connections.spawn(async move {
                             if let Ok(server) = TcpStream::connect(upstream.as_str()).await {
-                                relay(client, server, round_trips, stalled).await;
+                                relay(client, server, round_trips, stalled, opened).await;
                             }
                         });
                     }
@@ -60,6 +73,7 @@ impl Proxy {
         Self {
             port,
             up,
+            epoch,
             stalled,
             cut,
             round_trips,
@@ -83,6 +97,7 @@ impl Proxy {
 
     pub fn cut(&self) {
         self.up.store(false, Ordering::SeqCst);
+        self.epoch.fetch_add(1, Ordering::SeqCst);
         self.cut.notify_one();
     }
 
@@ -96,6 +111,7 @@ impl Proxy {
     /// noticed.
     pub fn restore(&self) {
         if self.stalled.swap(false, Ordering::SeqCst) {
+            self.epoch.fetch_add(1, Ordering::SeqCst);
             self.cut.notify_one();
         }
         self.up.store(true, Ordering::SeqCst);
@@ -107,18 +123,39 @@ impl Proxy {
     }
 }
 
-/// Copies both ways; reads the server's side as protocol messages (a type byte, then a
+/// The cut count a connection was opened under.
+struct Opened {
+    epoch: Arc<AtomicU64>,
+    under: u64,
+}
+
+impl Opened {
+    fn cut(&self) -> bool {
+        self.epoch.load(Ordering::SeqCst) != self.under
+    }
+}
+
+/// Copies both ways until either side closes or a cut; reads the server's side as protocol messages (a type byte, then a
 /// big-endian length that counts itself) to count `ReadyForQuery` (`Z`).
 async fn relay(
     client: TcpStream,
     server: TcpStream,
     round_trips: Arc<AtomicU64>,
     stalled: Arc<AtomicBool>,
+    opened: Opened,
 ) {
     let (mut client_read, mut client_write) = client.into_split();
     let (mut server_read, mut server_write) = server.into_split();
     let upstream = async {
-        let _ = tokio::io::copy(&mut client_read, &mut server_write).await;
+        let mut buffer = vec![0u8; 64 * 1024];
+        while let Ok(read) = client_read.read(&mut buffer).await {
+            if read == 0 || opened.cut() {
+                break;
+            }
+            if server_write.write_all(&buffer[..read]).await.is_err() {
+                break;
+            }
+        }
         let _ = server_write.shutdown().await;
     };
     let downstream = async {
@@ -127,7 +164,7 @@ async fn relay(
         let mut skip = 0usize;
         let mut header = Vec::with_capacity(5);
         while let Ok(read) = server_read.read(&mut buffer).await {
-            if read == 0 {
+            if read == 0 || opened.cut() {
                 break;
             }
             if stalled.load(Ordering::SeqCst) {
