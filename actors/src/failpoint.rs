@@ -1,6 +1,7 @@
 //! Named points in the durable path where a test crashes the runtime, and the fence that keeps
 //! a crashed runtime from doing anything more.
 
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Mutex, PoisonError};
 
 use tokio::sync::watch;
@@ -58,6 +59,9 @@ pub struct Failpoints {
     /// The point armed, and the message type it is armed for (`None`: any).
     armed: Mutex<Option<(Failpoint, Option<String>)>>,
     crashed: watch::Sender<Option<Failpoint>>,
+    /// Counts the runtimes started after a crash: what a crashed one still runs (a thread
+    /// of its store's, which its stop did not take) tells it is gone by an older count.
+    run: AtomicU64,
 }
 
 impl Default for Failpoints {
@@ -65,6 +69,7 @@ impl Default for Failpoints {
         Self {
             armed: Mutex::new(None),
             crashed: watch::Sender::new(None),
+            run: AtomicU64::new(0),
         }
     }
 }
@@ -143,10 +148,16 @@ impl Failpoints {
     }
 
     /// Forgets the crash and the armed point, for a runtime started after the crashed one
-    /// stopped.
+    /// stopped, and counts a new [`run`](Self::run) before it does.
     pub fn reset(&self) {
+        self.run.fetch_add(1, Ordering::SeqCst);
         *self.armed.lock().unwrap_or_else(PoisonError::into_inner) = None;
         self.crashed.send_replace(None);
+    }
+
+    /// Which runtime is the live one: 0 for the first, one more at each [`reset`](Self::reset).
+    pub fn run(&self) -> u64 {
+        self.run.load(Ordering::SeqCst)
     }
 }
 
@@ -163,8 +174,14 @@ mod tests {
         assert!(points.reached(Failpoint::BeforeSettle, Some("a")));
         assert_eq!(points.crashed(), Some(Failpoint::BeforeSettle));
         assert!(points.reached(Failpoint::AfterSettle, None));
+        assert_eq!(points.run(), 0);
         points.reset();
         assert!(!points.reached(Failpoint::BeforeSettle, None));
+        assert_eq!(
+            points.run(),
+            1,
+            "the next runtime is told apart from the crashed one"
+        );
     }
 
     #[test]

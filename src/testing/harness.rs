@@ -165,13 +165,10 @@ impl TestHarnessBuilder {
                     .push(report.clone());
             }))
         };
-        let hooks = Arc::new(StoreHooks {
-            failpoints: Arc::clone(&self.failpoints),
-            faults: self.store_faults.clone(),
-        });
         let mut runtime = self.runtime;
         if let Some(store) = &self.store {
-            runtime = store(runtime, Arc::clone(&clock), Arc::clone(&hooks));
+            let hooks = StoreHooks::of_the_live_run(&self.failpoints, &self.store_faults);
+            runtime = store(runtime, Arc::clone(&clock), Arc::new(hooks));
         }
         let (mut registry, runtime) = runtime
             .virtual_time(Arc::clone(&clock))
@@ -200,7 +197,6 @@ impl TestHarnessBuilder {
             runtime: runtime.restartable(),
             registry: registry.replicate(),
             store,
-            hooks,
         });
         let mut harness = TestHarness {
             runtime: Arc::new(runtime.start(registry)?),
@@ -256,7 +252,6 @@ struct Restart {
     runtime: RuntimeBuilder,
     registry: Registry,
     store: PendingStore,
-    hooks: Arc<StoreHooks>,
 }
 
 impl std::fmt::Debug for Restart {
@@ -385,11 +380,13 @@ impl TestHarness {
         // The next run takes back what this node's earlier run held, by received time in
         // milliseconds: it starts a millisecond after the crash, as a real one would.
         self.clock.advance(Duration::from_millis(1)).await;
+        // A new run: what the killed one still had under way stays fenced off for good.
         self.failpoints.reset();
+        let hooks = StoreHooks::of_the_live_run(&self.failpoints, &self.store_faults);
         let runtime = (restart.store)(
             restart.runtime.restartable(),
             Arc::clone(&self.clock),
-            Arc::clone(&restart.hooks),
+            Arc::new(hooks),
         );
         let runtime = runtime.start(restart.registry.replicate())?;
         self.runtime = Arc::new(runtime);

@@ -170,9 +170,27 @@ impl StoreFaults {
 pub(crate) struct StoreHooks {
     pub(crate) failpoints: Arc<Failpoints>,
     pub(crate) faults: StoreFaults,
+    /// The runtime whose statements these are ([`Failpoints::run`]).
+    run: u64,
 }
 
 impl StoreHooks {
+    /// The hooks of the runtime that runs now.
+    pub(crate) fn of_the_live_run(failpoints: &Arc<Failpoints>, faults: &StoreFaults) -> Self {
+        Self {
+            failpoints: Arc::clone(failpoints),
+            faults: faults.clone(),
+            run: failpoints.run(),
+        }
+    }
+
+    /// Whether these hooks' runtime crashed, or was replaced by a restart. A crashed runtime's
+    /// store can go on past its kill where a thread of its own (the group commit's) runs a
+    /// batch: its statements must not reach the database once the next runtime started.
+    fn gone(&self) -> bool {
+        self.failpoints.crashed().is_some() || self.failpoints.run() != self.run
+    }
+
     /// Stops a crashed runtime's statement — forever where it holds nothing, with an error
     /// inside a transaction, which then rolls back as a dead process's would rather than hold
     /// its locks — or fails it as a faulty store would.
@@ -201,13 +219,15 @@ impl StoreHooks {
     }
 
     async fn stop_if_crashed(&self, in_transaction: bool) -> Result<(), Error> {
-        if in_transaction && self.failpoints.crashed().is_some() {
+        if !self.gone() {
+            return Ok(());
+        }
+        if in_transaction {
             return Err(Error::store(
                 "the runtime crashed (test harness): this transaction rolls back",
             ));
         }
-        self.failpoints.fence().await;
-        Ok(())
+        std::future::pending().await
     }
 
     pub(crate) async fn pass(&self, point: Failpoint, message_type: &str) {
@@ -221,7 +241,39 @@ fn unavailable() -> Error {
 
 #[cfg(test)]
 mod tests {
+    use futures::FutureExt;
+
     use super::*;
+
+    #[test]
+    fn a_statement_of_a_run_a_restart_replaced_never_reaches_the_database() {
+        let failpoints = Arc::new(Failpoints::default());
+        let faults = StoreFaults::default();
+        let killed = StoreHooks::of_the_live_run(&failpoints, &faults);
+        assert!(killed.before_statement(false).now_or_never().is_some());
+        failpoints.arm(Failpoint::AfterSettle, None);
+        assert!(failpoints.reached(Failpoint::AfterSettle, None));
+        // The restart: a batch the killed run's committer thread takes up from now on is
+        // still the killed run's, though nothing is crashed any more.
+        failpoints.reset();
+        assert!(
+            killed.before_statement(false).now_or_never().is_none(),
+            "held for good"
+        );
+        assert!(matches!(
+            killed.before_statement(true).now_or_never(),
+            Some(Err(Error::Store(_)))
+        ));
+        assert!(matches!(
+            killed.before_commit(true).now_or_never(),
+            Some(Err(Error::Store(_)))
+        ));
+        let restarted = StoreHooks::of_the_live_run(&failpoints, &faults);
+        assert!(matches!(
+            restarted.before_statement(true).now_or_never(),
+            Some(Ok(()))
+        ));
+    }
 
     #[test]
     fn a_counted_fault_ends_by_itself_and_slow_commits_spare_other_statements() {
