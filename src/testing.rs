@@ -49,5 +49,5 @@ pub use recorder::{Call, Recorder};
 #[cfg(any(feature = "sqlite", feature = "postgres"))]
 #[cfg_attr(docsrs, doc(cfg(any(feature = "sqlite", feature = "postgres"))))]
 pub use scratch::ScratchDatabase;
-pub(crate) use store_fault::StoreHooks;
+pub(crate) use store_fault::{Committing, StoreHooks};
 pub use store_fault::{StoreFault, StoreFaults};

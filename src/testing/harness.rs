@@ -166,9 +166,14 @@ impl TestHarnessBuilder {
             }))
         };
         let mut runtime = self.runtime;
+        let mut hooks = None;
         if let Some(store) = &self.store {
-            let hooks = StoreHooks::of_the_live_run(&self.failpoints, &self.store_faults);
-            runtime = store(runtime, Arc::clone(&clock), Arc::new(hooks));
+            let live = Arc::new(StoreHooks::of_the_live_run(
+                &self.failpoints,
+                &self.store_faults,
+            ));
+            runtime = store(runtime, Arc::clone(&clock), Arc::clone(&live));
+            hooks = Some(live);
         }
         let (mut registry, runtime) = runtime
             .virtual_time(Arc::clone(&clock))
@@ -197,6 +202,7 @@ impl TestHarnessBuilder {
             runtime: runtime.restartable(),
             registry: registry.replicate(),
             store,
+            hooks: hooks.expect("a store has the live run's hooks"),
         });
         let mut harness = TestHarness {
             runtime: Arc::new(runtime.start(registry)?),
@@ -252,6 +258,8 @@ struct Restart {
     runtime: RuntimeBuilder,
     registry: Registry,
     store: PendingStore,
+    /// The live run's hooks on its store's statements.
+    hooks: Arc<StoreHooks>,
 }
 
 impl std::fmt::Debug for Restart {
@@ -368,7 +376,7 @@ impl TestHarness {
     /// runtime's start errors, and [`Error::NotSettled`] (nil envelope id) when the first
     /// recovery round does not end within the settle timeout.
     pub async fn restart(&mut self) -> Result<(), Error> {
-        let Some(restart) = &self.restart else {
+        let Some(restart) = &mut self.restart else {
             return Err(Error::Configuration(
                 "restart needs a store given to TestHarnessBuilder::store".into(),
             ));
@@ -377,16 +385,27 @@ impl TestHarness {
             killer.abort();
         }
         self.runtime.kill().await;
+        // A new run: what the killed one still has under way (a thread of its store's, which
+        // the kill leaves running) begins no statement from now on; a commit it had begun
+        // ends first, as one a dead process had sent would before anyone started again.
+        self.failpoints.reset();
+        tokio::time::timeout(self.settle_timeout, restart.hooks.commits_ended())
+            .await
+            .map_err(|_| Error::NotSettled {
+                envelope_id: uuid::Uuid::nil(),
+                waited: self.settle_timeout,
+            })?;
         // The next run takes back what this node's earlier run held, by received time in
         // milliseconds: it starts a millisecond after the crash, as a real one would.
         self.clock.advance(Duration::from_millis(1)).await;
-        // A new run: what the killed one still had under way stays fenced off for good.
-        self.failpoints.reset();
-        let hooks = StoreHooks::of_the_live_run(&self.failpoints, &self.store_faults);
+        restart.hooks = Arc::new(StoreHooks::of_the_live_run(
+            &self.failpoints,
+            &self.store_faults,
+        ));
         let runtime = (restart.store)(
             restart.runtime.restartable(),
             Arc::clone(&self.clock),
-            Arc::new(hooks),
+            Arc::clone(&restart.hooks),
         );
         let runtime = runtime.start(restart.registry.replicate())?;
         self.runtime = Arc::new(runtime);

@@ -172,6 +172,18 @@ pub(crate) struct StoreHooks {
     pub(crate) faults: StoreFaults,
     /// The runtime whose statements these are ([`Failpoints::run`]).
     run: u64,
+    /// Its commits under way, which a restart lets end before the next runtime starts.
+    committing: tokio::sync::watch::Sender<usize>,
+}
+
+/// A commit under way, counted until it returned or was dropped.
+#[derive(Debug)]
+pub(crate) struct Committing(Arc<StoreHooks>);
+
+impl Drop for Committing {
+    fn drop(&mut self) {
+        self.0.committing.send_modify(|n| *n -= 1);
+    }
 }
 
 impl StoreHooks {
@@ -181,7 +193,21 @@ impl StoreHooks {
             failpoints: Arc::clone(failpoints),
             faults: faults.clone(),
             run: failpoints.run(),
+            committing: tokio::sync::watch::Sender::new(0),
         }
+    }
+
+    /// Returns once no commit of these hooks' runtime is under way. A killed runtime's
+    /// commit that had begun still ends, as one the database had received from a process
+    /// that died would: the next runtime's first recovery must find what it wrote, as it
+    /// would have after a real crash.
+    ///
+    /// # Cancel safety
+    ///
+    /// Cancel safe: it only observes.
+    pub(crate) async fn commits_ended(&self) {
+        let mut committing = self.committing.subscribe();
+        let _ = committing.wait_for(|n| *n == 0).await;
     }
 
     /// Whether these hooks' runtime crashed, or was replaced by a restart. A crashed runtime's
@@ -202,20 +228,29 @@ impl StoreHooks {
         }
     }
 
-    pub(crate) async fn before_commit(&self, transaction: bool) -> Result<(), Error> {
+    /// Stops a crashed runtime's commit, fails it or slows it as a faulty store would; the
+    /// commit, if it goes on, is counted until the guard returned is dropped.
+    pub(crate) async fn before_commit(
+        self: &Arc<Self>,
+        transaction: bool,
+    ) -> Result<Committing, Error> {
         self.stop_if_crashed(transaction).await?;
         match self.faults.strike(true, transaction) {
-            Some(Kind::Unavailable) => Err(unavailable()),
-            Some(Kind::FailingCommits) => Err(Error::store(
-                "the commit failed (injected by the test harness: StoreFault::failing_commits)",
-            )),
+            Some(Kind::Unavailable) => return Err(unavailable()),
+            Some(Kind::FailingCommits) => {
+                return Err(Error::store(
+                    "the commit failed (injected by the test harness: StoreFault::failing_commits)",
+                ));
+            }
             Some(Kind::SlowCommits(by)) => {
                 tokio::time::sleep(by).await;
                 // A crash while the commit waited: the commit never runs.
-                self.stop_if_crashed(transaction).await
+                self.stop_if_crashed(transaction).await?;
             }
-            None => Ok(()),
+            None => {}
         }
+        self.committing.send_modify(|n| *n += 1);
+        Ok(Committing(Arc::clone(self)))
     }
 
     async fn stop_if_crashed(&self, in_transaction: bool) -> Result<(), Error> {
@@ -249,10 +284,15 @@ mod tests {
     fn a_statement_of_a_run_a_restart_replaced_never_reaches_the_database() {
         let failpoints = Arc::new(Failpoints::default());
         let faults = StoreFaults::default();
-        let killed = StoreHooks::of_the_live_run(&failpoints, &faults);
+        let killed = Arc::new(StoreHooks::of_the_live_run(&failpoints, &faults));
         assert!(killed.before_statement(false).now_or_never().is_some());
+        // A commit that began before the crash is waited for, and only it.
+        let begun = killed.before_commit(false).now_or_never().unwrap().unwrap();
         failpoints.arm(Failpoint::AfterSettle, None);
         assert!(failpoints.reached(Failpoint::AfterSettle, None));
+        assert!(killed.commits_ended().now_or_never().is_none());
+        drop(begun);
+        assert!(killed.commits_ended().now_or_never().is_some());
         // The restart: a batch the killed run's committer thread takes up from now on is
         // still the killed run's, though nothing is crashed any more.
         failpoints.reset();
@@ -268,7 +308,7 @@ mod tests {
             killed.before_commit(true).now_or_never(),
             Some(Err(Error::Store(_)))
         ));
-        let restarted = StoreHooks::of_the_live_run(&failpoints, &faults);
+        let restarted = Arc::new(StoreHooks::of_the_live_run(&failpoints, &faults));
         assert!(matches!(
             restarted.before_statement(true).now_or_never(),
             Some(Ok(()))

@@ -572,7 +572,9 @@ impl Database {
         sql: &'static str,
         values: &[Value<'_>],
     ) -> Result<u64, Error> {
-        before_commit(&self.hooks, false).await?;
+        // Moved into SQLite's commit; PostgreSQL's runs in place, within its scope.
+        #[cfg_attr(not(feature = "sqlite"), allow(unused_variables))]
+        let committing = before_commit(&self.hooks, false).await?;
         // SQLite's alone: PostgreSQL has no turn to hold.
         #[cfg_attr(not(feature = "sqlite"), allow(unused_variables))]
         let turn = self.turn().await?;
@@ -581,6 +583,8 @@ impl Database {
             Pool::Sqlite(pool) => {
                 let (pool, tries, owned) = (pool.clone(), self.tries(), OwnedValue::all_of(values));
                 to_the_end(turn, async move {
+                    // Counted until the commit ended, even if the caller stopped waiting.
+                    let _committing = committing;
                     let values: Vec<Value<'_>> = owned.iter().map(OwnedValue::value).collect();
                     on_live_session(tries, || bind(sqlx::query(sql), &values).execute(&pool))
                         .await
@@ -604,7 +608,9 @@ impl Database {
         sql: String,
         values: &[Value<'_>],
     ) -> Result<u64, Error> {
-        before_commit(&self.hooks, false).await?;
+        // Moved into SQLite's commit; PostgreSQL's runs in place, within its scope.
+        #[cfg_attr(not(feature = "sqlite"), allow(unused_variables))]
+        let committing = before_commit(&self.hooks, false).await?;
         // SQLite's alone: PostgreSQL has no turn to hold.
         #[cfg_attr(not(feature = "sqlite"), allow(unused_variables))]
         let turn = self.turn().await?;
@@ -615,6 +621,7 @@ impl Database {
                 let (pool, tries, owned) =
                     (pool.clone(), self.tries(), OwnedValue::all_of(&values));
                 to_the_end(turn, async move {
+                    let _committing = committing;
                     let values: Vec<Value<'_>> = owned.iter().map(OwnedValue::value).collect();
                     on_live_session(tries, || {
                         bind(sqlx::query(sqlx::AssertSqlSafe(sql.clone())), &values).execute(&pool)
@@ -842,7 +849,7 @@ impl Tx {
     }
 
     pub(crate) async fn commit(mut self) -> Result<(), Error> {
-        before_commit(&self.hooks, true).await?;
+        let committing = before_commit(&self.hooks, true).await?;
         let inner = self
             .inner
             .take()
@@ -851,6 +858,7 @@ impl Tx {
         // transaction open until sqlx's rollback ran; under `BEGIN IMMEDIATE` in WAL mode, which
         // holds the lock from the start, it does not fail so, and other errors roll back.
         to_the_end(self.turn.take(), async move {
+            let _committing = committing;
             match inner {
                 #[cfg(feature = "sqlite")]
                 TxInner::Sqlite(tx) => tx.commit().await,
@@ -887,18 +895,24 @@ async fn before_statement(_: &Hooks, _: bool) -> Result<(), Error> {
     Ok(())
 }
 
+/// A commit under way, for the test harness to let end before a restart.
 #[cfg(feature = "testing")]
-async fn before_commit(hooks: &Hooks, transaction: bool) -> Result<(), Error> {
+type Committing = Option<crate::testing::Committing>;
+#[cfg(not(feature = "testing"))]
+type Committing = NoHooks;
+
+#[cfg(feature = "testing")]
+async fn before_commit(hooks: &Hooks, transaction: bool) -> Result<Committing, Error> {
     match hooks {
-        Some(hooks) => hooks.before_commit(transaction).await,
-        None => Ok(()),
+        Some(hooks) => hooks.before_commit(transaction).await.map(Some),
+        None => Ok(None),
     }
 }
 
 #[cfg(not(feature = "testing"))]
 #[allow(clippy::unused_async)]
-async fn before_commit(_: &Hooks, _: bool) -> Result<(), Error> {
-    Ok(())
+async fn before_commit(_: &Hooks, _: bool) -> Result<Committing, Error> {
+    Ok(NoHooks)
 }
 
 /// What tells the backends apart, chosen by the pool's kind.

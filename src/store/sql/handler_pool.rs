@@ -58,6 +58,7 @@ impl<D: sqlx::Database> HandlerPool<D> {
     /// This pool anew, with the same settings, flushing through `engine`: for a runtime
     /// started after another was killed, whose PostgreSQL connections went with it.
     #[cfg(feature = "testing")]
+    #[cfg_attr(not(feature = "postgres"), allow(unused_variables))]
     pub(crate) fn on_new_pools(&self, engine: &sqlx::Pool<D>) -> Self {
         let pool = self
             .pool
