@@ -373,8 +373,9 @@ impl TestHarness {
     /// # Errors
     ///
     /// [`Error::Configuration`] without a store given to [`TestHarnessBuilder::store`], the
-    /// runtime's start errors, and [`Error::NotSettled`] (nil envelope id) when the first
-    /// recovery round does not end within the settle timeout.
+    /// runtime's start errors, and [`Error::NotSettled`] (nil envelope id) when a commit the
+    /// killed runtime had begun, or then the first recovery round, does not end within the
+    /// settle timeout (each waits up to it).
     pub async fn restart(&mut self) -> Result<(), Error> {
         let Some(restart) = &mut self.restart else {
             return Err(Error::Configuration(

@@ -176,7 +176,9 @@ pub(crate) struct StoreHooks {
     committing: tokio::sync::watch::Sender<usize>,
 }
 
-/// A commit under way, counted until it returned or was dropped.
+/// A commit under way, counted until it returned or was dropped: a killed runtime's task
+/// drops it as the runtime stops, while its database may still be ending the commit (SQLite's
+/// connection thread, the PostgreSQL server).
 #[derive(Debug)]
 pub(crate) struct Committing(Arc<StoreHooks>);
 
@@ -198,9 +200,10 @@ impl StoreHooks {
     }
 
     /// Returns once no commit of these hooks' runtime is under way. A killed runtime's
-    /// commit that had begun still ends, as one the database had received from a process
-    /// that died would: the next runtime's first recovery must find what it wrote, as it
-    /// would have after a real crash.
+    /// commit that had begun on a thread the kill left running (the group commit's) still
+    /// ends, as one the database had received from a process that died would: the next
+    /// runtime's first recovery must find what it wrote, as it would have after a real crash.
+    /// One whose task the kill dropped is not waited for (see [`Committing`]).
     ///
     /// # Cancel safety
     ///
@@ -249,18 +252,30 @@ impl StoreHooks {
             }
             None => {}
         }
+        // Counted before the last look at the run: a restart that counts a new run meanwhile
+        // either finds this commit counted and waits for it, or is seen here.
         self.committing.send_modify(|n| *n += 1);
-        Ok(Committing(Arc::clone(self)))
+        let committing = Committing(Arc::clone(self));
+        if self.gone() {
+            drop(committing);
+            return Err(self.stop(transaction).await);
+        }
+        Ok(committing)
     }
 
     async fn stop_if_crashed(&self, in_transaction: bool) -> Result<(), Error> {
-        if !self.gone() {
-            return Ok(());
+        if self.gone() {
+            return Err(self.stop(in_transaction).await);
         }
+        Ok(())
+    }
+
+    /// What a statement of a runtime that is gone gets: an error inside a transaction, which
+    /// then rolls back as a dead process's would rather than hold its locks; never an answer
+    /// outside one.
+    async fn stop(&self, in_transaction: bool) -> Error {
         if in_transaction {
-            return Err(Error::store(
-                "the runtime crashed (test harness): this transaction rolls back",
-            ));
+            return Error::store("the runtime crashed (test harness): this transaction rolls back");
         }
         std::future::pending().await
     }

@@ -3,7 +3,7 @@
 //! server sends, one per statement, transaction command or ping the client waited for.
 //!
 //! A cut holds from the moment `cut` returns: a connection opened before it forwards no byte
-//! read after it, even before the proxy's task has come round to closing it.
+//! read after it, and ends itself as soon as its task sees the cut.
 #![allow(dead_code, unreachable_pub)]
 
 use std::sync::Arc;
@@ -11,17 +11,16 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
-use tokio::sync::Notify;
-use tokio::task::JoinSet;
+use tokio::sync::watch;
 
 pub struct Proxy {
     pub port: u16,
     up: Arc<AtomicBool>,
-    /// Counts cuts; a connection forwards only while the count is the one it opened under.
-    epoch: Arc<AtomicU64>,
+    /// Counts cuts (and the ends of stalls); a connection lives only while the count is the
+    /// one it opened under.
+    epoch: Arc<watch::Sender<u64>>,
     /// The server's side held back, each connection left open: a server gone silent.
     stalled: Arc<AtomicBool>,
-    cut: Arc<Notify>,
     round_trips: Arc<AtomicU64>,
 }
 
@@ -31,43 +30,42 @@ impl Proxy {
         let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
         let port = listener.local_addr().unwrap().port();
         let up = Arc::new(AtomicBool::new(true));
-        let epoch = Arc::new(AtomicU64::new(0));
+        let epoch = Arc::new(watch::Sender::new(0));
         let stalled = Arc::new(AtomicBool::new(false));
-        let cut = Arc::new(Notify::new());
         let round_trips = Arc::new(AtomicU64::new(0));
-        let (up_, epoch_, stalled_, cut_, round_trips_) = (
+        let (up_, epoch_, stalled_, round_trips_) = (
             Arc::clone(&up),
             Arc::clone(&epoch),
             Arc::clone(&stalled),
-            Arc::clone(&cut),
             Arc::clone(&round_trips),
         );
         tokio::spawn(async move {
-            let mut connections = JoinSet::new();
             loop {
-                tokio::select! {
-                    accepted = listener.accept() => {
-                        let Ok((client, _)) = accepted else { continue };
-                        // The epoch before `up`: a cut between the two leaves this
-                        // connection with a stale epoch, dead from its first byte.
-                        let opened = Opened {
-                            epoch: Arc::clone(&epoch_),
-                            under: epoch_.load(Ordering::SeqCst),
-                        };
-                        if !up_.load(Ordering::SeqCst) {
-                            continue; // dropped: refused
-                        }
-                        let upstream = upstream.clone();
-                        let round_trips = Arc::clone(&round_trips_);
-                        let stalled = Arc::clone(&stalled_);
-                        connections.spawn(async move {
-                            if let Ok(server) = TcpStream::connect(upstream.as_str()).await {
-                                relay(client, server, round_trips, stalled, opened).await;
-                            }
-                        });
-                    }
-                    () = cut_.notified() => connections.abort_all(),
+                let Ok((client, _)) = listener.accept().await else {
+                    continue;
+                };
+                // The epoch before `up`: a cut between the two leaves this connection with a
+                // stale epoch, dead from its first byte.
+                let epoch = epoch_.subscribe();
+                let under = *epoch.borrow();
+                if !up_.load(Ordering::SeqCst) {
+                    continue; // dropped: refused
                 }
+                let upstream = upstream.clone();
+                let round_trips = Arc::clone(&round_trips_);
+                let stalled = Arc::clone(&stalled_);
+                tokio::spawn(async move {
+                    if let Ok(server) = TcpStream::connect(upstream.as_str()).await {
+                        relay(
+                            client,
+                            server,
+                            round_trips,
+                            stalled,
+                            Opened { epoch, under },
+                        )
+                        .await;
+                    }
+                });
             }
         });
         Self {
@@ -75,7 +73,6 @@ impl Proxy {
             up,
             epoch,
             stalled,
-            cut,
             round_trips,
         }
     }
@@ -97,8 +94,7 @@ impl Proxy {
 
     pub fn cut(&self) {
         self.up.store(false, Ordering::SeqCst);
-        self.epoch.fetch_add(1, Ordering::SeqCst);
-        self.cut.notify_one();
+        self.epoch.send_modify(|epoch| *epoch += 1);
     }
 
     /// Holds back everything the server sends from now on, on every connection, new ones
@@ -110,9 +106,10 @@ impl Proxy {
     /// Lets connections through again; those a stall held are closed, as TCP would once it
     /// noticed.
     pub fn restore(&self) {
-        if self.stalled.swap(false, Ordering::SeqCst) {
-            self.epoch.fetch_add(1, Ordering::SeqCst);
-            self.cut.notify_one();
+        if self.stalled.load(Ordering::SeqCst) {
+            // Ended before the stall is: none of them forwards what it held.
+            self.epoch.send_modify(|epoch| *epoch += 1);
+            self.stalled.store(false, Ordering::SeqCst);
         }
         self.up.store(true, Ordering::SeqCst);
     }
@@ -125,31 +122,36 @@ impl Proxy {
 
 /// The cut count a connection was opened under.
 struct Opened {
-    epoch: Arc<AtomicU64>,
+    epoch: watch::Receiver<u64>,
     under: u64,
 }
 
 impl Opened {
     fn cut(&self) -> bool {
-        self.epoch.load(Ordering::SeqCst) != self.under
+        *self.epoch.borrow() != self.under
     }
 }
 
-/// Copies both ways until either side closes or a cut; reads the server's side as protocol messages (a type byte, then a
-/// big-endian length that counts itself) to count `ReadyForQuery` (`Z`).
+/// Copies both ways until either side closes or a cut, which drops both sockets; reads the
+/// server's side as protocol messages (a type byte, then a big-endian length that counts
+/// itself) to count `ReadyForQuery` (`Z`).
 async fn relay(
     client: TcpStream,
     server: TcpStream,
     round_trips: Arc<AtomicU64>,
     stalled: Arc<AtomicBool>,
-    opened: Opened,
+    mut opened: Opened,
 ) {
+    let live = Opened {
+        epoch: opened.epoch.clone(),
+        under: opened.under,
+    };
     let (mut client_read, mut client_write) = client.into_split();
     let (mut server_read, mut server_write) = server.into_split();
     let upstream = async {
         let mut buffer = vec![0u8; 64 * 1024];
         while let Ok(read) = client_read.read(&mut buffer).await {
-            if read == 0 || opened.cut() {
+            if read == 0 || live.cut() {
                 break;
             }
             if server_write.write_all(&buffer[..read]).await.is_err() {
@@ -164,7 +166,7 @@ async fn relay(
         let mut skip = 0usize;
         let mut header = Vec::with_capacity(5);
         while let Ok(read) = server_read.read(&mut buffer).await {
-            if read == 0 || opened.cut() {
+            if read == 0 || live.cut() {
                 break;
             }
             if stalled.load(Ordering::SeqCst) {
@@ -195,5 +197,9 @@ async fn relay(
         }
         let _ = client_write.shutdown().await;
     };
-    tokio::join!(upstream, downstream);
+    let under = opened.under;
+    tokio::select! {
+        _ = async { tokio::join!(upstream, downstream) } => {}
+        _ = opened.epoch.wait_for(|epoch| *epoch != under) => {}
+    }
 }

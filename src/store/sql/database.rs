@@ -583,7 +583,8 @@ impl Database {
             Pool::Sqlite(pool) => {
                 let (pool, tries, owned) = (pool.clone(), self.tries(), OwnedValue::all_of(values));
                 to_the_end(turn, async move {
-                    // Counted until the commit ended, even if the caller stopped waiting.
+                    // Counted until the commit ended, even if the caller stopped waiting (not
+                    // if the runtime it runs on stops: see `Committing`).
                     let _committing = committing;
                     let values: Vec<Value<'_>> = owned.iter().map(OwnedValue::value).collect();
                     on_live_session(tries, || bind(sqlx::query(sql), &values).execute(&pool))
