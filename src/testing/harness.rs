@@ -42,9 +42,17 @@ impl std::fmt::Debug for TestHarnessBuilder {
     }
 }
 
-/// Puts the store on the harness's clock and hooks, and gives it to the runtime: each call
-/// on a runtime pool of its own, since a killed runtime's connections die with it.
-type PendingStore = Arc<
+/// The store given to the harness, for each run of the runtime.
+#[derive(Clone)]
+struct PendingStore {
+    give: GiveStore,
+    /// Returns once a write the database had begun for a killed runtime ended.
+    writes_ended: Arc<dyn Fn() -> futures::future::BoxFuture<'static, ()> + Send + Sync>,
+}
+
+/// Puts the store on the harness's clock and hooks, and gives it to the runtime: each call on
+/// a runtime pool of its own, since a killed runtime's connections die with it.
+type GiveStore = Arc<
     dyn Fn(RuntimeBuilder, Arc<dacapo_actors::VirtualClock>, Arc<StoreHooks>) -> RuntimeBuilder
         + Send
         + Sync,
@@ -93,17 +101,24 @@ impl TestHarnessBuilder {
     #[must_use]
     pub fn store<D: crate::store::Dialect>(mut self, store: crate::store::SqlStore<D>) -> Self {
         let first = Mutex::new(Some(store.clone()));
-        self.store = Some(Arc::new(move |runtime: RuntimeBuilder, clock, hooks| {
-            let store = first
-                .lock()
-                .unwrap_or_else(PoisonError::into_inner)
-                .take()
-                .unwrap_or_else(|| store.with_new_engine_pool());
-            let store = store
-                .clock(Arc::clone(&clock) as Arc<dyn dacapo_actors::ports::Clock>)
-                .with_test_hooks(hooks);
-            runtime.store(store).clock(clock)
-        }));
+        let ended = store.clone();
+        self.store = Some(PendingStore {
+            give: Arc::new(move |runtime: RuntimeBuilder, clock, hooks| {
+                let store = first
+                    .lock()
+                    .unwrap_or_else(PoisonError::into_inner)
+                    .take()
+                    .unwrap_or_else(|| store.with_new_engine_pool());
+                let store = store
+                    .clock(Arc::clone(&clock) as Arc<dyn dacapo_actors::ports::Clock>)
+                    .with_test_hooks(hooks);
+                runtime.store(store).clock(clock)
+            }),
+            writes_ended: Arc::new(move || {
+                let store = ended.clone();
+                Box::pin(async move { store.writes_under_way_ended().await })
+            }),
+        });
         self
     }
 
@@ -172,7 +187,7 @@ impl TestHarnessBuilder {
                 &self.failpoints,
                 &self.store_faults,
             ));
-            runtime = store(runtime, Arc::clone(&clock), Arc::clone(&live));
+            runtime = (store.give)(runtime, Arc::clone(&clock), Arc::clone(&live));
             hooks = Some(live);
         }
         let (mut registry, runtime) = runtime
@@ -390,7 +405,12 @@ impl TestHarness {
         // the kill leaves running) begins no statement from now on; a commit it had begun
         // ends first, as one a dead process had sent would before anyone started again.
         self.failpoints.reset();
-        tokio::time::timeout(self.settle_timeout, restart.hooks.commits_ended())
+        let writes_ended = async {
+            restart.hooks.commits_ended().await;
+            // One whose task the kill dropped may still be ending in the database.
+            (restart.store.writes_ended)().await;
+        };
+        tokio::time::timeout(self.settle_timeout, writes_ended)
             .await
             .map_err(|_| Error::NotSettled {
                 envelope_id: uuid::Uuid::nil(),
@@ -403,7 +423,7 @@ impl TestHarness {
             &self.failpoints,
             &self.store_faults,
         ));
-        let runtime = (restart.store)(
+        let runtime = (restart.store.give)(
             restart.runtime.restartable(),
             Arc::clone(&self.clock),
             Arc::clone(&restart.hooks),
