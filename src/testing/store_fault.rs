@@ -203,7 +203,8 @@ impl StoreHooks {
     /// commit that had begun on a thread the kill left running (the group commit's) still
     /// ends, as one the database had received from a process that died would: the next
     /// runtime's first recovery must find what it wrote, as it would have after a real crash.
-    /// One whose task the kill dropped is not waited for (see [`Committing`]).
+    /// One whose task the kill dropped is not counted (see [`Committing`]): a restart waits
+    /// for it through the database instead, where it can (SQLite's write lock).
     ///
     /// # Cancel safety
     ///
