@@ -50,8 +50,9 @@ struct PendingStore {
     writes_ended: Arc<dyn Fn() -> futures::future::BoxFuture<'static, ()> + Send + Sync>,
 }
 
-/// Puts the store on the harness's clock and hooks, and gives it to the runtime: each call on
-/// a runtime pool of its own, since a killed runtime's connections die with it.
+/// Puts the store on the harness's clock and hooks, and gives it to the runtime: on
+/// PostgreSQL each call on a runtime pool of its own, since a killed runtime's connections die
+/// with it (SQLite's run on threads of their own, and the pool is kept).
 type GiveStore = Arc<
     dyn Fn(RuntimeBuilder, Arc<dacapo_actors::VirtualClock>, Arc<StoreHooks>) -> RuntimeBuilder
         + Send
@@ -388,9 +389,9 @@ impl TestHarness {
     /// # Errors
     ///
     /// [`Error::Configuration`] without a store given to [`TestHarnessBuilder::store`], the
-    /// runtime's start errors, and [`Error::NotSettled`] (nil envelope id) when a commit the
-    /// killed runtime had begun, or then the first recovery round, does not end within the
-    /// settle timeout (each waits up to it).
+    /// runtime's start errors, and [`Error::NotSettled`] (nil envelope id) when a write the
+    /// killed runtime had begun (on SQLite, one holding the write lock), or then the first
+    /// recovery round, does not end within the settle timeout (each waits up to it).
     pub async fn restart(&mut self) -> Result<(), Error> {
         let Some(restart) = &mut self.restart else {
             return Err(Error::Configuration(

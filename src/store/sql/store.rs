@@ -181,20 +181,31 @@ impl<D: Dialect> SqlStore<D> {
 
     /// Returns once a write the database had begun for a runtime that was killed has ended.
     /// On SQLite, a kill drops the task that awaited a write, not the write: the connection's
-    /// thread goes on with it, holding the write lock, which a transaction of this store's
-    /// waits for (SQLite's busy timeout bounds the wait). PostgreSQL ends a gone client's
-    /// statement by itself.
+    /// thread goes on with it, holding the write lock, which a write transaction of this
+    /// store's waits for; tried again for as long as SQLite answers busy, so the caller's
+    /// timeout bounds the wait. (A write that was still waiting for the lock is not seen.)
+    /// On PostgreSQL the harness does not wait: the server runs a gone client's statement to
+    /// its end by itself.
     #[cfg(feature = "testing")]
     pub(crate) async fn writes_under_way_ended(&self) {
         if D::NAME != "SQLite" {
             return;
         }
-        let ended = match self.db.begin().await {
-            Ok(tx) => tx.rollback().await,
-            Err(error) => Err(error),
-        };
-        if let Err(error) = ended {
-            tracing::warn!(%error, "test harness: could not wait for the killed runtime's writes");
+        loop {
+            let ended = match self.db.begin().await {
+                Ok(tx) => tx.rollback().await,
+                Err(error) => Err(error),
+            };
+            match ended {
+                Ok(()) => return,
+                Err(error) if sqlite_busy(&error) => {
+                    tokio::time::sleep(Duration::from_millis(1)).await;
+                }
+                Err(error) => {
+                    tracing::warn!(%error, "test harness: could not wait for the killed runtime's writes");
+                    return;
+                }
+            }
         }
     }
 
@@ -1129,9 +1140,70 @@ fn filter_values(filter: &DeadLetterFilter) -> [Value<'_>; 3] {
     ]
 }
 
+/// Whether SQLite answered busy or locked (primary result codes 5 and 6).
+#[cfg(feature = "testing")]
+fn sqlite_busy(error: &Error) -> bool {
+    let Error::Store(source) = error else {
+        return false;
+    };
+    source
+        .downcast_ref::<sqlx::Error>()
+        .and_then(sqlx::Error::as_database_error)
+        .and_then(|database| database.code())
+        .and_then(|code| code.parse::<i32>().ok())
+        .is_some_and(|code| matches!(code & 0xff, 5 | 6))
+}
+
 #[cfg(all(test, feature = "sqlite"))]
 mod tests {
     use crate::store::SqliteStore;
+
+    /// What makes the harness's restart try again for a killed runtime's write, and nothing
+    /// else: SQLite's busy answer, not a refused row.
+    #[cfg(feature = "testing")]
+    #[tokio::test]
+    async fn sqlite_busy_is_told_from_other_errors() {
+        use sqlx::Connection as _;
+        let directory =
+            std::env::temp_dir().join(format!("dacapo-busy-{}", uuid::Uuid::new_v4().simple()));
+        std::fs::create_dir_all(&directory).unwrap();
+        let options = sqlx::sqlite::SqliteConnectOptions::new()
+            .filename(directory.join("db.sqlite"))
+            .create_if_missing(true)
+            .busy_timeout(std::time::Duration::ZERO);
+        let mut holder = sqlx::SqliteConnection::connect_with(&options)
+            .await
+            .unwrap();
+        let mut other = sqlx::SqliteConnection::connect_with(&options)
+            .await
+            .unwrap();
+        sqlx::query("CREATE TABLE t (id INTEGER PRIMARY KEY)")
+            .execute(&mut holder)
+            .await
+            .unwrap();
+        sqlx::query("BEGIN IMMEDIATE")
+            .execute(&mut holder)
+            .await
+            .unwrap();
+        let busy = sqlx::query("BEGIN IMMEDIATE")
+            .execute(&mut other)
+            .await
+            .unwrap_err();
+        assert!(super::sqlite_busy(&super::super::db_error(busy)));
+        sqlx::query("INSERT INTO t (id) VALUES (1)")
+            .execute(&mut holder)
+            .await
+            .unwrap();
+        let duplicate = sqlx::query("INSERT INTO t (id) VALUES (1)")
+            .execute(&mut holder)
+            .await
+            .unwrap_err();
+        assert!(!super::sqlite_busy(&super::super::db_error(duplicate)));
+        assert!(!super::sqlite_busy(&dacapo_actors::Error::store(
+            "not a database's answer"
+        )));
+        let _ = std::fs::remove_dir_all(&directory);
+    }
 
     /// Waits (a bounded while) until `done` holds.
     async fn until(what: &str, done: impl Fn() -> bool) {
