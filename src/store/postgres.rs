@@ -1,4 +1,5 @@
 use std::str::FromStr;
+use std::sync::Arc;
 use std::time::Duration;
 
 use dacapo_actors::Error;
@@ -7,7 +8,7 @@ use sqlx::Connection;
 use sqlx::postgres::{PgConnectOptions, PgConnection, PgListener, PgPool, PgPoolOptions};
 
 use crate::store::sql::{
-    Database, FLUSH_WAL, Flush, HandlerPool, Migration, SqlStore, migrations, redacted,
+    Database, FLUSH_WAL, Flush, HandlerPool, Migration, OwnThread, SqlStore, migrations, redacted,
 };
 
 pub(crate) const MIGRATIONS: &[Migration] = migrations!("postgres");
@@ -62,10 +63,23 @@ impl SqlStore<sqlx::Postgres> {
     ///
     /// The database's error when the schema cannot be applied.
     pub async fn with_pool(pool: PgPool) -> Result<Self, crate::Error> {
-        let engine = engine_pool(&pool);
-        let handlers = handler_pool(&pool, &engine).await?;
+        // The connections of the runtime's pools opened now are used by the runtime's threads
+        // for as long as the store lives, and need a runtime that drives them as long: not
+        // the caller's, which may stay idle once the store is open.
+        let opener = OwnThread::start("dacapo-postgres")
+            .map(Arc::new)
+            .map_err(|error| {
+                crate::Error::Store(format!("cannot start the store's thread: {error}").into())
+            })?;
+        let engine = {
+            // Where the pool's upkeep task goes, which opens connections to keep a minimum.
+            let _on_opener = opener.runtime().enter();
+            engine_pool(&pool)
+        };
+        let handlers = handler_pool(&pool, &engine, &opener).await?;
         let store = Self::open_on(pool, engine.clone(), Database::postgres).await?;
-        opened_ahead(&engine).await;
+        opener.run(async move { opened_ahead(&engine).await }).await;
+        let store = store.opened_on(opener);
         Ok(match handlers {
             Some(handlers) => store.with_handler_pool(handlers),
             None => store,
@@ -140,6 +154,7 @@ async fn pool(url: &str) -> Result<PgPool, crate::Error> {
 async fn handler_pool(
     pool: &PgPool,
     engine: &PgPool,
+    opener: &OwnThread,
 ) -> Result<Option<HandlerPool<sqlx::Postgres>>, crate::Error> {
     let level: String = sqlx::query_scalar("SHOW synchronous_commit")
         .fetch_one(pool)
@@ -155,19 +170,30 @@ async fn handler_pool(
     let options = (*pool.connect_options())
         .clone()
         .options([("synchronous_commit", "off")]);
-    let handlers = pool
-        .options()
-        .clone()
-        .min_connections(0)
-        .test_before_acquire(false)
-        .connect_lazy_with(options);
+    let handlers = {
+        let _on_opener = opener.runtime().enter();
+        pool.options()
+            .clone()
+            .min_connections(0)
+            .test_before_acquire(false)
+            .connect_lazy_with(options)
+    };
     // One connection now: a pooler that refuses the option refuses it here, not in every
     // handler; and the first handlers do not wait for a connection to open.
-    let refused = match tokio::time::timeout(CONNECT_TIMEOUT, handlers.acquire()).await {
-        Ok(Ok(_)) => None,
-        Ok(Err(error)) => Some(error.to_string()),
-        Err(_) => Some(format!("none within {CONNECT_TIMEOUT:?}")),
-    };
+    let opening = handlers.clone();
+    let refused = opener
+        .run(async move {
+            match tokio::time::timeout(CONNECT_TIMEOUT, opening.acquire()).await {
+                Ok(Ok(connection)) => {
+                    drop(connection);
+                    back_in(&opening, 1).await;
+                    None
+                }
+                Ok(Err(error)) => Some(error.to_string()),
+                Err(_) => Some(format!("none within {CONNECT_TIMEOUT:?}")),
+            }
+        })
+        .await;
     if let Some(error) = refused {
         tracing::warn!(%error, "handler connections commit at the store's own level: a connection with synchronous_commit = off could not be opened");
         return Ok(None);
@@ -192,11 +218,30 @@ async fn opened_ahead(engine: &PgPool) {
     let opening = futures::future::join_all((0..count).map(|_| engine.acquire()));
     match tokio::time::timeout(CONNECT_TIMEOUT, opening).await {
         Ok(opened) => {
-            if let Some(Err(error)) = opened.into_iter().find(Result::is_err) {
+            if let Some(Err(error)) = opened.iter().find(|opened| opened.is_err()) {
                 tracing::debug!(%error, "a connection of the runtime's did not open ahead");
             }
+            let open = opened.iter().filter(|opened| opened.is_ok()).count();
+            drop(opened);
+            back_in(engine, open).await;
         }
         Err(_) => tracing::debug!("the runtime's connections did not open ahead in time"),
+    }
+}
+
+/// Waits, a bounded while, until `pool` has `count` connections idle: a connection dropped
+/// goes back to its pool on a task of the runtime it is dropped on, after a ping. Waited for
+/// on the store's own thread, so that the store's first statements, on whatever runtime,
+/// find them in the pool instead of opening others there.
+async fn back_in(pool: &PgPool, count: usize) {
+    let back = tokio::time::timeout(CONNECT_TIMEOUT, async {
+        while pool.num_idle() < count {
+            tokio::time::sleep(Duration::from_millis(1)).await;
+        }
+    })
+    .await;
+    if back.is_err() {
+        tracing::debug!("the connections opened ahead were not all back in the pool in time");
     }
 }
 
@@ -252,7 +297,8 @@ mod tests {
         let waits = PgPoolOptions::new()
             .max_connections(1)
             .connect_lazy_with(admin_options());
-        let handlers = super::handler_pool(&waits, &waits)
+        let opener = crate::store::sql::OwnThread::start("test").unwrap();
+        let handlers = super::handler_pool(&waits, &waits, &opener)
             .await
             .unwrap()
             .expect("a pool of their own");
@@ -265,7 +311,7 @@ mod tests {
             .max_connections(1)
             .connect_lazy_with(admin_options().options([("synchronous_commit", "off")]));
         assert!(
-            super::handler_pool(&does_not_wait, &does_not_wait)
+            super::handler_pool(&does_not_wait, &does_not_wait, &opener)
                 .await
                 .unwrap()
                 .is_none()

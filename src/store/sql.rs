@@ -31,6 +31,8 @@ pub(crate) use interrupt::Interrupt;
 pub(crate) use left_open::end_on_postgres;
 #[cfg(feature = "sqlite")]
 pub(crate) use left_open::{Ending, end_on_sqlite};
+#[cfg(feature = "postgres")]
+pub(crate) use own_thread::OwnThread;
 #[cfg(feature = "sqlite")]
 pub(crate) use parking::{Parking, Taken};
 pub(crate) use statements::{COMPLETE_CLAIM, ENLIST, ENLIST_ONCE};

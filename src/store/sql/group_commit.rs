@@ -15,6 +15,7 @@ use tokio::sync::oneshot;
 
 use super::columns::EnvelopeColumns;
 use super::database::{Database, Row, Tx, Value};
+use super::own_thread::OwnThread;
 use super::statements::{
     BEGIN_ATTEMPT, BEGIN_ATTEMPT_ROWS, ENLIST_ONCE, MARK_HANDLED, MARK_HANDLED_ROWS, RECEIVE,
     RECEIVE_ROWS, RECEIVE_SCHEDULED, Rows, SCHEDULE_RETRY,
@@ -346,45 +347,10 @@ pub(crate) struct GroupCommit {
     queue: Mutex<Queue>,
     /// Told each time a write joins the queue, for a leader waiting for company.
     joined: tokio::sync::Notify,
-    /// Where a lead goes on after its first batch, started by the first that does; `None` if
-    /// it could not start.
-    committer: std::sync::OnceLock<Option<Committer>>,
-}
-
-/// A thread of the group's own, whose runtime runs the batches of a lead after its first
-/// (see [`lead`]).
-#[derive(Debug)]
-struct Committer {
-    runtime: tokio::runtime::Handle,
-    /// Dropped with the group, it ends the thread (no leader runs then: each holds the group).
-    _stop: oneshot::Sender<()>,
-}
-
-impl Committer {
-    fn start() -> std::io::Result<Self> {
-        let (started, runtime) = std::sync::mpsc::channel();
-        let (stop, stopped) = oneshot::channel::<()>();
-        super::own_thread::spawn("dacapo-commit", move |runtime| match runtime {
-            Ok(runtime) => {
-                if started.send(Ok(runtime.handle().clone())).is_ok() {
-                    runtime.block_on(async {
-                        let _ = stopped.await;
-                    });
-                }
-            }
-            Err(error) => {
-                let _ = started.send(Err(error));
-            }
-        })?;
-        // The thread's first step: this waits for microseconds, once per store.
-        let runtime = runtime
-            .recv()
-            .map_err(|_| std::io::Error::other("the commit thread ended as it started"))??;
-        Ok(Self {
-            runtime,
-            _stop: stop,
-        })
-    }
+    /// Where a lead goes on after its first batch (see [`lead`]): a thread of the group's
+    /// own, started by the first lead that does, which ends with the group (no leader runs
+    /// then: each holds the group); `None` if it could not start.
+    committer: std::sync::OnceLock<Option<OwnThread>>,
 }
 
 impl std::fmt::Debug for GroupCommit {
@@ -415,14 +381,14 @@ impl GroupCommit {
     fn committer(&self) -> Option<&tokio::runtime::Handle> {
         self.committer
             .get_or_init(|| {
-                Committer::start()
+                OwnThread::start("dacapo-commit")
                     .inspect_err(|error| {
                         tracing::warn!(%error, "no thread for the group commit; its leaders stay on the runtimes of the writes that start them");
                     })
                     .ok()
             })
             .as_ref()
-            .map(|committer| &committer.runtime)
+            .map(OwnThread::runtime)
     }
 
     pub(crate) fn grouping(&self) -> Grouping {

@@ -20,3 +20,73 @@ pub(crate) fn spawn(
         })?;
     Ok(())
 }
+
+/// A thread of [`spawn`]'s whose runtime runs until the last handle to it is dropped: the
+/// connections a task opens on it stay driven (their replies read, their wakers woken) for as
+/// long as that, whichever runtime's tasks then use them.
+#[derive(Debug)]
+pub(crate) struct OwnThread {
+    runtime: tokio::runtime::Handle,
+    /// Dropped with the last handle, it ends the thread.
+    _stop: tokio::sync::oneshot::Sender<()>,
+}
+
+impl OwnThread {
+    /// Starts thread `name`.
+    ///
+    /// # Errors
+    ///
+    /// The operating system's, when the thread or its runtime cannot start.
+    pub(crate) fn start(name: &str) -> std::io::Result<Self> {
+        let (started, runtime) = std::sync::mpsc::channel();
+        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+        spawn(name, move |runtime| match runtime {
+            Ok(runtime) => {
+                if started.send(Ok(runtime.handle().clone())).is_ok() {
+                    runtime.block_on(async {
+                        let _ = stopped.await;
+                    });
+                }
+            }
+            Err(error) => {
+                let _ = started.send(Err(error));
+            }
+        })?;
+        // The thread's first step: this waits for microseconds.
+        let runtime = runtime
+            .recv()
+            .map_err(|_| std::io::Error::other("the thread ended as it started"))??;
+        Ok(Self {
+            runtime,
+            _stop: stop,
+        })
+    }
+
+    /// The thread's runtime.
+    pub(crate) fn runtime(&self) -> &tokio::runtime::Handle {
+        &self.runtime
+    }
+
+    /// Runs `work` on the thread and returns what it returns.
+    ///
+    /// # Panics
+    ///
+    /// If `work` panics.
+    ///
+    /// # Cancel safety
+    ///
+    /// Cancelled, `work` still runs to its end on the thread — unless the cancelled caller held
+    /// the last handle to it, whose drop ends the thread and drops `work` with it.
+    #[cfg(feature = "postgres")]
+    pub(crate) async fn run<T: Send + 'static>(
+        &self,
+        work: impl Future<Output = T> + Send + 'static,
+    ) -> T {
+        match self.runtime.spawn(work).await {
+            Ok(done) => done,
+            Err(error) if error.is_panic() => std::panic::resume_unwind(error.into_panic()),
+            // The runtime runs as long as `self`, which the caller holds.
+            Err(error) => unreachable!("the thread's runtime stopped under its owner: {error}"),
+        }
+    }
+}

@@ -47,6 +47,10 @@ pub struct SqlStore<D: Dialect> {
     /// Makes a [`Database`] of a pool of this backend.
     #[cfg(feature = "testing")]
     database: fn(sqlx::Pool<D>) -> Database,
+    /// The thread that opened the connections the store opens as it starts (PostgreSQL's),
+    /// and drives them while it lives: the runtime that opens the store may stay idle after,
+    /// which would leave a connection opened on it waiting, whichever runtime uses it.
+    opened_on: Option<Arc<super::own_thread::OwnThread>>,
     node: Arc<str>,
     /// Whether `node` was named (a random name needs no hold: no other process has it).
     named: bool,
@@ -73,6 +77,7 @@ impl<D: Dialect> Clone for SqlStore<D> {
             group: Arc::clone(&self.group),
             #[cfg(feature = "testing")]
             database: self.database,
+            opened_on: self.opened_on.clone(),
             node: Arc::clone(&self.node),
             named: self.named,
             hold: Arc::clone(&self.hold),
@@ -152,6 +157,7 @@ impl<D: Dialect> SqlStore<D> {
             }),
             #[cfg(feature = "testing")]
             database,
+            opened_on: None,
             pool,
             engine,
             handlers: None,
@@ -362,6 +368,13 @@ impl<D: Dialect> SqlStore<D> {
     /// This store with handler connections from `handlers`.
     pub(crate) fn with_handler_pool(mut self, handlers: super::HandlerPool<D>) -> Self {
         self.handlers = Some(Arc::new(handlers));
+        self
+    }
+
+    /// This store with the connections it opened as it started driven by `thread`.
+    #[cfg(feature = "postgres")]
+    pub(crate) fn opened_on(mut self, thread: Arc<super::own_thread::OwnThread>) -> Self {
+        self.opened_on = Some(thread);
         self
     }
 
