@@ -19,6 +19,7 @@
 //! | a request body that cannot be read | 400, problem `request-unreadable` |
 //! | an endpoint answer that fails midway | 502, problem `response-unreadable`; nothing kept |
 //! | an answer after a failed statement, on PostgreSQL (the transaction is aborted) | 500, problem `endpoint-transaction-aborted`; nothing kept, the work rolled back |
+//! | an answer whose work the database refuses as it commits (a deferred constraint) | 500, problem `endpoint-commit-refused`, no `Retry-After`; nothing kept, the work rolled back |
 //! | an intent already carried out ([`RequestTransaction::enlist_once`]) | 409, problem `duplicate-intent`, answered by the endpoint |
 //! | the same key, its kept answer damaged in the store (a status or headers no response has) | 500, problem `kept-answer-unreadable`, until it expires; the endpoint does not run |
 //!

@@ -280,6 +280,30 @@ macro_rules! endpoints {
                 StatusCode::CREATED
             }
 
+            /// Writes a row that breaks a foreign key checked only at commit (deferred), in
+            /// tables it creates in the request's transaction: the database refuses the work
+            /// as the layer commits it, after the endpoint answered 201.
+            async fn refused_at_commit(
+                State(app): State<App>,
+                Extension(request): Extension<RequestTransaction<$db>>,
+            ) -> StatusCode {
+                app.runs.fetch_add(1, Ordering::SeqCst);
+                let Ok(mut tx) = request.get().await else {
+                    return StatusCode::SERVICE_UNAVAILABLE;
+                };
+                for statement in [
+                    "CREATE TABLE IF NOT EXISTS parents (id BIGINT PRIMARY KEY)",
+                    "CREATE TABLE IF NOT EXISTS children (parent BIGINT REFERENCES parents (id) \
+                     DEFERRABLE INITIALLY DEFERRED)",
+                    "INSERT INTO children (parent) VALUES (1)",
+                ] {
+                    if sqlx::query(statement).execute(&mut **tx).await.is_err() {
+                        return StatusCode::INTERNAL_SERVER_ERROR;
+                    }
+                }
+                StatusCode::CREATED
+            }
+
             /// Enlists a message whose type declares its deduplication id.
             async fn enlists_keyed(
                 Extension(request): Extension<RequestTransaction<$db>>,
@@ -379,6 +403,7 @@ macro_rules! endpoints {
                     .route("/fails-after-writing", post(fails_after_writing))
                     .route("/rejects", post(rejects_after_a_failed_statement))
                     .route("/carries-on", post(carries_on_after_a_failed_statement))
+                    .route("/refused-at-commit", post(refused_at_commit))
                     .route("/keyed", post(enlists_keyed))
                     .route("/writes-then-claims", post(writes_then_claims))
                     .route("/unauthorized-first", post(unauthorized_first))
@@ -522,6 +547,7 @@ on_both!(
     a_kept_answer_damaged_in_the_store_is_500_and_the_endpoint_does_not_run_again,
     an_endpoint_that_answers_after_a_failed_statement_is_never_told_to_retry_the_store,
     a_message_enlisted_by_an_endpoint_carries_its_types_deduplication_id,
+    work_the_database_refuses_at_commit_is_a_500_that_asks_for_no_retry,
 );
 
 /// An endpoint that answers 201 after one of its statements failed. SQLite goes on after a
@@ -575,6 +601,34 @@ async fn an_endpoint_that_answers_after_a_failed_statement_is_never_told_to_retr
         db.scalar("SELECT count(*) FROM dacapo_http_keys").await,
         i64::from(matches!(db.backend, Which::Sqlite))
     );
+}
+
+/// An endpoint whose work breaks a constraint checked at commit (a deferred foreign key):
+/// the commit fails for a reason no retry cures, so the answer is a 500 of its own, without
+/// `Retry-After` — never the 503 of a store that is away, which asks the client to run the
+/// endpoint again and again — and nothing is kept: the key stays free, the work rolled back.
+async fn work_the_database_refuses_at_commit_is_a_500_that_asks_for_no_retry(db: &TestDatabase) {
+    let (base, app) = serve(db).await;
+    let client = reqwest::Client::new();
+    let url = format!("{base}/refused-at-commit");
+    for run in 1..=2 {
+        let response = post_with(&client, &url, Some("k-41"), "", &[]).await;
+        assert!(response.headers().get("retry-after").is_none());
+        let (status, content_type, body) = problem(response).await;
+        assert_eq!(status, StatusCode::INTERNAL_SERVER_ERROR, "{body}");
+        assert_eq!(content_type, "application/problem+json");
+        assert_eq!(body["type"], "urn:dacapo:problem:endpoint-commit-refused");
+        // Nothing kept: the retry runs the endpoint again.
+        assert_eq!(app.runs.load(Ordering::SeqCst), run);
+    }
+    assert_eq!(db.scalar("SELECT count(*) FROM dacapo_http_keys").await, 0);
+    // The tables the endpoint created went with its transaction; on a store that kept its
+    // work they would be there.
+    assert!(!db.has_table("children").await, "its work rolled back");
+    // The store is fine: another request on another route is served and kept.
+    let placed = post_with(&client, &format!("{base}/orders"), Some("k-42"), "o", &[]).await;
+    assert_eq!(placed.status(), 201);
+    assert_eq!(db.scalar("SELECT count(*) FROM dacapo_http_keys").await, 1);
 }
 
 /// `RequestTransaction::enlist` gives the message its type's deduplication id, as the

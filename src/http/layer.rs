@@ -185,6 +185,10 @@ impl<DB: Backend> IdempotencyLayer<DB> {
     /// several callers share a route: with the default, a caller who sends another's key and
     /// body gets the other's answer. A credential that changes (a refreshed token) is not a
     /// principal: the retry would run again.
+    ///
+    /// The default's path is the one the layer sees: under a router that strips a prefix
+    /// (axum's `nest`), routes of two prefixes look alike, and one's answer would be replayed
+    /// for the other's request. Give a scope that names the prefix there.
     #[must_use]
     pub fn scope(mut self, scope: impl Fn(&Parts) -> String + Send + Sync + 'static) -> Self {
         self.settings.scope = Arc::new(scope);
@@ -579,6 +583,14 @@ where
                  work is rolled back and nothing was kept",
             ));
         }
+        if refused_at_commit(&error) {
+            tracing::warn!(%error, status = %head.status, "the endpoint answered, but the database refused its work as it committed; it is rolled back and its answer not kept");
+            return Ok(problem(
+                Problem::CommitRefused,
+                "the database refused the endpoint's work as it committed (a constraint checked \
+                 at commit): its work is rolled back and nothing was kept",
+            ));
+        }
         return Ok(unavailable(&error));
     }
     if !keep_body {
@@ -731,6 +743,15 @@ fn aborted(error: &sqlx::Error) -> bool {
         .as_database_error()
         .and_then(|error| error.code())
         .is_some_and(|code| code == "25P02")
+}
+
+/// Whether `error` is the database refusing the transaction's data as it commits (a deferred
+/// constraint): the endpoint's doing, which a retry meets again, not the store being away.
+fn refused_at_commit(error: &sqlx::Error) -> bool {
+    error
+        .as_database_error()
+        .and_then(|error| error.code())
+        .is_some_and(|code| crate::store::sql::rejects_data(&code))
 }
 
 fn in_flight() -> Response<ResponseBody> {

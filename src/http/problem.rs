@@ -38,6 +38,11 @@ pub enum Problem {
     /// endpoint that means to go on after a statement may fail runs that statement under a
     /// savepoint of its own.
     TransactionAborted,
+    /// 500: the endpoint answered, but the database refused its work as it committed (a
+    /// constraint checked at commit, such as a deferred foreign key). Its work is rolled back
+    /// and nothing is kept; the key is free. A retry runs the endpoint again and meets the
+    /// same refusal until the data changes, so the answer does not ask for one.
+    CommitRefused,
 }
 
 impl Problem {
@@ -52,7 +57,7 @@ impl Problem {
             Self::KeyReused => StatusCode::UNPROCESSABLE_ENTITY,
             Self::RequestTooLarge => StatusCode::PAYLOAD_TOO_LARGE,
             Self::StoreUnavailable => StatusCode::SERVICE_UNAVAILABLE,
-            Self::KeptAnswerUnreadable | Self::TransactionAborted => {
+            Self::KeptAnswerUnreadable | Self::TransactionAborted | Self::CommitRefused => {
                 StatusCode::INTERNAL_SERVER_ERROR
             }
         }
@@ -72,6 +77,7 @@ impl Problem {
             Self::StoreUnavailable => "urn:dacapo:problem:idempotency-store-unavailable",
             Self::KeptAnswerUnreadable => "urn:dacapo:problem:kept-answer-unreadable",
             Self::TransactionAborted => "urn:dacapo:problem:endpoint-transaction-aborted",
+            Self::CommitRefused => "urn:dacapo:problem:endpoint-commit-refused",
         }
     }
 
@@ -88,6 +94,7 @@ impl Problem {
             Self::StoreUnavailable => "Idempotency store unavailable",
             Self::KeptAnswerUnreadable => "The answer kept for this Idempotency-Key is unreadable",
             Self::TransactionAborted => "The endpoint's transaction failed",
+            Self::CommitRefused => "The database refused the endpoint's work as it committed",
         }
     }
 

@@ -137,7 +137,7 @@ pub(crate) fn db_error(error: sqlx::Error) -> Error {
 /// characters: classes 22 (data exception, such as a NUL byte in text), 23 (integrity
 /// constraint) and 54 (program limit exceeded). SQLite's code is a number whose low byte is the
 /// primary result: 18 (too big), 19 (constraint) or 20 (type mismatch).
-fn rejects_data(code: &str) -> bool {
+pub(crate) fn rejects_data(code: &str) -> bool {
     if code.len() == 5 {
         return ["22", "23", "54"]
             .iter()
