@@ -1,7 +1,8 @@
 //! A store opened on an application's runtime that is then left idle — a `block_on` of a
 //! current-thread runtime that returned — still serves the runtime's deliveries made from
 //! other threads: none of the connections the runtime goes on using waits for the idle
-//! runtime to run again.
+//! runtime to run again. Nor does a publish such a runtime gave up while its write waited to
+//! commit.
 #![cfg(all(feature = "sqlite", feature = "postgres", feature = "testing"))]
 
 #[path = "support/messages.rs"]
@@ -13,10 +14,14 @@ use std::time::Duration;
 
 use dacapo::prelude::*;
 use dacapo::testing::Recorder;
+use futures::FutureExt as _;
 use support::{MemberRemoved, member_removed};
 use support_stores::{Backend, TestDatabase};
 
 const WAIT: Duration = Duration::from_secs(10);
+
+/// How many publishes a runtime left idle gives up.
+const GIVEN_UP: i64 = 5;
 
 fn delivers_after_the_runtime_that_opened_the_store_went_idle(backend: Backend) {
     let main = tokio::runtime::Builder::new_multi_thread()
@@ -67,4 +72,75 @@ fn postgresql() {
 #[test]
 fn sqlite() {
     delivers_after_the_runtime_that_opened_the_store_went_idle(Backend::Sqlite);
+}
+
+/// Publishes polled once in a `block_on` of a current-thread runtime and given up there (a
+/// timeout), the runtime then left idle: their writes, queued to commit, commit all the same,
+/// and the publishes made after them from another runtime are neither held behind them nor
+/// wait for the idle runtime. The commits those writes started used to run on the idle
+/// runtime, which never ran them again: with SQLite's one commit at a time every later write
+/// of the store waited for the first, and on PostgreSQL each held one of its four.
+fn a_publish_given_up_in_a_runtime_left_idle_holds_no_later_write(backend: Backend) {
+    let main = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap();
+    let db = main.block_on(TestDatabase::new(backend));
+    let calls = Recorder::<MemberRemoved>::new();
+    let runtime = main.block_on(async {
+        let builder = match backend {
+            Backend::Sqlite => Runtime::builder().store(db.sqlite().await),
+            Backend::Postgres => Runtime::builder().store(db.postgres().await),
+        };
+        builder
+            .module(Module::new("m").handle_named::<MemberRemoved, _>("h", calls.clone()))
+            .build()
+            .unwrap()
+    });
+    let application = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    // Each polled once, as the first poll of a `block_on` whose timeout then gives it up,
+    // without the application's runtime running a task meanwhile: its write is queued, and
+    // the publish dropped. More of them than PostgreSQL's commits at once (four), each of
+    // which such a publish held.
+    {
+        let _application = application.enter();
+        for _ in 0..GIVEN_UP {
+            let polled = runtime.publish(&member_removed()).now_or_never();
+            assert!(polled.is_none(), "the publish waited for its commit");
+        }
+    }
+    // From here on the application's runtime runs nothing.
+    main.block_on(async {
+        for n in 0..20 {
+            tokio::time::timeout(WAIT, runtime.publish(&member_removed()))
+                .await
+                .unwrap_or_else(|_| panic!("publish {n} still waits after {WAIT:?}"))
+                .unwrap();
+        }
+        tokio::time::timeout(WAIT, runtime.idle())
+            .await
+            .expect("every delivery settled");
+        assert_eq!(
+            db.inbox_rows().await,
+            20 + GIVEN_UP,
+            "the given-up publishes' writes committed too"
+        );
+        runtime.shutdown().await;
+    });
+    assert_eq!(calls.count(), 20);
+    drop(application);
+}
+
+#[test]
+fn a_publish_given_up_on_postgresql() {
+    a_publish_given_up_in_a_runtime_left_idle_holds_no_later_write(Backend::Postgres);
+}
+
+#[test]
+fn a_publish_given_up_on_sqlite() {
+    a_publish_given_up_in_a_runtime_left_idle_holds_no_later_write(Backend::Sqlite);
 }

@@ -316,6 +316,9 @@ impl Pending {
         std::thread::Builder::new()
             .name(format!("dacapo-{name}"))
             .spawn(move || {
+                // Its accepts commit on this runtime, which runs as long as the thread.
+                #[cfg(any(feature = "sqlite", feature = "postgres"))]
+                crate::store::sql::driven_for_its_life();
                 runtime.block_on(async move {
                     // Made here: what the clients spawn runs on this thread's runtime.
                     let (publisher, subscriber) = open(listened.clone());

@@ -15,7 +15,7 @@ use tokio::sync::oneshot;
 
 use super::columns::EnvelopeColumns;
 use super::database::{Database, Row, Tx, Value};
-use super::own_thread::OwnThread;
+use super::own_thread::{OwnThread, caller_may_stall};
 use super::statements::{
     BEGIN_ATTEMPT, BEGIN_ATTEMPT_ROWS, ENLIST_ONCE, MARK_HANDLED, MARK_HANDLED_ROWS, RECEIVE,
     RECEIVE_ROWS, RECEIVE_SCHEDULED, Rows, SCHEDULE_RETRY,
@@ -437,7 +437,28 @@ impl GroupCommit {
                 group: Arc::clone(self),
                 handed_back: false,
             };
-            tokio::spawn(lead(leading, db.clone()));
+            let db = db.clone();
+            let committer = if caller_may_stall() {
+                self.committer()
+            } else {
+                None
+            };
+            match committer {
+                // A caller whose runtime runs only while it waits: given up (a timeout
+                // around a `block_on`), it would leave the batch unrun, or halfway, with
+                // every later write of the store behind it. The lead waits for the caller's
+                // runtime to have ended the poll that queued this write, so that the writes
+                // of that poll share the first commit as they do on the caller's runtime —
+                // for a while only: that runtime may run nothing more.
+                Some(committer) => {
+                    let poll_ended = after_this_poll();
+                    drop(committer.spawn(async move {
+                        let _ = tokio::time::timeout(POLL_ENDS_WITHIN, poll_ended).await;
+                        commit_batches(leading, &db, false).await;
+                    }));
+                }
+                None => drop(tokio::spawn(lead(leading, db))),
+            }
         }
         answer.await.unwrap_or_else(|_| {
             Err(Error::store(
@@ -445,6 +466,22 @@ impl GroupCommit {
             ))
         })
     }
+}
+
+/// How long a lead taken off a caller's runtime that may stall waits for that runtime to end
+/// the poll that queued its first write.
+const POLL_ENDS_WITHIN: Duration = Duration::from_millis(10);
+
+/// Answers once the caller's runtime runs its next task: after the current poll, on a
+/// current-thread runtime. At once without a runtime; never, if the runtime is not run again.
+fn after_this_poll() -> oneshot::Receiver<()> {
+    let (ended, poll_ended) = oneshot::channel();
+    if let Ok(runtime) = tokio::runtime::Handle::try_current() {
+        drop(runtime.spawn(async move {
+            let _ = ended.send(());
+        }));
+    }
+    poll_ended
 }
 
 /// Commits batches until none waits: the first on the runtime of the write that started the

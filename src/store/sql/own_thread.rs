@@ -1,6 +1,32 @@
 //! A thread with a tokio runtime of its own, for work that must go on whatever becomes of the
 //! runtime that started it: a caller's runtime may stop, or stay idle after a `block_on`.
 
+std::thread_local! {
+    /// Whether this thread's runtime runs as long as the thread: one of [`spawn`]'s, or a
+    /// transport's.
+    static DRIVEN_FOR_ITS_LIFE: std::cell::Cell<bool> = const { std::cell::Cell::new(false) };
+}
+
+/// Marks the calling thread as one whose runtime runs as long as it does.
+pub(crate) fn driven_for_its_life() {
+    DRIVEN_FOR_ITS_LIFE.set(true);
+}
+
+/// Whether a task spawned here may stop being run before it ends: the caller runs on no tokio
+/// runtime, or on a current-thread runtime of the application's, which runs only while one of
+/// its `block_on`s does. A multi-thread runtime runs its tasks on its workers whatever its
+/// `block_on`s do; the engine's threads (actix's) and dacapo's own run for their lives.
+pub(crate) fn caller_may_stall() -> bool {
+    match tokio::runtime::Handle::try_current() {
+        Ok(runtime) => {
+            runtime.runtime_flavor() == tokio::runtime::RuntimeFlavor::CurrentThread
+                && !DRIVEN_FOR_ITS_LIFE.get()
+                && actix::System::try_current().is_none()
+        }
+        Err(_) => true,
+    }
+}
+
 /// Starts thread `name`, which runs `run` with a current-thread runtime of its own — or with
 /// the error that kept that runtime from being built, for `run` to report.
 ///
@@ -14,6 +40,7 @@ pub(crate) fn spawn(
     std::thread::Builder::new()
         .name(name.to_owned())
         .spawn(move || {
+            driven_for_its_life();
             run(tokio::runtime::Builder::new_current_thread()
                 .enable_all()
                 .build())
