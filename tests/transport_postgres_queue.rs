@@ -138,6 +138,33 @@ async fn a_server_gone_silent_is_a_lost_connection_not_a_wait_for_ever() {
     assert_eq!(rows_left(queue_database.url()).await, 0);
 }
 
+/// A take that finds the queue empty ends its transaction with a rollback. A server gone
+/// silent right then, on that connection only, holds the consumer no longer than its reply
+/// timeout (it waited for as long as TCP took to notice): the node connects again, and what
+/// is published after arrives.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_rollback_the_server_never_answers_is_given_up_after_the_reply_timeout() {
+    let queue_database = TestStore::postgres().await;
+    let (proxy, through) = Proxy::to(queue_database.url()).await;
+    proxy.stall_the_connection_that_sends(b"ROLLBACK");
+    let transport = PostgresQueue::connect(&through, "pings")
+        .unwrap()
+        .route::<Ping>()
+        .poll_interval(std::time::Duration::from_millis(100))
+        .reply_timeout(std::time::Duration::from_secs(1));
+    let store = TestStore::sqlite().await;
+    let seen = Seen::default();
+    let runtime = store.runtime(module(&seen, "a"), transport);
+    wait_until(WAIT, || proxy.stalled_connections() == 1).await;
+    let ids = publish_pings(&runtime, 0, 3).await;
+    seen.wait_for(3, WAIT).await;
+    runtime.idle().await;
+    let counts = seen.counts();
+    assert!(ids.iter().all(|id| counts.get(id) == Some(&1)), "each once");
+    assert!(runtime.shutdown().await.is_clean());
+    assert_eq!(rows_left(queue_database.url()).await, 0);
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_row_that_is_no_envelope_is_dead_lettered_and_taken_off_the_queue() {
     let store = TestStore::postgres().await;

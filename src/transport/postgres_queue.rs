@@ -127,8 +127,9 @@ impl PostgresQueue {
         self
     }
 
-    /// How long a node's take of a batch, or its acknowledgement, waits for the server's answer
-    /// before the connection counts as lost and the node connects again (default 30 s). A
+    /// How long a node's take of a batch, its acknowledgement, or the rollback that ends a take
+    /// that found nothing or hands a batch back, waits for the server's answer before the
+    /// connection counts as lost and the node connects again (default 30 s). A
     /// server gone without closing the connection (a host down, a network that drops
     /// packets) would otherwise leave the node waiting for as long as TCP takes to notice,
     /// still listening in name. The rows it held are freed by the server meanwhile, and the
@@ -376,7 +377,7 @@ impl Subscribe for Subscriber {
         };
         let (tx, rows) = answered_within(self.reply_timeout, "a take", take).await?;
         if rows.is_empty() {
-            tx.rollback().await.map_err(failed)?;
+            answered_within(self.reply_timeout, "a rollback", tx.rollback()).await?;
             self.wait().await?;
             return Ok(Vec::new());
         }
@@ -407,7 +408,8 @@ impl Subscribe for Subscriber {
 
     async fn release(&mut self) {
         if let Some((tx, _)) = self.taken.take() {
-            let _ = tx.rollback().await;
+            // Given up, the connection goes with the transaction, and the server ends it.
+            let _ = tokio::time::timeout(self.reply_timeout, tx.rollback()).await;
         }
     }
 }

@@ -21,6 +21,10 @@ pub struct Proxy {
     epoch: Arc<watch::Sender<u64>>,
     /// The server's side held back, each connection left open: a server gone silent.
     stalled: Arc<AtomicBool>,
+    /// What the next connection to send it has the server's side held back for (once).
+    stall_on: Arc<std::sync::Mutex<Option<&'static [u8]>>>,
+    /// How many connections `stall_on` held.
+    stalled_on: Arc<AtomicU64>,
     round_trips: Arc<AtomicU64>,
 }
 
@@ -32,6 +36,8 @@ impl Proxy {
         let up = Arc::new(AtomicBool::new(true));
         let epoch = Arc::new(watch::Sender::new(0));
         let stalled = Arc::new(AtomicBool::new(false));
+        let stall_on = Arc::new(std::sync::Mutex::new(None));
+        let stalled_on = Arc::new(AtomicU64::new(0));
         let round_trips = Arc::new(AtomicU64::new(0));
         let (up_, epoch_, stalled_, round_trips_) = (
             Arc::clone(&up),
@@ -39,6 +45,7 @@ impl Proxy {
             Arc::clone(&stalled),
             Arc::clone(&round_trips),
         );
+        let (stall_on_, stalled_on_) = (Arc::clone(&stall_on), Arc::clone(&stalled_on));
         tokio::spawn(async move {
             loop {
                 let Ok((client, _)) = listener.accept().await else {
@@ -54,6 +61,11 @@ impl Proxy {
                 let upstream = upstream.clone();
                 let round_trips = Arc::clone(&round_trips_);
                 let stalled = Arc::clone(&stalled_);
+                let stall_on = StallOn {
+                    needle: Arc::clone(&stall_on_),
+                    held: Arc::clone(&stalled_on_),
+                    this: Arc::new(AtomicBool::new(false)),
+                };
                 tokio::spawn(async move {
                     if let Ok(server) = TcpStream::connect(upstream.as_str()).await {
                         relay(
@@ -61,6 +73,7 @@ impl Proxy {
                             server,
                             round_trips,
                             stalled,
+                            stall_on,
                             Opened { epoch, under },
                         )
                         .await;
@@ -73,6 +86,8 @@ impl Proxy {
             up,
             epoch,
             stalled,
+            stall_on,
+            stalled_on,
             round_trips,
         }
     }
@@ -114,9 +129,42 @@ impl Proxy {
         self.up.store(true, Ordering::SeqCst);
     }
 
+    /// Holds back, from then on, what the server sends on the next connection whose client
+    /// sends `needle` (a statement's text: the proxy reads the messages without TLS), and
+    /// closes it not: the server gone silent at that statement, for that connection only.
+    pub fn stall_the_connection_that_sends(&self, needle: &'static [u8]) {
+        *self.stall_on.lock().unwrap() = Some(needle);
+    }
+
+    /// How many connections [`stall_the_connection_that_sends`](Self::stall_the_connection_that_sends)
+    /// held.
+    pub fn stalled_connections(&self) -> u64 {
+        self.stalled_on.load(Ordering::SeqCst)
+    }
+
     /// Round trips made through the proxy so far.
     pub fn round_trips(&self) -> u64 {
         self.round_trips.load(Ordering::SeqCst)
+    }
+}
+
+/// A connection's share of [`Proxy::stall_the_connection_that_sends`].
+struct StallOn {
+    needle: Arc<std::sync::Mutex<Option<&'static [u8]>>>,
+    held: Arc<AtomicU64>,
+    /// Whether this connection is the one held.
+    this: Arc<AtomicBool>,
+}
+
+impl StallOn {
+    /// Takes the needle, if `sent` holds it, and holds this connection from now on.
+    fn sent(&self, sent: &[u8]) {
+        let mut needle = self.needle.lock().unwrap();
+        if needle.is_some_and(|needle| sent.windows(needle.len()).any(|window| window == needle)) {
+            *needle = None;
+            self.this.store(true, Ordering::SeqCst);
+            self.held.fetch_add(1, Ordering::SeqCst);
+        }
     }
 }
 
@@ -140,8 +188,10 @@ async fn relay(
     server: TcpStream,
     round_trips: Arc<AtomicU64>,
     stalled: Arc<AtomicBool>,
+    stall_on: StallOn,
     mut opened: Opened,
 ) {
+    let held = Arc::clone(&stall_on.this);
     let live = Opened {
         epoch: opened.epoch.clone(),
         under: opened.under,
@@ -154,6 +204,7 @@ async fn relay(
             if read == 0 || live.cut() {
                 break;
             }
+            stall_on.sent(&buffer[..read]);
             if server_write.write_all(&buffer[..read]).await.is_err() {
                 break;
             }
@@ -169,7 +220,7 @@ async fn relay(
             if read == 0 || live.cut() {
                 break;
             }
-            if stalled.load(Ordering::SeqCst) {
+            if stalled.load(Ordering::SeqCst) || held.load(Ordering::SeqCst) {
                 std::future::pending::<()>().await;
             }
             let mut at = 0;
