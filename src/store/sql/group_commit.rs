@@ -347,9 +347,10 @@ pub(crate) struct GroupCommit {
     queue: Mutex<Queue>,
     /// Told each time a write joins the queue, for a leader waiting for company.
     joined: tokio::sync::Notify,
-    /// Where a lead goes on after its first batch (see [`lead`]): a thread of the group's
-    /// own, started by the first lead that does, which ends with the group (no leader runs
-    /// then: each holds the group); `None` if it could not start.
+    /// Where a lead goes on after its first batch (see [`lead`]), and where the whole lead of
+    /// a write whose caller may stall runs (see [`caller_may_stall`]): a thread of the
+    /// group's own, started by the first lead that goes there, which ends with the group (no
+    /// leader runs then: each holds the group); `None` if it could not start.
     committer: std::sync::OnceLock<Option<OwnThread>>,
 }
 
@@ -430,7 +431,8 @@ impl GroupCommit {
             // Committed on a task of its own: a caller that stops waiting must not take the
             // others' commit with it. Its first batch commits on the caller's runtime, which
             // its caller drives while it waits, so that the writes of one poll (a `join_all`)
-            // are all queued first; the rest on the committer's thread (see `lead`).
+            // are all queued first; the rest on the committer's thread (see `lead`). All of
+            // it goes there when the caller's runtime may stall (below).
             // The guard exists before the task: dropped unpolled (its runtime stopping), the
             // task still hands the lead back.
             let leading = Leading {
