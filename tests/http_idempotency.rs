@@ -94,9 +94,16 @@ async fn not_found(State(app): State<App>) -> (StatusCode, String) {
     (StatusCode::NOT_FOUND, format!("no such thing (run {run})"))
 }
 
-async fn big(State(app): State<App>) -> String {
+/// An answer over the layer's limit, with a digest of its body and a header about the rest.
+async fn big(State(app): State<App>) -> impl axum::response::IntoResponse {
     app.runs.fetch_add(1, Ordering::SeqCst);
-    "x".repeat(64 * 1024)
+    (
+        [
+            ("content-digest", "sha-256=:not-checked-here:"),
+            ("x-order", "kept"),
+        ],
+        "x".repeat(64 * 1024),
+    )
 }
 
 async fn listing(State(app): State<App>) -> String {
@@ -907,11 +914,16 @@ async fn an_answer_over_the_size_limit_is_given_but_not_kept(db: &TestDatabase) 
     let first = post_with(&client, &url, Some("k-6"), "", &[]).await;
     assert_eq!(first.status(), 200);
     assert_eq!(first.headers()["idempotency-body-not-stored"], "true");
+    assert!(first.headers().contains_key("content-digest"));
     assert_eq!(first.bytes().await.unwrap().len(), 64 * 1024);
     let again = post_with(&client, &url, Some("k-6"), "", &[]).await;
     assert_eq!(again.status(), 200);
     assert!(replayed(again.headers()));
     assert_eq!(again.headers()["idempotency-body-not-stored"], "true");
+    // The headers that describe the body go with it; the others stay.
+    assert!(!again.headers().contains_key("content-digest"));
+    assert!(!again.headers().contains_key("content-type"));
+    assert_eq!(again.headers()["x-order"], "kept");
     assert!(again.bytes().await.unwrap().is_empty());
     assert_eq!(
         app.runs.load(Ordering::SeqCst),
@@ -1247,10 +1259,22 @@ async fn two_layers_on_one_store_answer_409_to_each_others_request_in_progress()
 /// `keep` decides what is kept: here 5xx answers too.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_layer_told_to_keep_server_errors_replays_them() {
+    /// `flaky`, which enlists a message first.
+    async fn flaky_after_writing(
+        State(app): State<App>,
+        Extension(request): Extension<RequestTransaction<sqlx::Sqlite>>,
+    ) -> StatusCode {
+        let run = app.runs.load(Ordering::SeqCst);
+        let reference = format!("run {run}");
+        if request.enlist(&OrderPlaced { reference }).await.is_err() {
+            return StatusCode::SERVICE_UNAVAILABLE;
+        }
+        flaky(State(app)).await
+    }
     let db = TestDatabase::new(Which::Sqlite).await;
     let app = App::default();
     let router = Router::new()
-        .route("/flaky", post(flaky))
+        .route("/flaky", post(flaky_after_writing))
         .route_layer(IdempotencyLayer::new(db.sqlite().await).keep(|_| true))
         .with_state(app.clone());
     let url = format!("{}/flaky", serve_router(router).await);
@@ -1265,6 +1289,8 @@ async fn a_layer_told_to_keep_server_errors_replays_them() {
     assert_eq!(again.status(), 500);
     assert!(replayed(again.headers()));
     assert_eq!(app.runs.load(Ordering::SeqCst), 1);
+    // Kept, a 5xx commits with the endpoint's work (only a kept 4xx's work is undone).
+    assert_eq!(db.scalar("SELECT count(*) FROM dacapo_outbox").await, 1);
 }
 
 /// A service under the layer that fails without an answer (a timeout layer inside it, say)

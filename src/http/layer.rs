@@ -165,7 +165,8 @@ impl<DB: Backend> IdempotencyLayer<DB> {
     /// Which answers are kept and replayed (default [`keeps_by_default`]). An answer not kept
     /// rolls the request's transaction back and leaves the key free for the client's retry;
     /// a kept client error (4xx) is kept without the endpoint's database work, which is
-    /// undone.
+    /// undone. Any other answer kept, a 5xx your `keep` keeps included, is kept with the
+    /// endpoint's work, which commits.
     #[must_use]
     pub fn keep(mut self, keep: impl Fn(StatusCode) -> bool + Send + Sync + 'static) -> Self {
         self.settings.keep = Arc::new(keep);

@@ -17,13 +17,20 @@ const PER_TRANSFER: [&str; 9] = [
     "date",
 ];
 
-/// Headers that describe a body: a replay whose body was not kept has none.
-const ABOUT_THE_BODY: [&str; 5] = [
+/// Headers that describe a body: a replay whose body was not kept has none. A digest among
+/// them would not match the empty body a client checks it against.
+const ABOUT_THE_BODY: [&str; 11] = [
     "content-type",
     "content-encoding",
     "content-range",
+    "content-language",
+    "content-disposition",
     "etag",
     "last-modified",
+    "content-digest",
+    "repr-digest",
+    "content-md5",
+    "digest",
 ];
 
 /// Headers kept only when the layer is told to: they carry a session or credentials that a
