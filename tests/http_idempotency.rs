@@ -620,8 +620,9 @@ async fn work_the_database_refuses_at_commit_is_a_500_that_asks_for_no_retry(db:
     let url = format!("{base}/refused-at-commit");
     for run in 1..=2 {
         let response = post_with(&client, &url, Some("k-41"), "", &[]).await;
-        assert!(response.headers().get("retry-after").is_none());
+        let retry_after = response.headers().get("retry-after").cloned();
         let (status, content_type, body) = problem(response).await;
+        assert!(retry_after.is_none(), "run {run}: {status} {body}");
         assert_eq!(status, StatusCode::INTERNAL_SERVER_ERROR, "{body}");
         assert_eq!(content_type, "application/problem+json");
         assert_eq!(body["type"], "urn:dacapo:problem:endpoint-commit-refused");

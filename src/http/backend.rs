@@ -34,6 +34,11 @@ pub(crate) const CLAIM_INTENT: &str = "INSERT INTO dacapo_deduplication \
 #[cfg(feature = "postgres")]
 const TRY_LOCK: &str = "SELECT pg_try_advisory_xact_lock($1)";
 
+/// How often the lock of a request whose COMMIT was refused is looked at, 2 ms apart, before
+/// the layer answers all the same (another request may have taken it meanwhile).
+#[cfg(feature = "postgres")]
+const LOCK_LET_GO_TRIES: usize = 50;
+
 /// The database state of one request: its transaction once there is one.
 pub struct Slot<DB: sqlx::Database> {
     pub(crate) pool: sqlx::Pool<DB>,
@@ -108,6 +113,12 @@ pub(crate) mod sealed {
             claim: IntentClaim<'_>,
         ) -> impl Future<Output = Result<bool, sqlx::Error>> + Send;
 
+        /// Returns once no transaction holds the key's lock `lock`, or after a short while:
+        /// after a COMMIT the server refused, PostgreSQL sends the refusal before it ends the
+        /// transaction and lets the lock go, and a retry arriving in between would be
+        /// answered 409 for a request that is over.
+        fn lock_let_go(pool: &sqlx::Pool<Self>, lock: i64) -> impl Future<Output = ()> + Send;
+
         /// Writes an outbox row in the transaction.
         fn enlist(
             tx: &mut sqlx::Transaction<'static, Self>,
@@ -121,7 +132,8 @@ pub trait Backend: sealed::Ops {}
 
 macro_rules! backend {
     ($db:ty, $begin:expr, $row:ty, |$store:ident, $lock:ident| $open:expr,
-     mark = |$marked:ident| $mark:expr, undo = |$undone:ident| $undo:expr) => {
+     mark = |$marked:ident| $mark:expr, undo = |$undone:ident| $undo:expr,
+     lock_let_go = |$pool:ident, $locked:ident| $let_go:expr) => {
         impl Backend for $db {}
 
         #[allow(private_interfaces)]
@@ -213,6 +225,10 @@ macro_rules! backend {
                 Ok(done.rows_affected() == 1)
             }
 
+            async fn lock_let_go($pool: &sqlx::Pool<Self>, $locked: i64) {
+                $let_go
+            }
+
             async fn enlist(
                 tx: &mut sqlx::Transaction<'static, Self>,
                 envelope: &Envelope,
@@ -246,7 +262,9 @@ backend!(
     undo = |slot| match slot.tx.take() {
         Some(tx) => tx.rollback().await,
         None => Ok(()),
-    }
+    },
+    // Requests are kept apart in the process, whose entry goes before the answer.
+    lock_let_go = |_pool, _lock| ()
 );
 
 // PostgreSQL serves several nodes: the request's transaction takes a lock on its key first,
@@ -278,5 +296,22 @@ backend!(
     undo = |slot| match slot.tx.as_mut() {
         Some(tx) => sqlx::query(UNDO).execute(&mut **tx).await.map(drop),
         None => Ok(()),
+    },
+    // A COMMIT the server refused: its error comes before the lock goes.
+    lock_let_go = |pool, lock| {
+        for _ in 0..LOCK_LET_GO_TRIES {
+            let Ok(mut tx) = pool.begin().await else {
+                return;
+            };
+            let free: Result<bool, _> = sqlx::query_scalar(TRY_LOCK)
+                .bind(lock)
+                .fetch_one(&mut *tx)
+                .await;
+            let _ = tx.rollback().await;
+            if !matches!(free, Ok(false)) {
+                return;
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(2)).await;
+        }
     }
 );

@@ -585,6 +585,7 @@ where
             ));
         }
         if refused_at_commit(&error) {
+            DB::lock_let_go(store.pool(), lock).await;
             tracing::warn!(%error, status = %head.status, "the endpoint answered, but the database refused its work as it committed; it is rolled back and its answer not kept");
             return Ok(problem(
                 Problem::CommitRefused,
