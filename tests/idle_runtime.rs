@@ -23,41 +23,62 @@ const WAIT: Duration = Duration::from_secs(10);
 /// How many publishes a runtime left idle gives up.
 const GIVEN_UP: i64 = 5;
 
-fn delivers_after_the_runtime_that_opened_the_store_went_idle(backend: Backend) {
+/// The multi-thread runtime the tests publish from once the application's runtime is idle,
+/// and the current-thread one they leave idle.
+fn runtimes() -> (tokio::runtime::Runtime, tokio::runtime::Runtime) {
     let main = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(2)
         .enable_all()
         .build()
         .unwrap();
-    let db = main.block_on(TestDatabase::new(backend));
     let application = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
         .unwrap();
+    (main, application)
+}
+
+/// A runtime on `db`'s store of `backend`, whose handler counts its calls in `calls`.
+async fn runtime_on(
+    db: &TestDatabase,
+    backend: Backend,
+    calls: &Recorder<MemberRemoved>,
+) -> Runtime {
+    let builder = match backend {
+        Backend::Sqlite => Runtime::builder().store(db.sqlite().await),
+        Backend::Postgres => Runtime::builder().store(db.postgres().await),
+    };
+    builder
+        .module(Module::new("m").handle_named::<MemberRemoved, _>("h", calls.clone()))
+        .build()
+        .unwrap()
+}
+
+/// Publishes 20 messages, each within `WAIT`, then waits for every delivery to settle.
+async fn publish_twenty(runtime: &Runtime) {
+    for n in 0..20 {
+        tokio::time::timeout(WAIT, runtime.publish(&member_removed()))
+            .await
+            .unwrap_or_else(|_| panic!("publish {n} still waits after {WAIT:?}"))
+            .unwrap();
+    }
+    tokio::time::timeout(WAIT, runtime.idle())
+        .await
+        .expect("every delivery settled");
+}
+
+fn delivers_after_the_runtime_that_opened_the_store_went_idle(backend: Backend) {
+    let (main, application) = runtimes();
+    let db = main.block_on(TestDatabase::new(backend));
     let calls = Recorder::<MemberRemoved>::new();
     let runtime = application.block_on(async {
-        let builder = match backend {
-            Backend::Sqlite => Runtime::builder().store(db.sqlite().await),
-            Backend::Postgres => Runtime::builder().store(db.postgres().await),
-        };
-        let runtime = builder
-            .module(Module::new("m").handle_named::<MemberRemoved, _>("h", calls.clone()))
-            .build()
-            .unwrap();
+        let runtime = runtime_on(&db, backend, &calls).await;
         runtime.publish(&member_removed()).await.unwrap();
         runtime
     });
     // From here on the application's runtime runs nothing.
     main.block_on(async {
-        for n in 0..20 {
-            tokio::time::timeout(WAIT, runtime.publish(&member_removed()))
-                .await
-                .unwrap_or_else(|_| panic!("publish {n} still waits after {WAIT:?}"))
-                .unwrap();
-        }
-        tokio::time::timeout(WAIT, runtime.idle())
-            .await
-            .expect("every delivery settled");
+        publish_twenty(&runtime).await;
         runtime.shutdown().await;
     });
     assert_eq!(calls.count(), 21);
@@ -81,27 +102,10 @@ fn sqlite() {
 /// runtime, which never ran them again: with SQLite's one commit at a time every later write
 /// of the store waited for the first, and on PostgreSQL each held one of its four.
 fn a_publish_given_up_in_a_runtime_left_idle_holds_no_later_write(backend: Backend) {
-    let main = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .unwrap();
+    let (main, application) = runtimes();
     let db = main.block_on(TestDatabase::new(backend));
     let calls = Recorder::<MemberRemoved>::new();
-    let runtime = main.block_on(async {
-        let builder = match backend {
-            Backend::Sqlite => Runtime::builder().store(db.sqlite().await),
-            Backend::Postgres => Runtime::builder().store(db.postgres().await),
-        };
-        builder
-            .module(Module::new("m").handle_named::<MemberRemoved, _>("h", calls.clone()))
-            .build()
-            .unwrap()
-    });
-    let application = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .unwrap();
+    let runtime = main.block_on(runtime_on(&db, backend, &calls));
     // Each polled once, as the first poll of a `block_on` whose timeout then gives it up,
     // without the application's runtime running a task meanwhile: its write is queued, and
     // the publish dropped. More of them than PostgreSQL's commits at once (four), each of
@@ -115,15 +119,7 @@ fn a_publish_given_up_in_a_runtime_left_idle_holds_no_later_write(backend: Backe
     }
     // From here on the application's runtime runs nothing.
     main.block_on(async {
-        for n in 0..20 {
-            tokio::time::timeout(WAIT, runtime.publish(&member_removed()))
-                .await
-                .unwrap_or_else(|_| panic!("publish {n} still waits after {WAIT:?}"))
-                .unwrap();
-        }
-        tokio::time::timeout(WAIT, runtime.idle())
-            .await
-            .expect("every delivery settled");
+        publish_twenty(&runtime).await;
         assert_eq!(
             db.inbox_rows().await,
             20 + GIVEN_UP,
