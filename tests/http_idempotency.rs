@@ -8,6 +8,8 @@
     feature = "testing"
 ))]
 
+#[path = "support/proxy.rs"]
+mod support_proxy;
 #[path = "support/stores.rs"]
 mod support_stores;
 
@@ -1142,6 +1144,80 @@ async fn two_nodes_answer_409_to_each_others_request_in_progress_and_make_one_ef
         "{answers:?}"
     );
     assert_eq!(db.scalar("SELECT count(*) FROM dacapo_outbox").await, 1);
+}
+
+/// On a PostgreSQL database whose transactions default to REPEATABLE READ, the statement that
+/// takes a request's key lock also fixes its transaction's snapshot: an answer kept between
+/// that snapshot and the lock (by the request that held the lock just before) is not in it.
+/// The layer looks the kept answer up outside that snapshot and replays it, rather than run
+/// the endpoint a second time. The proxy holds the lookup back while the answer is kept.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_answer_kept_after_a_repeatable_read_snapshot_began_is_replayed() {
+    let db = TestDatabase::new(Which::Postgres).await;
+    let mut admin = <sqlx::PgConnection as sqlx::Connection>::connect(&db.url)
+        .await
+        .unwrap();
+    let name = db.url.rsplit('/').next().unwrap().to_owned();
+    sqlx::query(sqlx::AssertSqlSafe(format!(
+        "ALTER DATABASE {name} SET default_transaction_isolation = 'repeatable read'"
+    )))
+    .execute(&mut admin)
+    .await
+    .unwrap();
+    let (proxy, through) = support_proxy::Proxy::to(&db.url).await;
+    let store = dacapo::store::PostgresStore::connect(&through)
+        .await
+        .unwrap();
+    let isolation: String = sqlx::query_scalar("SHOW transaction_isolation")
+        .fetch_one(store.pool())
+        .await
+        .unwrap();
+    assert_eq!(isolation, "repeatable read");
+    let app = App::default();
+    let url = format!(
+        "{}/orders",
+        serve_router(on_postgres::router(store, app.clone())).await
+    );
+    let client = reqwest::Client::new();
+    let first = post_with(&client, &url, Some("k-rr"), "A-1", &[]).await;
+    assert_eq!(first.status(), 201);
+    let first_body = first.text().await.unwrap();
+
+    // The kept answer taken away, so that the next request's snapshot is without it …
+    sqlx::raw_sql(
+        "CREATE TABLE kept AS SELECT * FROM dacapo_http_keys; DELETE FROM dacapo_http_keys",
+    )
+    .execute(&mut admin)
+    .await
+    .unwrap();
+    proxy.hold_the_send_of(b"FROM dacapo_http_keys WHERE id");
+    let second = tokio::spawn({
+        let (client, url) = (client.clone(), url.clone());
+        async move { post_with(&client, &url, Some("k-rr"), "A-1", &[]).await }
+    });
+    tokio::time::timeout(Duration::from_secs(10), async {
+        while proxy.held_sends() == 0 {
+            tokio::time::sleep(Duration::from_millis(2)).await;
+        }
+    })
+    .await
+    .expect("the second request looks its key up");
+    // … and kept again once it holds the lock, before it looks.
+    sqlx::query("INSERT INTO dacapo_http_keys SELECT * FROM kept")
+        .execute(&mut admin)
+        .await
+        .unwrap();
+    proxy.let_go();
+    let second = second.await.unwrap();
+    let status = second.status();
+    let replay = replayed(second.headers());
+    let body = second.text().await.unwrap();
+    assert_eq!(
+        (status.as_u16(), replay, body.as_str()),
+        (201, true, first_body.as_str()),
+        "the first answer, replayed"
+    );
+    assert_eq!(app.runs.load(Ordering::SeqCst), 1, "the endpoint ran once");
 }
 
 /// A kept answer expires after the layer's retention: the key is free again, and the

@@ -34,6 +34,13 @@ pub(crate) const CLAIM_INTENT: &str = "INSERT INTO dacapo_deduplication \
 #[cfg(feature = "postgres")]
 const TRY_LOCK: &str = "SELECT pg_try_advisory_xact_lock($1)";
 
+/// Takes the key's lock, and tells whether the statement that took it also fixed the
+/// transaction's snapshot (REPEATABLE READ or SERIALIZABLE, as a database or role may set
+/// by default): that snapshot is older than the lock.
+#[cfg(feature = "postgres")]
+const OPEN: &str = "SELECT pg_try_advisory_xact_lock($1), \
+    current_setting('transaction_isolation') NOT IN ('read committed', 'read uncommitted')";
+
 /// How often the lock of a request whose COMMIT was refused is looked at, 2 ms apart, before
 /// the layer answers all the same (another request may have taken it meanwhile).
 #[cfg(feature = "postgres")]
@@ -45,6 +52,10 @@ pub struct Slot<DB: sqlx::Database> {
     pub(crate) tx: Option<sqlx::Transaction<'static, DB>>,
     /// Set once the layer committed or rolled back: the endpoint can no longer write.
     pub(crate) ended: bool,
+    /// The transaction sees the database as it was before it held the key's lock, so that an
+    /// answer kept by the request that held the lock just before is not in it: kept answers
+    /// are looked up outside it, on another connection.
+    pub(crate) snapshot_before_lock: bool,
 }
 
 /// A row of the key table to write.
@@ -153,8 +164,10 @@ macro_rules! backend {
                 use sqlx::Row as _;
                 let query = sqlx::query(LOOKUP).bind(id).bind(now);
                 let row: Option<$row> = match slot.tx.as_mut() {
-                    Some(tx) => query.fetch_optional(&mut **tx).await?,
-                    None => query.fetch_optional(&slot.pool).await?,
+                    Some(tx) if !slot.snapshot_before_lock => {
+                        query.fetch_optional(&mut **tx).await?
+                    }
+                    _ => query.fetch_optional(&slot.pool).await?,
                 };
                 row.map(|row| {
                     Ok(Record::stored(
@@ -255,6 +268,7 @@ backend!(
         pool: store.pool().clone(),
         tx: None,
         ended: false,
+        snapshot_before_lock: false,
     })),
     // The endpoint's transaction is the request's only one: undoing its work is rolling it
     // back, and the answer is kept in a new one.
@@ -277,14 +291,13 @@ backend!(
     sqlx::postgres::PgRow,
     |store, lock| {
         let mut tx = store.pool().begin().await?;
-        let locked: bool = sqlx::query_scalar(TRY_LOCK)
-            .bind(lock)
-            .fetch_one(&mut *tx)
-            .await?;
+        let (locked, snapshot_before_lock): (bool, bool) =
+            sqlx::query_as(OPEN).bind(lock).fetch_one(&mut *tx).await?;
         Ok(locked.then(|| Slot {
             pool: store.pool().clone(),
             tx: Some(tx),
             ended: false,
+            snapshot_before_lock,
         }))
     },
     // A savepoint keeps the key's lock while the endpoint's work (even a failed statement,

@@ -637,6 +637,7 @@ async fn answer_kept_since<DB: Backend>(
         pool: store.pool().clone(),
         tx: None,
         ended: true,
+        snapshot_before_lock: false,
     };
     match DB::lookup(&mut slot, id, millis(store.now())).await {
         Ok(Some(kept)) => answer_kept(kept, fingerprint),
@@ -805,6 +806,7 @@ mod tests {
                 pool: store.pool().clone(),
                 tx: None,
                 ended: false,
+                snapshot_before_lock: false,
             };
             let transaction = RequestTransaction::new(slot, store.clone(), Duration::from_secs(60));
             Self {

@@ -25,6 +25,12 @@ pub struct Proxy {
     stall_on: Arc<std::sync::Mutex<Option<&'static [u8]>>>,
     /// How many connections `stall_on` held.
     stalled_on: Arc<AtomicU64>,
+    /// What the next connection to send it has held back on its way to the server (once).
+    hold_on: Arc<std::sync::Mutex<Option<&'static [u8]>>>,
+    /// How many sends `hold_on` held.
+    held_sends: Arc<AtomicU64>,
+    /// Set to let held sends go on.
+    let_go: Arc<watch::Sender<bool>>,
     round_trips: Arc<AtomicU64>,
 }
 
@@ -38,6 +44,9 @@ impl Proxy {
         let stalled = Arc::new(AtomicBool::new(false));
         let stall_on = Arc::new(std::sync::Mutex::new(None));
         let stalled_on = Arc::new(AtomicU64::new(0));
+        let hold_on = Arc::new(std::sync::Mutex::new(None));
+        let held_sends = Arc::new(AtomicU64::new(0));
+        let let_go = Arc::new(watch::Sender::new(false));
         let round_trips = Arc::new(AtomicU64::new(0));
         let (up_, epoch_, stalled_, round_trips_) = (
             Arc::clone(&up),
@@ -46,6 +55,11 @@ impl Proxy {
             Arc::clone(&round_trips),
         );
         let (stall_on_, stalled_on_) = (Arc::clone(&stall_on), Arc::clone(&stalled_on));
+        let (hold_on_, held_sends_, let_go_) = (
+            Arc::clone(&hold_on),
+            Arc::clone(&held_sends),
+            Arc::clone(&let_go),
+        );
         tokio::spawn(async move {
             loop {
                 let Ok((client, _)) = listener.accept().await else {
@@ -66,6 +80,11 @@ impl Proxy {
                     held: Arc::clone(&stalled_on_),
                     this: Arc::new(AtomicBool::new(false)),
                 };
+                let hold_on = HoldOn {
+                    needle: Arc::clone(&hold_on_),
+                    held: Arc::clone(&held_sends_),
+                    let_go: let_go_.subscribe(),
+                };
                 tokio::spawn(async move {
                     if let Ok(server) = TcpStream::connect(upstream.as_str()).await {
                         relay(
@@ -74,6 +93,7 @@ impl Proxy {
                             round_trips,
                             stalled,
                             stall_on,
+                            hold_on,
                             Opened { epoch, under },
                         )
                         .await;
@@ -88,6 +108,9 @@ impl Proxy {
             stalled,
             stall_on,
             stalled_on,
+            hold_on,
+            held_sends,
+            let_go,
             round_trips,
         }
     }
@@ -142,6 +165,23 @@ impl Proxy {
         self.stalled_on.load(Ordering::SeqCst)
     }
 
+    /// Holds back the next send of a client that holds `needle` (a statement's text) on its
+    /// way to the server, with what that client sends after it, until [`let_go`](Self::let_go):
+    /// the statements before it ran, this one has not.
+    pub fn hold_the_send_of(&self, needle: &'static [u8]) {
+        *self.hold_on.lock().unwrap() = Some(needle);
+    }
+
+    /// How many sends [`hold_the_send_of`](Self::hold_the_send_of) held.
+    pub fn held_sends(&self) -> u64 {
+        self.held_sends.load(Ordering::SeqCst)
+    }
+
+    /// Lets the held sends reach the server.
+    pub fn let_go(&self) {
+        self.let_go.send_replace(true);
+    }
+
     /// Round trips made through the proxy so far.
     pub fn round_trips(&self) -> u64 {
         self.round_trips.load(Ordering::SeqCst)
@@ -168,6 +208,32 @@ impl StallOn {
     }
 }
 
+/// A connection's share of [`Proxy::hold_the_send_of`].
+struct HoldOn {
+    needle: Arc<std::sync::Mutex<Option<&'static [u8]>>>,
+    held: Arc<AtomicU64>,
+    let_go: watch::Receiver<bool>,
+}
+
+impl HoldOn {
+    /// Returns once `sent` may go to the server: at once, unless it holds the needle.
+    async fn sent(&mut self, sent: &[u8]) {
+        let holds = {
+            let mut needle = self.needle.lock().unwrap();
+            let holds = needle
+                .is_some_and(|needle| sent.windows(needle.len()).any(|window| window == needle));
+            if holds {
+                *needle = None;
+            }
+            holds
+        };
+        if holds {
+            self.held.fetch_add(1, Ordering::SeqCst);
+            let _ = self.let_go.wait_for(|go| *go).await;
+        }
+    }
+}
+
 /// The cut count a connection was opened under.
 struct Opened {
     epoch: watch::Receiver<u64>,
@@ -189,6 +255,7 @@ async fn relay(
     round_trips: Arc<AtomicU64>,
     stalled: Arc<AtomicBool>,
     stall_on: StallOn,
+    mut hold_on: HoldOn,
     mut opened: Opened,
 ) {
     let held = Arc::clone(&stall_on.this);
@@ -205,6 +272,10 @@ async fn relay(
                 break;
             }
             stall_on.sent(&buffer[..read]);
+            hold_on.sent(&buffer[..read]).await;
+            if live.cut() {
+                break;
+            }
             if server_write.write_all(&buffer[..read]).await.is_err() {
                 break;
             }
