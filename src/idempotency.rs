@@ -35,6 +35,13 @@ pub trait KeyTransaction: sealed::Sealed + Send {
     fn insert_key(&mut self, key: &str) -> impl Future<Output = Result<bool, Error>> + Send;
 
     #[doc(hidden)]
+    fn insert_key_at(
+        &mut self,
+        key: &str,
+        recorded_at: i64,
+    ) -> impl Future<Output = Result<bool, Error>> + Send;
+
+    #[doc(hidden)]
     fn select_existing(
         &mut self,
         table: &str,
@@ -49,9 +56,13 @@ macro_rules! key_transaction {
 
         impl KeyTransaction for sqlx::Transaction<'_, $db> {
             async fn insert_key(&mut self, key: &str) -> Result<bool, Error> {
+                self.insert_key_at(key, millis(chrono::Utc::now())).await
+            }
+
+            async fn insert_key_at(&mut self, key: &str, recorded_at: i64) -> Result<bool, Error> {
                 let inserted = sqlx::query(RECORD_KEY)
                     .bind(key)
-                    .bind(millis(chrono::Utc::now()))
+                    .bind(recorded_at)
                     .execute(&mut **self)
                     .await
                     .map_err(crate::store::sql::db_error)?
@@ -93,8 +104,42 @@ key_transaction!(
     ids = |ids: &[String]| Ok::<_, Error>(ids.to_vec())
 );
 
+// A handler's transaction stamps its keys on the runtime's clock, the one the cleanup judges
+// their age by (virtual under the test harness); a bare transaction has only the system's.
+impl<DB: crate::transaction::Backend> sealed::Sealed
+    for crate::transaction::HandlerTransaction<DB>
+{
+}
+
+impl<DB: crate::transaction::Backend> KeyTransaction for crate::transaction::HandlerTransaction<DB>
+where
+    sqlx::Transaction<'static, DB>: KeyTransaction,
+{
+    async fn insert_key(&mut self, key: &str) -> Result<bool, Error> {
+        let recorded_at = self.stamp();
+        self.insert_key_at(key, recorded_at).await
+    }
+
+    async fn insert_key_at(&mut self, key: &str, recorded_at: i64) -> Result<bool, Error> {
+        (**self).insert_key_at(key, recorded_at).await
+    }
+
+    async fn select_existing(
+        &mut self,
+        table: &str,
+        column: &str,
+        ids: &[String],
+    ) -> Result<Vec<String>, Error> {
+        (**self).select_existing(table, column, ids).await
+    }
+}
+
 /// Records `key` in `tx` (in the store's `dacapo_idempotency_keys`); `true` if it is new, so
 /// the work should be done in the same transaction, `false` if it was recorded before.
+///
+/// In a handler's [`HandlerTransaction`](crate::transaction::HandlerTransaction) the key is
+/// stamped on the runtime's clock, which its cleanup goes by; in a transaction of your own,
+/// on the system's clock.
 ///
 /// On PostgreSQL a concurrent transaction recording the same key waits for the first to
 /// finish: it then sees `false` if that one committed, `true` if it rolled back.

@@ -401,6 +401,8 @@ pub struct HandlerTransaction<DB: Backend> {
     /// SQLite's turn to write, which the runtime's own writers wait for; released once the
     /// transaction ended on its connection, its commit or rollback included.
     turn: Option<tokio::sync::OwnedSemaphorePermit>,
+    /// The runtime's clock, which the cleanup judges the rows stamped here by.
+    clock: Arc<dyn dacapo_actors::ports::Clock>,
 }
 
 impl<DB: Backend> Drop for HandlerTransaction<DB> {
@@ -455,6 +457,11 @@ impl<DB: Backend> HandlerTransaction<DB> {
     /// The id of the message being handled.
     pub fn message_id(&self) -> Uuid {
         self.message_id
+    }
+
+    /// Now, on the runtime's clock, in the store's unit.
+    pub(crate) fn stamp(&self) -> i64 {
+        millis(self.clock.now())
     }
 
     /// Writes `message` to the outbox in this transaction: it is published after the commit,
@@ -637,6 +644,7 @@ macro_rules! backend {
                     node: store.node().to_owned(),
                     enlisted: HashMap::new(),
                     turn,
+                    clock: store.shared_clock(),
                 };
                 let recorded = sqlx::query(RECORD_COMPLETION)
                     .bind(id_text(message_id))
@@ -742,7 +750,7 @@ macro_rules! backend {
                 envelope: &Envelope,
             ) -> Result<(), Error> {
                 let columns = EnvelopeColumns::of(envelope)?;
-                let values = columns.values_and(&[Value::Int64(millis(chrono::Utc::now()))]);
+                let values = columns.values_and(&[Value::Int64(transaction.stamp())]);
                 bind(sqlx::query(ENLIST_ONCE), &values)
                     .execute(&mut ***transaction)
                     .await

@@ -454,3 +454,66 @@ on_both_backends!(
         assert_eq!(left(recent.id).await, 1, "within the retention");
     }
 );
+
+/// The store's clock, stopped at one instant.
+struct StoppedClock(chrono::DateTime<chrono::Utc>);
+
+impl dacapo::ports::Clock for StoppedClock {
+    fn now(&self) -> chrono::DateTime<chrono::Utc> {
+        self.0
+    }
+}
+
+/// Records an idempotency key in its handler transaction.
+#[derive(Clone)]
+struct RecordsAKey(Backend);
+
+impl Handler<MemberRemoved> for RecordsAKey {
+    async fn handle(&self, _: &MemberRemoved, ctx: &MessageContext) -> Result<(), HandlerError> {
+        macro_rules! record {
+            ($db:ty) => {{
+                let Some(mut tx) = ctx.transaction::<$db>().await? else {
+                    return Ok(());
+                };
+                assert!(dacapo::idempotency::record_key(&mut tx, "charge:1").await?);
+                tx.commit().await?;
+            }};
+        }
+        match self.0 {
+            Backend::Sqlite => record!(sqlx::Sqlite),
+            Backend::Postgres => record!(sqlx::Postgres),
+        }
+        Ok(())
+    }
+}
+
+// A key recorded in a handler transaction is stamped on the store's clock, like the inbox's
+// rows — the clock the runtime's cleanup is set to read — not on the system's.
+on_both_backends!(
+    a_key_recorded_in_a_handler_transaction_is_stamped_on_the_stores_clock_sqlite,
+    a_key_recorded_in_a_handler_transaction_is_stamped_on_the_stores_clock_postgres,
+    |db| {
+        let at = chrono::DateTime::from_timestamp_millis(1_000_000_000_000).unwrap();
+        let clock = Arc::new(StoppedClock(at));
+        let builder = Runtime::builder().clock(clock.clone());
+        let builder = match db.backend {
+            Backend::Sqlite => builder.store(db.sqlite().await.clock(clock)),
+            Backend::Postgres => builder.store(db.postgres().await.clock(clock)),
+        };
+        let runtime = builder
+            .module(
+                Module::new("billing")
+                    .handle_named::<MemberRemoved, _>("charge", RecordsAKey(db.backend)),
+            )
+            .build()
+            .unwrap();
+        let report = tracked(&runtime).await;
+        assert!(report.is_handled(), "{report:?}");
+        runtime.shutdown().await;
+        assert_eq!(
+            db.scalar("SELECT recorded_at FROM dacapo_idempotency_keys WHERE key = 'charge:1'")
+                .await,
+            1_000_000_000_000
+        );
+    }
+);

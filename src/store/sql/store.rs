@@ -389,6 +389,11 @@ impl<D: Dialect> SqlStore<D> {
         self.clock.now()
     }
 
+    /// The store's clock, for what stamps rows on the store's behalf.
+    pub(crate) fn shared_clock(&self) -> Arc<dyn Clock> {
+        Arc::clone(&self.clock)
+    }
+
     /// A node that heartbeat since then is alive; others are taken for dead.
     fn alive_since(&self) -> DateTime<Utc> {
         chrono::Duration::from_std(self.node_timeout)
