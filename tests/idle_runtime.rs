@@ -2,7 +2,7 @@
 //! current-thread runtime that returned — still serves the runtime's deliveries made from
 //! other threads: none of the connections the runtime goes on using waits for the idle
 //! runtime to run again. Nor does a publish such a runtime gave up while its write waited to
-//! commit.
+//! commit, nor a batch it gave up halfway through its transaction.
 #![cfg(all(feature = "sqlite", feature = "postgres", feature = "testing"))]
 
 #[path = "support/messages.rs"]
@@ -10,6 +10,7 @@ mod support;
 #[path = "support/stores.rs"]
 mod support_stores;
 
+use std::future::Future as _;
 use std::time::Duration;
 
 use dacapo::prelude::*;
@@ -139,4 +140,53 @@ fn a_publish_given_up_on_postgresql() {
 #[test]
 fn a_publish_given_up_on_sqlite() {
     a_publish_given_up_in_a_runtime_left_idle_holds_no_later_write(Backend::Sqlite);
+}
+
+/// As [`a_publish_given_up_in_a_runtime_left_idle_holds_no_later_write`], for batches: each
+/// `publish_batch` is polled for a while (without the application's runtime running a task),
+/// from a few microseconds to a few milliseconds, so that they are given up at every step of
+/// their transaction — before it, holding SQLite's lock, committing. The end of each given-up
+/// transaction, which SQLite's turn to write waits for, used to be spawned on the idle
+/// runtime: every later write of the store waited for good. Whole batches or none are stored.
+fn a_batch_given_up_in_a_runtime_left_idle_holds_no_later_write(backend: Backend) {
+    let (main, application) = runtimes();
+    let db = main.block_on(TestDatabase::new(backend));
+    let calls = Recorder::<MemberRemoved>::new();
+    let runtime = main.block_on(runtime_on(&db, backend, &calls));
+    let mut completed = 0;
+    {
+        let _application = application.enter();
+        let mut context = std::task::Context::from_waker(std::task::Waker::noop());
+        for micros in [10, 100, 300, 600, 1_000, 1_500, 2_000, 3_000, 5_000, 8_000] {
+            let batch = [member_removed(), member_removed(), member_removed()];
+            let mut publish = Box::pin(runtime.publish_batch(&batch));
+            let polled_for = std::time::Instant::now();
+            while polled_for.elapsed() < Duration::from_micros(micros) {
+                if publish.as_mut().poll(&mut context).is_ready() {
+                    completed += 1;
+                    break;
+                }
+            }
+        }
+    }
+    main.block_on(async {
+        publish_twenty(&runtime).await;
+        let rows = db.inbox_rows().await;
+        assert!(
+            (rows - 20) % 3 == 0 && (rows - 20) / 3 >= completed,
+            "{rows} rows, {completed} batches completed: whole batches or none"
+        );
+        runtime.shutdown().await;
+    });
+    drop(application);
+}
+
+#[test]
+fn a_batch_given_up_on_postgresql() {
+    a_batch_given_up_in_a_runtime_left_idle_holds_no_later_write(Backend::Postgres);
+}
+
+#[test]
+fn a_batch_given_up_on_sqlite() {
+    a_batch_given_up_in_a_runtime_left_idle_holds_no_later_write(Backend::Sqlite);
 }

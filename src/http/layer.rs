@@ -699,7 +699,7 @@ impl<DB: Backend> Drop for Unanswered<DB> {
             // holding the lock): the rollback waits for it.
             Err(_) => {
                 let slot = Arc::clone(&self.slot);
-                if let Ok(runtime) = tokio::runtime::Handle::try_current() {
+                if let Some(runtime) = crate::store::sql::lasting_runtime() {
                     runtime.spawn(async move {
                         let mut slot = slot.lock().await;
                         if !slot.ended {
@@ -716,8 +716,9 @@ impl<DB: Backend> Drop for Unanswered<DB> {
         let Some(tx) = tx else { return };
         tracing::warn!("a request dropped before it answered is rolled back");
         // Without a runtime (it is shutting down) the dropped transaction's rollback goes
-        // with its connection.
-        if let Ok(runtime) = tokio::runtime::Handle::try_current() {
+        // with its connection. Not on a runtime that may not run it again: on SQLite the
+        // transaction holds the write lock until its rollback.
+        if let Some(runtime) = crate::store::sql::lasting_runtime() {
             runtime.spawn(async move {
                 if let Err(error) = tx.rollback().await {
                     tracing::warn!(%error, "a request's transaction could not be rolled back cleanly");

@@ -88,7 +88,9 @@ impl OwnedValue {
 /// Runs `work` to its end on a task of its own, holding SQLite's `turn` until then, and
 /// waits for it. A caller that stops waiting must not give the turn up while its statement,
 /// commit or rollback still runs on the connection's thread, holding SQLite's lock: the next
-/// writer would find the lock taken. Without a turn (PostgreSQL), `work` runs in place.
+/// writer would find the lock taken. The task runs where it is run to its end (see
+/// [`lasting_runtime`](super::own_thread::lasting_runtime)): a caller's current-thread runtime
+/// left idle would hold the turn for good. Without a turn (PostgreSQL), `work` runs in place.
 ///
 /// # Errors
 ///
@@ -104,13 +106,18 @@ pub(crate) async fn to_the_end<T: Send + 'static>(
     let Some(turn) = turn else {
         return Ok(work.await);
     };
-    tokio::spawn(async move {
+    let work = async move {
         let done = work.await;
         drop(turn);
         done
-    })
-    .await
-    .map_err(|error| Error::store(format!("a write stopped before its end: {error}")))
+    };
+    match super::own_thread::lasting_runtime() {
+        Some(runtime) => runtime
+            .spawn(work)
+            .await
+            .map_err(|error| Error::store(format!("a write stopped before its end: {error}"))),
+        None => Ok(work.await),
+    }
 }
 
 /// A statement built with `$N` parameters, as SQLite runs it fastest: every parameter a `?`,
@@ -314,7 +321,8 @@ impl Drop for Tx {
         let (Some(inner), Some(turn)) = (self.inner.take(), self.turn.take()) else {
             return;
         };
-        if let Ok(runtime) = tokio::runtime::Handle::try_current() {
+        // Not on a caller's runtime that may not run it: every later write would wait.
+        if let Some(runtime) = super::own_thread::lasting_runtime() {
             runtime.spawn(async move {
                 let _ = inner.rollback().await;
                 drop(turn);

@@ -27,6 +27,24 @@ pub(crate) fn caller_may_stall() -> bool {
     }
 }
 
+/// A runtime that runs what is spawned on it to its end: the caller's, unless that one may
+/// stall ([`caller_may_stall`]), then a thread of dacapo's own, started once for the process
+/// and kept for its life. `None` with neither (no runtime, and no thread could start).
+///
+/// For work a caller must not leave halfway when it gives up: a transaction's end, which
+/// SQLite's turn to write waits for.
+pub(crate) fn lasting_runtime() -> Option<tokio::runtime::Handle> {
+    static LASTING: std::sync::OnceLock<Option<OwnThread>> = std::sync::OnceLock::new();
+    if !caller_may_stall() {
+        return tokio::runtime::Handle::try_current().ok();
+    }
+    LASTING
+        .get_or_init(|| OwnThread::start("dacapo-lasting").ok())
+        .as_ref()
+        .map(|thread| thread.runtime().clone())
+        .or_else(|| tokio::runtime::Handle::try_current().ok())
+}
+
 /// Starts thread `name`, which runs `run` with a current-thread runtime of its own — or with
 /// the error that kept that runtime from being built, for `run` to report.
 ///
