@@ -169,6 +169,7 @@ fn a_batch_given_up_in_a_runtime_left_idle_holds_no_later_write(backend: Backend
             }
         }
     }
+    assert!(completed < 10, "some batches were given up");
     main.block_on(async {
         publish_twenty(&runtime).await;
         let rows = db.inbox_rows().await;
@@ -189,4 +190,45 @@ fn a_batch_given_up_on_postgresql() {
 #[test]
 fn a_batch_given_up_on_sqlite() {
     a_batch_given_up_in_a_runtime_left_idle_holds_no_later_write(Backend::Sqlite);
+}
+
+/// Batches published from a runtime that then stays idle, eight at once, so that the store's
+/// pool opens connections for them: the connections, and their way back to the pool, are
+/// not left to that runtime, which would have to run for the runtime's later statements on
+/// them to be answered.
+fn batches_from_a_runtime_then_left_idle_leave_no_connection_to_it(backend: Backend) {
+    let (main, application) = runtimes();
+    let db = main.block_on(TestDatabase::new(backend));
+    let calls = Recorder::<MemberRemoved>::new();
+    let runtime = main.block_on(runtime_on(&db, backend, &calls));
+    application.block_on(async {
+        let batches = (0..8).map(|_| {
+            let runtime = &runtime;
+            async move {
+                let batch = [member_removed(), member_removed(), member_removed()];
+                runtime.publish_batch(&batch).await.unwrap();
+            }
+        });
+        futures::future::join_all(batches).await;
+    });
+    // From here on the application's runtime runs nothing.
+    main.block_on(async {
+        for _ in 0..5 {
+            publish_twenty(&runtime).await;
+        }
+        assert_eq!(db.inbox_rows().await, 24 + 100);
+        runtime.shutdown().await;
+    });
+    assert_eq!(calls.count(), 124);
+    drop(application);
+}
+
+#[test]
+fn batches_then_idle_on_postgresql() {
+    batches_from_a_runtime_then_left_idle_leave_no_connection_to_it(Backend::Postgres);
+}
+
+#[test]
+fn batches_then_idle_on_sqlite() {
+    batches_from_a_runtime_then_left_idle_leave_no_connection_to_it(Backend::Sqlite);
 }

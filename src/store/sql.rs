@@ -33,7 +33,9 @@ pub(crate) use left_open::end_on_postgres;
 pub(crate) use left_open::{Ending, end_on_sqlite};
 #[cfg(feature = "postgres")]
 pub(crate) use own_thread::OwnThread;
-pub(crate) use own_thread::{driven_for_its_life, lasting_runtime};
+pub(crate) use own_thread::driven_for_its_life;
+#[cfg(feature = "http")]
+pub(crate) use own_thread::lasting_runtime;
 #[cfg(feature = "sqlite")]
 pub(crate) use parking::{Parking, Taken};
 pub(crate) use statements::{COMPLETE_CLAIM, ENLIST, ENLIST_ONCE};

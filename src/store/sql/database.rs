@@ -5,6 +5,7 @@
 use dacapo_actors::Error;
 use sqlx::Row as _;
 
+use super::own_thread::caller_may_stall;
 use super::{db_error, on_live_session};
 
 /// A statement parameter.
@@ -46,7 +47,6 @@ where
 }
 
 /// A statement parameter of its own, for a statement run on a task of its own.
-#[cfg(feature = "sqlite")]
 #[derive(Debug)]
 enum OwnedValue {
     Text(String),
@@ -57,7 +57,6 @@ enum OwnedValue {
     Bytes(Vec<u8>),
 }
 
-#[cfg(feature = "sqlite")]
 impl OwnedValue {
     fn all_of(values: &[Value<'_>]) -> Vec<Self> {
         values
@@ -90,7 +89,9 @@ impl OwnedValue {
 /// commit or rollback still runs on the connection's thread, holding SQLite's lock: the next
 /// writer would find the lock taken. The task runs where it is run to its end (see
 /// [`lasting_runtime`](super::own_thread::lasting_runtime)): a caller's current-thread runtime
-/// left idle would hold the turn for good. Without a turn (PostgreSQL), `work` runs in place.
+/// left idle would hold the turn for good. Without a turn (PostgreSQL), `work` runs in place,
+/// but for a caller whose runtime may stall: the connection `work` ends with goes back to its
+/// pool on a task of the runtime it is dropped on.
 ///
 /// # Errors
 ///
@@ -103,9 +104,9 @@ pub(crate) async fn to_the_end<T: Send + 'static>(
     turn: Option<tokio::sync::OwnedSemaphorePermit>,
     work: impl Future<Output = T> + Send + 'static,
 ) -> Result<T, Error> {
-    let Some(turn) = turn else {
+    if turn.is_none() && !caller_may_stall() {
         return Ok(work.await);
-    };
+    }
     let work = async move {
         let done = work.await;
         drop(turn);
@@ -117,6 +118,24 @@ pub(crate) async fn to_the_end<T: Send + 'static>(
             .await
             .map_err(|error| Error::store(format!("a write stopped before its end: {error}"))),
         None => Ok(work.await),
+    }
+}
+
+/// Runs `work`, which takes connections of a pool, on the lasting thread (see
+/// [`lasting_runtime`](super::own_thread::lasting_runtime)) and waits for it: for a caller
+/// whose runtime may stall. A connection opened on a runtime is driven by it — its replies
+/// read, whichever task waits for them — and one a statement is done with goes back to its
+/// pool on a task of the runtime it is dropped on: left to a runtime then idle, the runtime's
+/// later statements on that connection would never be answered, and the connection would not
+/// come back.
+async fn off_a_runtime_that_may_stall<T: Send + 'static>(
+    work: impl Future<Output = Result<T, Error>> + Send + 'static,
+) -> Result<T, Error> {
+    match super::own_thread::lasting_runtime() {
+        Some(runtime) => runtime.spawn(work).await.map_err(|error| {
+            Error::store(format!("a statement stopped before its end: {error}"))
+        })?,
+        None => work.await,
     }
 }
 
@@ -318,9 +337,15 @@ impl Drop for Tx {
     /// back later, on its connection's thread, still holding SQLite's lock: its turn is given
     /// back once that rollback ran, so the next writer never finds the lock taken.
     fn drop(&mut self) {
-        let (Some(inner), Some(turn)) = (self.inner.take(), self.turn.take()) else {
+        let Some(inner) = self.inner.take() else {
             return;
         };
+        let turn = self.turn.take();
+        // Without a turn (PostgreSQL) sqlx rolls back as the transaction drops, and gives its
+        // connection back on a task of this runtime: not on one that may stall.
+        if turn.is_none() && !caller_may_stall() {
+            return;
+        }
         // Not on a caller's runtime that may not run it: every later write would wait.
         if let Some(runtime) = super::own_thread::lasting_runtime() {
             runtime.spawn(async move {
@@ -561,6 +586,18 @@ impl Database {
                     .map_err(db_error)?,
             ),
             #[cfg(feature = "postgres")]
+            Pool::Postgres(pool) if caller_may_stall() => {
+                let (pool, tries) = (pool.clone(), self.tries());
+                TxInner::Postgres(
+                    off_a_runtime_that_may_stall(async move {
+                        on_live_session(tries, || pool.begin())
+                            .await
+                            .map_err(db_error)
+                    })
+                    .await?,
+                )
+            }
+            #[cfg(feature = "postgres")]
             Pool::Postgres(pool) => TxInner::Postgres(
                 on_live_session(self.tries(), || pool.begin())
                     .await
@@ -602,6 +639,18 @@ impl Database {
                 .await?
             }
             #[cfg(feature = "postgres")]
+            Pool::Postgres(pool) if caller_may_stall() => {
+                let (pool, tries, owned) = (pool.clone(), self.tries(), OwnedValue::all_of(values));
+                return off_a_runtime_that_may_stall(async move {
+                    let values: Vec<Value<'_>> = owned.iter().map(OwnedValue::value).collect();
+                    on_live_session(tries, || bind(sqlx::query(sql), &values).execute(&pool))
+                        .await
+                        .map(|done| done.rows_affected())
+                        .map_err(db_error)
+                })
+                .await;
+            }
+            #[cfg(feature = "postgres")]
             Pool::Postgres(pool) => on_live_session(self.tries(), || {
                 bind(sqlx::query(sql), values).execute(pool)
             })
@@ -641,6 +690,20 @@ impl Database {
                 .await?
             }
             #[cfg(feature = "postgres")]
+            Pool::Postgres(pool) if caller_may_stall() => {
+                let (pool, tries, owned) = (pool.clone(), self.tries(), OwnedValue::all_of(values));
+                return off_a_runtime_that_may_stall(async move {
+                    let values: Vec<Value<'_>> = owned.iter().map(OwnedValue::value).collect();
+                    on_live_session(tries, || {
+                        bind(sqlx::query(sqlx::AssertSqlSafe(sql.clone())), &values).execute(&pool)
+                    })
+                    .await
+                    .map(|done| done.rows_affected())
+                    .map_err(db_error)
+                })
+                .await;
+            }
+            #[cfg(feature = "postgres")]
             Pool::Postgres(pool) => on_live_session(self.tries(), || {
                 bind(sqlx::query(sqlx::AssertSqlSafe(sql.clone())), values).execute(pool)
             })
@@ -657,6 +720,23 @@ impl Database {
         values: &[Value<'_>],
     ) -> Result<Vec<Row>, Error> {
         self.before_statement().await?;
+        if caller_may_stall() {
+            let (db, owned) = (self.clone(), OwnedValue::all_of(values));
+            return off_a_runtime_that_may_stall(async move {
+                let values: Vec<Value<'_>> = owned.iter().map(OwnedValue::value).collect();
+                db.fetch_all_here(sql, &values).await
+            })
+            .await;
+        }
+        self.fetch_all_here(sql, values).await
+    }
+
+    /// [`fetch_all`](Self::fetch_all) on the caller's runtime.
+    async fn fetch_all_here(
+        &self,
+        sql: &'static str,
+        values: &[Value<'_>],
+    ) -> Result<Vec<Row>, Error> {
         let rows = match &self.pool {
             #[cfg(feature = "sqlite")]
             Pool::Sqlite(pool) => on_live_session(self.tries(), || {
@@ -681,6 +761,23 @@ impl Database {
         values: &[Value<'_>],
     ) -> Result<Option<Row>, Error> {
         self.before_statement().await?;
+        if caller_may_stall() {
+            let (db, owned) = (self.clone(), OwnedValue::all_of(values));
+            return off_a_runtime_that_may_stall(async move {
+                let values: Vec<Value<'_>> = owned.iter().map(OwnedValue::value).collect();
+                db.fetch_optional_here(sql, &values).await
+            })
+            .await;
+        }
+        self.fetch_optional_here(sql, values).await
+    }
+
+    /// [`fetch_optional`](Self::fetch_optional) on the caller's runtime.
+    async fn fetch_optional_here(
+        &self,
+        sql: &'static str,
+        values: &[Value<'_>],
+    ) -> Result<Option<Row>, Error> {
         let row = match &self.pool {
             #[cfg(feature = "sqlite")]
             Pool::Sqlite(pool) => on_live_session(self.tries(), || {
