@@ -1153,18 +1153,10 @@ async fn two_nodes_answer_409_to_each_others_request_in_progress_and_make_one_ef
 /// the endpoint a second time. The proxy holds the lookup back while the answer is kept.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_answer_kept_after_a_repeatable_read_snapshot_began_is_replayed() {
-    let db = TestDatabase::new(Which::Postgres).await;
-    let mut admin = <sqlx::PgConnection as sqlx::Connection>::connect(&db.url)
-        .await
-        .unwrap();
-    let name = db.url.rsplit('/').next().unwrap().to_owned();
-    sqlx::query(sqlx::AssertSqlSafe(format!(
-        "ALTER DATABASE {name} SET default_transaction_isolation = 'repeatable read'"
-    )))
-    .execute(&mut admin)
-    .await
-    .unwrap();
+    let (db, mut admin) = repeatable_read_database().await;
     let (proxy, through) = support_proxy::Proxy::to(&db.url).await;
+    // Every statement sent with its text, which the proxy looks for: none prepared before.
+    let through = format!("{through}&statement-cache-capacity=0");
     let store = dacapo::store::PostgresStore::connect(&through)
         .await
         .unwrap();
@@ -1218,6 +1210,61 @@ async fn an_answer_kept_after_a_repeatable_read_snapshot_began_is_replayed() {
         "the first answer, replayed"
     );
     assert_eq!(app.runs.load(Ordering::SeqCst), 1, "the endpoint ran once");
+}
+
+/// A fresh PostgreSQL database whose transactions default to REPEATABLE READ, and a
+/// connection to it.
+async fn repeatable_read_database() -> (TestDatabase, sqlx::PgConnection) {
+    let db = TestDatabase::new(Which::Postgres).await;
+    let mut admin = <sqlx::PgConnection as sqlx::Connection>::connect(&db.url)
+        .await
+        .unwrap();
+    let name = db.url.rsplit('/').next().unwrap().to_owned();
+    sqlx::query(sqlx::AssertSqlSafe(format!(
+        "ALTER DATABASE {name} SET default_transaction_isolation = 'repeatable read'"
+    )))
+    .execute(&mut admin)
+    .await
+    .unwrap();
+    (db, admin)
+}
+
+/// Where transactions default to REPEATABLE READ, a request looks its key up outside its
+/// transaction, and not on a second connection of the pool it holds one of: with a pool of
+/// two, requests two at a time each holding one would wait for each other until the pool
+/// gave up on them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn under_repeatable_read_requests_as_many_as_the_pool_holds_do_not_wait_for_each_other() {
+    let (db, _admin) = repeatable_read_database().await;
+    let pool = sqlx::postgres::PgPoolOptions::new()
+        .max_connections(2)
+        .acquire_timeout(Duration::from_secs(5))
+        .connect(&db.url)
+        .await
+        .unwrap();
+    let store = dacapo::store::PostgresStore::with_pool(pool).await.unwrap();
+    let app = App::default();
+    let url = format!(
+        "{}/orders",
+        serve_router(on_postgres::router(store, app.clone())).await
+    );
+    let client = reqwest::Client::new();
+    let requests = (0..6).map(|n| {
+        let (client, url) = (client.clone(), url.clone());
+        tokio::spawn(async move {
+            post_with(&client, &url, Some(&format!("k-{n}")), "A-1", &[])
+                .await
+                .status()
+                .as_u16()
+        })
+    });
+    let statuses: Vec<u16> = futures::future::join_all(requests)
+        .await
+        .into_iter()
+        .map(Result::unwrap)
+        .collect();
+    assert_eq!(statuses, [201; 6]);
+    assert_eq!(app.runs.load(Ordering::SeqCst), 6);
 }
 
 /// A kept answer expires after the layer's retention: the key is free again, and the

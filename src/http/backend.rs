@@ -52,10 +52,11 @@ pub struct Slot<DB: sqlx::Database> {
     pub(crate) tx: Option<sqlx::Transaction<'static, DB>>,
     /// Set once the layer committed or rolled back: the endpoint can no longer write.
     pub(crate) ended: bool,
-    /// The transaction sees the database as it was before it held the key's lock, so that an
-    /// answer kept by the request that held the lock just before is not in it: kept answers
-    /// are looked up outside it, on another connection.
-    pub(crate) snapshot_before_lock: bool,
+    /// Where kept answers are looked up when the transaction sees the database as it was
+    /// before it held the key's lock (REPEATABLE READ, SERIALIZABLE), without the answer the
+    /// request that held the lock just before kept: the runtime's own pool, so that a request
+    /// never waits for a second connection of the pool its transaction holds one of.
+    pub(crate) fresh_reads: Option<sqlx::Pool<DB>>,
 }
 
 /// A row of the key table to write.
@@ -163,11 +164,10 @@ macro_rules! backend {
             ) -> Result<Option<Record>, sqlx::Error> {
                 use sqlx::Row as _;
                 let query = sqlx::query(LOOKUP).bind(id).bind(now);
-                let row: Option<$row> = match slot.tx.as_mut() {
-                    Some(tx) if !slot.snapshot_before_lock => {
-                        query.fetch_optional(&mut **tx).await?
-                    }
-                    _ => query.fetch_optional(&slot.pool).await?,
+                let row: Option<$row> = match (&slot.fresh_reads, slot.tx.as_mut()) {
+                    (Some(pool), _) => query.fetch_optional(pool).await?,
+                    (None, Some(tx)) => query.fetch_optional(&mut **tx).await?,
+                    (None, None) => query.fetch_optional(&slot.pool).await?,
                 };
                 row.map(|row| {
                     Ok(Record::stored(
@@ -268,7 +268,7 @@ backend!(
         pool: store.pool().clone(),
         tx: None,
         ended: false,
-        snapshot_before_lock: false,
+        fresh_reads: None,
     })),
     // The endpoint's transaction is the request's only one: undoing its work is rolling it
     // back, and the answer is kept in a new one.
@@ -297,7 +297,7 @@ backend!(
             pool: store.pool().clone(),
             tx: Some(tx),
             ended: false,
-            snapshot_before_lock,
+            fresh_reads: snapshot_before_lock.then(|| store.engine_pool().clone()),
         }))
     },
     // A savepoint keeps the key's lock while the endpoint's work (even a failed statement,

@@ -637,7 +637,7 @@ async fn answer_kept_since<DB: Backend>(
         pool: store.pool().clone(),
         tx: None,
         ended: true,
-        snapshot_before_lock: false,
+        fresh_reads: None,
     };
     match DB::lookup(&mut slot, id, millis(store.now())).await {
         Ok(Some(kept)) => answer_kept(kept, fingerprint),
@@ -715,9 +715,9 @@ impl<DB: Backend> Drop for Unanswered<DB> {
         };
         let Some(tx) = tx else { return };
         tracing::warn!("a request dropped before it answered is rolled back");
-        // Without a runtime (it is shutting down) the dropped transaction's rollback goes
-        // with its connection. Not on a runtime that may not run it again: on SQLite the
-        // transaction holds the write lock until its rollback.
+        // Not on a runtime that may not run it again (nor without one): on SQLite the
+        // transaction holds the write lock until its rollback. Where no runtime can run it,
+        // the dropped transaction's rollback goes with its connection.
         if let Some(runtime) = crate::store::sql::lasting_runtime() {
             runtime.spawn(async move {
                 if let Err(error) = tx.rollback().await {
@@ -807,7 +807,7 @@ mod tests {
                 pool: store.pool().clone(),
                 tx: None,
                 ended: false,
-                snapshot_before_lock: false,
+                fresh_reads: None,
             };
             let transaction = RequestTransaction::new(slot, store.clone(), Duration::from_secs(60));
             Self {
