@@ -104,8 +104,9 @@ key_transaction!(
     ids = |ids: &[String]| Ok::<_, Error>(ids.to_vec())
 );
 
-// A handler's transaction stamps its keys on the runtime's clock, the one the cleanup judges
-// their age by (virtual under the test harness); a bare transaction has only the system's.
+// A handler's transaction stamps its keys on the store's clock, as the store stamps its rows,
+// and the runtime's cleanup reads that clock unless the runtime was given another (virtual
+// under the test harness); a bare transaction has only the system's.
 impl<DB: crate::transaction::Backend> sealed::Sealed
     for crate::transaction::HandlerTransaction<DB>
 {
@@ -137,9 +138,9 @@ where
 /// Records `key` in `tx` (in the store's `dacapo_idempotency_keys`); `true` if it is new, so
 /// the work should be done in the same transaction, `false` if it was recorded before.
 ///
-/// In a handler's [`HandlerTransaction`](crate::transaction::HandlerTransaction) the key is
-/// stamped on the runtime's clock, which its cleanup goes by; in a transaction of your own,
-/// on the system's clock.
+/// In a handler's [`HandlerTransaction`](crate::transaction::HandlerTransaction) (pass
+/// `&mut tx`, not `&mut *tx`) the key is stamped on the store's clock, which the runtime's
+/// cleanup goes by; in a transaction of your own, on the system's clock.
 ///
 /// On PostgreSQL a concurrent transaction recording the same key waits for the first to
 /// finish: it then sees `false` if that one committed, `true` if it rolled back.

@@ -401,7 +401,7 @@ pub struct HandlerTransaction<DB: Backend> {
     /// SQLite's turn to write, which the runtime's own writers wait for; released once the
     /// transaction ended on its connection, its commit or rollback included.
     turn: Option<tokio::sync::OwnedSemaphorePermit>,
-    /// The runtime's clock, which the cleanup judges the rows stamped here by.
+    /// The store's clock, which it stamps its rows on.
     clock: Arc<dyn dacapo_actors::ports::Clock>,
 }
 
@@ -459,7 +459,7 @@ impl<DB: Backend> HandlerTransaction<DB> {
         self.message_id
     }
 
-    /// Now, on the runtime's clock, in the store's unit.
+    /// Now, on the store's clock, in the store's unit.
     pub(crate) fn stamp(&self) -> i64 {
         millis(self.clock.now())
     }
@@ -644,7 +644,7 @@ macro_rules! backend {
                     node: store.node().to_owned(),
                     enlisted: HashMap::new(),
                     turn,
-                    clock: store.shared_clock(),
+                    clock: dacapo_actors::ports::DurableInbox::clock(store),
                 };
                 let recorded = sqlx::query(RECORD_COMPLETION)
                     .bind(id_text(message_id))

@@ -488,19 +488,21 @@ impl Handler<MemberRemoved> for RecordsAKey {
 }
 
 // A key recorded in a handler transaction is stamped on the store's clock, like the inbox's
-// rows — the clock the runtime's cleanup is set to read — not on the system's.
+// rows — not on the system's — and a runtime given no clock of its own cleans up by the
+// store's: a key stamped then stays, while one older than the retention on that clock goes.
 on_both_backends!(
-    a_key_recorded_in_a_handler_transaction_is_stamped_on_the_stores_clock_sqlite,
-    a_key_recorded_in_a_handler_transaction_is_stamped_on_the_stores_clock_postgres,
+    a_key_recorded_in_a_handler_transaction_is_stamped_and_cleaned_up_on_the_stores_clock_sqlite,
+    a_key_recorded_in_a_handler_transaction_is_stamped_and_cleaned_up_on_the_stores_clock_postgres,
     |db| {
         let at = chrono::DateTime::from_timestamp_millis(1_000_000_000_000).unwrap();
         let clock = Arc::new(StoppedClock(at));
-        let builder = Runtime::builder().clock(clock.clone());
         let builder = match db.backend {
-            Backend::Sqlite => builder.store(db.sqlite().await.clock(clock)),
-            Backend::Postgres => builder.store(db.postgres().await.clock(clock)),
+            Backend::Sqlite => Runtime::builder().store(db.sqlite().await.clock(clock)),
+            Backend::Postgres => Runtime::builder().store(db.postgres().await.clock(clock)),
         };
         let runtime = builder
+            .idempotency_key_retention(Duration::from_secs(3600))
+            .cleanup_interval(Duration::from_millis(20))
             .module(
                 Module::new("billing")
                     .handle_named::<MemberRemoved, _>("charge", RecordsAKey(db.backend)),
@@ -509,11 +511,35 @@ on_both_backends!(
             .unwrap();
         let report = tracked(&runtime).await;
         assert!(report.is_handled(), "{report:?}");
-        runtime.shutdown().await;
         assert_eq!(
             db.scalar("SELECT recorded_at FROM dacapo_idempotency_keys WHERE key = 'charge:1'")
                 .await,
             1_000_000_000_000
         );
+        // A key two hours older on that clock: the cleanup's next round takes it, and would
+        // take the handler's with it if it went by the system's clock.
+        db.execute(
+            "INSERT INTO dacapo_idempotency_keys (key, recorded_at) \
+             VALUES ('charge:old', 999992800000)",
+        )
+        .await;
+        tokio::time::timeout(WAIT, async {
+            while db
+                .scalar("SELECT count(*) FROM dacapo_idempotency_keys WHERE key = 'charge:old'")
+                .await
+                > 0
+            {
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+        })
+        .await
+        .expect("the cleanup removed the old key");
+        assert_eq!(
+            db.scalar("SELECT count(*) FROM dacapo_idempotency_keys WHERE key = 'charge:1'")
+                .await,
+            1,
+            "the handler's key stays"
+        );
+        runtime.shutdown().await;
     }
 );

@@ -215,6 +215,11 @@ impl RuntimeBuilder {
         mut self,
         store: S,
     ) -> Self {
+        // The runtime's cutoffs read the clock the store stamps its rows on, unless the
+        // runtime has one of its own.
+        if !self.clock_given {
+            self.clock = store.clock();
+        }
         let store = Arc::new(store);
         self.store = Some(Arc::clone(&store) as Arc<dyn std::any::Any + Send + Sync>);
         self.inbox = Some(Arc::clone(&store) as Arc<dyn Inbox>);
@@ -343,6 +348,11 @@ impl RuntimeBuilder {
     }
 
     /// The wall clock used for timestamps and retention (default: the system's).
+    ///
+    /// A durable store stamps its rows on a clock of its own
+    /// ([`SqlStore::clock`](crate::store::SqlStore::clock)), which the runtime reads too
+    /// unless given this one: then give both the same clock, as the test harness does, for the
+    /// runtime's cutoffs (retention, expiry) read this one.
     #[must_use]
     pub fn clock(mut self, clock: Arc<dyn Clock>) -> Self {
         self.clock = clock;

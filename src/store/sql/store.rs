@@ -389,11 +389,6 @@ impl<D: Dialect> SqlStore<D> {
         self.clock.now()
     }
 
-    /// The store's clock, for what stamps rows on the store's behalf.
-    pub(crate) fn shared_clock(&self) -> Arc<dyn Clock> {
-        Arc::clone(&self.clock)
-    }
-
     /// A node that heartbeat since then is alive; others are taken for dead.
     fn alive_since(&self) -> DateTime<Utc> {
         chrono::Duration::from_std(self.node_timeout)
@@ -819,6 +814,10 @@ impl<D: Dialect> DurableInbox for SqlStore<D> {
 
     fn node_timeout(&self) -> Duration {
         self.node_timeout
+    }
+
+    fn clock(&self) -> Arc<dyn Clock> {
+        Arc::clone(&self.clock)
     }
 
     async fn release(&self) -> Result<(), Error> {
