@@ -644,7 +644,7 @@ macro_rules! backend {
                     node: store.node().to_owned(),
                     enlisted: HashMap::new(),
                     turn,
-                    clock: dacapo_actors::ports::DurableInbox::clock(store),
+                    clock: dacapo_actors::ports::DurableInbox::stamping_clock(store),
                 };
                 let recorded = sqlx::query(RECORD_COMPLETION)
                     .bind(id_text(message_id))

@@ -1267,6 +1267,42 @@ async fn under_repeatable_read_requests_as_many_as_the_pool_holds_do_not_wait_fo
     assert_eq!(app.runs.load(Ordering::SeqCst), 6);
 }
 
+/// Where transactions default to REPEATABLE READ, the lookup outside the request's
+/// transaction, on the runtime's pool (which takes its connections without a ping), runs again
+/// on another connection when the one it took was ended by the server while idle.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn under_repeatable_read_a_lookup_on_a_session_the_server_ended_runs_again() {
+    let (db, mut admin) = repeatable_read_database().await;
+    let store = dacapo::store::PostgresStore::connect(&db.url)
+        .await
+        .unwrap();
+    let app = App::default();
+    let url = format!(
+        "{}/orders",
+        serve_router(on_postgres::router(store, app.clone())).await
+    );
+    let client = reqwest::Client::new();
+    assert_eq!(
+        post_with(&client, &url, Some("k-1"), "A-1", &[])
+            .await
+            .status(),
+        201
+    );
+    let ended: Vec<bool> = sqlx::query_scalar(
+        "SELECT pg_terminate_backend(pid) FROM pg_stat_activity \
+         WHERE datname = current_database() AND pid <> pg_backend_pid()",
+    )
+    .fetch_all(&mut admin)
+    .await
+    .unwrap();
+    assert!(ended.len() >= 2, "the pools' sessions ended: {ended:?}");
+    for n in 2..=4 {
+        let response = post_with(&client, &url, Some(&format!("k-{n}")), "A-1", &[]).await;
+        assert_eq!(response.status(), 201, "request {n}");
+    }
+    assert_eq!(app.runs.load(Ordering::SeqCst), 4);
+}
+
 /// A kept answer expires after the layer's retention: the key is free again, and the
 /// runtime's cleanup removes the row.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

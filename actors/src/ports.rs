@@ -372,7 +372,7 @@ pub trait DurableInbox: Inbox {
 
     /// The clock this store stamps its rows on (received, handled, heartbeats, keys): the
     /// runtime's cutoffs read it too unless the runtime is given a clock of its own.
-    fn clock(&self) -> std::sync::Arc<dyn Clock>;
+    fn stamping_clock(&self) -> std::sync::Arc<dyn Clock>;
 
     /// Gives up this node's unsettled deliveries (at a graceful shutdown), so the next runtime
     /// on the store resumes them at once instead of waiting for the heartbeat to expire.

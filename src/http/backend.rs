@@ -165,7 +165,15 @@ macro_rules! backend {
                 use sqlx::Row as _;
                 let query = sqlx::query(LOOKUP).bind(id).bind(now);
                 let row: Option<$row> = match (&slot.fresh_reads, slot.tx.as_mut()) {
-                    (Some(pool), _) => query.fetch_optional(pool).await?,
+                    // The runtime's pool takes its connections without a ping: one the server
+                    // closed while idle fails the lookup, which runs again on another.
+                    (Some(pool), _) => {
+                        let tries = pool.options().get_max_connections().saturating_add(1);
+                        crate::store::sql::on_live_session(tries, || {
+                            sqlx::query(LOOKUP).bind(id).bind(now).fetch_optional(pool)
+                        })
+                        .await?
+                    }
                     (None, Some(tx)) => query.fetch_optional(&mut **tx).await?,
                     (None, None) => query.fetch_optional(&slot.pool).await?,
                 };

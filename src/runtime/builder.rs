@@ -218,7 +218,7 @@ impl RuntimeBuilder {
         // The runtime's cutoffs read the clock the store stamps its rows on, unless the
         // runtime has one of its own.
         if !self.clock_given {
-            self.clock = store.clock();
+            self.clock = store.stamping_clock();
         }
         let store = Arc::new(store);
         self.store = Some(Arc::clone(&store) as Arc<dyn std::any::Any + Send + Sync>);

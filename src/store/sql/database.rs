@@ -113,10 +113,7 @@ pub(crate) async fn to_the_end<T: Send + 'static>(
         done
     };
     match super::own_thread::lasting_runtime() {
-        Some(runtime) => runtime
-            .spawn(work)
-            .await
-            .map_err(|error| Error::store(format!("a write stopped before its end: {error}"))),
+        Some(runtime) => ended(runtime.spawn(work).await, "a write"),
         None => Ok(work.await),
     }
 }
@@ -132,10 +129,20 @@ async fn off_a_runtime_that_may_stall<T: Send + 'static>(
     work: impl Future<Output = Result<T, Error>> + Send + 'static,
 ) -> Result<T, Error> {
     match super::own_thread::lasting_runtime() {
-        Some(runtime) => runtime.spawn(work).await.map_err(|error| {
-            Error::store(format!("a statement stopped before its end: {error}"))
-        })?,
+        Some(runtime) => ended(runtime.spawn(work).await, "a statement")?,
         None => work.await,
+    }
+}
+
+/// What a task that ran `what` came to: its panic goes on up, as it would have in place; a
+/// runtime that stopped under it is a store error.
+fn ended<T>(joined: Result<T, tokio::task::JoinError>, what: &str) -> Result<T, Error> {
+    match joined {
+        Ok(done) => Ok(done),
+        Err(error) if error.is_panic() => std::panic::resume_unwind(error.into_panic()),
+        Err(error) => Err(Error::store(format!(
+            "{what} stopped before its end: {error}"
+        ))),
     }
 }
 
@@ -448,6 +455,15 @@ impl Database {
     /// Where a node of this database is held ([`super::node_hold`]): `None` for a SQLite
     /// database in memory or in a temporary file, which no other process opens.
     pub(crate) async fn node_target(&self) -> Result<Option<super::node_hold::Target>, Error> {
+        if caller_may_stall() {
+            let db = self.clone();
+            return off_a_runtime_that_may_stall(async move { db.node_target_here().await }).await;
+        }
+        self.node_target_here().await
+    }
+
+    /// [`node_target`](Self::node_target) on the caller's runtime.
+    async fn node_target_here(&self) -> Result<Option<super::node_hold::Target>, Error> {
         match &self.pool {
             #[cfg(feature = "sqlite")]
             Pool::Sqlite(pool) => {
@@ -580,6 +596,18 @@ impl Database {
         let turn = self.turn().await?;
         let inner = match &self.pool {
             #[cfg(feature = "sqlite")]
+            Pool::Sqlite(pool) if caller_may_stall() => {
+                let (pool, tries) = (pool.clone(), self.tries());
+                TxInner::Sqlite(
+                    off_a_runtime_that_may_stall(async move {
+                        on_live_session(tries, || pool.begin_with("BEGIN IMMEDIATE"))
+                            .await
+                            .map_err(db_error)
+                    })
+                    .await?,
+                )
+            }
+            #[cfg(feature = "sqlite")]
             Pool::Sqlite(pool) => TxInner::Sqlite(
                 on_live_session(self.tries(), || pool.begin_with("BEGIN IMMEDIATE"))
                     .await
@@ -642,6 +670,8 @@ impl Database {
             Pool::Postgres(pool) if caller_may_stall() => {
                 let (pool, tries, owned) = (pool.clone(), self.tries(), OwnedValue::all_of(values));
                 return off_a_runtime_that_may_stall(async move {
+                    // Counted until the statement ended, even if the caller stopped waiting.
+                    let _committing = committing;
                     let values: Vec<Value<'_>> = owned.iter().map(OwnedValue::value).collect();
                     on_live_session(tries, || bind(sqlx::query(sql), &values).execute(&pool))
                         .await
@@ -693,6 +723,7 @@ impl Database {
             Pool::Postgres(pool) if caller_may_stall() => {
                 let (pool, tries, owned) = (pool.clone(), self.tries(), OwnedValue::all_of(values));
                 return off_a_runtime_that_may_stall(async move {
+                    let _committing = committing;
                     let values: Vec<Value<'_>> = owned.iter().map(OwnedValue::value).collect();
                     on_live_session(tries, || {
                         bind(sqlx::query(sqlx::AssertSqlSafe(sql.clone())), &values).execute(&pool)

@@ -816,7 +816,7 @@ impl<D: Dialect> DurableInbox for SqlStore<D> {
         self.node_timeout
     }
 
-    fn clock(&self) -> Arc<dyn Clock> {
+    fn stamping_clock(&self) -> Arc<dyn Clock> {
         Arc::clone(&self.clock)
     }
 
