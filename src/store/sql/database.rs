@@ -134,6 +134,23 @@ async fn off_a_runtime_that_may_stall<T: Send + 'static>(
     }
 }
 
+/// What `$db.$here(sql, values)` answers, run on the lasting thread (with its own copy of the
+/// values) when the caller's runtime may stall: see [`off_a_runtime_that_may_stall`].
+macro_rules! here_or_off_a_runtime_that_may_stall {
+    ($db:expr, $here:ident, $sql:expr, $values:expr) => {
+        if caller_may_stall() {
+            let (db, owned) = ($db.clone(), OwnedValue::all_of($values));
+            off_a_runtime_that_may_stall(async move {
+                let values: Vec<Value<'_>> = owned.iter().map(OwnedValue::value).collect();
+                db.$here($sql, &values).await
+            })
+            .await
+        } else {
+            $db.$here($sql, $values).await
+        }
+    };
+}
+
 /// What a task that ran `what` came to: its panic goes on up, as it would have in place; a
 /// runtime that stopped under it is a store error.
 fn ended<T>(joined: Result<T, tokio::task::JoinError>, what: &str) -> Result<T, Error> {
@@ -751,15 +768,7 @@ impl Database {
         values: &[Value<'_>],
     ) -> Result<Vec<Row>, Error> {
         self.before_statement().await?;
-        if caller_may_stall() {
-            let (db, owned) = (self.clone(), OwnedValue::all_of(values));
-            return off_a_runtime_that_may_stall(async move {
-                let values: Vec<Value<'_>> = owned.iter().map(OwnedValue::value).collect();
-                db.fetch_all_here(sql, &values).await
-            })
-            .await;
-        }
-        self.fetch_all_here(sql, values).await
+        here_or_off_a_runtime_that_may_stall!(self, fetch_all_here, sql, values)
     }
 
     /// [`fetch_all`](Self::fetch_all) on the caller's runtime.
@@ -792,15 +801,7 @@ impl Database {
         values: &[Value<'_>],
     ) -> Result<Option<Row>, Error> {
         self.before_statement().await?;
-        if caller_may_stall() {
-            let (db, owned) = (self.clone(), OwnedValue::all_of(values));
-            return off_a_runtime_that_may_stall(async move {
-                let values: Vec<Value<'_>> = owned.iter().map(OwnedValue::value).collect();
-                db.fetch_optional_here(sql, &values).await
-            })
-            .await;
-        }
-        self.fetch_optional_here(sql, values).await
+        here_or_off_a_runtime_that_may_stall!(self, fetch_optional_here, sql, values)
     }
 
     /// [`fetch_optional`](Self::fetch_optional) on the caller's runtime.
