@@ -95,7 +95,11 @@ impl OwnedValue {
 ///
 /// # Errors
 ///
-/// [`Error::Store`] when the task running `work` panicked or its runtime stopped.
+/// [`Error::Store`] when the runtime running `work` stopped under it.
+///
+/// # Panics
+///
+/// If `work` panics.
 ///
 /// # Cancel safety
 ///
