@@ -1544,3 +1544,76 @@ async fn an_answers_trailers_reach_the_client() {
     );
     assert_eq!(collected.to_bytes(), "answer");
 }
+
+/// A request dropped on a current-thread runtime that then stays idle, its endpoint's SQLite
+/// transaction open (holding the write lock), is rolled back all the same: the rollback does
+/// not wait for that runtime to run again, and the next request, served from another runtime,
+/// gets its answer. It used to be spawned on the idle runtime, holding the lock for good.
+#[test]
+fn a_request_dropped_on_a_runtime_left_idle_leaves_the_write_lock_free() {
+    use futures::FutureExt as _;
+    use std::future::Future as _;
+    use tower::ServiceExt as _;
+
+    let main = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap();
+    let application = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    let db = main.block_on(TestDatabase::new(Which::Sqlite));
+    let app = App::default();
+    let router = main.block_on(async { on_sqlite::router(db.sqlite().await, app.clone()) });
+    {
+        let _application = application.enter();
+        let request = axum::http::Request::post("/hang")
+            .header("idempotency-key", "k-dropped")
+            .body(axum::body::Body::from(""))
+            .unwrap();
+        let mut answer = Box::pin(router.clone().oneshot(request));
+        let mut context = std::task::Context::from_waker(std::task::Waker::noop());
+        let polled_for = std::time::Instant::now();
+        // Polled, the application's runtime running no task, until the endpoint wrote.
+        while app.entered.notified().now_or_never().is_none() {
+            assert!(answer.as_mut().poll(&mut context).is_pending());
+            assert!(
+                polled_for.elapsed() < Duration::from_secs(10),
+                "the endpoint wrote"
+            );
+        }
+        drop(answer);
+    }
+    // From here on the application's runtime runs nothing.
+    main.block_on(async {
+        let url = serve_router(router).await;
+        let response = tokio::time::timeout(
+            Duration::from_secs(20),
+            post_with(
+                &reqwest::Client::new(),
+                &format!("{url}/orders"),
+                Some("k-next"),
+                "A-1",
+                &[],
+            ),
+        )
+        .await
+        .expect("answered");
+        assert_eq!(response.status(), 201);
+        assert_eq!(
+            db.scalar("SELECT count(*) FROM dacapo_outbox WHERE payload LIKE '%A-1%'")
+                .await,
+            1,
+            "the next request's work committed"
+        );
+        assert_eq!(
+            db.scalar("SELECT count(*) FROM dacapo_outbox WHERE payload LIKE '%hang%'")
+                .await,
+            0,
+            "the dropped request's work rolled back"
+        );
+    });
+    drop(application);
+}
