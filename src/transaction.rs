@@ -523,8 +523,12 @@ impl<DB: Backend> HandlerTransaction<DB> {
     /// # Errors
     ///
     /// The database's error; nothing of the transaction took effect. A store error saying the
-    /// write stopped before its end (its task panicked, or the runtime is stopping): the commit
-    /// may or may not have happened, as when cancelled.
+    /// write stopped before its end (the runtime running it is stopping): the commit may or may
+    /// not have happened, as when cancelled.
+    ///
+    /// # Panics
+    ///
+    /// If the task running the commit panicked.
     ///
     /// # Cancel safety
     ///

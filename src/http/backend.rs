@@ -166,13 +166,32 @@ macro_rules! backend {
                 let query = sqlx::query(LOOKUP).bind(id).bind(now);
                 let row: Option<$row> = match (&slot.fresh_reads, slot.tx.as_mut()) {
                     // The runtime's pool takes its connections without a ping: one the server
-                    // closed while idle fails the lookup, which runs again on another.
+                    // closed while idle fails the lookup, which runs again on another. Not on
+                    // a runtime that may stall, which a connection opened there would wait on.
                     (Some(pool), _) => {
                         let tries = pool.options().get_max_connections().saturating_add(1);
-                        crate::store::sql::on_live_session(tries, || {
-                            sqlx::query(LOOKUP).bind(id).bind(now).fetch_optional(pool)
-                        })
-                        .await?
+                        let (pool, id) = (pool.clone(), id.to_owned());
+                        let lookup = async move {
+                            crate::store::sql::on_live_session(tries, || {
+                                sqlx::query(LOOKUP)
+                                    .bind(id.as_str())
+                                    .bind(now)
+                                    .fetch_optional(&pool)
+                            })
+                            .await
+                        };
+                        match crate::store::sql::lasting_runtime() {
+                            Some(runtime) => match runtime.spawn(lookup).await {
+                                Ok(found) => found?,
+                                Err(error) if error.is_panic() => {
+                                    std::panic::resume_unwind(error.into_panic())
+                                }
+                                Err(error) => {
+                                    return Err(sqlx::Error::Io(std::io::Error::other(error)));
+                                }
+                            },
+                            None => lookup.await?,
+                        }
                     }
                     (None, Some(tx)) => query.fetch_optional(&mut **tx).await?,
                     (None, None) => query.fetch_optional(&slot.pool).await?,
