@@ -11,6 +11,8 @@ mod group_commit;
 mod handler_pool;
 #[cfg(feature = "sqlite")]
 mod interrupt;
+#[cfg(feature = "postgres")]
+mod kept;
 mod left_open;
 mod node_hold;
 mod own_thread;

@@ -5,8 +5,12 @@
 use dacapo_actors::Error;
 use sqlx::Row as _;
 
+use super::db_error;
+#[cfg(feature = "postgres")]
+use super::kept::{KeptTransaction, on_a_kept_connection};
+#[cfg(feature = "sqlite")]
+use super::on_live_session;
 use super::own_thread::caller_may_stall;
-use super::{db_error, on_live_session};
 
 /// A statement parameter.
 #[derive(Clone, Copy, Debug)]
@@ -226,6 +230,9 @@ pub(crate) struct Database {
     hooks: Hooks,
     /// SQLite's one writer, taken in the process before the database's lock.
     writer: Option<Writer>,
+    /// The PostgreSQL pool's connections kept between statements, out of sqlx's ping.
+    #[cfg(feature = "postgres")]
+    kept: std::sync::Arc<super::kept::KeptConnections>,
 }
 
 /// The turn to write on a SQLite database, handed out in the order writers asked for it.
@@ -369,8 +376,8 @@ impl Drop for Tx {
             return;
         };
         let turn = self.turn.take();
-        // Without a turn (PostgreSQL) sqlx rolls back as the transaction drops, and gives its
-        // connection back on a task of this runtime: not on one that may stall.
+        // Without a turn (PostgreSQL) the transaction rolls back as it drops, on a task of this
+        // runtime, before its connection is used again: not on one that may stall.
         if turn.is_none() && !caller_may_stall() {
             return;
         }
@@ -400,7 +407,7 @@ enum TxInner {
     #[cfg(feature = "sqlite")]
     Sqlite(sqlx::Transaction<'static, sqlx::Sqlite>),
     #[cfg(feature = "postgres")]
-    Postgres(sqlx::Transaction<'static, sqlx::Postgres>),
+    Postgres(KeptTransaction),
 }
 
 /// A row read back, whichever the backend; columns are read by name.
@@ -460,6 +467,8 @@ impl Database {
             pool: Pool::Sqlite(pool),
             hooks: Hooks::default(),
             writer: Some(Writer::new()),
+            #[cfg(feature = "postgres")]
+            kept: std::sync::Arc::default(),
         }
     }
 
@@ -467,6 +476,9 @@ impl Database {
     #[cfg(feature = "postgres")]
     pub(crate) fn postgres(pool: sqlx::PgPool) -> Self {
         Self {
+            kept: std::sync::Arc::new(super::kept::KeptConnections::of_a_pool_of(
+                pool.options().get_max_connections(),
+            )),
             pool: Pool::Postgres(pool),
             hooks: Hooks::default(),
             writer: None,
@@ -528,6 +540,8 @@ impl Database {
             pool: self.pool.clone(),
             hooks: Some(hooks),
             writer: self.writer.clone(),
+            #[cfg(feature = "postgres")]
+            kept: self.kept.clone(),
         }
     }
 
@@ -636,10 +650,10 @@ impl Database {
             ),
             #[cfg(feature = "postgres")]
             Pool::Postgres(pool) if caller_may_stall() => {
-                let (pool, tries) = (pool.clone(), self.tries());
+                let (pool, kept, tries) = (pool.clone(), self.kept.clone(), self.tries());
                 TxInner::Postgres(
                     off_a_runtime_that_may_stall(async move {
-                        on_live_session(tries, || pool.begin())
+                        KeptTransaction::begin(&kept, &pool, tries)
                             .await
                             .map_err(db_error)
                     })
@@ -648,7 +662,7 @@ impl Database {
             }
             #[cfg(feature = "postgres")]
             Pool::Postgres(pool) => TxInner::Postgres(
-                on_live_session(self.tries(), || pool.begin())
+                KeptTransaction::begin(&self.kept, pool, self.tries())
                     .await
                     .map_err(db_error)?,
             ),
@@ -689,24 +703,26 @@ impl Database {
             }
             #[cfg(feature = "postgres")]
             Pool::Postgres(pool) if caller_may_stall() => {
-                let (pool, tries, owned) = (pool.clone(), self.tries(), OwnedValue::all_of(values));
+                let (db, pool, owned) = (self.clone(), pool.clone(), OwnedValue::all_of(values));
                 return off_a_runtime_that_may_stall(async move {
                     // Counted until the statement ended, even if the caller stopped waiting.
                     let _committing = committing;
                     let values: Vec<Value<'_>> = owned.iter().map(OwnedValue::value).collect();
-                    on_live_session(tries, || bind(sqlx::query(sql), &values).execute(&pool))
-                        .await
-                        .map(|done| done.rows_affected())
-                        .map_err(db_error)
+                    on_a_kept_connection!(db.kept, &pool, db.tries(), |connection| {
+                        bind(sqlx::query(sql), &values).execute(connection)
+                    })
+                    .map(|done| done.rows_affected())
+                    .map_err(db_error)
                 })
                 .await;
             }
             #[cfg(feature = "postgres")]
-            Pool::Postgres(pool) => on_live_session(self.tries(), || {
-                bind(sqlx::query(sql), values).execute(pool)
-            })
-            .await
-            .map(|done| done.rows_affected()),
+            Pool::Postgres(pool) => {
+                on_a_kept_connection!(self.kept, pool, self.tries(), |connection| {
+                    bind(sqlx::query(sql), values).execute(connection)
+                })
+                .map(|done| done.rows_affected())
+            }
         };
         done.map_err(db_error)
     }
@@ -742,25 +758,26 @@ impl Database {
             }
             #[cfg(feature = "postgres")]
             Pool::Postgres(pool) if caller_may_stall() => {
-                let (pool, tries, owned) = (pool.clone(), self.tries(), OwnedValue::all_of(values));
+                let (db, pool, owned) = (self.clone(), pool.clone(), OwnedValue::all_of(values));
                 return off_a_runtime_that_may_stall(async move {
                     let _committing = committing;
                     let values: Vec<Value<'_>> = owned.iter().map(OwnedValue::value).collect();
-                    on_live_session(tries, || {
-                        bind(sqlx::query(sqlx::AssertSqlSafe(sql.clone())), &values).execute(&pool)
+                    on_a_kept_connection!(db.kept, &pool, db.tries(), |connection| {
+                        bind(sqlx::query(sqlx::AssertSqlSafe(sql.clone())), &values)
+                            .execute(connection)
                     })
-                    .await
                     .map(|done| done.rows_affected())
                     .map_err(db_error)
                 })
                 .await;
             }
             #[cfg(feature = "postgres")]
-            Pool::Postgres(pool) => on_live_session(self.tries(), || {
-                bind(sqlx::query(sqlx::AssertSqlSafe(sql.clone())), values).execute(pool)
-            })
-            .await
-            .map(|done| done.rows_affected()),
+            Pool::Postgres(pool) => {
+                on_a_kept_connection!(self.kept, pool, self.tries(), |connection| {
+                    bind(sqlx::query(sqlx::AssertSqlSafe(sql.clone())), values).execute(connection)
+                })
+                .map(|done| done.rows_affected())
+            }
         };
         done.map_err(db_error)
     }
@@ -789,11 +806,12 @@ impl Database {
             .await
             .map(|rows| rows.into_iter().map(Row::Sqlite).collect()),
             #[cfg(feature = "postgres")]
-            Pool::Postgres(pool) => on_live_session(self.tries(), || {
-                bind(sqlx::query(sql), values).fetch_all(pool)
-            })
-            .await
-            .map(|rows| rows.into_iter().map(Row::Postgres).collect()),
+            Pool::Postgres(pool) => {
+                on_a_kept_connection!(self.kept, pool, self.tries(), |connection| {
+                    bind(sqlx::query(sql), values).fetch_all(connection)
+                })
+                .map(|rows| rows.into_iter().map(Row::Postgres).collect())
+            }
         };
         rows.map_err(db_error)
     }
@@ -822,11 +840,12 @@ impl Database {
             .await
             .map(|row| row.map(Row::Sqlite)),
             #[cfg(feature = "postgres")]
-            Pool::Postgres(pool) => on_live_session(self.tries(), || {
-                bind(sqlx::query(sql), values).fetch_optional(pool)
-            })
-            .await
-            .map(|row| row.map(Row::Postgres)),
+            Pool::Postgres(pool) => {
+                on_a_kept_connection!(self.kept, pool, self.tries(), |connection| {
+                    bind(sqlx::query(sql), values).fetch_optional(connection)
+                })
+                .map(|row| row.map(Row::Postgres))
+            }
         };
         row.map_err(db_error)
     }
@@ -859,7 +878,7 @@ impl Tx {
                 .map(|done| done.rows_affected()),
             #[cfg(feature = "postgres")]
             TxInner::Postgres(tx) => bind(sqlx::query(sql), values)
-                .execute(&mut **tx)
+                .execute(tx.connection())
                 .await
                 .map(|done| done.rows_affected()),
         };
@@ -873,7 +892,10 @@ impl Tx {
             #[cfg(feature = "sqlite")]
             TxInner::Sqlite(tx) => sqlx::raw_sql(script).execute(&mut **tx).await.map(drop),
             #[cfg(feature = "postgres")]
-            TxInner::Postgres(tx) => sqlx::raw_sql(script).execute(&mut **tx).await.map(drop),
+            TxInner::Postgres(tx) => sqlx::raw_sql(script)
+                .execute(tx.connection())
+                .await
+                .map(drop),
         };
         done.map_err(db_error)
     }
@@ -893,7 +915,7 @@ impl Tx {
                 .map(|rows| rows.into_iter().map(Row::Sqlite).collect()),
             #[cfg(feature = "postgres")]
             TxInner::Postgres(tx) => bind(sqlx::query(sql), values)
-                .fetch_all(&mut **tx)
+                .fetch_all(tx.connection())
                 .await
                 .map(|rows| rows.into_iter().map(Row::Postgres).collect()),
         };
@@ -918,7 +940,7 @@ impl Tx {
             }
             #[cfg(feature = "postgres")]
             TxInner::Postgres(tx) => bind(sqlx::query(sqlx::AssertSqlSafe(sql)), values)
-                .fetch_all(&mut **tx)
+                .fetch_all(tx.connection())
                 .await
                 .map(|rows| rows.into_iter().map(Row::Postgres).collect()),
         };
@@ -943,7 +965,7 @@ impl Tx {
             }
             #[cfg(feature = "postgres")]
             TxInner::Postgres(tx) => bind(sqlx::query(sqlx::AssertSqlSafe(sql)), values)
-                .execute(&mut **tx)
+                .execute(tx.connection())
                 .await
                 .map(|done| done.rows_affected()),
         };
@@ -965,7 +987,7 @@ impl Tx {
                 .map(|row| row.map(Row::Sqlite)),
             #[cfg(feature = "postgres")]
             TxInner::Postgres(tx) => bind(sqlx::query(sql), values)
-                .fetch_optional(&mut **tx)
+                .fetch_optional(tx.connection())
                 .await
                 .map(|row| row.map(Row::Postgres)),
         };
