@@ -247,7 +247,9 @@ async fn back_in(pool: &PgPool, count: usize) {
 
 /// The runtime's own pool, with every option of the application's (timeouts, hooks) but the
 /// ping before each use: a round trip per statement. A connection the server closed meanwhile
-/// is found by the statement, which runs again on another (`on_live_session`).
+/// is found by the statement, which runs again on another (`on_live_session`, and the kept
+/// connections' own loop). The runtime keeps a few of its connections out of the pool between
+/// statements (`sql::kept`), against the ping sqlx makes on each connection it takes back.
 fn engine_pool(pool: &PgPool) -> PgPool {
     pool.options()
         .clone()

@@ -95,7 +95,8 @@ impl OwnedValue {
 /// [`lasting_runtime`](super::own_thread::lasting_runtime)): a caller's current-thread runtime
 /// left idle would hold the turn for good. Without a turn (PostgreSQL), `work` runs in place,
 /// but for a caller whose runtime may stall: the connection `work` ends with goes back to its
-/// pool on a task of the runtime it is dropped on.
+/// pool (or, its transaction left unfinished, rolls back) on a task of the runtime it is
+/// dropped on.
 ///
 /// # Errors
 ///

@@ -5,9 +5,11 @@
 //! statements themselves on the path of a delivery (its accept and its settle). A few
 //! connections are kept out of the pool instead, each taken back by the next statement once
 //! the last one on it ended, whole. They still count against the pool's size; each goes back
-//! through the pool (its ping, its `max_lifetime`) after [`KEPT_FOR`], or at once when a
-//! statement on it failed or was cancelled, so that no connection in an unknown state is
-//! used again without sqlx's check.
+//! through the pool (its ping, its `max_lifetime`) when a statement ends on it [`KEPT_FOR`]
+//! after it left the pool, at once when a statement on it failed or was cancelled (so that no
+//! connection in an unknown state is used again without sqlx's check), and whenever someone
+//! may be waiting for the pool. Between statements a kept connection runs none of the pool's
+//! hooks (`before_acquire`, `after_release`), and the pool's `idle_timeout` does not reach it.
 
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
@@ -35,8 +37,25 @@ const KEPT_FOR: Duration = Duration::from_secs(60);
 /// The kept connections of one pool, shared by every handle on it.
 #[derive(Debug, Default)]
 pub(crate) struct KeptConnections {
-    idle: Mutex<Vec<Kept>>,
+    idle: Mutex<Idle>,
     at_most: usize,
+}
+
+#[derive(Debug, Default)]
+struct Idle {
+    kept: Vec<Kept>,
+    /// How many of this pool's statements wait for the pool itself, having found none kept:
+    /// a connection a statement ends with then goes to the pool, which hands it to them.
+    waiting: usize,
+}
+
+/// Counts a statement waiting for the pool while it waits, cancelled or not.
+struct Waiting<'a>(&'a KeptConnections);
+
+impl Drop for Waiting<'_> {
+    fn drop(&mut self) {
+        self.0.idle().waiting -= 1;
+    }
 }
 
 /// A connection taken from [`KeptConnections`] or the pool. Dropped, it goes back to the pool
@@ -71,7 +90,7 @@ impl KeptConnections {
         }
     }
 
-    fn idle(&self) -> std::sync::MutexGuard<'_, Vec<Kept>> {
+    fn idle(&self) -> std::sync::MutexGuard<'_, Idle> {
         self.idle.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
@@ -80,26 +99,48 @@ impl KeptConnections {
     /// # Errors
     ///
     /// The pool's, when it has no connection to give within its timeout.
+    ///
+    /// # Cancel safety
+    ///
+    /// Cancelled, it took nothing.
     pub(crate) async fn take(&self, pool: &PgPool) -> Result<Kept, sqlx::Error> {
-        if let Some(kept) = self.idle().pop() {
-            return Ok(kept);
+        {
+            let mut idle = self.idle();
+            if let Some(kept) = idle.kept.pop() {
+                return Ok(kept);
+            }
+            idle.waiting += 1;
         }
+        let waiting = Waiting(self);
+        let connection = pool.acquire().await?;
+        drop(waiting);
         Ok(Kept {
-            connection: pool.acquire().await?,
+            connection,
             since: Instant::now(),
         })
     }
 
-    /// Keeps `kept` for the next statement, whose last statement ended whole outside a
-    /// transaction; or gives it back to its pool, when enough are kept or it was kept long.
-    pub(crate) fn keep(&self, kept: Kept) {
-        if kept.since.elapsed() >= KEPT_FOR {
-            return;
-        }
-        let mut idle = self.idle();
-        if idle.len() < self.at_most {
-            idle.push(kept);
-        }
+    /// Keeps `kept`, whose last statement ended whole outside a transaction, for the next
+    /// statement; or gives it back to `pool`, its pool: when enough are kept, when it left the
+    /// pool [`KEPT_FOR`] ago, or when someone may wait for the pool (a statement of ours that
+    /// found none kept, or, with every connection of the pool taken, one of its other users).
+    pub(crate) fn keep(&self, kept: Kept, pool: &PgPool) {
+        let exhausted = pool.num_idle() == 0 && pool.size() >= pool.options().get_max_connections();
+        let given_back = {
+            let mut idle = self.idle();
+            if kept.since.elapsed() < KEPT_FOR
+                && !exhausted
+                && idle.waiting == 0
+                && idle.kept.len() < self.at_most
+            {
+                idle.kept.push(kept);
+                None
+            } else {
+                Some(kept)
+            }
+        };
+        // Outside the lock: sqlx spawns its way back to the pool.
+        drop(given_back);
     }
 }
 
@@ -123,7 +164,7 @@ macro_rules! on_a_kept_connection {
             let $connection: &mut sqlx::PgConnection = &mut taken;
             match $statement.await {
                 Ok(done) => {
-                    kept.keep(taken);
+                    kept.keep(taken, pool);
                     break Ok(done);
                 }
                 Err(error) if $crate::store::sql::session_ended(&error) && tried < tries => {
@@ -142,7 +183,13 @@ impl Drop for KeptConnections {
     /// that: the last handle may go where no runtime runs (sqlx then panics), or on one that
     /// may stall.
     fn drop(&mut self) {
-        let idle = std::mem::take(self.idle.get_mut().unwrap_or_else(PoisonError::into_inner));
+        let idle = std::mem::take(
+            &mut self
+                .idle
+                .get_mut()
+                .unwrap_or_else(PoisonError::into_inner)
+                .kept,
+        );
         on_a_lasting_runtime(move || drop(idle));
     }
 }
@@ -167,6 +214,7 @@ pub(crate) struct KeptTransaction {
     /// `None` once committed or rolled back.
     open: Option<Kept>,
     home: Arc<KeptConnections>,
+    pool: PgPool,
 }
 
 impl KeptTransaction {
@@ -183,19 +231,24 @@ impl KeptTransaction {
     ) -> Result<Self, sqlx::Error> {
         let mut tried = 1;
         loop {
-            let mut kept = home.take(pool).await?;
-            match sqlx::raw_sql("BEGIN").execute(&mut *kept).await {
-                Ok(_) => {
-                    return Ok(Self {
-                        open: Some(kept),
-                        home: Arc::clone(home),
-                    });
-                }
-                Err(error) if session_ended(&error) && tried < tries => {
+            // Held by the transaction before the `BEGIN` is sent: cancelled on its way, the
+            // transaction's `Drop` rolls it back before the connection is used again.
+            let mut tx = Self {
+                open: Some(home.take(pool).await?),
+                home: Arc::clone(home),
+                pool: pool.clone(),
+            };
+            match sqlx::raw_sql("BEGIN").execute(tx.connection()).await {
+                Ok(_) => return Ok(tx),
+                Err(error) => {
+                    // Not begun: back to the pool, which checks it.
+                    drop(tx.open.take());
+                    if !(session_ended(&error) && tried < tries) {
+                        return Err(error);
+                    }
                     tracing::debug!(%error, "the server ended an idle connection's session; beginning on another");
                     tried += 1;
                 }
-                Err(error) => return Err(error),
             }
         }
     }
@@ -238,7 +291,7 @@ impl KeptTransaction {
         // the connection is used again.
         sqlx::raw_sql(statement).execute(self.connection()).await?;
         if let Some(kept) = self.open.take() {
-            self.home.keep(kept);
+            self.home.keep(kept, &self.pool);
         }
         Ok(())
     }
@@ -253,12 +306,13 @@ impl Drop for KeptTransaction {
         let Some(mut kept) = self.open.take() else {
             return;
         };
-        let home = Arc::clone(&self.home);
+        let (home, pool) = (Arc::clone(&self.home), self.pool.clone());
         on_a_lasting_runtime(move || {
             drop(tokio::spawn(async move {
-                // A `ROLLBACK` after a `COMMIT` that did run is a warning, not an error.
+                // A `ROLLBACK` outside a transaction (after a `COMMIT` that did run, a `BEGIN`
+                // that did not) is a warning, not an error.
                 if sqlx::raw_sql("ROLLBACK").execute(&mut *kept).await.is_ok() {
-                    home.keep(kept);
+                    home.keep(kept, &pool);
                 }
             }));
         });
@@ -295,7 +349,7 @@ mod tests {
 
     async fn kept_within(kept: &KeptConnections, count: usize) {
         tokio::time::timeout(Duration::from_secs(5), async {
-            while kept.idle().len() < count {
+            while kept.idle().kept.len() < count {
                 tokio::time::sleep(Duration::from_millis(1)).await;
             }
         })
@@ -312,7 +366,7 @@ mod tests {
         let first = on_a_kept_connection!(kept, &pool, 2, |connection| session(connection));
         let second = on_a_kept_connection!(kept, &pool, 2, |connection| session(connection));
         assert_eq!(first.unwrap().0, second.unwrap().0);
-        assert_eq!(kept.idle().len(), 1);
+        assert_eq!(kept.idle().kept.len(), 1);
         assert_eq!(pool.num_idle(), 0, "the connection stays out of the pool");
     }
 
@@ -357,7 +411,7 @@ mod tests {
             } else {
                 tx.rollback().await.unwrap();
             }
-            assert_eq!(kept.idle().len(), 1);
+            assert_eq!(kept.idle().kept.len(), 1);
             let (_, name) =
                 on_a_kept_connection!(kept, &pool, 2, |connection| session(connection)).unwrap();
             assert_ne!(name, "inside");
@@ -372,7 +426,7 @@ mod tests {
         let _listener = pool.acquire().await.unwrap();
         let kept = KeptConnections::of_a_pool_of(2);
         on_a_kept_connection!(kept, &pool, 2, |connection| session(connection)).unwrap();
-        assert_eq!(kept.idle().len(), 0);
+        assert_eq!(kept.idle().kept.len(), 0);
         let direct = tokio::time::timeout(Duration::from_secs(5), pool.acquire()).await;
         assert!(
             matches!(direct, Ok(Ok(_))),
@@ -390,13 +444,13 @@ mod tests {
         let pool = pool_of(3);
         let kept = KeptConnections::of_a_pool_of(3);
         let taken = kept.take(&pool).await.unwrap();
-        kept.keep(taken);
+        kept.keep(taken, &pool);
         let taken = kept.take(&pool).await.unwrap();
         tokio::time::pause();
         tokio::time::advance(KEPT_FOR).await;
-        kept.keep(taken);
+        kept.keep(taken, &pool);
         tokio::time::resume();
-        assert_eq!(kept.idle().len(), 0);
+        assert_eq!(kept.idle().kept.len(), 0);
         assert_eq!(pool.num_idle(), 0);
         tokio::time::timeout(Duration::from_secs(5), async {
             while pool.num_idle() < 1 {
@@ -407,10 +461,12 @@ mod tests {
         .expect("the connection is back in its pool");
     }
 
-    /// The last handle on kept connections may drop where no runtime runs: they close there,
-    /// instead of panicking on sqlx's way back to the pool, which needs a runtime.
+    /// The last handle on kept connections may drop where no runtime runs: their way back to
+    /// the pool is spawned on dacapo's lasting thread, instead of panicking in sqlx, which
+    /// spawns it on the current runtime (even for a connection taken out of a pool that keeps
+    /// a minimum).
     #[test]
-    fn kept_connections_dropped_without_a_runtime_close() {
+    fn kept_connections_dropped_without_a_runtime_do_not_panic() {
         let runtime = tokio::runtime::Builder::new_current_thread()
             .enable_all()
             .build()
@@ -422,7 +478,92 @@ mod tests {
                 on_a_kept_connection!(kept, &pool, 2, |connection| session(connection))
             })
             .unwrap();
-        assert_eq!(kept.idle().len(), 1);
+        assert_eq!(kept.idle().kept.len(), 1);
         drop(kept);
+    }
+
+    /// A `BEGIN` given up on its way (its caller cancelled) is rolled back before its
+    /// connection is used again: a pool's ping passes inside a transaction, and the next
+    /// statements on that connection would run in it, uncommitted.
+    #[tokio::test]
+    async fn a_begin_given_up_on_its_way_is_rolled_back_before_its_connection_is_used_again() {
+        let pool = pool_of(3);
+        let kept = Arc::new(KeptConnections::of_a_pool_of(3));
+        let (pid, _) =
+            on_a_kept_connection!(kept, &pool, 2, |connection| session(connection)).unwrap();
+        assert_eq!(kept.idle().kept.len(), 1);
+        {
+            let begin = KeptTransaction::begin(&kept, &pool, 2);
+            futures::pin_mut!(begin);
+            let mut context = std::task::Context::from_waker(futures::task::noop_waker_ref());
+            // Takes the kept connection and sends the `BEGIN`, whose answer it does not read.
+            assert!(begin.as_mut().poll(&mut context).is_pending());
+        }
+        tokio::time::timeout(Duration::from_secs(5), async {
+            while kept.idle().kept.is_empty() && pool.num_idle() == 0 {
+                tokio::time::sleep(Duration::from_millis(1)).await;
+            }
+        })
+        .await
+        .expect("the connection is back");
+        // Two statements in one transaction share its id; two that commit on their own do not.
+        let mut transactions = Vec::new();
+        for _ in 0..2 {
+            let (next_pid, transaction): (i32, String) =
+                on_a_kept_connection!(kept, &pool, 2, |connection| {
+                    sqlx::query_as("SELECT pg_backend_pid(), pg_current_xact_id()::text")
+                        .fetch_one(connection)
+                })
+                .unwrap();
+            assert_eq!(next_pid, pid, "the same connection");
+            transactions.push(transaction);
+        }
+        assert_ne!(
+            transactions[0], transactions[1],
+            "each statement committed on its own"
+        );
+    }
+
+    /// With every connection of the pool taken, one that a statement ends with goes to the
+    /// pool, not to the kept ones: the pool's other users, and statements of ours that found
+    /// none kept, wait for the pool itself.
+    #[tokio::test]
+    async fn a_connection_goes_back_to_a_pool_others_wait_for() {
+        let pool = pool_of(3);
+        let kept = KeptConnections::of_a_pool_of(3);
+        let mut taken = Vec::new();
+        for _ in 0..3 {
+            taken.push(kept.take(&pool).await.unwrap());
+        }
+        // Each holds what it gets: two connections ended with must reach two waiters.
+        let direct = tokio::spawn({
+            let pool = pool.clone();
+            async move { pool.acquire().await }
+        });
+        let ours = kept.take(&pool);
+        let giving_back = async {
+            // Both wait before any connection ends: ours counted as waiting, the other user's
+            // task run (this test's runtime runs one task at a time) after it was spawned.
+            while kept.idle().waiting == 0 {
+                tokio::task::yield_now().await;
+            }
+            tokio::task::yield_now().await;
+            for one in taken.drain(..2) {
+                kept.keep(one, &pool);
+            }
+        };
+        let (ours, ()) = tokio::time::timeout(
+            Duration::from_secs(3),
+            futures::future::join(ours, giving_back),
+        )
+        .await
+        .expect("our statement found a connection");
+        let _ours = ours.unwrap();
+        let _direct = tokio::time::timeout(Duration::from_secs(3), direct)
+            .await
+            .expect("the pool's other user found a connection")
+            .unwrap()
+            .unwrap();
+        assert!(kept.idle().kept.is_empty());
     }
 }
