@@ -7,8 +7,10 @@
 //! the last one on it ended, whole. They still count against the pool's size; each goes back
 //! through the pool (its ping, its `max_lifetime`) when a statement ends on it [`KEPT_FOR`]
 //! after it left the pool, at once when a statement on it failed or was cancelled (so that no
-//! connection in an unknown state is used again without sqlx's check), and whenever someone
-//! may be waiting for the pool. Between statements a kept connection runs none of the pool's
+//! connection in an unknown state is used again without sqlx's check); and all of them when
+//! a statement ends while someone may be waiting for the pool. Nothing gives them back on a
+//! timer: a quiet runtime holds its kept connections, which is why it keeps at most half of
+//! the pool's. Between statements a kept connection runs none of the pool's
 //! hooks (`before_acquire`, `after_release`), and the pool's `idle_timeout` does not reach it.
 
 use std::sync::{Arc, Mutex, PoisonError};
@@ -121,25 +123,27 @@ impl KeptConnections {
     }
 
     /// Keeps `kept`, whose last statement ended whole outside a transaction, for the next
-    /// statement; or gives it back to `pool`, its pool: when enough are kept, when it left the
-    /// pool [`KEPT_FOR`] ago, or when someone may wait for the pool (a statement of ours that
-    /// found none kept, or, with every connection of the pool taken, one of its other users).
+    /// statement; or gives it back to `pool`, its pool: when enough are kept, or when it left
+    /// the pool [`KEPT_FOR`] ago. When someone may wait for the pool (a statement of ours that
+    /// found none kept, or, with every connection of the pool taken, one of its other users),
+    /// gives back every kept connection with it.
     pub(crate) fn keep(&self, kept: Kept, pool: &PgPool) {
         let exhausted = pool.num_idle() == 0 && pool.size() >= pool.options().get_max_connections();
         let given_back = {
             let mut idle = self.idle();
-            if kept.since.elapsed() < KEPT_FOR
-                && !exhausted
-                && idle.waiting == 0
-                && idle.kept.len() < self.at_most
-            {
+            if exhausted || idle.waiting > 0 {
+                // Those kept too: a user of the pool's own waits for one.
+                let mut given_back = std::mem::take(&mut idle.kept);
+                given_back.push(kept);
+                given_back
+            } else if kept.since.elapsed() < KEPT_FOR && idle.kept.len() < self.at_most {
                 idle.kept.push(kept);
-                None
+                Vec::new()
             } else {
-                Some(kept)
+                vec![kept]
             }
         };
-        // Outside the lock: sqlx spawns its way back to the pool.
+        // Outside the lock: sqlx spawns their way back to the pool.
         drop(given_back);
     }
 }
@@ -241,8 +245,10 @@ impl KeptTransaction {
             match sqlx::raw_sql("BEGIN").execute(tx.connection()).await {
                 Ok(_) => return Ok(tx),
                 Err(error) => {
-                    // Not begun: back to the pool, which checks it.
-                    drop(tx.open.take());
+                    // Rolled back by its `Drop` in case the server did begin it (an answer
+                    // that could not be read): a dead connection then goes to the pool, which
+                    // closes it.
+                    drop(tx);
                     if !(session_ended(&error) && tried < tries) {
                         return Err(error);
                     }
@@ -345,6 +351,15 @@ mod tests {
         sqlx::query_as("SELECT pg_backend_pid(), current_setting('application_name')")
             .fetch_one(connection)
             .await
+    }
+
+    /// A user of `pool` that takes from it directly, as the pool's other users do.
+    fn acquiring(
+        pool: &PgPool,
+    ) -> tokio::task::JoinHandle<Result<sqlx::pool::PoolConnection<sqlx::Postgres>, sqlx::Error>>
+    {
+        let pool = pool.clone();
+        tokio::spawn(async move { pool.acquire().await })
     }
 
     async fn kept_within(kept: &KeptConnections, count: usize) {
@@ -496,8 +511,9 @@ mod tests {
             let begin = KeptTransaction::begin(&kept, &pool, 2);
             futures::pin_mut!(begin);
             let mut context = std::task::Context::from_waker(futures::task::noop_waker_ref());
-            // Takes the kept connection and sends the `BEGIN`, whose answer it does not read.
-            assert!(begin.as_mut().poll(&mut context).is_pending());
+            // Takes the kept connection and sends the `BEGIN`; its answer is not read yet, or,
+            // rarely, at once (the transaction is then dropped begun).
+            drop(begin.as_mut().poll(&mut context));
         }
         tokio::time::timeout(Duration::from_secs(5), async {
             while kept.idle().kept.is_empty() && pool.num_idle() == 0 {
@@ -536,10 +552,7 @@ mod tests {
             taken.push(kept.take(&pool).await.unwrap());
         }
         // Each holds what it gets: two connections ended with must reach two waiters.
-        let direct = tokio::spawn({
-            let pool = pool.clone();
-            async move { pool.acquire().await }
-        });
+        let direct = acquiring(&pool);
         let ours = kept.take(&pool);
         let giving_back = async {
             // Both wait before any connection ends: ours counted as waiting, the other user's
@@ -565,5 +578,31 @@ mod tests {
             .unwrap()
             .unwrap();
         assert!(kept.idle().kept.is_empty());
+    }
+
+    /// With every connection of the pool taken, one that a statement ends with goes to the
+    /// pool, and so does every kept one: the pool's other users wait for the pool itself.
+    #[tokio::test]
+    async fn a_pool_with_none_left_to_give_gets_the_connections_a_statement_ends_with() {
+        let pool = pool_of(5);
+        let kept = KeptConnections::of_a_pool_of(5);
+        let mut taken = Vec::new();
+        for _ in 0..4 {
+            taken.push(kept.take(&pool).await.unwrap());
+        }
+        // The pool could still open one: kept.
+        kept.keep(taken.pop().unwrap(), &pool);
+        assert_eq!(kept.idle().kept.len(), 1);
+        let _last = pool.acquire().await.unwrap();
+        let other = acquiring(&pool);
+        // The other user waits for the pool: this test's runtime runs one task at a time.
+        tokio::task::yield_now().await;
+        kept.keep(taken.pop().unwrap(), &pool);
+        assert!(kept.idle().kept.is_empty(), "the kept one went back too");
+        let _other = tokio::time::timeout(Duration::from_secs(3), other)
+            .await
+            .expect("the other user found a connection")
+            .unwrap()
+            .unwrap();
     }
 }
