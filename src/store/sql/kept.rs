@@ -353,6 +353,20 @@ mod tests {
             .await
     }
 
+    /// A pool of `size`, its kept connections, and `count` connections taken from them.
+    async fn taken_of_a_pool_of(
+        size: u32,
+        count: usize,
+    ) -> (PgPool, KeptConnections, Vec<super::Kept>) {
+        let pool = pool_of(size);
+        let kept = KeptConnections::of_a_pool_of(size);
+        let mut taken = Vec::new();
+        for _ in 0..count {
+            taken.push(kept.take(&pool).await.unwrap());
+        }
+        (pool, kept, taken)
+    }
+
     /// A user of `pool` that takes from it directly, as the pool's other users do.
     fn acquiring(
         pool: &PgPool,
@@ -545,12 +559,7 @@ mod tests {
     /// none kept, wait for the pool itself.
     #[tokio::test]
     async fn a_connection_goes_back_to_a_pool_others_wait_for() {
-        let pool = pool_of(3);
-        let kept = KeptConnections::of_a_pool_of(3);
-        let mut taken = Vec::new();
-        for _ in 0..3 {
-            taken.push(kept.take(&pool).await.unwrap());
-        }
+        let (pool, kept, mut taken) = taken_of_a_pool_of(3, 3).await;
         // Each holds what it gets: two connections ended with must reach two waiters.
         let direct = acquiring(&pool);
         let ours = kept.take(&pool);
@@ -584,12 +593,7 @@ mod tests {
     /// pool, and so does every kept one: the pool's other users wait for the pool itself.
     #[tokio::test]
     async fn a_pool_with_none_left_to_give_gets_the_connections_a_statement_ends_with() {
-        let pool = pool_of(5);
-        let kept = KeptConnections::of_a_pool_of(5);
-        let mut taken = Vec::new();
-        for _ in 0..4 {
-            taken.push(kept.take(&pool).await.unwrap());
-        }
+        let (pool, kept, mut taken) = taken_of_a_pool_of(5, 4).await;
         // The pool could still open one: kept.
         kept.keep(taken.pop().unwrap(), &pool);
         assert_eq!(kept.idle().kept.len(), 1);
