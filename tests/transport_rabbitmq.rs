@@ -227,6 +227,20 @@ async fn a_header_amqp_cannot_carry_dead_letters_its_envelope_only() {
     broker.remove().await;
 }
 
+/// RabbitMQ carries every header of a message in one frame, at most `frame_max` bytes (128 KiB
+/// by default), and closes the connection on a larger one: a header far under the runtime's
+/// envelope size must not hold back every envelope behind it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn headers_larger_than_a_frame_dead_letter_their_envelope_only() {
+    let broker = Broker::new().await;
+    what_the_broker_can_never_take_is_dead_lettered(
+        broker.transport(&url()).into(),
+        dacapo::SendOptions::new().header("big", "v".repeat(200 * 1024)),
+    )
+    .await;
+    broker.remove().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn what_was_delivered_and_not_recorded_goes_back_to_the_queue_at_shutdown() {
     let broker = Broker::new().await;
