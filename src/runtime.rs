@@ -415,7 +415,11 @@ impl Runtime {
 
     /// Stops accepting messages, lets deliveries in flight finish (up to the drain timeout),
     /// and stops the engine. Retries still waiting for their cooldown are not dropped: they
-    /// are logged and handed back in the report, envelopes included.
+    /// are logged and handed back in the report, envelopes included. Deliveries still running
+    /// at the drain's end are named in the report and stopped where they stand, as a crash
+    /// would stop them (a handler that holds its thread, synchronous work, holds the shutdown
+    /// until it returns); only then does a durable store hand this node's unsettled
+    /// deliveries to whichever node claims them next, so none runs on two nodes at once.
     ///
     /// Once it returned, calling it again does nothing and reports nothing.
     ///

@@ -430,3 +430,92 @@ on_both_backends!(
         }
     }
 );
+
+/// Its first call blocks its worker's thread until `unblock` is sent, as synchronous work does
+/// (no shutdown can stop it); its second waits for ever, and says when it is dropped.
+#[derive(Clone)]
+struct BlockingThenWaiting {
+    calls: Arc<AtomicUsize>,
+    unblock: Arc<std::sync::Mutex<std::sync::mpsc::Receiver<()>>>,
+    dropped: Arc<Notify>,
+}
+
+/// Tells `dropped` when the future holding it is dropped.
+struct OnDrop(Arc<Notify>);
+
+impl Drop for OnDrop {
+    fn drop(&mut self) {
+        self.0.notify_one();
+    }
+}
+
+impl Handler<MemberRemoved> for BlockingThenWaiting {
+    async fn handle(&self, _: &MemberRemoved, _: &MessageContext) -> Result<(), HandlerError> {
+        if self.calls.fetch_add(1, Ordering::SeqCst) == 0 {
+            let unblock = self.unblock.lock().unwrap();
+            unblock
+                .recv_timeout(WAIT)
+                .expect("the test unblocks the first call");
+        } else {
+            let _dropped = OnDrop(Arc::clone(&self.dropped));
+            std::future::pending::<()>().await;
+        }
+        Ok(())
+    }
+}
+
+on_both_backends!(
+    a_shutdown_past_its_drain_releases_no_delivery_whose_handler_still_runs_sqlite,
+    a_shutdown_past_its_drain_releases_no_delivery_whose_handler_still_runs_postgres,
+    |db| {
+        // Released while its handler still ran, a delivery would be claimed at once by another
+        // node sharing the database and run on both. The blocked call holds its worker past
+        // the drain; the other worker's stop drops the second call, which marks the moment the
+        // engine began to stop.
+        let (unblock, blocked) = std::sync::mpsc::channel();
+        let handler = BlockingThenWaiting {
+            calls: Arc::default(),
+            unblock: Arc::new(std::sync::Mutex::new(blocked)),
+            dropped: Arc::default(),
+        };
+        let runtime = db
+            .store(Runtime::builder(), "local", NODE_TIMEOUT)
+            .await
+            .workers(2)
+            .drain_timeout(Duration::from_millis(50))
+            .module(Module::new("m").handle_named::<MemberRemoved, _>("h", handler.clone()))
+            .build()
+            .unwrap();
+        let blocking = runtime.publish(&member_removed()).await.unwrap();
+        until(|| handler.calls.load(Ordering::SeqCst) == 1).await;
+        // The first call holds one worker's thread: the second runs on the other.
+        runtime.publish(&member_removed()).await.unwrap();
+        until(|| handler.calls.load(Ordering::SeqCst) == 2).await;
+        let owner = async {
+            tokio::time::timeout(WAIT, handler.dropped.notified())
+                .await
+                .expect("the engine stops the worker that is not blocked");
+            let owner: Option<String> = db
+                .value_for(
+                    "SELECT owner FROM dacapo_inbox WHERE id = $1",
+                    blocking.simple().to_string(),
+                )
+                .await;
+            unblock.send(()).unwrap();
+            owner
+        };
+        let (report, owner) = tokio::join!(runtime.shutdown(), owner);
+        assert_eq!(report.still_running.len(), 2, "{report:?}");
+        assert_eq!(
+            owner.as_deref(),
+            Some("local"),
+            "released while its handler ran"
+        );
+        // Once stopped, the shutdown hands both to whoever starts next.
+        assert_eq!(
+            db.scalar("SELECT count(*) FROM dacapo_inbox WHERE owner IS NULL")
+                .await,
+            2
+        );
+    }
+);

@@ -46,9 +46,6 @@ pub(crate) struct Shared {
     pub(crate) retry_scope: RetryScope,
     /// Wakes the outbox relay when a delivery wrote cascaded messages to the outbox.
     pub(crate) outbox_enlisted: tokio::sync::Notify,
-    /// Held by a recovery round while it claims; a shutdown takes it before releasing this
-    /// node's rows, so that no round still in flight claims them again behind the release.
-    pub(crate) recovering: tokio::sync::Mutex<()>,
     /// The runtime's store, which handlers may open transactions on.
     pub(crate) store: Option<Arc<dyn std::any::Any + Send + Sync>>,
     /// Whether the deduplication claims live in that store.

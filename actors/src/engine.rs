@@ -217,7 +217,6 @@ impl Engine {
                         unknown_message_types: config.unknown_message_types,
                         retry_scope: config.retry_scope,
                         outbox_enlisted: tokio::sync::Notify::new(),
-                        recovering: tokio::sync::Mutex::new(()),
                         store: parts.store.clone(),
                         claims_in_store: parts.claims_in_store,
                         starting: std::sync::Mutex::default(),
@@ -298,8 +297,12 @@ impl Engine {
                     let _entered = handle.enter();
                     let _ = runner.run();
                 }
-                for worker in workers {
+                // Every worker is told first: one whose thread a handler holds must not keep
+                // the others running.
+                for worker in &workers {
                     worker.stop();
+                }
+                for worker in workers {
                     let _ = worker.join();
                 }
                 let _ = stopped_tx.send(());
@@ -352,21 +355,19 @@ impl Engine {
                 "shutdown: retry still waiting, handed back in the shutdown report"
             );
         }
-        // A recovery round that started before the close would claim rows again behind the
-        // release, leaving them owned by a node that is gone; one stuck on the store is not
-        // waited for past the drain.
-        let recovering = tokio::time::timeout(drain, self.dispatcher.shared.recovering.lock())
-            .await
-            .ok();
-        // Hand this node's unsettled deliveries (the retries above) to whoever starts next.
+        // Stopped first: a delivery released while its handler still ran (one the drain did
+        // not wait out) would be claimed at once by another node and run on both. Stopping
+        // ends the recovery rounds too, which would otherwise claim rows again behind the
+        // release.
+        self.system.stop();
+        let _ = stopped.await;
+        // Hand this node's unsettled deliveries (the retries above, those still running) to
+        // whoever starts next.
         if let Some(durable) = &self.dispatcher.shared.durable
             && let Err(error) = durable.release().await
         {
             tracing::warn!(%error, "could not release unsettled deliveries; they resume once this node's heartbeat expires");
         }
-        drop(recovering);
-        self.system.stop();
-        let _ = stopped.await;
         report
     }
 }
