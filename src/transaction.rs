@@ -398,8 +398,9 @@ pub struct HandlerTransaction<DB: Backend> {
     /// The store's node, which the handler's claim must still be held by at commit.
     node: String,
     enlisted: HashMap<(String, Vec<u8>), u32>,
-    /// SQLite's turn to write, which the runtime's own writers wait for; released once the
-    /// transaction ended on its connection, its commit or rollback included.
+    /// SQLite's turn to write, which the runtime's own writers wait for (on PostgreSQL, one of
+    /// the connections handler transactions may hold); released once the transaction ended on
+    /// its connection, its commit or rollback included.
     turn: Option<tokio::sync::OwnedSemaphorePermit>,
     /// The store's clock, which it stamps its rows on.
     clock: Arc<dyn dacapo_actors::ports::Clock>,
@@ -629,7 +630,7 @@ macro_rules! backend {
                 // never ends up in the application's pool.
                 let pool = store.engine_pool();
                 let tries = pool.options().get_max_connections().saturating_add(1);
-                let turn = store.write_turn().await?;
+                let turn = store.handler_transaction_turn().await?;
                 // A copy of the context kept past its attempt opens nothing: its work would
                 // land after the delivery settled.
                 if !context.attempt_running() {

@@ -543,3 +543,71 @@ on_both_backends!(
         runtime.shutdown().await;
     }
 );
+
+/// Opens its handler transaction, counts it open, and holds it until `go` turns true.
+#[derive(Clone)]
+struct HoldsItsTransaction {
+    open: Arc<AtomicUsize>,
+    go: tokio::sync::watch::Receiver<bool>,
+}
+
+impl Handler<MemberRemoved> for HoldsItsTransaction {
+    async fn handle(&self, _: &MemberRemoved, ctx: &MessageContext) -> Result<(), HandlerError> {
+        let Some(tx) = ctx.transaction::<sqlx::Postgres>().await? else {
+            return Ok(());
+        };
+        self.open.fetch_add(1, Ordering::SeqCst);
+        let mut go = self.go.clone();
+        let _ = go.wait_for(|go| *go).await;
+        self.open.fetch_sub(1, Ordering::SeqCst);
+        tx.commit().await?;
+        Ok(())
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn handler_transactions_held_open_leave_the_runtime_its_connections_postgres() {
+    // A pool of four: the outbox's listener holds one for good, and handler transactions
+    // held open (a handler's slow work inside one) may hold all but two. Without that bound
+    // they took the rest, and the runtime's own statements (this accept, the settles, the
+    // heartbeats) waited out the pool's 10 s with them.
+    let db = support_stores::TestDatabase::new(Backend::Postgres).await;
+    let pool = sqlx::postgres::PgPoolOptions::new()
+        .max_connections(4)
+        .connect_lazy(&db.url)
+        .unwrap();
+    let store = dacapo::store::PostgresStore::with_pool(pool).await.unwrap();
+    let (go, waiting) = tokio::sync::watch::channel(false);
+    let holds = HoldsItsTransaction {
+        open: Arc::default(),
+        go: waiting,
+    };
+    let runtime = Runtime::builder()
+        .store(store)
+        .module(Module::new("m").handle_named::<MemberRemoved, _>("h", holds.clone()))
+        .build()
+        .unwrap();
+    for _ in 0..4 {
+        runtime.publish(&member_removed()).await.unwrap();
+    }
+    tokio::time::timeout(Duration::from_secs(20), async {
+        while holds.open.load(Ordering::SeqCst) < 2 {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    })
+    .await
+    .expect("two handler transactions open");
+    let accepted =
+        tokio::time::timeout(Duration::from_secs(5), runtime.publish(&member_removed())).await;
+    assert!(
+        matches!(accepted, Ok(Ok(_))),
+        "the accept waited for the pool: {accepted:?}"
+    );
+    assert_eq!(holds.open.load(Ordering::SeqCst), 2);
+    go.send(true).unwrap();
+    tokio::time::timeout(Duration::from_secs(20), runtime.idle())
+        .await
+        .expect("all five handled");
+    assert_eq!(runtime.stats().handled, 5);
+    assert!(runtime.shutdown().await.is_clean());
+}

@@ -234,6 +234,14 @@ pub(crate) struct Database {
     /// The PostgreSQL pool's connections kept between statements, out of sqlx's ping.
     #[cfg(feature = "postgres")]
     kept: std::sync::Arc<super::kept::KeptConnections>,
+    /// On PostgreSQL, the connections of the pool that handler transactions may hold at once:
+    /// all but two, one for the outbox's listener, which holds one for good, and one for the
+    /// runtime's own statements (accepts, settles, heartbeats). Handler transactions held
+    /// open — a handler's slow work inside one — would otherwise take the whole pool, and the
+    /// runtime's statements wait out the pool's timeout with them, its heartbeats too, until
+    /// other nodes take this one for dead.
+    #[cfg(feature = "postgres")]
+    handler_transactions: Option<std::sync::Arc<tokio::sync::Semaphore>>,
 }
 
 /// The turn to write on a SQLite database, handed out in the order writers asked for it.
@@ -470,16 +478,21 @@ impl Database {
             writer: Some(Writer::new()),
             #[cfg(feature = "postgres")]
             kept: std::sync::Arc::default(),
+            #[cfg(feature = "postgres")]
+            handler_transactions: None,
         }
     }
 
     /// The PostgreSQL pool `pool`.
     #[cfg(feature = "postgres")]
     pub(crate) fn postgres(pool: sqlx::PgPool) -> Self {
+        let size = pool.options().get_max_connections();
+        let handler_transactions = usize::try_from(size.saturating_sub(2).max(1)).unwrap_or(1);
         Self {
-            kept: std::sync::Arc::new(super::kept::KeptConnections::of_a_pool_of(
-                pool.options().get_max_connections(),
-            )),
+            kept: std::sync::Arc::new(super::kept::KeptConnections::of_a_pool_of(size)),
+            handler_transactions: Some(std::sync::Arc::new(tokio::sync::Semaphore::new(
+                handler_transactions,
+            ))),
             pool: Pool::Postgres(pool),
             hooks: Hooks::default(),
             writer: None,
@@ -543,6 +556,8 @@ impl Database {
             writer: self.writer.clone(),
             #[cfg(feature = "postgres")]
             kept: self.kept.clone(),
+            #[cfg(feature = "postgres")]
+            handler_transactions: self.handler_transactions.clone(),
         }
     }
 
@@ -584,6 +599,29 @@ impl Database {
             Some(writer) => writer.handler_write_turn().await.map(Some),
             None => Ok(None),
         }
+    }
+
+    /// The turn of a handler transaction on the runtime's pool: SQLite's turn to write, in the
+    /// handlers' queue ([`handler_write_turn`](Self::handler_write_turn)); on PostgreSQL, one
+    /// of the connections handler transactions may hold, waited for as long as the pool waits
+    /// for a connection.
+    pub(crate) async fn handler_transaction_turn(
+        &self,
+    ) -> Result<Option<tokio::sync::OwnedSemaphorePermit>, Error> {
+        #[cfg(feature = "postgres")]
+        if let (Some(slots), Pool::Postgres(pool)) = (&self.handler_transactions, &self.pool) {
+            let wait = pool.options().get_acquire_timeout();
+            let slot = std::sync::Arc::clone(slots).acquire_owned();
+            return match tokio::time::timeout(wait, slot).await {
+                Ok(Ok(slot)) => Ok(Some(slot)),
+                Ok(Err(_)) => Err(Error::store("the handler transactions' slots are closed")),
+                Err(_) => Err(Error::store(format!(
+                    "no connection for a handler transaction within {wait:?}: other handler \
+                     transactions hold all the pool leaves them"
+                ))),
+            };
+        }
+        self.handler_write_turn().await
     }
 
     /// The turn to write for a handler connection, and the connection parked with it: the

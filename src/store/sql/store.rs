@@ -351,6 +351,13 @@ impl<D: Dialect> SqlStore<D> {
         self.db.handler_write_turn().await
     }
 
+    /// The turn of a handler transaction on the runtime's pool ([`Database::handler_transaction_turn`]).
+    pub(crate) async fn handler_transaction_turn(
+        &self,
+    ) -> Result<Option<tokio::sync::OwnedSemaphorePermit>, Error> {
+        self.db.handler_transaction_turn().await
+    }
+
     /// The runtime's own pool, which handler transactions run on.
     pub(crate) fn engine_pool(&self) -> &sqlx::Pool<D> {
         &self.engine
