@@ -285,11 +285,20 @@ impl<DB: Backend> Drop for HandlerConnection<'_, DB> {
             return;
         }
         let Ok(runtime) = tokio::runtime::Handle::try_current() else {
-            // No runtime to ping on (a handler always has one): gone as it is.
+            // No runtime (one of the engine's workers stopped under the handler, a shutdown
+            // past its drain): gone as it is, closed, on a runtime that lasts, since sqlx
+            // cannot take a connection back where none runs (it panics there).
             if let Some(unsynced) = unsynced {
                 unsynced.closed();
             }
-            drop((connection, turn, hold));
+            let gone = move || drop((connection.map(|c| c.detach()), turn, hold));
+            match crate::store::sql::lasting_runtime() {
+                Some(lasting) => {
+                    let _on_it = lasting.enter();
+                    gone();
+                }
+                None => std::mem::forget(gone),
+            }
             return;
         };
         runtime.spawn(async move {
@@ -411,18 +420,26 @@ impl<DB: Backend> Drop for HandlerTransaction<DB> {
     /// back on its connection's thread a moment later, still holding SQLite's lock — after
     /// whatever statement the handler left running there: the turn goes once that ended, so
     /// that the next writer never finds the lock taken.
+    ///
+    /// The rollback runs on a runtime that lasts: a handler's runtime is one of the engine's
+    /// workers, and one that stops under it (a shutdown past its drain) runs no task any more
+    /// and drops the transaction where sqlx cannot take its connection back (it panics there).
     fn drop(&mut self) {
         let Some(tx) = self.tx.take() else {
             return;
         };
-        match (self.turn.take(), tokio::runtime::Handle::try_current()) {
-            (Some(turn), Ok(runtime)) => {
-                runtime.spawn(async move {
-                    let _ = tx.rollback().await;
-                    drop(turn);
-                });
+        let turn = self.turn.take();
+        let end = async move {
+            let _ = tx.rollback().await;
+            drop(turn);
+        };
+        match crate::store::sql::lasting_runtime() {
+            Some(runtime) => {
+                runtime.spawn(end);
             }
-            _ => drop(tx),
+            // No runtime, and no thread could start: the connection stays out of its pool,
+            // its transaction open until the process ends, rather than a panic here.
+            None => std::mem::forget(end),
         }
     }
 }

@@ -611,3 +611,112 @@ async fn handler_transactions_held_open_leave_the_runtime_its_connections_postgr
     assert_eq!(runtime.stats().handled, 5);
     assert!(runtime.shutdown().await.is_clean());
 }
+
+/// Opens a handler connection, says so, and holds it for ever.
+#[derive(Clone, Default)]
+struct HoldsItsConnection {
+    open: Arc<AtomicUsize>,
+}
+
+impl Handler<MemberRemoved> for HoldsItsConnection {
+    async fn handle(&self, _: &MemberRemoved, ctx: &MessageContext) -> Result<(), HandlerError> {
+        let mut connection = ctx.connection::<sqlx::Postgres>().await?;
+        sqlx::query("BEGIN").execute(&mut *connection).await?;
+        self.open.fetch_add(1, Ordering::SeqCst);
+        std::future::pending::<()>().await;
+        Ok(())
+    }
+}
+
+/// Runs `module` until `open` counts two handlers holding what they opened, then shuts down
+/// past the drain: no worker panics as it stops, and the server is left with no transaction
+/// of theirs open.
+async fn stopped_under_two_open(module: Module, open: Arc<AtomicUsize>) {
+    // The panic hook counted in is the process's: one such test at a time.
+    static ONE_AT_A_TIME: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+    let _one = ONE_AT_A_TIME.lock().await;
+    let db = support_stores::TestDatabase::new(Backend::Postgres).await;
+    let store = db.postgres().await;
+    let pool = store.pool().clone();
+    let runtime = Runtime::builder()
+        .store(store)
+        .drain_timeout(Duration::from_millis(50))
+        .module(module)
+        .build()
+        .unwrap();
+    for _ in 0..2 {
+        runtime.publish(&member_removed()).await.unwrap();
+    }
+    tokio::time::timeout(Duration::from_secs(20), async {
+        while open.load(Ordering::SeqCst) < 2 {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    })
+    .await
+    .expect("two handlers hold theirs open");
+    let panics = Arc::new(AtomicUsize::new(0));
+    let hook = std::panic::take_hook();
+    {
+        let panics = Arc::clone(&panics);
+        std::panic::set_hook(Box::new(move |info| {
+            panics.fetch_add(1, Ordering::SeqCst);
+            eprintln!("{info}");
+        }));
+    }
+    let report = runtime.shutdown().await;
+    let _ = std::panic::take_hook();
+    std::panic::set_hook(hook);
+    assert_eq!(report.still_running.len(), 2, "{report:?}");
+    assert_eq!(
+        panics.load(Ordering::SeqCst),
+        0,
+        "a worker panicked as it stopped"
+    );
+    // Ended a moment later: the server holds no transaction of theirs open.
+    tokio::time::timeout(Duration::from_secs(10), async {
+        loop {
+            let open: i64 = sqlx::query_scalar(
+                "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database() \
+                 AND state LIKE 'idle in transaction%'",
+            )
+            .fetch_one(&pool)
+            .await
+            .unwrap();
+            if open == 0 {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    })
+    .await
+    .expect("both transactions ended");
+}
+
+// The shutdown's drain ends with the handlers still holding theirs: stopping the workers drops
+// them where no tokio runtime runs, and sqlx cannot take a connection back there (it panicked
+// in the worker's thread, and the connection never went back to its pool).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_runtime_stopped_under_open_handler_transactions_rolls_them_back_postgres() {
+    let (_go, waiting) = tokio::sync::watch::channel(false);
+    let holds = HoldsItsTransaction {
+        open: Arc::default(),
+        go: waiting,
+    };
+    let open = Arc::clone(&holds.open);
+    stopped_under_two_open(
+        Module::new("m").handle_named::<MemberRemoved, _>("h", holds),
+        open,
+    )
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_runtime_stopped_under_open_handler_connections_ends_them_postgres() {
+    let holds = HoldsItsConnection::default();
+    let open = Arc::clone(&holds.open);
+    stopped_under_two_open(
+        Module::new("m").handle_named::<MemberRemoved, _>("h", holds),
+        open,
+    )
+    .await;
+}

@@ -36,7 +36,6 @@ pub(crate) use left_open::{Ending, end_on_sqlite};
 #[cfg(feature = "postgres")]
 pub(crate) use own_thread::OwnThread;
 pub(crate) use own_thread::driven_for_its_life;
-#[cfg(feature = "http")]
 pub(crate) use own_thread::lasting_runtime;
 #[cfg(feature = "sqlite")]
 pub(crate) use parking::{Parking, Taken};
