@@ -191,6 +191,68 @@ async fn a_redelivered_envelope_is_discarded_by_the_inbox() {
     broker.remove().await;
 }
 
+/// A message over the runtime's envelope limit is dead-lettered as it arrives, before any
+/// inbox write: a broker's burst of large messages (RabbitMQ takes up to 128 MiB each) in one
+/// inbox transaction could pass PostgreSQL's 1 GiB message and be refused, and retried, for
+/// ever, or take the process's memory.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_message_over_the_envelope_limit_is_dead_lettered_as_it_arrives() {
+    let store = TestStore::sqlite().await;
+    let (broker, runtime, seen) = broker_and_node(&store).await;
+    let big = Uuid::new_v4();
+    let padded = format!(r#"{{"n":1,"pad":"{}"}}"#, "x".repeat(2 * 1024 * 1024));
+    let big_text = big.to_string();
+    broker
+        .publish_raw(
+            "tests.ping",
+            &[
+                ("message-id", big_text.as_str()),
+                ("message-type", "tests.ping"),
+            ],
+            padded.as_bytes(),
+        )
+        .await;
+    let fine = Uuid::new_v4().to_string();
+    broker
+        .publish_raw(
+            "tests.ping",
+            &[
+                ("message-id", fine.as_str()),
+                ("message-type", "tests.ping"),
+            ],
+            br#"{"n":2}"#,
+        )
+        .await;
+    let calls = seen.wait_for(1, WAIT).await;
+    assert_eq!(calls[0].id.to_string(), fine);
+    let letters = dead_letters(&runtime, 1).await;
+    assert_eq!(letters[0].envelope.id, big);
+    assert!(
+        matches!(
+            letters[0].reason,
+            dacapo::DeadLetterReason::TooLarge {
+                limit: 1_048_576,
+                ..
+            }
+        ),
+        "{}",
+        letters[0].reason
+    );
+    let TestStore::Sqlite(sqlite, _) = &store else {
+        unreachable!()
+    };
+    let inboxed: i64 = sqlx::query_scalar("SELECT count(*) FROM dacapo_inbox WHERE id = $1")
+        .bind(big.simple().to_string())
+        .fetch_one(sqlite.pool())
+        .await
+        .unwrap();
+    assert_eq!(inboxed, 0, "never written to the inbox");
+    assert!(runtime.shutdown().await.is_clean());
+    assert_eq!(broker.ready().await, 0, "both acknowledged");
+    assert_eq!(seen.calls().len(), 1);
+    broker.remove().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn bad_input_from_the_wire_is_dead_lettered_and_acknowledged() {
     let broker = Broker::new().await;

@@ -618,6 +618,7 @@ impl RuntimeBuilder {
                     crate::transport::Listener::new(transport.clone()),
                     Arc::clone(&dead_letters),
                     Arc::clone(&self.clock),
+                    max_envelope_size,
                 )
             })
             .collect::<Result<Vec<_>, _>>()?;

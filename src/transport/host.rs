@@ -297,6 +297,7 @@ impl Pending {
         listener: Listener,
         dead_letters: Arc<dyn DeadLetterStore>,
         clock: Arc<dyn Clock>,
+        max_envelope_size: usize,
     ) -> Result<Host, Error> {
         let Pending {
             transport,
@@ -336,6 +337,7 @@ impl Pending {
                             listener,
                             dead_letters,
                             clock,
+                            max_envelope_size,
                             stopping,
                             state: Arc::clone(&state_tx),
                         };
@@ -486,6 +488,8 @@ struct Consumer {
     listener: Listener,
     dead_letters: Arc<dyn DeadLetterStore>,
     clock: Arc<dyn Clock>,
+    /// The runtime's envelope limit, applied as messages arrive.
+    max_envelope_size: usize,
     stopping: watch::Receiver<bool>,
     state: Arc<watch::Sender<TransportState>>,
 }
@@ -655,17 +659,34 @@ impl Consumer {
         }
     }
 
-    /// Dead-letters what is unreadable and persists the rest, whose deliveries are still to
-    /// start.
+    /// Dead-letters what is unreadable or over the envelope limit and persists the rest,
+    /// whose deliveries are still to start.
+    ///
+    /// A message over the limit never reaches the inbox: a broker's burst of them in one inbox
+    /// transaction could pass what the database takes in one statement (1 GiB on PostgreSQL),
+    /// and be refused, and retried, for ever.
     async fn record(&self, batch: Vec<Received>) -> Result<Vec<Persisted>, Error> {
         let mut envelopes = Vec::with_capacity(batch.len());
         for received in batch {
             match received {
+                Ok(envelope) if envelope.size() > self.max_envelope_size => {
+                    self.too_large(envelope).await;
+                }
                 Ok(envelope) => envelopes.push(envelope),
                 Err(unreadable) => self.dead_letter(unreadable).await,
             }
         }
         self.persist(envelopes).await
+    }
+
+    async fn too_large(&self, envelope: Envelope) {
+        let reason = DeadLetterReason::TooLarge {
+            size: envelope.size(),
+            limit: self.max_envelope_size,
+        };
+        tracing::warn!(transport = self.name, messaging.message.id = %envelope.id, %reason, "a message from the broker goes to the dead letters");
+        let letter = DeadLetter::rejected(envelope, reason, self.clock.now());
+        self.put(letter).await;
     }
 
     /// Persists the batch in one store transaction; a batch the store refuses for one
@@ -958,6 +979,7 @@ mod tests {
             listener: runtime.listener(),
             dead_letters: Arc::new(crate::store::MemoryDeadLetters::default()),
             clock: Arc::new(dacapo_actors::ports::SystemClock),
+            max_envelope_size: usize::MAX,
             stopping,
             state: Arc::new(state),
         };
