@@ -397,8 +397,19 @@ impl Host {
     }
 }
 
-/// How long one publication may take before it counts as failed.
+/// How long one publication may take before it counts as failed, besides a second per MiB
+/// it carries ([`publish_timeout`]).
 const PUBLISH_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// How long a publication of `envelopes` may take: [`PUBLISH_TIMEOUT`] and a second per MiB.
+/// A timeout fails the whole batch (what the broker confirmed of it is sent again), so a fixed
+/// one would fail a batch of large envelopes every round, the broker taking a copy each time,
+/// and the relay never get past it.
+fn publish_timeout(envelopes: &[Envelope]) -> Duration {
+    let bytes: usize = envelopes.iter().map(Envelope::size).sum();
+    let mib = u64::try_from(bytes).unwrap_or(u64::MAX) / (1024 * 1024);
+    PUBLISH_TIMEOUT.saturating_add(Duration::from_secs(mib))
+}
 
 /// How long connecting and subscribing may take before they count as failed.
 const SUBSCRIBE_TIMEOUT: Duration = Duration::from_secs(30);
@@ -429,7 +440,8 @@ async fn publish(
         }
         let attempt =
             std::panic::AssertUnwindSafe(publisher.publish(&request.envelopes)).catch_unwind();
-        let attempt = tokio::time::timeout(PUBLISH_TIMEOUT, attempt);
+        let timeout = publish_timeout(&request.envelopes);
+        let attempt = tokio::time::timeout(timeout, attempt);
         let attempt = tokio::select! {
             attempt = attempt => attempt,
             () = request.reply.closed() => {
@@ -452,7 +464,7 @@ async fn publish(
                 publisher.reset();
                 Err(Error::transport(
                     name,
-                    format!("the broker did not confirm within {PUBLISH_TIMEOUT:?}"),
+                    format!("the broker did not confirm within {timeout:?}"),
                 ))
             }
         };
@@ -858,6 +870,28 @@ mod tests {
             "{:?}",
             sent.held
         );
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_publication_has_a_second_per_mib_it_carries_besides_its_five() {
+        // Ten seconds to confirm: past the five a small batch has, within the 5 + 16 of a
+        // batch of sixteen envelopes of a MiB.
+        let slow = Broker {
+            takes: Duration::from_secs(10),
+            ..Broker::default()
+        };
+        let outbound = outbounds(&[("slow", "mail.queued", slow.clone())]);
+        let small = Envelope::new("mail.queued", b"{}".to_vec());
+        let failed = outbound.send(&[small]).await.unwrap_err();
+        assert!(failed.to_string().contains("within 5s"), "{failed}");
+        let large: Vec<_> = (0..16)
+            .map(|_| Envelope::new("mail.queued", vec![b'x'; 1024 * 1024]))
+            .collect();
+        // Past the backoff the failure left.
+        tokio::time::sleep(Duration::from_secs(60)).await;
+        let sent = outbound.send(&large).await.unwrap();
+        assert!(sent.held.is_empty(), "{:?}", sent.held);
+        assert_eq!(slow.calls.load(Ordering::SeqCst), 2);
     }
 
     #[tokio::test]
