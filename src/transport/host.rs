@@ -165,7 +165,9 @@ pub enum TransportState {
     },
     /// Subscribed: messages flow.
     Listening,
-    /// Stopped for good: the cause waiting cannot cure.
+    /// Stopped for good, before it ever listened: the cause waiting cannot cure (refused
+    /// credentials, a topology only checked and missing). Once it listened, the same causes
+    /// are waited out in [`Connecting`](Self::Connecting).
     Failed(String),
     /// Stopped by a shutdown.
     Stopped,
@@ -509,6 +511,10 @@ struct Consumer {
 impl Consumer {
     async fn run(mut self) {
         let mut failures = 0u32;
+        // Refused credentials or topology at the start are a configuration to mend; once this
+        // consumer listened, the same refusal is passing (an authentication backend briefly
+        // down, a virtual host recovering, a queue made again) and is waited out like an outage.
+        let mut listened = false;
         loop {
             let subscribed = tokio::select! {
                 biased;
@@ -522,6 +528,7 @@ impl Consumer {
             };
             match subscribed {
                 Ok(()) => {
+                    listened = true;
                     if failures > 0 {
                         tracing::info!(
                             transport = self.name,
@@ -531,7 +538,7 @@ impl Consumer {
                     }
                     let _ = self.state.send(TransportState::Listening);
                 }
-                Err(error) if !error.is_retryable() => {
+                Err(error) if !error.is_retryable() && !listened => {
                     tracing::error!(transport = self.name, %error, "the transport cannot listen; it stops");
                     let _ = self.state.send(TransportState::Failed(error.to_string()));
                     return;
@@ -1031,6 +1038,87 @@ mod tests {
         .expect("the consumer stops while it pauses");
         runtime.shutdown().await;
         made
+    }
+
+    /// Subscribes, then loses its subscription, then is refused `refusals` times as a
+    /// misconfigured broker refuses, then subscribes again for good.
+    struct RefusedOnceItListened {
+        subscriptions: Arc<AtomicUsize>,
+        refusals: usize,
+    }
+
+    #[async_trait]
+    impl Subscribe for RefusedOnceItListened {
+        async fn subscribe(&mut self) -> Result<(), Error> {
+            let made = self.subscriptions.fetch_add(1, Ordering::SeqCst);
+            if (1..=self.refusals).contains(&made) {
+                return Err(Error::Configuration(
+                    "the broker refuses the connection".into(),
+                ));
+            }
+            Ok(())
+        }
+        async fn next(&mut self) -> Result<Vec<Received>, Error> {
+            if self.subscriptions.load(Ordering::SeqCst) == 1 {
+                return Err(Error::transport("refusing", "connection lost"));
+            }
+            std::future::pending().await
+        }
+        async fn ack(&mut self) -> Result<(), Error> {
+            Ok(())
+        }
+        async fn release(&mut self) {}
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_refusal_after_the_consumer_listened_is_waited_out_not_final() {
+        let runtime = crate::Runtime::builder().build().unwrap();
+        let subscriptions = Arc::new(AtomicUsize::new(0));
+        let (stop, stopping) = watch::channel(false);
+        let (state, mut states) = watch::channel(TransportState::Connecting { last_error: None });
+        let consumer = Consumer {
+            name: "refusing",
+            subscriber: Box::new(RefusedOnceItListened {
+                subscriptions: Arc::clone(&subscriptions),
+                refusals: 3,
+            }),
+            listener: runtime.listener(),
+            dead_letters: Arc::new(crate::store::MemoryDeadLetters::default()),
+            clock: Arc::new(dacapo_actors::ports::SystemClock),
+            max_envelope_size: usize::MAX,
+            stopping,
+            state: Arc::new(state),
+        };
+        let watching = async {
+            let mut seen = Vec::new();
+            loop {
+                states.changed().await.unwrap();
+                let now = states.borrow_and_update().clone();
+                seen.push(now.clone());
+                if subscriptions.load(Ordering::SeqCst) == 5 && now == TransportState::Listening {
+                    break;
+                }
+                assert!(
+                    !matches!(now, TransportState::Failed(_)),
+                    "the consumer stopped for good: {seen:?}"
+                );
+            }
+            stop.send(true).unwrap();
+            seen
+        };
+        let ((), seen) = tokio::time::timeout(
+            Duration::from_secs(60),
+            futures::future::join(consumer.run(), watching),
+        )
+        .await
+        .expect("the consumer listens again");
+        assert!(
+            seen.iter().any(|state| matches!(state,
+                TransportState::Connecting { last_error: Some(error) }
+                    if error.contains("refuses the connection"))),
+            "{seen:?}"
+        );
+        runtime.shutdown().await;
     }
 
     #[tokio::test(start_paused = true)]
