@@ -724,3 +724,41 @@ async fn a_completed_handler_announces_even_when_its_delivery_is_dead_lettered_a
     assert_eq!(sibling.count(), 1, "the sibling ran on the replay");
     assert_eq!(announced.calls().len(), 1, "announced once");
 }
+
+#[tokio::test]
+async fn a_key_function_that_panics_dead_letters_its_message_and_the_runtime_goes_on() {
+    // The application's own code, run before any handler: its panic must not leave the
+    // delivery unsettled for ever (idle never returning, a shutdown waiting out its drain).
+    let effects = Counter::default();
+    let runtime = Runtime::builder()
+        .enable_deduplication()
+        .module(
+            Module::new("projections")
+                .handle_named::<RebuildProjection, _>("h", effects.clone())
+                .deduplicate(
+                    "h",
+                    Deduplication::by_key(|m: &RebuildProjection| {
+                        assert_ne!(m.projection, "poison", "no key for a poison message");
+                        Some(m.projection.clone())
+                    }),
+                ),
+        )
+        .build()
+        .unwrap();
+    let poison = runtime.publish(&rebuild("poison")).await.unwrap();
+    runtime.publish(&rebuild("orders")).await.unwrap();
+    tokio::time::timeout(Duration::from_secs(10), runtime.idle())
+        .await
+        .expect("every delivery settled");
+    assert_eq!(effects.count(), 1);
+    let letters = runtime.dead_letters().list().await.unwrap();
+    assert_eq!(letters.len(), 1);
+    assert_eq!(letters[0].envelope.id, poison);
+    assert!(
+        matches!(&letters[0].reason, dacapo::DeadLetterReason::MalformedPayload(why)
+            if why.contains("panicked") && why.contains("no key for a poison message")),
+        "{}",
+        letters[0].reason
+    );
+    assert!(runtime.shutdown().await.is_clean());
+}

@@ -348,7 +348,7 @@ impl Actor for HandlerActor {
 }
 
 /// The panic's message; the failure's kind already says it panicked.
-fn panic_text(panic: &(dyn std::any::Any + Send)) -> String {
+pub(crate) fn panic_text(panic: &(dyn std::any::Any + Send)) -> String {
     if let Some(text) = panic.downcast_ref::<&str>() {
         (*text).to_owned()
     } else if let Some(text) = panic.downcast_ref::<String>() {

@@ -695,7 +695,16 @@ impl Actor for DeliverySupervisor {
                 .supervise(self.worker.index, self.delivery.envelope.id),
         );
         shared.unlist_starting(self.delivery.envelope.id);
-        let start = self.check();
+        // The check runs the application's code (the payload's deserializer, deduplication key
+        // functions): a panic there must not unwind through the supervisor, which would leave
+        // its delivery unsettled for good. No retry reads the message differently.
+        let start = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| self.check()))
+            .unwrap_or_else(|panic| {
+                Start::Reject(DeadLetterReason::MalformedPayload(format!(
+                    "reading it panicked: {}",
+                    crate::handler_actor::panic_text(&*panic)
+                )))
+            });
         self.apply(Event::Started(start), ctx);
     }
 }
