@@ -397,3 +397,63 @@ async fn cascaded_deliveries_are_tracked_and_reported_too() {
     assert_eq!(child.cooldowns(), [Duration::from_secs(1)]);
     harness.shutdown().await;
 }
+
+/// A message whose handler is struck by a fault: its retry is the next timer due.
+#[derive(Clone, Debug, serde::Serialize, serde::Deserialize)]
+struct Tick;
+
+impl Message for Tick {
+    const TYPE: &'static str = "tests.tick";
+}
+
+/// Notes the harness's virtual time whenever it handles a message.
+#[derive(Clone, Default)]
+struct NotesTheTime {
+    harness: Arc<std::sync::OnceLock<Arc<TestHarness>>>,
+    at: Arc<std::sync::Mutex<Vec<Duration>>>,
+}
+
+impl Handler<support::WebhookQueued> for NotesTheTime {
+    async fn handle(
+        &self,
+        _: &support::WebhookQueued,
+        _: &MessageContext,
+    ) -> Result<(), HandlerError> {
+        let elapsed = self.harness.get().expect("set once built").elapsed();
+        self.at.lock().unwrap().push(elapsed);
+        Ok(())
+    }
+}
+
+#[tokio::test]
+async fn a_cascade_starts_before_the_clock_moves_to_the_next_timer() {
+    // Another delivery's retry is due a second later: the clock must not move to it between
+    // the parent's settle and its cascade's start (the cascade ran a second late, beside the
+    // retry, before the forward held the clock).
+    for _ in 0..20 {
+        let notes = NotesTheTime::default();
+        let harness = Arc::new(
+            TestHarness::builder()
+                .module(
+                    Module::new("m")
+                        .handle_named::<MemberRemoved, _>(
+                            "cascades",
+                            CascadesThenFailsOnce(Arc::new(1.into())),
+                        )
+                        .handle_named::<support::WebhookQueued, _>("notes", notes.clone())
+                        .handle_named::<Tick, _>("flaky", Recorder::new()),
+                )
+                .fault("m", "flaky", Fault::fail_times(1))
+                .build()
+                .unwrap(),
+        );
+        assert!(notes.harness.set(Arc::clone(&harness)).is_ok());
+        let member = member_removed();
+        let (tick, parent) = tokio::join!(harness.publish(&Tick), harness.publish(&member));
+        assert_eq!(tick.unwrap().attempts, 2);
+        assert!(parent.unwrap().is_handled());
+        harness.idle().await.unwrap();
+        assert_eq!(*notes.at.lock().unwrap(), [Duration::ZERO]);
+        harness.shutdown().await;
+    }
+}

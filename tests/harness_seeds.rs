@@ -66,6 +66,60 @@ async fn the_same_seed_gives_the_same_order() {
     }
 }
 
+/// The order in which six deliveries whose handlers hang, all timed out at the same virtual
+/// instant, were dead-lettered under `seed`.
+async fn timeout_order(seed: u64) -> Vec<uuid::Uuid> {
+    let recorder = Recorder::<SeatReleased>::new();
+    let harness = TestHarness::builder()
+        .module(Module::new("venue").handle_named::<SeatReleased, _>("seats", recorder.clone()))
+        .fault("venue", "seats", Fault::always_hang())
+        .retry_policy(RetryPolicy {
+            retry_limit: 0,
+            ..RetryPolicy::default()
+        })
+        .seed(seed)
+        .build()
+        .unwrap();
+    let seats: Vec<SeatReleased> = (0..SEATS).map(|seat| SeatReleased { seat }).collect();
+    let envelopes: Vec<_> = seats
+        .iter()
+        .enumerate()
+        .map(|(n, seat)| {
+            let mut envelope = harness
+                .runtime()
+                .envelope(seat, SendOptions::new())
+                .unwrap();
+            // The same ids in every run, so that the orders of two runs compare.
+            envelope.id = uuid::Uuid::from_u128(0x7000 + n as u128);
+            envelope
+        })
+        .collect();
+    let reports =
+        futures::future::join_all(envelopes.into_iter().map(|e| harness.deliver(e))).await;
+    for report in reports {
+        let report = report.unwrap();
+        assert!(
+            matches!(report.outcome, dacapo::Outcome::DeadLettered(_)),
+            "{report:?}"
+        );
+    }
+    assert!(recorder.calls().is_empty(), "every attempt hung");
+    harness
+        .reports()
+        .iter()
+        .map(|report| report.envelope_id)
+        .collect()
+}
+
+#[tokio::test]
+async fn the_same_seed_times_out_handlers_due_together_in_the_same_order() {
+    let first = timeout_order(7).await;
+    assert_eq!(first.len(), SEATS as usize);
+    for _ in 0..20 {
+        assert_eq!(timeout_order(7).await, first);
+    }
+}
+
 #[tokio::test]
 async fn other_seeds_give_other_orders() {
     let mut orders = Vec::new();

@@ -90,11 +90,14 @@ impl Timers {
         }
     }
 
-    /// A handler's timeout of `timeout`; see [`Deadline`].
-    pub(crate) fn deadline(&self, timeout: Duration) -> Deadline {
+    /// A handler's timeout of `timeout`, for the work `tie` names (as [`sleep_for`]'s);
+    /// see [`Deadline`].
+    ///
+    /// [`sleep_for`]: Self::sleep_for
+    pub(crate) fn deadline(&self, timeout: Duration, tie: u64) -> Deadline {
         match self {
             Self::Real => Deadline::Real(timeout),
-            Self::Virtual(clock) => Deadline::Virtual(clock.sleep(timeout, None)),
+            Self::Virtual(clock) => Deadline::Virtual(clock.sleep(timeout, Some(tie))),
         }
     }
 

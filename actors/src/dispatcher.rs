@@ -324,6 +324,10 @@ impl Worker {
             worker: Arc::clone(self),
             envelopes: envelopes.into(),
         };
+        // Taken now, while the parent still holds its own: a virtual clock must not move to
+        // the next timer between the parent's settle and its cascades' start. Let go while a
+        // cascade waits for room (a delivery cooling down may hold it).
+        let mut held = Some(self.shared.timers.busy());
         // On the worker's arbiter, from wherever it is called: a handler's own task may
         // publish once its work is recorded.
         self.arbiter.spawn(async move {
@@ -332,7 +336,7 @@ impl Worker {
                 let id = envelope.id;
                 let admission = Admission(&worker.shared.tracker);
                 if let Err(error) = worker
-                    .deliver(admission, envelope, None, &mut None, false)
+                    .deliver(admission, envelope, None, &mut held, false)
                     .await
                 {
                     tracing::error!(message_id = %id, %error, "cascaded message could not be delivered");

@@ -111,6 +111,7 @@ impl HandlerActor {
             self.context.clone(),
         );
         let timeout = self.timeout;
+        let tie = timeout_tie(&self.context, self.index);
         let span = self.span.clone();
         let message_id = self.context.message_id().unwrap_or_default();
         let (timers, running) = (self.timers(), self.running.clone());
@@ -173,7 +174,7 @@ impl HandlerActor {
                 }
                 Ok(ClaimOutcome::Claimed) => {
                     let result = within(
-                        timers.deadline(timeout),
+                        timers.deadline(timeout, tie),
                         &running,
                         AssertUnwindSafe(HandlerCode(call)).catch_unwind(),
                         || context.give_up(),
@@ -301,7 +302,9 @@ impl Actor for HandlerActor {
         );
         // The timeout runs from before the first poll: a handler that gives its token up at
         // once (an injected hang) must find its deadline already set.
-        let deadline = self.timers.deadline(self.timeout);
+        let deadline = self
+            .timers
+            .deadline(self.timeout, timeout_tie(&self.context, self.index));
         // Many handlers finish without waiting on anything: poll once here, and arm the
         // actor's future machinery only for those that have to wait.
         let first = {
@@ -345,6 +348,16 @@ impl Actor for HandlerActor {
             ctx.stop();
         }));
     }
+}
+
+/// What a handler's timeout is for: its delivery's attempt and the handler, so that under a
+/// seeded virtual clock the timeouts due at one instant expire in the same order in every run,
+/// not in the order the workers' threads happened to set them.
+fn timeout_tie(context: &MessageContext, index: usize) -> u64 {
+    let (high, low) = context.message_id().unwrap_or_default().as_u64_pair();
+    high ^ low.rotate_left(17)
+        ^ u64::from(context.attempt()).rotate_left(32)
+        ^ (index as u64).rotate_left(48)
 }
 
 /// The panic's message; the failure's kind already says it panicked.
