@@ -392,13 +392,22 @@ macro_rules! endpoints {
             pub(super) fn router(store: SqlStore<$db>, app: App) -> Router {
                 let layer = IdempotencyLayer::new(store.clone()).max_stored_body(16 * 1024);
                 let forever = IdempotencyLayer::new(store.clone()).retention(Duration::MAX);
-                let by_tenant = IdempotencyLayer::new(store).scope(|parts| {
+                let by_tenant = IdempotencyLayer::new(store.clone()).scope(|parts| {
                     let tenant = parts
                         .headers
                         .get("x-tenant")
                         .and_then(|v| v.to_str().ok())
                         .unwrap_or("anonymous");
                     format!("tenant {tenant}")
+                });
+                // A scope from a decoded claim, which may hold any character, NUL included.
+                let by_decoded_tenant = IdempotencyLayer::new(store).scope(|parts| {
+                    let tenant = parts
+                        .headers
+                        .get("x-tenant")
+                        .and_then(|v| v.to_str().ok())
+                        .unwrap_or("anonymous");
+                    format!("tenant {}", tenant.replace("%00", "\0"))
                 });
                 Router::new()
                     .route("/orders", post(place).get(listing))
@@ -421,6 +430,11 @@ macro_rules! endpoints {
                         Router::new()
                             .route("/tenant", post(place))
                             .route_layer(by_tenant),
+                    )
+                    .merge(
+                        Router::new()
+                            .route("/decoded-tenant", post(place))
+                            .route_layer(by_decoded_tenant),
                     )
                     .merge(
                         Router::new()
@@ -542,6 +556,7 @@ on_both!(
     the_same_key_while_the_first_runs_is_409,
     the_same_key_for_another_body_is_422,
     one_tenants_key_never_replays_anothers_answer,
+    a_scope_with_a_nul_keeps_and_replays_its_answer,
     a_5xx_leaves_the_key_free_and_a_4xx_is_kept,
     an_answer_over_the_size_limit_is_given_but_not_kept,
     a_request_dropped_before_its_commit_leaves_the_key_free_and_its_work_undone,
@@ -879,6 +894,31 @@ async fn one_tenants_key_never_replays_anothers_answer(db: &TestDatabase) {
     let acme_again = post_with(&client, &url, Some("k-3"), "A-1", &[("x-tenant", "acme")]).await;
     assert!(replayed(acme_again.headers()));
     assert_eq!(acme_again.headers()["x-run"], acme.headers()["x-run"]);
+    assert_eq!(app.runs.load(Ordering::SeqCst), 2);
+}
+
+/// A scope PostgreSQL cannot hold as text (a NUL) is still a scope: the answer is kept and
+/// replayed. Its failure to store the answer was the endpoint's 500 on every retry, each
+/// running the endpoint again.
+async fn a_scope_with_a_nul_keeps_and_replays_its_answer(db: &TestDatabase) {
+    let (base, app) = serve(db).await;
+    let client = reqwest::Client::new();
+    let url = format!("{base}/decoded-tenant");
+    let tenant = [("x-tenant", "ac%00me")];
+    let first = post_with(&client, &url, Some("k-nul"), "A-1", &tenant).await;
+    assert_eq!(first.status(), StatusCode::CREATED);
+    let again = post_with(&client, &url, Some("k-nul"), "A-1", &tenant).await;
+    assert!(replayed(again.headers()));
+    assert_eq!(again.headers()["x-run"], first.headers()["x-run"]);
+    let other = post_with(
+        &client,
+        &url,
+        Some("k-nul"),
+        "A-1",
+        &[("x-tenant", "ac me")],
+    )
+    .await;
+    assert!(!replayed(other.headers()), "another scope, another key");
     assert_eq!(app.runs.load(Ordering::SeqCst), 2);
 }
 

@@ -457,7 +457,7 @@ where
         }
     };
     let scope = (settings.scope)(&parts);
-    let fingerprint = (settings.fingerprint)(&parts, &body);
+    let fingerprint = storable((settings.fingerprint)(&parts, &body));
     let digest = Sha256::new()
         .chain_update(scope.as_bytes())
         .chain_update(b"\n")
@@ -539,6 +539,7 @@ where
         settings.keep_sensitive_headers,
     );
     let now = store.now();
+    let scope = storable(scope);
     let row = Row {
         id: &id,
         scope: &scope,
@@ -612,6 +613,18 @@ pub(super) fn expiry(now: DateTime<Utc>, retention: Duration) -> DateTime<Utc> {
 }
 
 /// The kept answer, or 422 when it was kept for another request.
+/// `text` as PostgreSQL can keep it: a NUL, which PostgreSQL's text cannot hold (the key's
+/// answer then failed to be kept, the endpoint's 500 on every retry, each running it again),
+/// becomes U+FFFD. Applied to what the application's scope and fingerprint functions give;
+/// the key's id is digested from the scope as given.
+fn storable(text: String) -> String {
+    if text.contains('\0') {
+        text.replace('\0', "\u{FFFD}")
+    } else {
+        text
+    }
+}
+
 fn answer_kept(kept: Record, fingerprint: &str) -> Response<ResponseBody> {
     if constant_time_eq(kept.fingerprint.as_bytes(), fingerprint.as_bytes()) {
         match kept.damaged {

@@ -188,7 +188,9 @@ impl<DB: Backend> RequestTransaction<DB> {
     /// carried out the same intent: a claim on the id is written in the request's
     /// transaction, in the deduplication claims table that message handlers use (under the
     /// handler name `http:<message type>`), completed at once and kept for the layer's
-    /// retention.
+    /// retention. The claim is the message type's, whatever the layer's scope: an id that
+    /// comes from a client names the tenant or principal too, or one tenant's request claims
+    /// another's intent.
     ///
     /// # Errors
     ///
