@@ -105,6 +105,7 @@ async fn a_hanging_handler_times_out_at_its_timeout() {
     );
     // The attempt lasted as long as its slowest handler's timeout, then cooled down 1 s.
     assert_eq!(report.attempt_offsets[1], Duration::from_secs(121));
+    assert_eq!(report.cooldowns(), [Duration::from_secs(1)]);
 }
 
 #[tokio::test]

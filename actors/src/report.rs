@@ -58,6 +58,8 @@ pub struct DeliveryReport {
     /// or the completion of a deduplication claim — were sent then (through the outbox, on a
     /// durable runtime), and are not listed here.
     pub cascaded: Vec<Envelope>,
+    /// Each pause between an attempt's end and the next one's start.
+    pub(crate) pauses: Vec<Duration>,
 }
 
 impl DeliveryReport {
@@ -75,6 +77,7 @@ impl DeliveryReport {
             failures: Vec::new(),
             attempt_offsets: Vec::new(),
             cascaded: Vec::new(),
+            pauses: Vec::new(),
         }
     }
 
@@ -83,12 +86,12 @@ impl DeliveryReport {
         self.outcome == Outcome::Handled
     }
 
-    /// The pauses between consecutive attempts.
+    /// The pauses between consecutive attempts: from one attempt's end (its failure decided)
+    /// to the next one's start, on the engine's clock. An attempt that timed out lasted its
+    /// timeout before its cooldown; [`attempt_offsets`](Self::attempt_offsets) count both. After
+    /// a restart, the first is what was left of the cooldown the stopped runtime began.
     pub fn cooldowns(&self) -> Vec<Duration> {
-        self.attempt_offsets
-            .windows(2)
-            .map(|w| w[1] - w[0])
-            .collect()
+        self.pauses.clone()
     }
 
     /// Every handler failure of every attempt, oldest attempt first, with its attempt number

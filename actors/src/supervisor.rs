@@ -59,6 +59,10 @@ pub struct DeliverySupervisor {
     cooldown_from: Option<(DateTime<Utc>, Mark)>,
     /// When each retry started, from the first attempt's start.
     retry_offsets: Vec<Duration>,
+    /// When the cooldown under way began (the failure decided), on the engine's timers.
+    cooling_since: Option<Mark>,
+    /// Each pause between an attempt's end and the next one's start.
+    pauses: Vec<Duration>,
     scope: Option<Arc<Scope>>,
     reply: Option<oneshot::Sender<DeliveryReport>>,
     permit: Option<Slot>,
@@ -123,6 +127,8 @@ impl DeliverySupervisor {
             stepped_at: (DateTime::<Utc>::MIN_UTC, Mark::Virtual(Duration::ZERO)),
             cooldown_from: None,
             retry_offsets: Vec::new(),
+            cooling_since: None,
+            pauses: Vec::new(),
             scope: None,
             reply,
             permit: Some(permit),
@@ -225,8 +231,12 @@ impl DeliverySupervisor {
             .writer(self.worker.index)
             .bump(Counter::Attempts);
         if attempt > 1 {
-            self.retry_offsets
-                .push(self.worker.shared.timers.since(self.started_at));
+            let timers = &self.worker.shared.timers;
+            self.retry_offsets.push(timers.since(self.started_at));
+            // A resumed delivery's cooldown began in the runtime that stopped: what was left of
+            // it ran from this supervisor's start.
+            let cooled_from = self.cooling_since.take().unwrap_or(self.started_at);
+            self.pauses.push(timers.since(cooled_from));
         }
         if !self.span.is_disabled() {
             self.span.record("dacapo.attempt", attempt);
@@ -428,6 +438,7 @@ impl DeliverySupervisor {
             shared.tracker.cooling(ticket, pending);
         }
         let (decided_at, mark) = self.cooldown_from.take().unwrap_or(self.stepped_at);
+        self.cooling_since = Some(mark);
         let delay = (due_at - decided_at)
             .to_std()
             .unwrap_or_default()
@@ -578,6 +589,7 @@ impl DeliverySupervisor {
                         .collect()
                 },
                 cascaded,
+                pauses: std::mem::take(&mut self.pauses),
             };
             shared.report(self.reply.take(), report);
         }
