@@ -197,3 +197,93 @@ async fn a_retry_after_beyond_the_calendar_saturates_instead_of_panicking() {
         chrono::DateTime::<chrono::Utc>::MAX_UTC
     );
 }
+
+/// A message whose handler always fails: its retry, an hour away, holds a slot.
+#[derive(Clone, Debug, serde::Serialize, serde::Deserialize)]
+struct Flaky;
+
+impl Message for Flaky {
+    const TYPE: &'static str = "tests.flaky";
+}
+
+/// Cascades two webhooks.
+struct CascadesTwo;
+
+impl Handler<MemberRemoved> for CascadesTwo {
+    async fn handle(&self, _: &MemberRemoved, ctx: &MessageContext) -> Result<(), HandlerError> {
+        for n in 0..2 {
+            ctx.publish(&support::WebhookQueued {
+                delivery_id: format!("hook-{n}"),
+            })
+            .await?;
+        }
+        Ok(())
+    }
+}
+
+/// Says it started, then never finishes.
+struct Hangs(Arc<Notify>);
+
+impl Handler<support::WebhookQueued> for Hangs {
+    async fn handle(
+        &self,
+        _: &support::WebhookQueued,
+        _: &MessageContext,
+    ) -> Result<(), HandlerError> {
+        self.0.notify_one();
+        std::future::pending().await
+    }
+}
+
+#[tokio::test]
+async fn a_cascade_still_waiting_for_room_when_the_engine_stops_is_handed_back() {
+    // Two slots: a retry an hour away holds one, the first cascade (hanging) the other, so the
+    // second cascade waits for room when the drain ends. It was dropped with an error in the
+    // log, in no list of the report.
+    struct FlakyFails;
+    impl Handler<Flaky> for FlakyFails {
+        async fn handle(&self, _: &Flaky, _: &MessageContext) -> Result<(), HandlerError> {
+            Err("the downstream service is down".into())
+        }
+    }
+    let started = Arc::new(Notify::new());
+    let runtime = Runtime::builder()
+        .max_in_flight(2)
+        .drain_timeout(Duration::from_millis(100))
+        .retry_policy(RetryPolicy {
+            min_retry_interval: Duration::from_secs(3600),
+            max_retry_interval: Duration::from_secs(3600),
+            ..RetryPolicy::default()
+        })
+        .module(
+            Module::new("m")
+                .handle_named::<Flaky, _>("flaky", FlakyFails)
+                .handle_named::<MemberRemoved, _>("cascades", CascadesTwo)
+                .handle_named::<support::WebhookQueued, _>("hangs", Hangs(Arc::clone(&started))),
+        )
+        .build()
+        .unwrap();
+    let flaky = runtime.publish(&Flaky).await.unwrap();
+    tokio::time::timeout(Duration::from_secs(5), async {
+        while runtime.stats().retried == 0 {
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+    })
+    .await
+    .expect("the first attempt failed and its retry waits");
+    runtime.publish(&member_removed()).await.unwrap();
+    tokio::time::timeout(Duration::from_secs(5), started.notified())
+        .await
+        .expect("the first cascade started");
+
+    let report = runtime.shutdown().await;
+
+    assert_eq!(report.pending_retries.len(), 1);
+    assert_eq!(report.pending_retries[0].envelope.id, flaky);
+    assert_eq!(report.still_running.len(), 1, "{report:?}");
+    assert_eq!(report.unstarted_cascades.len(), 1, "{report:?}");
+    let handed_back = &report.unstarted_cascades[0];
+    assert_eq!(handed_back.message_type, "webhooks.delivery_queued");
+    assert_ne!(report.still_running[0], handed_back.id);
+    assert!(!report.is_clean());
+}

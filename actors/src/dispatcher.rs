@@ -46,6 +46,9 @@ pub(crate) struct Shared {
     pub(crate) retry_scope: RetryScope,
     /// Wakes the outbox relay when a delivery wrote cascaded messages to the outbox.
     pub(crate) outbox_enlisted: tokio::sync::Notify,
+    /// Cascaded messages whose delivery never started (the engine stopped while they waited
+    /// for room, or the inbox refused them): handed back in the shutdown report.
+    pub(crate) unstarted_cascades: std::sync::Mutex<Vec<Envelope>>,
     /// The runtime's store, which handlers may open transactions on.
     pub(crate) store: Option<Arc<dyn std::any::Any + Send + Sync>>,
     /// Whether the deduplication claims live in that store.
@@ -133,27 +136,48 @@ impl Drop for Admission<'_> {
 }
 
 /// Cascaded messages admitted and not yet taken up by their delivery. Dropped with them — its
-/// task refused by an arbiter that stopped, or dropped unfinished as it stops — it tells of
-/// them and counts them out, so that nothing waits for them. (The one being delivered counts
-/// itself out if dropped; once its supervisor is on its way, the supervisor accounts for it.)
+/// task refused by an arbiter that stopped, or dropped unfinished as it stops — it hands them
+/// back for the shutdown's report and counts them out, so that nothing waits for them. (The
+/// one being delivered, `current`, counts itself out if dropped; once its supervisor is on its
+/// way, the supervisor accounts for it.)
 struct Unstarted {
     worker: Arc<Worker>,
     envelopes: std::collections::VecDeque<Envelope>,
+    current: Option<Envelope>,
+}
+
+impl Unstarted {
+    fn hand_back(&self, envelopes: impl IntoIterator<Item = Envelope>) {
+        self.worker
+            .shared
+            .unstarted_cascades
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .extend(envelopes);
+    }
 }
 
 impl Drop for Unstarted {
     fn drop(&mut self) {
-        if self.envelopes.is_empty() {
+        if self.envelopes.is_empty() && self.current.is_none() {
             return;
         }
-        let ids: Vec<_> = self.envelopes.iter().map(|envelope| envelope.id).collect();
-        tracing::error!(
+        let ids: Vec<_> = self
+            .current
+            .iter()
+            .chain(&self.envelopes)
+            .map(|envelope| envelope.id)
+            .collect();
+        tracing::warn!(
             message_ids = ?ids,
-            "cascaded messages could not be delivered: the runtime has stopped"
+            "cascaded messages not started as the runtime stopped: handed back in the shutdown report"
         );
-        for _ in &ids {
+        for _ in &self.envelopes {
             drop(Admission(&self.worker.shared.tracker));
         }
+        let current = self.current.take();
+        let waiting = std::mem::take(&mut self.envelopes);
+        self.hand_back(current.into_iter().chain(waiting));
     }
 }
 
@@ -323,6 +347,7 @@ impl Worker {
         let mut unstarted = Unstarted {
             worker: Arc::clone(self),
             envelopes: envelopes.into(),
+            current: None,
         };
         // Taken now, while the parent still holds its own: a virtual clock must not move to
         // the next timer between the parent's settle and its cascades' start. Let go while a
@@ -334,12 +359,15 @@ impl Worker {
             let worker = Arc::clone(&unstarted.worker);
             while let Some(envelope) = unstarted.envelopes.pop_front() {
                 let id = envelope.id;
+                unstarted.current = Some(envelope.clone());
                 let admission = Admission(&worker.shared.tracker);
-                if let Err(error) = worker
+                let delivered = worker
                     .deliver(admission, envelope, None, &mut held, false)
-                    .await
-                {
-                    tracing::error!(message_id = %id, %error, "cascaded message could not be delivered");
+                    .await;
+                let current = unstarted.current.take();
+                if let Err(error) = delivered {
+                    tracing::error!(message_id = %id, %error, "cascaded message could not be delivered: handed back in the shutdown report");
+                    unstarted.hand_back(current);
                 }
             }
         });

@@ -5,8 +5,8 @@ use std::time::Duration;
 use actix::{Actor, Arbiter, System};
 use tokio::sync::oneshot;
 
-use crate::DeliveryReport;
 use crate::capacity::Capacity;
+use crate::{DeliveryReport, Envelope};
 use uuid::Uuid;
 
 use crate::dispatcher::{Shared, UnknownMessageTypes, Worker};
@@ -132,12 +132,18 @@ pub struct ShutdownReport {
     pub pending_retries: Vec<PendingRetry>,
     /// Deliveries still running when the drain timed out.
     pub still_running: Vec<Uuid>,
+    /// Messages cascaded by handled deliveries whose own delivery never started: they waited
+    /// for room under `max_in_flight` when the engine stopped (a durable store also keeps
+    /// them, and resumes them at the next start).
+    pub unstarted_cascades: Vec<Envelope>,
 }
 
 impl ShutdownReport {
     /// Whether everything accepted was settled.
     pub fn is_clean(&self) -> bool {
-        self.pending_retries.is_empty() && self.still_running.is_empty()
+        self.pending_retries.is_empty()
+            && self.still_running.is_empty()
+            && self.unstarted_cascades.is_empty()
     }
 }
 
@@ -217,6 +223,7 @@ impl Engine {
                         unknown_message_types: config.unknown_message_types,
                         retry_scope: config.retry_scope,
                         outbox_enlisted: tokio::sync::Notify::new(),
+                        unstarted_cascades: std::sync::Mutex::default(),
                         store: parts.store.clone(),
                         claims_in_store: parts.claims_in_store,
                         starting: std::sync::Mutex::default(),
@@ -339,13 +346,14 @@ impl Engine {
             return ShutdownReport::default();
         };
         let drained = tokio::time::timeout(drain, tracker.drained()).await.is_ok();
-        let report = ShutdownReport {
+        let mut report = ShutdownReport {
             pending_retries: tracker.take_cooling(),
             still_running: if drained {
                 Vec::new()
             } else {
                 tracker.still_active()
             },
+            unstarted_cascades: Vec::new(),
         };
         for pending in &report.pending_retries {
             tracing::warn!(
@@ -361,6 +369,14 @@ impl Engine {
         // release.
         self.system.stop();
         let _ = stopped.await;
+        report.unstarted_cascades = std::mem::take(
+            &mut *self
+                .dispatcher
+                .shared
+                .unstarted_cascades
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner),
+        );
         // Hand this node's unsettled deliveries (the retries above, those still running) to
         // whoever starts next.
         if let Some(durable) = &self.dispatcher.shared.durable
