@@ -557,6 +557,7 @@ on_both!(
     the_same_key_for_another_body_is_422,
     one_tenants_key_never_replays_anothers_answer,
     a_scope_with_a_nul_keeps_and_replays_its_answer,
+    retries_arriving_together_after_the_answer_all_get_it,
     a_5xx_leaves_the_key_free_and_a_4xx_is_kept,
     an_answer_over_the_size_limit_is_given_but_not_kept,
     a_request_dropped_before_its_commit_leaves_the_key_free_and_its_work_undone,
@@ -920,6 +921,28 @@ async fn a_scope_with_a_nul_keeps_and_replays_its_answer(db: &TestDatabase) {
     .await;
     assert!(!replayed(other.headers()), "another scope, another key");
     assert_eq!(app.runs.load(Ordering::SeqCst), 2);
+}
+
+/// Retries that arrive together after the first request answered all get its answer: none
+/// is told that a request is in progress (those that met another retry holding the key were).
+async fn retries_arriving_together_after_the_answer_all_get_it(db: &TestDatabase) {
+    let (base, app) = serve(db).await;
+    let client = reqwest::Client::new();
+    let url = format!("{base}/orders");
+    let first = post_with(&client, &url, Some("k-together"), "A-1", &[]).await;
+    assert_eq!(first.status(), StatusCode::CREATED);
+    let retries = futures::future::join_all(
+        (0..20).map(|_| post_with(&client, &url, Some("k-together"), "A-1", &[])),
+    )
+    .await;
+    for retry in &retries {
+        assert_eq!(retry.status(), StatusCode::CREATED);
+        assert!(replayed(retry.headers()));
+        assert_eq!(retry.headers()["x-run"], first.headers()["x-run"]);
+    }
+    let other = post_with(&client, &url, Some("k-together"), "B-2", &[]).await;
+    assert_eq!(other.status(), StatusCode::UNPROCESSABLE_ENTITY);
+    assert_eq!(app.runs.load(Ordering::SeqCst), 1);
 }
 
 async fn a_5xx_leaves_the_key_free_and_a_4xx_is_kept(db: &TestDatabase) {

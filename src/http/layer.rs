@@ -472,12 +472,15 @@ where
     if let Err(error) = store.provision().await {
         return Ok(unavailable(&error));
     }
+    // Taken by another request with this key: an answer it kept already is replayed (or
+    // refused for another request) rather than told to be in progress, as for retries that
+    // arrive together after the first one answered.
     let Some(entered) = InFlight::enter(&shared, &id) else {
-        return Ok(in_flight());
+        return Ok(answer_kept_since(store, &id, &fingerprint).await);
     };
     let mut slot = match DB::open(store, lock).await {
         Ok(Some(slot)) => slot,
-        Ok(None) => return Ok(in_flight()),
+        Ok(None) => return Ok(answer_kept_since(store, &id, &fingerprint).await),
         Err(error) => return Ok(unavailable(&error)),
     };
     match DB::lookup(&mut slot, &id, millis(store.now())).await {
@@ -640,7 +643,8 @@ fn answer_kept(kept: Record, fingerprint: &str) -> Response<ResponseBody> {
     }
 }
 
-/// The answer another process kept for `id` while this one ran.
+/// The answer another request kept for `id` (while this one ran, or before it came); in
+/// progress when none is kept yet.
 async fn answer_kept_since<DB: Backend>(
     store: &SqlStore<DB>,
     id: &str,
