@@ -1004,26 +1004,37 @@ mod tests {
         async fn release(&mut self) {}
     }
 
-    /// How many subscriptions a consumer on `Flapping` makes in a minute.
-    async fn subscriptions_in_a_minute(up_for: Option<Duration>) -> usize {
-        let runtime = crate::Runtime::builder().build().unwrap();
-        let subscriptions = Arc::new(AtomicUsize::new(0));
-        let (stop, stopping) = watch::channel(false);
-        let (state, _) = watch::channel(TransportState::Connecting { last_error: None });
-        let consumer = Consumer {
-            name: "flapping",
-            subscriber: Box::new(Flapping {
-                subscriptions: Arc::clone(&subscriptions),
-                up_for,
-                answered: false,
-            }),
+    /// A consumer on `subscriber` for `runtime`, stopped by `stopping`, telling `state`.
+    fn consumer(
+        runtime: &crate::Runtime,
+        subscriber: impl Subscribe + 'static,
+        stopping: watch::Receiver<bool>,
+        state: watch::Sender<TransportState>,
+    ) -> Consumer {
+        Consumer {
+            name: "test",
+            subscriber: Box::new(subscriber),
             listener: runtime.listener(),
             dead_letters: Arc::new(crate::store::MemoryDeadLetters::default()),
             clock: Arc::new(dacapo_actors::ports::SystemClock),
             max_envelope_size: usize::MAX,
             stopping,
             state: Arc::new(state),
+        }
+    }
+
+    /// How many subscriptions a consumer on `Flapping` makes in a minute.
+    async fn subscriptions_in_a_minute(up_for: Option<Duration>) -> usize {
+        let runtime = crate::Runtime::builder().build().unwrap();
+        let subscriptions = Arc::new(AtomicUsize::new(0));
+        let (stop, stopping) = watch::channel(false);
+        let (state, _) = watch::channel(TransportState::Connecting { last_error: None });
+        let flapping = Flapping {
+            subscriptions: Arc::clone(&subscriptions),
+            up_for,
+            answered: false,
         };
+        let consumer = consumer(&runtime, flapping, stopping, state);
         let watching = async {
             tokio::time::sleep(Duration::from_secs(60)).await;
             let made = subscriptions.load(Ordering::SeqCst);
@@ -1076,19 +1087,11 @@ mod tests {
         let subscriptions = Arc::new(AtomicUsize::new(0));
         let (stop, stopping) = watch::channel(false);
         let (state, mut states) = watch::channel(TransportState::Connecting { last_error: None });
-        let consumer = Consumer {
-            name: "refusing",
-            subscriber: Box::new(RefusedOnceItListened {
-                subscriptions: Arc::clone(&subscriptions),
-                refusals: 3,
-            }),
-            listener: runtime.listener(),
-            dead_letters: Arc::new(crate::store::MemoryDeadLetters::default()),
-            clock: Arc::new(dacapo_actors::ports::SystemClock),
-            max_envelope_size: usize::MAX,
-            stopping,
-            state: Arc::new(state),
+        let refusing = RefusedOnceItListened {
+            subscriptions: Arc::clone(&subscriptions),
+            refusals: 3,
         };
+        let consumer = consumer(&runtime, refusing, stopping, state);
         let watching = async {
             let mut seen = Vec::new();
             loop {
