@@ -415,11 +415,13 @@ impl Runtime {
 
     /// Stops accepting messages, lets deliveries in flight finish (up to the drain timeout),
     /// and stops the engine. Retries still waiting for their cooldown are not dropped: they
-    /// are logged and handed back in the report, envelopes included. Deliveries still running
-    /// at the drain's end are named in the report and stopped where they stand, as a crash
-    /// would stop them (a handler that holds its thread, synchronous work, holds the shutdown
-    /// until it returns); only then does a durable store hand this node's unsettled
-    /// deliveries to whichever node claims them next, so none runs on two nodes at once.
+    /// are logged and handed back in the report, envelopes included, as are messages cascaded
+    /// by handled deliveries that had not started. A durable store hands this node's unsettled
+    /// deliveries to whichever node claims them next — but not those still running at the
+    /// drain's end: named in the report and stopped where they stand, as a crash would stop
+    /// them (a handler that holds its thread, synchronous work, holds the shutdown until it
+    /// returns), they stay this node's until its heartbeat expires, so none runs on two nodes
+    /// at once.
     ///
     /// Once it returned, calling it again does nothing and reports nothing.
     ///

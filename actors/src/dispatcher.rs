@@ -46,8 +46,11 @@ pub(crate) struct Shared {
     pub(crate) retry_scope: RetryScope,
     /// Wakes the outbox relay when a delivery wrote cascaded messages to the outbox.
     pub(crate) outbox_enlisted: tokio::sync::Notify,
-    /// Cascaded messages whose delivery never started (the engine stopped while they waited
-    /// for room, or the inbox refused them): handed back in the shutdown report.
+    /// Held by a recovery round while it claims; a shutdown takes it before releasing this
+    /// node's rows, so that no round still in flight claims them again behind the release.
+    pub(crate) recovering: tokio::sync::Mutex<()>,
+    /// Cascaded messages whose delivery never started, the engine stopping while they waited
+    /// for room: handed back in the shutdown report.
     pub(crate) unstarted_cascades: std::sync::Mutex<Vec<Envelope>>,
     /// The runtime's store, which handlers may open transactions on.
     pub(crate) store: Option<Arc<dyn std::any::Any + Send + Sync>>,
@@ -146,17 +149,6 @@ struct Unstarted {
     current: Option<Envelope>,
 }
 
-impl Unstarted {
-    fn hand_back(&self, envelopes: impl IntoIterator<Item = Envelope>) {
-        self.worker
-            .shared
-            .unstarted_cascades
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
-            .extend(envelopes);
-    }
-}
-
 impl Drop for Unstarted {
     fn drop(&mut self) {
         if self.envelopes.is_empty() && self.current.is_none() {
@@ -177,7 +169,12 @@ impl Drop for Unstarted {
         }
         let current = self.current.take();
         let waiting = std::mem::take(&mut self.envelopes);
-        self.hand_back(current.into_iter().chain(waiting));
+        self.worker
+            .shared
+            .unstarted_cascades
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .extend(current.into_iter().chain(waiting));
     }
 }
 
@@ -364,10 +361,9 @@ impl Worker {
                 let delivered = worker
                     .deliver(admission, envelope, None, &mut held, false)
                     .await;
-                let current = unstarted.current.take();
+                unstarted.current = None;
                 if let Err(error) = delivered {
-                    tracing::error!(message_id = %id, %error, "cascaded message could not be delivered: handed back in the shutdown report");
-                    unstarted.hand_back(current);
+                    tracing::error!(message_id = %id, %error, "cascaded message could not be delivered");
                 }
             }
         });

@@ -223,6 +223,7 @@ impl Engine {
                         unknown_message_types: config.unknown_message_types,
                         retry_scope: config.retry_scope,
                         outbox_enlisted: tokio::sync::Notify::new(),
+                        recovering: tokio::sync::Mutex::new(()),
                         unstarted_cascades: std::sync::Mutex::default(),
                         store: parts.store.clone(),
                         claims_in_store: parts.claims_in_store,
@@ -363,10 +364,23 @@ impl Engine {
                 "shutdown: retry still waiting, handed back in the shutdown report"
             );
         }
-        // Stopped first: a delivery released while its handler still ran (one the drain did
-        // not wait out) would be claimed at once by another node and run on both. Stopping
-        // ends the recovery rounds too, which would otherwise claim rows again behind the
-        // release.
+        // A recovery round that started before the close would claim rows again behind the
+        // release, leaving them owned by a node that is gone; one stuck on the store is not
+        // waited for past the drain.
+        let recovering = tokio::time::timeout(drain, self.dispatcher.shared.recovering.lock())
+            .await
+            .ok();
+        // Hand this node's unsettled deliveries (the retries above) to whoever starts next,
+        // while the workers, whose runtimes some of the store's connections belong to, still
+        // run. Not those still running: released, another node would claim one at once and run
+        // it beside this one's handlers; they wait for this node's heartbeat to expire, as
+        // after a crash.
+        if let Some(durable) = &self.dispatcher.shared.durable
+            && let Err(error) = durable.release(&report.still_running).await
+        {
+            tracing::warn!(%error, "could not release unsettled deliveries; they resume once this node's heartbeat expires");
+        }
+        drop(recovering);
         self.system.stop();
         let _ = stopped.await;
         report.unstarted_cascades = std::mem::take(
@@ -377,13 +391,6 @@ impl Engine {
                 .lock()
                 .unwrap_or_else(std::sync::PoisonError::into_inner),
         );
-        // Hand this node's unsettled deliveries (the retries above, those still running) to
-        // whoever starts next.
-        if let Some(durable) = &self.dispatcher.shared.durable
-            && let Err(error) = durable.release().await
-        {
-            tracing::warn!(%error, "could not release unsettled deliveries; they resume once this node's heartbeat expires");
-        }
         report
     }
 }

@@ -375,12 +375,14 @@ pub trait DurableInbox: Inbox {
     fn stamping_clock(&self) -> std::sync::Arc<dyn Clock>;
 
     /// Gives up this node's unsettled deliveries (at a graceful shutdown), so the next runtime
-    /// on the store resumes them at once instead of waiting for the heartbeat to expire.
+    /// on the store resumes them at once instead of waiting for the heartbeat to expire — all
+    /// but `still_running`, whose handlers may still run: those stay this node's until its
+    /// heartbeat expires, as after a crash (and the node is forgotten only when there are none).
     ///
     /// # Errors
     ///
     /// [`Error::Store`] when it cannot be recorded.
-    async fn release(&self) -> Result<(), Error>;
+    async fn release(&self, still_running: &[uuid::Uuid]) -> Result<(), Error>;
 
     /// Deletes at most `limit` envelopes handled before `before`, and as many of the records
     /// the store keeps for settled envelopes (handler completions); returns how many rows it

@@ -139,6 +139,7 @@ impl RecoveryActor {
         let busy = dispatcher.shared.timers.busy();
         let round = async move {
             let _busy = busy;
+            let _recovering = dispatcher.shared.recovering.lock().await;
             let shared = &dispatcher.shared;
             if shared.tracker.is_closing() {
                 return Round::default();

@@ -615,7 +615,6 @@ pub(super) fn expiry(now: DateTime<Utc>, retention: Duration) -> DateTime<Utc> {
         .unwrap_or(DateTime::<Utc>::MAX_UTC)
 }
 
-/// The kept answer, or 422 when it was kept for another request.
 /// `text` as PostgreSQL can keep it: a NUL, which PostgreSQL's text cannot hold (the key's
 /// answer then failed to be kept, the endpoint's 500 on every retry, each running it again),
 /// becomes U+FFFD. Applied to what the application's scope and fingerprint functions give;
@@ -628,6 +627,7 @@ fn storable(text: String) -> String {
     }
 }
 
+/// The kept answer, or 422 when it was kept for another request.
 fn answer_kept(kept: Record, fingerprint: &str) -> Response<ResponseBody> {
     if constant_time_eq(kept.fingerprint.as_bytes(), fingerprint.as_bytes()) {
         match kept.damaged {

@@ -141,8 +141,16 @@ async fn pool(url: &str) -> Result<PgPool, crate::Error> {
         .acquire_timeout(Duration::from_secs(10))
         .after_connect(|connection, _| {
             Box::pin(async move {
-                if let Err(error) = sqlx::raw_sql(KEEPALIVES).execute(connection).await {
-                    tracing::debug!(%error, "the keepalive settings of a session");
+                // One at a time: a server (or a proxy) that refuses one keeps the others.
+                for setting in KEEPALIVES {
+                    match sqlx::query(setting).execute(&mut *connection).await {
+                        Ok(_) => {}
+                        Err(sqlx::Error::Database(error)) => {
+                            tracing::debug!(%error, setting, "a keepalive setting of a session");
+                        }
+                        // The connection itself failed: the pool does not take it.
+                        Err(error) => return Err(error),
+                    }
                 }
                 Ok(())
             })
@@ -155,9 +163,15 @@ async fn pool(url: &str) -> Result<PgPool, crate::Error> {
 /// an Idempotency-Key's, the rows of a handler transaction, a claimed batch. The server probes
 /// an idle connection after 10 s, every 5 s, three times; data left unacknowledged 30 s ends
 /// it too. Set on every connection of the pools a store opens from a URL (the runtime's and the
-/// handlers' take the application pool's settings); not on a pool given to `with_pool`.
-const KEEPALIVES: &str = "SET tcp_keepalives_idle = 10; SET tcp_keepalives_interval = 5; \
-    SET tcp_keepalives_count = 3; SET tcp_user_timeout = 30000";
+/// handlers' take the application pool's settings); not on a pool given to `with_pool`, which
+/// suits a pooler in front of the server (a `SET` pins an RDS Proxy session, and behind
+/// PgBouncer's transaction pooling it lands on a shared server connection).
+const KEEPALIVES: [&str; 4] = [
+    "SET tcp_keepalives_idle = 10",
+    "SET tcp_keepalives_interval = 5",
+    "SET tcp_keepalives_count = 3",
+    "SET tcp_user_timeout = 30000",
+];
 
 /// The pool of handler connections: as many connections as the application's pool allows, with
 /// `synchronous_commit = off`, whose commits return before the server flushed them to its

@@ -181,6 +181,10 @@ pub(crate) const RELEASE_BEFORE: &str = "UPDATE dacapo_inbox SET owner = NULL \
 
 pub(crate) const FORGET_NODE: &str = "DELETE FROM dacapo_nodes WHERE id = $1";
 
+/// Takes back a row [`RELEASE`] gave up whose delivery still runs on this node.
+pub(crate) const KEEP_RUNNING: &str = "UPDATE dacapo_inbox SET owner = $1 \
+    WHERE id = $2 AND owner IS NULL AND status IN ('incoming', 'scheduled')";
+
 /// The sweeps below repeat their condition on the row they delete: on PostgreSQL a row another
 /// transaction changed while the sweep waited for its lock is checked again against the outer
 /// condition only, not the subquery's. Without it a sweep deletes the row a replay just made

@@ -827,11 +827,19 @@ impl<D: Dialect> DurableInbox for SqlStore<D> {
         Arc::clone(&self.clock)
     }
 
-    async fn release(&self) -> Result<(), Error> {
+    async fn release(&self, still_running: &[Uuid]) -> Result<(), Error> {
         self.held().await?;
         let mut tx = self.db.begin().await?;
         tx.execute(RELEASE, &[Value::Text(&self.node)]).await?;
-        tx.execute(FORGET_NODE, &[Value::Text(&self.node)]).await?;
+        // Taken back in the same transaction: no other node sees them released.
+        for id in still_running {
+            let id = id_text(*id);
+            tx.execute(KEEP_RUNNING, &[Value::Text(&self.node), Value::Text(&id)])
+                .await?;
+        }
+        if still_running.is_empty() {
+            tx.execute(FORGET_NODE, &[Value::Text(&self.node)]).await?;
+        }
         tx.commit().await
     }
 
