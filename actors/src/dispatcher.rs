@@ -49,6 +49,8 @@ pub(crate) struct Shared {
     /// Held by a recovery round while it claims; a shutdown takes it before releasing this
     /// node's rows, so that no round still in flight claims them again behind the release.
     pub(crate) recovering: tokio::sync::Mutex<()>,
+    /// Set once a shutdown's drain is over: cascades that get room from then on do not start.
+    pub(crate) drain_over: std::sync::atomic::AtomicBool,
     /// Cascaded messages whose delivery never started, the engine stopping while they waited
     /// for room: handed back in the shutdown report.
     pub(crate) unstarted_cascades: std::sync::Mutex<Vec<Envelope>>,
@@ -178,6 +180,35 @@ impl Drop for Unstarted {
     }
 }
 
+/// An envelope on its way to its supervisor's worker. Dropped before it starts — the worker
+/// stopped first — a cascade's goes to the shutdown's report.
+struct Queued {
+    envelope: Option<Envelope>,
+    hand_back: Option<Arc<Shared>>,
+}
+
+impl Queued {
+    fn start(mut self) -> Envelope {
+        self.hand_back = None;
+        self.envelope
+            .take()
+            .unwrap_or_else(|| Envelope::new("", Vec::new()))
+    }
+}
+
+impl Drop for Queued {
+    fn drop(&mut self) {
+        if let (Some(envelope), Some(shared)) = (self.envelope.take(), self.hand_back.take()) {
+            tracing::warn!(messaging.message.id = %envelope.id, "a cascaded message not started as the runtime stopped: handed back in the shutdown report");
+            shared
+                .unstarted_cascades
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner)
+                .push(envelope);
+        }
+    }
+}
+
 /// One worker thread (an arbiter) and its own handles on the routes and the stores.
 ///
 /// A delivery's supervisor holds its worker, not the engine: the reference counts it touches
@@ -215,7 +246,8 @@ impl Worker {
     /// to close is handed back with [`Error::ShuttingDown`], nothing of it recorded: the slots
     /// may be held by retries cooling down, which only the end of the shutdown frees, and it
     /// would then start on a worker that has stopped. A cascaded one waits: its parent is
-    /// settled already.
+    /// settled already; but once the drain is over, it too is handed back (the slot it got
+    /// may be one the engine's stop freed).
     async fn deliver(
         self: &Arc<Self>,
         admission: Admission<'_>,
@@ -244,6 +276,9 @@ impl Worker {
                 shared.capacity.acquire().await
             }
         };
+        if !from_caller && shared.drain_over.load(std::sync::atomic::Ordering::SeqCst) {
+            return Err(Error::ShuttingDown(Box::new(envelope)));
+        }
         // Work from here on holds the virtual clock (not while waiting for capacity, which a
         // delivery cooling down may hold).
         let busy = shared.timers.busy();
@@ -261,7 +296,10 @@ impl Worker {
                 Some(&envelope.message_type),
             )
             .await;
-        self.start_received(admission, envelope, receipt, permit, busy, reply);
+        // A cascade (from no caller) whose worker stops before its supervisor starts is
+        // handed back for the shutdown's report; a caller's is answered by its dropped reply.
+        let hand_back = (!from_caller).then(|| Arc::clone(&self.shared));
+        self.start_received(admission, envelope, receipt, permit, busy, reply, hand_back);
         Ok(())
     }
 
@@ -306,7 +344,9 @@ impl Worker {
     }
 
     /// Starts the delivery of an envelope the inbox answered for with `receipt`: reports a
-    /// scheduled or duplicate one, and starts a supervisor for a new one.
+    /// scheduled or duplicate one, and starts a supervisor for a new one — handing its
+    /// envelope to `hand_back`'s report if the worker stops before the supervisor starts.
+    #[allow(clippy::too_many_arguments)]
     fn start_received(
         self: &Arc<Self>,
         admission: Admission<'_>,
@@ -315,6 +355,7 @@ impl Worker {
         permit: crate::capacity::Slot,
         busy: crate::Busy,
         reply: Option<oneshot::Sender<DeliveryReport>>,
+        hand_back: Option<Arc<Shared>>,
     ) {
         let shared = &self.shared;
         let mut reply = reply;
@@ -325,9 +366,13 @@ impl Worker {
         std::mem::forget(admission);
         shared.list_starting(envelope.id);
         let worker = Arc::clone(self);
+        let queued = Queued {
+            envelope: Some(envelope),
+            hand_back,
+        };
         // Built on its worker: only the parts travel, not the whole supervisor.
         DeliverySupervisor::start_in_arbiter(&self.arbiter, move |_| {
-            DeliverySupervisor::new(worker, envelope, permit, reply, busy)
+            DeliverySupervisor::new(worker, queued.start(), permit, reply, busy)
         });
     }
 
@@ -362,8 +407,22 @@ impl Worker {
                     .deliver(admission, envelope, None, &mut held, false)
                     .await;
                 unstarted.current = None;
-                if let Err(error) = delivered {
-                    tracing::error!(message_id = %id, %error, "cascaded message could not be delivered");
+                match delivered {
+                    Ok(()) => {}
+                    Err(Error::ShuttingDown(envelope)) => {
+                        // Counted out as its delivery gave up; the rest are handed back, and
+                        // counted out, as `unstarted` drops.
+                        worker
+                            .shared
+                            .unstarted_cascades
+                            .lock()
+                            .unwrap_or_else(std::sync::PoisonError::into_inner)
+                            .push(*envelope);
+                        return;
+                    }
+                    Err(error) => {
+                        tracing::error!(message_id = %id, %error, "cascaded message could not be delivered");
+                    }
                 }
             }
         });
@@ -445,7 +504,7 @@ impl Persisted {
             let new = receipt == Receipt::New;
             self.dispatcher
                 .next_worker()
-                .start_received(admission, envelope, receipt, permit, busy, None);
+                .start_received(admission, envelope, receipt, permit, busy, None, None);
             if new {
                 self.waiting.started += 1;
             }

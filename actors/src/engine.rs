@@ -224,6 +224,7 @@ impl Engine {
                         retry_scope: config.retry_scope,
                         outbox_enlisted: tokio::sync::Notify::new(),
                         recovering: tokio::sync::Mutex::new(()),
+                        drain_over: std::sync::atomic::AtomicBool::new(false),
                         unstarted_cascades: std::sync::Mutex::default(),
                         store: parts.store.clone(),
                         claims_in_store: parts.claims_in_store,
@@ -347,6 +348,10 @@ impl Engine {
             return ShutdownReport::default();
         };
         let drained = tokio::time::timeout(drain, tracker.drained()).await.is_ok();
+        self.dispatcher
+            .shared
+            .drain_over
+            .store(true, std::sync::atomic::Ordering::SeqCst);
         let mut report = ShutdownReport {
             pending_retries: tracker.take_cooling(),
             still_running: if drained {
