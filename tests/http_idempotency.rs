@@ -1209,6 +1209,57 @@ async fn two_nodes_answer_409_to_each_others_request_in_progress_and_make_one_ef
     assert_eq!(db.scalar("SELECT count(*) FROM dacapo_outbox").await, 1);
 }
 
+/// Two stores in two schemas of one PostgreSQL database keep their keys apart, as they keep
+/// their tables: a request in progress in one schema does not hold its key in the other.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_key_in_progress_in_one_schema_is_free_in_another_postgres() {
+    let db = TestDatabase::new(Which::Postgres).await;
+    db.execute("CREATE SCHEMA other").await;
+    let in_other = dacapo::store::PostgresStore::connect(&format!(
+        "{}?options=-c%20search_path%3Dother",
+        db.url
+    ))
+    .await
+    .unwrap();
+    let app_other = App::default();
+    let node_other = serve_router(on_postgres::router(in_other, app_other.clone())).await;
+    let (node, app) = serve(&db).await;
+    let client = reqwest::Client::new();
+
+    let entered_other = app_other.entered.notified();
+    let first = tokio::spawn({
+        let (client, url) = (client.clone(), format!("{node_other}/slow"));
+        async move { post_with(&client, &url, Some("k-schema"), "", &[]).await }
+    });
+    entered_other.await;
+    let entered = app.entered.notified();
+    let mut second = tokio::spawn({
+        let (client, url) = (client.clone(), format!("{node}/slow"));
+        async move { post_with(&client, &url, Some("k-schema"), "", &[]).await }
+    });
+    tokio::select! {
+        () = entered => {}
+        answer = &mut second => panic!(
+            "answered before its endpoint ran: {}",
+            answer.unwrap().status()
+        ),
+    }
+    app.release.notify_one();
+    app_other.release.notify_one();
+    assert_eq!(first.await.unwrap().status(), 200);
+    assert_eq!(second.await.unwrap().status(), 200);
+    assert_eq!(app.runs.load(Ordering::SeqCst), 1);
+    assert_eq!(app_other.runs.load(Ordering::SeqCst), 1);
+    // Each kept its own answer, which a retry on its node gets.
+    for base in [&node, &node_other] {
+        let retry = post_with(&client, &format!("{base}/slow"), Some("k-schema"), "", &[]).await;
+        assert_eq!(retry.status(), 200);
+        assert!(replayed(retry.headers()), "{base}");
+    }
+    assert_eq!(app.runs.load(Ordering::SeqCst), 1);
+    assert_eq!(app_other.runs.load(Ordering::SeqCst), 1);
+}
+
 /// On a PostgreSQL database whose transactions default to REPEATABLE READ, the statement that
 /// takes a request's key lock also fixes its transaction's snapshot: an answer kept between
 /// that snapshot and the lock (by the request that held the lock just before) is not in it.

@@ -31,14 +31,18 @@ pub(crate) const CLAIM_INTENT: &str = "INSERT INTO dacapo_deduplication \
     expires_at = excluded.expires_at \
     WHERE dacapo_deduplication.expires_at <= $7";
 
+/// The key's lock: its digest (`$1`) mixed with the schema the store's tables are in, so that
+/// stores in two schemas of one database keep their keys apart as their tables do.
 #[cfg(feature = "postgres")]
-const TRY_LOCK: &str = "SELECT pg_try_advisory_xact_lock($1)";
+const TRY_LOCK: &str = "SELECT pg_try_advisory_xact_lock(\
+    $1 # hashtextextended(coalesce(current_schema(), ''), 0))";
 
-/// Takes the key's lock, and tells whether the statement that took it also fixed the
+/// Takes the key's lock (as [`TRY_LOCK`]), and tells whether the statement that took it also fixed the
 /// transaction's snapshot (REPEATABLE READ or SERIALIZABLE, as a database or role may set
 /// by default): that snapshot is older than the lock.
 #[cfg(feature = "postgres")]
-const OPEN: &str = "SELECT pg_try_advisory_xact_lock($1), \
+const OPEN: &str = "SELECT pg_try_advisory_xact_lock(\
+    $1 # hashtextextended(coalesce(current_schema(), ''), 0)), \
     current_setting('transaction_isolation') NOT IN ('read committed', 'read uncommitted')";
 
 /// How often the lock of a request whose COMMIT was refused is looked at, 2 ms apart, before
