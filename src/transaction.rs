@@ -225,6 +225,9 @@ pub struct HandlerConnection<'a, DB: Backend> {
     /// SQLite's turn to write; released once the connection is parked, or elsewhere done with
     /// what it was asked.
     turn: Option<tokio::sync::OwnedSemaphorePermit>,
+    /// On PostgreSQL, a connection of the runtime's pool held by a handler
+    /// (`Database::handler_slot`); released once the connection is back.
+    slot: Option<tokio::sync::OwnedSemaphorePermit>,
     /// Told when the connection opens and closes, where its commits wait for a later sync.
     unsynced: Option<Arc<crate::store::sql::Unsynced>>,
     /// Where the connection waits with the turn for the next handler, on SQLite's handler
@@ -272,7 +275,8 @@ impl<DB: Backend> Drop for HandlerConnection<'_, DB> {
     /// pool.
     fn drop(&mut self) {
         let connection = self.connection.take();
-        let turn = self.turn.take();
+        // Released with the turn: once the connection is back, or gone.
+        let turn = (self.turn.take(), self.slot.take());
         let unsynced = self.unsynced.take();
         let hold = self.hold.take();
         if let Some(park) = self.park.take()
@@ -302,7 +306,7 @@ impl<DB: Backend> Drop for HandlerConnection<'_, DB> {
             return;
         };
         runtime.spawn(async move {
-            let (mut turn, mut hold) = (turn, hold);
+            let ((mut turn, slot), mut hold) = (turn, hold);
             if let Some(connection) = connection {
                 let mut closing = Closing(Some(connection));
                 let ended = end_left_open::<DB>(closing.connection(), &mut turn).await;
@@ -316,7 +320,7 @@ impl<DB: Backend> Drop for HandlerConnection<'_, DB> {
             if let Some(unsynced) = unsynced {
                 unsynced.closed();
             }
-            drop((turn, hold));
+            drop((turn, slot, hold));
         });
     }
 }
@@ -692,6 +696,7 @@ macro_rules! backend {
                 context: &MessageContext,
             ) -> Result<HandlerConnection<'_, Self>, Error> {
                 let (_, _, store) = handling::<$store>(context, stringify!($store))?;
+                let slot = store.handler_connection_slot().await?;
                 let $parked_store = store;
                 let (turn, parked, park) = match $parked {
                     Some(parked) => (parked.turn, parked.connection, Some(parked.park)),
@@ -723,6 +728,7 @@ macro_rules! backend {
                 let mut connection = HandlerConnection {
                     connection: Some(connection),
                     turn,
+                    slot,
                     unsynced,
                     park,
                     context,

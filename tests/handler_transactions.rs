@@ -565,45 +565,93 @@ impl Handler<MemberRemoved> for HoldsItsTransaction {
     }
 }
 
+/// Takes a handler connection, says so, and holds it until told to go.
+#[derive(Clone)]
+struct HoldsItsConnection {
+    open: Arc<AtomicUsize>,
+    go: tokio::sync::watch::Receiver<bool>,
+}
+
+impl Handler<MemberRemoved> for HoldsItsConnection {
+    async fn handle(&self, _: &MemberRemoved, ctx: &MessageContext) -> Result<(), HandlerError> {
+        let mut connection = ctx.connection::<sqlx::Postgres>().await?;
+        sqlx::query("SELECT 1").execute(&mut *connection).await?;
+        self.open.fetch_add(1, Ordering::SeqCst);
+        let mut go = self.go.clone();
+        let _ = go.wait_for(|go| *go).await;
+        self.open.fetch_sub(1, Ordering::SeqCst);
+        Ok(())
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn handler_transactions_held_open_leave_the_runtime_its_connections_postgres() {
-    // A pool of four: the outbox's listener holds one for good, and handler transactions
-    // held open (a handler's slow work inside one) may hold all but two. Without that bound
-    // they took the rest, and the runtime's own statements (this accept, the settles, the
-    // heartbeats) waited out the pool's 10 s with them.
-    let db = support_stores::TestDatabase::new(Backend::Postgres).await;
-    let pool = sqlx::postgres::PgPoolOptions::new()
-        .max_connections(4)
-        .connect_lazy(&db.url)
-        .unwrap();
-    let store = dacapo::store::PostgresStore::with_pool(pool).await.unwrap();
     let (go, waiting) = tokio::sync::watch::channel(false);
     let holds = HoldsItsTransaction {
         open: Arc::default(),
         go: waiting,
     };
+    let open = Arc::clone(&holds.open);
+    held_open_leave_the_runtime_its_connections(holds, open, go, false).await;
+}
+
+/// Where the server's commits do not wait for the flush, handler connections come from the
+/// runtime's own pool, and are counted with the handler transactions there.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn handler_connections_from_the_runtimes_pool_leave_it_its_connections_postgres() {
+    let (go, waiting) = tokio::sync::watch::channel(false);
+    let holds = HoldsItsConnection {
+        open: Arc::default(),
+        go: waiting,
+    };
+    let open = Arc::clone(&holds.open);
+    held_open_leave_the_runtime_its_connections(holds, open, go, true).await;
+}
+
+/// Four messages for `holds`, which counts in `open` what it holds until `go`, on a pool of
+/// four (with `synchronous_commit = off` when `unflushed`): two are held, and an accept meanwhile
+/// does not wait.
+async fn held_open_leave_the_runtime_its_connections(
+    holds: impl Handler<MemberRemoved> + Clone,
+    open: Arc<AtomicUsize>,
+    go: tokio::sync::watch::Sender<bool>,
+    unflushed: bool,
+) {
+    // A pool of four: the outbox's listener holds one for good, and handlers holding a
+    // transaction or a connection of the runtime's pool open (slow work inside one) may hold
+    // all but two. Without that bound they took the rest, and the runtime's own statements
+    // (this accept, the settles, the heartbeats) waited out the pool's 10 s with them.
+    let db = support_stores::TestDatabase::new(Backend::Postgres).await;
+    let mut options: sqlx::postgres::PgConnectOptions = db.url.parse().unwrap();
+    if unflushed {
+        options = options.options([("synchronous_commit", "off")]);
+    }
+    let pool = sqlx::postgres::PgPoolOptions::new()
+        .max_connections(4)
+        .connect_lazy_with(options);
+    let store = dacapo::store::PostgresStore::with_pool(pool).await.unwrap();
     let runtime = Runtime::builder()
         .store(store)
-        .module(Module::new("m").handle_named::<MemberRemoved, _>("h", holds.clone()))
+        .module(Module::new("m").handle_named::<MemberRemoved, _>("h", holds))
         .build()
         .unwrap();
     for _ in 0..4 {
         runtime.publish(&member_removed()).await.unwrap();
     }
     tokio::time::timeout(Duration::from_secs(20), async {
-        while holds.open.load(Ordering::SeqCst) < 2 {
+        while open.load(Ordering::SeqCst) < 2 {
             tokio::time::sleep(Duration::from_millis(10)).await;
         }
     })
     .await
-    .expect("two handler transactions open");
+    .expect("two handlers hold theirs open");
     let accepted =
         tokio::time::timeout(Duration::from_secs(5), runtime.publish(&member_removed())).await;
     assert!(
         matches!(accepted, Ok(Ok(_))),
         "the accept waited for the pool: {accepted:?}"
     );
-    assert_eq!(holds.open.load(Ordering::SeqCst), 2);
+    assert_eq!(open.load(Ordering::SeqCst), 2);
     go.send(true).unwrap();
     tokio::time::timeout(Duration::from_secs(20), runtime.idle())
         .await
@@ -614,11 +662,11 @@ async fn handler_transactions_held_open_leave_the_runtime_its_connections_postgr
 
 /// Opens a handler connection, says so, and holds it for ever.
 #[derive(Clone, Default)]
-struct HoldsItsConnection {
+struct HoldsItsConnectionForEver {
     open: Arc<AtomicUsize>,
 }
 
-impl Handler<MemberRemoved> for HoldsItsConnection {
+impl Handler<MemberRemoved> for HoldsItsConnectionForEver {
     async fn handle(&self, _: &MemberRemoved, ctx: &MessageContext) -> Result<(), HandlerError> {
         let mut connection = ctx.connection::<sqlx::Postgres>().await?;
         sqlx::query("BEGIN").execute(&mut *connection).await?;
@@ -712,7 +760,7 @@ async fn a_runtime_stopped_under_open_handler_transactions_rolls_them_back_postg
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_runtime_stopped_under_open_handler_connections_ends_them_postgres() {
-    let holds = HoldsItsConnection::default();
+    let holds = HoldsItsConnectionForEver::default();
     let open = Arc::clone(&holds.open);
     stopped_under_two_open(
         Module::new("m").handle_named::<MemberRemoved, _>("h", holds),

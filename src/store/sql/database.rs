@@ -602,10 +602,22 @@ impl Database {
     }
 
     /// The turn of a handler transaction on the runtime's pool: SQLite's turn to write, in the
-    /// handlers' queue ([`handler_write_turn`](Self::handler_write_turn)); on PostgreSQL, one
-    /// of the connections handler transactions may hold, waited for as long as the pool waits
-    /// for a connection.
+    /// handlers' queue ([`handler_write_turn`](Self::handler_write_turn)); on PostgreSQL, a
+    /// [`handler_slot`](Self::handler_slot).
     pub(crate) async fn handler_transaction_turn(
+        &self,
+    ) -> Result<Option<tokio::sync::OwnedSemaphorePermit>, Error> {
+        match self.handler_slot().await? {
+            Some(slot) => Ok(Some(slot)),
+            None => self.handler_write_turn().await,
+        }
+    }
+
+    /// On PostgreSQL, one of the runtime's connections that handler transactions, and handler
+    /// connections taken from the runtime's pool, may hold between them (all but two, so the
+    /// runtime's own statements always find one), waited for as long as the pool waits for a
+    /// connection. `None` on SQLite, whose handlers take turns to write instead.
+    pub(crate) async fn handler_slot(
         &self,
     ) -> Result<Option<tokio::sync::OwnedSemaphorePermit>, Error> {
         #[cfg(feature = "postgres")]
@@ -616,12 +628,12 @@ impl Database {
                 Ok(Ok(slot)) => Ok(Some(slot)),
                 Ok(Err(_)) => Err(Error::store("the handler transactions' slots are closed")),
                 Err(_) => Err(Error::store(format!(
-                    "no connection for a handler transaction within {wait:?}: other handler \
-                     transactions hold all the pool leaves them"
+                    "no connection for a handler transaction or connection within {wait:?}: \
+                     other handlers hold all the runtime's pool leaves them"
                 ))),
             };
         }
-        self.handler_write_turn().await
+        Ok(None)
     }
 
     /// The turn to write for a handler connection, and the connection parked with it: the

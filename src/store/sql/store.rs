@@ -358,6 +358,17 @@ impl<D: Dialect> SqlStore<D> {
         self.db.handler_transaction_turn().await
     }
 
+    /// On PostgreSQL, where handler connections come from the runtime's own pool, the slot
+    /// one holds there ([`Database::handler_slot`]); `None` otherwise.
+    pub(crate) async fn handler_connection_slot(
+        &self,
+    ) -> Result<Option<tokio::sync::OwnedSemaphorePermit>, Error> {
+        match &self.handlers {
+            Some(_) => Ok(None),
+            None => self.db.handler_slot().await,
+        }
+    }
+
     /// The runtime's own pool, which handler transactions run on.
     pub(crate) fn engine_pool(&self) -> &sqlx::Pool<D> {
         &self.engine
