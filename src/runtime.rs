@@ -430,15 +430,21 @@ impl Runtime {
     /// Not cancel safe: once polled, the runtime refuses new messages.
     pub async fn shutdown(&self) -> ShutdownReport {
         // Brokers first: what they delivered and the inbox did not record goes back to them.
+        // One drain timeout for all: the engine's drain gets what the transports left of it.
+        let now = tokio::time::Instant::now();
+        // A timeout too long to add (`Duration::MAX`, "wait for ever") is a century.
+        let deadline = now
+            .checked_add(self.drain_timeout)
+            .unwrap_or_else(|| now + Duration::from_secs(100 * 365 * 24 * 3600));
         for host in &self.hosts {
-            if tokio::time::timeout(self.drain_timeout, host.stop_listening())
+            if tokio::time::timeout_at(deadline, host.stop_listening())
                 .await
                 .is_err()
             {
                 tracing::warn!("a transport did not stop listening within the drain timeout");
             }
         }
-        let drain = self.drain_timeout;
+        let drain = deadline.saturating_duration_since(tokio::time::Instant::now());
         self.engine.shutdown(drain).await
     }
 

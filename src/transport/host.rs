@@ -1284,4 +1284,79 @@ mod tests {
             "{took_meanwhile} others sent while it waited"
         );
     }
+
+    /// A listening side that never lets go of the broker as it stops.
+    struct NeverLetsGo;
+
+    #[async_trait]
+    impl Subscribe for NeverLetsGo {
+        async fn subscribe(&mut self) -> Result<(), Error> {
+            Ok(())
+        }
+        async fn next(&mut self) -> Result<Vec<Received>, Error> {
+            std::future::pending().await
+        }
+        async fn ack(&mut self) -> Result<(), Error> {
+            Ok(())
+        }
+        async fn release(&mut self) {
+            std::future::pending().await
+        }
+    }
+
+    /// Says it started, then never finishes.
+    #[derive(Clone, Default)]
+    struct Hangs(Arc<tokio::sync::Notify>);
+
+    impl crate::Handler<Taken> for Hangs {
+        async fn handle(
+            &self,
+            _: &Taken,
+            _: &crate::MessageContext,
+        ) -> Result<(), crate::HandlerError> {
+            self.0.notify_one();
+            std::future::pending().await
+        }
+    }
+
+    /// One drain timeout bounds the whole shutdown: a transport that does not stop within it
+    /// leaves the engine none of its own (both took one each before: twice the timeout).
+    #[cfg(feature = "sqlite")]
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_shutdown_takes_one_drain_timeout_however_long_a_transport_takes_to_stop() {
+        let scratch = crate::testing::ScratchDatabase::sqlite();
+        let store = scratch.sqlite_store().await.unwrap();
+        let drain = Duration::from_secs(3);
+        // It listens for what the module handles, which comes in through the runtime's own
+        // `receive` here.
+        let mut routes = Routes::default();
+        routes.add("mail.taken", None);
+        let transport = Transport {
+            name: "never lets go",
+            routes,
+            home: "never lets go".to_owned(),
+            open: Box::new(|_| (Box::new(Holding::default()), Box::new(NeverLetsGo))),
+        };
+        let hangs = Hangs::default();
+        let runtime = crate::Runtime::builder()
+            .store(store)
+            .drain_timeout(drain)
+            .transport(transport)
+            .module(crate::Module::new("m").handle::<Taken, _>(hangs.clone()))
+            .build()
+            .unwrap();
+        let started = hangs.0.notified();
+        runtime
+            .receive(runtime.envelope(&Taken, crate::SendOptions::default()).unwrap())
+            .await
+            .unwrap();
+        started.await;
+        let began = std::time::Instant::now();
+        let report = runtime.shutdown().await;
+        let took = began.elapsed();
+        assert_eq!(report.still_running.len(), 1);
+        assert!(took >= drain, "{took:?}");
+        // Twice the timeout before; the margin is for a loaded machine.
+        assert!(took < drain + drain / 2, "{took:?}");
+    }
 }
