@@ -70,9 +70,9 @@ pub enum Error {
     /// The engine's threads could not be started.
     #[error("the engine could not start: {0}")]
     Startup(String),
-    /// A broker failed (unreachable, a publication it did not confirm, a topology it was
-    /// asked to check and does not have); nothing of the operation counts as done. Retryable,
-    /// but for a topology that is missing or different, which waiting does not create.
+    /// A broker failed (unreachable, a publication it did not confirm); nothing of the
+    /// operation counts as done. Retryable. A topology that is missing or different, which
+    /// waiting does not create, is [`Error::Configuration`] instead.
     #[error("{transport} failed: {source}")]
     Transport {
         /// Which transport (`rabbitmq`, `nats`, `postgres-queue`).

@@ -84,7 +84,10 @@ impl Runtime {
     /// # Errors
     ///
     /// A serialization failure, an envelope over the size limit (handed back), or a runtime
-    /// that is shutting down.
+    /// that is shutting down; [`Error::Configuration`] for a type routed to a transport on a
+    /// runtime without an outbox; and the store's errors ([`Error::Store`], retryable;
+    /// [`Error::Rejected`] for a value the database refuses; [`Error::NodeHeld`]), with
+    /// nothing recorded.
     ///
     /// # Cancel safety
     ///
@@ -228,7 +231,7 @@ impl Runtime {
     ///
     /// # Errors
     ///
-    /// [`EngineError::NoRoute`](crate::EngineError::NoRoute) with the envelope, and the errors
+    /// [`Error::NoRoute`] with the envelope, and the errors
     /// of [`publish`](Self::publish).
     ///
     /// # Cancel safety

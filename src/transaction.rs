@@ -121,9 +121,9 @@ pub trait HandlerTransactions {
     ///
     /// # Errors
     ///
-    /// [`EngineError::Detached`](crate::EngineError::Detached) outside a consumer,
-    /// [`EngineError::Store`](crate::EngineError::Store) when the runtime's store is not a `DB`
-    /// store or the database fails.
+    /// [`Error::Detached`](crate::Error::Detached) outside a consumer,
+    /// [`Error::Store`](crate::Error::Store) when the runtime's store is not a `DB` store or the
+    /// database fails.
     ///
     /// # Cancel safety
     ///
@@ -139,8 +139,8 @@ pub trait HandlerTransactions {
     ///
     /// # Errors
     ///
-    /// [`EngineError::Detached`](crate::EngineError::Detached) outside a consumer, and for a
-    /// copy of the context kept past its attempt; [`EngineError::Store`](crate::EngineError::Store)
+    /// [`Error::Detached`](crate::Error::Detached) outside a consumer, and for a copy of the
+    /// context kept past its attempt; [`Error::Store`](crate::Error::Store)
     /// when the runtime's store is not a `DB` store, when no connection comes within the
     /// pool's acquire timeout, and, on SQLite, when the turn to write does not come within
     /// 30 s. A handler that already holds a connection or a handler transaction may wait for

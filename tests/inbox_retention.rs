@@ -73,3 +73,16 @@ async fn an_envelope_still_incoming_is_never_expired() {
     clock.advance(Duration::from_secs(2));
     assert_eq!(inbox.receive(&envelope).await.unwrap(), Receipt::New);
 }
+
+/// A retention too long to add to a date (`Duration::MAX`: "for ever") keeps handled ids, as
+/// it says; it forgot them at the next receive before.
+#[tokio::test]
+async fn a_retention_too_long_to_add_keeps_handled_ids_for_ever() {
+    let clock = ManualClock(Arc::new(Mutex::new(Utc::now())));
+    let inbox = MemoryInbox::new(Duration::MAX, Arc::new(clock.clone()));
+    let envelope = Envelope::for_message(&member_removed()).unwrap();
+    assert_eq!(inbox.receive(&envelope).await.unwrap(), Receipt::New);
+    inbox.settle_handled(envelope.id, &[]).await.unwrap();
+    clock.advance(Duration::from_secs(100 * 365 * 24 * 3600));
+    assert_eq!(inbox.receive(&envelope).await.unwrap(), Receipt::Duplicate);
+}

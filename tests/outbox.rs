@@ -847,3 +847,25 @@ on_both_backends!(
         runtime.shutdown().await;
     }
 );
+
+on_both_backends!(
+    an_outbox_given_without_a_store_is_relayed_at_the_default_interval_sqlite,
+    an_outbox_given_without_a_store_is_relayed_at_the_default_interval_postgres,
+    |db| {
+        // No store and no relay setting: the outbox alone starts the relay (it started none
+        // before, and `idle` waited for the row for ever).
+        db.outbox_transaction(&[removed(7)], true).await;
+        let calls = Recorder::<MemberRemoved>::new();
+        let runtime = Runtime::builder()
+            .outbox_store(Arc::from(db.sqlite_or_postgres_outbox().await))
+            .module(
+                Module::new("webhooks").handle_named::<MemberRemoved, _>("queue", calls.clone()),
+            )
+            .build()
+            .unwrap();
+        until(|| calls.count() == 1).await;
+        tokio::time::timeout(WAIT, runtime.idle()).await.unwrap();
+        assert_eq!(calls.calls()[0].message.member_id, 7);
+        runtime.shutdown().await;
+    }
+);

@@ -27,8 +27,8 @@ pub trait Message: Serialize + DeserializeOwned + Send + Sync + 'static {
 
     /// The logical identity of this message's intent, declared once by the type so that every
     /// publisher sets it. An id given at publish time (`SendOptions::deduplication_id`) wins
-    /// over this one, and this one over a rule set on the runtime's builder
-    /// (`deduplicate_by`). `None` or an empty string: no id.
+    /// over a rule set on the runtime's builder (`deduplicate_by`), and that rule over this
+    /// one. `None` or an empty string: no id.
     fn deduplication_id(&self) -> Option<String> {
         None
     }

@@ -170,7 +170,8 @@ impl RuntimeBuilder {
     }
 
     /// The outbox the relay publishes from, instead of the store's (a store set with
-    /// [`store`](Self::store) provides one; without any, no relay runs).
+    /// [`store`](Self::store) provides one; without any, no relay runs). Given alone, it
+    /// starts the relay at the default intervals.
     ///
     /// Beside a durable store, it must read that store's own database: the store's settles
     /// write what handlers cascaded to its `dacapo_outbox`, and only a relay reading that
@@ -179,6 +180,9 @@ impl RuntimeBuilder {
     #[must_use]
     pub fn outbox_store(mut self, outbox: Arc<dyn OutboxStore>) -> Self {
         self.outbox = Some(outbox);
+        self.engine
+            .durability
+            .get_or_insert_with(Durability::default);
         self
     }
 

@@ -24,8 +24,8 @@ fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
 /// same lock.
 const SHARDS: usize = 16;
 
-/// An inbox in memory: deduplicates envelope ids within one process, for as long as it lives,
-/// and keeps the dead letters of the deliveries it settles.
+/// An inbox in memory: deduplicates envelope ids within one process, handled ones for its
+/// `keep_after_handling`, and keeps the dead letters of the deliveries it settles.
 pub struct MemoryInbox {
     keep_after_handling: chrono::Duration,
     clock: Arc<dyn Clock>,
@@ -95,9 +95,10 @@ impl MemoryInbox {
         }
         let now = self.clock.now();
         while let Some(&(at, id)) = state.settled.front() {
+            // Kept past the end of time: kept.
             if at
                 .checked_add_signed(self.keep_after_handling)
-                .is_some_and(|until| until > now)
+                .is_none_or(|until| until > now)
             {
                 break;
             }

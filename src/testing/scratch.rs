@@ -14,9 +14,7 @@ use crate::Error;
 ///
 /// let db = ScratchDatabase::sqlite();
 /// let store = db.sqlite_store().await?;
-/// let harness = TestHarness::builder()
-///     .configure(|runtime| runtime.store(store))
-///     .build()?;
+/// let harness = TestHarness::builder().store(store).build()?;
 /// # Ok(())
 /// # }
 /// ```

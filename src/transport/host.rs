@@ -1347,7 +1347,11 @@ mod tests {
             .unwrap();
         let started = hangs.0.notified();
         runtime
-            .receive(runtime.envelope(&Taken, crate::SendOptions::default()).unwrap())
+            .receive(
+                runtime
+                    .envelope(&Taken, crate::SendOptions::default())
+                    .unwrap(),
+            )
             .await
             .unwrap();
         started.await;

@@ -125,7 +125,9 @@ impl RabbitMq {
     wire::wire_settings!();
 
     /// Whether to declare the exchange, the queue and its bindings at start (the default) or
-    /// only check that they exist, for a broker whose topology is managed elsewhere.
+    /// only check that the exchange and the queue exist, for a broker whose topology is
+    /// managed elsewhere. The bindings are declared either way (AMQP cannot check one), and
+    /// the check is by name: an exchange or queue declared with other settings passes it.
     #[must_use]
     pub fn declare(mut self, declare: bool) -> Self {
         self.settings.declare = declare;
