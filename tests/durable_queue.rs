@@ -326,6 +326,51 @@ on_both_backends!(
     }
 );
 
+/// A recovery round that cannot go on (another process holds the inbox table's lock) does not
+/// hold up the node's heartbeat: its timer beats on its own, whatever the rounds do. With the
+/// recovery interval no longer than a third of the node timeout, only the rounds heartbeat
+/// before, and a round stuck past the node timeout let others take the node for dead.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stuck_recovery_round_does_not_stop_the_heartbeat_postgres() {
+    use sqlx::Connection;
+    let db = support_stores::TestDatabase::new(support_stores::Backend::Postgres).await;
+    let timeout = Duration::from_secs(3);
+    let live = db
+        .store(Runtime::builder(), "live", timeout)
+        .await
+        .recovery_interval(Duration::from_secs(1))
+        .build()
+        .unwrap();
+    live.first_recovery().await;
+    const BEAT: &str = "SELECT heartbeat_at FROM dacapo_nodes WHERE id = 'live'";
+    let mut holder = sqlx::PgConnection::connect(&db.url).await.unwrap();
+    let mut held = holder.begin().await.unwrap();
+    sqlx::query("LOCK TABLE dacapo_inbox IN ACCESS EXCLUSIVE MODE")
+        .execute(&mut *held)
+        .await
+        .unwrap();
+    // The next round's heartbeat comes before it reads the inbox: once a beat is written
+    // after the lock, a round is stuck behind it, and every beat after that is the timer's.
+    let first = db.scalar(BEAT).await;
+    let span = i64::try_from(2 * timeout.as_millis()).unwrap();
+    tokio::time::timeout(WAIT, async {
+        while db.scalar(BEAT).await < first + span {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    })
+    .await
+    .expect("the node heartbeats for two node timeouts while its round is stuck");
+    let stuck: i64 = sqlx::query_scalar(
+        "SELECT count(*) FROM pg_locks WHERE relation = 'dacapo_inbox'::regclass AND NOT granted",
+    )
+    .fetch_one(&mut *held)
+    .await
+    .unwrap();
+    assert!(stuck >= 1, "a round waits for the inbox table");
+    held.rollback().await.unwrap();
+    live.shutdown().await;
+}
+
 /// Counts its calls and fails every one.
 #[derive(Clone, Default)]
 struct FailsCounting(Arc<AtomicUsize>);

@@ -70,9 +70,8 @@ async fn resume_orphaned(dispatcher: &Dispatcher, inbox: &dyn DurableInbox, batc
 /// Keeps this node's heartbeat, and resumes the deliveries a stopped runtime left unsettled in
 /// a durable inbox: at start, then on its own timer (to take over from nodes that died).
 ///
-/// The heartbeat also has a timer of its own, a third of the store's node timeout, whenever
-/// that is shorter than the recovery interval: a live node is never taken for dead because
-/// its recovery rounds are far apart.
+/// The heartbeat also has a timer of its own, a third of the store's node timeout: a live node
+/// is never taken for dead because its recovery rounds are far apart, or one of them is slow.
 pub struct RecoveryActor {
     dispatcher: Dispatcher,
     inbox: Arc<dyn DurableInbox>,
@@ -249,10 +248,10 @@ impl Actor for RecoveryActor {
         self.tick(ctx);
         let timers = self.dispatcher.shared.timers.clone();
         timers.every(self.interval, ctx, Self::tick);
+        // Whatever the rounds do: a round that runs long (a slow claim, the store's lock held
+        // by another process) skips the ticks that come meanwhile, and its heartbeat with them.
         // A millisecond at least: a timer of zero would beat without pause.
         let beat = (self.inbox.node_timeout() / 3).max(Duration::from_millis(1));
-        if beat < self.interval {
-            timers.every(beat, ctx, Self::beat);
-        }
+        timers.every(beat, ctx, Self::beat);
     }
 }
