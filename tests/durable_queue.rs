@@ -7,6 +7,8 @@
 mod support;
 #[path = "support/stores.rs"]
 mod support_stores;
+#[path = "support/warnings.rs"]
+mod support_warnings;
 
 use std::collections::HashSet;
 use std::sync::Arc;
@@ -370,6 +372,53 @@ async fn a_stuck_recovery_round_does_not_stop_the_heartbeat_postgres() {
     held.rollback().await.unwrap();
     live.shutdown().await;
 }
+
+on_both_backends!(
+    a_delivery_claimed_back_while_this_node_still_runs_it_is_not_run_twice_sqlite,
+    a_delivery_claimed_back_while_this_node_still_runs_it_is_not_run_twice_postgres,
+    |db| {
+        let _ = support_warnings::warnings();
+        let fails = FailsCounting::default();
+        let live = db
+            .store(Runtime::builder(), "live", Duration::from_secs(30))
+            .await
+            .recovery_interval(Duration::from_millis(50))
+            .retry_policy(RetryPolicy {
+                min_retry_interval: Duration::from_secs(600),
+                ..RetryPolicy::default()
+            })
+            .module(Module::new("m").handle_named::<MemberRemoved, _>("h", fails.clone()))
+            .build()
+            .unwrap();
+        let id = live.publish(&member_removed()).await.unwrap();
+        until(|| fails.0.load(Ordering::SeqCst) == 1).await;
+        // Its retry cools down here for ten minutes. Meanwhile, as after this node was taken for
+        // dead (paused past its heartbeat), another node claimed it and died: the row is a dead
+        // node's, claimable now, and this node's next round claims it back.
+        db.execute(
+            "UPDATE dacapo_inbox SET owner = 'gone', received_at = 0, execute_at = 0 \
+             WHERE status = 'scheduled'",
+        )
+        .await;
+        let claimed_back = || {
+            support_warnings::warnings()
+                .lock()
+                .unwrap()
+                .iter()
+                .any(|w| w.contains("still runs") && w.contains(&id.to_string()))
+        };
+        until(claimed_back).await;
+        assert_eq!(
+            db.scalar("SELECT count(*) FROM dacapo_inbox WHERE owner = 'live'")
+                .await,
+            1
+        );
+        // Left to the supervisor cooling it down: not run again meanwhile.
+        let report = live.shutdown().await;
+        assert_eq!(fails.0.load(Ordering::SeqCst), 1);
+        assert_eq!(report.pending_retries.len(), 1);
+    }
+);
 
 /// Counts its calls and fails every one.
 #[derive(Clone, Default)]

@@ -43,14 +43,7 @@ async fn resume_orphaned(dispatcher: &Dispatcher, inbox: &dyn DurableInbox, batc
     if slots.is_empty() {
         return;
     }
-    // `starting` first: a supervisor moves from it to the tracker (listed there before it
-    // leaves `starting`), so read in this order it is in one set or the other, never neither.
-    let mut running: std::collections::HashSet<uuid::Uuid> = shared
-        .starting
-        .lock()
-        .unwrap_or_else(std::sync::PoisonError::into_inner)
-        .clone();
-    running.extend(shared.tracker.supervised());
+    let running = running_here(dispatcher);
     match inbox.orphaned(before, &running, slots.len()).await {
         Ok(orphans) => {
             if !orphans.is_empty() {
@@ -65,6 +58,20 @@ async fn resume_orphaned(dispatcher: &Dispatcher, inbox: &dyn DurableInbox, batc
         }
         Err(error) => tracing::warn!(%error, "looking for orphaned deliveries failed"),
     }
+}
+
+/// The deliveries this node runs: starting, running or cooling down.
+fn running_here(dispatcher: &Dispatcher) -> std::collections::HashSet<uuid::Uuid> {
+    let shared = &dispatcher.shared;
+    // `starting` first: a supervisor moves from it to the tracker (listed there before it
+    // leaves `starting`), so read in this order it is in one set or the other, never neither.
+    let mut running: std::collections::HashSet<uuid::Uuid> = shared
+        .starting
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+        .clone();
+    running.extend(shared.tracker.supervised());
+    running
 }
 
 /// Keeps this node's heartbeat, and resumes the deliveries a stopped runtime left unsettled in
@@ -174,9 +181,20 @@ impl RecoveryActor {
                     .unwrap_or(chrono::DateTime::<chrono::Utc>::MAX_UTC);
                 match inbox.recover(wanted, due_before).await {
                     Ok(mut deliveries) => {
-                        shared.timers.shuffle(&mut deliveries);
                         let count = deliveries.len();
-                        resumed += count;
+                        // Claimed back from a node that claimed them while this one was taken
+                        // for dead (paused past its heartbeat), then died: the supervisor still
+                        // running one here goes on with it, and a second would run it again.
+                        let running = running_here(&dispatcher);
+                        deliveries.retain(|delivery| {
+                            let here = running.contains(&delivery.envelope.id);
+                            if here {
+                                tracing::warn!(messaging.message.id = %delivery.envelope.id, "claimed back a delivery this node still runs (another node took it while this one was taken for dead); left to the supervisor it has here");
+                            }
+                            !here
+                        });
+                        shared.timers.shuffle(&mut deliveries);
+                        resumed += deliveries.len();
                         for (delivery, slot) in deliveries.into_iter().zip(slots) {
                             dispatcher.resume_on(delivery, slot);
                         }
