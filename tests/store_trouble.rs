@@ -193,3 +193,130 @@ async fn a_listener_pauses_with_backoff_acks_nothing_unpersisted_and_resumes_by_
     assert_eq!(db.inbox_status(after_id).await.as_deref(), Some("handled"));
     runtime.shutdown().await;
 }
+
+/// Counts the calls it started, then waits for one permit per call.
+#[derive(Clone)]
+struct Holds(Arc<std::sync::atomic::AtomicUsize>, Arc<Semaphore>);
+
+impl Handler<MemberRemoved> for Holds {
+    async fn handle(&self, _: &MemberRemoved, _: &MessageContext) -> Result<(), HandlerError> {
+        self.0.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        self.1.acquire().await?.forget();
+        Ok(())
+    }
+}
+
+/// Now, in milliseconds since the epoch, as the nodes stamp their heartbeats.
+fn now_millis() -> i64 {
+    let since = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap();
+    i64::try_from(since.as_millis()).unwrap()
+}
+
+/// After an outage of the database longer than the node timeout, every node's heartbeat is
+/// old. The first node back claims none of the others' deliveries until they have had a node
+/// timeout to beat again: it took a live node's running delivery at once before, and ran it a
+/// second time.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn after_an_outage_the_first_node_back_does_not_take_a_live_nodes_deliveries() {
+    let db = support_stores::TestDatabase::new(support_stores::Backend::Postgres).await;
+    let timeout = Duration::from_secs(4);
+    let store = |pool, node: &'static str| async move {
+        PostgresStore::with_pool(pool)
+            .await
+            .unwrap()
+            .node_id(node)
+            .node_timeout(timeout)
+    };
+    let (to_a, pool_a) = proxied(&db, Duration::from_secs(1)).await;
+    let (to_b, pool_b) = proxied(&db, Duration::from_secs(1)).await;
+    let on_a = Holds(Arc::default(), Arc::new(Semaphore::new(0)));
+    let on_b = Holds(Arc::default(), Arc::new(Semaphore::new(100)));
+    let a = Runtime::builder()
+        .store(store(pool_a, "a").await)
+        .module(Module::new("m").handle_named::<MemberRemoved, _>("h", on_a.clone()))
+        .build()
+        .unwrap();
+    let b = Runtime::builder()
+        .store(store(pool_b, "b").await)
+        .recovery_interval(Duration::from_millis(100))
+        .module(Module::new("m").handle_named::<MemberRemoved, _>("h", on_b.clone()))
+        .build()
+        .unwrap();
+    // Both have heartbeaten before the outage.
+    tokio::time::timeout(WAIT, async {
+        tokio::join!(a.first_recovery(), b.first_recovery())
+    })
+    .await
+    .unwrap();
+    let running = a.publish(&member_removed()).await.unwrap();
+    let started = || on_a.0.load(std::sync::atomic::Ordering::SeqCst) == 1;
+    tokio::time::timeout(WAIT, async {
+        while !started() {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    })
+    .await
+    .expect("a runs its delivery");
+
+    to_a.cut();
+    to_b.cut();
+    let beat_of = |node: &'static str| {
+        let db = &db;
+        async move {
+            match node {
+                "a" => {
+                    db.scalar("SELECT heartbeat_at FROM dacapo_nodes WHERE id = 'a'")
+                        .await
+                }
+                _ => {
+                    db.scalar("SELECT heartbeat_at FROM dacapo_nodes WHERE id = 'b'")
+                        .await
+                }
+            }
+        }
+    };
+    let span = i64::try_from(timeout.as_millis()).unwrap();
+    tokio::time::timeout(WAIT, async {
+        while now_millis() - beat_of("a").await.max(beat_of("b").await) <= span + 500 {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    })
+    .await
+    .expect("both heartbeats older than the node timeout");
+
+    // b comes back first: a looks dead, and its delivery claimable, until a beats again.
+    let back = now_millis();
+    to_b.restore();
+    tokio::time::timeout(WAIT, async {
+        while beat_of("b").await < back {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    })
+    .await
+    .expect("b heartbeats once back");
+    to_a.restore();
+    tokio::time::timeout(WAIT, async {
+        while beat_of("a").await < back {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    })
+    .await
+    .expect("a heartbeats once back");
+    // a is alive again from here on: b can no longer take its delivery.
+    assert_eq!(
+        db.scalar("SELECT count(*) FROM dacapo_inbox WHERE owner = 'a'")
+            .await,
+        1
+    );
+    assert_eq!(on_b.0.load(std::sync::atomic::Ordering::SeqCst), 0);
+
+    on_a.1.add_permits(1);
+    tokio::time::timeout(WAIT, a.idle()).await.unwrap();
+    assert_eq!(db.inbox_status(running).await.as_deref(), Some("handled"));
+    b.shutdown().await;
+    a.shutdown().await;
+    assert_eq!(on_a.0.load(std::sync::atomic::Ordering::SeqCst), 1);
+    assert_eq!(on_b.0.load(std::sync::atomic::Ordering::SeqCst), 0);
+}

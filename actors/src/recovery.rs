@@ -60,6 +60,71 @@ async fn resume_orphaned(dispatcher: &Dispatcher, inbox: &dyn DurableInbox, batc
     }
 }
 
+/// What this node knows of its own heartbeat. After a gap in it longer than the node timeout
+/// (the store unreachable, the process paused), the other nodes' heartbeats may be as old as
+/// its own through no death of theirs — an outage stops theirs too — so it claims none of
+/// their rows until they have had a node timeout to beat again.
+#[derive(Debug, Default)]
+struct Liveness {
+    /// When its last heartbeat was written.
+    last_beat: Option<chrono::DateTime<chrono::Utc>>,
+    /// A heartbeat failed since.
+    failed: bool,
+    /// Claims wait until then.
+    claims_from: Option<chrono::DateTime<chrono::Utc>>,
+}
+
+impl Liveness {
+    /// Notes a heartbeat written (`ok`) or failed at `now`.
+    fn beat(&mut self, ok: bool, now: chrono::DateTime<chrono::Utc>, timeout: Duration) {
+        if !ok {
+            self.failed = true;
+            return;
+        }
+        let timeout = chrono::Duration::from_std(timeout).unwrap_or(chrono::TimeDelta::MAX);
+        let gap = self
+            .last_beat
+            .and_then(|last| now.signed_duration_since(last).checked_sub(&timeout))
+            .is_some_and(|over| over > chrono::TimeDelta::zero());
+        if self.failed || gap {
+            tracing::warn!(
+                "this node's heartbeat was interrupted: it claims no other node's deliveries for a node timeout, while theirs catch up"
+            );
+            self.claims_from = Some(
+                now.checked_add_signed(timeout)
+                    .unwrap_or(chrono::DateTime::<chrono::Utc>::MAX_UTC),
+            );
+        }
+        self.failed = false;
+        self.last_beat = Some(now);
+    }
+
+    /// Whether other nodes' rows may be claimed at `now`.
+    fn may_claim(&self, now: chrono::DateTime<chrono::Utc>) -> bool {
+        self.claims_from.is_none_or(|from| now >= from)
+    }
+}
+
+/// A [`Liveness`] shared by the rounds and the heartbeat's timer.
+type SharedLiveness = Arc<std::sync::Mutex<Liveness>>;
+
+/// Writes this node's heartbeat and notes it in `liveness`; whether it was written.
+async fn heartbeat(
+    inbox: &dyn DurableInbox,
+    liveness: &SharedLiveness,
+    clock: &dyn crate::ports::Clock,
+) -> bool {
+    let written = inbox.heartbeat().await;
+    if let Err(error) = &written {
+        tracing::warn!(%error, "heartbeat failed; retrying");
+    }
+    liveness
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+        .beat(written.is_ok(), clock.now(), inbox.node_timeout());
+    written.is_ok()
+}
+
 /// The deliveries this node runs: starting, running or cooling down.
 fn running_here(dispatcher: &Dispatcher) -> std::collections::HashSet<uuid::Uuid> {
     let shared = &dispatcher.shared;
@@ -86,6 +151,7 @@ pub struct RecoveryActor {
     batch: usize,
     busy: bool,
     beating: bool,
+    liveness: SharedLiveness,
     /// When this run started, until its first round took back what a previous run under the
     /// same node name left unsettled.
     started_at: Option<chrono::DateTime<chrono::Utc>>,
@@ -115,6 +181,7 @@ impl RecoveryActor {
             batch: batch.max(1),
             busy: false,
             beating: false,
+            liveness: SharedLiveness::default(),
             started_at,
         }
     }
@@ -140,6 +207,7 @@ impl RecoveryActor {
         let inbox = Arc::clone(&self.inbox);
         let (batch, interval) = (self.batch, self.interval);
         let started_at = self.started_at;
+        let liveness = Arc::clone(&self.liveness);
         // The round holds a virtual clock until it has handed over what it resumed: advancing
         // past its tick must not outrun it.
         let busy = dispatcher.shared.timers.busy();
@@ -158,15 +226,18 @@ impl RecoveryActor {
             }
             if full {
                 // Without a fresh heartbeat this node could look dead to itself: claim nothing.
-                if let Err(error) = inbox.heartbeat().await {
-                    tracing::warn!(%error, "heartbeat failed; retrying on the next round");
+                if !heartbeat(&*inbox, &liveness, shared.clock.as_ref()).await {
                     return Round::released();
                 }
                 resume_orphaned(&dispatcher, &*inbox, batch).await;
             }
             let mut resumed = 0usize;
             let mut limited = false;
-            while !shared.tracker.is_closing() {
+            let may_claim = liveness
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner)
+                .may_claim(shared.clock.now());
+            while may_claim && !shared.tracker.is_closing() {
                 let slots = shared.capacity.take_free(batch);
                 if slots.is_empty() {
                     limited = true;
@@ -247,10 +318,10 @@ impl RecoveryActor {
         }
         self.beating = true;
         let inbox = Arc::clone(&self.inbox);
+        let liveness = Arc::clone(&self.liveness);
+        let clock = Arc::clone(&self.dispatcher.shared.clock);
         let beat = async move {
-            if let Err(error) = inbox.heartbeat().await {
-                tracing::warn!(%error, "heartbeat failed; retrying");
-            }
+            heartbeat(&*inbox, &liveness, clock.as_ref()).await;
         };
         ctx.spawn(
             beat.into_actor(self)
@@ -271,5 +342,70 @@ impl Actor for RecoveryActor {
         // A millisecond at least: a timer of zero would beat without pause.
         let beat = (self.inbox.node_timeout() / 3).max(Duration::from_millis(1));
         timers.every(beat, ctx, Self::beat);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const TIMEOUT: Duration = Duration::from_secs(30);
+
+    fn at(seconds: i64) -> chrono::DateTime<chrono::Utc> {
+        chrono::DateTime::<chrono::Utc>::UNIX_EPOCH + chrono::Duration::seconds(seconds)
+    }
+
+    #[test]
+    fn heartbeats_within_the_node_timeout_leave_claims_free() {
+        let mut liveness = Liveness::default();
+        for second in [0, 10, 20, 30, 40] {
+            liveness.beat(true, at(second), TIMEOUT);
+            assert!(liveness.may_claim(at(second)));
+        }
+    }
+
+    #[test]
+    fn a_failed_heartbeat_holds_claims_back_a_node_timeout_after_the_next_one_written() {
+        let mut liveness = Liveness::default();
+        liveness.beat(true, at(0), TIMEOUT);
+        liveness.beat(false, at(10), TIMEOUT);
+        // Not written: the round claims nothing anyway.
+        liveness.beat(true, at(12), TIMEOUT);
+        assert!(!liveness.may_claim(at(12)));
+        assert!(!liveness.may_claim(at(41)));
+        assert!(liveness.may_claim(at(42)));
+        // Beats on time after that hold nothing back again.
+        liveness.beat(true, at(40), TIMEOUT);
+        assert!(liveness.may_claim(at(42)));
+    }
+
+    #[test]
+    fn a_gap_longer_than_the_node_timeout_holds_claims_back() {
+        let mut liveness = Liveness::default();
+        liveness.beat(true, at(0), TIMEOUT);
+        // The process paused for a minute: no beat failed, none was written.
+        liveness.beat(true, at(60), TIMEOUT);
+        assert!(!liveness.may_claim(at(60)));
+        assert!(liveness.may_claim(at(90)));
+    }
+
+    #[test]
+    fn the_first_heartbeat_claims_at_once_unless_one_failed_before_it() {
+        let mut liveness = Liveness::default();
+        liveness.beat(true, at(0), TIMEOUT);
+        assert!(liveness.may_claim(at(0)));
+        let mut liveness = Liveness::default();
+        liveness.beat(false, at(0), TIMEOUT);
+        liveness.beat(true, at(5), TIMEOUT);
+        assert!(!liveness.may_claim(at(5)));
+        assert!(liveness.may_claim(at(35)));
+    }
+
+    #[test]
+    fn a_node_timeout_too_long_to_add_holds_claims_back_for_good() {
+        let mut liveness = Liveness::default();
+        liveness.beat(false, at(0), Duration::MAX);
+        liveness.beat(true, at(1), Duration::MAX);
+        assert!(!liveness.may_claim(at(1_000_000)));
     }
 }
