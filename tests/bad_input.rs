@@ -6,6 +6,7 @@ mod support;
 use dacapo::prelude::*;
 use dacapo::testing::TestHarness;
 use dacapo::{DeadLetterReason, DiscardReason, Error, Outcome, UnknownMessageTypes};
+use std::time::Duration;
 use support::{Counter, MemberRemoved, member_removed};
 
 fn harness_with(counter: &Counter) -> TestHarness {
@@ -162,6 +163,44 @@ fn registering_a_handler_twice_or_a_policy_for_no_handler_is_refused() {
         .message_retry_policy::<MemberRemoved>(RetryPolicy::default())
         .build();
     assert!(matches!(orphan, Err(Error::Registry(_))));
+}
+
+/// A timeout of zero, the runtime's default or a module's, times every handler out at its
+/// first await: refused at build, not found out as every message is dead-lettered.
+#[test]
+fn a_handler_timeout_of_zero_is_refused() {
+    let refused = [
+        Runtime::builder()
+            .handler_timeout(Duration::ZERO)
+            .module(Module::new("m").handle_named::<MemberRemoved, _>("h", Counter::default()))
+            .build(),
+        Runtime::builder()
+            .module(
+                Module::new("m")
+                    .handle_named::<MemberRemoved, _>("h", Counter::default())
+                    .handler_timeout(Duration::ZERO),
+            )
+            .build(),
+    ];
+    for result in refused {
+        let Err(Error::Registry(error)) = result else {
+            panic!("expected a registry error");
+        };
+        assert!(
+            error.to_string().contains("m/h has a timeout of zero"),
+            "{error}"
+        );
+    }
+    // A module's own timeout stands in for a default of zero.
+    let module_decides = Runtime::builder()
+        .handler_timeout(Duration::ZERO)
+        .module(
+            Module::new("m")
+                .handle_named::<MemberRemoved, _>("h", Counter::default())
+                .handler_timeout(Duration::from_secs(1)),
+        )
+        .build();
+    assert!(module_decides.is_ok());
 }
 
 #[derive(Clone, Debug, serde::Serialize, serde::Deserialize)]

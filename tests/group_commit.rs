@@ -345,6 +345,36 @@ on_both_stores!(
     a_lone_write_never_lingers
 );
 
+/// A group lingering for company commits once it is full, not at the end of its linger: a
+/// long linger held a full group for all of it.
+async fn a_full_group_ends_its_linger<D: Dialect>(store: SqlStore<D>) {
+    let recorder = Recorder::<TicketSold>::new();
+    let harness = TestHarness::builder()
+        .settle_timeout(Duration::from_secs(20))
+        .store(store.group_commit(4, Duration::from_secs(3600)))
+        .module(Module::new("box_office").handle_named::<TicketSold, _>("count", recorder.clone()))
+        .build()
+        .unwrap();
+    harness.idle().await.unwrap();
+    let envelopes = envelopes(&harness);
+    // Three start the linger; the fourth fills the group.
+    let (three, fourth) = tokio::time::timeout(Duration::from_secs(30), async {
+        futures::join!(accept_all(&harness, &envelopes[..3]), async {
+            tokio::time::sleep(Duration::from_millis(100)).await;
+            harness.runtime().receive(envelopes[3].clone()).await
+        })
+    })
+    .await
+    .expect("the full group lingered");
+    assert!(three.iter().chain([&fourth]).all(Result::is_ok));
+}
+
+on_both_stores!(
+    a_full_group_ends_its_linger_sqlite,
+    a_full_group_ends_its_linger_postgres,
+    a_full_group_ends_its_linger
+);
+
 /// Three writes waiting together wait `linger` for company: a fourth that comes during it
 /// commits with them. A failing commit shows it: the one commit fails all four.
 async fn three_waiting_writes_linger_for_a_fourth<D: Dialect>(store: SqlStore<D>) {

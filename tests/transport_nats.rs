@@ -144,6 +144,23 @@ async fn durations_longer_than_jetstream_counts_are_its_longest_not_an_overflow(
     server.remove().await;
 }
 
+/// A stream that keeps messages a minute gets a duplicate window of a minute, not the default
+/// two: JetStream refuses a window longer than the age, and the transport then never listened.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_duplicate_window_longer_than_the_streams_age_is_shortened_to_it() {
+    let server = Server::new().await;
+    let minute = std::time::Duration::from_secs(60);
+    routed_messages_cross_the_broker_once(TestStore::sqlite().await, || {
+        server.transport(&url()).max_age(minute).into()
+    })
+    .await;
+    let mut stream = server.jetstream.get_stream(&server.stream).await.unwrap();
+    let config = stream.info().await.unwrap().config.clone();
+    assert_eq!(config.max_age, minute);
+    assert_eq!(config.duplicate_window, minute);
+    server.remove().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn routed_messages_cross_jetstream_once_as_cloud_events() {
     let server = Server::new().await;

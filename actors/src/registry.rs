@@ -87,6 +87,10 @@ pub enum RegistryError {
         /// The start of the `TYPE` given (at most 64 characters of it).
         shown: String,
     },
+    /// A handler's timeout (the module's, or the runtime's default) is zero: every handler
+    /// that awaits anything would time out, and every message be dead-lettered.
+    #[error("handler {0} has a timeout of zero: it would time out at its first await")]
+    ZeroTimeout(HandlerId),
 }
 
 /// The longest `Message::TYPE` a module may register, in bytes.
@@ -140,6 +144,9 @@ impl Registry {
                     first: first.rust_type.1,
                     second: entry.rust_type.1,
                 });
+            }
+            if entry.module_timeout.unwrap_or(handler_timeout).is_zero() {
+                return Err(RegistryError::ZeroTimeout(entry.id));
             }
             if route.handlers.iter().any(|h| h.id == entry.id) {
                 return Err(RegistryError::DuplicateHandler(

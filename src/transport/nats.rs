@@ -136,8 +136,9 @@ impl Nats {
     }
 
     /// The stream's duplicate window for `Nats-Msg-Id` (default 2 min), when it is created;
-    /// at most about 292 years, as [`ack_wait`](Self::ack_wait), and no longer than the
-    /// stream's [`max_age`](Self::max_age) (JetStream refuses the stream otherwise).
+    /// at most about 292 years, as [`ack_wait`](Self::ack_wait), and shortened to the
+    /// stream's [`max_age`](Self::max_age) where that is shorter (JetStream refuses a longer
+    /// one).
     #[must_use]
     pub fn duplicate_window(mut self, window: Duration) -> Self {
         self.settings.duplicate_window = window.min(LONGEST);
@@ -246,7 +247,12 @@ async fn stream(
                 name: settings.stream.clone(),
                 subjects: vec![format!("{}.>", settings.prefix)],
                 storage: stream::StorageType::File,
-                duplicate_window: settings.duplicate_window,
+                // No longer than the age: JetStream refuses the stream otherwise.
+                duplicate_window: if settings.max_age.is_zero() {
+                    settings.duplicate_window
+                } else {
+                    settings.duplicate_window.min(settings.max_age)
+                },
                 max_age: settings.max_age,
                 ..stream::Config::default()
             })

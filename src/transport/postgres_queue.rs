@@ -23,6 +23,9 @@ const CHANNEL: &str = "dacapo_queue";
 /// The shortest poll interval a node takes.
 const MIN_POLL_INTERVAL: Duration = Duration::from_millis(1);
 
+/// The shortest [`PostgresQueue::reply_timeout`].
+const MIN_REPLY_TIMEOUT: Duration = Duration::from_millis(100);
+
 /// A deadline that never comes in practice, for intervals too long to add to the clock.
 const FAR_FUTURE: Duration = Duration::from_secs(100 * 365 * 24 * 60 * 60);
 
@@ -133,10 +136,12 @@ impl PostgresQueue {
     /// server gone without closing the connection (a host down, a network that drops
     /// packets) would otherwise leave the node waiting for as long as TCP takes to notice,
     /// still listening in name. The rows it held are freed by the server meanwhile, and the
-    /// redelivery of a batch already recorded is discarded by the inbox.
+    /// redelivery of a batch already recorded is discarded by the inbox. At least 100 ms: a
+    /// timeout shorter than any answer would time out every take, and the node would connect
+    /// again for ever without consuming.
     #[must_use]
     pub fn reply_timeout(mut self, timeout: Duration) -> Self {
-        self.reply_timeout = timeout;
+        self.reply_timeout = timeout.max(MIN_REPLY_TIMEOUT);
         self
     }
 
@@ -484,5 +489,22 @@ impl Subscriber {
             }
             Err(error) => Err(unreadable(format!("queue row: {error}"), Vec::new())),
         }
+    }
+}
+
+#[cfg(test)]
+mod reply_timeout_tests {
+    use super::*;
+
+    #[test]
+    fn a_reply_timeout_of_zero_is_the_shortest_one_instead() {
+        let queue = PostgresQueue::with_options(PgConnectOptions::new(), "q");
+        assert_eq!(
+            queue.reply_timeout(Duration::ZERO).reply_timeout,
+            MIN_REPLY_TIMEOUT
+        );
+        let queue = PostgresQueue::with_options(PgConnectOptions::new(), "q");
+        let long = Duration::from_secs(90);
+        assert_eq!(queue.reply_timeout(long).reply_timeout, long);
     }
 }

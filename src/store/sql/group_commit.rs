@@ -523,7 +523,28 @@ async fn commit_batches(mut leading: Leading, db: &Database, first_only: bool) -
         };
         match wait {
             Wait::None => {}
-            Wait::Linger(linger) => tokio::time::sleep(linger).await,
+            // Until the linger ends, or the group is full: no one else could join it.
+            Wait::Linger(linger) => {
+                let deadline = tokio::time::Instant::now().checked_add(linger);
+                loop {
+                    let joined = group.joined.notified();
+                    futures::pin_mut!(joined);
+                    joined.as_mut().enable();
+                    if group.queue().waiting.len() >= group.grouping.max_batch {
+                        break;
+                    }
+                    let lingered = match deadline {
+                        Some(deadline) => tokio::time::timeout_at(deadline, joined).await,
+                        None => {
+                            joined.await;
+                            Ok(())
+                        }
+                    };
+                    if lingered.is_err() {
+                        break;
+                    }
+                }
+            }
             Wait::ForAnother(at_most) => {
                 let joined = group.joined.notified();
                 futures::pin_mut!(joined);

@@ -256,7 +256,7 @@ impl<D: Dialect> SqlStore<D> {
     /// How accepts, attempt begins, scheduled retries and settles are committed together
     /// (group commit): at most `max_batch` deliveries' writes in one transaction (default
     /// 128; 1 commits each alone), and, when three or more wait, the group waits `linger` for
-    /// others to join first (default 150 µs on SQLite, zero on PostgreSQL; zero makes a batch
+    /// others to join first, or until it is full (default 150 µs on SQLite, zero on PostgreSQL; zero makes a batch
     /// what arrived while the previous commit ran). The wait is on tokio's timer, which counts
     /// whole milliseconds: it ends at the first tick after `linger`, so 150 µs waits 0.15 to
     /// 1.15 ms. A lone write never lingers, nor two (a publisher's accept and the settle of its
