@@ -475,6 +475,41 @@ async fn an_envelope_no_stream_captures_waits_in_the_outbox_without_holding_back
     server.remove().await;
 }
 
+/// A whole batch the server refuses (no stream captures any of its subjects) is held row by
+/// row, as one such envelope is: the envelopes behind it go. It failed as if the server were
+/// down before, every round, and nothing behind it was ever published.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_batch_no_stream_captures_does_not_hold_back_the_envelopes_behind_it() {
+    let server = Server::new().await;
+    let store = TestStore::sqlite().await;
+    let seen = Seen::default();
+    let transport = server
+        .transport(&url())
+        .route_to::<Stray>(format!("{}.stray", unique("nowhere")));
+    let runtime = store
+        .builder(module(&seen, "a"), transport)
+        .relay_batch(2)
+        .build()
+        .unwrap();
+    listening(&runtime).await;
+    // Published together, in one transaction: the relay's first read is the two strays.
+    runtime
+        .publish_batch(&[Stray { n: 1 }, Stray { n: 2 }])
+        .await
+        .unwrap();
+    let ping = runtime.publish(&Ping { n: 3 }).await.unwrap();
+    let calls = seen.wait_for(1, WAIT).await;
+    assert_eq!(calls[0].id, ping);
+    wait_until_async(|| async { runtime.outbox_backlog().await.unwrap().unwrap().depth == 2 })
+        .await;
+    assert!(
+        dead_letters(&runtime, 0).await.is_empty(),
+        "held, not refused"
+    );
+    runtime.shutdown().await;
+    server.remove().await;
+}
+
 /// Waits until the async `condition` holds, at most `WAIT`.
 async fn wait_until_async<F, Fut>(condition: F)
 where

@@ -10,7 +10,8 @@ use brokers::*;
 use dacapo::Runtime;
 use dacapo::transport::{QueueKind, RabbitMq, Transport, WireFormat};
 use lapin::options::{
-    BasicPublishOptions, ExchangeDeleteOptions, QueueDeclareOptions, QueueDeleteOptions,
+    BasicPublishOptions, ExchangeDeclareOptions, ExchangeDeleteOptions, QueueDeclareOptions,
+    QueueDeleteOptions,
 };
 use lapin::types::{AMQPValue, FieldTable, LongString, ShortString};
 use lapin::{BasicProperties, Channel, Connection, ConnectionProperties};
@@ -300,6 +301,53 @@ async fn headers_larger_than_a_frame_dead_letter_their_envelope_only() {
         dacapo::SendOptions::new().header("big", "v".repeat(200 * 1024)),
     )
     .await;
+    broker.remove().await;
+}
+
+/// An exchange the broker refuses publications to (an internal one here; in production, one
+/// this service's user may not write to) closes the channel at the first publication to it,
+/// failing the rest of the batch with it. One at a time then tells them apart: only the
+/// refused envelope is held, and the others go. The whole batch failed every round before,
+/// and nothing this service routed reached the broker again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_exchange_that_refuses_publications_holds_back_only_its_own_envelopes() {
+    let broker = Broker::new().await;
+    let internal = unique("internal-");
+    broker
+        .channel
+        .exchange_declare(
+            internal.as_str().into(),
+            lapin::ExchangeKind::Topic,
+            ExchangeDeclareOptions {
+                internal: true,
+                ..ExchangeDeclareOptions::default()
+            },
+            FieldTable::default(),
+        )
+        .await
+        .unwrap();
+    let store = TestStore::sqlite().await;
+    // The topology is declared first: the node under test only checks it, as where it is
+    // managed elsewhere (a declaration would find the internal exchange declared otherwise).
+    let (setup, _) = listening_node(&store, broker.transport(&url())).await;
+    setup.shutdown().await;
+    let transport = broker
+        .transport(&url())
+        .declare(false)
+        .route_to::<Local>(&internal);
+    let (runtime, seen) = listening_node(&store, transport).await;
+
+    runtime.publish(&Local { n: 0 }).await.unwrap();
+    publish_pings(&runtime, 1, 5).await;
+    let calls = seen.wait_for(5, WAIT).await;
+    assert_eq!(calls.len(), 5);
+    let backlog = runtime.outbox_backlog().await.unwrap().unwrap();
+    assert_eq!(backlog.depth, 1, "the refused envelope waits in the outbox");
+    runtime.shutdown().await;
+    let _ = broker
+        .channel
+        .exchange_delete(internal.as_str().into(), ExchangeDeleteOptions::default())
+        .await;
     broker.remove().await;
 }
 

@@ -370,6 +370,13 @@ impl Publisher {
                 Ok(_) => acknowledged += 1,
                 Err(error) => match never_passes(error.kind()) {
                     Some(why) => refused.push((id, format!("{why}: {error}"))),
+                    // No stream captures its subject, which the server answered: this
+                    // envelope's, not the server's failure, even if the whole batch is such.
+                    None if error.kind()
+                        == jetstream::context::PublishErrorKind::StreamNotFound =>
+                    {
+                        held.push((id, error.to_string()));
+                    }
                     None => {
                         held.push((id, error.to_string()));
                         failure.get_or_insert(failed(error));

@@ -334,7 +334,38 @@ impl Publisher {
         }
     }
 
-    async fn send(&mut self, envelopes: &[Envelope]) -> Result<Sent, Error> {
+    /// Sends `envelopes` one at a time, each confirmed before the next: after a batch in which
+    /// the broker closed the channel on one of them, those it takes go, and the one it refused
+    /// is held. A failure of the connection itself holds the rest, or fails the whole call if
+    /// none went.
+    async fn send_one_at_a_time(&mut self, envelopes: &[Envelope]) -> Result<Sent, Error> {
+        let mut all = Sent::refusing(Vec::new());
+        let mut confirmed = 0usize;
+        for (index, envelope) in envelopes.iter().enumerate() {
+            match self.send(std::slice::from_ref(envelope)).await {
+                // Closed on this one: held, alone; its pause grows each time it is, and the
+                // others go meanwhile.
+                Ok(Batch::Answered(sent) | Batch::ChannelClosed(sent)) => {
+                    confirmed += usize::from(sent.held.is_empty() && sent.refused.is_empty());
+                    all.refused.extend(sent.refused);
+                    all.held.extend(sent.held);
+                }
+                Err(error) if confirmed == 0 => return Err(error),
+                Err(error) => {
+                    let why = format!("not sent: {error}");
+                    all.held.extend(
+                        envelopes[index..]
+                            .iter()
+                            .map(|envelope| (envelope.id, why.clone())),
+                    );
+                    break;
+                }
+            }
+        }
+        Ok(all)
+    }
+
+    async fn send(&mut self, envelopes: &[Envelope]) -> Result<Batch, Error> {
         let settings = Arc::clone(&self.settings);
         let mut channel = self.channel().await?.clone();
         let frame_max = match &self.channel {
@@ -448,14 +479,28 @@ impl Publisher {
                 format!("came back unrouted: no queue is bound for its type on {whose} exchange"),
             ));
         }
+        // A channel the broker closed on a connection still up: it refused one publication
+        // (an exchange this user may not write to, a message over its size limit), and the
+        // rest of the batch failed with the channel.
+        let refused_one = broken.is_some()
+            && self
+                .channel
+                .as_ref()
+                .is_some_and(|(connection, _)| connection.status().connected());
         if broken.is_some() || rebind {
             self.reset();
         }
         // Nothing went through: the broker is down or refusing everything, not one envelope
-        // (failed, the batch is left to the publisher's backoff).
+        // (failed, the batch is left to the publisher's backoff) — unless it closed the
+        // channel on one of them, which one at a time tells apart from the rest.
         if confirmed == 0 {
             if let Some(error) = broken {
-                return Err(error);
+                if !refused_one {
+                    return Err(error);
+                }
+                let mut sent = Sent::refusing(refused);
+                sent.held = held;
+                return Ok(Batch::ChannelClosed(sent));
             }
             if let Some(id) = nacked {
                 return Err(failed(format!("the broker refused envelope {id} (nack)")));
@@ -463,14 +508,19 @@ impl Publisher {
         }
         let mut sent = Sent::refusing(refused);
         sent.held = held;
-        Ok(sent)
+        Ok(Batch::Answered(sent))
     }
 }
 
 #[async_trait]
 impl Publish for Publisher {
     async fn publish(&mut self, envelopes: &[Envelope]) -> Result<Sent, Error> {
-        let sent = self.send(envelopes).await;
+        let sent = match self.send(envelopes).await {
+            Ok(Batch::Answered(sent)) => Ok(sent),
+            Ok(Batch::ChannelClosed(sent)) if envelopes.len() == 1 => Ok(sent),
+            Ok(Batch::ChannelClosed(_)) => self.send_one_at_a_time(envelopes).await,
+            Err(error) => Err(error),
+        };
         if sent.is_err() {
             self.reset();
         }
@@ -481,6 +531,15 @@ impl Publish for Publisher {
         // Connect afresh next time: a channel that saw an error may be closed.
         self.channel = None;
     }
+}
+
+/// What a batch came to, when the broker answered for it.
+enum Batch {
+    /// Each envelope confirmed, or held or refused with why.
+    Answered(Sent),
+    /// Nothing confirmed: the broker closed the channel on one publication it refused, and
+    /// the rest failed with it (all of them held here).
+    ChannelClosed(Sent),
 }
 
 /// Where an envelope goes and what it carries, or why AMQP cannot carry it.

@@ -181,6 +181,15 @@ impl TestStore {
 
     /// A runtime on this store with `module` and `transport`.
     pub fn runtime(&self, module: Module, transport: impl Into<Transport>) -> Runtime {
+        self.builder(module, transport).build().unwrap()
+    }
+
+    /// The builder of [`runtime`](Self::runtime), for a test to add its own settings.
+    pub fn builder(
+        &self,
+        module: Module,
+        transport: impl Into<Transport>,
+    ) -> dacapo::RuntimeBuilder {
         let builder = Runtime::builder()
             .module(module)
             .transport(transport)
@@ -189,8 +198,6 @@ impl TestStore {
             Self::Sqlite(store, _) => builder.store(store.clone()),
             Self::Postgres(store, _) => builder.store(store.clone()),
         }
-        .build()
-        .unwrap()
     }
 }
 
