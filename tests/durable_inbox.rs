@@ -259,13 +259,44 @@ on_both_backends!(
         );
         assert!(
             inbox
-                .recover(10, chrono::DateTime::<chrono::Utc>::MAX_UTC)
+                .recover(10, chrono::DateTime::<chrono::Utc>::MAX_UTC, true)
                 .await
                 .unwrap()
                 .is_empty(),
             "nothing to run again"
         );
         assert_eq!(inbox.receive(&envelope).await.unwrap(), Receipt::Duplicate);
+    }
+);
+
+on_both_backends!(
+    a_claim_of_released_rows_only_leaves_a_lapsed_nodes_rows_sqlite,
+    a_claim_of_released_rows_only_leaves_a_lapsed_nodes_rows_postgres,
+    |db| {
+        let dead = db.sqlite_or_postgres_inbox().await;
+        let claimer = db.sqlite_or_postgres_inbox().await;
+        let (lapsed, released) = (
+            Envelope::for_message(&member_removed()).unwrap(),
+            Envelope::for_message(&member_removed()).unwrap(),
+        );
+        dead.receive(&lapsed).await.unwrap();
+        dead.receive(&released).await.unwrap();
+        // Both old, and the dead node never heartbeat.
+        db.execute("UPDATE dacapo_inbox SET received_at = 0").await;
+        // The row with the lesser id (ids are stored as 32 hex digits) is released.
+        db.execute(
+            "UPDATE dacapo_inbox SET owner = NULL WHERE id = (SELECT min(id) FROM dacapo_inbox)",
+        )
+        .await;
+        let released_id =
+            std::cmp::min_by_key(lapsed.id, released.id, |id| id.simple().to_string());
+        let never = chrono::DateTime::<chrono::Utc>::MAX_UTC;
+        let only_released = claimer.recover(10, never, false).await.unwrap();
+        assert_eq!(only_released.len(), 1);
+        assert_eq!(only_released[0].envelope.id, released_id);
+        let the_rest = claimer.recover(10, never, true).await.unwrap();
+        assert_eq!(the_rest.len(), 1, "the lapsed node's row, once asked for");
+        assert_ne!(the_rest[0].envelope.id, released_id);
     }
 );
 

@@ -106,7 +106,10 @@ async fn a_node_is_held_by_one_live_process_at_a_time(db: TestDatabase) {
     let envelope = Envelope::for_message(&member_removed()).unwrap();
     let refused = second.receive(&envelope).await.unwrap_err();
     assert!(is_held_elsewhere(&refused), "{refused}");
-    let recovering = second.recover(100, chrono::Utc::now()).await.unwrap_err();
+    let recovering = second
+        .recover(100, chrono::Utc::now(), true)
+        .await
+        .unwrap_err();
     assert!(is_held_elsewhere(&recovering), "{recovering}");
     // Provisioning claims releases the node's own, and the outbox lease is the node's.
     let (claims, outbox): (Box<dyn Claims>, Box<dyn OutboxStore>) = if postgres {

@@ -853,7 +853,7 @@ on_both_backends!(
         let (survivor, _) = node_store(&db, "survivor").await;
         survivor.heartbeat().await.unwrap();
         let resumed = survivor
-            .recover(10, chrono::DateTime::<chrono::Utc>::MAX_UTC)
+            .recover(10, chrono::DateTime::<chrono::Utc>::MAX_UTC, true)
             .await
             .unwrap();
         assert_eq!(resumed.len(), 1, "the readable row resumes");

@@ -9,6 +9,8 @@ mod support;
 mod support_proxy;
 #[path = "support/stores.rs"]
 mod support_stores;
+#[path = "support/warnings.rs"]
+mod support_warnings;
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -319,4 +321,71 @@ async fn after_an_outage_the_first_node_back_does_not_take_a_live_nodes_deliveri
     a.shutdown().await;
     assert_eq!(on_a.0.load(std::sync::atomic::Ordering::SeqCst), 1);
     assert_eq!(on_b.0.load(std::sync::atomic::Ordering::SeqCst), 0);
+}
+
+/// While a node claims no other node's deliveries after its heartbeat was interrupted, it still
+/// claims the rows no node owns: a scheduled message runs on time, not a node timeout late.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn after_an_outage_a_scheduled_message_runs_on_time() {
+    let _ = support_warnings::warnings();
+    let db = support_stores::TestDatabase::new(support_stores::Backend::Postgres).await;
+    let (proxy, pool) = proxied(&db, Duration::from_secs(1)).await;
+    let calls = dacapo::testing::Recorder::<MemberRemoved>::new();
+    let runtime = Runtime::builder()
+        .store(
+            PostgresStore::with_pool(pool)
+                .await
+                .unwrap()
+                .node_id("alone"),
+        )
+        .recovery_interval(Duration::from_millis(100))
+        .module(Module::new("m").handle_named::<MemberRemoved, _>("h", calls.clone()))
+        .build()
+        .unwrap();
+    tokio::time::timeout(WAIT, runtime.first_recovery())
+        .await
+        .unwrap();
+    let interrupted = || {
+        support_warnings::warnings()
+            .lock()
+            .unwrap()
+            .iter()
+            .any(|w| w.contains("heartbeat was interrupted"))
+    };
+    proxy.cut();
+    let failed = || {
+        support_warnings::warnings()
+            .lock()
+            .unwrap()
+            .iter()
+            .any(|w| w.contains("heartbeat failed"))
+    };
+    tokio::time::timeout(WAIT, async {
+        while !failed() {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    })
+    .await
+    .expect("a heartbeat fails while the database is unreachable");
+    proxy.restore();
+    tokio::time::timeout(WAIT, async {
+        while !interrupted() {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    })
+    .await
+    .expect("the node beats again, and holds back claims of others' rows for 30 s");
+    runtime
+        .publish_after(&member_removed(), Duration::from_millis(100))
+        .await
+        .unwrap();
+    // Well inside the 30 s of the hold-back.
+    tokio::time::timeout(Duration::from_secs(15), async {
+        while calls.count() == 0 {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    })
+    .await
+    .expect("the scheduled message ran during the hold-back");
+    runtime.shutdown().await;
 }

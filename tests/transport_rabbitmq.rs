@@ -337,8 +337,21 @@ async fn an_exchange_that_refuses_publications_holds_back_only_its_own_envelopes
         .route_to::<Local>(&internal);
     let (runtime, seen) = listening_node(&store, transport).await;
 
-    runtime.publish(&Local { n: 0 }).await.unwrap();
-    publish_pings(&runtime, 1, 5).await;
+    // In one transaction, the refused one first: the relay reads them as one batch, which
+    // the broker's closing of the channel fails whole.
+    let TestStore::Sqlite(sqlite, _) = &store else {
+        unreachable!("a SQLite store")
+    };
+    let mut tx = sqlite.pool().begin_with("BEGIN IMMEDIATE").await.unwrap();
+    runtime
+        .outbox()
+        .enlist(&mut tx, &Local { n: 0 })
+        .await
+        .unwrap();
+    for n in 1..=5 {
+        runtime.outbox().enlist(&mut tx, &Ping { n }).await.unwrap();
+    }
+    runtime.outbox().commit(tx).await.unwrap();
     let calls = seen.wait_for(5, WAIT).await;
     assert_eq!(calls.len(), 5);
     let backlog = runtime.outbox_backlog().await.unwrap().unwrap();

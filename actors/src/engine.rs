@@ -371,10 +371,14 @@ impl Engine {
         }
         // A recovery round that started before the close would claim rows again behind the
         // release, leaving them owned by a node that is gone; one stuck on the store is not
-        // waited for past the drain.
-        let recovering = tokio::time::timeout(drain, self.dispatcher.shared.recovering.lock())
-            .await
-            .ok();
+        // waited for past the drain — a second at least, as the runtime's transports may have
+        // taken all of it, and a round in flight takes milliseconds.
+        let recovering = tokio::time::timeout(
+            drain.max(Duration::from_secs(1)),
+            self.dispatcher.shared.recovering.lock(),
+        )
+        .await
+        .ok();
         // Hand this node's unsettled deliveries (the retries above) to whoever starts next,
         // while the workers, whose runtimes some of the store's connections belong to, still
         // run. Not those still running: released, another node would claim one at once and run

@@ -324,7 +324,9 @@ pub trait DurableInbox: Inbox {
     /// Claims for this node up to `limit` deliveries left unsettled by a runtime that stopped —
     /// released at a graceful shutdown, or owned by a node whose heartbeat expired — or
     /// scheduled for later, so they resume here; only those due before `due_before` (a
-    /// delivery cooling down, or scheduled, further ahead stays for a later round).
+    /// delivery cooling down, or scheduled, further ahead stays for a later round). Without
+    /// `lapsed`, only rows no node owns (released, or scheduled): a node whose own heartbeat
+    /// was interrupted claims none of another's until theirs have had time to catch up.
     ///
     /// # Errors
     ///
@@ -333,6 +335,7 @@ pub trait DurableInbox: Inbox {
         &self,
         limit: usize,
         due_before: DateTime<Utc>,
+        lapsed: bool,
     ) -> Result<Vec<Resumable>, Error>;
 
     /// This node's own unsettled deliveries, received before `before`, that nothing in this

@@ -99,9 +99,17 @@ impl Liveness {
         self.last_beat = Some(now);
     }
 
-    /// Whether other nodes' rows may be claimed at `now`.
-    fn may_claim(&self, now: chrono::DateTime<chrono::Utc>) -> bool {
-        self.claims_from.is_none_or(|from| now >= from)
+    /// Whether other nodes' rows may be claimed at `now`: not while a heartbeat failed since
+    /// the last one written, nor once that one is older than the node timeout (a round that
+    /// writes none, continuing a claim, may come long after it), nor before `claims_from`.
+    fn may_claim(&self, now: chrono::DateTime<chrono::Utc>, timeout: Duration) -> bool {
+        let timeout = chrono::Duration::from_std(timeout).unwrap_or(chrono::TimeDelta::MAX);
+        let fresh = self.last_beat.is_none_or(|last| {
+            now.signed_duration_since(last)
+                .checked_sub(&timeout)
+                .is_none_or(|over| over <= chrono::TimeDelta::zero())
+        });
+        !self.failed && fresh && self.claims_from.is_none_or(|from| now >= from)
     }
 }
 
@@ -233,11 +241,12 @@ impl RecoveryActor {
             }
             let mut resumed = 0usize;
             let mut limited = false;
-            let may_claim = liveness
+            // Rows no node owns (released, scheduled) are claimed whatever this node's heartbeat.
+            let lapsed = liveness
                 .lock()
                 .unwrap_or_else(std::sync::PoisonError::into_inner)
-                .may_claim(shared.clock.now());
-            while may_claim && !shared.tracker.is_closing() {
+                .may_claim(shared.clock.now(), inbox.node_timeout());
+            while !shared.tracker.is_closing() {
                 let slots = shared.capacity.take_free(batch);
                 if slots.is_empty() {
                     limited = true;
@@ -250,7 +259,7 @@ impl RecoveryActor {
                     .ok()
                     .and_then(|interval| shared.clock.now().checked_add_signed(interval))
                     .unwrap_or(chrono::DateTime::<chrono::Utc>::MAX_UTC);
-                match inbox.recover(wanted, due_before).await {
+                match inbox.recover(wanted, due_before, lapsed).await {
                     Ok(mut deliveries) => {
                         let count = deliveries.len();
                         // Claimed back from a node that claimed them while this one was taken
@@ -360,7 +369,7 @@ mod tests {
         let mut liveness = Liveness::default();
         for second in [0, 10, 20, 30, 40] {
             liveness.beat(true, at(second), TIMEOUT);
-            assert!(liveness.may_claim(at(second)));
+            assert!(liveness.may_claim(at(second), TIMEOUT));
         }
     }
 
@@ -371,12 +380,23 @@ mod tests {
         liveness.beat(false, at(10), TIMEOUT);
         // Not written: the round claims nothing anyway.
         liveness.beat(true, at(12), TIMEOUT);
-        assert!(!liveness.may_claim(at(12)));
-        assert!(!liveness.may_claim(at(41)));
-        assert!(liveness.may_claim(at(42)));
+        assert!(!liveness.may_claim(at(12), TIMEOUT));
+        assert!(!liveness.may_claim(at(41), TIMEOUT));
+        assert!(liveness.may_claim(at(42), TIMEOUT));
         // Beats on time after that hold nothing back again.
         liveness.beat(true, at(40), TIMEOUT);
-        assert!(liveness.may_claim(at(42)));
+        assert!(liveness.may_claim(at(42), TIMEOUT));
+    }
+
+    #[test]
+    fn no_claims_while_a_heartbeat_failed_nor_once_the_last_one_is_older_than_the_timeout() {
+        let mut liveness = Liveness::default();
+        liveness.beat(true, at(0), TIMEOUT);
+        // A round that continues a claim writes no heartbeat: the last one is what it has.
+        assert!(liveness.may_claim(at(30), TIMEOUT));
+        assert!(!liveness.may_claim(at(31), TIMEOUT));
+        liveness.beat(false, at(10), TIMEOUT);
+        assert!(!liveness.may_claim(at(11), TIMEOUT));
     }
 
     #[test]
@@ -385,20 +405,20 @@ mod tests {
         liveness.beat(true, at(0), TIMEOUT);
         // The process paused for a minute: no beat failed, none was written.
         liveness.beat(true, at(60), TIMEOUT);
-        assert!(!liveness.may_claim(at(60)));
-        assert!(liveness.may_claim(at(90)));
+        assert!(!liveness.may_claim(at(60), TIMEOUT));
+        assert!(liveness.may_claim(at(90), TIMEOUT));
     }
 
     #[test]
     fn the_first_heartbeat_claims_at_once_unless_one_failed_before_it() {
         let mut liveness = Liveness::default();
         liveness.beat(true, at(0), TIMEOUT);
-        assert!(liveness.may_claim(at(0)));
+        assert!(liveness.may_claim(at(0), TIMEOUT));
         let mut liveness = Liveness::default();
         liveness.beat(false, at(0), TIMEOUT);
         liveness.beat(true, at(5), TIMEOUT);
-        assert!(!liveness.may_claim(at(5)));
-        assert!(liveness.may_claim(at(35)));
+        assert!(!liveness.may_claim(at(5), TIMEOUT));
+        assert!(liveness.may_claim(at(35), TIMEOUT));
     }
 
     #[test]
@@ -406,6 +426,6 @@ mod tests {
         let mut liveness = Liveness::default();
         liveness.beat(false, at(0), Duration::MAX);
         liveness.beat(true, at(1), Duration::MAX);
-        assert!(!liveness.may_claim(at(1_000_000)));
+        assert!(!liveness.may_claim(at(1_000_000), Duration::MAX));
     }
 }

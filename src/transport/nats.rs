@@ -335,9 +335,9 @@ impl Publisher {
         let mut acknowledged = 0usize;
         let mut acks = Vec::with_capacity(envelopes.len());
         for envelope in envelopes {
-            let to = match self.routes.destination(&envelope.message_type, prefix) {
-                own if own == prefix => subject(prefix, &envelope.message_type),
-                elsewhere => elsewhere.to_owned(),
+            let (to, own) = match self.routes.destination(&envelope.message_type, prefix) {
+                own if own == prefix => (subject(prefix, &envelope.message_type), true),
+                elsewhere => (elsewhere.to_owned(), false),
             };
             if let Some(why) = unpublishable(&to) {
                 refused.push((envelope.id, why));
@@ -354,7 +354,7 @@ impl Publisher {
                 .publish_with_headers(to, headers, envelope.payload.clone().into())
                 .await
             {
-                Ok(ack) => acks.push((envelope.id, ack)),
+                Ok(ack) => acks.push((envelope.id, own, ack)),
                 Err(error) => match never_passes(error.kind()) {
                     Some(why) => refused.push((envelope.id, format!("{why}: {error}"))),
                     None => {
@@ -365,15 +365,18 @@ impl Publisher {
             }
         }
         // Every publication is on its way before the first ack is awaited.
-        for (id, ack) in acks {
+        for (id, own, ack) in acks {
             match ack.await {
                 Ok(_) => acknowledged += 1,
                 Err(error) => match never_passes(error.kind()) {
                     Some(why) => refused.push((id, format!("{why}: {error}"))),
-                    // No stream captures its subject, which the server answered: this
-                    // envelope's, not the server's failure, even if the whole batch is such.
-                    None if error.kind()
-                        == jetstream::context::PublishErrorKind::StreamNotFound =>
+                    // No stream captures a subject of another service's, which the server
+                    // answered: this envelope's failure, not the server's, even if the whole
+                    // batch is such. On this service's own subjects it is the server's (its
+                    // stream restarting, electing a leader, or deleted: made again once the
+                    // failure resets the connection).
+                    None if !own
+                        && error.kind() == jetstream::context::PublishErrorKind::StreamNotFound =>
                     {
                         held.push((id, error.to_string()));
                     }

@@ -185,6 +185,10 @@ impl From<RabbitMq> for Transport {
     }
 }
 
+/// How long a batch the broker closed the channel on is sent one envelope at a time, within
+/// the publication's timeout of 5 s at least.
+const ONE_AT_A_TIME_FOR: std::time::Duration = std::time::Duration::from_secs(3);
+
 fn failed(error: impl Into<Box<dyn std::error::Error + Send + Sync>>) -> Error {
     Error::transport(NAME, error)
 }
@@ -314,6 +318,26 @@ struct Publisher {
 }
 
 impl Publisher {
+    /// A new channel on the connection, after the broker closed the last one on a publication
+    /// it refused: cheaper than a new connection, which is made instead if this fails.
+    async fn reopen(&mut self) {
+        let reopened = match &self.channel {
+            Some((connection, _)) => match connection.create_channel().await {
+                Ok(channel) => channel
+                    .confirm_select(ConfirmSelectOptions::default())
+                    .await
+                    .ok()
+                    .map(|()| channel),
+                Err(_) => None,
+            },
+            None => None,
+        };
+        match (reopened, &mut self.channel) {
+            (Some(channel), Some((_, closed))) => *closed = channel,
+            _ => self.reset(),
+        }
+    }
+
     async fn channel(&mut self) -> Result<&Channel, Error> {
         if self.channel.is_none() {
             let (connection, channel) = connect(&self.settings).await?;
@@ -341,7 +365,20 @@ impl Publisher {
     async fn send_one_at_a_time(&mut self, envelopes: &[Envelope]) -> Result<Sent, Error> {
         let mut all = Sent::refusing(Vec::new());
         let mut confirmed = 0usize;
+        // Within the publication's own timeout (5 s at least): what is left is held, for the
+        // next rounds, rather than the whole call failing and all of it sent again.
+        let deadline = tokio::time::Instant::now() + ONE_AT_A_TIME_FOR;
         for (index, envelope) in envelopes.iter().enumerate() {
+            if tokio::time::Instant::now() >= deadline {
+                all.held.extend(envelopes[index..].iter().map(|envelope| {
+                    (
+                        envelope.id,
+                        "not tried: a publication the broker refused took the batch's time"
+                            .to_owned(),
+                    )
+                }));
+                break;
+            }
             match self.send(std::slice::from_ref(envelope)).await {
                 // Closed on this one: held, alone; its pause grows each time it is, and the
                 // others go meanwhile.
@@ -487,8 +524,10 @@ impl Publisher {
                 .channel
                 .as_ref()
                 .is_some_and(|(connection, _)| connection.status().connected());
-        if broken.is_some() || rebind {
+        if rebind || (broken.is_some() && !refused_one) {
             self.reset();
+        } else if refused_one {
+            self.reopen().await;
         }
         // Nothing went through: the broker is down or refusing everything, not one envelope
         // (failed, the batch is left to the publisher's backoff) — unless it closed the

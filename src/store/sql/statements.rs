@@ -403,13 +403,13 @@ pub(crate) const RECORD_MIGRATION: &str =
 /// Claims unsettled rows with plain `UPDATE … RETURNING`; the caller's `BEGIN IMMEDIATE`
 /// already holds SQLite's single write lock.
 ///
-/// A row is claimable when released (no owner), or when its owner has not heartbeaten within
-/// the node timeout *and* the row is older than that: a node that just started may receive
+/// A row is claimable when released (no owner), or, when `$5` is 1, when its owner has not
+/// heartbeaten within the node timeout *and* the row is older than that: a node that just started may receive
 /// before its first heartbeat is written, and its fresh rows must not look orphaned.
 #[cfg(feature = "sqlite")]
 pub(crate) const CLAIM_SQLITE: &str = "UPDATE dacapo_inbox SET owner = $1 WHERE id IN (\
     SELECT id FROM dacapo_inbox WHERE status IN ('incoming', 'scheduled') \
-    AND (owner IS NULL OR (owner <> $1 AND received_at < $2 \
+    AND (owner IS NULL OR ($5 = 1 AND owner <> $1 AND received_at < $2 \
     AND owner NOT IN (SELECT id FROM dacapo_nodes WHERE heartbeat_at >= $2))) \
     AND (execute_at IS NULL OR execute_at < $4) \
     ORDER BY received_at LIMIT $3) \
@@ -420,7 +420,7 @@ pub(crate) const CLAIM_SQLITE: &str = "UPDATE dacapo_inbox SET owner = $1 WHERE 
 #[cfg(feature = "postgres")]
 pub(crate) const CLAIM_POSTGRES: &str = "UPDATE dacapo_inbox SET owner = $1 WHERE id IN (\
     SELECT id FROM dacapo_inbox WHERE status IN ('incoming', 'scheduled') \
-    AND (owner IS NULL OR (owner <> $1 AND received_at < $2 \
+    AND (owner IS NULL OR ($5 = 1 AND owner <> $1 AND received_at < $2 \
     AND owner NOT IN (SELECT id FROM dacapo_nodes WHERE heartbeat_at >= $2))) \
     AND (execute_at IS NULL OR execute_at < $4) \
     ORDER BY received_at LIMIT $3 FOR UPDATE SKIP LOCKED) \

@@ -769,6 +769,7 @@ impl<D: Dialect> DurableInbox for SqlStore<D> {
         &self,
         limit: usize,
         due_before: DateTime<Utc>,
+        lapsed: bool,
     ) -> Result<Vec<Resumable>, Error> {
         self.held().await?;
         let values = [
@@ -776,6 +777,7 @@ impl<D: Dialect> DurableInbox for SqlStore<D> {
             Value::Int64(millis(self.alive_since())),
             Self::limit(limit),
             Value::Int64(millis(due_before)),
+            Value::Int64(i64::from(lapsed)),
         ];
         let mut tx = self.db.begin().await?;
         let rows = tx.fetch_all(self.db.claim_statement(), &values).await?;
