@@ -9,8 +9,6 @@ mod support;
 mod support_proxy;
 #[path = "support/stores.rs"]
 mod support_stores;
-#[path = "support/warnings.rs"]
-mod support_warnings;
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -324,13 +322,14 @@ async fn after_an_outage_the_first_node_back_does_not_take_a_live_nodes_deliveri
 }
 
 /// While a node claims no other node's deliveries after its heartbeat was interrupted, it still
-/// claims the rows no node owns: a scheduled message runs on time, not a node timeout late.
+/// claims the rows no node owns: a scheduled message runs on time, not a node timeout late,
+/// while a dead node's delivery waits out the hold-back.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn after_an_outage_a_scheduled_message_runs_on_time() {
-    let _ = support_warnings::warnings();
     let db = support_stores::TestDatabase::new(support_stores::Backend::Postgres).await;
     let (proxy, pool) = proxied(&db, Duration::from_secs(1)).await;
     let calls = dacapo::testing::Recorder::<MemberRemoved>::new();
+    // Rounds every 100 ms, each heartbeating first: the outage fails one at once.
     let runtime = Runtime::builder()
         .store(
             PostgresStore::with_pool(pool)
@@ -345,36 +344,32 @@ async fn after_an_outage_a_scheduled_message_runs_on_time() {
     tokio::time::timeout(WAIT, runtime.first_recovery())
         .await
         .unwrap();
-    let interrupted = || {
-        support_warnings::warnings()
-            .lock()
-            .unwrap()
-            .iter()
-            .any(|w| w.contains("heartbeat was interrupted"))
-    };
+    let beat = || db.scalar("SELECT heartbeat_at FROM dacapo_nodes WHERE id = 'alone'");
     proxy.cut();
-    let failed = || {
-        support_warnings::warnings()
-            .lock()
-            .unwrap()
-            .iter()
-            .any(|w| w.contains("heartbeat failed"))
-    };
+    let cut_at = now_millis();
+    // A second without a beat written: ten rounds' heartbeats failed.
     tokio::time::timeout(WAIT, async {
-        while !failed() {
-            tokio::time::sleep(Duration::from_millis(20)).await;
+        while now_millis() - cut_at < 1000 {
+            tokio::time::sleep(Duration::from_millis(50)).await;
         }
     })
     .await
-    .expect("a heartbeat fails while the database is unreachable");
+    .unwrap();
+    assert!(beat().await < cut_at, "no heartbeat while cut off");
+    let back = now_millis();
     proxy.restore();
     tokio::time::timeout(WAIT, async {
-        while !interrupted() {
+        while beat().await < back {
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
     })
     .await
     .expect("the node beats again, and holds back claims of others' rows for 30 s");
+    // A dead node's delivery, old enough to take over, which the hold-back keeps from it.
+    let dead = PostgresStore::connect(&db.url).await.unwrap();
+    let orphan = dacapo::Envelope::for_message(&member_removed()).unwrap();
+    dacapo::ports::Inbox::receive(&dead, &orphan).await.unwrap();
+    db.execute("UPDATE dacapo_inbox SET received_at = 0").await;
     runtime
         .publish_after(&member_removed(), Duration::from_millis(100))
         .await
@@ -387,5 +382,12 @@ async fn after_an_outage_a_scheduled_message_runs_on_time() {
     })
     .await
     .expect("the scheduled message ran during the hold-back");
+    assert_eq!(calls.count(), 1, "the dead node's delivery waits");
+    assert_eq!(
+        db.scalar("SELECT count(*) FROM dacapo_inbox WHERE owner = 'alone' AND received_at = 0")
+            .await,
+        0,
+        "nothing of the dead node's claimed"
+    );
     runtime.shutdown().await;
 }

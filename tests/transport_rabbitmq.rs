@@ -354,13 +354,44 @@ async fn an_exchange_that_refuses_publications_holds_back_only_its_own_envelopes
     runtime.outbox().commit(tx).await.unwrap();
     let calls = seen.wait_for(5, WAIT).await;
     assert_eq!(calls.len(), 5);
-    let backlog = runtime.outbox_backlog().await.unwrap().unwrap();
-    assert_eq!(backlog.depth, 1, "the refused envelope waits in the outbox");
+    // Marked once the relay's call returns, which may be just after the consumer handled them.
+    let deadline = tokio::time::Instant::now() + WAIT;
+    while runtime.outbox_backlog().await.unwrap().unwrap().depth != 1 {
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "the refused envelope alone waits in the outbox"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    }
     runtime.shutdown().await;
     let _ = broker
         .channel
         .exchange_delete(internal.as_str().into(), ExchangeDeleteOptions::default())
         .await;
+    broker.remove().await;
+}
+
+/// The service's exchange deleted under a live connection: the broker closes the channel on
+/// the next publication to it (404), and the publisher, on a new channel, declares it again
+/// with its bindings, so the next envelopes arrive. A new channel that kept what the old one
+/// had declared published to the missing exchange for ever.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_exchange_deleted_under_the_publisher_is_declared_again() {
+    let store = TestStore::sqlite().await;
+    let (broker, runtime, seen) = broker_and_node(&store).await;
+    publish_pings(&runtime, 0, 1).await;
+    seen.wait_for(1, WAIT).await;
+    broker
+        .channel
+        .exchange_delete(
+            broker.exchange.as_str().into(),
+            ExchangeDeleteOptions::default(),
+        )
+        .await
+        .unwrap();
+    publish_pings(&runtime, 1, 3).await;
+    seen.wait_for(4, WAIT).await;
+    runtime.shutdown().await;
     broker.remove().await;
 }
 

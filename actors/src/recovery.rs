@@ -241,12 +241,14 @@ impl RecoveryActor {
             }
             let mut resumed = 0usize;
             let mut limited = false;
-            // Rows no node owns (released, scheduled) are claimed whatever this node's heartbeat.
-            let lapsed = liveness
-                .lock()
-                .unwrap_or_else(std::sync::PoisonError::into_inner)
-                .may_claim(shared.clock.now(), inbox.node_timeout());
             while !shared.tracker.is_closing() {
+                // Rows no node owns (released, scheduled) are claimed whatever this node's
+                // heartbeat; others' only while it is fresh, asked again before each claim (the
+                // last one may have waited out an outage).
+                let lapsed = liveness
+                    .lock()
+                    .unwrap_or_else(std::sync::PoisonError::into_inner)
+                    .may_claim(shared.clock.now(), inbox.node_timeout());
                 let slots = shared.capacity.take_free(batch);
                 if slots.is_empty() {
                     limited = true;

@@ -185,8 +185,8 @@ impl From<RabbitMq> for Transport {
     }
 }
 
-/// How long a batch the broker closed the channel on is sent one envelope at a time, within
-/// the publication's timeout of 5 s at least.
+/// How long after its start a publication whose batch the broker closed the channel on may
+/// send it one envelope at a time: within the publication's timeout of 5 s at least.
 const ONE_AT_A_TIME_FOR: std::time::Duration = std::time::Duration::from_secs(3);
 
 fn failed(error: impl Into<Box<dyn std::error::Error + Send + Sync>>) -> Error {
@@ -333,7 +333,12 @@ impl Publisher {
             None => None,
         };
         match (reopened, &mut self.channel) {
-            (Some(channel), Some((_, closed))) => *closed = channel,
+            (Some(channel), Some((_, closed))) => {
+                *closed = channel;
+                // Declared (or checked) again at the next send: the refusal may have been an
+                // exchange deleted under us (404), which a declaration makes again.
+                self.declared.clear();
+            }
             _ => self.reset(),
         }
     }
@@ -362,12 +367,13 @@ impl Publisher {
     /// the broker closed the channel on one of them, those it takes go, and the one it refused
     /// is held. A failure of the connection itself holds the rest, or fails the whole call if
     /// none went.
-    async fn send_one_at_a_time(&mut self, envelopes: &[Envelope]) -> Result<Sent, Error> {
+    async fn send_one_at_a_time(
+        &mut self,
+        envelopes: &[Envelope],
+        deadline: tokio::time::Instant,
+    ) -> Result<Sent, Error> {
         let mut all = Sent::refusing(Vec::new());
         let mut confirmed = 0usize;
-        // Within the publication's own timeout (5 s at least): what is left is held, for the
-        // next rounds, rather than the whole call failing and all of it sent again.
-        let deadline = tokio::time::Instant::now() + ONE_AT_A_TIME_FOR;
         for (index, envelope) in envelopes.iter().enumerate() {
             if tokio::time::Instant::now() >= deadline {
                 all.held.extend(envelopes[index..].iter().map(|envelope| {
@@ -379,7 +385,21 @@ impl Publisher {
                 }));
                 break;
             }
-            match self.send(std::slice::from_ref(envelope)).await {
+            let Ok(single) =
+                tokio::time::timeout_at(deadline, self.send(std::slice::from_ref(envelope))).await
+            else {
+                // Cut short where it stood: its channel is in no known state.
+                self.reset();
+                all.held.extend(envelopes[index..].iter().map(|envelope| {
+                    (
+                        envelope.id,
+                        "not tried: a publication the broker refused took the batch's time"
+                            .to_owned(),
+                    )
+                }));
+                break;
+            };
+            match single {
                 // Closed on this one: held, alone; its pause grows each time it is, and the
                 // others go meanwhile.
                 Ok(Batch::Answered(sent) | Batch::ChannelClosed(sent)) => {
@@ -554,10 +574,14 @@ impl Publisher {
 #[async_trait]
 impl Publish for Publisher {
     async fn publish(&mut self, envelopes: &[Envelope]) -> Result<Sent, Error> {
+        // One at a time ends by then, within the publication's own timeout (5 s at least):
+        // what is left is held for the next rounds, rather than the whole call failing and all
+        // of it sent again.
+        let deadline = tokio::time::Instant::now() + ONE_AT_A_TIME_FOR;
         let sent = match self.send(envelopes).await {
             Ok(Batch::Answered(sent)) => Ok(sent),
             Ok(Batch::ChannelClosed(sent)) if envelopes.len() == 1 => Ok(sent),
-            Ok(Batch::ChannelClosed(_)) => self.send_one_at_a_time(envelopes).await,
+            Ok(Batch::ChannelClosed(_)) => self.send_one_at_a_time(envelopes, deadline).await,
             Err(error) => Err(error),
         };
         if sent.is_err() {
