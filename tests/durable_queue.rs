@@ -306,16 +306,7 @@ on_both_backends!(
         // The live node's own heartbeats, read from its row, mark the time: once it has beaten
         // for two node timeouts while the watcher looked every 50 ms, the watcher had every
         // chance to take the delivery over.
-        const BEAT: &str = "SELECT heartbeat_at FROM dacapo_nodes WHERE id = 'live'";
-        let first = db.scalar(BEAT).await;
-        let span = i64::try_from(2 * timeout.as_millis()).unwrap();
-        tokio::time::timeout(WAIT, async {
-            while db.scalar(BEAT).await < first + span {
-                tokio::time::sleep(Duration::from_millis(50)).await;
-            }
-        })
-        .await
-        .expect("the live node heartbeats for two node timeouts");
+        live_beats_for_two_timeouts(&db, timeout).await;
         assert!(
             calls.calls().is_empty(),
             "the watcher took over a delivery its live owner was still running"
@@ -344,7 +335,6 @@ async fn a_stuck_recovery_round_does_not_stop_the_heartbeat_postgres() {
         .build()
         .unwrap();
     live.first_recovery().await;
-    const BEAT: &str = "SELECT heartbeat_at FROM dacapo_nodes WHERE id = 'live'";
     let mut holder = sqlx::PgConnection::connect(&db.url).await.unwrap();
     let mut held = holder.begin().await.unwrap();
     sqlx::query("LOCK TABLE dacapo_inbox IN ACCESS EXCLUSIVE MODE")
@@ -353,15 +343,7 @@ async fn a_stuck_recovery_round_does_not_stop_the_heartbeat_postgres() {
         .unwrap();
     // The next round's heartbeat comes before it reads the inbox: once a beat is written
     // after the lock, a round is stuck behind it, and every beat after that is the timer's.
-    let first = db.scalar(BEAT).await;
-    let span = i64::try_from(2 * timeout.as_millis()).unwrap();
-    tokio::time::timeout(WAIT, async {
-        while db.scalar(BEAT).await < first + span {
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
-    })
-    .await
-    .expect("the node heartbeats for two node timeouts while its round is stuck");
+    live_beats_for_two_timeouts(&db, timeout).await;
     let stuck: i64 = sqlx::query_scalar(
         "SELECT count(*) FROM pg_locks WHERE relation = 'dacapo_inbox'::regclass AND NOT granted",
     )
@@ -419,6 +401,21 @@ on_both_backends!(
         assert_eq!(report.pending_retries.len(), 1);
     }
 );
+
+/// Returns once node `live` has written heartbeats spanning two node timeouts (`timeout`),
+/// as read from its row: the time others had to take it for dead, had it stopped beating.
+async fn live_beats_for_two_timeouts(db: &support_stores::TestDatabase, timeout: Duration) {
+    const BEAT: &str = "SELECT heartbeat_at FROM dacapo_nodes WHERE id = 'live'";
+    let first = db.scalar(BEAT).await;
+    let span = i64::try_from(2 * timeout.as_millis()).unwrap();
+    tokio::time::timeout(WAIT, async {
+        while db.scalar(BEAT).await < first + span {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+    })
+    .await
+    .expect("node live heartbeats for two node timeouts");
+}
 
 /// Counts its calls and fails every one.
 #[derive(Clone, Default)]

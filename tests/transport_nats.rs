@@ -455,21 +455,12 @@ async fn an_envelope_no_stream_captures_waits_in_the_outbox_without_holding_back
     let server = Server::new().await;
     let store = TestStore::sqlite().await;
     let seen = Seen::default();
-    let transport = server
-        .transport(&url())
-        .route_to::<Stray>(format!("{}.stray", unique("nowhere")));
+    let transport = stray_routed(&server);
     let runtime = store.runtime(module(&seen, "a"), transport);
     listening(&runtime).await;
     runtime.publish(&Stray { n: 1 }).await.unwrap();
     let ping = runtime.publish(&Ping { n: 2 }).await.unwrap();
-    let calls = seen.wait_for(1, WAIT).await;
-    assert_eq!(calls[0].id, ping);
-    wait_until_async(|| async { runtime.outbox_backlog().await.unwrap().unwrap().depth == 1 })
-        .await;
-    assert!(
-        dead_letters(&runtime, 0).await.is_empty(),
-        "held, not refused"
-    );
+    only_the_ping_went_and_strays_wait(&runtime, &seen, ping, 1).await;
     runtime.shutdown().await;
     assert_eq!(seen.calls().len(), 1);
     server.remove().await;
@@ -483,9 +474,7 @@ async fn a_batch_no_stream_captures_does_not_hold_back_the_envelopes_behind_it()
     let server = Server::new().await;
     let store = TestStore::sqlite().await;
     let seen = Seen::default();
-    let transport = server
-        .transport(&url())
-        .route_to::<Stray>(format!("{}.stray", unique("nowhere")));
+    let transport = stray_routed(&server);
     let runtime = store
         .builder(module(&seen, "a"), transport)
         .relay_batch(2)
@@ -498,16 +487,34 @@ async fn a_batch_no_stream_captures_does_not_hold_back_the_envelopes_behind_it()
         .await
         .unwrap();
     let ping = runtime.publish(&Ping { n: 3 }).await.unwrap();
-    let calls = seen.wait_for(1, WAIT).await;
-    assert_eq!(calls[0].id, ping);
-    wait_until_async(|| async { runtime.outbox_backlog().await.unwrap().unwrap().depth == 2 })
-        .await;
-    assert!(
-        dead_letters(&runtime, 0).await.is_empty(),
-        "held, not refused"
-    );
+    only_the_ping_went_and_strays_wait(&runtime, &seen, ping, 2).await;
     runtime.shutdown().await;
     server.remove().await;
+}
+
+/// The test's transport, with `Stray` routed to a subject no stream captures.
+fn stray_routed(server: &Server) -> Nats {
+    server
+        .transport(&url())
+        .route_to::<Stray>(format!("{}.stray", unique("nowhere")))
+}
+
+/// Waits until `ping` was handled, first, and `strays` envelopes wait in the outbox, held, not
+/// refused (no dead letter).
+async fn only_the_ping_went_and_strays_wait(
+    runtime: &Runtime,
+    seen: &Seen,
+    ping: Uuid,
+    strays: u64,
+) {
+    let calls = seen.wait_for(1, WAIT).await;
+    assert_eq!(calls[0].id, ping);
+    wait_until_async(|| async { runtime.outbox_backlog().await.unwrap().unwrap().depth == strays })
+        .await;
+    assert!(
+        dead_letters(runtime, 0).await.is_empty(),
+        "held, not refused"
+    );
 }
 
 /// Waits until the async `condition` holds, at most `WAIT`.

@@ -185,6 +185,16 @@ impl From<RabbitMq> for Transport {
     }
 }
 
+/// `envelopes` held, untried, when one at a time ran out of time.
+fn not_tried(envelopes: &[Envelope]) -> impl Iterator<Item = (uuid::Uuid, String)> + '_ {
+    envelopes.iter().map(|envelope| {
+        (
+            envelope.id,
+            "not tried: a publication the broker refused took the batch's time".to_owned(),
+        )
+    })
+}
+
 /// How long after its start a publication whose batch the broker closed the channel on may
 /// send it one envelope at a time: within the publication's timeout of 5 s at least.
 const ONE_AT_A_TIME_FOR: std::time::Duration = std::time::Duration::from_secs(3);
@@ -376,13 +386,7 @@ impl Publisher {
         let mut confirmed = 0usize;
         for (index, envelope) in envelopes.iter().enumerate() {
             if tokio::time::Instant::now() >= deadline {
-                all.held.extend(envelopes[index..].iter().map(|envelope| {
-                    (
-                        envelope.id,
-                        "not tried: a publication the broker refused took the batch's time"
-                            .to_owned(),
-                    )
-                }));
+                all.held.extend(not_tried(&envelopes[index..]));
                 break;
             }
             let Ok(single) =
@@ -390,13 +394,7 @@ impl Publisher {
             else {
                 // Cut short where it stood: its channel is in no known state.
                 self.reset();
-                all.held.extend(envelopes[index..].iter().map(|envelope| {
-                    (
-                        envelope.id,
-                        "not tried: a publication the broker refused took the batch's time"
-                            .to_owned(),
-                    )
-                }));
+                all.held.extend(not_tried(&envelopes[index..]));
                 break;
             };
             match single {
