@@ -480,3 +480,64 @@ async fn intervals_too_long_to_add_to_the_clock_are_waited_out_not_a_panic() {
     .expect("both handled");
     runtime.shutdown().await;
 }
+
+/// Panics when dropped: a handler local whose destructor insists on being completed.
+struct PanicsWhenDropped;
+
+impl Drop for PanicsWhenDropped {
+    fn drop(&mut self) {
+        if !std::thread::panicking() {
+            panic!("dropped before it was completed");
+        }
+    }
+}
+
+/// Hangs holding a [`PanicsWhenDropped`] on its first call, succeeds on the next.
+#[derive(Clone, Default)]
+struct HangsHoldingABomb {
+    calls: std::sync::Arc<std::sync::atomic::AtomicUsize>,
+}
+
+impl Handler<MemberRemoved> for HangsHoldingABomb {
+    async fn handle(&self, _: &MemberRemoved, _: &MessageContext) -> Result<(), HandlerError> {
+        if self.calls.fetch_add(1, std::sync::atomic::Ordering::SeqCst) == 0 {
+            let _bomb = PanicsWhenDropped;
+            std::future::pending::<()>().await;
+        }
+        Ok(())
+    }
+}
+
+/// A timed-out handler's future is dropped, and its locals with it: a destructor that panics
+/// there is caught, like a panic while it runs, instead of taking the arbiter's thread and the
+/// delivery with it (the retry never came before). Real time: on the harness's virtual clock a
+/// handler waiting on its own future holds the clock still.
+#[tokio::test]
+async fn a_handler_whose_future_panics_when_dropped_at_its_timeout_is_retried() {
+    let handler = HangsHoldingABomb::default();
+    let runtime = Runtime::builder()
+        .handler_timeout(Duration::from_millis(50))
+        .retry_policy(RetryPolicy {
+            min_retry_interval: Duration::from_millis(10),
+            ..RetryPolicy::default()
+        })
+        .module(Module::new("m").handle_named::<MemberRemoved, _>("h", handler.clone()))
+        .build()
+        .unwrap();
+
+    let id = runtime.publish(&member_removed()).await.unwrap();
+    tokio::time::timeout(Duration::from_secs(30), runtime.idle())
+        .await
+        .expect("the delivery settled");
+
+    assert_eq!(handler.calls.load(std::sync::atomic::Ordering::SeqCst), 2);
+    assert!(
+        matches!(
+            runtime.dead_letters().inspect(id).await,
+            Err(Error::DeadLetterNotFound(_))
+        ),
+        "the retry handled it"
+    );
+    let report = runtime.shutdown().await;
+    assert!(report.pending_retries.is_empty());
+}

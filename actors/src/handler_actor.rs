@@ -7,7 +7,7 @@ use futures::FutureExt;
 use tracing::Instrument;
 
 use crate::clock::{Busy, Running, TimedOut, Timers, within};
-use crate::panics::{HandlerCode, as_handler};
+use crate::panics::HandlerCode;
 use crate::ports::{Claim, ClaimOutcome, Claims};
 use crate::supervisor::persist;
 use crate::{
@@ -104,12 +104,12 @@ impl HandlerActor {
     /// claim if the handler fails, so its retry gets through.
     fn run_deduplicated(&mut self, pending: Box<PendingClaim>, ctx: &mut Context<Self>) {
         let invoke = Arc::clone(&self.route.handlers()[self.index].invoke);
-        let call = invoke(
+        let call = HandlerCode::new(invoke(
             Arc::clone(&self.route),
             self.index,
             self.message.clone(),
             self.context.clone(),
-        );
+        ));
         let timeout = self.timeout;
         let tie = timeout_tie(&self.context, self.index);
         let span = self.span.clone();
@@ -176,7 +176,7 @@ impl HandlerActor {
                     let result = within(
                         timers.deadline(timeout, tie),
                         &running,
-                        AssertUnwindSafe(HandlerCode(call)).catch_unwind(),
+                        AssertUnwindSafe(call).catch_unwind(),
                         || context.give_up(),
                     )
                     .instrument(span)
@@ -294,12 +294,12 @@ impl Actor for HandlerActor {
             return;
         }
         let invoke = &self.route.handlers()[self.index].invoke;
-        let mut call = invoke(
+        let mut call = HandlerCode::new(invoke(
             Arc::clone(&self.route),
             self.index,
             self.message.clone(),
             self.context.clone(),
-        );
+        ));
         // The timeout runs from before the first poll: a handler that gives its token up at
         // once (an injected hang) must find its deadline already set.
         let deadline = self
@@ -309,9 +309,7 @@ impl Actor for HandlerActor {
         // actor's future machinery only for those that have to wait.
         let first = {
             let _entered = self.span.enter();
-            std::panic::catch_unwind(AssertUnwindSafe(|| {
-                as_handler(|| call.as_mut().now_or_never())
-            }))
+            std::panic::catch_unwind(AssertUnwindSafe(|| (&mut call).now_or_never()))
         };
         match first {
             Ok(Some(result)) => {
@@ -332,7 +330,7 @@ impl Actor for HandlerActor {
             within(
                 deadline,
                 &running,
-                AssertUnwindSafe(HandlerCode(call)).catch_unwind(),
+                AssertUnwindSafe(call).catch_unwind(),
                 || context.give_up(),
             )
             .await

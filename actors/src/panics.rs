@@ -10,6 +10,7 @@
 
 use std::cell::Cell;
 use std::future::Future;
+use std::panic::AssertUnwindSafe;
 use std::pin::Pin;
 use std::sync::Once;
 use std::task::{Context, Poll};
@@ -38,21 +39,42 @@ impl Drop for Marked {
     }
 }
 
-/// Runs `run` as handler code.
-pub(crate) fn as_handler<T>(run: impl FnOnce() -> T) -> T {
-    let _marked = Marked::enter();
-    run()
-}
+/// A handler's future, polled and dropped as handler code.
+///
+/// Dropping it runs the handler's own destructors (a timed-out or never-started handler's
+/// locals): a panic there is caught like a panic in `poll`, since on an actix arbiter it would
+/// take the arbiter's thread, and every actor on it, down with it.
+pub(crate) struct HandlerCode<F>(Option<F>);
 
-/// A handler's future, polled as handler code.
-pub(crate) struct HandlerCode<F>(pub(crate) F);
+impl<F> HandlerCode<F> {
+    pub(crate) fn new(future: F) -> Self {
+        Self(Some(future))
+    }
+}
 
 impl<F: Future + Unpin> Future for HandlerCode<F> {
     type Output = F::Output;
 
     fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
         let _marked = Marked::enter();
-        Pin::new(&mut self.0).poll(cx)
+        match self.0.as_mut() {
+            Some(future) => Pin::new(future).poll(cx),
+            // Only `drop` takes the future out.
+            None => Poll::Pending,
+        }
+    }
+}
+
+impl<F> Drop for HandlerCode<F> {
+    fn drop(&mut self) {
+        let future = self.0.take();
+        let _marked = Marked::enter();
+        if std::panic::catch_unwind(AssertUnwindSafe(move || drop(future))).is_err() {
+            tracing::warn!(
+                target: "dacapo::panics",
+                "a handler's future panicked while it was dropped; the panic is ignored"
+            );
+        }
     }
 }
 
