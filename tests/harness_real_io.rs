@@ -13,7 +13,7 @@ use std::time::Duration;
 
 use dacapo::prelude::*;
 use dacapo::testing::{Fault, TestHarness};
-use support::{MemberRemoved, member_removed};
+use support::{Counter, MemberRemoved, member_removed};
 use support_stores::{Backend, TestDatabase};
 
 /// Queries the store, waits for a reply from a thread of its own, and sleeps a little: all in
@@ -199,4 +199,58 @@ async fn a_scratch_database_is_fresh_per_test_and_gone_afterwards() {
             .await
             .unwrap();
     assert_eq!(left, 0, "the database is dropped with it");
+}
+
+/// The inbox's cleanup round runs on the harness's clock: an `advance` past its tick returns
+/// with its deletes made, so a test can look at once (the round ran on after `advance` had
+/// returned before, and the handled row was still there).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_advance_past_a_cleanup_round_returns_with_its_deletes_made() {
+    use dacapo::testing::{ScratchDatabase, StoreFault};
+
+    let scratch = ScratchDatabase::sqlite();
+    let store = scratch.sqlite_store().await.unwrap();
+    let handled = |pool: dacapo::sqlx::SqlitePool| async move {
+        dacapo::sqlx::query_scalar::<_, i64>(
+            "SELECT count(*) FROM dacapo_inbox WHERE status = 'handled'",
+        )
+        .fetch_one(&pool)
+        .await
+        .unwrap()
+    };
+    let harness = TestHarness::builder()
+        .store(store.clone())
+        .module(Module::new("m").handle_named::<MemberRemoved, _>("h", Counter::default()))
+        .configure(|runtime| {
+            runtime
+                .keep_after_handling(Duration::from_secs(60))
+                .cleanup_interval(Duration::from_secs(7))
+        })
+        .build()
+        .unwrap();
+    for _ in 0..50 {
+        assert!(
+            harness
+                .publish(&member_removed())
+                .await
+                .unwrap()
+                .is_handled()
+        );
+    }
+    assert_eq!(handled(store.pool().clone()).await, 50);
+
+    harness.advance(Duration::from_secs(61)).await;
+    assert_eq!(handled(store.pool().clone()).await, 50, "kept for 60 s");
+    // A slow store: the round's delete outlasts the tick that started it. No other round is
+    // due between 61 s and 64 s (recovery and the heartbeat come every 10 s).
+    harness
+        .store_fault(StoreFault::slow_commits(Duration::from_millis(300)))
+        .unwrap();
+    harness.advance(Duration::from_secs(3)).await;
+    assert_eq!(
+        handled(store.pool().clone()).await,
+        0,
+        "removed by the round at 63 s"
+    );
+    harness.shutdown().await;
 }

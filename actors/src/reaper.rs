@@ -62,11 +62,13 @@ impl ReaperActor {
             }
             tracing::info!(removed, "reaped expired deduplication claims");
         };
-        ctx.spawn(
-            round
-                .into_actor(self)
-                .map(|(), actor, _| actor.busy = false),
-        );
+        // The round holds a virtual clock until it is done: an `advance` past its tick returns
+        // with the round's deletes made, and the next tick finds it finished.
+        let busy = self.timers.busy();
+        ctx.spawn(round.into_actor(self).map(move |(), actor, _| {
+            actor.busy = false;
+            drop(busy);
+        }));
     }
 }
 

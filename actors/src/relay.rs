@@ -371,11 +371,15 @@ impl RelayActor {
             }
             (None, lease.taken_at)
         };
+        // The round holds a virtual clock until it is done: an `advance` past its tick returns
+        // with what it published sent and marked.
+        let busy = self.dispatcher.shared.timers.busy();
         ctx.spawn(
             round
                 .into_actor(self)
-                .map(|(elsewhere, taken_at), actor, ctx| {
+                .map(move |(elsewhere, taken_at), actor, ctx| {
                     actor.busy = false;
+                    drop(busy);
                     actor.lease_taken_at = taken_at;
                     // A lease too long to add to the clock is waited out as if for ever.
                     actor.leased_elsewhere_until = elsewhere.map(|lease| {
