@@ -485,8 +485,12 @@ fn mix(mut value: u64) -> u64 {
 
 impl Clock for VirtualClock {
     fn now(&self) -> DateTime<Utc> {
-        let elapsed = chrono::TimeDelta::from_std(self.elapsed()).unwrap_or(chrono::TimeDelta::MAX);
-        self.epoch + elapsed
+        // Saturates: a clock advanced "for ever" (`Duration::MAX`) reads the calendar's end
+        // instead of panicking in whichever actor asks next.
+        chrono::TimeDelta::from_std(self.elapsed())
+            .ok()
+            .and_then(|elapsed| self.epoch.checked_add_signed(elapsed))
+            .unwrap_or(DateTime::<Utc>::MAX_UTC)
     }
 }
 
@@ -497,6 +501,21 @@ mod tests {
     fn virtual_timers() -> (Arc<VirtualClock>, Timers) {
         let clock = VirtualClock::new();
         (Arc::clone(&clock), Timers::Virtual(clock))
+    }
+
+    #[tokio::test]
+    async fn a_clock_advanced_past_the_calendar_reads_its_end() {
+        let clock = VirtualClock::new();
+        clock.advance(Duration::from_secs(60)).await;
+        assert!(clock.now() < DateTime::<Utc>::MAX_UTC);
+        clock.advance(Duration::MAX).await;
+        assert_eq!(clock.now(), DateTime::<Utc>::MAX_UTC);
+        // A span chrono can hold, but not add to the epoch.
+        let clock = VirtualClock::new();
+        clock
+            .advance(Duration::from_secs(i64::MAX as u64 / 1_000))
+            .await;
+        assert_eq!(clock.now(), DateTime::<Utc>::MAX_UTC);
     }
 
     #[tokio::test]
