@@ -50,25 +50,21 @@ impl ScratchDatabase {
     ///
     /// # Errors
     ///
-    /// [`Error::Store`] when the server cannot be reached or refuses to create it.
+    /// [`Error::Configuration`] when `admin_url` is not a `postgres://` URL; [`Error::Store`]
+    /// when the server cannot be reached or refuses to create it.
     #[cfg(feature = "postgres")]
     #[cfg_attr(docsrs, doc(cfg(feature = "postgres")))]
     pub async fn postgres(admin_url: &str) -> Result<Self, Error> {
         use sqlx::Connection;
         let name = format!("dacapo_scratch_{}", Uuid::new_v4().simple());
+        let url = on_the_same_server(admin_url, &name)?;
         let mut admin = sqlx::PgConnection::connect(admin_url).await?;
         sqlx::query(sqlx::AssertSqlSafe(format!("CREATE DATABASE {name}")))
             .execute(&mut admin)
             .await?;
         let _ = admin.close().await;
-        let (base, _) = admin_url
-            .split('?')
-            .next()
-            .unwrap_or(admin_url)
-            .rsplit_once('/')
-            .ok_or_else(|| Error::Configuration(format!("{admin_url:?} names no database")))?;
         Ok(Self {
-            url: format!("{base}/{name}"),
+            url,
             kind: Kind::Postgres {
                 admin: admin_url.to_owned(),
                 name,
@@ -109,7 +105,7 @@ impl Drop for ScratchDatabase {
         match &self.kind {
             #[cfg(feature = "sqlite")]
             Kind::Sqlite(path) => {
-                for suffix in ["", "-wal", "-shm"] {
+                for suffix in ["", "-wal", "-shm", "-journal"] {
                     let _ = std::fs::remove_file(format!("{}{suffix}", path.display()));
                 }
                 remove_node_locks(path);
@@ -124,16 +120,19 @@ impl Drop for ScratchDatabase {
                         .enable_all()
                         .build()
                         .ok()?;
-                    runtime.block_on(async {
+                    let dropped = runtime.block_on(async {
                         use sqlx::Connection;
-                        let mut admin = sqlx::PgConnection::connect(&admin).await.ok()?;
+                        let mut admin = sqlx::PgConnection::connect(&admin).await?;
                         sqlx::query(sqlx::AssertSqlSafe(format!(
                             "DROP DATABASE IF EXISTS {name} WITH (FORCE)"
                         )))
                         .execute(&mut admin)
                         .await
-                        .ok()
-                    })
+                    });
+                    if let Err(error) = &dropped {
+                        tracing::warn!(%error, database = %name, "could not drop a scratch database; it is left on the server");
+                    }
+                    dropped.ok()
                 })
                 .join();
             }
@@ -158,5 +157,51 @@ fn remove_node_locks(path: &std::path::Path) {
         if file.starts_with(&prefix) && file.ends_with(".lock") {
             let _ = std::fs::remove_file(entry.path());
         }
+    }
+}
+
+/// The URL of database `name` on the server of `admin_url`, with the admin URL's options (its
+/// query: `sslmode`, a socket's `host`) kept.
+#[cfg(feature = "postgres")]
+fn on_the_same_server(admin_url: &str, name: &str) -> Result<String, Error> {
+    let (address, options) = match admin_url.split_once('?') {
+        Some((address, options)) => (address, Some(options)),
+        None => (admin_url, None),
+    };
+    let authority = address
+        .find("://")
+        .map(|scheme| scheme + 3)
+        .ok_or_else(|| Error::Configuration(format!("{admin_url:?} is not a postgres:// URL")))?;
+    let server = match address[authority..].find('/') {
+        Some(path) => &address[..authority + path],
+        None => address,
+    };
+    Ok(match options {
+        Some(options) => format!("{server}/{name}?{options}"),
+        None => format!("{server}/{name}"),
+    })
+}
+
+#[cfg(all(test, feature = "postgres"))]
+mod tests {
+    use super::on_the_same_server;
+
+    #[test]
+    fn a_scratch_database_keeps_the_admin_urls_server_and_options() {
+        let url = |admin| on_the_same_server(admin, "scratch").unwrap();
+        assert_eq!(
+            url("postgres://postgres@127.0.0.1:5432/postgres"),
+            "postgres://postgres@127.0.0.1:5432/scratch"
+        );
+        assert_eq!(
+            url("postgres://u@db/postgres?sslmode=require&host=/run/postgresql"),
+            "postgres://u@db/scratch?sslmode=require&host=/run/postgresql"
+        );
+        assert_eq!(url("postgres://u@db:5433"), "postgres://u@db:5433/scratch");
+        assert_eq!(
+            url("postgres://u@db/?sslmode=disable"),
+            "postgres://u@db/scratch?sslmode=disable"
+        );
+        assert!(on_the_same_server("127.0.0.1:5432", "scratch").is_err());
     }
 }
