@@ -454,8 +454,11 @@ impl Runtime {
     /// unsettled (a crash, a `kill -9`) is resumed by then, so [`idle`](Self::idle) waits for
     /// it too. A service that reports on its own work starts with both, as the main job does.
     /// Not included: a retry due later than one recovery interval (a long cooldown) is resumed
-    /// when it falls due. Returns at once without a durable store. A round that could not reach
-    /// the store counts as over: its warning is logged, and the next round takes the rest.
+    /// when it falls due. Returns at once without a durable store. A round the store refused
+    /// (down, or the node id held by another process) does not count: it is logged and tried
+    /// again, after 100 ms and then twice as long each time up to the recovery interval, so
+    /// this waits for as long as the store does: bound it with a timeout if the store may stay
+    /// down.
     ///
     /// # Cancel safety
     ///

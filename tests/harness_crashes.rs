@@ -506,6 +506,32 @@ async fn a_crash_needs_a_store_and_says_so() {
     ));
 }
 
+/// The first recovery round after a restart meets the store down: `restart` (and so `idle`)
+/// returns once a round got through and resumed the crashed delivery, not after the refused
+/// one (which counted before: `idle` returned with the member's effects missing).
+#[tokio::test]
+async fn a_restart_whose_first_recovery_round_the_store_refuses_waits_for_the_next() {
+    let mut setup = setup(Backend::Sqlite, |b| b).await;
+    setup
+        .harness
+        .crash_at_message::<MemberRemoved>(Failpoint::BeforeSettle)
+        .unwrap();
+    crashed_at(
+        setup.harness.publish(&MemberRemoved { member_id: 7 }).await,
+        Failpoint::BeforeSettle,
+    );
+    let faults = setup.harness.store_faults().unwrap();
+    faults.inject(dacapo::testing::StoreFault::unavailable().times(3));
+
+    setup.harness.restart().await.unwrap();
+    setup.harness.idle().await.unwrap();
+
+    each_effect_once(&setup).await;
+    let report = last_report(&setup.harness, MemberRemoved::TYPE);
+    assert!(report.is_handled(), "{report:?}");
+    assert_eq!(faults.struck(), 3, "the first rounds met the outage");
+}
+
 #[tokio::test]
 async fn a_retry_a_restart_left_in_the_store_runs_once_the_clock_reaches_it() {
     let policy = RetryPolicy {

@@ -424,7 +424,8 @@ impl Engine {
     /// Returns once the node's first recovery round is over, including the rounds that go on
     /// where the engine's capacity cut it short (at once without a durable store): what an
     /// earlier run under its name left is resumed by then, except retries due later than one
-    /// recovery interval, which are resumed as they fall due.
+    /// recovery interval, which are resumed as they fall due. A round the store refused does
+    /// not count, and is tried again soon.
     ///
     /// # Cancel safety
     ///

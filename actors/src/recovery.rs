@@ -10,6 +10,10 @@ use crate::ports::DurableInbox;
 /// How soon a claim cut short by a full engine continues.
 const CONTINUE_AFTER: Duration = Duration::from_millis(50);
 
+/// How soon a node's first round, refused by the store, is tried again: the pause doubles
+/// each time, up to the recovery interval.
+const FIRST_ROUND_RETRY: Duration = Duration::from_millis(100);
+
 /// What a round did.
 #[derive(Debug, Default, Clone, Copy)]
 struct Round {
@@ -17,13 +21,18 @@ struct Round {
     released: bool,
     /// It stopped claiming because the engine had no free slot.
     limited: bool,
+    /// The store refused a step (the release, the heartbeat, a claim): what the store holds
+    /// may not all be resumed yet.
+    failed: bool,
 }
 
 impl Round {
-    fn released() -> Self {
+    /// A round the store refused, before or after its release.
+    fn failed(released: bool) -> Self {
         Self {
-            released: true,
+            released,
             limited: false,
+            failed: true,
         }
     }
 }
@@ -163,6 +172,9 @@ pub struct RecoveryActor {
     /// When this run started, until its first round took back what a previous run under the
     /// same node name left unsettled.
     started_at: Option<chrono::DateTime<chrono::Utc>>,
+    /// How soon a first round the store refused is tried again: `first_recovery` waits for
+    /// one that got through, and should not wait a whole interval for it.
+    first_retry: Duration,
 }
 
 impl std::fmt::Debug for RecoveryActor {
@@ -191,6 +203,7 @@ impl RecoveryActor {
             beating: false,
             liveness: SharedLiveness::default(),
             started_at,
+            first_retry: FIRST_ROUND_RETRY,
         }
     }
 
@@ -230,17 +243,17 @@ impl RecoveryActor {
                 && let Err(error) = inbox.release_before(started_at).await
             {
                 tracing::warn!(%error, "could not take back an earlier run's deliveries; retrying");
-                return Round::default();
+                return Round::failed(false);
             }
             if full {
                 // Without a fresh heartbeat this node could look dead to itself: claim nothing.
                 if !heartbeat(&*inbox, &liveness, shared.clock.as_ref()).await {
-                    return Round::released();
+                    return Round::failed(true);
                 }
                 resume_orphaned(&dispatcher, &*inbox, batch).await;
             }
             let mut resumed = 0usize;
-            let mut limited = false;
+            let (mut limited, mut failed) = (false, false);
             while !shared.tracker.is_closing() {
                 // Rows no node owns (released, scheduled) are claimed whatever this node's
                 // heartbeat; others' only while it is fresh, asked again before each claim (the
@@ -286,6 +299,7 @@ impl RecoveryActor {
                     }
                     Err(error) => {
                         tracing::warn!(%error, "recovery failed; retrying on the next round");
+                        failed = true;
                         break;
                     }
                 }
@@ -299,18 +313,21 @@ impl RecoveryActor {
             Round {
                 released: true,
                 limited,
+                failed,
             }
         };
         ctx.spawn(round.into_actor(self).map(|round, actor, ctx| {
             actor.busy = false;
             // A round the engine's capacity cut short goes on shortly: what the store held is
-            // only all resumed once a round ends without that limit.
-            if !round.limited {
-                actor
-                    .dispatcher
-                    .shared
-                    .recovery_rounds
-                    .send_modify(|rounds| *rounds += 1);
+            // only all resumed once a round ends without that limit, and without a refusal
+            // (the next round tries again).
+            let shared = &actor.dispatcher.shared;
+            if !round.limited && !round.failed {
+                shared.recovery_rounds.send_modify(|rounds| *rounds += 1);
+            } else if round.failed && *shared.recovery_rounds.borrow() == 0 {
+                let pause = actor.first_retry;
+                actor.first_retry = (pause * 2).min(actor.interval.max(FIRST_ROUND_RETRY));
+                ctx.run_later(pause, |actor, ctx| actor.round(true, ctx));
             }
             if round.released {
                 actor.started_at = None;
