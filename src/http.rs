@@ -24,9 +24,11 @@
 //! | the same key, its kept answer damaged in the store (a status or headers no response has) | 500, problem `kept-answer-unreadable`, until it expires; the endpoint does not run |
 //!
 //! Problems are RFC 9457 `application/problem+json` bodies whose `type` is
-//! `urn:dacapo:problem:<name>`. Keys are scoped to the route by default; give
-//! [`scope`](IdempotencyLayer::scope) the caller's principal so one tenant's key never
-//! replays another's answer. Which answers are kept is [`keep`](IdempotencyLayer::keep)'s:
+//! `urn:dacapo:problem:<name>`. Keys are scoped to the route by default, and the default
+//! fingerprint then holds the request's `Authorization` and `Cookie` headers, so another
+//! caller's request with the same key is answered 422, never replayed the first caller's
+//! answer; give [`scope`](IdempotencyLayer::scope) the caller's principal, and a retry whose
+//! token was refreshed meanwhile is replayed too. Which answers are kept is [`keep`](IdempotencyLayer::keep)'s:
 //! by default every one but a 5xx and the client errors a retry may pass (401, 403, 408,
 //! 409, 425, 429), which roll the request back and leave the key free. A kept 4xx is kept
 //! without the endpoint's database work, which is undone.

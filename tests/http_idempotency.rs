@@ -556,6 +556,8 @@ on_both!(
     the_same_key_while_the_first_runs_is_409,
     the_same_key_for_another_body_is_422,
     one_tenants_key_never_replays_anothers_answer,
+    under_the_default_scope_a_key_another_caller_sent_first_is_422,
+    a_scope_of_your_own_replays_a_retry_whose_token_was_refreshed,
     a_scope_with_a_nul_keeps_and_replays_its_answer,
     retries_arriving_together_after_the_answer_all_get_it,
     a_5xx_leaves_the_key_free_and_a_4xx_is_kept,
@@ -896,6 +898,52 @@ async fn one_tenants_key_never_replays_anothers_answer(db: &TestDatabase) {
     assert!(replayed(acme_again.headers()));
     assert_eq!(acme_again.headers()["x-run"], acme.headers()["x-run"]);
     assert_eq!(app.runs.load(Ordering::SeqCst), 2);
+}
+
+/// The default scope names no caller, so the default fingerprint holds the credentials: a
+/// caller who sends another's key and body (without credentials, or with their own) is
+/// answered 422 and never sees the other's answer (which it was replayed before: a check in
+/// the endpoint does not run for a replay).
+async fn under_the_default_scope_a_key_another_caller_sent_first_is_422(db: &TestDatabase) {
+    let (base, app) = serve(db).await;
+    let client = reqwest::Client::new();
+    let url = format!("{base}/orders");
+    let alice = [("authorization", "Bearer alice"), ("cookie", "session=a")];
+    let first = post_with(&client, &url, Some("k-cred"), "A-1", &alice).await;
+    assert_eq!(first.status(), 201);
+    for others in [
+        &[][..],
+        &[("authorization", "Bearer mallory"), ("cookie", "session=a")][..],
+        &[("authorization", "Bearer alice"), ("cookie", "session=m")][..],
+        &[("authorization", "Bearer alice")][..],
+    ] {
+        let (status, _, body) =
+            problem(post_with(&client, &url, Some("k-cred"), "A-1", others).await).await;
+        assert_eq!(status, StatusCode::UNPROCESSABLE_ENTITY, "{others:?}");
+        assert_eq!(body["type"], "urn:dacapo:problem:idempotency-key-reused");
+    }
+    let again = post_with(&client, &url, Some("k-cred"), "A-1", &alice).await;
+    assert!(
+        replayed(again.headers()),
+        "the caller's own retry is replayed"
+    );
+    assert_eq!(app.runs.load(Ordering::SeqCst), 1);
+}
+
+/// With a scope naming the caller, the credentials leave the fingerprint: a retry whose
+/// token was refreshed meanwhile is the same request, replayed.
+async fn a_scope_of_your_own_replays_a_retry_whose_token_was_refreshed(db: &TestDatabase) {
+    let (base, app) = serve(db).await;
+    let client = reqwest::Client::new();
+    let url = format!("{base}/tenant");
+    let before = [("x-tenant", "acme"), ("authorization", "Bearer old")];
+    let after = [("x-tenant", "acme"), ("authorization", "Bearer refreshed")];
+    let first = post_with(&client, &url, Some("k-refresh"), "A-1", &before).await;
+    assert_eq!(first.status(), 201);
+    let retry = post_with(&client, &url, Some("k-refresh"), "A-1", &after).await;
+    assert_eq!(retry.status(), 201);
+    assert!(replayed(retry.headers()));
+    assert_eq!(app.runs.load(Ordering::SeqCst), 1);
 }
 
 /// A scope PostgreSQL cannot hold as text (a NUL) is still a scope: the answer is kept and

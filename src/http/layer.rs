@@ -11,7 +11,7 @@ use chrono::{DateTime, Utc};
 use dacapo_actors::ports::Claims;
 use futures::StreamExt;
 use http::request::Parts;
-use http::{HeaderValue, Method, Request, Response, StatusCode};
+use http::{HeaderValue, Method, Request, Response, StatusCode, header};
 use http_body::{Body, Frame};
 use http_body_util::combinators::UnsyncBoxBody;
 use http_body_util::{BodyExt, BodyStream, Full, LengthLimitError, Limited, StreamBody};
@@ -50,6 +50,9 @@ struct Settings {
     keep_sensitive_headers: bool,
     scope: Scope,
     fingerprint: Fingerprint,
+    /// The fingerprint is the default one with the caller's credentials in it, kept while
+    /// the scope is the route alone.
+    default_fingerprint: bool,
 }
 
 /// Idempotency-Key for the routes it wraps: a request retried with the same key gets the
@@ -74,6 +77,28 @@ impl<DB: Backend> std::fmt::Debug for IdempotencyLayer<DB> {
 /// that strips a prefix (axum's `nest`), give a scope of your own.
 fn route(parts: &Parts) -> String {
     format!("{} {}", parts.method, parts.uri.path())
+}
+
+/// The credentials a request carries, which the default fingerprint takes in while the scope
+/// names no caller.
+const CREDENTIALS: [header::HeaderName; 2] = [header::AUTHORIZATION, header::COOKIE];
+
+/// [`request_digest`] with the request's credentials: under the default scope, which names no
+/// caller, a key another caller sent first answers this one 422 instead of replaying the
+/// other's answer to it (a check in the endpoint itself, such as an axum extractor, does not
+/// run for a replay).
+fn request_and_credentials_digest(parts: &Parts, body: &[u8]) -> String {
+    let mut digest = Sha256::new();
+    digest.update(request_digest(parts, body).as_bytes());
+    for name in &CREDENTIALS {
+        for value in parts.headers.get_all(name) {
+            digest.update(b"\n");
+            digest.update(name.as_str().as_bytes());
+            digest.update(b": ");
+            digest.update(value.as_bytes());
+        }
+    }
+    hex(&digest.finalize())
 }
 
 /// SHA-256 of the method, the path with its query, and the body.
@@ -111,7 +136,8 @@ impl<DB: Backend> IdempotencyLayer<DB> {
                 keep: Arc::new(keeps_by_default),
                 keep_sensitive_headers: false,
                 scope: Arc::new(route),
-                fingerprint: Arc::new(request_digest),
+                fingerprint: Arc::new(request_and_credentials_digest),
+                default_fingerprint: true,
             },
         }
     }
@@ -183,9 +209,13 @@ impl<DB: Backend> IdempotencyLayer<DB> {
 
     /// Who the key belongs to (default: the route, `METHOD /path`). **Give the caller's
     /// principal** — a tenant or account id from an authenticated extension — whenever
-    /// several callers share a route: with the default, a caller who sends another's key and
-    /// body gets the other's answer. A credential that changes (a refreshed token) is not a
-    /// principal: the retry would run again.
+    /// several callers share a route. The default scope names no caller, so the default
+    /// fingerprint takes in the request's `Authorization` and `Cookie` headers: a key another
+    /// caller sent first gets 422, not the other's answer — and so does a retry whose token
+    /// was refreshed meanwhile, or whose cookies changed. With a scope of your own, the
+    /// default fingerprint leaves the credentials out (a retry with a refreshed token is
+    /// replayed). A credential that changes is not a principal: under a scope made of one,
+    /// the retry would run again.
     ///
     /// The default's path is the one the layer sees: under a router that strips a prefix
     /// (axum's `nest`), routes of two prefixes look alike, and one's answer would be replayed
@@ -193,11 +223,15 @@ impl<DB: Backend> IdempotencyLayer<DB> {
     #[must_use]
     pub fn scope(mut self, scope: impl Fn(&Parts) -> String + Send + Sync + 'static) -> Self {
         self.settings.scope = Arc::new(scope);
+        if self.settings.default_fingerprint {
+            self.settings.fingerprint = Arc::new(request_digest);
+        }
         self
     }
 
     /// What makes two requests with one key the same request (default: SHA-256 of the
-    /// method, the path and query, and the body). A key reused for another fingerprint
+    /// method, the path and query, and the body, and — while the scope is the default one —
+    /// the `Authorization` and `Cookie` headers). A key reused for another fingerprint
     /// gets 422.
     #[must_use]
     pub fn fingerprint(
@@ -205,6 +239,7 @@ impl<DB: Backend> IdempotencyLayer<DB> {
         fingerprint: impl Fn(&Parts, &[u8]) -> String + Send + Sync + 'static,
     ) -> Self {
         self.settings.fingerprint = Arc::new(fingerprint);
+        self.settings.default_fingerprint = false;
         self
     }
 }
