@@ -9,7 +9,7 @@
 //! | the request | the answer |
 //! | --- | --- |
 //! | no `Idempotency-Key` where one is required | 400, problem `idempotency-key-missing` |
-//! | an empty, repeated, non-ASCII or over-long key | 400, problem `idempotency-key-invalid` |
+//! | an empty, repeated, non-ASCII or over-long key, or a list (`a, b`) | 400, problem `idempotency-key-invalid` |
 //! | a body over the limit | 413, problem `request-too-large` |
 //! | a new key | the endpoint runs; its answer is kept with a fingerprint of the request |
 //! | the same key and fingerprint, answered before | the kept answer, byte for byte, with `Idempotent-Replayed: true`; the endpoint does not run |

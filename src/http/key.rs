@@ -30,10 +30,27 @@ pub(crate) fn read(headers: &HeaderMap, max_len: usize) -> Key {
         return Key::Invalid("the Idempotency-Key holds characters that are not ASCII".to_owned());
     };
     let text = text.trim();
-    let key = text
-        .strip_prefix('"')
-        .and_then(|rest| rest.strip_suffix('"'))
-        .unwrap_or(text);
+    let key = match text.strip_prefix('"') {
+        Some(quoted) => match unquote(quoted) {
+            Some(key) => key,
+            None => {
+                return Key::Invalid(
+                    "the Idempotency-Key is not a structured-field string: a quote or \\ \
+                     inside it is not escaped, or it does not end with its quote"
+                        .to_owned(),
+                );
+            }
+        },
+        // A proxy joins repeated headers with commas: `a, b` is two keys, not one.
+        None if text.contains([',', '"']) => {
+            return Key::Invalid(
+                "the Idempotency-Key holds a comma or a quote: send one key, quoted as a \
+                 structured-field string if it must hold them"
+                    .to_owned(),
+            );
+        }
+        None => text.to_owned(),
+    };
     if key.is_empty() {
         return Key::Invalid("the Idempotency-Key is empty".to_owned());
     }
@@ -48,7 +65,25 @@ pub(crate) fn read(headers: &HeaderMap, max_len: usize) -> Key {
             "the Idempotency-Key holds characters that are not visible ASCII".to_owned(),
         );
     }
-    Key::Valid(key.to_owned())
+    Key::Valid(key)
+}
+
+/// The text of a structured-field string whose opening quote is gone: `\"` and `\\` stand
+/// for themselves, another quote must be the last character.
+fn unquote(quoted: &str) -> Option<String> {
+    let mut key = String::with_capacity(quoted.len());
+    let mut chars = quoted.chars();
+    while let Some(c) = chars.next() {
+        match c {
+            '\\' => match chars.next()? {
+                escaped @ ('"' | '\\') => key.push(escaped),
+                _ => return None,
+            },
+            '"' => return chars.next().is_none().then_some(key),
+            c => key.push(c),
+        }
+    }
+    None
 }
 
 /// Whether `a` and `b` are equal, in a time that depends on their lengths only: a stored
@@ -80,6 +115,25 @@ mod tests {
             Key::Valid("abc-1".into())
         );
         assert_eq!(read(&headers(&[]), 255), Key::Missing);
+        assert_eq!(
+            read(&headers(&[br#""a\"b\\c, d""#]), 255),
+            Key::Valid(r#"a"b\c, d"#.into())
+        );
+    }
+
+    #[test]
+    fn a_list_or_a_broken_string_is_no_key() {
+        for bad in [
+            // Two headers a proxy joined.
+            headers(&[b"a, b"]),
+            headers(&[b"a,b"]),
+            headers(&[b"\"a\", \"b\""]),
+            headers(&[b"ab\"c"]),
+            headers(&[b"\"abc"]),
+            headers(&[b"\"a\\qb\""]),
+        ] {
+            assert!(matches!(read(&bad, 255), Key::Invalid(_)), "{bad:?}");
+        }
     }
 
     #[test]
