@@ -240,3 +240,47 @@ async fn a_counted_outage_ends_by_itself() {
     harness.idle().await.unwrap();
     assert_eq!(recorder.count(), 1);
 }
+
+/// The settle timeout bounds a tracked call whole: its accept and its settle together (each
+/// had a timeout of its own before, so a call could wait twice as long as it was told).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_settle_timeout_bounds_the_accept_and_the_settle_together() {
+    let timeout = Duration::from_millis(400);
+    let calls = Arc::new(AtomicUsize::new(0));
+    let db = ScratchDatabase::sqlite();
+    let store = db.sqlite_store().await.unwrap();
+    let harness = TestHarness::builder()
+        .settle_timeout(timeout)
+        .store(store)
+        .module(
+            Module::new("billing")
+                .handle_named::<InvoicePaid, _>("count", Counts(Arc::clone(&calls))),
+        )
+        .build()
+        .unwrap();
+    // The accept's commit and the settle's each take 250 ms: each within the timeout, not
+    // both.
+    harness
+        .store_fault(StoreFault::slow_commits(Duration::from_millis(250)))
+        .unwrap();
+
+    let result = harness.publish(&InvoicePaid { invoice: 1 }).await;
+
+    match result {
+        Err(dacapo::Error::NotSettled { waited, .. }) => assert_eq!(waited, timeout),
+        other => panic!("expected NotSettled after {timeout:?}, got {other:?}"),
+    }
+    harness.store_faults().unwrap().end();
+    harness.idle().await.unwrap();
+    assert_eq!(calls.load(Ordering::SeqCst), 1);
+}
+
+/// Counts its calls.
+struct Counts(Arc<AtomicUsize>);
+
+impl Handler<InvoicePaid> for Counts {
+    async fn handle(&self, _: &InvoicePaid, _: &MessageContext) -> Result<(), HandlerError> {
+        self.0.fetch_add(1, Ordering::SeqCst);
+        Ok(())
+    }
+}

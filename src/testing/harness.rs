@@ -151,8 +151,9 @@ impl TestHarnessBuilder {
         self
     }
 
-    /// How long, in real time, tracked calls wait for a delivery to settle (default 10 s).
-    /// Virtual time makes cooldowns instant, so this only bounds a stuck test.
+    /// How long, in real time, a tracked call waits for its delivery to be accepted and
+    /// settled, both together (default 10 s). Virtual time makes cooldowns instant, so this
+    /// only bounds a stuck test.
     #[must_use]
     pub fn settle_timeout(mut self, timeout: Duration) -> Self {
         self.settle_timeout = timeout;
@@ -607,13 +608,22 @@ impl TestHarness {
         // that what a test publishes together (joined futures, polled one after another) is
         // all accepted before time moves for any of it.
         let mut busy = Some(self.busy());
+        let deadline = self.deadline();
         self.unless_crashed(async {
-            let report = self.accepted(id, &envelope, &mut busy).await;
+            let report = self.accepted(id, &envelope, &mut busy, deadline).await;
             tokio::task::yield_now().await;
             drop(busy);
-            self.settled(id, report?).await
+            self.settled(id, report?, deadline).await
         })
         .await
+    }
+
+    /// When a tracked call started now gives up: the settle timeout bounds the whole call,
+    /// its accept and its settle (or every copy's) together.
+    fn deadline(&self) -> tokio::time::Instant {
+        let now = tokio::time::Instant::now();
+        now.checked_add(self.settle_timeout)
+            .unwrap_or_else(|| now + Duration::from_secs(100 * 365 * 24 * 3600))
     }
 
     /// Delivers the same envelope `copies` times, each copy accepted before any settles — a
@@ -633,18 +643,19 @@ impl TestHarness {
         copies: usize,
     ) -> Result<Vec<DeliveryReport>, Error> {
         let id = envelope.id;
+        let deadline = self.deadline();
         self.unless_crashed(async {
             let mut tokens: Vec<_> = (0..copies).map(|_| Some(self.busy())).collect();
             let accepted = futures::future::join_all(
                 tokens
                     .iter_mut()
-                    .map(|busy| self.accepted(id, &envelope, busy)),
+                    .map(|busy| self.accepted(id, &envelope, busy, deadline)),
             )
             .await;
             drop(tokens);
             let mut reports = Vec::with_capacity(copies);
             for receiver in accepted {
-                reports.push(self.settled(id, receiver?).await?);
+                reports.push(self.settled(id, receiver?, deadline).await?);
             }
             Ok(reports)
         })
@@ -652,15 +663,16 @@ impl TestHarness {
     }
 
     /// Hands `envelope` to the runtime holding `busy` on the clock (given up if the engine
-    /// has no room for it yet), bounded by the settle timeout.
+    /// has no room for it yet), until `deadline`.
     async fn accepted(
         &self,
         envelope_id: uuid::Uuid,
         envelope: &Envelope,
         busy: &mut Option<dacapo_actors::Busy>,
+        deadline: tokio::time::Instant,
     ) -> Result<oneshot::Receiver<DeliveryReport>, Error> {
         let accept = self.runtime.receive_tracked_holding(envelope.clone(), busy);
-        match tokio::time::timeout(self.settle_timeout, accept).await {
+        match tokio::time::timeout_at(deadline, accept).await {
             Ok(accepted) => accepted,
             Err(_) => Err(Error::NotSettled {
                 envelope_id,
@@ -673,8 +685,9 @@ impl TestHarness {
         &self,
         envelope_id: uuid::Uuid,
         report: oneshot::Receiver<DeliveryReport>,
+        deadline: tokio::time::Instant,
     ) -> Result<DeliveryReport, Error> {
-        match tokio::time::timeout(self.settle_timeout, report).await {
+        match tokio::time::timeout_at(deadline, report).await {
             Ok(Ok(report)) => Ok(report),
             Ok(Err(_)) => Err(Error::Abandoned(envelope_id)),
             Err(_) => Err(Error::NotSettled {
