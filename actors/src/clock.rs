@@ -49,8 +49,14 @@ impl Timers {
 
     /// Puts `items`, which the engine would start together, in the virtual clock's seeded
     /// order; leaves them as they came otherwise.
-    pub(crate) fn shuffle<T>(&self, items: &mut [T]) {
-        if let Self::Virtual(clock) = self {
+    ///
+    /// Seeded, they are first sorted by `key`: the order they came in (rows a store returns
+    /// in no order it promises) must not change what the seed draws.
+    pub(crate) fn shuffle<T, K: Ord>(&self, items: &mut [T], key: impl FnMut(&T) -> K) {
+        if let Self::Virtual(clock) = self
+            && clock.seed.is_some()
+        {
+            items.sort_by_key(key);
             clock.shuffle(items);
         }
     }
@@ -501,6 +507,21 @@ mod tests {
     fn virtual_timers() -> (Arc<VirtualClock>, Timers) {
         let clock = VirtualClock::new();
         (Arc::clone(&clock), Timers::Virtual(clock))
+    }
+
+    #[test]
+    fn a_seeded_shuffle_does_not_depend_on_the_order_items_came_in() {
+        let shuffled = |mut items: Vec<u32>| {
+            Timers::Virtual(VirtualClock::seeded(7)).shuffle(&mut items, |item| *item);
+            items
+        };
+        let one = shuffled((0..20).collect());
+        assert_eq!(one, shuffled((0..20).rev().collect()));
+        assert_ne!(one, (0..20).collect::<Vec<_>>(), "the seed reorders them");
+        // Unseeded, they keep the order they came in.
+        let mut items: Vec<u32> = (0..20).rev().collect();
+        Timers::Virtual(VirtualClock::new()).shuffle(&mut items, |item| *item);
+        assert_eq!(items, (0..20).rev().collect::<Vec<_>>());
     }
 
     #[tokio::test]

@@ -288,7 +288,9 @@ impl RecoveryActor {
                             }
                             !here
                         });
-                        shared.timers.shuffle(&mut deliveries);
+                        shared
+                            .timers
+                            .shuffle(&mut deliveries, |delivery| delivery.envelope.id);
                         resumed += deliveries.len();
                         for (delivery, slot) in deliveries.into_iter().zip(slots) {
                             dispatcher.resume_on(delivery, slot);
