@@ -504,6 +504,10 @@ async fn a_crash_needs_a_store_and_says_so() {
         harness.store_faults(),
         Err(Error::Configuration(_))
     ));
+    // Taken from the builder, for a handler, they would strike nothing: refused at build.
+    let builder = TestHarness::builder();
+    let _faults = builder.store_faults();
+    assert!(matches!(builder.build(), Err(Error::Configuration(_))));
 }
 
 /// The first recovery round after a restart meets the store down: `restart` (and so `idle`)

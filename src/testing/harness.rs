@@ -25,6 +25,9 @@ pub struct TestHarnessBuilder {
     seed: Option<u64>,
     failpoints: Arc<Failpoints>,
     store_faults: StoreFaults,
+    /// Whether [`store_faults`](Self::store_faults) handed them out: they strike nothing
+    /// without a store, which the build then says.
+    store_faults_taken: std::sync::atomic::AtomicBool,
     /// The store given to [`store`](Self::store), which crashes and restarts need, put on
     /// the virtual clock and the harness's hooks at build.
     store: Option<PendingStore>,
@@ -137,6 +140,8 @@ impl TestHarnessBuilder {
     /// The faults of the store given to [`store`](Self::store), for a handler to start an
     /// outage from inside its delivery (see [`TestHarness::store_faults`]).
     pub fn store_faults(&self) -> StoreFaults {
+        self.store_faults_taken
+            .store(true, std::sync::atomic::Ordering::Relaxed);
         self.store_faults.clone()
     }
 
@@ -164,9 +169,18 @@ impl TestHarnessBuilder {
     ///
     /// # Errors
     ///
-    /// The runtime's build errors, and [`Error::UnknownHandler`] (which lists the registered
-    /// handlers) when a fault names a handler that is not registered.
+    /// The runtime's build errors, [`Error::UnknownHandler`] (which lists the registered
+    /// handlers) when a fault names a handler that is not registered, and
+    /// [`Error::Configuration`] when [`store_faults`](Self::store_faults) were taken but no
+    /// store was given.
     pub fn build(self) -> Result<TestHarness, Error> {
+        if self.store.is_none() && self.store_faults_taken.into_inner() {
+            return Err(Error::Configuration(
+                "store faults need a store given to TestHarnessBuilder::store: without one \
+                 they strike nothing"
+                    .into(),
+            ));
+        }
         let seed = match self.seed {
             Some(seed) => seed,
             None => seed_from_environment()?,
@@ -329,6 +343,7 @@ impl TestHarness {
             seed: None,
             failpoints: Arc::default(),
             store_faults: StoreFaults::default(),
+            store_faults_taken: std::sync::atomic::AtomicBool::new(false),
             store: None,
         }
     }

@@ -121,9 +121,18 @@ impl StoreFaults {
         *self.active() = None;
     }
 
-    /// Whether a fault is on.
+    /// Whether a fault is on: injected, not ended, not past its `lasting` span and with
+    /// statements left to strike of its `times`.
     pub fn is_on(&self) -> bool {
-        self.active().is_some()
+        let mut active = self.active();
+        if active
+            .as_ref()
+            .and_then(|active| active.until)
+            .is_some_and(|until| Instant::now() >= until)
+        {
+            *active = None;
+        }
+        active.is_some()
     }
 
     /// How many statements the faults struck so far.
@@ -329,6 +338,16 @@ mod tests {
             restarted.before_statement(true).now_or_never(),
             Some(Ok(()))
         ));
+    }
+
+    #[test]
+    fn a_lasting_fault_is_off_once_its_span_passed_though_nothing_was_struck() {
+        let faults = StoreFaults::default();
+        faults.inject(StoreFault::unavailable().lasting(Duration::ZERO));
+        assert!(!faults.is_on());
+        faults.inject(StoreFault::unavailable().lasting(Duration::from_secs(3600)));
+        assert!(faults.is_on());
+        assert_eq!(faults.struck(), 0);
     }
 
     #[test]
