@@ -5,7 +5,8 @@ mod support;
 
 use dacapo::prelude::*;
 use dacapo::testing::{Fault, Recorder, TestHarness};
-use dacapo::{DeadLetterReason, Error, Outcome};
+use dacapo::{DeadLetterReason, DiscardReason, Error, Outcome};
+use std::time::Duration;
 use support::{MemberRemoved, member_removed};
 use uuid::Uuid;
 
@@ -154,4 +155,86 @@ async fn a_failed_replay_puts_the_dead_letter_back() {
             .await
             .is_ok()
     );
+}
+
+/// Past the inbox's retention, a dead-lettered envelope's id is still known while its letter
+/// is kept: a redelivery is discarded, and the replay is the one run (the redelivery was
+/// handled before, and the replay ran it a second time).
+async fn a_redelivery_past_the_retention_is_discarded_while_the_letter_is_kept(
+    builder: dacapo::testing::TestHarnessBuilder,
+) {
+    let calls = Recorder::new();
+    let harness = builder
+        .retry_policy(RetryPolicy {
+            retry_limit: 2,
+            ..RetryPolicy::default()
+        })
+        .module(Module::new("workspaces").handle_named::<MemberRemoved, _>("revoke", calls.clone()))
+        .fault("workspaces", "revoke", Fault::fail_times(3))
+        .configure(|runtime| {
+            runtime
+                .keep_after_handling(Duration::from_secs(60))
+                .cleanup_interval(Duration::from_secs(10))
+        })
+        .build()
+        .unwrap();
+    let report = harness.publish(&member_removed()).await.unwrap();
+    assert!(matches!(report.outcome, Outcome::DeadLettered(_)));
+    let dead = harness
+        .runtime()
+        .dead_letters()
+        .inspect(report.envelope_id)
+        .await
+        .unwrap();
+    // Handled rows of that age are gone by now.
+    harness.advance(Duration::from_secs(120)).await;
+
+    let redelivered = harness.deliver(dead.envelope.clone()).await.unwrap();
+
+    assert_eq!(
+        redelivered.outcome,
+        Outcome::Discarded(DiscardReason::DuplicateEnvelope)
+    );
+    assert_eq!(calls.count(), 0);
+    harness
+        .runtime()
+        .dead_letters()
+        .replay(dead.envelope.id)
+        .await
+        .unwrap();
+    harness.idle().await.unwrap();
+    assert_eq!(calls.count(), 1, "the replay ran it, once");
+    harness.shutdown().await;
+}
+
+#[tokio::test]
+async fn a_redelivery_past_the_retention_is_discarded_while_the_letter_is_kept_in_memory() {
+    a_redelivery_past_the_retention_is_discarded_while_the_letter_is_kept(TestHarness::builder())
+        .await;
+}
+
+#[cfg(feature = "sqlite")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_redelivery_past_the_retention_is_discarded_while_the_letter_is_kept_sqlite() {
+    let db = dacapo::testing::ScratchDatabase::sqlite();
+    let store = db.sqlite_store().await.unwrap();
+    a_redelivery_past_the_retention_is_discarded_while_the_letter_is_kept(
+        TestHarness::builder().store(store),
+    )
+    .await;
+}
+
+#[cfg(feature = "postgres")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_redelivery_past_the_retention_is_discarded_while_the_letter_is_kept_postgres() {
+    let admin = std::env::var("DACAPO_TEST_POSTGRES")
+        .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/postgres".to_owned());
+    let db = dacapo::testing::ScratchDatabase::postgres(&admin)
+        .await
+        .unwrap();
+    let store = db.postgres_store().await.unwrap();
+    a_redelivery_past_the_retention_is_discarded_while_the_letter_is_kept(
+        TestHarness::builder().store(store),
+    )
+    .await;
 }

@@ -162,6 +162,7 @@ impl RuntimeBuilder {
     }
 
     /// How long handled envelope ids are remembered to discard redeliveries (default 5 min).
+    /// A dead-lettered envelope's id is remembered for as long as its letter is kept.
     #[must_use]
     pub fn keep_after_handling(mut self, keep: Duration) -> Self {
         self.keep_after_handling = keep;

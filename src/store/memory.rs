@@ -1,5 +1,5 @@
 use std::collections::hash_map::Entry;
-use std::collections::{HashMap, VecDeque};
+use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
@@ -47,6 +47,9 @@ struct InboxState {
     known: HashMap<Uuid, Option<DateTime<Utc>>, foldhash::fast::RandomState>,
     /// Settled ids in the order they settled, so expiry never scans the whole map.
     settled: VecDeque<(DateTime<Utc>, Uuid)>,
+    /// Settled ids that were dead-lettered: known for as long as their letter is kept, so that
+    /// a redelivery past the retention is not handled beside a letter that may be replayed.
+    dead_lettered: HashSet<Uuid, foldhash::fast::RandomState>,
 }
 
 impl MemoryInbox {
@@ -82,11 +85,14 @@ impl MemoryInbox {
         }
     }
 
-    fn settle(&self, id: Uuid) {
+    fn settle(&self, id: Uuid, dead_lettered: bool) {
         let now = self.clock.now();
         let mut state = self.shard(id);
         state.known.insert(id, Some(now));
         state.settled.push_back((now, id));
+        if dead_lettered {
+            state.dead_lettered.insert(id);
+        }
     }
 
     fn expire(&self, state: &mut InboxState) {
@@ -94,7 +100,11 @@ impl MemoryInbox {
             return;
         }
         let now = self.clock.now();
-        while let Some(&(at, id)) = state.settled.front() {
+        // Each at most once: a dead-lettered id goes to the back again.
+        for _ in 0..state.settled.len() {
+            let Some(&(at, id)) = state.settled.front() else {
+                break;
+            };
             // Kept past the end of time: kept.
             if at
                 .checked_add_signed(self.keep_after_handling)
@@ -104,9 +114,18 @@ impl MemoryInbox {
             }
             state.settled.pop_front();
             // Only forget it if it was not received again and re-settled since.
-            if state.known.get(&id) == Some(&Some(at)) {
-                state.known.remove(&id);
+            if state.known.get(&id) != Some(&Some(at)) {
+                continue;
             }
+            if state.dead_lettered.contains(&id) {
+                if self.dead_letters.holds(id) {
+                    state.known.insert(id, Some(now));
+                    state.settled.push_back((now, id));
+                    continue;
+                }
+                state.dead_lettered.remove(&id);
+            }
+            state.known.remove(&id);
         }
     }
 }
@@ -127,13 +146,13 @@ impl Inbox for MemoryInbox {
     }
 
     async fn settle_handled(&self, id: Uuid, _: &[Envelope]) -> Result<Handled, Error> {
-        self.settle(id);
+        self.settle(id, false);
         Ok(Handled::Written { in_outbox: false })
     }
 
     async fn dead_letter(&self, letter: &DeadLetter, _: bool) -> Result<Fenced, Error> {
         self.dead_letters.insert(letter.clone());
-        self.settle(letter.envelope.id);
+        self.settle(letter.envelope.id, true);
         Ok(Fenced::Written)
     }
 
@@ -147,6 +166,7 @@ impl Inbox for MemoryInbox {
         };
         // Known again as incoming, under the same lock: the engine runs it next.
         state.known.insert(id, None);
+        state.dead_lettered.remove(&id);
         let mut envelope = letter.envelope;
         envelope.attempts = 0;
         Ok(Replay::Replayed(envelope))
@@ -165,7 +185,7 @@ impl Inbox for MemoryInbox {
     }
 
     fn mark_handled_now(&self, id: Uuid) -> Option<Result<(), Error>> {
-        self.settle(id);
+        self.settle(id, false);
         Some(Ok(()))
     }
 }
@@ -212,6 +232,10 @@ impl MemoryDeadLetters {
         let mut letters = lock(&self.letters);
         letters.retain(|l| l.envelope.id != dead_letter.envelope.id);
         letters.push(dead_letter);
+    }
+
+    fn holds(&self, id: Uuid) -> bool {
+        lock(&self.letters).iter().any(|l| l.envelope.id == id)
     }
 
     fn take(&self, id: Uuid) -> Option<DeadLetter> {

@@ -189,9 +189,14 @@ pub(crate) const KEEP_RUNNING: &str = "UPDATE dacapo_inbox SET owner = $1 \
 /// transaction changed while the sweep waited for its lock is checked again against the outer
 /// condition only, not the subquery's. Without it a sweep deletes the row a replay just made
 /// `incoming` again, or a claim just taken over, or a key just recorded again.
+///
+/// A dead-lettered envelope's row is kept while its letter is: a redelivery past the retention
+/// would otherwise be handled, and the letter's replay would then run it a second time.
 pub(crate) const DELETE_HANDLED: &str = "DELETE FROM dacapo_inbox \
-    WHERE status = 'handled' AND handled_at < $1 AND id IN \
-    (SELECT id FROM dacapo_inbox WHERE status = 'handled' AND handled_at < $1 LIMIT $2)";
+    WHERE status = 'handled' AND handled_at < $1 \
+    AND NOT EXISTS (SELECT 1 FROM dacapo_dead_letters d WHERE d.id = dacapo_inbox.id) \
+    AND id IN (SELECT i.id FROM dacapo_inbox i WHERE i.status = 'handled' AND i.handled_at < $1 \
+    AND NOT EXISTS (SELECT 1 FROM dacapo_dead_letters d WHERE d.id = i.id) LIMIT $2)";
 
 pub(crate) const PUT_DEAD_LETTER: &str = "INSERT INTO dacapo_dead_letters \
     (id, message_type, payload, headers, deduplication_id, correlation_id, causation_id, sent_at, \
