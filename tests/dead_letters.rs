@@ -238,3 +238,53 @@ async fn a_redelivery_past_the_retention_is_discarded_while_the_letter_is_kept_p
     )
     .await;
 }
+
+/// A letter this build cannot read (a reason a newer build wrote) is left out of the listing
+/// with a warning, instead of failing every listing, and so every bulk replay and purge.
+#[cfg(feature = "sqlite")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_letter_that_cannot_be_read_is_left_out_of_the_listing() {
+    let db = dacapo::testing::ScratchDatabase::sqlite();
+    let store = db.sqlite_store().await.unwrap();
+    let harness = TestHarness::builder()
+        .store(store.clone())
+        .retry_policy(RetryPolicy::no_retries())
+        .module(
+            Module::new("workspaces")
+                .handle_named::<MemberRemoved, _>("revoke", Recorder::<MemberRemoved>::new()),
+        )
+        .fault("workspaces", "revoke", Fault::always_fail())
+        .build()
+        .unwrap();
+    let readable = harness
+        .publish(&member_removed())
+        .await
+        .unwrap()
+        .envelope_id;
+    let unreadable = harness
+        .publish(&member_removed())
+        .await
+        .unwrap()
+        .envelope_id;
+    dacapo::sqlx::query(
+        "UPDATE dacapo_dead_letters SET reason = '\"FromANewerBuild\"' WHERE id = ?",
+    )
+    .bind(unreadable.simple().to_string())
+    .execute(store.pool())
+    .await
+    .unwrap();
+    assert!(
+        harness
+            .runtime()
+            .dead_letters()
+            .inspect(unreadable)
+            .await
+            .is_err()
+    );
+
+    let listed = harness.runtime().dead_letters().list().await.unwrap();
+
+    let ids: Vec<Uuid> = listed.iter().map(|letter| letter.envelope.id).collect();
+    assert_eq!(ids, [readable]);
+    harness.shutdown().await;
+}
