@@ -543,10 +543,14 @@ on_both_backends!(
         dead_letters_of_two_types(&db, 2, 0).await;
         // A terminal for the tool to ask on: `script` runs it on a pseudo-terminal, whose
         // input is this test's writes and whose output comes back on `script`'s.
+        // On PostgreSQL a password in the URL (which trust authentication does not ask for):
+        // the question names the database without it.
+        let url = db
+            .url
+            .replacen("postgres://postgres@", "postgres://postgres:s3cret@", 1);
         let command = format!(
-            "{} dead-letters purge --database '{}'",
+            "{} dead-letters purge --database '{url}'",
             env!("CARGO_BIN_EXE_dacapo"),
-            db.url
         );
         let mut child = std::process::Command::new("script")
             .args(["-qec", &command, "/dev/null"])
@@ -581,6 +585,11 @@ on_both_backends!(
         .await
         .unwrap_or_else(|_| panic!("no question within {WAIT:?}: {}", shown.lock().unwrap()));
         assert!(shown.lock().unwrap().contains("remove 2 dead letter(s)"));
+        assert!(
+            !shown.lock().unwrap().contains("s3cret"),
+            "{}",
+            shown.lock().unwrap()
+        );
 
         // A third letter while the operator reads the question.
         dead_letters_of_two_types(&db, 1, 0).await;
@@ -676,4 +685,24 @@ async fn a_bulk_replay_that_fails_part_way_reports_what_it_replayed() {
         2,
         "the one that failed and the one after it are still dead letters"
     );
+
+    // Again, with a reader that went away (`| head`): the failure is still said, and the exit
+    // code still tells it (it was 0, and nothing said, before).
+    let url = db.url.clone();
+    let quiet = tokio::task::spawn_blocking(move || {
+        let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_dacapo"))
+            .args(["dead-letters", "replay", "--all", "--database", &url])
+            .env_remove("DACAPO_DATABASE_URL")
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .expect("the tool runs");
+        drop(child.stdout.take());
+        child.wait_with_output()
+    })
+    .await
+    .unwrap()
+    .unwrap();
+    assert_eq!(quiet.status.code(), Some(1), "{}", stderr(&quiet));
+    assert!(stderr(&quiet).contains(&second), "{}", stderr(&quiet));
 }

@@ -205,28 +205,27 @@ async fn main() -> ExitCode {
     let json = cli.json;
     let mut out = String::new();
     let result = run(cli, &mut out).await;
-    // What was gathered is printed even after a failure; a reader that went away (`| head`)
-    // ends the tool quietly.
+    // What was gathered is printed even after a failure. A reader that went away (`| head`)
+    // is no failure of the tool's, but hides none of its own: they are still said, on
+    // standard error, and in the exit code.
     let written = std::io::stdout()
         .lock()
         .write_all(out.as_bytes())
         .and_then(|()| std::io::stdout().flush());
-    if written
-        .as_ref()
-        .is_err_and(|e| e.kind() == std::io::ErrorKind::BrokenPipe)
-    {
-        return ExitCode::SUCCESS;
+    if let Err(Failure(message)) = result {
+        if json {
+            eprintln!("{}", serde_json::json!({ "error": message }));
+        } else {
+            eprintln!("dacapo: {message}");
+        }
+        return ExitCode::FAILURE;
     }
-    match result {
-        Ok(()) => ExitCode::SUCCESS,
-        Err(Failure(message)) => {
-            if json {
-                eprintln!("{}", serde_json::json!({ "error": message }));
-            } else {
-                eprintln!("dacapo: {message}");
-            }
+    match written {
+        Err(error) if error.kind() != std::io::ErrorKind::BrokenPipe => {
+            eprintln!("dacapo: could not write the output: {error}");
             ExitCode::FAILURE
         }
+        _ => ExitCode::SUCCESS,
     }
 }
 
@@ -428,8 +427,9 @@ async fn confirm_purge(
         .map(|letter| letter.envelope.id)
         .collect();
     eprint!(
-        "remove {} dead letter(s) from {database} for good? [y/N] ",
-        listed.len()
+        "remove {} dead letter(s) from {} for good? [y/N] ",
+        listed.len(),
+        dacapo::store::redacted_url(database)
     );
     let mut answer = String::new();
     std::io::stdin().read_line(&mut answer)?;

@@ -193,13 +193,30 @@ pub(crate) fn redacted(url: &str) -> String {
     };
     let authority_end = rest.find(['/', '?']).unwrap_or(rest.len());
     let (authority, tail) = rest.split_at(authority_end);
-    match authority.rsplit_once('@') {
+    let authority = match authority.rsplit_once('@') {
         Some((credentials, host)) => match credentials.split_once(':') {
-            Some((user, _password)) => format!("{scheme}://{user}:***@{host}{tail}"),
-            None => url.to_owned(),
+            Some((user, _password)) => format!("{user}:***@{host}"),
+            None => authority.to_owned(),
         },
-        None => url.to_owned(),
-    }
+        None => authority.to_owned(),
+    };
+    // A password may come as an option too: `?password=…`.
+    let tail = match tail.split_once('?') {
+        Some((path, options)) => {
+            let options: Vec<String> = options
+                .split('&')
+                .map(|option| match option.split_once('=') {
+                    Some((name, _)) if name.eq_ignore_ascii_case("password") => {
+                        format!("{name}=***")
+                    }
+                    _ => option.to_owned(),
+                })
+                .collect();
+            format!("{path}?{}", options.join("&"))
+        }
+        None => tail.to_owned(),
+    };
+    format!("{scheme}://{authority}{tail}")
 }
 
 /// A claim this node no longer holds: another node took it over (this one was taken for dead).
@@ -226,5 +243,13 @@ mod tests {
             "postgres://app@db.internal/app"
         );
         assert_eq!(redacted("postgres://db.internal"), "postgres://db.internal");
+        assert_eq!(
+            redacted("postgres://app@db/app?sslmode=require&password=s3cret&x=1"),
+            "postgres://app@db/app?sslmode=require&password=***&x=1"
+        );
+        assert_eq!(
+            redacted("postgres://app:pw@db?password=s3cret"),
+            "postgres://app:***@db?password=***"
+        );
     }
 }
