@@ -149,6 +149,14 @@ impl Write {
         }
     }
 
+    /// The bytes of envelope the write carries (a receive's payload and headers).
+    fn bytes(&self) -> usize {
+        match self {
+            Self::Receive { columns, .. } => columns.payload.len() + columns.headers.len(),
+            _ => 0,
+        }
+    }
+
     /// The id of the envelope the write is about.
     fn id(&self) -> &str {
         match self {
@@ -696,11 +704,13 @@ async fn run_together(tx: &mut Tx, writes: &[Write]) -> Result<Vec<Written>, Err
             _ => {}
         }
     }
-    let mut start = 0;
-    for size in Rows::sizes(receives.len()) {
-        let run = &receives[start..start + size];
-        start += size;
-        receive_rows(tx, writes, run, &mut answers).await?;
+    for chunk in by_bytes(&receives, |at| writes[at].bytes(), RUN_BYTES) {
+        let mut start = 0;
+        for size in Rows::sizes(chunk.len()) {
+            let run = &chunk[start..start + size];
+            start += size;
+            receive_rows(tx, writes, run, &mut answers).await?;
+        }
     }
     let mut start = 0;
     for size in Rows::sizes(settles.len()) {
@@ -723,6 +733,29 @@ async fn run_together(tx: &mut Tx, writes: &[Write]) -> Result<Vec<Written>, Err
         .into_iter()
         .map(|answer| answer.ok_or_else(|| Error::store("a write of the batch went unanswered")))
         .collect()
+}
+
+/// The most bytes of envelopes one multi-row receive carries: PostgreSQL refuses a statement
+/// whose parameters pass 1 GiB, and 64 envelopes near a raised `max_envelope_size` would.
+const RUN_BYTES: usize = 64 * 1024 * 1024;
+
+/// `items` cut, in order, into chunks of at most `limit` bytes each (an item larger than that
+/// alone).
+fn by_bytes(items: &[usize], bytes: impl Fn(usize) -> usize, limit: usize) -> Vec<&[usize]> {
+    let mut chunks = Vec::new();
+    let (mut start, mut total) = (0, 0usize);
+    for (at, &item) in items.iter().enumerate() {
+        let size = bytes(item);
+        if at > start && total.saturating_add(size) > limit {
+            chunks.push(&items[start..at]);
+            (start, total) = (at, 0);
+        }
+        total = total.saturating_add(size);
+    }
+    if start < items.len() {
+        chunks.push(&items[start..]);
+    }
+    chunks
 }
 
 /// The receives at `run` (envelopes due now), in one statement. Of two receives of one id,
@@ -862,8 +895,21 @@ mod tests {
     use std::time::Duration;
 
     use super::{
-        ENDINGS_WAIT_AT_MOST, EndingsWaits, Grouping, LINGER_FROM, SKIPS_AFTER_A_WAIT_IN_VAIN, Wait,
+        ENDINGS_WAIT_AT_MOST, EndingsWaits, Grouping, LINGER_FROM, SKIPS_AFTER_A_WAIT_IN_VAIN,
+        Wait, by_bytes,
     };
+
+    #[test]
+    fn receives_are_cut_where_their_bytes_would_pass_the_limit() {
+        let sizes = [40, 40, 30, 100, 0, 5, 60];
+        let items: Vec<usize> = (0..sizes.len()).collect();
+        let chunks = by_bytes(&items, |at| sizes[at], 100);
+        assert_eq!(chunks, [&[0, 1][..], &[2][..], &[3, 4][..], &[5, 6][..]]);
+        // One larger than the limit goes alone; none is lost or repeated.
+        let chunks = by_bytes(&items, |at| sizes[at], 10);
+        assert_eq!(chunks.concat(), items);
+        assert!(by_bytes(&[], |_| 0, 10).is_empty());
+    }
 
     fn grouping(linger: Duration) -> Grouping {
         Grouping {
