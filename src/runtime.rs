@@ -326,7 +326,11 @@ impl Runtime {
     /// A listener for a transport to hand received envelopes to: it acknowledges nothing the
     /// store has not recorded, and waits out store failures with backoff.
     pub fn listener(&self) -> crate::transport::Listener {
-        crate::transport::Listener::new(self.transport.clone())
+        crate::transport::Listener::new(
+            self.transport.clone(),
+            Arc::clone(&self.dead_letters),
+            Arc::clone(&self.clock),
+        )
     }
 
     /// Waits until every transport listens on its broker (connected, topology declared or

@@ -1,5 +1,6 @@
-//! Data the store refuses is refused at once, never retried forever: a listener hands the
-//! refusal back to its transport instead of stalling on one envelope, and a delivery whose next
+//! Data the store refuses is refused at once, never retried forever: a listener dead-letters
+//! the envelope (or, where the store refuses even that, hands the refusal back to its
+//! transport) instead of stalling on one envelope, and a delivery whose next
 //! state cannot be stored is dead-lettered with the store's reason instead of holding its
 //! capacity slot. On a real SQLite file and a real PostgreSQL server.
 #![cfg(all(feature = "sqlite", feature = "postgres"))]
@@ -66,8 +67,8 @@ async fn refuse_poison(db: &TestDatabase, table: &str) {
 }
 
 on_both_backends!(
-    a_listener_refuses_an_envelope_the_store_rejects_at_once_and_goes_on_sqlite,
-    a_listener_refuses_an_envelope_the_store_rejects_at_once_and_goes_on_postgres,
+    a_listener_dead_letters_an_envelope_the_store_rejects_at_once_and_goes_on_sqlite,
+    a_listener_dead_letters_an_envelope_the_store_rejects_at_once_and_goes_on_postgres,
     |db| {
         let calls = Recorder::<MemberRemoved>::new();
         let runtime = db
@@ -81,28 +82,47 @@ on_both_backends!(
         refuse_poison(&db, "dacapo_inbox").await;
         let listener = runtime.listener();
 
+        // Alone, and in a batch with a good one: the transport may acknowledge both.
         let poison = Envelope::for_message(&Poison).unwrap();
-        let refused = tokio::time::timeout(WAIT, listener.accept(poison))
+        tokio::time::timeout(WAIT, listener.accept(poison.clone()))
             .await
             .expect("refused at once, not retried")
-            .unwrap_err();
-        assert!(matches!(&refused, dacapo::Error::Rejected(_)), "{refused}");
-        assert!(!refused.to_string().is_empty());
+            .unwrap();
+        let batched = Envelope::for_message(&Poison).unwrap();
+        let beside = Envelope::for_message(&member_removed()).unwrap();
+        tokio::time::timeout(WAIT, listener.accept_batch(vec![batched.clone(), beside]))
+            .await
+            .expect("refused at once, not retried")
+            .unwrap();
         assert_eq!(
             listener.pauses(),
             0,
             "no backoff for what no retry can cure"
         );
+        for refused in [&poison, &batched] {
+            let letter = runtime.dead_letters().inspect(refused.id).await.unwrap();
+            assert!(
+                matches!(&letter.reason, DeadLetterReason::StoreRejected(why) if why.contains("poison refused")),
+                "{:?}",
+                letter.reason
+            );
+            assert_eq!(
+                (&letter.envelope.message_type, &letter.envelope.payload),
+                (&refused.message_type, &refused.payload)
+            );
+        }
 
         let good = Envelope::for_message(&member_removed()).unwrap();
         listener.accept(good).await.unwrap();
         tokio::time::timeout(WAIT, runtime.idle()).await.unwrap();
-        assert_eq!(calls.count(), 1, "the next envelope goes through");
+        assert_eq!(calls.count(), 2, "the envelopes beside it go through");
         runtime.shutdown().await;
     }
 );
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+/// A message type PostgreSQL cannot hold as text fits no dead letter either: the refusal goes
+/// back to the transport.
 async fn postgres_refuses_a_nul_byte_in_a_message_type_and_the_listener_says_so_at_once() {
     let db = TestDatabase::new(Backend::Postgres).await;
     let runtime = db

@@ -620,7 +620,11 @@ impl RuntimeBuilder {
             .map(|pending| {
                 pending.start(
                     &handled,
-                    crate::transport::Listener::new(transport.clone()),
+                    crate::transport::Listener::new(
+                        transport.clone(),
+                        Arc::clone(&dead_letters),
+                        Arc::clone(&self.clock),
+                    ),
                     Arc::clone(&dead_letters),
                     Arc::clone(&self.clock),
                     max_envelope_size,

@@ -1,7 +1,8 @@
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 
-use dacapo_actors::{Backoff, Envelope, Persisted};
+use dacapo_actors::ports::{Clock, DeadLetterStore};
+use dacapo_actors::{Backoff, DeadLetter, DeadLetterReason, Envelope, Persisted};
 
 use super::InProcess;
 use crate::Error;
@@ -13,7 +14,9 @@ use crate::Error;
 /// When the store cannot record the envelope (the database is unreachable, a connection was
 /// killed), the listener pauses with [`Backoff`] and tries the same envelope again, logging each
 /// failure, until the store takes it: handling resumes by itself, and nothing is acknowledged
-/// that is not persisted. Errors that waiting cannot cure (the runtime is shutting down) are
+/// that is not persisted. An envelope whose data the store refuses (a value a column cannot
+/// hold), which no redelivery can cure, goes to the dead letters instead, and `Ok` says it can
+/// be acknowledged. Errors that waiting cannot cure (the runtime is shutting down) are
 /// returned with the envelope: leave it unacknowledged, and the broker redelivers it.
 ///
 /// ```no_run
@@ -26,19 +29,37 @@ use crate::Error;
 /// # Ok(())
 /// # }
 /// ```
-#[derive(Clone, Debug)]
+#[derive(Clone)]
 pub struct Listener {
     transport: InProcess,
     backoff: Backoff,
     pauses: Arc<AtomicU64>,
+    /// Where an envelope the store refuses goes, stamped on this clock.
+    dead_letters: Arc<dyn DeadLetterStore>,
+    clock: Arc<dyn Clock>,
+}
+
+impl std::fmt::Debug for Listener {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Listener")
+            .field("backoff", &self.backoff)
+            .field("pauses", &self.pauses())
+            .finish_non_exhaustive()
+    }
 }
 
 impl Listener {
-    pub(crate) fn new(transport: InProcess) -> Self {
+    pub(crate) fn new(
+        transport: InProcess,
+        dead_letters: Arc<dyn DeadLetterStore>,
+        clock: Arc<dyn Clock>,
+    ) -> Self {
         Self {
             transport,
             backoff: Backoff::default(),
             pauses: Arc::default(),
+            dead_letters,
+            clock,
         }
     }
 
@@ -55,12 +76,15 @@ impl Listener {
     }
 
     /// Hands `envelope` to the runtime, waiting out store failures; `Ok` once the runtime
-    /// accepted it (persisted, or discarded as a duplicate): acknowledge it then.
+    /// accepted it (persisted, or discarded as a duplicate), or, where the store refuses its
+    /// data, once it is a dead letter ([`DeadLetterReason::StoreRejected`]): acknowledge it
+    /// then.
     ///
     /// # Errors
     ///
     /// [`Error::ShuttingDown`] (the envelope handed back) and the other refusals that
-    /// waiting cannot cure; never a store failure, which it waits out.
+    /// waiting cannot cure; [`Error::Rejected`] when the store refuses even its dead letter;
+    /// never a store failure, which it waits out.
     ///
     /// # Cancel safety
     ///
@@ -68,17 +92,46 @@ impl Listener {
     /// redelivery is then handled, or discarded by the inbox if it was recorded.
     pub async fn accept(&self, envelope: Envelope) -> Result<(), Error> {
         let id = envelope.id;
-        self.waiting_out_the_store(id, || self.transport.send(envelope.clone(), None))
+        match self
+            .waiting_out_the_store(id, || self.transport.send(envelope.clone(), None))
             .await
+        {
+            Err(Error::Rejected(error)) => self.dead_letter(envelope, &*error).await,
+            accepted => accepted,
+        }
+    }
+
+    /// Keeps an envelope the store refused as a dead letter, waiting out store failures.
+    async fn dead_letter(
+        &self,
+        envelope: Envelope,
+        refusal: &(dyn std::error::Error + Send + Sync),
+    ) -> Result<(), Error> {
+        let id = envelope.id;
+        tracing::warn!(messaging.message.id = %id, error = %refusal, "the store refuses a received envelope's data; it goes to the dead letters");
+        let letter = DeadLetter::rejected(
+            envelope,
+            DeadLetterReason::StoreRejected(refusal.to_string()),
+            self.clock.now(),
+        );
+        self.waiting_out_the_store(id, || async {
+            self.dead_letters
+                .put(letter.clone())
+                .await
+                .map_err(Error::from)
+        })
+        .await
     }
 
     /// [`accept`](Self::accept) for the envelopes a transport received together (a prefetch):
-    /// one store transaction for all of them, all or nothing, waiting out store failures; `Ok`
-    /// once every one is accepted: acknowledge them all then (a multiple ack).
+    /// one store transaction for all of them, waiting out store failures; `Ok` once every one
+    /// is accepted: acknowledge them all then (a multiple ack). A batch the store refuses for
+    /// one envelope's data is accepted one envelope at a time, the refused ones dead-lettered.
     ///
     /// # Errors
     ///
-    /// As [`accept`](Self::accept); none of them is recorded then.
+    /// As [`accept`](Self::accept); none of them is recorded then, unless the error came one
+    /// envelope at a time (those before it are).
     ///
     /// # Cancel safety
     ///
@@ -87,8 +140,18 @@ impl Listener {
         let Some(first) = envelopes.first().map(|envelope| envelope.id) else {
             return Ok(());
         };
-        self.waiting_out_the_store(first, || self.transport.send_batch(envelopes.clone()))
+        match self
+            .waiting_out_the_store(first, || self.transport.send_batch(envelopes.clone()))
             .await
+        {
+            Err(Error::Rejected(_)) => {
+                for envelope in envelopes {
+                    self.accept(envelope).await?;
+                }
+                Ok(())
+            }
+            accepted => accepted,
+        }
     }
 
     /// [`accept_batch`](Self::accept_batch) in two halves: `Ok` once the batch is
