@@ -845,11 +845,13 @@ fn is_the_brokers(name: &str) -> bool {
         || name.starts_with("x-last-death-")
 }
 
-/// A header's value as text; values of no textual form (tables, arrays, floats) are not read
-/// as headers (an unreadable message keeps them as they read).
+/// A header's value as text; values of no textual form (tables, arrays, floats, bytes that
+/// are not UTF-8) are not read as headers (an unreadable message keeps them as they read).
+/// Bytes are never mended into text: two binary ids that differ only where they are not UTF-8
+/// would read as one id, and the second message be discarded as the first's duplicate.
 fn text(value: &AMQPValue) -> Option<String> {
     Some(match value {
-        AMQPValue::LongString(text) => String::from_utf8_lossy(text.as_bytes()).into_owned(),
+        AMQPValue::LongString(text) => std::str::from_utf8(text.as_bytes()).ok()?.to_owned(),
         AMQPValue::ShortString(text) => text.to_string(),
         AMQPValue::Boolean(value) => value.to_string(),
         AMQPValue::ShortShortInt(value) => value.to_string(),
@@ -867,6 +869,14 @@ fn text(value: &AMQPValue) -> Option<String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_header_of_bytes_that_are_not_utf8_is_no_text() {
+        let bytes = |b: &[u8]| AMQPValue::LongString(b.to_vec().into());
+        assert_eq!(text(&bytes(b"id-1")), Some("id-1".to_owned()));
+        assert_eq!(text(&bytes(&[0, 0, 0, 0x80])), None);
+        assert_eq!(text(&bytes(&[0, 0, 0, 0x81])), None);
+    }
 
     #[test]
     fn a_body_over_the_brokers_max_message_size_is_refused_before_it_is_sent() {
