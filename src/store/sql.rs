@@ -186,7 +186,6 @@ where
 }
 
 /// `url` without its password, to name a database in an error or a log.
-#[cfg(feature = "postgres")]
 pub(crate) fn redacted(url: &str) -> String {
     let Some((scheme, rest)) = url.split_once("://") else {
         return url.to_owned();
@@ -228,7 +227,7 @@ pub(crate) fn claim_lost(claim: &dacapo_actors::ports::Claim) -> Error {
     ))
 }
 
-#[cfg(all(test, feature = "postgres"))]
+#[cfg(test)]
 mod tests {
     use super::redacted;
 
