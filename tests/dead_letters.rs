@@ -213,30 +213,41 @@ async fn a_redelivery_past_the_retention_is_discarded_while_the_letter_is_kept_i
         .await;
 }
 
-#[cfg(feature = "sqlite")]
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_redelivery_past_the_retention_is_discarded_while_the_letter_is_kept_sqlite() {
-    let db = dacapo::testing::ScratchDatabase::sqlite();
-    let store = db.sqlite_store().await.unwrap();
-    a_redelivery_past_the_retention_is_discarded_while_the_letter_is_kept(
-        TestHarness::builder().store(store),
-    )
-    .await;
+/// A harness builder on a scratch database of its own, SQLite or PostgreSQL; the database
+/// lives as long as the guard returned with it.
+#[cfg(all(feature = "sqlite", feature = "postgres"))]
+async fn on_a_scratch_database(
+    postgres: bool,
+) -> (
+    dacapo::testing::TestHarnessBuilder,
+    dacapo::testing::ScratchDatabase,
+) {
+    use dacapo::testing::ScratchDatabase;
+    if postgres {
+        let admin = std::env::var("DACAPO_TEST_POSTGRES")
+            .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/postgres".to_owned());
+        let db = ScratchDatabase::postgres(&admin).await.unwrap();
+        let store = db.postgres_store().await.unwrap();
+        (TestHarness::builder().store(store), db)
+    } else {
+        let db = ScratchDatabase::sqlite();
+        let store = db.sqlite_store().await.unwrap();
+        (TestHarness::builder().store(store), db)
+    }
 }
 
-#[cfg(feature = "postgres")]
+#[cfg(all(feature = "sqlite", feature = "postgres"))]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_redelivery_past_the_retention_is_discarded_while_the_letter_is_kept_sqlite() {
+    let (builder, _db) = on_a_scratch_database(false).await;
+    a_redelivery_past_the_retention_is_discarded_while_the_letter_is_kept(builder).await;
+}
+
+#[cfg(all(feature = "sqlite", feature = "postgres"))]
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_redelivery_past_the_retention_is_discarded_while_the_letter_is_kept_postgres() {
-    let admin = std::env::var("DACAPO_TEST_POSTGRES")
-        .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/postgres".to_owned());
-    let db = dacapo::testing::ScratchDatabase::postgres(&admin)
-        .await
-        .unwrap();
-    let store = db.postgres_store().await.unwrap();
-    a_redelivery_past_the_retention_is_discarded_while_the_letter_is_kept(
-        TestHarness::builder().store(store),
-    )
-    .await;
+    let (builder, _db) = on_a_scratch_database(true).await;
+    a_redelivery_past_the_retention_is_discarded_while_the_letter_is_kept(builder).await;
 }
 
 /// A letter this build cannot read (a reason a newer build wrote) is left out of the listing

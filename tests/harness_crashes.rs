@@ -317,10 +317,9 @@ on_both_backends!(
     crash_before_settle
 );
 
-async fn crash_before_settle(backend: Backend) {
-    let mut setup = setup(backend, |b| b).await;
-    // Only the member's delivery: the announcement its handler committed may reach the
-    // point first.
+/// Publishes a member's removal and crashes before its settle. Only the member's delivery:
+/// the announcement its handler committed may reach the point first.
+async fn crashed_before_the_members_settle(setup: &Setup) {
     setup
         .harness
         .crash_at_message::<MemberRemoved>(Failpoint::BeforeSettle)
@@ -329,6 +328,11 @@ async fn crash_before_settle(backend: Backend) {
         setup.harness.publish(&MemberRemoved { member_id: 7 }).await,
         Failpoint::BeforeSettle,
     );
+}
+
+async fn crash_before_settle(backend: Backend) {
+    let mut setup = setup(backend, |b| b).await;
+    crashed_before_the_members_settle(&setup).await;
     assert_eq!(setup.harness.crashed(), Some(Failpoint::BeforeSettle));
     // The handler's transaction committed before the crash.
     assert_eq!((setup.effects)().await, ["revoke"]);
@@ -516,14 +520,7 @@ async fn a_crash_needs_a_store_and_says_so() {
 #[tokio::test]
 async fn a_restart_whose_first_recovery_round_the_store_refuses_waits_for_the_next() {
     let mut setup = setup(Backend::Sqlite, |b| b).await;
-    setup
-        .harness
-        .crash_at_message::<MemberRemoved>(Failpoint::BeforeSettle)
-        .unwrap();
-    crashed_at(
-        setup.harness.publish(&MemberRemoved { member_id: 7 }).await,
-        Failpoint::BeforeSettle,
-    );
+    crashed_before_the_members_settle(&setup).await;
     let faults = setup.harness.store_faults().unwrap();
     faults.inject(dacapo::testing::StoreFault::unavailable().times(3));
 
