@@ -591,8 +591,14 @@ on_both_backends!(
             shown.lock().unwrap()
         );
 
-        // A third letter while the operator reads the question.
+        // A third letter while the operator reads the question, and one of the two it asked
+        // about replayed and failed again (a new last failure, the same id).
         dead_letters_of_two_types(&db, 1, 0).await;
+        db.execute(
+            "UPDATE dacapo_dead_letters SET last_failure_at = last_failure_at + 1000 \
+             WHERE id = (SELECT id FROM dacapo_dead_letters ORDER BY first_failure_at, id LIMIT 1)",
+        )
+        .await;
         let mut stdin = child.stdin.take().unwrap();
         stdin.write_all(b"y\n").unwrap();
         stdin.flush().unwrap();
@@ -609,14 +615,14 @@ on_both_backends!(
         reader.join().unwrap();
         assert!(status.success(), "{}", shown.lock().unwrap());
         assert!(
-            shown.lock().unwrap().contains("purged 2 dead letter(s)"),
+            shown.lock().unwrap().contains("purged 1 dead letter(s)"),
             "{}",
             shown.lock().unwrap()
         );
         assert_eq!(
             db.scalar("SELECT count(*) FROM dacapo_dead_letters").await,
-            1,
-            "the letter it never showed is kept"
+            2,
+            "the letters it never showed are kept: the new one, and the one that failed again"
         );
     }
 );

@@ -387,11 +387,18 @@ async fn dead_letters(
                 // while they read the question is not theirs to remove unseen.
                 let asked = confirm_purge(&store, &filter, database.unwrap_or_default()).await?;
                 let mut removed = 0u64;
-                for id in asked {
+                for (id, last_failure_at) in asked {
                     // Gone meanwhile (replayed or purged by someone else): nothing to remove.
-                    if store.dead_letters().remove(id).await?.is_some() {
-                        removed += 1;
+                    let Some(letter) = store.dead_letters().remove(id).await? else {
+                        continue;
+                    };
+                    // Replayed and failed again while the question waited: a letter the
+                    // operator never saw, under the same id. It goes back.
+                    if letter.last_failure_at != last_failure_at {
+                        store.dead_letters().put(letter).await?;
+                        continue;
                     }
+                    removed += 1;
                 }
                 removed
             };
@@ -406,12 +413,12 @@ async fn dead_letters(
 }
 
 /// Asks on the terminal before a purge; refuses without a terminal to ask on. The ids of the
-/// letters it asked about, once the answer is yes.
+/// letters it asked about, with their last failure's time, once the answer is yes.
 async fn confirm_purge(
     store: &Store,
     filter: &DeadLetterFilter,
     database: &str,
-) -> Result<Vec<Uuid>, Failure> {
+) -> Result<Vec<(Uuid, DateTime<Utc>)>, Failure> {
     if !std::io::stdin().is_terminal() {
         return Err(Failure(
             "purge removes dead letters for good: pass --yes to confirm (standard input is \
@@ -419,12 +426,12 @@ async fn confirm_purge(
                 .to_owned(),
         ));
     }
-    let listed: Vec<Uuid> = store
+    let listed: Vec<(Uuid, DateTime<Utc>)> = store
         .dead_letters()
         .list(filter)
         .await?
         .iter()
-        .map(|letter| letter.envelope.id)
+        .map(|letter| (letter.envelope.id, letter.last_failure_at))
         .collect();
     eprint!(
         "remove {} dead letter(s) from {} for good? [y/N] ",
