@@ -632,7 +632,7 @@ where
                  at commit): its work is rolled back and nothing was kept",
             ));
         }
-        return Ok(unavailable(&error));
+        return Ok(commit_unanswered(&error));
     }
     if !keep_body {
         head.headers
@@ -814,6 +814,19 @@ fn in_flight() -> Response<ResponseBody> {
     problem(
         Problem::InFlight,
         "a request with this Idempotency-Key is in progress; retry once it has answered",
+    )
+}
+
+/// The commit of the answer and the endpoint's work failed without the database's word on
+/// it (a connection lost as it committed): it may have been kept. A retry with the key finds
+/// out: the kept answer is replayed, or the request runs again.
+fn commit_unanswered(error: &dyn std::fmt::Display) -> Response<ResponseBody> {
+    tracing::warn!(%error, "the Idempotency-Key store failed as the answer committed; whether it was kept is unknown");
+    problem(
+        Problem::StoreUnavailable,
+        "the idempotency store failed as the answer was being kept, and whether it was is \
+         unknown: retry with the same key, which replays the answer if it was kept and runs \
+         the request again if not",
     )
 }
 
