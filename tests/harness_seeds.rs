@@ -252,3 +252,44 @@ async fn what_is_published_together_past_the_engines_capacity_lets_the_clock_mov
     }
     assert_eq!(recorder.count(), 2);
 }
+
+/// Two nodes' harnesses on one store, under one seed: their seeded envelope ids are drawn for
+/// their nodes, so neither publishes an id the other did (the second node's first message was
+/// discarded as the first's duplicate before).
+#[cfg(feature = "sqlite")]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_nodes_harnesses_on_one_store_under_one_seed_publish_different_ids() {
+    let db = dacapo::testing::ScratchDatabase::sqlite();
+    let store = db.sqlite_store().await.unwrap();
+    let node = |name: &'static str, recorder: &Recorder<SeatReleased>| {
+        TestHarness::builder()
+            .seed(5)
+            .store(store.clone().node_id(name))
+            .module(Module::new("venue").handle_named::<SeatReleased, _>("seats", recorder.clone()))
+            .build()
+            .unwrap()
+    };
+    let (on_a, on_b) = (Recorder::new(), Recorder::new());
+    let (a, b) = (node("a", &on_a), node("b", &on_b));
+
+    let first = a.publish(&SeatReleased { seat: 1 }).await.unwrap();
+    let second = b.publish(&SeatReleased { seat: 2 }).await.unwrap();
+
+    assert_ne!(first.envelope_id, second.envelope_id);
+    assert!(first.is_handled() && second.is_handled(), "{second:?}");
+    assert_eq!((on_a.count(), on_b.count()), (1, 1));
+    a.shutdown().await;
+    b.shutdown().await;
+    // The same seed and node draw the same ids in every run: on a store of its own, node a's
+    // first id again.
+    let other = dacapo::testing::ScratchDatabase::sqlite();
+    let rerun = TestHarness::builder()
+        .seed(5)
+        .store(other.sqlite_store().await.unwrap().node_id("a"))
+        .module(Module::new("venue").handle_named::<SeatReleased, _>("seats", Recorder::new()))
+        .build()
+        .unwrap();
+    let replayed = rerun.publish(&SeatReleased { seat: 1 }).await.unwrap();
+    assert_eq!(replayed.envelope_id, first.envelope_id);
+    rerun.shutdown().await;
+}

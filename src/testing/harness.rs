@@ -48,6 +48,8 @@ impl std::fmt::Debug for TestHarnessBuilder {
 /// The store given to the harness, for each run of the runtime.
 #[derive(Clone)]
 struct PendingStore {
+    /// The node the store runs as, which seeded envelope ids are drawn for.
+    node: Arc<str>,
     give: GiveStore,
     /// Returns once a write the database had begun for a killed runtime ended.
     writes_ended: Arc<dyn Fn() -> futures::future::BoxFuture<'static, ()> + Send + Sync>,
@@ -107,6 +109,7 @@ impl TestHarnessBuilder {
         let first = Mutex::new(Some(store.clone()));
         let ended = store.clone();
         self.store = Some(PendingStore {
+            node: Arc::from(store.node()),
             give: Arc::new(move |runtime: RuntimeBuilder, clock, hooks| {
                 let store = first
                     .lock()
@@ -229,6 +232,10 @@ impl TestHarnessBuilder {
             let failpoints = Arc::clone(&self.failpoints);
             registry.wrap_handler(id, |inner| fenced(inner, Arc::clone(&failpoints)));
         }
+        let node = self
+            .store
+            .as_ref()
+            .map_or_else(|| Arc::from(""), |store| Arc::clone(&store.node));
         let restart = self.store.map(|store| Restart {
             runtime: runtime.restartable(),
             registry: registry.replicate(),
@@ -246,6 +253,7 @@ impl TestHarnessBuilder {
             restart,
             killer: None,
             published: std::sync::atomic::AtomicU64::new(0),
+            node,
         };
         harness.kill_on_crash();
         Ok(harness)
@@ -317,6 +325,9 @@ pub struct TestHarness {
     killer: Option<tokio::task::JoinHandle<()>>,
     /// Envelopes published so far, for seeded ids.
     published: std::sync::atomic::AtomicU64,
+    /// The node of the store given to the builder (empty without one): seeded ids are drawn
+    /// for it, so two nodes' harnesses on one store publish no id twice.
+    node: Arc<str>,
 }
 
 impl Drop for TestHarness {
@@ -486,9 +497,9 @@ impl TestHarness {
         dacapo_actors::Timers::Virtual(Arc::clone(&self.clock)).busy()
     }
 
-    /// Seeded, gives a published envelope an id drawn from the seed and the count of
-    /// envelopes published so far, so that what the runtime orders by the delivery (timers
-    /// due together) comes in the same order in every run.
+    /// Seeded, gives a published envelope an id drawn from the seed, the store's node and the
+    /// count of envelopes published so far, so that what the runtime orders by the delivery
+    /// (timers due together) comes in the same order in every run.
     fn seeded_id(&self, envelope: &mut Envelope) {
         if self.seed == 0 {
             return;
@@ -496,9 +507,10 @@ impl TestHarness {
         let count = self
             .published
             .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        let mut bytes = [0u8; 16];
-        bytes[..8].copy_from_slice(&self.seed.to_le_bytes());
-        bytes[8..].copy_from_slice(&count.to_le_bytes());
+        let mut bytes = Vec::with_capacity(16 + self.node.len());
+        bytes.extend_from_slice(&self.seed.to_le_bytes());
+        bytes.extend_from_slice(&count.to_le_bytes());
+        bytes.extend_from_slice(self.node.as_bytes());
         let id = uuid::Uuid::new_v5(&uuid::Uuid::NAMESPACE_OID, &bytes);
         if envelope.correlation_id == Some(envelope.id) {
             envelope.correlation_id = Some(id);
