@@ -48,7 +48,8 @@ impl std::fmt::Debug for TestHarnessBuilder {
 /// The store given to the harness, for each run of the runtime.
 #[derive(Clone)]
 struct PendingStore {
-    /// The node the store runs as, which seeded envelope ids are drawn for.
+    /// The node the store runs as, where it was named, which seeded envelope ids are drawn
+    /// for (a name drawn at random would make them differ from run to run).
     node: Arc<str>,
     give: GiveStore,
     /// Returns once a write the database had begun for a killed runtime ended.
@@ -109,7 +110,7 @@ impl TestHarnessBuilder {
         let first = Mutex::new(Some(store.clone()));
         let ended = store.clone();
         self.store = Some(PendingStore {
-            node: Arc::from(store.node()),
+            node: Arc::from(store.named_node().unwrap_or_default()),
             give: Arc::new(move |runtime: RuntimeBuilder, clock, hooks| {
                 let store = first
                     .lock()
@@ -134,6 +135,10 @@ impl TestHarnessBuilder {
     /// shuffled by it. The same seed gives the same order; a failing test prints its seed.
     /// Default: the `DACAPO_SEED` environment variable, else 0, which keeps the order things
     /// came in (and runs timers due together at once).
+    ///
+    /// Seeded, published envelopes take ids drawn from the seed (and from the store's node,
+    /// where it was named with `node_id`): two harnesses on one store under one seed need
+    /// named nodes, or they publish the same ids.
     #[must_use]
     pub fn seed(mut self, seed: u64) -> Self {
         self.seed = Some(seed);
@@ -325,8 +330,8 @@ pub struct TestHarness {
     killer: Option<tokio::task::JoinHandle<()>>,
     /// Envelopes published so far, for seeded ids.
     published: std::sync::atomic::AtomicU64,
-    /// The node of the store given to the builder (empty without one): seeded ids are drawn
-    /// for it, so two nodes' harnesses on one store publish no id twice.
+    /// The named node of the store given to the builder (empty without one): seeded ids are
+    /// drawn for it, so two named nodes' harnesses on one store publish no id twice.
     node: Arc<str>,
 }
 

@@ -315,6 +315,12 @@ impl<D: Dialect> SqlStore<D> {
         &self.node
     }
 
+    /// This node's name where it was given ([`node_id`](Self::node_id)), not drawn at random.
+    #[cfg(feature = "testing")]
+    pub(crate) fn named_node(&self) -> Option<&str> {
+        self.named.then_some(&*self.node)
+    }
+
     /// Holds this store's node, if it was named, before a write under it.
     async fn held(&self) -> Result<(), Error> {
         if !self.named {
