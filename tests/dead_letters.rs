@@ -187,7 +187,7 @@ async fn a_redelivery_past_the_retention_is_discarded_while_the_letter_is_kept(
         .await
         .unwrap();
     // Handled rows of that age are gone by now.
-    harness.advance(Duration::from_secs(120)).await;
+    harness.advance(Duration::from_secs(120)).await.unwrap();
 
     let redelivered = harness.deliver(dead.envelope.clone()).await.unwrap();
 

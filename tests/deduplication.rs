@@ -457,30 +457,22 @@ async fn first_reaping_round(batch: usize) -> Vec<(usize, u64)> {
     }
     assert_eq!(effects.count(), 5);
     *clock.0.lock().unwrap() += chrono::Duration::hours(2);
-    // A round is over once a later one has started.
-    let round = tokio::time::timeout(Duration::from_secs(10), async {
-        loop {
-            {
-                let reaps = claims.reaps.lock().unwrap();
-                if let Some(first) = reaps.iter().position(|reap| reap.2 > 0) {
-                    let now = reaps[first].0;
-                    if reaps.iter().any(|reap| reap.0 > now) {
-                        return reaps
-                            .iter()
-                            .filter(|reap| reap.0 == now)
-                            .map(|reap| (reap.1, reap.2))
-                            .collect::<Vec<_>>();
-                    }
-                }
-            }
-            // Reaping rounds come every 60 s of the runtime's clock, which moves by itself
-            // only for deliveries: move it on.
-            harness.advance(Duration::from_secs(60)).await;
-            tokio::time::sleep(Duration::from_millis(10)).await;
-        }
-    })
-    .await
-    .expect("a reaping round removed the expired claims and ended");
+    // The first reaping round comes at 60 s of the runtime's clock, which moves by itself
+    // only for deliveries: `advance` moves it there, and returns once the round is over.
+    harness.advance(Duration::from_secs(60)).await.unwrap();
+    let round = {
+        let reaps = claims.reaps.lock().unwrap();
+        let now = reaps
+            .iter()
+            .find(|reap| reap.2 > 0)
+            .expect("a reaping round removed the expired claims")
+            .0;
+        reaps
+            .iter()
+            .filter(|reap| reap.0 == now)
+            .map(|reap| (reap.1, reap.2))
+            .collect::<Vec<_>>()
+    };
     harness.shutdown().await;
     round
 }

@@ -458,3 +458,54 @@ async fn a_cascade_starts_before_the_clock_moves_to_the_next_timer() {
         harness.shutdown().await;
     }
 }
+
+/// Waits, inside its delivery, until the test lets it go.
+#[derive(Clone)]
+struct HeldUntilLetGo {
+    entered: Arc<tokio::sync::Notify>,
+    let_go: Arc<tokio::sync::Notify>,
+}
+
+impl Handler<MemberRemoved> for HeldUntilLetGo {
+    async fn handle(&self, _: &MemberRemoved, _: &MessageContext) -> Result<(), HandlerError> {
+        self.entered.notify_one();
+        self.let_go.notified().await;
+        Ok(())
+    }
+}
+
+/// `advance` is bounded: a handler at work waits for something the test does only after it
+/// returns, and it returns NotSettled after the settle timeout (it waited for ever before).
+#[tokio::test]
+async fn an_advance_that_cannot_get_idle_gives_up_after_the_settle_timeout() {
+    let held = HeldUntilLetGo {
+        entered: Arc::default(),
+        let_go: Arc::default(),
+    };
+    let harness = TestHarness::builder()
+        .settle_timeout(Duration::from_millis(300))
+        .module(Module::new("m").handle_named::<MemberRemoved, _>("h", held.clone()))
+        .build()
+        .unwrap();
+    let entered = held.entered.notified();
+    let message = member_removed();
+    let (published, advanced) = tokio::join!(harness.publish(&message), async {
+        entered.await;
+        let advanced = harness.advance(Duration::from_secs(60)).await;
+        held.let_go.notify_one();
+        advanced
+    });
+
+    assert!(
+        matches!(advanced, Err(Error::NotSettled { waited, .. }) if waited == Duration::from_millis(300)),
+        "{advanced:?}"
+    );
+    // The publish waited as long, from a little earlier: its own bound passed too. The
+    // delivery goes on, and ends once let go.
+    assert!(
+        matches!(published, Err(Error::NotSettled { .. })),
+        "{published:?}"
+    );
+    harness.idle().await.unwrap();
+    assert!(harness.reports()[0].is_handled());
+}

@@ -557,7 +557,11 @@ async fn a_retry_a_restart_left_in_the_store_runs_once_the_clock_reaches_it() {
         (setup.effects)().await.is_empty(),
         "the retry is due a minute after the failure"
     );
-    setup.harness.advance(Duration::from_secs(60)).await;
+    setup
+        .harness
+        .advance(Duration::from_secs(60))
+        .await
+        .unwrap();
     setup.harness.idle().await.unwrap();
     each_effect_once(&setup).await;
     assert_eq!(last_report(&setup.harness, MemberRemoved::TYPE).attempts, 2);
@@ -1032,4 +1036,33 @@ async fn after_a_restart_handler_connections_on_postgres_are_the_new_processes()
     let report = crashed_before_the_settle_and_restarted(&mut harness).await;
     assert_eq!(report.attempts, 2, "{report:?}");
     assert_eq!((effects_of!(pool))().await, ["revoke"]);
+}
+
+/// `advance` reports a crash on its way: a scheduled delivery that comes due within it and
+/// crashes before its settle makes it return the crash (it returned nothing before).
+#[tokio::test]
+async fn an_advance_that_runs_into_a_crash_returns_it() {
+    let setup = setup(Backend::Sqlite, |b| b).await;
+    setup
+        .harness
+        .crash_at_message::<MemberRemoved>(Failpoint::BeforeSettle)
+        .unwrap();
+    let due = chrono::Utc::now() + chrono::Duration::seconds(30);
+    let report = setup
+        .harness
+        .publish_with(
+            &MemberRemoved { member_id: 7 },
+            SendOptions::new().deliver_at(due),
+        )
+        .await
+        .unwrap();
+    assert!(
+        matches!(report.outcome, Outcome::Scheduled(_)),
+        "{report:?}"
+    );
+
+    crashed_at(
+        setup.harness.advance(Duration::from_secs(60)).await,
+        Failpoint::BeforeSettle,
+    );
 }

@@ -160,7 +160,7 @@ async fn a_hung_handler_times_out_at_its_exact_virtual_time() {
 async fn advancing_the_clock_moves_it_by_exactly_that() {
     let harness = TestHarness::builder().build().unwrap();
     assert_eq!(harness.elapsed(), Duration::ZERO);
-    harness.advance(Duration::from_secs(90)).await;
+    harness.advance(Duration::from_secs(90)).await.unwrap();
     assert_eq!(harness.elapsed(), Duration::from_secs(90));
     harness.shutdown().await;
 }
@@ -239,14 +239,14 @@ async fn an_advance_past_a_cleanup_round_returns_with_its_deletes_made() {
     }
     assert_eq!(handled(store.pool().clone()).await, 50);
 
-    harness.advance(Duration::from_secs(61)).await;
+    harness.advance(Duration::from_secs(61)).await.unwrap();
     assert_eq!(handled(store.pool().clone()).await, 50, "kept for 60 s");
     // A slow store: the round's delete outlasts the tick that started it. No other round is
     // due between 61 s and 64 s (recovery and the heartbeat come every 10 s).
     harness
         .store_fault(StoreFault::slow_commits(Duration::from_millis(300)))
         .unwrap();
-    harness.advance(Duration::from_secs(3)).await;
+    harness.advance(Duration::from_secs(3)).await.unwrap();
     assert_eq!(
         handled(store.pool().clone()).await,
         0,

@@ -208,7 +208,7 @@ async fn recovered_order(seed: u64) -> Vec<u64> {
     }
     // The recovery rounds tick as the clock passes them; the one past the due time claims
     // all six in one batch.
-    harness.advance(Duration::from_secs(60)).await;
+    harness.advance(Duration::from_secs(60)).await.unwrap();
     harness.idle().await.unwrap();
     let order: Vec<u64> = recorder
         .calls()

@@ -567,13 +567,29 @@ impl TestHarness {
     /// runtime is idle (a handler at work is waited for, never timed out by the jump). The
     /// clock also moves by itself to a delivery's next timer whenever nothing in the runtime
     /// works; this moves it further, for what waits on time with the runtime idle (background
-    /// rounds: recovery, the outbox relay, cleanup, reaping).
+    /// rounds: recovery, the outbox relay, cleanup, reaping). It returns once the work due
+    /// on the way is done.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::NotSettled`] (with a nil envelope id) when the runtime does not get idle for
+    /// the next timer within the settle timeout (a handler blocked on something the test does
+    /// only after this returns), and [`Error::Crashed`] when the runtime crashes at a
+    /// failpoint on the way.
     ///
     /// # Cancel safety
     ///
     /// Cancelled, the clock stays where the last woken timer put it.
-    pub async fn advance(&self, by: Duration) {
-        self.clock.advance(by).await;
+    pub async fn advance(&self, by: Duration) -> Result<(), Error> {
+        self.unless_crashed(async {
+            tokio::time::timeout(self.settle_timeout, self.clock.advance(by))
+                .await
+                .map_err(|_| Error::NotSettled {
+                    envelope_id: uuid::Uuid::nil(),
+                    waited: self.settle_timeout,
+                })
+        })
+        .await
     }
 
     /// The report of every delivery that settled so far, in the order they settled — the
