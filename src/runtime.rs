@@ -461,8 +461,8 @@ impl Runtime {
     /// when it falls due. Returns at once without a durable store. A round the store refused
     /// (down, or the node id held by another process) does not count: it is logged and tried
     /// again, after 100 ms and then twice as long each time up to the recovery interval, so
-    /// this waits for as long as the store does: bound it with a timeout if the store may stay
-    /// down.
+    /// this waits for as long as the store does (or until a shutdown begins): bound it with a
+    /// timeout if the store may stay down.
     ///
     /// # Cancel safety
     ///

@@ -429,3 +429,60 @@ async fn a_node_is_held_in_each_schema_by_its_own_holder_postgres() {
         );
     }
 }
+
+/// A runtime whose node another process holds: every recovery round is refused, and
+/// `first_recovery` waits for one that gets through — past two refusals here (it returned
+/// after the first before) — until the holder dies; and a second such runtime's shutdown ends
+/// its wait (a refused round then retried after the close began never counted).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn first_recovery_waits_out_a_held_node_or_ends_with_a_shutdown_sqlite() {
+    let db = TestDatabase::new(Backend::Sqlite).await;
+    drop(store(false, &db.url, "schema", WAIT).await);
+    let holder = spawn_holder(false, &db.url);
+    let runtime = |url: String| async move {
+        std::sync::Arc::new(
+            Runtime::builder()
+                .store(
+                    dacapo::store::SqliteStore::open(&url)
+                        .await
+                        .unwrap()
+                        .node_id(NODE)
+                        .node_timeout(Duration::from_millis(300)),
+                )
+                .build()
+                .unwrap(),
+        )
+    };
+    let (waiting, ended) = (runtime(db.url.clone()).await, runtime(db.url.clone()).await);
+    let recovered = tokio::spawn({
+        let waiting = std::sync::Arc::clone(&waiting);
+        async move { waiting.first_recovery().await }
+    });
+    let shut_down = tokio::spawn({
+        let ended = std::sync::Arc::clone(&ended);
+        async move { ended.first_recovery().await }
+    });
+    // Two refusals of the node's own writes, each after its 300 ms wait: the first rounds,
+    // begun before them, were refused by then.
+    for _ in 0..2 {
+        let refused = waiting.publish(&member_removed()).await.unwrap_err();
+        assert!(
+            matches!(refused, dacapo::Error::NodeHeld { .. }),
+            "{refused}"
+        );
+    }
+    assert!(!recovered.is_finished() && !shut_down.is_finished());
+
+    let report = tokio::time::timeout(WAIT, ended.shutdown()).await.unwrap();
+    assert!(report.pending_retries.is_empty());
+    tokio::time::timeout(WAIT, shut_down)
+        .await
+        .expect("the shutdown ended the wait")
+        .unwrap();
+    kill(holder);
+    tokio::time::timeout(WAIT, recovered)
+        .await
+        .expect("a round got through once the holder died")
+        .unwrap();
+    waiting.shutdown().await;
+}

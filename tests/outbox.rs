@@ -869,3 +869,52 @@ on_both_backends!(
         runtime.shutdown().await;
     }
 );
+
+/// The relay gives up its hold on the harness's clock while an envelope waits for the
+/// engine's room: the one slot is held by a delivery cooling down, whose retry only the clock
+/// moving on brings. (The round held the clock, the cooldown never ended, and neither
+/// delivery settled.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_relay_waiting_for_room_lets_the_harness_clock_move() {
+    use dacapo::testing::{Fault, ScratchDatabase, TestHarness};
+    let db = ScratchDatabase::sqlite();
+    let store = db.sqlite_store().await.unwrap();
+    let (members, hooks) = (Recorder::<MemberRemoved>::new(), Recorder::new());
+    let harness = TestHarness::builder()
+        .store(store.clone())
+        .settle_timeout(WAIT)
+        .configure(|runtime| {
+            runtime
+                .max_in_flight(1)
+                .relay_interval(Duration::from_secs(3))
+        })
+        .module(
+            Module::new("m")
+                .handle_named::<MemberRemoved, _>("members", members.clone())
+                .handle_named::<support::WebhookQueued, _>("hooks", hooks.clone()),
+        )
+        // Cooldowns of 1 s, 6 s and 16 s: the third comes after a relay tick (3 s, 6 s).
+        .fault("m", "members", Fault::fail_times(3))
+        .build()
+        .unwrap();
+    harness.idle().await.unwrap();
+    // In the outbox without waking the relay: its next tick finds it.
+    let mut tx = store.pool().begin_with("BEGIN IMMEDIATE").await.unwrap();
+    dacapo::outbox::Outbox::enlist(
+        &mut tx,
+        &support::WebhookQueued {
+            delivery_id: "hook-1".into(),
+        },
+    )
+    .await
+    .unwrap();
+    tx.commit().await.unwrap();
+
+    let report = harness.publish(&removed(1)).await.unwrap();
+
+    assert!(report.is_handled(), "{report:?}");
+    assert_eq!(report.attempts, 4);
+    harness.idle().await.unwrap();
+    assert_eq!((members.count(), hooks.count()), (1, 1));
+    harness.shutdown().await;
+}

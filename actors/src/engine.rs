@@ -425,7 +425,7 @@ impl Engine {
     /// where the engine's capacity cut it short (at once without a durable store): what an
     /// earlier run under its name left is resumed by then, except retries due later than one
     /// recovery interval, which are resumed as they fall due. A round the store refused does
-    /// not count, and is tried again soon.
+    /// not count, and is tried again soon; once the engine begins to close, this returns.
     ///
     /// # Cancel safety
     ///
@@ -436,7 +436,12 @@ impl Engine {
             return;
         }
         let mut rounds = shared.recovery_rounds.subscribe();
-        let _ = rounds.wait_for(|rounds| *rounds > 0).await;
+        // A closing runtime runs no more rounds: one refused before it began may never be
+        // followed by one that gets through.
+        tokio::select! {
+            _ = rounds.wait_for(|rounds| *rounds > 0) => {}
+            () = shared.tracker.closed() => {}
+        }
     }
 }
 

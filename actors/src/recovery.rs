@@ -328,7 +328,9 @@ impl RecoveryActor {
                 shared.recovery_rounds.send_modify(|rounds| *rounds += 1);
             } else if round.failed && *shared.recovery_rounds.borrow() == 0 {
                 let pause = actor.first_retry;
-                actor.first_retry = (pause * 2).min(actor.interval.max(FIRST_ROUND_RETRY));
+                actor.first_retry = pause
+                    .saturating_mul(2)
+                    .min(actor.interval.max(FIRST_ROUND_RETRY));
                 ctx.run_later(pause, |actor, ctx| actor.round(true, ctx));
             }
             if round.released {

@@ -157,7 +157,13 @@ impl RelayActor {
         let (batch, interval) = (self.batch, self.interval);
         let unreadable = Arc::clone(&self.unreadable);
         let held_back = Arc::clone(&self.held_back);
+        // The round holds a virtual clock until it is done (the token goes with the round's
+        // future, in the same poll as the map below marks it over): an `advance` past its tick
+        // returns with what it published sent and marked. It gives the token up while an
+        // envelope waits for the engine's room.
+        let busy = self.dispatcher.shared.timers.busy();
         let round = async move {
+            let mut busy = Some(busy);
             // An idle node writes nothing: a read finds the outbox empty — but for rows known
             // to be unreadable — before any lease is taken (on SQLite a lease is a commit, so
             // an fsync, every poll).
@@ -310,7 +316,14 @@ impl RelayActor {
                         // leave its row recorded with nothing running it. One that waited for
                         // the engine's capacity past the lease may overlap another node's
                         // relay; the receiving inbox discards the duplicate by envelope id.
-                        if let Err(error) = dispatcher.dispatch(envelope, None).await {
+                        let dispatched =
+                            dispatcher.dispatch_holding(envelope, None, &mut busy).await;
+                        // Given up while the envelope waited for room, which only the clock
+                        // moving on (a cooldown ending) may free: held again from here.
+                        if busy.is_none() {
+                            busy = Some(dispatcher.shared.timers.busy());
+                        }
+                        if let Err(error) = dispatched {
                             tracing::warn!(messaging.message.id = %id, %error, "publishing from the outbox failed; retrying on the next round");
                             sent_all = false;
                             break;
@@ -371,15 +384,11 @@ impl RelayActor {
             }
             (None, lease.taken_at)
         };
-        // The round holds a virtual clock until it is done: an `advance` past its tick returns
-        // with what it published sent and marked.
-        let busy = self.dispatcher.shared.timers.busy();
         ctx.spawn(
             round
                 .into_actor(self)
                 .map(move |(elsewhere, taken_at), actor, ctx| {
                     actor.busy = false;
-                    drop(busy);
                     actor.lease_taken_at = taken_at;
                     // A lease too long to add to the clock is waited out as if for ever.
                     actor.leased_elsewhere_until = elsewhere.map(|lease| {
