@@ -25,9 +25,10 @@
 //!
 //! Problems are RFC 9457 `application/problem+json` bodies whose `type` is
 //! `urn:dacapo:problem:<name>`. Keys are scoped to the route by default, and the default
-//! fingerprint then holds the request's `Authorization` and `Cookie` headers, so another
-//! caller's request with the same key is answered 422, never replayed the first caller's
-//! answer; give [`scope`](IdempotencyLayer::scope) the caller's principal, and a retry whose
+//! fingerprint holds the request's `Authorization` and `Cookie` headers, so another caller's
+//! request with the same key is answered 422, never replayed the first caller's answer; give
+//! [`scope`](IdempotencyLayer::scope) the caller's principal and
+//! [`fingerprint`](IdempotencyLayer::fingerprint) [`request_fingerprint`], and a retry whose
 //! token was refreshed meanwhile is replayed too. Which answers are kept is [`keep`](IdempotencyLayer::keep)'s:
 //! by default every one but a 5xx and the client errors a retry may pass (401, 403, 408,
 //! 409, 425, 429), which roll the request back and leave the key free. A kept 4xx is kept
@@ -82,7 +83,9 @@ mod record;
 mod request;
 
 pub use backend::Backend;
-pub use layer::{Idempotency, IdempotencyLayer, ResponseBody, keeps_by_default};
+pub use layer::{
+    Idempotency, IdempotencyLayer, ResponseBody, keeps_by_default, request_fingerprint,
+};
 pub use problem::Problem;
 pub use request::{Intent, RequestTransaction, RequestTx};
 

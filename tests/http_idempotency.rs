@@ -392,14 +392,16 @@ macro_rules! endpoints {
             pub(super) fn router(store: SqlStore<$db>, app: App) -> Router {
                 let layer = IdempotencyLayer::new(store.clone()).max_stored_body(16 * 1024);
                 let forever = IdempotencyLayer::new(store.clone()).retention(Duration::MAX);
-                let by_tenant = IdempotencyLayer::new(store.clone()).scope(|parts| {
-                    let tenant = parts
-                        .headers
-                        .get("x-tenant")
-                        .and_then(|v| v.to_str().ok())
-                        .unwrap_or("anonymous");
-                    format!("tenant {tenant}")
-                });
+                let by_tenant = IdempotencyLayer::new(store.clone())
+                    .fingerprint(dacapo::http::request_fingerprint)
+                    .scope(|parts| {
+                        let tenant = parts
+                            .headers
+                            .get("x-tenant")
+                            .and_then(|v| v.to_str().ok())
+                            .unwrap_or("anonymous");
+                        format!("tenant {tenant}")
+                    });
                 // A scope from a decoded claim, which may hold any character, NUL included.
                 let by_decoded_tenant = IdempotencyLayer::new(store).scope(|parts| {
                     let tenant = parts
@@ -558,6 +560,7 @@ on_both!(
     one_tenants_key_never_replays_anothers_answer,
     under_the_default_scope_a_key_another_caller_sent_first_is_422,
     a_scope_of_your_own_replays_a_retry_whose_token_was_refreshed,
+    a_scope_of_your_own_keeps_the_credentials_in_the_default_fingerprint,
     a_scope_with_a_nul_keeps_and_replays_its_answer,
     retries_arriving_together_after_the_answer_all_get_it,
     a_5xx_leaves_the_key_free_and_a_4xx_is_kept,
@@ -930,7 +933,24 @@ async fn under_the_default_scope_a_key_another_caller_sent_first_is_422(db: &Tes
     assert_eq!(app.runs.load(Ordering::SeqCst), 1);
 }
 
-/// With a scope naming the caller, the credentials leave the fingerprint: a retry whose
+/// A scope of its own does not take the credentials out of the default fingerprint (a scope
+/// naming a router's prefix names no caller): another caller's request with the key is 422.
+async fn a_scope_of_your_own_keeps_the_credentials_in_the_default_fingerprint(db: &TestDatabase) {
+    let (base, app) = serve(db).await;
+    let client = reqwest::Client::new();
+    let url = format!("{base}/decoded-tenant");
+    let alice = [("x-tenant", "acme"), ("authorization", "Bearer alice")];
+    let mallory = [("x-tenant", "acme"), ("authorization", "Bearer mallory")];
+    let first = post_with(&client, &url, Some("k-prefix"), "A-1", &alice).await;
+    assert_eq!(first.status(), 201);
+    let (status, _, body) =
+        problem(post_with(&client, &url, Some("k-prefix"), "A-1", &mallory).await).await;
+    assert_eq!(status, StatusCode::UNPROCESSABLE_ENTITY);
+    assert_eq!(body["type"], "urn:dacapo:problem:idempotency-key-reused");
+    assert_eq!(app.runs.load(Ordering::SeqCst), 1);
+}
+
+/// With a scope naming the caller and the fingerprint without credentials, a retry whose
 /// token was refreshed meanwhile is the same request, replayed.
 async fn a_scope_of_your_own_replays_a_retry_whose_token_was_refreshed(db: &TestDatabase) {
     let (base, app) = serve(db).await;

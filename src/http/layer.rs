@@ -50,9 +50,6 @@ struct Settings {
     keep_sensitive_headers: bool,
     scope: Scope,
     fingerprint: Fingerprint,
-    /// The fingerprint is the default one with the caller's credentials in it, kept while
-    /// the scope is the route alone.
-    default_fingerprint: bool,
 }
 
 /// Idempotency-Key for the routes it wraps: a request retried with the same key gets the
@@ -79,17 +76,16 @@ fn route(parts: &Parts) -> String {
     format!("{} {}", parts.method, parts.uri.path())
 }
 
-/// The credentials a request carries, which the default fingerprint takes in while the scope
-/// names no caller.
+/// The credentials a request carries, which the default fingerprint takes in.
 const CREDENTIALS: [header::HeaderName; 2] = [header::AUTHORIZATION, header::COOKIE];
 
-/// [`request_digest`] with the request's credentials: under the default scope, which names no
-/// caller, a key another caller sent first answers this one 422 instead of replaying the
-/// other's answer to it (a check in the endpoint itself, such as an axum extractor, does not
-/// run for a replay).
+/// The default fingerprint: [`request_fingerprint`] with the request's `Authorization` and
+/// `Cookie` headers. A key another caller sent first answers this one 422 instead of replaying
+/// the other's answer to it (a check in the endpoint itself, such as an axum extractor, does
+/// not run for a replay), whatever the scope names.
 fn request_and_credentials_digest(parts: &Parts, body: &[u8]) -> String {
     let mut digest = Sha256::new();
-    digest.update(request_digest(parts, body).as_bytes());
+    digest.update(request_fingerprint(parts, body).as_bytes());
     for name in &CREDENTIALS {
         for value in parts.headers.get_all(name) {
             digest.update(b"\n");
@@ -101,8 +97,10 @@ fn request_and_credentials_digest(parts: &Parts, body: &[u8]) -> String {
     hex(&digest.finalize())
 }
 
-/// SHA-256 of the method, the path with its query, and the body.
-fn request_digest(parts: &Parts, body: &[u8]) -> String {
+/// A fingerprint of the request without its credentials: SHA-256 of the method, the path
+/// with its query, and the body. For [`IdempotencyLayer::fingerprint`] under a scope that names
+/// the caller, so that a retry whose token was refreshed meanwhile is replayed.
+pub fn request_fingerprint(parts: &Parts, body: &[u8]) -> String {
     let mut digest = Sha256::new();
     digest.update(parts.method.as_str().as_bytes());
     digest.update(b"\n");
@@ -137,7 +135,6 @@ impl<DB: Backend> IdempotencyLayer<DB> {
                 keep_sensitive_headers: false,
                 scope: Arc::new(route),
                 fingerprint: Arc::new(request_and_credentials_digest),
-                default_fingerprint: true,
             },
         }
     }
@@ -209,13 +206,13 @@ impl<DB: Backend> IdempotencyLayer<DB> {
 
     /// Who the key belongs to (default: the route, `METHOD /path`). **Give the caller's
     /// principal** — a tenant or account id from an authenticated extension — whenever
-    /// several callers share a route. The default scope names no caller, so the default
-    /// fingerprint takes in the request's `Authorization` and `Cookie` headers: a key another
-    /// caller sent first gets 422, not the other's answer — and so does a retry whose token
-    /// was refreshed meanwhile, or whose cookies changed. With a scope of your own, the
-    /// default fingerprint leaves the credentials out (a retry with a refreshed token is
-    /// replayed). A credential that changes is not a principal: under a scope made of one,
-    /// the retry would run again.
+    /// several callers share a route. The default fingerprint takes in the request's
+    /// `Authorization` and `Cookie` headers, whatever the scope: a key another caller sent
+    /// first gets 422, not the other's answer — and so does a retry whose token was refreshed
+    /// meanwhile, or whose cookies changed. Under a scope that names the caller, give
+    /// [`fingerprint`](Self::fingerprint) [`request_fingerprint`], which leaves them out, and
+    /// such a retry is replayed. A credential that changes is not a principal: under a scope
+    /// made of one, the retry would run again.
     ///
     /// The default's path is the one the layer sees: under a router that strips a prefix
     /// (axum's `nest`), routes of two prefixes look alike, and one's answer would be replayed
@@ -223,23 +220,19 @@ impl<DB: Backend> IdempotencyLayer<DB> {
     #[must_use]
     pub fn scope(mut self, scope: impl Fn(&Parts) -> String + Send + Sync + 'static) -> Self {
         self.settings.scope = Arc::new(scope);
-        if self.settings.default_fingerprint {
-            self.settings.fingerprint = Arc::new(request_digest);
-        }
         self
     }
 
     /// What makes two requests with one key the same request (default: SHA-256 of the
-    /// method, the path and query, and the body, and — while the scope is the default one —
-    /// the `Authorization` and `Cookie` headers). A key reused for another fingerprint
-    /// gets 422.
+    /// method, the path and query, the body, and the `Authorization` and `Cookie` headers;
+    /// [`request_fingerprint`] is the same without the headers). A key reused for another
+    /// fingerprint gets 422.
     #[must_use]
     pub fn fingerprint(
         mut self,
         fingerprint: impl Fn(&Parts, &[u8]) -> String + Send + Sync + 'static,
     ) -> Self {
         self.settings.fingerprint = Arc::new(fingerprint);
-        self.settings.default_fingerprint = false;
         self
     }
 }
