@@ -712,3 +712,35 @@ async fn a_bulk_replay_that_fails_part_way_reports_what_it_replayed() {
     assert_eq!(quiet.status.code(), Some(1), "{}", stderr(&quiet));
     assert!(stderr(&quiet).contains(&second), "{}", stderr(&quiet));
 }
+
+/// A dead letter this build cannot read is left out of a listing, and the tool says so on
+/// standard error (it was a log line no one saw).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_letter_that_cannot_be_read_is_left_out_and_said() {
+    let db = support_stores::TestDatabase::new(support_stores::Backend::Sqlite).await;
+    dead_letters_of_two_types(&db, 2, 0).await;
+    db.execute(
+        "UPDATE dacapo_dead_letters SET reason = '\"FromANewerBuild\"' \
+         WHERE id = (SELECT id FROM dacapo_dead_letters ORDER BY first_failure_at, id LIMIT 1)",
+    )
+    .await;
+
+    let output = run_tool(
+        &["dead-letters", "list", "--json", "--database", &db.url],
+        &[],
+    )
+    .await;
+
+    assert!(output.status.success(), "{}", stderr(&output));
+    let listed: serde_json::Value = serde_json::from_slice(&output.stdout).unwrap();
+    assert_eq!(listed.as_array().unwrap().len(), 1, "{listed}");
+    let warning: serde_json::Value = serde_json::from_str(stderr(&output).lines().next().unwrap())
+        .unwrap_or_else(|_| panic!("a JSON line: {}", stderr(&output)));
+    assert!(
+        warning["fields"]["message"]
+            .as_str()
+            .unwrap()
+            .contains("a dead letter that cannot be read is left out"),
+        "{warning}"
+    );
+}

@@ -202,6 +202,18 @@ impl Store {
 #[tokio::main(flavor = "current_thread")]
 async fn main() -> ExitCode {
     let cli = Cli::parse();
+    // What the store warns of (a dead letter this build cannot read, left out of a listing)
+    // reaches the operator, beside the output: as JSON lines under --json.
+    let warnings = tracing_subscriber::fmt()
+        .with_writer(std::io::stderr)
+        .with_max_level(tracing_subscriber::filter::LevelFilter::WARN)
+        .without_time()
+        .with_target(false);
+    if cli.json {
+        warnings.json().init();
+    } else {
+        warnings.init();
+    }
     let json = cli.json;
     let mut out = String::new();
     let result = run(cli, &mut out).await;
@@ -388,17 +400,24 @@ async fn dead_letters(
                 let asked = confirm_purge(&store, &filter, database.unwrap_or_default()).await?;
                 let mut removed = 0u64;
                 for (id, last_failure_at) in asked {
-                    // Gone meanwhile (replayed or purged by someone else): nothing to remove.
-                    let Some(letter) = store.dead_letters().remove(id).await? else {
-                        continue;
+                    // Gone meanwhile (replayed or purged by someone else), or replayed and
+                    // failed again while the question waited (a letter the operator never
+                    // saw, under the same id): not theirs to remove.
+                    let shown = |letter: &Option<DeadLetter>| {
+                        letter
+                            .as_ref()
+                            .is_some_and(|letter| letter.last_failure_at == last_failure_at)
                     };
-                    // Replayed and failed again while the question waited: a letter the
-                    // operator never saw, under the same id. It goes back.
-                    if letter.last_failure_at != last_failure_at {
-                        store.dead_letters().put(letter).await?;
+                    if !shown(&store.dead_letters().get(id).await?) {
                         continue;
                     }
-                    removed += 1;
+                    let letter = store.dead_letters().remove(id).await?;
+                    if shown(&letter) {
+                        removed += 1;
+                    } else if let Some(letter) = letter {
+                        // Failed again between the look and the removal: it goes back.
+                        store.dead_letters().put(letter).await?;
+                    }
                 }
                 removed
             };
