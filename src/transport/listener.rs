@@ -131,7 +131,9 @@ impl Listener {
     /// # Errors
     ///
     /// As [`accept`](Self::accept); none of them is recorded then, unless the error came one
-    /// envelope at a time (those before it are).
+    /// envelope at a time: a store failure stops there (those before it are recorded), and an
+    /// envelope the store refuses even as a dead letter is the error once every other one
+    /// was recorded (hand it to the broker's own dead-lettering: nack it without requeue).
     ///
     /// # Cancel safety
     ///
@@ -145,10 +147,19 @@ impl Listener {
             .await
         {
             Err(Error::Rejected(_)) => {
+                // Every envelope is offered, one refused even as a dead letter included: what
+                // follows it is recorded all the same, and the refusal comes back at the end.
+                let mut refused = None;
                 for envelope in envelopes {
-                    self.accept(envelope).await?;
+                    match self.accept(envelope).await {
+                        Ok(()) => {}
+                        Err(error @ Error::Rejected(_)) => {
+                            refused.get_or_insert(error);
+                        }
+                        Err(error) => return Err(error),
+                    }
                 }
-                Ok(())
+                refused.map_or(Ok(()), Err)
             }
             accepted => accepted,
         }
