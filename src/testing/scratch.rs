@@ -168,10 +168,20 @@ fn on_the_same_server(admin_url: &str, name: &str) -> Result<String, Error> {
         Some((address, options)) => (address, Some(options)),
         None => (admin_url, None),
     };
-    let authority = address
-        .find("://")
-        .map(|scheme| scheme + 3)
+    let authority = ["postgres://", "postgresql://"]
+        .iter()
+        .find(|scheme| address.starts_with(*scheme))
+        .map(|scheme| scheme.len())
         .ok_or_else(|| Error::Configuration(format!("{admin_url:?} is not a postgres:// URL")))?;
+    // The admin URL's database, named as an option, would stand in for the scratch one.
+    let options = options.map(|options| {
+        options
+            .split('&')
+            .filter(|option| !option.starts_with("dbname="))
+            .collect::<Vec<_>>()
+            .join("&")
+    });
+    let options = options.filter(|options| !options.is_empty());
     let server = match address[authority..].find('/') {
         Some(path) => &address[..authority + path],
         None => address,
@@ -203,5 +213,11 @@ mod tests {
             "postgres://u@db/scratch?sslmode=disable"
         );
         assert!(on_the_same_server("127.0.0.1:5432", "scratch").is_err());
+        assert!(on_the_same_server("mysql://u@db/x", "scratch").is_err());
+        assert_eq!(
+            url("postgresql://u@db?dbname=postgres&sslmode=disable"),
+            "postgresql://u@db/scratch?sslmode=disable"
+        );
+        assert_eq!(url("postgres://u@db/x?dbname=x"), "postgres://u@db/scratch");
     }
 }
