@@ -704,6 +704,9 @@ async fn run_together(tx: &mut Tx, writes: &[Write]) -> Result<Vec<Written>, Err
             _ => {}
         }
     }
+    // In key order across the statements too (a stable sort: of two copies of one id, the
+    // first still first), so that two groups committing at once lock shared keys in one order.
+    receives.sort_by(|a, b| writes[*a].id().cmp(writes[*b].id()));
     for chunk in by_bytes(&receives, |at| writes[at].bytes(), RUN_BYTES) {
         let mut start = 0;
         for size in Rows::sizes(chunk.len()) {
