@@ -164,12 +164,17 @@ async fn a_redelivery_past_the_retention_is_discarded_while_the_letter_is_kept(
     builder: dacapo::testing::TestHarnessBuilder,
 ) {
     let calls = Recorder::new();
+    let hooks = Recorder::<support::WebhookQueued>::new();
     let harness = builder
         .retry_policy(RetryPolicy {
             retry_limit: 2,
             ..RetryPolicy::default()
         })
         .module(Module::new("workspaces").handle_named::<MemberRemoved, _>("revoke", calls.clone()))
+        .module(
+            Module::new("webhooks")
+                .handle_named::<support::WebhookQueued, _>("queue", hooks.clone()),
+        )
         .fault("workspaces", "revoke", Fault::fail_times(3))
         .configure(|runtime| {
             runtime
@@ -186,8 +191,18 @@ async fn a_redelivery_past_the_retention_is_discarded_while_the_letter_is_kept(
         .inspect(report.envelope_id)
         .await
         .unwrap();
-    // Handled rows of that age are gone by now.
+    // The control: a message handled beside it, whose row the cleanup does remove.
+    let control = Envelope::for_message(&support::WebhookQueued {
+        delivery_id: "hook-1".into(),
+    })
+    .unwrap();
+    assert!(harness.deliver(control.clone()).await.unwrap().is_handled());
     harness.advance(Duration::from_secs(120)).await.unwrap();
+    assert!(
+        harness.deliver(control).await.unwrap().is_handled(),
+        "the sweep removed the handled row"
+    );
+    assert_eq!(hooks.count(), 2);
 
     let redelivered = harness.deliver(dead.envelope.clone()).await.unwrap();
 
