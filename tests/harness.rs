@@ -500,10 +500,14 @@ async fn an_advance_that_cannot_get_idle_gives_up_after_the_settle_timeout() {
         matches!(advanced, Err(Error::NotSettled { waited, .. }) if waited == Duration::from_millis(300)),
         "{advanced:?}"
     );
-    // The publish waited as long, from a little earlier: its own bound passed too. The
-    // delivery goes on, and ends once let go.
+    // The publish waited as long, from a little earlier: its own bound passed too, unless
+    // the handler, let go on its own thread, answered before the publish looked again. The
+    // delivery goes on either way, and ends once let go.
     assert!(
-        matches!(published, Err(Error::NotSettled { .. })),
+        matches!(&published, Err(Error::NotSettled { .. }))
+            || published
+                .as_ref()
+                .is_ok_and(dacapo::DeliveryReport::is_handled),
         "{published:?}"
     );
     harness.idle().await.unwrap();
