@@ -342,11 +342,18 @@ impl RelayActor {
                 // The crash point between publishing a batch and marking it comes before the
                 // next batch goes out, as it would without the overlap.
                 before_mark(&dispatcher, &unmarked).await;
-                let ((positions, sent_all), marked, read) = futures::join!(
-                    this_batch,
-                    mark(outbox.as_ref(), &dispatcher, std::mem::take(&mut unmarked)),
-                    read_ahead,
-                );
+                // The mark and the read hold the clock on their own: the batch beside them
+                // gives the round's token up while an envelope waits for room.
+                let beside = dispatcher.shared.timers.busy();
+                let ((positions, sent_all), (marked, read)) = futures::join!(this_batch, async {
+                    let beside = beside;
+                    let done = futures::join!(
+                        mark(outbox.as_ref(), &dispatcher, std::mem::take(&mut unmarked)),
+                        read_ahead,
+                    );
+                    drop(beside);
+                    done
+                });
                 unmarked = positions;
                 match marked {
                     Ok(count) => published += count,
