@@ -254,3 +254,26 @@ async fn an_advance_past_a_cleanup_round_returns_with_its_deletes_made() {
     );
     harness.shutdown().await;
 }
+
+/// `advance`'s bound is each wait's, not the span's: an hour of background rounds on a real
+/// store (the relay polls every 200 ms) takes longer in real time than the settle timeout
+/// allows a stuck wait, and is not cut short.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_long_advance_of_quick_rounds_is_not_cut_short() {
+    use dacapo::testing::ScratchDatabase;
+
+    let scratch = ScratchDatabase::sqlite();
+    let harness = TestHarness::builder()
+        .store(scratch.sqlite_store().await.unwrap())
+        .settle_timeout(Duration::from_secs(2))
+        .build()
+        .unwrap();
+    let started = std::time::Instant::now();
+
+    harness.advance(Duration::from_secs(3600)).await.unwrap();
+
+    assert_eq!(harness.elapsed(), Duration::from_secs(3600));
+    // Not a bound on the test: what makes it a test of the span's bound.
+    println!("an hour of rounds took {:?}", started.elapsed());
+    harness.shutdown().await;
+}

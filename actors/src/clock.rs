@@ -419,16 +419,35 @@ impl VirtualClock {
     /// its own deadline, once the engine is idle — a handler at work is waited for, never
     /// timed out by the jump — and what it sets within the span is woken in turn.
     pub async fn advance(self: &Arc<Self>, by: Duration) {
+        let _ = self.advance_within(by, None).await;
+    }
+
+    /// [`advance`](Self::advance), giving up once the engine takes longer than `each_wait`
+    /// to get idle for a timer (`None`: no bound). The bound is each wait's, not the span's:
+    /// a long span of quick rounds is not cut short.
+    ///
+    /// # Errors
+    ///
+    /// [`Elapsed`](tokio::time::error::Elapsed) when a wait passed `each_wait`; the clock
+    /// stays where the last woken timer put it.
+    pub async fn advance_within(
+        self: &Arc<Self>,
+        by: Duration,
+        each_wait: Option<Duration>,
+    ) -> Result<(), tokio::time::error::Elapsed> {
         let until = self.elapsed().saturating_add(by);
         loop {
-            self.until_idle().await;
+            match each_wait {
+                Some(wait) => tokio::time::timeout(wait, self.until_idle()).await?,
+                None => self.until_idle().await,
+            }
             let mut state = self.state();
             if state.busy > 0 {
                 continue;
             }
             let Some(&(at, _)) = state.timers.keys().next().filter(|(at, _)| *at <= until) else {
                 state.elapsed = state.elapsed.max(until);
-                return;
+                return Ok(());
             };
             self.wake_at(&mut state, at);
         }

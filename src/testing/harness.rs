@@ -573,16 +573,17 @@ impl TestHarness {
     /// # Errors
     ///
     /// [`Error::NotSettled`] (with a nil envelope id) when the runtime does not get idle for
-    /// the next timer within the settle timeout (a handler blocked on something the test does
-    /// only after this returns), and [`Error::Crashed`] when the runtime crashes at a
-    /// failpoint on the way.
+    /// one of the timers on the way within the settle timeout (a handler blocked on something
+    /// the test does only after this returns): each wait is bounded, not the whole span; and
+    /// [`Error::Crashed`] when the runtime crashes at a failpoint on the way.
     ///
     /// # Cancel safety
     ///
     /// Cancelled, the clock stays where the last woken timer put it.
     pub async fn advance(&self, by: Duration) -> Result<(), Error> {
         self.unless_crashed(async {
-            tokio::time::timeout(self.settle_timeout, self.clock.advance(by))
+            self.clock
+                .advance_within(by, Some(self.settle_timeout))
                 .await
                 .map_err(|_| Error::NotSettled {
                     envelope_id: uuid::Uuid::nil(),
