@@ -121,6 +121,14 @@ impl Listener {
                 .map_err(Error::from)
         })
         .await
+        // Named, for a transport to single out among a batch's.
+        .map_err(|error| match error {
+            Error::Rejected(refusal) => Error::Rejected(
+                format!("envelope {id} cannot be kept, not even as a dead letter: {refusal}")
+                    .into(),
+            ),
+            other => other,
+        })
     }
 
     /// [`accept`](Self::accept) for the envelopes a transport received together (a prefetch):
@@ -132,8 +140,9 @@ impl Listener {
     ///
     /// As [`accept`](Self::accept); none of them is recorded then, unless the error came one
     /// envelope at a time: a store failure stops there (those before it are recorded), and an
-    /// envelope the store refuses even as a dead letter is the error once every other one
-    /// was recorded (hand it to the broker's own dead-lettering: nack it without requeue).
+    /// envelope the store refuses even as a dead letter is the error, which names its id, once
+    /// every other one was recorded: hand that one to the broker's own dead-lettering (nack it
+    /// alone without requeue) and acknowledge the others.
     ///
     /// # Cancel safety
     ///
