@@ -117,7 +117,7 @@ impl MemoryInbox {
             if state.known.get(&id) != Some(&Some(at)) {
                 continue;
             }
-            if state.dead_lettered.contains(&id) {
+            if !state.dead_lettered.is_empty() && state.dead_lettered.contains(&id) {
                 if self.dead_letters.holds(id) {
                     state.known.insert(id, Some(now));
                     state.settled.push_back((now, id));
