@@ -541,3 +541,87 @@ async fn a_handler_whose_future_panics_when_dropped_at_its_timeout_is_retried() 
     let report = runtime.shutdown().await;
     assert!(report.pending_retries.is_empty());
 }
+
+/// An error whose `Display` returns `Err`, or panics, and whose destructor panics.
+#[derive(Debug)]
+struct UnprintableError {
+    display_panics: bool,
+}
+
+impl std::fmt::Display for UnprintableError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("partly written")?;
+        if self.display_panics {
+            panic!("the error cannot say what it is");
+        }
+        Err(std::fmt::Error)
+    }
+}
+
+impl std::error::Error for UnprintableError {}
+
+impl Drop for UnprintableError {
+    fn drop(&mut self) {
+        if !std::thread::panicking() {
+            panic!("the error's destructor panics");
+        }
+    }
+}
+
+/// Fails permanently (so its message is dead-lettered at once) with an [`UnprintableError`].
+#[derive(Clone)]
+struct FailsUnprintably {
+    display_panics: bool,
+}
+
+impl Handler<MemberRemoved> for FailsUnprintably {
+    async fn handle(&self, _: &MemberRemoved, _: &MessageContext) -> Result<(), HandlerError> {
+        Err(HandlerError::permanent(UnprintableError {
+            display_panics: self.display_panics,
+        }))
+    }
+}
+
+/// The handler's error is read for its text by the runtime: a `Display` that fails or panics,
+/// and a destructor that panics, are the handler's failure, not the end of its actor (which
+/// left the delivery unsettled for good, its slot taken).
+#[tokio::test]
+async fn a_handler_error_that_cannot_be_displayed_or_dropped_still_dead_letters_its_message() {
+    for display_panics in [false, true] {
+        for deduplicated in [false, true] {
+            // A deduplicated handler runs on a path of its own.
+            let mut module = Module::new("m")
+                .handle_named::<MemberRemoved, _>("h", FailsUnprintably { display_panics });
+            if deduplicated {
+                module = module.deduplicate("h", Deduplication::from_envelope());
+            }
+            let harness = TestHarness::builder()
+                .configure(dacapo::RuntimeBuilder::enable_deduplication)
+                .module(module)
+                .build()
+                .unwrap();
+            let case = format!("display panics: {display_panics}, deduplicated: {deduplicated}");
+
+            let report = harness
+                .publish_with(
+                    &member_removed(),
+                    SendOptions::new().deduplication_id("one intent"),
+                )
+                .await
+                .expect(&case);
+
+            assert_eq!(
+                report.outcome,
+                Outcome::DeadLettered(DeadLetterReason::Permanent),
+                "{case}"
+            );
+            let error = &report.failures[0].failures[0].error;
+            let expected = if display_panics {
+                "(the error's Display panicked)"
+            } else {
+                "partly written (the error's Display failed)"
+            };
+            assert_eq!(error, expected, "{case}");
+        }
+    }
+}

@@ -7,7 +7,7 @@ use futures::FutureExt;
 use tracing::Instrument;
 
 use crate::clock::{Busy, Running, TimedOut, Timers, within};
-use crate::panics::HandlerCode;
+use crate::panics::{HandlerCode, drop_as_handler_code, error_text};
 use crate::ports::{Claim, ClaimOutcome, Claims};
 use crate::supervisor::persist;
 use crate::{
@@ -245,9 +245,13 @@ fn failure_of(result: HandlerResult, timeout: Duration) -> Failure {
                 Disposition::RetryAfter(delay) => FailureKind::RetryAfter(delay),
                 Disposition::Retry => FailureKind::Error,
             };
-            Some((kind, error.to_string()))
+            Some((kind, error_text(error)))
         }
-        Ok(Err(panic)) => Some((FailureKind::Panicked, panic_text(&*panic))),
+        Ok(Err(panic)) => {
+            let text = panic_text(&*panic);
+            drop_as_handler_code(panic);
+            Some((FailureKind::Panicked, text))
+        }
         Err(_) => Some((
             FailureKind::TimedOut(timeout),
             format!("did not finish within {timeout:?}"),

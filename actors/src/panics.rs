@@ -67,14 +67,43 @@ impl<F: Future + Unpin> Future for HandlerCode<F> {
 
 impl<F> Drop for HandlerCode<F> {
     fn drop(&mut self) {
-        let future = self.0.take();
-        let _marked = Marked::enter();
-        if std::panic::catch_unwind(AssertUnwindSafe(move || drop(future))).is_err() {
-            tracing::warn!(
-                target: "dacapo::panics",
-                "a handler's future panicked while it was dropped; the panic is ignored"
-            );
+        drop_as_handler_code(self.0.take());
+    }
+}
+
+/// The text of a handler's error, read and then dropped as handler code.
+///
+/// Its `Display` and its destructor are the handler's own: a `Display` that panics, or that
+/// returns `Err` (which `to_string` turns into a panic), would otherwise end the handler's
+/// actor before it reports, and leave its delivery waiting for a result that never comes.
+pub(crate) fn error_text<E: std::fmt::Display>(error: E) -> String {
+    let _marked = Marked::enter();
+    let mut text = String::new();
+    let written = std::panic::catch_unwind(AssertUnwindSafe(|| {
+        std::fmt::write(&mut text, format_args!("{error}"))
+    }));
+    let text = match written {
+        Ok(Ok(())) => text,
+        Ok(Err(std::fmt::Error)) => format!("{text} (the error's Display failed)"),
+        Err(panic) => {
+            drop_as_handler_code(panic);
+            "(the error's Display panicked)".to_owned()
         }
+    };
+    drop_as_handler_code(error);
+    text
+}
+
+/// Drops what handler code made, catching a panic of its destructor. The panic's own payload
+/// is leaked rather than dropped, since its destructor could panic in turn.
+pub(crate) fn drop_as_handler_code<T>(value: T) {
+    let _marked = Marked::enter();
+    if let Err(panic) = std::panic::catch_unwind(AssertUnwindSafe(move || drop(value))) {
+        std::mem::forget(panic);
+        tracing::warn!(
+            target: "dacapo::panics",
+            "a handler's value panicked while it was dropped; the panic is ignored"
+        );
     }
 }
 
