@@ -4,23 +4,31 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use tokio::sync::Notify;
 
 /// Bounds the deliveries in flight, with hysteresis: once full, waiting publishers are woken
-/// only after a quarter of the slots freed up, so a saturated engine wakes them once per
-/// batch rather than once per settled delivery (a wake is a syscall and a context switch).
+/// only after a quarter of the slots at work freed up, so a saturated engine wakes them once
+/// per batch rather than once per settled delivery (a wake is a syscall and a context switch).
+///
+/// A slot whose delivery waits on a timer (a cooldown, a scheduled delivery) is *parked*: it
+/// frees nothing until its timer fires, which may be an hour away, so the quarter counts only
+/// the slots that are not parked. Otherwise an engine mostly full of cooling retries would keep
+/// its waiters asleep beside free slots until enough of those retries ended.
 ///
 /// While anyone waits, newcomers wait too, so a steady stream of new publishers cannot keep
 /// the engine just under full and starve those already waiting.
 #[derive(Debug)]
 pub(crate) struct Capacity {
     in_flight: AtomicUsize,
+    parked: AtomicUsize,
     waiting: AtomicUsize,
     max: usize,
-    resume_at: usize,
     resumed: Notify,
 }
 
 /// One slot; freed when dropped.
 #[derive(Debug)]
-pub(crate) struct Slot(Arc<Capacity>);
+pub(crate) struct Slot {
+    capacity: Arc<Capacity>,
+    parked: bool,
+}
 
 /// Counts a waiting publisher for as long as it waits, cancelled or not.
 struct Waiting<'a>(&'a AtomicUsize);
@@ -40,23 +48,31 @@ impl Drop for Waiting<'_> {
 
 impl Capacity {
     pub(crate) fn new(max: usize) -> Arc<Self> {
-        let max = max.max(1);
         Arc::new(Self {
             in_flight: AtomicUsize::new(0),
+            parked: AtomicUsize::new(0),
             waiting: AtomicUsize::new(0),
-            max,
-            resume_at: (max - max / 4).min(max - 1),
+            max: max.max(1),
             resumed: Notify::new(),
         })
     }
 
-    /// Takes a slot if the bound allows it now. A newcomer also lets those already waiting go
-    /// first, until the engine has drained to the point where they are woken.
-    fn try_take(&self, waiter: bool) -> bool {
+    /// How many slots must be free before waiters are woken: a quarter of those not parked,
+    /// and at least one.
+    fn resume_after(&self) -> usize {
+        let at_work = self.max.saturating_sub(self.parked.load(Ordering::Acquire));
+        (at_work / 4).max(1)
+    }
+
+    /// Takes a slot if the bound allows it now. One that has not been woken yet (a newcomer,
+    /// or a waiter on its first look) lets those already waiting go first, until enough slots
+    /// are free for them to be woken.
+    fn try_take(&self, woken: bool) -> bool {
         let mut current = self.in_flight.load(Ordering::Acquire);
         loop {
-            let yields = !waiter && self.waiting.load(Ordering::Acquire) > 0;
-            let allowed = current < self.max && (!yields || current <= self.resume_at);
+            let yields = !woken && self.waiting.load(Ordering::Acquire) > 0;
+            let free = self.max.saturating_sub(current);
+            let allowed = free > 0 && (!yields || free >= self.resume_after());
             if !allowed {
                 return false;
             }
@@ -72,18 +88,38 @@ impl Capacity {
         }
     }
 
+    /// Wakes the waiters if enough slots are free for them.
+    fn wake_if_room(&self) {
+        if self.waiting.load(Ordering::Acquire) == 0 {
+            return;
+        }
+        let free = self
+            .max
+            .saturating_sub(self.in_flight.load(Ordering::Acquire));
+        if free >= self.resume_after() {
+            self.resumed.notify_waiters();
+        }
+    }
+
+    fn slot(self: &Arc<Self>) -> Slot {
+        Slot {
+            capacity: Arc::clone(self),
+            parked: false,
+        }
+    }
+
     /// Takes up to `count` slots that are free now, without waiting.
     pub(crate) fn take_free(self: &Arc<Self>, count: usize) -> Vec<Slot> {
         let mut slots = Vec::new();
         while slots.len() < count && self.try_take(false) {
-            slots.push(Slot(Arc::clone(self)));
+            slots.push(self.slot());
         }
         slots
     }
 
     /// A slot if one is free now.
     pub(crate) fn try_acquire(self: &Arc<Self>) -> Option<Slot> {
-        self.try_take(false).then(|| Slot(Arc::clone(self)))
+        self.try_take(false).then(|| self.slot())
     }
 
     /// Takes a slot, waiting while the engine is full.
@@ -93,27 +129,139 @@ impl Capacity {
     /// Cancel safe: a cancelled wait takes no slot.
     pub(crate) async fn acquire(self: &Arc<Self>) -> Slot {
         if self.try_take(false) {
-            return Slot(Arc::clone(self));
+            return self.slot();
         }
         let _waiting = Waiting::new(&self.waiting);
+        let mut woken = false;
         loop {
             let resumed = self.resumed.notified();
             tokio::pin!(resumed);
             resumed.as_mut().enable();
             // Registered before this check, so a release in between is not missed.
-            if self.try_take(true) {
-                return Slot(Arc::clone(self));
+            if self.try_take(woken) {
+                return self.slot();
             }
             resumed.await;
+            woken = true;
+        }
+    }
+}
+
+impl Slot {
+    /// Marks the slot as held by a delivery that waits on a timer, until [`Slot::unpark`].
+    pub(crate) fn park(&mut self) {
+        if !self.parked {
+            self.parked = true;
+            self.capacity.parked.fetch_add(1, Ordering::AcqRel);
+            // Fewer slots at work: fewer need to free up before the waiters are woken.
+            self.capacity.wake_if_room();
+        }
+    }
+
+    /// Marks the slot as at work again.
+    pub(crate) fn unpark(&mut self) {
+        if self.parked {
+            self.parked = false;
+            self.capacity.parked.fetch_sub(1, Ordering::AcqRel);
         }
     }
 }
 
 impl Drop for Slot {
     fn drop(&mut self) {
-        let before = self.0.in_flight.fetch_sub(1, Ordering::AcqRel);
-        if before > self.0.resume_at && before - 1 <= self.0.resume_at {
-            self.0.resumed.notify_waiters();
+        self.unpark();
+        self.capacity.in_flight.fetch_sub(1, Ordering::AcqRel);
+        self.capacity.wake_if_room();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::time::Duration;
+
+    /// Whether `acquire` gets a slot without any further release.
+    async fn gets_a_slot(waiter: &mut tokio::task::JoinHandle<Slot>) -> bool {
+        tokio::time::timeout(Duration::from_secs(5), waiter)
+            .await
+            .is_ok()
+    }
+
+    #[tokio::test]
+    async fn a_waiter_is_woken_once_a_quarter_of_the_slots_is_free() {
+        let capacity = Capacity::new(8);
+        let mut held = capacity.take_free(8);
+        assert_eq!(held.len(), 8);
+        let mut waiter = tokio::spawn({
+            let capacity = Arc::clone(&capacity);
+            async move { capacity.acquire().await }
+        });
+        while capacity.waiting.load(Ordering::Acquire) == 0 {
+            tokio::task::yield_now().await;
         }
+        held.pop();
+        assert!(
+            capacity.try_acquire().is_none(),
+            "a newcomer waits behind the waiter until two slots are free"
+        );
+        held.pop();
+        assert!(gets_a_slot(&mut waiter).await);
+    }
+
+    #[tokio::test]
+    async fn slots_held_by_timers_do_not_keep_a_waiter_asleep_beside_a_free_slot() {
+        let capacity = Capacity::new(8);
+        let mut held = capacity.take_free(8);
+        // Seven deliveries cool down for an hour; the eighth is at work.
+        for slot in &mut held[..7] {
+            slot.park();
+        }
+        let mut waiter = tokio::spawn({
+            let capacity = Arc::clone(&capacity);
+            async move { capacity.acquire().await }
+        });
+        while capacity.waiting.load(Ordering::Acquire) == 0 {
+            tokio::task::yield_now().await;
+        }
+        held.pop();
+        assert!(
+            gets_a_slot(&mut waiter).await,
+            "the one slot at work freed up, and nothing else will for an hour"
+        );
+    }
+
+    #[tokio::test]
+    async fn a_slot_parked_after_the_waiter_slept_wakes_it_if_that_leaves_room() {
+        let capacity = Capacity::new(8);
+        let mut held = capacity.take_free(8);
+        let mut waiter = tokio::spawn({
+            let capacity = Arc::clone(&capacity);
+            async move { capacity.acquire().await }
+        });
+        while capacity.waiting.load(Ordering::Acquire) == 0 {
+            tokio::task::yield_now().await;
+        }
+        // One slot frees: not a quarter of eight. Then the other seven start cooling down.
+        held.pop();
+        for slot in &mut held {
+            slot.park();
+        }
+        assert!(gets_a_slot(&mut waiter).await);
+    }
+
+    #[test]
+    fn parking_is_undone_when_the_slot_is_unparked_or_dropped() {
+        let capacity = Capacity::new(8);
+        let mut slots = capacity.take_free(2);
+        for slot in &mut slots {
+            slot.park();
+            slot.park();
+        }
+        assert_eq!(capacity.parked.load(Ordering::Acquire), 2);
+        slots[0].unpark();
+        assert_eq!(capacity.parked.load(Ordering::Acquire), 1);
+        drop(slots);
+        assert_eq!(capacity.parked.load(Ordering::Acquire), 0);
+        assert_eq!(capacity.in_flight.load(Ordering::Acquire), 0);
     }
 }

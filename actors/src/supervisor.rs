@@ -437,6 +437,9 @@ impl DeliverySupervisor {
             };
             shared.tracker.cooling(ticket, pending);
         }
+        if let Some(permit) = &mut self.permit {
+            permit.park();
+        }
         let (decided_at, mark) = self.cooldown_from.take().unwrap_or(self.stepped_at);
         self.cooling_since = Some(mark);
         let delay = (due_at - decided_at)
@@ -747,6 +750,9 @@ impl actix::Handler<RetryDue> for DeliverySupervisor {
 
     fn handle(&mut self, RetryDue(busy): RetryDue, ctx: &mut Context<Self>) {
         self.busy = Some(busy);
+        if let Some(permit) = &mut self.permit {
+            permit.unpark();
+        }
         if self
             .ticket
             .is_some_and(|ticket| self.worker.shared.tracker.resume(ticket))
