@@ -7,6 +7,7 @@ mod proxy;
 
 use brokers::*;
 use dacapo::DeadLetterReason;
+use dacapo::prelude::{HandlerError, MessageContext, Module};
 use dacapo::transport::{PostgresQueue, Transport};
 use proxy::Proxy;
 
@@ -459,4 +460,41 @@ async fn an_acknowledged_batch_waiting_for_room_at_shutdown_starts_afresh_on_the
     assert!(full.publisher.shutdown().await.is_clean());
     assert!(next.shutdown().await.is_clean());
     assert_eq!(rows_left(store.url()).await, 0);
+}
+
+/// Turns each `Local` into a `Ping`, sent with `ctx.send`.
+struct Forwards;
+
+impl dacapo::Handler<Local> for Forwards {
+    async fn handle(&self, local: &Local, ctx: &MessageContext) -> Result<(), HandlerError> {
+        ctx.send(&Ping { n: local.n }).await?;
+        Ok(())
+    }
+}
+
+/// `ctx.send` refuses a type nothing would take; a type a transport routes is taken by the
+/// broker, handler or not on this node (it was refused with `NoRoute` before, and the delivery
+/// dead-lettered after its retries).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_handler_sends_a_type_only_the_queue_carries() {
+    let store = TestStore::postgres().await;
+    let seen = Seen::default();
+    let consumer = store.runtime(module(&seen, "a"), queue_on(&store, "pings"));
+    listening(&consumer).await;
+    let elsewhere = TestStore::sqlite().await;
+    let sender = elsewhere.runtime(
+        Module::new("forwarding").handle::<Local, _>(Forwards),
+        queue_on(&store, "pings"),
+    );
+    listening(&sender).await;
+
+    let local = sender.publish(&Local { n: 7 }).await.unwrap();
+
+    let calls = seen.wait_for(1, WAIT).await;
+    assert_eq!(calls[0].n, 7);
+    assert_eq!(calls[0].causation_id, Some(local));
+    sender.idle().await;
+    assert!(sender.dead_letters().list().await.unwrap().is_empty());
+    assert!(sender.shutdown().await.is_clean());
+    assert!(consumer.shutdown().await.is_clean());
 }

@@ -687,7 +687,8 @@ impl MessageContext {
     }
 
     /// Like [`publish`](Self::publish), but fails at once when no handler of this runtime
-    /// handles the type, instead of the message being dead-lettered at receive.
+    /// handles the type and no transport of it routes the type to a broker, instead of the
+    /// message being dead-lettered at receive.
     ///
     /// # Errors
     ///
@@ -699,6 +700,11 @@ impl MessageContext {
     pub async fn send<M: Message>(&self, message: &M) -> Result<Uuid, Error> {
         if let Some(worker) = self.scope.as_ref().and_then(|a| a.scope.worker.as_ref())
             && !worker.registry.handles(M::TYPE)
+            && !worker
+                .shared
+                .outbound
+                .as_ref()
+                .is_some_and(|outbound| outbound.carries(M::TYPE))
         {
             return Err(Error::NoRoute(Box::new(Envelope::for_message(message)?)));
         }

@@ -65,6 +65,8 @@ pub(crate) struct Shared {
     /// The outbox the relay publishes from, if any: cascades that cannot wait for their
     /// delivery to settle are enlisted there on their own.
     pub(crate) outbox: Option<Arc<dyn crate::ports::OutboxStore>>,
+    /// The brokers the relay sends to: a type they carry has a route without a handler here.
+    pub(crate) outbound: Option<Arc<dyn crate::ports::Outbound>>,
     /// Where a test crashes the engine.
     pub(crate) failpoints: Option<Arc<crate::Failpoints>>,
     /// Recovery rounds finished so far.

@@ -231,6 +231,7 @@ impl Engine {
                         starting: std::sync::Mutex::default(),
                         // Only an outbox a relay publishes from.
                         outbox: config.durability.as_ref().and(parts.outbox.clone()),
+                        outbound: parts.outbound.clone(),
                     });
                     let workers = arbiters
                         .into_iter()
