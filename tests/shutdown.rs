@@ -287,3 +287,63 @@ async fn a_cascade_still_waiting_for_room_when_the_engine_stops_is_handed_back()
     assert_ne!(report.still_running[0], handed_back.id);
     assert!(!report.is_clean());
 }
+
+/// Fails its first message for good (it is dead-lettered) and every later one for a retry.
+#[derive(Default)]
+struct DeadLettersThenCools {
+    calls: std::sync::atomic::AtomicUsize,
+}
+
+impl Handler<MemberRemoved> for DeadLettersThenCools {
+    async fn handle(&self, _: &MemberRemoved, _: &MessageContext) -> Result<(), HandlerError> {
+        if self.calls.fetch_add(1, Ordering::SeqCst) == 0 {
+            return Err(HandlerError::permanent("no retry fixes this"));
+        }
+        Err(HandlerError::retry("down for an hour"))
+    }
+}
+
+/// A dead letter replayed while the engine is full waits for room; a shutdown then hands it
+/// back in its report, at once. Before, the shutdown waited out its whole drain for it and
+/// the report left it out, so a replay on a runtime in memory was lost without a word.
+#[tokio::test]
+async fn a_replay_waiting_for_room_when_the_shutdown_begins_is_handed_back() {
+    let runtime = Runtime::builder()
+        .max_in_flight(2)
+        .drain_timeout(Duration::from_secs(30))
+        .retry_policy(RetryPolicy {
+            min_retry_interval: Duration::from_secs(3600),
+            ..RetryPolicy::default()
+        })
+        .module(
+            Module::new("m").handle_named::<MemberRemoved, _>("h", DeadLettersThenCools::default()),
+        )
+        .build()
+        .unwrap();
+    let dead = runtime.publish(&member_removed()).await.unwrap();
+    tokio::time::timeout(Duration::from_secs(5), runtime.idle())
+        .await
+        .unwrap();
+    for _ in 0..2 {
+        runtime.publish(&member_removed()).await.unwrap();
+    }
+    tokio::time::timeout(Duration::from_secs(5), async {
+        while runtime.stats().retried < 2 {
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+    })
+    .await
+    .expect("both slots cool down");
+    runtime.dead_letters().replay(dead).await.unwrap();
+
+    let report = tokio::time::timeout(Duration::from_secs(10), runtime.shutdown())
+        .await
+        .expect("the shutdown does not wait out its drain for a replay that has no room");
+
+    assert_eq!(report.pending_retries.len(), 3);
+    assert!(
+        report.pending_retries.iter().any(|p| p.envelope.id == dead),
+        "the replayed envelope is handed back"
+    );
+    assert!(report.still_running.is_empty());
+}

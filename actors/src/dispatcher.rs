@@ -54,6 +54,9 @@ pub(crate) struct Shared {
     /// Cascaded messages whose delivery never started, the engine stopping while they waited
     /// for room: handed back in the shutdown report.
     pub(crate) unstarted_cascades: std::sync::Mutex<Vec<Envelope>>,
+    /// Resumed deliveries (a replayed dead letter) that a shutdown found waiting for room:
+    /// handed back in the shutdown report, as due now.
+    pub(crate) unstarted_resumes: std::sync::Mutex<Vec<crate::PendingRetry>>,
     /// The runtime's store, which handlers may open transactions on.
     pub(crate) store: Option<Arc<dyn std::any::Any + Send + Sync>>,
     /// Whether the deduplication claims live in that store.
@@ -717,7 +720,28 @@ impl Dispatcher {
         };
         let on = worker.arbiter.clone();
         on.spawn(async move {
-            let permit = worker.shared.capacity.acquire().await;
+            let shared = &worker.shared;
+            let permit = tokio::select! {
+                biased;
+                permit = shared.capacity.acquire() => permit,
+                // A shutdown does not wait for room it may never get: a durable store resumes
+                // the delivery at the next start, and the report names it.
+                () = shared.tracker.closed() => {
+                    shared.unlist_starting(resumable.envelope.id);
+                    let due_at = resumable.due_at.unwrap_or_else(|| shared.clock.now());
+                    shared
+                        .unstarted_resumes
+                        .lock()
+                        .unwrap_or_else(std::sync::PoisonError::into_inner)
+                        .push(crate::PendingRetry {
+                            envelope: resumable.envelope,
+                            due_at,
+                            failures: resumable.failures,
+                        });
+                    shared.tracker.release();
+                    return;
+                }
+            };
             start_resumed(worker, resumable, permit);
         });
         Ok(())

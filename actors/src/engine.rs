@@ -226,6 +226,7 @@ impl Engine {
                         recovering: tokio::sync::Mutex::new(()),
                         drain_over: std::sync::atomic::AtomicBool::new(false),
                         unstarted_cascades: std::sync::Mutex::default(),
+                        unstarted_resumes: std::sync::Mutex::default(),
                         store: parts.store.clone(),
                         claims_in_store: parts.claims_in_store,
                         starting: std::sync::Mutex::default(),
@@ -353,13 +354,18 @@ impl Engine {
             .shared
             .drain_over
             .store(true, std::sync::atomic::Ordering::SeqCst);
+        // Active ones first: a delivery that starts cooling down in between is then in one
+        // list or both (kept in the retries), never in neither.
+        let mut still_running = if drained {
+            Vec::new()
+        } else {
+            tracker.still_active()
+        };
+        let pending_retries = tracker.take_cooling();
+        still_running.retain(|id| !pending_retries.iter().any(|p| p.envelope.id == *id));
         let mut report = ShutdownReport {
-            pending_retries: tracker.take_cooling(),
-            still_running: if drained {
-                Vec::new()
-            } else {
-                tracker.still_active()
-            },
+            pending_retries,
+            still_running,
             unstarted_cascades: Vec::new(),
         };
         for pending in &report.pending_retries {
@@ -393,6 +399,14 @@ impl Engine {
         drop(recovering);
         self.system.stop();
         let _ = stopped.await;
+        let shared = &self.dispatcher.shared;
+        report.pending_retries.extend(std::mem::take(
+            &mut *shared
+                .unstarted_resumes
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner),
+        ));
+        report.pending_retries.sort_by_key(|p| p.due_at);
         report.unstarted_cascades = std::mem::take(
             &mut *self
                 .dispatcher

@@ -143,10 +143,15 @@ impl Tracker {
     /// Counts a delivery in; refuses new external work once closing. Cascaded messages of
     /// deliveries being drained are still accepted, since they are part of that work.
     pub(crate) fn admit(&self, external: bool) -> bool {
-        if external && self.closing.load(Ordering::Acquire) {
+        // Counted before the look, both sequentially consistent, as `close` sets the flag
+        // before the drain reads the count: either the drain waits for this delivery or this
+        // sees the close. Looked at first, a delivery could be counted after the drain found
+        // none, and run while the engine stopped under it.
+        self.counts.fetch_add(LIVE + 1, Ordering::SeqCst);
+        if external && self.closing.load(Ordering::SeqCst) {
+            self.leave(LIVE + 1);
             return false;
         }
-        self.counts.fetch_add(LIVE + 1, Ordering::AcqRel);
         true
     }
 
@@ -213,7 +218,7 @@ impl Tracker {
     }
 
     pub(crate) fn close(&self) {
-        self.closing.store(true, Ordering::Release);
+        self.closing.store(true, Ordering::SeqCst);
         // Through each worker's lock: a resume under way there ends (counted active) first.
         for worker in 0..self.workers.len() {
             drop(self.worker(worker));
@@ -243,7 +248,7 @@ impl Tracker {
             let notified = self.changed.notified();
             tokio::pin!(notified);
             notified.as_mut().enable();
-            if self.counts.load(Ordering::Acquire) & mask == 0 {
+            if self.counts.load(Ordering::SeqCst) & mask == 0 {
                 return;
             }
             notified.await;
