@@ -918,3 +918,84 @@ async fn a_relay_waiting_for_room_lets_the_harness_clock_move() {
     assert_eq!((members.count(), hooks.count()), (1, 1));
     harness.shutdown().await;
 }
+
+/// Enlists a webhook in the outbox, then holds the engine's one slot longer than the relay's
+/// lease; before it lets go, the webhook's row is marked published behind the relay's back, as
+/// the relay of another node that took the lease meanwhile would have done.
+struct PublishedElsewhereWhileHeld {
+    pool: dacapo::sqlx::SqlitePool,
+    hold: Duration,
+}
+
+impl Handler<MemberRemoved> for PublishedElsewhereWhileHeld {
+    async fn handle(&self, _: &MemberRemoved, _: &MessageContext) -> Result<(), HandlerError> {
+        let mut tx = self.pool.begin_with("BEGIN IMMEDIATE").await?;
+        let hook = support::WebhookQueued {
+            delivery_id: "published elsewhere".into(),
+        };
+        dacapo::outbox::Outbox::enlist(&mut tx, &hook).await?;
+        tx.commit().await?;
+        // Long enough for the relay, woken by the enlist and ticking every 20 ms, to read the
+        // row and wait for the slot, and for its lease of 200 ms to run out.
+        tokio::time::sleep(self.hold).await;
+        dacapo::sqlx::query("UPDATE dacapo_outbox SET published_at = 1 WHERE published_at IS NULL")
+            .execute(&self.pool)
+            .await?;
+        Ok(())
+    }
+}
+
+/// A relay that waited for room longer than its lease does not publish what it read under
+/// the lease: another node may have taken the lease and published those rows meanwhile (and
+/// its inbox forgotten them past the retention). It reads them again on the next round. Before,
+/// it published its stale copy as soon as room came.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_relay_that_waited_for_room_past_its_lease_reads_its_rows_again() {
+    let db = dacapo::testing::ScratchDatabase::sqlite();
+    let store = db.sqlite_store().await.unwrap();
+    let hooks = Recorder::<support::WebhookQueued>::new();
+    let runtime = Runtime::builder()
+        .store(store.clone())
+        .max_in_flight(1)
+        .relay_interval(Duration::from_millis(20))
+        .module(
+            Module::new("m")
+                .handle_named::<MemberRemoved, _>(
+                    "members",
+                    PublishedElsewhereWhileHeld {
+                        pool: store.pool().clone(),
+                        hold: Duration::from_millis(600),
+                    },
+                )
+                .handle_named::<support::WebhookQueued, _>("hooks", hooks.clone()),
+        )
+        .build()
+        .unwrap();
+
+    runtime.publish(&removed(1)).await.unwrap();
+    tokio::time::timeout(WAIT, runtime.idle()).await.unwrap();
+    // A later row is relayed after the round that waited: once it is handled, that round is
+    // over, and whatever it published was handled first.
+    let mut tx = store.pool().begin_with("BEGIN IMMEDIATE").await.unwrap();
+    let later = support::WebhookQueued {
+        delivery_id: "later".into(),
+    };
+    dacapo::outbox::Outbox::enlist(&mut tx, &later)
+        .await
+        .unwrap();
+    tx.commit().await.unwrap();
+    until(|| hooks.count() >= 1).await;
+    tokio::time::timeout(WAIT, runtime.idle()).await.unwrap();
+
+    let handled: Vec<String> = hooks
+        .calls()
+        .into_iter()
+        .map(|call| call.message.delivery_id)
+        .collect();
+    assert_eq!(
+        handled,
+        ["later"],
+        "the row another node published is not published again"
+    );
+    runtime.shutdown().await;
+}

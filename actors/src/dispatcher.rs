@@ -260,11 +260,12 @@ impl Worker {
         reply: Option<oneshot::Sender<DeliveryReport>>,
         held: &mut Option<crate::Busy>,
         from_caller: bool,
+        room: Option<crate::capacity::Slot>,
     ) -> Result<(), Error> {
         let shared = &self.shared;
         let counters = shared.stats.dispatching();
         counters.bump(Counter::Received);
-        let permit = match shared.capacity.try_acquire() {
+        let permit = match room.or_else(|| shared.capacity.try_acquire()) {
             Some(permit) => permit,
             None if from_caller => {
                 held.take();
@@ -409,7 +410,7 @@ impl Worker {
                 unstarted.current = Some(envelope.clone());
                 let admission = Admission(&worker.shared.tracker);
                 let delivered = worker
-                    .deliver(admission, envelope, None, &mut held, false)
+                    .deliver(admission, envelope, None, &mut held, false, None)
                     .await;
                 unstarted.current = None;
                 match delivered {
@@ -609,7 +610,46 @@ impl Dispatcher {
         }
         let admission = Admission(&self.shared.tracker);
         self.next_worker()
-            .deliver(admission, envelope, reply, held, true)
+            .deliver(admission, envelope, reply, held, true, None)
+            .await
+    }
+
+    /// Waits for room for one delivery, giving `held` up while it waits (as
+    /// [`dispatch_holding`](Self::dispatch_holding) does); `None` once the runtime closes.
+    ///
+    /// # Cancel safety
+    ///
+    /// Cancel safe: a cancelled wait takes no room.
+    pub(crate) async fn room(
+        &self,
+        held: &mut Option<crate::Busy>,
+    ) -> Option<crate::capacity::Slot> {
+        let shared = &self.shared;
+        if let Some(slot) = shared.capacity.try_acquire() {
+            return Some(slot);
+        }
+        held.take();
+        tokio::select! {
+            biased;
+            () = shared.tracker.closed() => None,
+            slot = shared.capacity.acquire() => Some(slot),
+        }
+    }
+
+    /// [`dispatch_holding`](Self::dispatch_holding) in room already taken with
+    /// [`room`](Self::room).
+    pub(crate) async fn dispatch_in(
+        &self,
+        envelope: Envelope,
+        room: crate::capacity::Slot,
+        held: &mut Option<crate::Busy>,
+    ) -> Result<(), Error> {
+        if !self.shared.tracker.admit(true) {
+            return Err(Error::ShuttingDown(Box::new(envelope)));
+        }
+        let admission = Admission(&self.shared.tracker);
+        self.next_worker()
+            .deliver(admission, envelope, None, held, true, Some(room))
             .await
     }
 

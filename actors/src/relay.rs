@@ -292,10 +292,30 @@ impl RelayActor {
                         }
                     }
                     for (position, envelope) in rows {
-                        // Renewed once half of it has passed, checked before each publication
-                        // (a batch can wait for the engine's capacity): a long round keeps the
-                        // lease, a relay paused past it learns it lost it before publishing
-                        // more, and two nodes never publish the same rows side by side.
+                        // Room first, then the lease: a wait for room can outlast the lease,
+                        // and rows read under a lease that ran out may have been published
+                        // (and handled, and forgotten past the inbox's retention) by the node
+                        // that took it next; they are read again on the next round.
+                        let Some(room) = dispatcher.room(&mut busy).await else {
+                            sent_all = false;
+                            break;
+                        };
+                        // Given up while the envelope waited for room, which only the clock
+                        // moving on (a cooldown ending) may free: held again from here.
+                        if busy.is_none() {
+                            busy = Some(dispatcher.shared.timers.busy());
+                        }
+                        if lease.left().is_zero() {
+                            tracing::debug!(
+                                "the outbox lease ran out while the engine had no room; the rest is read again on the next round"
+                            );
+                            sent_all = false;
+                            break;
+                        }
+                        // Renewed once half of it has passed, checked before each publication:
+                        // a long round keeps the lease, a relay paused past it learns it lost
+                        // it before publishing more, and two nodes never publish the same rows
+                        // side by side.
                         if lease.half_gone() {
                             match lease.take().await {
                                 Ok(true) => {}
@@ -313,16 +333,8 @@ impl RelayActor {
                         }
                         let id = envelope.id;
                         // Not cut short: a publication cancelled inside the inbox's write could
-                        // leave its row recorded with nothing running it. One that waited for
-                        // the engine's capacity past the lease may overlap another node's
-                        // relay; the receiving inbox discards the duplicate by envelope id.
-                        let dispatched =
-                            dispatcher.dispatch_holding(envelope, None, &mut busy).await;
-                        // Given up while the envelope waited for room, which only the clock
-                        // moving on (a cooldown ending) may free: held again from here.
-                        if busy.is_none() {
-                            busy = Some(dispatcher.shared.timers.busy());
-                        }
+                        // leave its row recorded with nothing running it.
+                        let dispatched = dispatcher.dispatch_in(envelope, room, &mut busy).await;
                         if let Err(error) = dispatched {
                             tracing::warn!(messaging.message.id = %id, %error, "publishing from the outbox failed; retrying on the next round");
                             sent_all = false;
