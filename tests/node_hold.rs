@@ -486,3 +486,108 @@ async fn first_recovery_waits_out_a_held_node_or_ends_with_a_shutdown_sqlite() {
         .unwrap();
     waiting.shutdown().await;
 }
+
+/// The wall clock, moved by hand.
+#[derive(Clone)]
+struct ManualClock(std::sync::Arc<std::sync::Mutex<chrono::DateTime<chrono::Utc>>>);
+
+impl dacapo::ports::Clock for ManualClock {
+    fn now(&self) -> chrono::DateTime<chrono::Utc> {
+        *self.0.lock().unwrap()
+    }
+}
+
+/// Opens its SQLite handler transaction, which holds the store's turn to write, says so, and
+/// commits it once the gate opens.
+struct HoldsTheTurn {
+    opened: std::sync::Arc<tokio::sync::Notify>,
+    gate: std::sync::Arc<tokio::sync::Semaphore>,
+}
+
+impl Handler<support::MemberRemoved> for HoldsTheTurn {
+    async fn handle(
+        &self,
+        _: &support::MemberRemoved,
+        ctx: &MessageContext,
+    ) -> Result<(), HandlerError> {
+        use dacapo::transaction::HandlerTransactions;
+        let Some(tx) = ctx.transaction::<dacapo::sqlx::Sqlite>().await? else {
+            return Err(HandlerError::permanent("no handler transaction"));
+        };
+        self.opened.notify_one();
+        self.gate.acquire().await?.forget();
+        tx.commit().await?;
+        Ok(())
+    }
+}
+
+/// A heartbeat is stamped once its write has SQLite's turn, not before it waited behind a
+/// handler transaction: stamped before, it said the node was last alive when it began to wait,
+/// and other nodes could take a working node for dead. Nor does a beat stamped earlier
+/// move the node's heartbeat back.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_heartbeat_is_stamped_when_it_writes_and_never_moves_back_sqlite() {
+    let start = chrono::Utc::now();
+    let clock = ManualClock(std::sync::Arc::new(std::sync::Mutex::new(start)));
+    let db = dacapo::testing::ScratchDatabase::sqlite();
+    let store = db
+        .sqlite_store()
+        .await
+        .unwrap()
+        .node_id(NODE)
+        .clock(std::sync::Arc::new(clock.clone()));
+    let opened = std::sync::Arc::new(tokio::sync::Notify::new());
+    let gate = std::sync::Arc::new(tokio::sync::Semaphore::new(0));
+    let runtime = Runtime::builder()
+        .store(store.clone())
+        .module(Module::new("m").handle_named::<support::MemberRemoved, _>(
+            "holds",
+            HoldsTheTurn {
+                opened: std::sync::Arc::clone(&opened),
+                gate: std::sync::Arc::clone(&gate),
+            },
+        ))
+        .build()
+        .unwrap();
+    // The node is held from here: the beat below goes straight to its write.
+    store.heartbeat().await.unwrap();
+    runtime.publish(&member_removed()).await.unwrap();
+    tokio::time::timeout(WAIT, opened.notified())
+        .await
+        .expect("the handler opened its transaction");
+
+    let mut beat = Box::pin(store.heartbeat());
+    assert!(
+        futures::poll!(&mut beat).is_pending(),
+        "the beat waits for the handler transaction's turn"
+    );
+    let later = start + chrono::Duration::seconds(20);
+    *clock.0.lock().unwrap() = later;
+    gate.add_permits(1);
+    tokio::time::timeout(WAIT, &mut beat)
+        .await
+        .unwrap()
+        .unwrap();
+    let stamped = || async {
+        let (at,): (i64,) =
+            dacapo::sqlx::query_as("SELECT heartbeat_at FROM dacapo_nodes WHERE id = $1")
+                .bind(NODE)
+                .fetch_one(store.pool())
+                .await
+                .unwrap();
+        at
+    };
+    assert!(
+        stamped().await >= later.timestamp_millis(),
+        "stamped when it wrote"
+    );
+
+    *clock.0.lock().unwrap() = start + chrono::Duration::seconds(5);
+    store.heartbeat().await.unwrap();
+    assert!(
+        stamped().await >= later.timestamp_millis(),
+        "an earlier stamp does not move it back"
+    );
+    tokio::time::timeout(WAIT, runtime.idle()).await.unwrap();
+    runtime.shutdown().await;
+}

@@ -170,8 +170,12 @@ pub(crate) const REPLAY: &str = "INSERT INTO dacapo_inbox \
 pub(crate) const RELEASE_ENVELOPE_CLAIMS: &str = "DELETE FROM dacapo_deduplication \
     WHERE envelope_id = $1 AND completed = 0";
 
+/// Never moves a heartbeat back: two beats of one node (a round's and the timer's) may commit
+/// in the other order than they were stamped.
 pub(crate) const HEARTBEAT: &str = "INSERT INTO dacapo_nodes (id, heartbeat_at) VALUES ($1, $2) \
-    ON CONFLICT (id) DO UPDATE SET heartbeat_at = excluded.heartbeat_at";
+    ON CONFLICT (id) DO UPDATE SET heartbeat_at = CASE \
+    WHEN excluded.heartbeat_at > dacapo_nodes.heartbeat_at THEN excluded.heartbeat_at \
+    ELSE dacapo_nodes.heartbeat_at END";
 
 pub(crate) const RELEASE: &str = "UPDATE dacapo_inbox SET owner = NULL \
     WHERE owner = $1 AND status IN ('incoming', 'scheduled')";

@@ -833,8 +833,14 @@ impl<D: Dialect> DurableInbox for SqlStore<D> {
 
     async fn heartbeat(&self) -> Result<(), Error> {
         self.held().await?;
+        // Stamped once the write has its turn (SQLite's writes queue for theirs, behind
+        // handler transactions among others): stamped before the wait, a beat that waited
+        // long would say this node was last alive then, and other nodes would take it for
+        // dead while it works.
+        let mut tx = self.db.begin().await?;
         let values = [Value::Text(&self.node), Value::Int64(millis(self.now()))];
-        self.db.execute(HEARTBEAT, &values).await?;
+        tx.execute(HEARTBEAT, &values).await?;
+        tx.commit().await?;
         Ok(())
     }
 
