@@ -816,6 +816,39 @@ on_both_backends!(
     }
 );
 
+// The claims a crashed run left are released once per process that holds the node: another
+// store of the live process under the same node (an HTTP layer's, say), opened later, used to
+// release the claims of handlers running now.
+on_both_backends!(
+    a_second_store_of_a_live_node_leaves_the_claims_in_flight_sqlite,
+    a_second_store_of_a_live_node_leaves_the_claims_in_flight_postgres,
+    |db| {
+        use dacapo::ports::ClaimOutcome;
+        let envelope = Envelope::for_message(&member_removed()).unwrap();
+        let (inbox, claims) = node_store(&db, "node-a").await;
+        inbox.heartbeat().await.unwrap();
+        assert_eq!(
+            claims.claim(&claim_for(&envelope)).await.unwrap(),
+            ClaimOutcome::Claimed
+        );
+
+        let (_, later) = node_store(&db, "node-a").await;
+        later.provision().await.unwrap();
+
+        assert_eq!(
+            db.scalar("SELECT count(*) FROM dacapo_deduplication").await,
+            1,
+            "the claim of the handler running now stands"
+        );
+        let again = Envelope::for_message(&member_removed()).unwrap();
+        assert_eq!(
+            later.claim(&claim_for(&again)).await.unwrap(),
+            ClaimOutcome::Held { same_payload: true },
+            "a second message of the intent finds it claimed"
+        );
+    }
+);
+
 on_both_backends!(
     an_attempt_starts_once_even_when_two_runners_of_one_node_ask_sqlite,
     an_attempt_starts_once_even_when_two_runners_of_one_node_ask_postgres,

@@ -165,6 +165,29 @@ impl NodeHold {
         Ok(())
     }
 
+    /// Runs `first` once for the process's hold of this node, whichever of its stores asks
+    /// first — the work of a run that begins: what an earlier run under the node left, the
+    /// stores of this one must not each undo again behind the others' backs. Without a hold
+    /// (a database no other process opens), once per asking.
+    ///
+    /// # Errors
+    ///
+    /// `first`'s error; it is run again on the next asking.
+    pub(crate) async fn once_per_hold<F, Fut>(&self, first: F) -> Result<(), Error>
+    where
+        F: FnOnce() -> Fut,
+        Fut: Future<Output = Result<(), Error>>,
+    {
+        let held = match &*self.state.lock().unwrap_or_else(|e| e.into_inner()) {
+            State::Held(held) => Some(Arc::clone(held)),
+            State::Untaken | State::Unneeded => None,
+        };
+        match held {
+            Some(held) => held.begun.get_or_try_init(first).await.map(|_| ()),
+            None => first().await,
+        }
+    }
+
     fn is_settled(&self) -> bool {
         match &*self.state.lock().unwrap_or_else(|e| e.into_inner()) {
             State::Untaken => false,
@@ -179,6 +202,8 @@ impl NodeHold {
 struct Held {
     /// Set when the session holding it on PostgreSQL was lost, and with it the lock.
     lost: Arc<AtomicBool>,
+    /// Set once the run's first work was done ([`NodeHold::once_per_hold`]).
+    begun: tokio::sync::OnceCell<()>,
     _lock: Lock,
 }
 
@@ -239,7 +264,11 @@ async fn take(target: &Target, node: &str, wait: Duration) -> Result<Arc<Held>, 
         at: target.place(),
         waited: wait,
     })?;
-    let held = Arc::new(Held { lost, _lock: lock });
+    let held = Arc::new(Held {
+        lost,
+        begun: tokio::sync::OnceCell::new(),
+        _lock: lock,
+    });
     *slot = Arc::downgrade(&held);
     Ok(held)
 }

@@ -921,9 +921,19 @@ impl<D: Dialect> Claims for SqlStore<D> {
                 if has_node == 0 {
                     tx.execute(ADD_CLAIMS_NODE, &[]).await?;
                 }
-                tx.execute(RELEASE_OWN_UNCOMPLETED_CLAIMS, &[Value::Text(&self.node)])
-                    .await?;
-                tx.commit().await
+                tx.commit().await?;
+                // What a crashed run left uncompleted under this node is free again: nothing
+                // runs it now. Once per process's hold, not per store: another store of this
+                // process under the node, opened later, would release the claims of
+                // handlers running now.
+                self.hold
+                    .once_per_hold(|| async {
+                        self.db
+                            .execute(RELEASE_OWN_UNCOMPLETED_CLAIMS, &[Value::Text(&self.node)])
+                            .await
+                            .map(drop)
+                    })
+                    .await
             })
             .await?;
         Ok(())
