@@ -158,7 +158,7 @@ on_both_backends!(
             assert_eq!(inbox.receive(envelope).await.unwrap(), Receipt::New);
         }
         assert_eq!(
-            inbox.settle_handled(handled.id, &[]).await.unwrap(),
+            inbox.settle_handled(handled.id, 1, &[]).await.unwrap(),
             Handled::Written { in_outbox: true }
         );
         assert_eq!(
@@ -234,7 +234,7 @@ on_both_backends!(
         let envelope = Envelope::for_message(&member_removed()).unwrap();
         assert_eq!(inbox.receive(&envelope).await.unwrap(), Receipt::New);
         assert_eq!(
-            inbox.settle_handled(envelope.id, &[]).await.unwrap(),
+            inbox.settle_handled(envelope.id, 1, &[]).await.unwrap(),
             Handled::Written { in_outbox: true }
         );
         // The writes of a node that lost this delivery to recovery and ran its attempt late.
@@ -249,7 +249,7 @@ on_both_backends!(
             Fenced::OwnedElsewhere
         );
         assert_eq!(
-            inbox.settle_handled(envelope.id, &[]).await.unwrap(),
+            inbox.settle_handled(envelope.id, 1, &[]).await.unwrap(),
             Handled::OwnedElsewhere,
             "settled once"
         );
@@ -390,7 +390,8 @@ on_both_backends!(
             .iter()
             .map(|envelope| envelope.id)
             .chain([envelopes[2].id, foreign.id]);
-        let settled = futures::future::join_all(ids.map(|id| inbox.settle_handled(id, &[]))).await;
+        let settled =
+            futures::future::join_all(ids.map(|id| inbox.settle_handled(id, 1, &[]))).await;
         let written = settled
             .iter()
             .filter(|answer| matches!(answer, Ok(Handled::Written { in_outbox: true })))
@@ -439,7 +440,7 @@ async fn a_write_on_postgresql_commits_while_an_earlier_group_is_still_committin
         .unwrap();
     let settling = tokio::spawn({
         let inbox = std::sync::Arc::clone(&inbox);
-        async move { inbox.settle_handled(held.id, &[]).await }
+        async move { inbox.settle_handled(held.id, 1, &[]).await }
     });
     // The settle's group is under way once its statement waits for the lock.
     db.until_a_session_waits_for_a_lock(WAIT, "the settle waits for the row lock")
@@ -469,7 +470,7 @@ async fn the_retention_sweep_leaves_a_row_a_replay_made_incoming_while_it_waited
     let inbox = std::sync::Arc::new(db.sqlite_or_postgres_inbox().await);
     let envelope = Envelope::for_message(&member_removed()).unwrap();
     assert_eq!(inbox.receive(&envelope).await.unwrap(), Receipt::New);
-    inbox.settle_handled(envelope.id, &[]).await.unwrap();
+    inbox.settle_handled(envelope.id, 1, &[]).await.unwrap();
 
     let mut replay = sqlx::PgConnection::connect(&db.url).await.unwrap();
     sqlx::query("BEGIN").execute(&mut replay).await.unwrap();

@@ -399,7 +399,7 @@ on_both_backends!(
 
         let handled = envelope();
         inbox.receive(&handled).await.unwrap();
-        inbox.settle_handled(handled.id, &[]).await.unwrap();
+        inbox.settle_handled(handled.id, 1, &[]).await.unwrap();
         completion(&db, handled.id, old).await;
 
         let cooling_down = envelope();

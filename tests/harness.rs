@@ -261,9 +261,10 @@ impl Inbox for SilentDeadLetters {
     async fn settle_handled(
         &self,
         id: Uuid,
+        attempts: u32,
         cascaded: &[Envelope],
     ) -> Result<Handled, EngineError> {
-        self.0.settle_handled(id, cascaded).await
+        self.0.settle_handled(id, attempts, cascaded).await
     }
     async fn dead_letter(&self, _: &DeadLetter, _: bool) -> Result<Fenced, EngineError> {
         std::future::pending().await

@@ -69,7 +69,7 @@ async fn an_envelope_still_incoming_is_never_expired() {
     assert_eq!(inbox.receive(&envelope).await.unwrap(), Receipt::New);
     clock.advance(Duration::from_secs(3600));
     assert_eq!(inbox.receive(&envelope).await.unwrap(), Receipt::Duplicate);
-    inbox.settle_handled(envelope.id, &[]).await.unwrap();
+    inbox.settle_handled(envelope.id, 1, &[]).await.unwrap();
     clock.advance(Duration::from_secs(2));
     assert_eq!(inbox.receive(&envelope).await.unwrap(), Receipt::New);
 }
@@ -82,7 +82,7 @@ async fn a_retention_too_long_to_add_keeps_handled_ids_for_ever() {
     let inbox = MemoryInbox::new(Duration::MAX, Arc::new(clock.clone()));
     let envelope = Envelope::for_message(&member_removed()).unwrap();
     assert_eq!(inbox.receive(&envelope).await.unwrap(), Receipt::New);
-    inbox.settle_handled(envelope.id, &[]).await.unwrap();
+    inbox.settle_handled(envelope.id, 1, &[]).await.unwrap();
     clock.advance(Duration::from_secs(100 * 365 * 24 * 3600));
     assert_eq!(inbox.receive(&envelope).await.unwrap(), Receipt::Duplicate);
 }

@@ -849,6 +849,75 @@ on_both_backends!(
     }
 );
 
+// A node paused past its heartbeat loses a delivery to another node, which runs a later
+// attempt and records its retry (with a message a handler cascaded) before it dies; the first
+// node claims the delivery back while its stale runner of the earlier attempt still runs. That
+// runner's retry record and settle are refused: the owner is the same, but the count of attempts
+// tells them apart. They overwrote the other node's record before, losing its cascaded message.
+on_both_backends!(
+    a_stale_runner_of_an_earlier_attempt_overwrites_nothing_sqlite,
+    a_stale_runner_of_an_earlier_attempt_overwrites_nothing_postgres,
+    |db| {
+        use dacapo::ports::{Fenced, Handled, RetryRecord};
+        let (a_inbox, _) = node_store(&db, "node-a").await;
+        let (b_inbox, _) = node_store(&db, "node-b").await;
+        let first = Envelope::for_message(&member_removed()).unwrap();
+        a_inbox.receive(&first).await.unwrap();
+        let due = chrono::Utc::now() + chrono::Duration::seconds(60);
+
+        // Node b claims it and runs attempt 2, which fails after a handler cascaded a message.
+        db.execute("UPDATE dacapo_inbox SET owner = 'node-b'").await;
+        assert_eq!(
+            b_inbox.begin_attempt(first.id, 2).await.unwrap(),
+            Fenced::Written
+        );
+        let mut second = first.clone();
+        second.attempts = 2;
+        let cascaded = [Envelope::for_message(&member_removed()).unwrap()];
+        let record = RetryRecord::new(&second, due, &[], &[], &cascaded);
+        assert_eq!(
+            b_inbox.schedule_retry(record).await.unwrap(),
+            Fenced::Written
+        );
+        // Node b dies; node a claims the delivery back.
+        db.execute("UPDATE dacapo_inbox SET owner = 'node-a'").await;
+
+        let mut stale = first.clone();
+        stale.attempts = 1;
+        let record = RetryRecord::new(&stale, due, &[], &[], &[]);
+        assert_eq!(
+            a_inbox.schedule_retry(record).await.unwrap(),
+            Fenced::OwnedElsewhere,
+            "the stale runner's retry record"
+        );
+        assert_eq!(
+            a_inbox.settle_handled(first.id, 1, &[]).await.unwrap(),
+            Handled::OwnedElsewhere,
+            "the stale runner's settle"
+        );
+        assert_eq!(
+            db.scalar(
+                "SELECT count(*) FROM dacapo_inbox WHERE attempts = 2 AND cascaded IS NOT NULL"
+            )
+            .await,
+            1,
+            "node b's record stands"
+        );
+        // The delivery resumed from that record runs attempt 3, and settles.
+        assert_eq!(
+            a_inbox.begin_attempt(first.id, 3).await.unwrap(),
+            Fenced::Written
+        );
+        assert!(matches!(
+            a_inbox
+                .settle_handled(first.id, 3, &cascaded)
+                .await
+                .unwrap(),
+            Handled::Written { .. }
+        ));
+    }
+);
+
 on_both_backends!(
     an_attempt_starts_once_even_when_two_runners_of_one_node_ask_sqlite,
     an_attempt_starts_once_even_when_two_runners_of_one_node_ask_postgres,

@@ -221,7 +221,8 @@ pub trait Inbox: Send + Sync + 'static {
     /// Records a failed attempt — its failures, the handlers that succeeded and what they
     /// cascaded, when the next attempt is due — in one write, so a restart during the cooldown
     /// resumes at the right time with the right count and nothing cascaded is lost. Fenced
-    /// like [`begin_attempt`](Inbox::begin_attempt).
+    /// like [`begin_attempt`](Inbox::begin_attempt), and on the record's count of attempts
+    /// as [`settle_handled`](Inbox::settle_handled) is.
     ///
     /// # Errors
     ///
@@ -230,19 +231,27 @@ pub trait Inbox: Send + Sync + 'static {
 
     /// Marks the envelope handled and writes `cascaded` (the messages its handlers published)
     /// to the outbox, in one transaction: they leave exactly when the delivery is recorded as
-    /// handled. Fenced like [`begin_attempt`](Inbox::begin_attempt). Answers `Ok(Written)`
+    /// handled. Fenced like [`begin_attempt`](Inbox::begin_attempt), and on `attempts`, the
+    /// attempts its runner started (0 for one that started none): a record that counts more
+    /// was written by another runner since, and is not overwritten. Answers `Ok(Written)`
     /// with `in_outbox` false for a store without an outbox: the engine then sends the
     /// cascades itself.
     ///
     /// # Errors
     ///
     /// [`Error::Store`] when the transaction fails; nothing of it took effect.
-    async fn settle_handled(&self, id: Uuid, cascaded: &[Envelope]) -> Result<Handled, Error>;
+    async fn settle_handled(
+        &self,
+        id: Uuid,
+        attempts: u32,
+        cascaded: &[Envelope],
+    ) -> Result<Handled, Error>;
 
     /// Dead-letters the delivery in one transaction: the dead letter, the inbox row settled
     /// (a redelivery within the retention is discarded), and — with `release_claims` — the
     /// envelope's uncompleted deduplication claims released, so the logical id is free for a
-    /// message that will do the work. Fenced like [`begin_attempt`](Inbox::begin_attempt).
+    /// message that will do the work. Fenced like [`begin_attempt`](Inbox::begin_attempt), and
+    /// on the letter's count of attempts as [`settle_handled`](Inbox::settle_handled) is.
     ///
     /// The inbox keeps the runtime's dead letters: the runtime lists and replays them through
     /// the same store ([`DeadLetterStore`]).

@@ -475,9 +475,10 @@ impl DeliverySupervisor {
         }
         let worker = Arc::clone(worker);
         let cascaded = self.delivery.cascaded.clone();
+        let attempts = self.delivery.envelope.attempts;
         let work = async move {
             persist("mark handled", id, || {
-                worker.inbox.settle_handled(id, &cascaded)
+                worker.inbox.settle_handled(id, attempts, &cascaded)
             })
             .await
         };
@@ -546,8 +547,12 @@ impl DeliverySupervisor {
         }
         let worker = Arc::clone(&self.worker);
         let id = self.delivery.envelope.id;
+        let attempts = self.delivery.envelope.attempts;
         let work = async move {
-            persist("mark handled", id, || worker.inbox.settle_handled(id, &[])).await
+            persist("mark handled", id, || {
+                worker.inbox.settle_handled(id, attempts, &[])
+            })
+            .await
         };
         ctx.spawn(work.into_actor(self).map(|answer, actor, ctx| {
             actor.apply(Event::HandledRecorded(answer), ctx);

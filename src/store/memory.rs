@@ -145,7 +145,7 @@ impl Inbox for MemoryInbox {
         Ok(Fenced::Written)
     }
 
-    async fn settle_handled(&self, id: Uuid, _: &[Envelope]) -> Result<Handled, Error> {
+    async fn settle_handled(&self, id: Uuid, _: u32, _: &[Envelope]) -> Result<Handled, Error> {
         self.settle(id, false);
         Ok(Handled::Written { in_outbox: false })
     }

@@ -50,11 +50,13 @@ pub(crate) enum Write {
         cascaded: Option<String>,
         node: Arc<str>,
     },
-    /// Marks a delivery handled, fenced by its owner, with the messages it cascaded.
+    /// Marks a delivery handled, fenced by its owner and its count of attempts (at least 1),
+    /// with the messages it cascaded.
     Settle {
         id: String,
         node: Arc<str>,
         now: i64,
+        attempts: i32,
         cascaded: Vec<EnvelopeColumns>,
     },
 }
@@ -128,11 +130,23 @@ impl Write {
                     Value::Text(succeeded),
                     Value::Text(node),
                     Value::OptionalText(cascaded.as_deref()),
+                    Value::Int32((*attempts).max(1)),
                 ],
             ),
-            Self::Settle { id, node, now, .. } => (
+            Self::Settle {
+                id,
+                node,
+                now,
+                attempts,
+                ..
+            } => (
                 MARK_HANDLED,
-                vec![Value::Text(id), Value::Int64(*now), Value::Text(node)],
+                vec![
+                    Value::Text(id),
+                    Value::Int64(*now),
+                    Value::Text(node),
+                    Value::Int32(*attempts),
+                ],
             ),
         }
     }
@@ -811,12 +825,19 @@ async fn settle_rows(
 ) -> Result<(), Error> {
     let mut latest = i64::MIN;
     let mut owner = None;
-    let mut ids = Vec::with_capacity(run.len());
+    let mut ids = Vec::with_capacity(2 * run.len());
     for &at in run {
-        if let Write::Settle { id, node, now, .. } = &writes[at] {
+        if let Write::Settle {
+            id,
+            node,
+            now,
+            attempts,
+            ..
+        } = &writes[at]
+        {
             latest = latest.max(*now);
             owner = Some(node);
-            ids.push(Value::Text(id));
+            ids.extend([Value::Text(id), Value::Int32(*attempts)]);
         }
     }
     let Some(owner) = owner else { return Ok(()) };
@@ -987,6 +1008,7 @@ mod tests {
             id: "e".to_owned(),
             node: "n".into(),
             now: 0,
+            attempts: 1,
             cascaded,
         };
         assert!(settle(Vec::new()).only_ends_an_attempt());

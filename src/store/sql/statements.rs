@@ -12,6 +12,8 @@ pub(crate) struct Rows {
     fixed: usize,
     row: &'static str,
     width: usize,
+    /// Between two rows.
+    between: &'static str,
     tail: &'static str,
 }
 
@@ -24,12 +26,14 @@ impl Rows {
     /// The statement for `count` rows.
     pub(crate) fn text(&self, count: usize) -> String {
         let mut text = String::with_capacity(
-            self.head.len() + count * (self.row.len() + 2 * self.width + 2) + self.tail.len(),
+            self.head.len()
+                + count * (self.row.len() + 2 * self.width + self.between.len())
+                + self.tail.len(),
         );
         text.push_str(self.head);
         for n in 0..count {
             if n > 0 {
-                text.push_str(", ");
+                text.push_str(self.between);
             }
             let offset = self.fixed + n * self.width;
             let mut rest = self.row;
@@ -84,6 +88,7 @@ pub(crate) const RECEIVE_ROWS: Rows = Rows {
     fixed: 0,
     row: receive!(row),
     width: 12,
+    between: ", ",
     tail: " ON CONFLICT (id) DO NOTHING RETURNING id",
 };
 
@@ -130,27 +135,36 @@ pub(crate) const BEGIN_ATTEMPT_ROWS: Rows = Rows {
     fixed: 3,
     row: "$1",
     width: 1,
+    between: ", ",
     tail: ") RETURNING id",
 };
 
+// A retry's record and a settle are fenced on the attempt count too: the owner's runner of
+// attempt N writes over a row that counts no attempt after N. A node that paused past its
+// heartbeat lost the delivery to another node, which ran later attempts; if that node died in
+// turn and this one claimed the delivery back, the owner is this node again, and only the count
+// tells its stale runner from the state the other node recorded (what its handlers cascaded,
+// which succeeded). The bound is at least 1: a receive counts the first attempt before its
+// delivery starts, and one that never ran (an unknown type) settles over that count.
 pub(crate) const SCHEDULE_RETRY: &str = "UPDATE dacapo_inbox \
     SET status = 'scheduled', attempts = $2, execute_at = $3, failures = $4, succeeded = $5, \
     cascaded = $7 \
-    WHERE id = $1 AND status <> 'handled' AND owner = $6";
+    WHERE id = $1 AND status <> 'handled' AND owner = $6 AND attempts <= $8";
 
 /// Settles a delivery, handled or dead-lettered; only its owner does, and only once.
 pub(crate) const MARK_HANDLED: &str = "UPDATE dacapo_inbox \
     SET status = 'handled', handled_at = $2, owner = NULL \
-    WHERE id = $1 AND status <> 'handled' AND owner = $3";
+    WHERE id = $1 AND status <> 'handled' AND owner = $3 AND attempts <= $4";
 
-/// Many deliveries of one owner settled in one statement, at `$1`; the ids it answers are
-/// those it marked.
+/// Many deliveries of one owner settled in one statement, at `$1`, each fenced on its count
+/// of attempts; the ids it answers are those it marked.
 pub(crate) const MARK_HANDLED_ROWS: Rows = Rows {
     head: "UPDATE dacapo_inbox SET status = 'handled', handled_at = $1, owner = NULL \
-        WHERE status <> 'handled' AND owner = $2 AND id IN (",
+        WHERE status <> 'handled' AND owner = $2 AND (",
     fixed: 2,
-    row: "$1",
-    width: 1,
+    row: "(id = $1 AND attempts <= $2)",
+    width: 2,
+    between: " OR ",
     tail: ") RETURNING id",
 };
 
@@ -351,6 +365,7 @@ pub(crate) const ENLIST_ROWS: Rows = Rows {
     fixed: 0,
     row: enlist!(row),
     width: 10,
+    between: ", ",
     tail: "",
 };
 
@@ -445,7 +460,8 @@ mod tests {
         assert_eq!(
             MARK_HANDLED_ROWS.text(3),
             "UPDATE dacapo_inbox SET status = 'handled', handled_at = $1, owner = NULL \
-             WHERE status <> 'handled' AND owner = $2 AND id IN ($3, $4, $5) RETURNING id"
+             WHERE status <> 'handled' AND owner = $2 AND ((id = $3 AND attempts <= $4) \
+             OR (id = $5 AND attempts <= $6) OR (id = $7 AND attempts <= $8)) RETURNING id"
         );
         assert_eq!(
             BEGIN_ATTEMPT_ROWS.text(2),

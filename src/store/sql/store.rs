@@ -641,12 +641,18 @@ impl<D: Dialect> Inbox for SqlStore<D> {
         }
     }
 
-    async fn settle_handled(&self, id: Uuid, cascaded: &[Envelope]) -> Result<Handled, Error> {
+    async fn settle_handled(
+        &self,
+        id: Uuid,
+        attempts: u32,
+        cascaded: &[Envelope],
+    ) -> Result<Handled, Error> {
         self.held().await?;
         let write = Write::Settle {
             id: id_text(id),
             node: Arc::clone(&self.node),
             now: millis(self.now()),
+            attempts: attempts_bound(attempts),
             cascaded: cascaded
                 .iter()
                 .map(EnvelopeColumns::of)
@@ -673,6 +679,7 @@ impl<D: Dialect> Inbox for SqlStore<D> {
             Value::Text(&id),
             Value::Int64(millis(self.now())),
             Value::Text(&self.node),
+            Value::Int32(attempts_bound(letter.attempts)),
         ];
         if tx.execute(MARK_HANDLED, &mark).await? == 0 {
             tx.rollback().await?;
@@ -893,6 +900,12 @@ impl<D: Dialect> DurableInbox for SqlStore<D> {
         let http_keys = self.db.execute(DELETE_EXPIRED_HTTP_KEYS, &values).await?;
         Ok(keys + http_keys)
     }
+}
+
+/// The most attempts a settle of a runner that started `attempts` finds counted: at least the
+/// one a receive counts before the delivery starts.
+fn attempts_bound(attempts: u32) -> i32 {
+    i32::try_from(attempts.max(1)).unwrap_or(i32::MAX)
 }
 
 /// How many outbox rows one statement marks published: far below the parameters a statement
