@@ -554,3 +554,71 @@ impl RawPublisher for Server {
             .unwrap();
     }
 }
+
+/// A NATS server of this test's own that asks for a user and password, on a free port;
+/// stopped when dropped.
+struct GuardedServer {
+    child: std::process::Child,
+    port: u16,
+}
+
+impl GuardedServer {
+    async fn start() -> Self {
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port();
+        // Installed with the NATS service, which `.ci/run` starts.
+        let binary = if std::path::Path::new("/usr/sbin/nats-server").exists() {
+            "/usr/sbin/nats-server"
+        } else {
+            "nats-server"
+        };
+        let child = std::process::Command::new(binary)
+            .args(["-a", "127.0.0.1", "-p", &port.to_string()])
+            .args(["--user", "dacapo", "--pass", "right"])
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .expect("nats-server, installed with the NATS service, starts");
+        let server = Self { child, port };
+        tokio::time::timeout(WAIT, async {
+            while tokio::net::TcpStream::connect(("127.0.0.1", port))
+                .await
+                .is_err()
+            {
+                tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+            }
+        })
+        .await
+        .expect("the guarded NATS server listens");
+        server
+    }
+}
+
+impl Drop for GuardedServer {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// Credentials the server refuses stop listening with the reason, as RabbitMQ's do: no retry
+/// changes them. Before, the transport tried again for ever and `listening` never answered.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn refused_credentials_stop_listening_with_a_clear_error() {
+    let guarded = GuardedServer::start().await;
+    let server = Server::new().await;
+    let store = TestStore::sqlite().await;
+    let seen = Seen::default();
+    let wrong = format!("nats://dacapo:wrong@127.0.0.1:{}", guarded.port);
+    let runtime = store.runtime(module(&seen, "a"), server.transport(&wrong));
+    let error = tokio::time::timeout(WAIT, runtime.listening())
+        .await
+        .expect("answers within the wait")
+        .unwrap_err();
+    assert!(!error.is_retryable(), "{error}");
+    assert!(error.to_string().contains("refused"), "{error}");
+    runtime.shutdown().await;
+}

@@ -498,3 +498,27 @@ async fn a_handler_sends_a_type_only_the_queue_carries() {
     assert!(sender.shutdown().await.is_clean());
     assert!(consumer.shutdown().await.is_clean());
 }
+
+/// A queue whose database does not exist stops listening with the reason: no retry creates
+/// it. Before, the transport tried again for ever and `listening` never answered.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_queue_in_a_database_that_does_not_exist_stops_listening_with_a_clear_error() {
+    let store = TestStore::sqlite().await;
+    let admin = admin_url();
+    let (server, _) = admin.rsplit_once('/').expect("a database in the admin URL");
+    let missing = format!("{server}/{}", unique("dacapo_missing_"));
+    let seen = Seen::default();
+    let runtime = store.runtime(
+        module(&seen, "a"),
+        PostgresQueue::connect(&missing, "pings")
+            .unwrap()
+            .route::<Ping>(),
+    );
+    let error = tokio::time::timeout(WAIT, runtime.listening())
+        .await
+        .expect("answers within the wait")
+        .unwrap_err();
+    assert!(!error.is_retryable(), "{error}");
+    assert!(error.to_string().contains("refused"), "{error}");
+    runtime.shutdown().await;
+}

@@ -232,7 +232,15 @@ fn consumer_name(service: &str, message_type: &str) -> String {
 async fn connect(settings: &Settings) -> Result<jetstream::Context, Error> {
     let client = async_nats::connect(settings.url.as_str())
         .await
-        .map_err(failed)?;
+        .map_err(|error| match error.kind() {
+            // No retry changes refused credentials: a consumer that never listened stops
+            // with the reason instead of trying again for ever.
+            async_nats::ConnectErrorKind::AuthorizationViolation
+            | async_nats::ConnectErrorKind::Authentication => {
+                Error::Configuration(format!("the NATS server refused the connection: {error}"))
+            }
+            _ => failed(error),
+        })?;
     Ok(jetstream::new(client))
 }
 

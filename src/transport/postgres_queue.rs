@@ -215,6 +215,22 @@ fn failed(error: impl Into<Box<dyn std::error::Error + Send + Sync>>) -> Error {
     Error::transport(NAME, error)
 }
 
+/// What the server said, as a configuration error when no retry can change it — credentials
+/// or privileges refused, a database that does not exist — so that a consumer that never
+/// listened stops with the reason instead of trying again for ever.
+fn refused(error: sqlx::Error) -> Error {
+    let code = error
+        .as_database_error()
+        .and_then(|database| database.code())
+        .unwrap_or_default();
+    // 28: invalid authorization; 3D000: no such database; 42501: insufficient privilege.
+    if code.starts_with("28") || code == "3D000" || code == "42501" {
+        Error::Configuration(format!("the PostgreSQL queue's server refused: {error}"))
+    } else {
+        failed(error)
+    }
+}
+
 const DECLARE: [&str; 3] = [
     "SELECT pg_advisory_xact_lock(7215143920911462)",
     "CREATE TABLE IF NOT EXISTS dacapo_queue (\
@@ -250,19 +266,19 @@ const DELETE: &str = "DELETE FROM dacapo_queue WHERE seq = ANY($1)";
 /// Creates the queue's table, or checks it is there.
 async fn declare(pool: &PgPool, create: bool) -> Result<(), Error> {
     if create {
-        let mut tx = pool.begin().await.map_err(failed)?;
+        let mut tx = pool.begin().await.map_err(refused)?;
         for statement in DECLARE {
             sqlx::query(statement)
                 .execute(&mut *tx)
                 .await
-                .map_err(failed)?;
+                .map_err(refused)?;
         }
         return tx.commit().await.map_err(failed);
     }
     let present: bool = sqlx::query(CHECK)
         .fetch_one(pool)
         .await
-        .map_err(failed)?
+        .map_err(refused)?
         .get("present");
     if present {
         Ok(())
@@ -364,7 +380,9 @@ impl Subscribe for Subscriber {
     async fn subscribe(&mut self) -> Result<(), Error> {
         self.taken = None;
         declare(&self.pool, self.declare).await?;
-        let mut listener = PgListener::connect_with(&self.pool).await.map_err(failed)?;
+        let mut listener = PgListener::connect_with(&self.pool)
+            .await
+            .map_err(refused)?;
         listener.listen(CHANNEL).await.map_err(failed)?;
         self.notifications = Some(listener);
         Ok(())
