@@ -522,3 +522,55 @@ async fn a_queue_in_a_database_that_does_not_exist_stops_listening_with_a_clear_
     assert!(error.to_string().contains("refused"), "{error}");
     runtime.shutdown().await;
 }
+
+/// Rows in the queue table of the database at `url`; none while it does not exist.
+async fn rows_if_any(url: &str) -> i64 {
+    let pool = dacapo::sqlx::PgPool::connect(url).await.unwrap();
+    let (present,): (bool,) =
+        dacapo::sqlx::query_as("SELECT to_regclass('dacapo_queue') IS NOT NULL")
+            .fetch_one(&pool)
+            .await
+            .unwrap();
+    let count = if present { rows_left(url).await } else { 0 };
+    pool.close().await;
+    count
+}
+
+/// Waits until the queue table of the database at `url` holds `count` rows.
+async fn until_rows(url: &str, count: i64) {
+    tokio::time::timeout(WAIT, async {
+        while rows_if_any(url).await != count {
+            tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+        }
+    })
+    .await
+    .unwrap_or_else(|_| panic!("{count} rows in the queue within the wait"));
+}
+
+/// A node that only publishes declares the queue's table again when it finds it gone
+/// (dropped by an operator, a restore). Before, it failed every publication for ever: only a
+/// consumer declared it again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_publisher_declares_the_table_again_when_it_is_gone() {
+    let queue_database = TestStore::postgres().await;
+    let store = TestStore::sqlite().await;
+    let publisher = store.runtime(
+        Module::new("publishes only"),
+        queue_on(&queue_database, "pings"),
+    );
+    publisher.publish(&Ping { n: 1 }).await.unwrap();
+    until_rows(queue_database.url(), 1).await;
+
+    let pool = dacapo::sqlx::PgPool::connect(queue_database.url())
+        .await
+        .unwrap();
+    dacapo::sqlx::query("DROP TABLE dacapo_queue")
+        .execute(&pool)
+        .await
+        .unwrap();
+    pool.close().await;
+    publisher.publish(&Ping { n: 2 }).await.unwrap();
+
+    until_rows(queue_database.url(), 1).await;
+    assert!(publisher.shutdown().await.is_clean());
+}

@@ -326,7 +326,7 @@ impl Publish for Publisher {
                 continue;
             }
             let queue = self.routes.destination(&envelope.message_type, &self.home);
-            sqlx::query(ENQUEUE)
+            let enqueued = sqlx::query(ENQUEUE)
                 .bind(&columns.id)
                 .bind(&columns.message_type)
                 .bind(&columns.payload)
@@ -339,8 +339,20 @@ impl Publish for Publisher {
                 .bind(queue)
                 .bind(now)
                 .execute(&mut *tx)
-                .await
-                .map_err(failed)?;
+                .await;
+            if let Err(error) = enqueued {
+                // The table may have gone (dropped by an operator, a restore): declared again
+                // before the next publication, which a node that only publishes would
+                // otherwise never do.
+                if error
+                    .as_database_error()
+                    .and_then(|database| database.code())
+                    .is_some_and(|code| code == "42P01")
+                {
+                    self.declared = false;
+                }
+                return Err(failed(error));
+            }
             if !queues.contains(&queue) {
                 queues.push(queue);
             }
