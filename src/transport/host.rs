@@ -606,7 +606,6 @@ impl Consumer {
                     };
                 }
             };
-            brought = true;
 
             // Cut short by a shutdown, nothing of the batch is acknowledged: the broker
             // redelivers it, and the inbox discards what was recorded.
@@ -675,6 +674,11 @@ impl Consumer {
                     worked: worked(brought),
                 };
             }
+            // Worked only once the broker took an acknowledgement: a subscription whose every
+            // acknowledgement fails (a queue's table this role may read but not delete from)
+            // backs off like one that fails at once, instead of taking the same batch again
+            // ten times a second.
+            brought = true;
         }
     }
 
@@ -1049,6 +1053,70 @@ mod tests {
         .expect("the consumer stops while it pauses");
         runtime.shutdown().await;
         made
+    }
+
+    /// Brings the same envelope on every subscription, and fails every acknowledgement;
+    /// tells when it was subscribed each time.
+    struct NeverAcknowledged {
+        subscribed: Arc<std::sync::Mutex<Vec<std::time::Instant>>>,
+        envelope: Envelope,
+    }
+
+    #[async_trait]
+    impl Subscribe for NeverAcknowledged {
+        async fn subscribe(&mut self) -> Result<(), Error> {
+            self.subscribed
+                .lock()
+                .unwrap()
+                .push(std::time::Instant::now());
+            Ok(())
+        }
+        async fn next(&mut self) -> Result<Vec<Received>, Error> {
+            Ok(vec![Ok(self.envelope.clone())])
+        }
+        async fn ack(&mut self) -> Result<(), Error> {
+            Err(Error::transport(
+                "never",
+                "permission denied to delete the taken rows",
+            ))
+        }
+        async fn release(&mut self) {}
+    }
+
+    /// It brought a batch, but the broker took no acknowledgement: not a subscription that
+    /// worked, whose pause starts again at 0.1 s, ten subscriptions a second for ever. On real
+    /// time: the engine answers from its own thread, across which a paused clock would jump.
+    #[tokio::test]
+    async fn a_subscription_whose_acknowledgements_all_fail_backs_off() {
+        let runtime = crate::Runtime::builder().build().unwrap();
+        let subscribed = Arc::new(std::sync::Mutex::new(Vec::new()));
+        let (stop, stopping) = watch::channel(false);
+        let (state, _) = watch::channel(TransportState::Connecting { last_error: None });
+        let never = NeverAcknowledged {
+            subscribed: Arc::clone(&subscribed),
+            envelope: Envelope::new("tests.unhandled", b"{}".to_vec()),
+        };
+        let consumer = consumer(&runtime, never, stopping, state);
+        let watching = async {
+            while subscribed.lock().unwrap().len() < 4 {
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+            stop.send(true).unwrap();
+        };
+        tokio::time::timeout(
+            Duration::from_secs(30),
+            futures::future::join(consumer.run(), watching),
+        )
+        .await
+        .expect("four subscriptions, then a stop");
+        runtime.shutdown().await;
+        let at = subscribed.lock().unwrap().clone();
+        // Pauses of 0.1, 0.2 and 0.4 s between them.
+        let third = at[3] - at[2];
+        assert!(
+            third >= Duration::from_millis(400),
+            "the third pause was {third:?}"
+        );
     }
 
     /// Subscribes, then loses its subscription, then is refused `refusals` times as a
