@@ -23,6 +23,17 @@ pub(crate) struct Capacity {
     resumed: Notify,
 }
 
+/// Who looks for a slot.
+#[derive(Clone, Copy, Debug)]
+enum Looker {
+    /// Not waiting.
+    Newcomer,
+    /// A waiter, not woken yet.
+    FirstLook,
+    /// A waiter that was woken.
+    Woken,
+}
+
 /// One slot; freed when dropped.
 #[derive(Debug)]
 pub(crate) struct Slot {
@@ -67,10 +78,16 @@ impl Capacity {
     /// Takes a slot if the bound allows it now. One that has not been woken yet (a newcomer,
     /// or a waiter on its first look) lets those already waiting go first, until enough slots
     /// are free for them to be woken.
-    fn try_take(&self, woken: bool) -> bool {
+    fn try_take(&self, looker: Looker) -> bool {
         let mut current = self.in_flight.load(Ordering::Acquire);
         loop {
-            let yields = !woken && self.waiting.load(Ordering::Acquire) > 0;
+            let waiting = self.waiting.load(Ordering::Acquire);
+            let yields = match looker {
+                Looker::Newcomer => waiting > 0,
+                // Counted among them already: alone, it lets nobody go first.
+                Looker::FirstLook => waiting > 1,
+                Looker::Woken => false,
+            };
             let free = self.max.saturating_sub(current);
             let allowed = free > 0 && (!yields || free >= self.resume_after());
             if !allowed {
@@ -111,7 +128,7 @@ impl Capacity {
     /// Takes up to `count` slots that are free now, without waiting.
     pub(crate) fn take_free(self: &Arc<Self>, count: usize) -> Vec<Slot> {
         let mut slots = Vec::new();
-        while slots.len() < count && self.try_take(false) {
+        while slots.len() < count && self.try_take(Looker::Newcomer) {
             slots.push(self.slot());
         }
         slots
@@ -119,7 +136,7 @@ impl Capacity {
 
     /// A slot if one is free now.
     pub(crate) fn try_acquire(self: &Arc<Self>) -> Option<Slot> {
-        self.try_take(false).then(|| self.slot())
+        self.try_take(Looker::Newcomer).then(|| self.slot())
     }
 
     /// Takes a slot, waiting while the engine is full.
@@ -128,21 +145,21 @@ impl Capacity {
     ///
     /// Cancel safe: a cancelled wait takes no slot.
     pub(crate) async fn acquire(self: &Arc<Self>) -> Slot {
-        if self.try_take(false) {
+        if self.try_take(Looker::Newcomer) {
             return self.slot();
         }
         let _waiting = Waiting::new(&self.waiting);
-        let mut woken = false;
+        let mut looker = Looker::FirstLook;
         loop {
             let resumed = self.resumed.notified();
             tokio::pin!(resumed);
             resumed.as_mut().enable();
             // Registered before this check, so a release in between is not missed.
-            if self.try_take(woken) {
+            if self.try_take(looker) {
                 return self.slot();
             }
             resumed.await;
-            woken = true;
+            looker = Looker::Woken;
         }
     }
 }
@@ -247,6 +264,29 @@ mod tests {
             slot.park();
         }
         assert!(gets_a_slot(&mut waiter).await);
+    }
+
+    #[test]
+    fn a_waiter_on_its_first_look_yields_to_the_others_only() {
+        let capacity = Capacity::new(8);
+        let _held = capacity.take_free(7);
+        // One slot free, fewer than the two a wake needs.
+        let _me = Waiting::new(&capacity.waiting);
+        assert!(
+            !capacity.try_take(Looker::Newcomer),
+            "a newcomer yields to the waiter"
+        );
+        assert!(
+            capacity.try_take(Looker::FirstLook),
+            "the waiter alone takes the slot freed before it was counted"
+        );
+        let _other = Waiting::new(&capacity.waiting);
+        capacity.in_flight.fetch_sub(1, Ordering::AcqRel);
+        assert!(
+            !capacity.try_take(Looker::FirstLook),
+            "one of two waiters lets the other, woken, go first"
+        );
+        assert!(capacity.try_take(Looker::Woken));
     }
 
     #[test]
