@@ -999,3 +999,83 @@ async fn a_relay_that_waited_for_room_past_its_lease_reads_its_rows_again() {
     );
     runtime.shutdown().await;
 }
+
+/// The wall clock, moved by hand.
+#[derive(Clone)]
+struct ManualClock(Arc<std::sync::Mutex<chrono::DateTime<chrono::Utc>>>);
+
+impl dacapo::ports::Clock for ManualClock {
+    fn now(&self) -> chrono::DateTime<chrono::Utc> {
+        *self.0.lock().unwrap()
+    }
+}
+
+/// Says it started, then holds the engine's one slot until the gate opens.
+struct HoldsTheSlot {
+    started: Arc<tokio::sync::Notify>,
+    gate: Arc<tokio::sync::Semaphore>,
+}
+
+impl Handler<MemberRemoved> for HoldsTheSlot {
+    async fn handle(&self, _: &MemberRemoved, _: &MessageContext) -> Result<(), HandlerError> {
+        self.started.notify_one();
+        self.gate.acquire().await?.forget();
+        Ok(())
+    }
+}
+
+/// A relay whose lease ran out while it waited for room takes the lease again and publishes
+/// the row it waited with, still unpublished, in the same round. Before, it gave its room up
+/// and left the row to the next round, and an engine that stays full for longer than a lease
+/// kept the outbox waiting as long. The relay polls once an hour here: only this round can
+/// publish the row within the wait.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_relay_whose_lease_ran_out_while_it_waited_for_room_publishes_its_row() {
+    let clock = ManualClock(Arc::new(std::sync::Mutex::new(chrono::Utc::now())));
+    let db = dacapo::testing::ScratchDatabase::sqlite();
+    let store = db.sqlite_store().await.unwrap();
+    let (started, gate) = (
+        Arc::new(tokio::sync::Notify::new()),
+        Arc::new(tokio::sync::Semaphore::new(0)),
+    );
+    let hooks = Recorder::<support::WebhookQueued>::new();
+    let runtime = Runtime::builder()
+        .store(store.clone())
+        .clock(Arc::new(clock.clone()))
+        .max_in_flight(1)
+        .relay_interval(Duration::from_secs(3600))
+        .module(
+            Module::new("m")
+                .handle_named::<MemberRemoved, _>(
+                    "holds",
+                    HoldsTheSlot {
+                        started: Arc::clone(&started),
+                        gate: Arc::clone(&gate),
+                    },
+                )
+                .handle_named::<support::WebhookQueued, _>("hooks", hooks.clone()),
+        )
+        .build()
+        .unwrap();
+    runtime.publish(&removed(1)).await.unwrap();
+    tokio::time::timeout(WAIT, started.notified())
+        .await
+        .expect("the slot is held");
+    let mut tx = store.pool().begin_with("BEGIN IMMEDIATE").await.unwrap();
+    let hook = support::WebhookQueued {
+        delivery_id: "waited for room".into(),
+    };
+    runtime.outbox().enlist(&mut tx, &hook).await.unwrap();
+    // Wakes the relay, which reads the row and waits for room. (Were it slower than this, the
+    // test would show nothing, and pass.)
+    runtime.outbox().commit(tx).await.unwrap();
+    tokio::time::sleep(Duration::from_millis(300)).await;
+
+    // Its lease of ten polls runs out while it waits.
+    *clock.0.lock().unwrap() += chrono::Duration::hours(11);
+    gate.add_permits(1);
+
+    until(|| hooks.count() == 1).await;
+    tokio::time::timeout(WAIT, runtime.idle()).await.unwrap();
+    runtime.shutdown().await;
+}

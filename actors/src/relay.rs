@@ -305,12 +305,40 @@ impl RelayActor {
                         if busy.is_none() {
                             busy = Some(dispatcher.shared.timers.busy());
                         }
+                        // A lease that ran out while the engine had no room is taken again,
+                        // and this row published only if no other node published it meanwhile;
+                        // the rest of the batch is read again on the next round. Not dropped
+                        // with its room: an engine full for longer than a lease would otherwise
+                        // keep every row of the outbox waiting.
+                        let mut last_of_round = false;
                         if lease.left().is_zero() {
-                            tracing::debug!(
-                                "the outbox lease ran out while the engine had no room; the rest is read again on the next round"
-                            );
-                            sent_all = false;
-                            break;
+                            match lease.take().await {
+                                Ok(true) => {}
+                                Ok(false) => {
+                                    lost = true;
+                                    sent_all = false;
+                                    break;
+                                }
+                                Err(error) => {
+                                    tracing::warn!(%error, "renewing the outbox lease failed; retrying on the next round");
+                                    sent_all = false;
+                                    break;
+                                }
+                            }
+                            match outbox.unpublished(position.saturating_sub(1), 1).await {
+                                Ok(next) if next.first().is_some_and(|(at, _)| *at == position) => {
+                                    last_of_round = true;
+                                }
+                                Ok(_) => {
+                                    sent_all = false;
+                                    break;
+                                }
+                                Err(error) => {
+                                    tracing::warn!(%error, "reading the outbox failed; retrying on the next round");
+                                    sent_all = false;
+                                    break;
+                                }
+                            }
                         }
                         // Renewed once half of it has passed, checked before each publication:
                         // a long round keeps the lease, a relay paused past it learns it lost
@@ -341,6 +369,10 @@ impl RelayActor {
                             break;
                         }
                         positions.push(position);
+                        if last_of_round {
+                            sent_all = false;
+                            break;
+                        }
                     }
                     positions.sort_unstable();
                     (positions, sent_all)
