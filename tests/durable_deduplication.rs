@@ -560,3 +560,123 @@ async fn the_reaper_leaves_a_claim_taken_over_while_it_waited() {
         "the new claim is kept"
     );
 }
+
+/// Counts its calls; the first waits for the gate, having said it started.
+#[derive(Clone)]
+struct FirstHeldOpen {
+    calls: std::sync::Arc<std::sync::atomic::AtomicUsize>,
+    started: std::sync::Arc<tokio::sync::Notify>,
+    gate: std::sync::Arc<tokio::sync::Semaphore>,
+}
+
+impl Handler<MemberRemoved> for FirstHeldOpen {
+    async fn handle(&self, _: &MemberRemoved, _: &MessageContext) -> Result<(), HandlerError> {
+        let call = self.calls.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+        if call == 0 {
+            self.started.notify_one();
+            self.gate.acquire().await?.forget();
+        }
+        Ok(())
+    }
+}
+
+/// Claims kept in a store that no recovery heartbeats (each node's inbox is a SQLite file of
+/// its own; the claims are shared on PostgreSQL) are heartbeaten by the runtime: a node that
+/// receives an envelope another still runs finds its claim held. Before, no node was alive to
+/// the claims' store, and the second took the claim over and ran the handler beside the first.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_claim_in_a_shared_store_is_not_taken_over_from_a_node_still_running_it() {
+    use dacapo::ports::Claims;
+    let shared = support_stores::TestDatabase::new(support_stores::Backend::Postgres).await;
+    let (a_inbox, b_inbox) = (
+        support_stores::TestDatabase::new(support_stores::Backend::Sqlite).await,
+        support_stores::TestDatabase::new(support_stores::Backend::Sqlite).await,
+    );
+    let handler = FirstHeldOpen {
+        calls: Default::default(),
+        started: Default::default(),
+        gate: std::sync::Arc::new(tokio::sync::Semaphore::new(0)),
+    };
+    let node = |inbox: dacapo::store::SqliteStore, claims: dacapo::store::PostgresStore| {
+        Runtime::builder()
+            .store(inbox)
+            .claims(std::sync::Arc::new(claims) as std::sync::Arc<dyn Claims>)
+            .enable_deduplication()
+            .retry_policy(RetryPolicy {
+                min_retry_interval: Duration::from_millis(50),
+                ..RetryPolicy::default()
+            })
+            .module(deduplicated_by(&handler))
+            .build()
+            .unwrap()
+    };
+    let a = node(
+        a_inbox.sqlite().await,
+        shared.postgres().await.node_id("node-a"),
+    );
+    tokio::time::timeout(WAIT, async {
+        while !heartbeaten(&shared, "node-a").await {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    })
+    .await
+    .expect("node a heartbeats the claims' store");
+    let b = node(
+        b_inbox.sqlite().await,
+        shared.postgres().await.node_id("node-b"),
+    );
+    let mut envelope = Envelope::for_message(&member_removed()).unwrap();
+    envelope.deduplication_id = Some("revoke|member-7".into());
+
+    a.receive(envelope.clone()).await.unwrap();
+    tokio::time::timeout(WAIT, handler.started.notified())
+        .await
+        .expect("node a runs the handler");
+    // The broker delivers it to node b too (a redelivery after its ack wait, say). Its
+    // attempt either finds the claim held, fails and waits for a retry, or takes the claim
+    // over and runs the handler beside node a's.
+    b.receive(envelope).await.unwrap();
+    tokio::time::timeout(WAIT, async {
+        while b.stats().retried == 0 && handler.calls.load(std::sync::atomic::Ordering::SeqCst) < 2
+        {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    })
+    .await
+    .expect("node b's attempt ran");
+    handler.gate.add_permits(1);
+    tokio::time::timeout(WAIT, async {
+        a.idle().await;
+        b.idle().await;
+    })
+    .await
+    .expect("both settle");
+
+    assert_eq!(
+        handler.calls.load(std::sync::atomic::Ordering::SeqCst),
+        1,
+        "one effect of one intent"
+    );
+    a.shutdown().await;
+    b.shutdown().await;
+}
+
+fn deduplicated_by(handler: &FirstHeldOpen) -> Module {
+    Module::new("workspaces")
+        .handle_named::<MemberRemoved, _>("revoke", handler.clone())
+        .deduplicate("revoke", Deduplication::from_envelope())
+}
+
+/// Whether `node` has a heartbeat in the database of `db`.
+async fn heartbeaten(db: &support_stores::TestDatabase, node: &str) -> bool {
+    let pool = dacapo::sqlx::PgPool::connect(&db.url).await.unwrap();
+    let present = dacapo::sqlx::query("SELECT 1 FROM dacapo_nodes WHERE id = $1")
+        .bind(node)
+        .fetch_optional(&pool)
+        .await
+        .ok()
+        .flatten()
+        .is_some();
+    pool.close().await;
+    present
+}

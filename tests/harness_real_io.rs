@@ -255,6 +255,51 @@ async fn an_advance_past_a_cleanup_round_returns_with_its_deletes_made() {
     harness.shutdown().await;
 }
 
+/// The cleanup forgets nodes silent for a day: killed nodes under random names (the default)
+/// piled up in `dacapo_nodes` for good, read by every claim. A node with no row is as stopped
+/// as one whose heartbeat expired.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_cleanup_forgets_nodes_silent_for_a_day() {
+    use dacapo::testing::ScratchDatabase;
+
+    let scratch = ScratchDatabase::sqlite();
+    let store = scratch.sqlite_store().await.unwrap();
+    let harness = TestHarness::builder()
+        .store(store.clone())
+        .module(Module::new("m").handle_named::<MemberRemoved, _>("h", Counter::default()))
+        .configure(|runtime| runtime.cleanup_interval(Duration::from_secs(7)))
+        .build()
+        .unwrap();
+    // Its first recovery round heartbeats, which creates the table.
+    harness.advance(Duration::from_secs(1)).await.unwrap();
+    let pool = store.pool().clone();
+    for (node, heartbeat_at) in [("killed long ago", 0_i64), ("beats later", i64::MAX)] {
+        dacapo::sqlx::query("INSERT INTO dacapo_nodes (id, heartbeat_at) VALUES ($1, $2)")
+            .bind(node)
+            .bind(heartbeat_at)
+            .execute(&pool)
+            .await
+            .unwrap();
+    }
+
+    harness.advance(Duration::from_secs(7)).await.unwrap();
+
+    let nodes: Vec<String> = dacapo::sqlx::query_scalar("SELECT id FROM dacapo_nodes ORDER BY id")
+        .fetch_all(&pool)
+        .await
+        .unwrap();
+    assert!(
+        !nodes.iter().any(|node| node == "killed long ago"),
+        "{nodes:?}"
+    );
+    assert!(nodes.iter().any(|node| node == "beats later"), "{nodes:?}");
+    assert!(
+        nodes.iter().any(|node| node == store.node()),
+        "the live node stays: {nodes:?}"
+    );
+    harness.shutdown().await;
+}
+
 /// `advance`'s bound is each wait's, not the span's: an hour of background rounds on a real
 /// store (the relay polls every 200 ms) takes longer in real time than the settle timeout
 /// allows a stuck wait, and is not cut short.

@@ -523,8 +523,8 @@ impl Handler<support::MemberRemoved> for HoldsTheTurn {
 
 /// A heartbeat is stamped once its write has SQLite's turn, not before it waited behind a
 /// handler transaction: stamped before, it said the node was last alive when it began to wait,
-/// and other nodes could take a working node for dead. Nor does a beat stamped earlier
-/// move the node's heartbeat back.
+/// and other nodes could take a working node for dead. Nor does a beat stamped a little
+/// earlier move the node's heartbeat back, while a clock stepped back does.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_heartbeat_is_stamped_when_it_writes_and_never_moves_back_sqlite() {
     let start = chrono::Utc::now();
@@ -582,12 +582,20 @@ async fn a_heartbeat_is_stamped_when_it_writes_and_never_moves_back_sqlite() {
         "stamped when it wrote"
     );
 
-    *clock.0.lock().unwrap() = start + chrono::Duration::seconds(5);
+    // Two beats committed out of order: by less than a beat's interval (10 s of a node
+    // timeout of 30 s).
+    *clock.0.lock().unwrap() = later - chrono::Duration::seconds(5);
     store.heartbeat().await.unwrap();
     assert!(
         stamped().await >= later.timestamp_millis(),
-        "an earlier stamp does not move it back"
+        "a beat stamped a little earlier does not move it back"
     );
+    // A clock stepped back a minute: the stamp follows it, or the node would stay alive to
+    // the others for a minute after it stopped.
+    let stepped_back = later - chrono::Duration::seconds(60);
+    *clock.0.lock().unwrap() = stepped_back;
+    store.heartbeat().await.unwrap();
+    assert_eq!(stamped().await, stepped_back.timestamp_millis());
     tokio::time::timeout(WAIT, runtime.idle()).await.unwrap();
     runtime.shutdown().await;
 }

@@ -63,6 +63,7 @@ impl CleanupActor {
             earlier(now, self.keep_after_handling),
             earlier(now, self.key_retention),
         );
+        let nodes_before = nodes_silent_since(now, Some(inbox.node_timeout()));
         let batch = self.batch;
         let round = async move {
             let (removed, error) = delete_in_batches(batch, |limit| {
@@ -85,6 +86,15 @@ impl CleanupActor {
             if removed > 0 {
                 tracing::info!(removed, "removed idempotency keys past their retention");
             }
+            match inbox.forget_nodes_before(nodes_before).await {
+                Ok(0) => {}
+                Ok(forgotten) => {
+                    tracing::info!(forgotten, "forgot nodes silent for a day");
+                }
+                Err(error) => {
+                    tracing::warn!(%error, "forgetting silent nodes failed; retrying on the next round");
+                }
+            }
         };
         // The round holds a virtual clock until it is done: an `advance` past its tick returns
         // with the round's deletes made, and the next tick finds it finished.
@@ -94,6 +104,22 @@ impl CleanupActor {
             drop(busy);
         }));
     }
+}
+
+/// How long a node stays known after its last heartbeat.
+const NODES_FORGOTTEN_AFTER: Duration = Duration::from_secs(24 * 3600);
+
+/// Before when a node's last heartbeat makes it forgotten: a day, or twice `node_timeout` if
+/// that is longer — long past any node timeout, such a node is stopped whether its row is
+/// there or not.
+pub(crate) fn nodes_silent_since(
+    now: chrono::DateTime<chrono::Utc>,
+    node_timeout: Option<Duration>,
+) -> chrono::DateTime<chrono::Utc> {
+    let after = node_timeout.map_or(NODES_FORGOTTEN_AFTER, |timeout| {
+        NODES_FORGOTTEN_AFTER.max(timeout.saturating_mul(2))
+    });
+    earlier(now, after)
 }
 
 /// `ago` before `now`, saturating at the calendar's start.

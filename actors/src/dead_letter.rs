@@ -68,7 +68,8 @@ pub struct DeadLetter {
     pub envelope: Envelope,
     /// Why it was dead-lettered.
     pub reason: DeadLetterReason,
-    /// The aggregate error of every failed attempt, oldest first (empty for bad input).
+    /// The aggregate error of each failed attempt (the first and the latest 99), oldest first
+    /// (empty for bad input).
     pub failures: Vec<AggregateError>,
     /// How many attempts ran.
     pub attempts: u32,

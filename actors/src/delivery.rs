@@ -332,6 +332,11 @@ impl Delivery {
         self.first_failure_at.get_or_insert(now);
         let decision = (rules.policy)(&failure).decide(failure.attempt, &failure);
         self.failures.push(failure);
+        if self.failures.len() > FAILURES_KEPT {
+            // The first stays: a resumed delivery reads when it first failed from it.
+            let dropped = self.failures.len() - FAILURES_KEPT;
+            self.failures.drain(1..=dropped);
+        }
         match decision {
             RetryDecision::RetryIn(delay) => {
                 let due_at = chrono::Duration::from_std(delay)
@@ -393,6 +398,11 @@ impl Delivery {
         Effect::Finish(outcome)
     }
 }
+
+/// How many attempts' failures a delivery keeps, the first and the latest: each retry's
+/// record writes them all, and a policy that retries without end (`retry_limit: u32::MAX`) would otherwise make
+/// every write longer than the one before, for as long as the message keeps failing.
+pub(crate) const FAILURES_KEPT: usize = 100;
 
 #[cfg(test)]
 mod tests {
@@ -527,6 +537,35 @@ mod tests {
             Some(Effect::RecordRetry { due_at }),
             "the second pause is 6 s"
         );
+    }
+
+    #[test]
+    fn a_delivery_retried_without_end_keeps_its_first_and_latest_failures_only() {
+        let mut d = Driver::fresh();
+        d.policy = RetryPolicy {
+            retry_limit: u32::MAX,
+            ..RetryPolicy::default()
+        };
+        d.step(Event::Started(Start::Now));
+        for attempt in 1..=150u32 {
+            assert!(matches!(
+                d.ended(vec![(0, failure("a", FailureKind::Error))]),
+                Some(Effect::RecordRetry { .. })
+            ));
+            d.step(Event::RetryRecorded(Ok(Fenced::Written)));
+            d.step(Event::Due);
+            assert_eq!(
+                d.step(Event::AttemptRecorded(Ok(Fenced::Written))),
+                Some(Effect::RunHandlers {
+                    attempt: attempt + 1
+                })
+            );
+        }
+        let failures = &d.delivery.failures;
+        assert_eq!(failures.len(), FAILURES_KEPT);
+        let attempts: Vec<u32> = failures.iter().map(|f| f.attempt).collect();
+        assert_eq!(attempts[..2], [1, 52], "the first, then the latest");
+        assert_eq!(attempts.last(), Some(&150));
     }
 
     #[test]

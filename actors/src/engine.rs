@@ -258,6 +258,11 @@ impl Engine {
                             config.deduplication_reap_interval,
                             config.deduplication_reap_batch,
                             config.timers.clone(),
+                            // Recovery beats the runtime's durable store; claims anywhere else
+                            // need beats of their own.
+                            !(parts.claims_in_store
+                                && config.durability.is_some()
+                                && parts.durable.is_some()),
                         )
                         .start();
                     } else {

@@ -46,7 +46,7 @@ pub struct Resumable {
     pub envelope: Envelope,
     /// When its next attempt is due (`None`: now).
     pub due_at: Option<DateTime<Utc>>,
-    /// The aggregate error of every failed attempt so far.
+    /// The aggregate error of each failed attempt so far (the first and the latest 99).
     pub failures: Vec<AggregateError>,
     /// The handlers that already succeeded (`module/name`), which
     /// [`RetryScope::FailedHandlers`](crate::RetryScope::FailedHandlers) does not run again.
@@ -409,6 +409,19 @@ pub trait DurableInbox: Inbox {
         limit: usize,
     ) -> Result<u64, Error>;
 
+    /// Forgets the nodes whose last heartbeat came before `before`: to whoever asks, a node
+    /// with no heartbeat is as stopped as one whose heartbeat expired, and nodes named at
+    /// random (the default), killed rather than shut down, would otherwise pile up for good.
+    /// Returns how many it forgot; the default forgets none.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Store`] when the store cannot answer.
+    async fn forget_nodes_before(&self, before: DateTime<Utc>) -> Result<u64, Error> {
+        let _ = before;
+        Ok(0)
+    }
+
     /// Deletes at most `limit` idempotency keys recorded before `before` (see
     /// `dacapo::idempotency`); returns how many.
     ///
@@ -614,6 +627,36 @@ pub trait Claims: Send + Sync + 'static {
     /// [`Error::Store`] when the store cannot answer.
     async fn reap(&self, now: DateTime<Utc>, limit: usize) -> Result<u64, Error> {
         let _ = (now, limit);
+        Ok(0)
+    }
+
+    /// How often [`keep_alive`](Claims::keep_alive) must be called, for a store that takes over
+    /// the uncompleted claims of a node whose heartbeat expired; `None` (the default) for one
+    /// that takes none over so.
+    fn keep_alive_interval(&self) -> Option<std::time::Duration> {
+        None
+    }
+
+    /// Tells the store that this node lives, so that its running claims are not taken over.
+    /// The runtime calls it every [`keep_alive_interval`](Claims::keep_alive_interval) unless its
+    /// recovery already beats the same store.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Store`] when it cannot be recorded.
+    async fn keep_alive(&self) -> Result<(), Error> {
+        Ok(())
+    }
+
+    /// Forgets the nodes whose last heartbeat came before `before`, as
+    /// [`DurableInbox::forget_nodes_before`] does, for a store the runtime heartbeats as the
+    /// claims' only. Returns how many it forgot; the default forgets none.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Store`] when the store cannot answer.
+    async fn forget_silent_nodes(&self, before: DateTime<Utc>) -> Result<u64, Error> {
+        let _ = before;
         Ok(0)
     }
 }

@@ -47,7 +47,7 @@ pub struct DeliveryReport {
     pub outcome: Outcome,
     /// How many attempts ran.
     pub attempts: u32,
-    /// The aggregate error of every failed attempt, oldest first.
+    /// The aggregate error of each failed attempt (the first and the latest 99), oldest first.
     pub failures: Vec<AggregateError>,
     /// When each attempt started, measured from the first attempt's start on the engine's
     /// clock (virtual under the test harness, so cooldowns can be checked exactly); the first

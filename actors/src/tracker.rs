@@ -15,7 +15,7 @@ pub struct PendingRetry {
     pub envelope: Envelope,
     /// When the next attempt was due.
     pub due_at: DateTime<Utc>,
-    /// The aggregate error of every failed attempt so far.
+    /// The aggregate error of each failed attempt so far (the first and the latest 99).
     pub failures: Vec<AggregateError>,
 }
 

@@ -70,7 +70,10 @@ macro_rules! routing {
 
         /// Routes messages of type `M` through this transport to `destination` (an exchange,
         /// a full subject or a queue, as the transport names them) instead of its default:
-        /// another service's. This node listens for `M` only at its own default destination.
+        /// another service's. A handler of `M` on this node then hears no `M` from RabbitMQ
+        /// or NATS, which bind nothing for it at this node's own exchange or subjects; a
+        /// PostgreSQL queue node takes every row of its own queue, `M` included, whoever put
+        /// it there.
         #[must_use]
         pub fn route_to<M: $crate::Message>(mut self, destination: impl Into<String>) -> Self {
             self.routes.add(M::TYPE, Some(destination.into()));

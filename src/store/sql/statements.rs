@@ -184,11 +184,14 @@ pub(crate) const REPLAY: &str = "INSERT INTO dacapo_inbox \
 pub(crate) const RELEASE_ENVELOPE_CLAIMS: &str = "DELETE FROM dacapo_deduplication \
     WHERE envelope_id = $1 AND completed = 0";
 
-/// Never moves a heartbeat back: two beats of one node (a round's and the timer's) may commit
-/// in the other order than they were stamped.
+/// Moves a heartbeat back by no less than `$3`: two beats of one node (a round's and the
+/// timer's) may commit in the other order than they were stamped, but a clock stepped back
+/// (NTP, a restored snapshot) must not leave a stamp in the future, which would keep the node
+/// alive to the others for as long after it stopped.
 pub(crate) const HEARTBEAT: &str = "INSERT INTO dacapo_nodes (id, heartbeat_at) VALUES ($1, $2) \
     ON CONFLICT (id) DO UPDATE SET heartbeat_at = CASE \
-    WHEN excluded.heartbeat_at > dacapo_nodes.heartbeat_at THEN excluded.heartbeat_at \
+    WHEN excluded.heartbeat_at > dacapo_nodes.heartbeat_at \
+        OR excluded.heartbeat_at < dacapo_nodes.heartbeat_at - $3 THEN excluded.heartbeat_at \
     ELSE dacapo_nodes.heartbeat_at END";
 
 pub(crate) const RELEASE: &str = "UPDATE dacapo_inbox SET owner = NULL \
@@ -198,6 +201,8 @@ pub(crate) const RELEASE_BEFORE: &str = "UPDATE dacapo_inbox SET owner = NULL \
     WHERE owner = $1 AND status IN ('incoming', 'scheduled') AND received_at < $2";
 
 pub(crate) const FORGET_NODE: &str = "DELETE FROM dacapo_nodes WHERE id = $1";
+
+pub(crate) const FORGET_SILENT_NODES: &str = "DELETE FROM dacapo_nodes WHERE heartbeat_at < $1";
 
 /// Takes back a row [`RELEASE`] gave up whose delivery still runs on this node.
 pub(crate) const KEEP_RUNNING: &str = "UPDATE dacapo_inbox SET owner = $1 \

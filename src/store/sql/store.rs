@@ -845,7 +845,13 @@ impl<D: Dialect> DurableInbox for SqlStore<D> {
         // long would say this node was last alive then, and other nodes would take it for
         // dead while it works.
         let mut tx = self.db.begin().await?;
-        let values = [Value::Text(&self.node), Value::Int64(millis(self.now()))];
+        // Out of order by less than a third of the node timeout (a beat's interval at most).
+        let out_of_order = i64::try_from((self.node_timeout / 3).as_millis()).unwrap_or(i64::MAX);
+        let values = [
+            Value::Text(&self.node),
+            Value::Int64(millis(self.now())),
+            Value::Int64(out_of_order),
+        ];
         tx.execute(HEARTBEAT, &values).await?;
         tx.commit().await?;
         Ok(())
@@ -886,6 +892,12 @@ impl<D: Dialect> DurableInbox for SqlStore<D> {
             removed += self.db.execute(statement, &values).await?;
         }
         Ok(removed)
+    }
+
+    async fn forget_nodes_before(&self, before: DateTime<Utc>) -> Result<u64, Error> {
+        self.db
+            .execute(FORGET_SILENT_NODES, &[Value::Int64(millis(before))])
+            .await
     }
 
     async fn delete_idempotency_keys_before(
@@ -1056,6 +1068,19 @@ impl<D: Dialect> Claims for SqlStore<D> {
         let removed = tx.execute(REAP_CLAIMS, &values).await?;
         tx.commit().await?;
         Ok(removed)
+    }
+
+    fn keep_alive_interval(&self) -> Option<Duration> {
+        // A claim of a node whose heartbeat is older than the node timeout is taken over.
+        Some(self.node_timeout / 3)
+    }
+
+    async fn keep_alive(&self) -> Result<(), Error> {
+        DurableInbox::heartbeat(self).await
+    }
+
+    async fn forget_silent_nodes(&self, before: DateTime<Utc>) -> Result<u64, Error> {
+        DurableInbox::forget_nodes_before(self, before).await
     }
 }
 
