@@ -322,3 +322,52 @@ async fn a_long_advance_of_quick_rounds_is_not_cut_short() {
     println!("an hour of rounds took {:?}", started.elapsed());
     harness.shutdown().await;
 }
+
+/// The claims kept in a store of their own are heartbeaten by the reaper, which forgets that
+/// store's silent nodes on the store's own clock: under the harness, the runtime's clock is
+/// virtual, and a day advanced on it took the live node itself for silent, and deleted it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn claims_of_their_own_keep_their_live_node_however_far_the_harness_advances() {
+    use dacapo::testing::ScratchDatabase;
+
+    let scratch = ScratchDatabase::sqlite();
+    let claims = scratch
+        .sqlite_store()
+        .await
+        .unwrap()
+        .node_id("claims-node")
+        .node_timeout(Duration::from_secs(3600));
+    let pool = claims.pool().clone();
+    let harness = TestHarness::builder()
+        .module(Module::new("m").handle_named::<MemberRemoved, _>("h", Counter::default()))
+        .configure(|runtime| {
+            runtime
+                .claims(std::sync::Arc::new(claims))
+                .enable_deduplication()
+        })
+        .build()
+        .unwrap();
+    let beaten = || async {
+        dacapo::sqlx::query_scalar::<_, i64>(
+            "SELECT count(*) FROM dacapo_nodes WHERE id = 'claims-node'",
+        )
+        .fetch_one(&pool)
+        .await
+        .unwrap()
+    };
+    tokio::time::timeout(Duration::from_secs(20), async {
+        while beaten().await == 0 {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    })
+    .await
+    .expect("the reaper heartbeats the claims' store");
+
+    harness
+        .advance(Duration::from_secs(25 * 3600))
+        .await
+        .unwrap();
+
+    assert_eq!(beaten().await, 1, "the live node is not forgotten");
+    harness.shutdown().await;
+}

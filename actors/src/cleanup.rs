@@ -63,7 +63,7 @@ impl CleanupActor {
             earlier(now, self.keep_after_handling),
             earlier(now, self.key_retention),
         );
-        let nodes_before = nodes_silent_since(now, Some(inbox.node_timeout()));
+        let nodes_before = nodes_silent_since(now, inbox.node_timeout());
         let batch = self.batch;
         let round = async move {
             let (removed, error) = delete_in_batches(batch, |limit| {
@@ -109,17 +109,18 @@ impl CleanupActor {
 /// How long a node stays known after its last heartbeat.
 const NODES_FORGOTTEN_AFTER: Duration = Duration::from_secs(24 * 3600);
 
-/// Before when a node's last heartbeat makes it forgotten: a day, or twice `node_timeout` if
-/// that is longer — long past any node timeout, such a node is stopped whether its row is
-/// there or not.
-pub(crate) fn nodes_silent_since(
+/// Before when a node's last heartbeat makes it forgotten, for a store whose nodes time out
+/// after `node_timeout`: a day, or twice `node_timeout` if that is longer — long past any node
+/// timeout, such a node is stopped whether its row is there or not.
+#[must_use]
+pub fn nodes_silent_since(
     now: chrono::DateTime<chrono::Utc>,
-    node_timeout: Option<Duration>,
+    node_timeout: Duration,
 ) -> chrono::DateTime<chrono::Utc> {
-    let after = node_timeout.map_or(NODES_FORGOTTEN_AFTER, |timeout| {
-        NODES_FORGOTTEN_AFTER.max(timeout.saturating_mul(2))
-    });
-    earlier(now, after)
+    earlier(
+        now,
+        NODES_FORGOTTEN_AFTER.max(node_timeout.saturating_mul(2)),
+    )
 }
 
 /// `ago` before `now`, saturating at the calendar's start.

@@ -119,7 +119,8 @@ pub(crate) struct Rules<'a> {
 pub(crate) struct Delivery {
     /// The envelope; `attempts` counts the attempts started.
     pub(crate) envelope: Envelope,
-    /// Every failed attempt's aggregate error, oldest first.
+    /// The failed attempts' aggregate errors, oldest first: the first and the latest
+    /// [`FAILURES_KEPT`] - 1.
     pub(crate) failures: Vec<AggregateError>,
     first_failure_at: Option<DateTime<Utc>>,
     /// Which handlers (by index) already succeeded, under `RetryScope::FailedHandlers`.

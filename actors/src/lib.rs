@@ -46,7 +46,7 @@ mod tracker;
 pub use aggregate::AggregateError;
 pub use backoff::Backoff;
 #[doc(hidden)]
-pub use cleanup::CleanupActor;
+pub use cleanup::{CleanupActor, nodes_silent_since};
 #[doc(hidden)]
 pub use clock::{Busy, Timers, VirtualClock};
 #[doc(hidden)]

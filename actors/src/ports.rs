@@ -648,15 +648,15 @@ pub trait Claims: Send + Sync + 'static {
         Ok(())
     }
 
-    /// Forgets the nodes whose last heartbeat came before `before`, as
-    /// [`DurableInbox::forget_nodes_before`] does, for a store the runtime heartbeats as the
-    /// claims' only. Returns how many it forgot; the default forgets none.
+    /// Forgets the nodes silent for a day (or twice the store's node timeout, if longer), on
+    /// the store's own clock, as [`DurableInbox::forget_nodes_before`] does, for a store the
+    /// runtime heartbeats as the claims' only. Returns how many it forgot; the default forgets
+    /// none.
     ///
     /// # Errors
     ///
     /// [`Error::Store`] when the store cannot answer.
-    async fn forget_silent_nodes(&self, before: DateTime<Utc>) -> Result<u64, Error> {
-        let _ = before;
+    async fn forget_silent_nodes(&self) -> Result<u64, Error> {
         Ok(0)
     }
 }

@@ -94,7 +94,7 @@ impl DeliveryReport {
         self.pauses.clone()
     }
 
-    /// Every handler failure of every attempt, oldest attempt first, with its attempt number
+    /// Every handler failure of each attempt kept, oldest attempt first, with its attempt number
     /// (the field [`failures`](Self::failures) groups them by attempt).
     pub fn failures(&self) -> impl Iterator<Item = (u32, &HandlerFailure)> {
         self.failures

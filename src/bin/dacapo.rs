@@ -68,7 +68,7 @@ enum Scheduled {
 enum DeadLetters {
     /// Dead letters, oldest failure first.
     List(Filter),
-    /// One dead letter: its envelope, reason and every attempt's failures.
+    /// One dead letter: its envelope, reason and its attempts' failures.
     Show {
         /// The envelope id.
         id: Uuid,

@@ -1079,7 +1079,8 @@ impl<D: Dialect> Claims for SqlStore<D> {
         DurableInbox::heartbeat(self).await
     }
 
-    async fn forget_silent_nodes(&self, before: DateTime<Utc>) -> Result<u64, Error> {
+    async fn forget_silent_nodes(&self) -> Result<u64, Error> {
+        let before = dacapo_actors::nodes_silent_since(self.now(), self.node_timeout);
         DurableInbox::forget_nodes_before(self, before).await
     }
 }
