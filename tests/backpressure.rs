@@ -122,16 +122,7 @@ async fn a_publisher_waiting_beside_cooling_retries_gets_the_slot_that_frees() {
         ))
         .build()
         .unwrap();
-    for _ in 0..7 {
-        runtime.publish(&member_removed()).await.unwrap();
-    }
-    tokio::time::timeout(Duration::from_secs(5), async {
-        while runtime.stats().retried < 7 {
-            tokio::time::sleep(Duration::from_millis(5)).await;
-        }
-    })
-    .await
-    .expect("seven deliveries cool down");
+    support::publish_until_cooling(&runtime, 7).await;
     runtime.publish(&member_removed()).await.unwrap();
 
     let message = member_removed();

@@ -6,8 +6,12 @@
 
 #[path = "support/messages.rs"]
 mod support;
+#[path = "support/manual_clock.rs"]
+mod support_clock;
 #[path = "support/stores.rs"]
 mod support_stores;
+
+use support_clock::ManualClock;
 
 use std::time::Duration;
 
@@ -15,30 +19,6 @@ use dacapo::prelude::*;
 use support::{Counter, MemberRemoved, member_removed};
 
 const WAIT: Duration = Duration::from_secs(20);
-
-/// A wall clock the test moves.
-#[derive(Clone)]
-struct ManualClock(std::sync::Arc<std::sync::Mutex<chrono::DateTime<chrono::Utc>>>);
-
-impl Default for ManualClock {
-    fn default() -> Self {
-        Self(std::sync::Arc::new(std::sync::Mutex::new(
-            chrono::Utc::now(),
-        )))
-    }
-}
-
-impl ManualClock {
-    fn advance(&self, by: chrono::Duration) {
-        *self.0.lock().unwrap() += by;
-    }
-}
-
-impl dacapo::ports::Clock for ManualClock {
-    fn now(&self) -> chrono::DateTime<chrono::Utc> {
-        *self.0.lock().unwrap()
-    }
-}
 
 fn deduplicated(effects: &Counter) -> Module {
     Module::new("workspaces")

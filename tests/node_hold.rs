@@ -8,6 +8,8 @@
 mod support;
 #[path = "support/child.rs"]
 mod support_child;
+#[path = "support/manual_clock.rs"]
+mod support_clock;
 #[path = "support/proxy.rs"]
 mod support_proxy;
 #[path = "support/stores.rs"]
@@ -487,16 +489,6 @@ async fn first_recovery_waits_out_a_held_node_or_ends_with_a_shutdown_sqlite() {
     waiting.shutdown().await;
 }
 
-/// The wall clock, moved by hand.
-#[derive(Clone)]
-struct ManualClock(std::sync::Arc<std::sync::Mutex<chrono::DateTime<chrono::Utc>>>);
-
-impl dacapo::ports::Clock for ManualClock {
-    fn now(&self) -> chrono::DateTime<chrono::Utc> {
-        *self.0.lock().unwrap()
-    }
-}
-
 /// Opens its SQLite handler transaction, which holds the store's turn to write, says so, and
 /// commits it once the gate opens.
 struct HoldsTheTurn {
@@ -527,8 +519,8 @@ impl Handler<support::MemberRemoved> for HoldsTheTurn {
 /// earlier move the node's heartbeat back, while a clock stepped back does.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_heartbeat_is_stamped_when_it_writes_and_never_moves_back_sqlite() {
-    let start = chrono::Utc::now();
-    let clock = ManualClock(std::sync::Arc::new(std::sync::Mutex::new(start)));
+    let clock = support_clock::ManualClock::default();
+    let start = dacapo::ports::Clock::now(&clock);
     let db = dacapo::testing::ScratchDatabase::sqlite();
     let store = db
         .sqlite_store()
@@ -562,7 +554,7 @@ async fn a_heartbeat_is_stamped_when_it_writes_and_never_moves_back_sqlite() {
         "the beat waits for the handler transaction's turn"
     );
     let later = start + chrono::Duration::seconds(20);
-    *clock.0.lock().unwrap() = later;
+    clock.set(later);
     gate.add_permits(1);
     tokio::time::timeout(WAIT, &mut beat)
         .await
@@ -584,7 +576,7 @@ async fn a_heartbeat_is_stamped_when_it_writes_and_never_moves_back_sqlite() {
 
     // Two beats committed out of order: by less than a beat's interval (10 s of a node
     // timeout of 30 s).
-    *clock.0.lock().unwrap() = later - chrono::Duration::seconds(5);
+    clock.set(later - chrono::Duration::seconds(5));
     store.heartbeat().await.unwrap();
     assert!(
         stamped().await >= later.timestamp_millis(),
@@ -593,7 +585,7 @@ async fn a_heartbeat_is_stamped_when_it_writes_and_never_moves_back_sqlite() {
     // A clock stepped back a minute: the stamp follows it, or the node would stay alive to
     // the others for a minute after it stopped.
     let stepped_back = later - chrono::Duration::seconds(60);
-    *clock.0.lock().unwrap() = stepped_back;
+    clock.set(stepped_back);
     store.heartbeat().await.unwrap();
     assert_eq!(stamped().await, stepped_back.timestamp_millis());
     tokio::time::timeout(WAIT, runtime.idle()).await.unwrap();

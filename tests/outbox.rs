@@ -5,6 +5,8 @@
 
 #[path = "support/messages.rs"]
 mod support;
+#[path = "support/manual_clock.rs"]
+mod support_clock;
 #[path = "support/stores.rs"]
 mod support_stores;
 #[path = "support/warnings.rs"]
@@ -1000,16 +1002,6 @@ async fn a_relay_that_waited_for_room_past_its_lease_reads_its_rows_again() {
     runtime.shutdown().await;
 }
 
-/// The wall clock, moved by hand.
-#[derive(Clone)]
-struct ManualClock(Arc<std::sync::Mutex<chrono::DateTime<chrono::Utc>>>);
-
-impl dacapo::ports::Clock for ManualClock {
-    fn now(&self) -> chrono::DateTime<chrono::Utc> {
-        *self.0.lock().unwrap()
-    }
-}
-
 /// Says it started, then holds the engine's one slot until the gate opens.
 struct HoldsTheSlot {
     started: Arc<tokio::sync::Notify>,
@@ -1031,7 +1023,7 @@ impl Handler<MemberRemoved> for HoldsTheSlot {
 /// publish the row within the wait.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_relay_whose_lease_ran_out_while_it_waited_for_room_publishes_its_row() {
-    let clock = ManualClock(Arc::new(std::sync::Mutex::new(chrono::Utc::now())));
+    let clock = support_clock::ManualClock::default();
     let db = dacapo::testing::ScratchDatabase::sqlite();
     let store = db.sqlite_store().await.unwrap();
     let (started, gate) = (
@@ -1072,7 +1064,7 @@ async fn a_relay_whose_lease_ran_out_while_it_waited_for_room_publishes_its_row(
     tokio::time::sleep(Duration::from_millis(300)).await;
 
     // Its lease of ten polls runs out while it waits.
-    *clock.0.lock().unwrap() += chrono::Duration::hours(11);
+    clock.advance(chrono::Duration::hours(11));
     gate.add_permits(1);
 
     until(|| hooks.count() == 1).await;

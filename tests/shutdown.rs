@@ -324,16 +324,7 @@ async fn a_replay_waiting_for_room_when_the_shutdown_begins_is_handed_back() {
     tokio::time::timeout(Duration::from_secs(5), runtime.idle())
         .await
         .unwrap();
-    for _ in 0..2 {
-        runtime.publish(&member_removed()).await.unwrap();
-    }
-    tokio::time::timeout(Duration::from_secs(5), async {
-        while runtime.stats().retried < 2 {
-            tokio::time::sleep(Duration::from_millis(5)).await;
-        }
-    })
-    .await
-    .expect("both slots cool down");
+    support::publish_until_cooling(&runtime, 2).await;
     runtime.dead_letters().replay(dead).await.unwrap();
 
     let report = tokio::time::timeout(Duration::from_secs(10), runtime.shutdown())

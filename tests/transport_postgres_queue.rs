@@ -258,13 +258,7 @@ async fn a_queue_only_checked_and_missing_stops_listening_with_a_clear_error() {
         module(&seen, "a"),
         queue_on(&queue_database, "pings").declare(false),
     );
-    let error = tokio::time::timeout(WAIT, runtime.listening())
-        .await
-        .expect("answers within the wait")
-        .unwrap_err();
-    assert!(!error.is_retryable(), "{error}");
-    assert!(error.to_string().contains("dacapo_queue"), "{error}");
-    runtime.shutdown().await;
+    stops_listening(runtime, "dacapo_queue").await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -514,13 +508,7 @@ async fn a_queue_in_a_database_that_does_not_exist_stops_listening_with_a_clear_
             .unwrap()
             .route::<Ping>(),
     );
-    let error = tokio::time::timeout(WAIT, runtime.listening())
-        .await
-        .expect("answers within the wait")
-        .unwrap_err();
-    assert!(!error.is_retryable(), "{error}");
-    assert!(error.to_string().contains("refused"), "{error}");
-    runtime.shutdown().await;
+    stops_listening(runtime, "refused").await;
 }
 
 /// Rows in the queue table of the database at `url`; none while it does not exist.

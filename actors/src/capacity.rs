@@ -197,6 +197,18 @@ mod tests {
     use super::*;
     use std::time::Duration;
 
+    /// A task waiting in `acquire`, once it is counted among the waiters.
+    async fn waiter(capacity: &Arc<Capacity>) -> tokio::task::JoinHandle<Slot> {
+        let waiter = tokio::spawn({
+            let capacity = Arc::clone(capacity);
+            async move { capacity.acquire().await }
+        });
+        while capacity.waiting.load(Ordering::Acquire) == 0 {
+            tokio::task::yield_now().await;
+        }
+        waiter
+    }
+
     /// Whether `acquire` gets a slot without any further release.
     async fn gets_a_slot(waiter: &mut tokio::task::JoinHandle<Slot>) -> bool {
         tokio::time::timeout(Duration::from_secs(5), waiter)
@@ -209,13 +221,7 @@ mod tests {
         let capacity = Capacity::new(8);
         let mut held = capacity.take_free(8);
         assert_eq!(held.len(), 8);
-        let mut waiter = tokio::spawn({
-            let capacity = Arc::clone(&capacity);
-            async move { capacity.acquire().await }
-        });
-        while capacity.waiting.load(Ordering::Acquire) == 0 {
-            tokio::task::yield_now().await;
-        }
+        let mut waiter = waiter(&capacity).await;
         held.pop();
         assert!(
             capacity.try_acquire().is_none(),
@@ -233,13 +239,7 @@ mod tests {
         for slot in &mut held[..7] {
             slot.park();
         }
-        let mut waiter = tokio::spawn({
-            let capacity = Arc::clone(&capacity);
-            async move { capacity.acquire().await }
-        });
-        while capacity.waiting.load(Ordering::Acquire) == 0 {
-            tokio::task::yield_now().await;
-        }
+        let mut waiter = waiter(&capacity).await;
         held.pop();
         assert!(
             gets_a_slot(&mut waiter).await,
@@ -251,13 +251,7 @@ mod tests {
     async fn a_slot_parked_after_the_waiter_slept_wakes_it_if_that_leaves_room() {
         let capacity = Capacity::new(8);
         let mut held = capacity.take_free(8);
-        let mut waiter = tokio::spawn({
-            let capacity = Arc::clone(&capacity);
-            async move { capacity.acquire().await }
-        });
-        while capacity.waiting.load(Ordering::Acquire) == 0 {
-            tokio::task::yield_now().await;
-        }
+        let mut waiter = waiter(&capacity).await;
         // One slot frees: not a quarter of eight. Then the other seven start cooling down.
         held.pop();
         for slot in &mut held {

@@ -605,12 +605,23 @@ impl Dispatcher {
         reply: Option<oneshot::Sender<DeliveryReport>>,
         held: &mut Option<crate::Busy>,
     ) -> Result<(), Error> {
+        self.dispatch_from_caller(envelope, reply, held, None).await
+    }
+
+    /// A caller's envelope to the next worker, in `room` if the caller took it already.
+    async fn dispatch_from_caller(
+        &self,
+        envelope: Envelope,
+        reply: Option<oneshot::Sender<DeliveryReport>>,
+        held: &mut Option<crate::Busy>,
+        room: Option<crate::capacity::Slot>,
+    ) -> Result<(), Error> {
         if !self.shared.tracker.admit(true) {
             return Err(Error::ShuttingDown(Box::new(envelope)));
         }
         let admission = Admission(&self.shared.tracker);
         self.next_worker()
-            .deliver(admission, envelope, reply, held, true, None)
+            .deliver(admission, envelope, reply, held, true, room)
             .await
     }
 
@@ -644,12 +655,7 @@ impl Dispatcher {
         room: crate::capacity::Slot,
         held: &mut Option<crate::Busy>,
     ) -> Result<(), Error> {
-        if !self.shared.tracker.admit(true) {
-            return Err(Error::ShuttingDown(Box::new(envelope)));
-        }
-        let admission = Admission(&self.shared.tracker);
-        self.next_worker()
-            .deliver(admission, envelope, None, held, true, Some(room))
+        self.dispatch_from_caller(envelope, None, held, Some(room))
             .await
     }
 

@@ -247,18 +247,8 @@ impl RelayActor {
                     Some(outbound) if !away.is_empty() && !broker_failed => Some(outbound),
                     _ => None,
                 };
-                if broker.is_some() && lease.half_gone() {
-                    match lease.take().await {
-                        Ok(true) => {}
-                        Ok(false) => {
-                            lost = true;
-                            break;
-                        }
-                        Err(error) => {
-                            tracing::warn!(%error, "renewing the outbox lease failed; retrying on the next round");
-                            break;
-                        }
-                    }
+                if broker.is_some() && lease.half_gone() && !renewed(&mut lease, &mut lost).await {
+                    break;
                 }
                 let this_batch = async {
                     let mut positions = Vec::with_capacity(count);
@@ -312,18 +302,9 @@ impl RelayActor {
                         // keep every row of the outbox waiting.
                         let mut last_of_round = false;
                         if lease.left().is_zero() {
-                            match lease.take().await {
-                                Ok(true) => {}
-                                Ok(false) => {
-                                    lost = true;
-                                    sent_all = false;
-                                    break;
-                                }
-                                Err(error) => {
-                                    tracing::warn!(%error, "renewing the outbox lease failed; retrying on the next round");
-                                    sent_all = false;
-                                    break;
-                                }
+                            if !renewed(&mut lease, &mut lost).await {
+                                sent_all = false;
+                                break;
                             }
                             match outbox.unpublished(position.saturating_sub(1), 1).await {
                                 Ok(next) if next.first().is_some_and(|(at, _)| *at == position) => {
@@ -344,20 +325,9 @@ impl RelayActor {
                         // a long round keeps the lease, a relay paused past it learns it lost
                         // it before publishing more, and two nodes never publish the same rows
                         // side by side.
-                        if lease.half_gone() {
-                            match lease.take().await {
-                                Ok(true) => {}
-                                Ok(false) => {
-                                    lost = true;
-                                    sent_all = false;
-                                    break;
-                                }
-                                Err(error) => {
-                                    tracing::warn!(%error, "renewing the outbox lease failed; retrying on the next round");
-                                    sent_all = false;
-                                    break;
-                                }
-                            }
+                        if lease.half_gone() && !renewed(&mut lease, &mut lost).await {
+                            sent_all = false;
+                            break;
                         }
                         let id = envelope.id;
                         // Not cut short: a publication cancelled inside the inbox's write could
@@ -649,6 +619,22 @@ enum Kept {
 
 /// The relay's hold on the outbox lease during one round, timed on the engine's clock for
 /// what it writes and on a local instant for when to renew.
+/// Takes `lease` again for the round under way; `false` when the round must stop: another
+/// node holds it (`lost` is set) or the store failed (logged).
+async fn renewed(lease: &mut Lease, lost: &mut bool) -> bool {
+    match lease.take().await {
+        Ok(true) => true,
+        Ok(false) => {
+            *lost = true;
+            false
+        }
+        Err(error) => {
+            tracing::warn!(%error, "renewing the outbox lease failed; retrying on the next round");
+            false
+        }
+    }
+}
+
 struct Lease {
     outbox: Arc<dyn OutboxStore>,
     clock: Arc<dyn crate::ports::Clock>,

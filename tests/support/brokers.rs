@@ -221,6 +221,18 @@ pub async fn listening(runtime: &Runtime) {
         .expect("the transport listens");
 }
 
+/// Waits, at most `WAIT`, until `runtime` stops listening for good with an error that says
+/// `why` (no retry would change it), then shuts it down.
+pub async fn stops_listening(runtime: Runtime, why: &str) {
+    let error = tokio::time::timeout(WAIT, runtime.listening())
+        .await
+        .expect("answers within the wait")
+        .unwrap_err();
+    assert!(!error.is_retryable(), "{error}");
+    assert!(error.to_string().contains(why), "{error}");
+    runtime.shutdown().await;
+}
+
 /// Waits until `runtime` kept `count` dead letters, at most `WAIT`.
 pub async fn dead_letters(runtime: &Runtime, count: usize) -> Vec<dacapo::DeadLetter> {
     let deadline = tokio::time::Instant::now() + WAIT;

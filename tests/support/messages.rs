@@ -56,3 +56,19 @@ pub fn secs(list: &[u64]) -> Vec<std::time::Duration> {
         .map(|s| std::time::Duration::from_secs(*s))
         .collect()
 }
+
+/// Publishes `count` removals through `runtime`, and waits, at most 5 s, until each failed
+/// and scheduled its retry: their slots are held by deliveries cooling down.
+pub async fn publish_until_cooling(runtime: &Runtime, count: u64) {
+    let before = runtime.stats().retried;
+    for _ in 0..count {
+        runtime.publish(&member_removed()).await.unwrap();
+    }
+    tokio::time::timeout(std::time::Duration::from_secs(5), async {
+        while runtime.stats().retried < before + count {
+            tokio::time::sleep(std::time::Duration::from_millis(5)).await;
+        }
+    })
+    .await
+    .expect("the deliveries cool down");
+}
