@@ -4,6 +4,8 @@
 mod brokers;
 #[path = "support/proxy.rs"]
 mod proxy;
+#[path = "support/warnings.rs"]
+mod support_warnings;
 
 use brokers::*;
 use dacapo::DeadLetterReason;
@@ -561,4 +563,54 @@ async fn a_publisher_declares_the_table_again_when_it_is_gone() {
 
     until_rows(queue_database.url(), 1).await;
     assert!(publisher.shutdown().await.is_clean());
+}
+
+/// Rows routed to a queue no node takes are warned of, as RabbitMQ warns of a message no queue
+/// takes: a queue table takes any row, and they used to wait there unsaid. The publisher looks
+/// at its queues' oldest rows once a minute, the first time at its first publication.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rows_no_node_takes_are_warned_of() {
+    let _ = support_warnings::warnings();
+    let queue_database = TestStore::postgres().await;
+    let nobody = unique("nobody_");
+    let (first_store, second_store) = (TestStore::sqlite().await, TestStore::sqlite().await);
+    let first = first_store.runtime(
+        Module::new("publishes only"),
+        queue_on(&queue_database, &nobody),
+    );
+    first.publish(&Ping { n: 1 }).await.unwrap();
+    until_rows(queue_database.url(), 1).await;
+    assert!(first.shutdown().await.is_clean());
+    // That row has waited an hour.
+    let pool = dacapo::sqlx::PgPool::connect(queue_database.url())
+        .await
+        .unwrap();
+    dacapo::sqlx::query("UPDATE dacapo_queue SET enqueued_at = enqueued_at - 3600000")
+        .execute(&pool)
+        .await
+        .unwrap();
+    pool.close().await;
+
+    let second = second_store.runtime(
+        Module::new("publishes only"),
+        queue_on(&queue_database, &nobody),
+    );
+    second.publish(&Ping { n: 2 }).await.unwrap();
+    until_rows(queue_database.url(), 2).await;
+
+    let warned = || {
+        support_warnings::warnings()
+            .lock()
+            .unwrap()
+            .iter()
+            .any(|warning| warning.contains(&nobody) && warning.contains("older than a minute"))
+    };
+    tokio::time::timeout(WAIT, async {
+        while !warned() {
+            tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+        }
+    })
+    .await
+    .expect("the hour-old row is warned of");
+    assert!(second.shutdown().await.is_clean());
 }

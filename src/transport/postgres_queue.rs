@@ -179,6 +179,7 @@ impl From<PostgresQueue> for Transport {
                     home: queue.queue.clone(),
                     declare: queue.declare,
                     declared: false,
+                    backlog_checked: None,
                 };
                 let subscriber = Subscriber {
                     pool,
@@ -297,6 +298,51 @@ struct Publisher {
     home: String,
     declare: bool,
     declared: bool,
+    /// When the queues it publishes to were last looked at for rows nobody took.
+    backlog_checked: Option<std::time::Instant>,
+}
+
+/// How often a publisher looks at the queues it publishes to for old rows, and how old a row
+/// must be to be warned of: RabbitMQ says when a message has no queue to go to, NATS when no
+/// stream captures its subject; a queue table takes any row, and rows routed to a queue no
+/// node takes (a mistyped `route_to`, a service gone) would otherwise wait there unsaid.
+const BACKLOG_CHECK: Duration = Duration::from_secs(60);
+
+/// The oldest row of a queue, by the queue's index.
+const OLDEST: &str = "SELECT enqueued_at FROM dacapo_queue WHERE queue = $1 ORDER BY seq LIMIT 1";
+
+impl Publisher {
+    /// Warns of each of `queues` whose oldest row waited longer than [`BACKLOG_CHECK`]; the
+    /// caller looks once a [`BACKLOG_CHECK`] at most.
+    async fn warn_of_backlog(&mut self, queues: &[String], now: i64) {
+        self.backlog_checked = Some(std::time::Instant::now());
+        for queue in queues {
+            let oldest = sqlx::query(OLDEST)
+                .bind(queue.as_str())
+                .fetch_optional(&self.pool)
+                .await;
+            match oldest {
+                Ok(Some(row)) => {
+                    let enqueued_at: i64 = row.get("enqueued_at");
+                    let waited = Duration::from_millis(
+                        u64::try_from(now.saturating_sub(enqueued_at)).unwrap_or(0),
+                    );
+                    if waited > BACKLOG_CHECK {
+                        tracing::warn!(
+                            transport = NAME,
+                            queue = queue.as_str(),
+                            ?waited,
+                            "the PostgreSQL queue holds rows older than a minute: does any node take from it?"
+                        );
+                    }
+                }
+                Ok(None) => {}
+                Err(error) => {
+                    tracing::debug!(transport = NAME, queue = queue.as_str(), %error, "could not look at the queue's oldest row");
+                }
+            }
+        }
+    }
 }
 
 #[async_trait]
@@ -357,7 +403,7 @@ impl Publish for Publisher {
                 queues.push(queue);
             }
         }
-        for queue in queues {
+        for queue in &queues {
             sqlx::query(NOTIFY)
                 .bind(CHANNEL)
                 .bind(queue)
@@ -366,6 +412,13 @@ impl Publish for Publisher {
                 .map_err(failed)?;
         }
         tx.commit().await.map_err(failed)?;
+        if self
+            .backlog_checked
+            .is_none_or(|checked| checked.elapsed() >= BACKLOG_CHECK)
+        {
+            let queues: Vec<String> = queues.into_iter().map(str::to_owned).collect();
+            self.warn_of_backlog(&queues, now).await;
+        }
         Ok(Sent::refusing(refused))
     }
 
