@@ -731,12 +731,25 @@ impl Database {
         sql: &'static str,
         values: &[Value<'_>],
     ) -> Result<u64, Error> {
+        self.execute_made(sql, || values).await
+    }
+
+    /// [`execute`](Self::execute) with its values made once the statement has its turn to
+    /// write (SQLite's): a time among them is the time it writes, not the time it began to
+    /// wait behind other writes.
+    pub(crate) async fn execute_made<'v, V: AsRef<[Value<'v>]>>(
+        &self,
+        sql: &'static str,
+        make: impl FnOnce() -> V,
+    ) -> Result<u64, Error> {
         // Moved into SQLite's commit; PostgreSQL's runs in place, within its scope.
         #[cfg_attr(not(feature = "sqlite"), allow(unused_variables))]
         let committing = before_commit(&self.hooks, false).await?;
         // SQLite's alone: PostgreSQL has no turn to hold.
         #[cfg_attr(not(feature = "sqlite"), allow(unused_variables))]
         let turn = self.turn().await?;
+        let made = make();
+        let values = made.as_ref();
         let done = match &self.pool {
             #[cfg(feature = "sqlite")]
             Pool::Sqlite(pool) => {

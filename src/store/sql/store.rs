@@ -840,20 +840,21 @@ impl<D: Dialect> DurableInbox for SqlStore<D> {
 
     async fn heartbeat(&self) -> Result<(), Error> {
         self.held().await?;
+        // Out of order by less than a third of the node timeout (a beat's interval at most).
+        let out_of_order = i64::try_from((self.node_timeout / 3).as_millis()).unwrap_or(i64::MAX);
         // Stamped once the write has its turn (SQLite's writes queue for theirs, behind
         // handler transactions among others): stamped before the wait, a beat that waited
         // long would say this node was last alive then, and other nodes would take it for
         // dead while it works.
-        let mut tx = self.db.begin().await?;
-        // Out of order by less than a third of the node timeout (a beat's interval at most).
-        let out_of_order = i64::try_from((self.node_timeout / 3).as_millis()).unwrap_or(i64::MAX);
-        let values = [
-            Value::Text(&self.node),
-            Value::Int64(millis(self.now())),
-            Value::Int64(out_of_order),
-        ];
-        tx.execute(HEARTBEAT, &values).await?;
-        tx.commit().await?;
+        self.db
+            .execute_made(HEARTBEAT, || {
+                [
+                    Value::Text(&self.node),
+                    Value::Int64(millis(self.now())),
+                    Value::Int64(out_of_order),
+                ]
+            })
+            .await?;
         Ok(())
     }
 
