@@ -44,6 +44,40 @@ async fn virtual_time_passes_a_sixty_second_cooldown_exactly() {
 }
 
 #[tokio::test]
+async fn a_delivery_of_many_attempts_reports_the_first_and_latest_ninety_nine_only() {
+    let every_second = Duration::from_secs(1);
+    let harness = TestHarness::builder()
+        .retry_policy(RetryPolicy {
+            retry_limit: 149,
+            min_retry_interval: every_second,
+            retry_interval_delta: Duration::ZERO,
+            max_retry_interval: every_second,
+        })
+        .module(Module::new("m").handle_named::<MemberRemoved, _>("h", Recorder::new()))
+        .fault("m", "h", Fault::always_fail())
+        .build()
+        .unwrap();
+
+    let report = harness.publish(&member_removed()).await.unwrap();
+
+    assert_eq!(
+        report.outcome,
+        Outcome::DeadLettered(DeadLetterReason::RetriesExhausted)
+    );
+    assert_eq!(report.attempts, 150);
+    let attempts: Vec<u32> = report.failures.iter().map(|f| f.attempt).collect();
+    let kept: Vec<u32> = std::iter::once(1).chain(52..=150).collect();
+    assert_eq!(attempts, kept);
+    // Each attempt fails at once and cools down a second: attempt k starts k - 1 s in.
+    let offsets: Vec<Duration> = kept
+        .iter()
+        .map(|k| Duration::from_secs(u64::from(k - 1)))
+        .collect();
+    assert_eq!(report.attempt_offsets, offsets);
+    assert_eq!(report.cooldowns(), vec![every_second; 99]);
+}
+
+#[tokio::test]
 async fn a_panicking_handler_fails_alone_and_the_runtime_keeps_going() {
     let sibling = Counter::default();
     let harness = TestHarness::builder()

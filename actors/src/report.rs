@@ -51,7 +51,8 @@ pub struct DeliveryReport {
     pub failures: Vec<AggregateError>,
     /// When each attempt started, measured from the first attempt's start on the engine's
     /// clock (virtual under the test harness, so cooldowns can be checked exactly); the first
-    /// entry is therefore zero.
+    /// entry is therefore zero. Of a delivery of more than 100 attempts, the first and the
+    /// latest 99 are kept, as with [`failures`](Self::failures).
     pub attempt_offsets: Vec<Duration>,
     /// The messages its handlers cascaded that settled with it (sent only when it was
     /// handled). Those a handler's work recorded on its own — a handler transaction's commit,
@@ -89,7 +90,8 @@ impl DeliveryReport {
     /// The pauses between consecutive attempts: from one attempt's end (its failure decided)
     /// to the next one's start, on the engine's clock. An attempt that timed out lasted its
     /// timeout before its cooldown; [`attempt_offsets`](Self::attempt_offsets) count both. After
-    /// a restart, the first is what was left of the cooldown the stopped runtime began.
+    /// a restart, the first is what was left of the cooldown the stopped runtime began. Of a
+    /// delivery of more than 100 attempts, the latest 99 are kept.
     pub fn cooldowns(&self) -> Vec<Duration> {
         self.pauses.clone()
     }

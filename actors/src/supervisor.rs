@@ -11,7 +11,7 @@ use crate::RetryScope;
 use crate::capacity::Slot;
 use crate::clock::{Busy, Mark, Running};
 use crate::context::{Scope, TakeCascaded};
-use crate::delivery::{Delivery, Effect, Event, Phase, Rules, Start};
+use crate::delivery::{Delivery, Effect, Event, FAILURES_KEPT, Phase, Rules, Start};
 use crate::dispatcher::{UnknownMessageTypes, Worker};
 use crate::handler_actor::{HandlerFinished, PendingClaim};
 use crate::ports::{Claim, Handled, Resumable, RetryRecord};
@@ -57,11 +57,13 @@ pub struct DeliverySupervisor {
     stepped_at: (DateTime<Utc>, Mark),
     /// When the retry now being recorded was decided: its cooldown runs from then.
     cooldown_from: Option<(DateTime<Utc>, Mark)>,
-    /// When each retry started, from the first attempt's start.
+    /// When each retry started, from the first attempt's start: the latest
+    /// [`FAILURES_KEPT`] - 1.
     retry_offsets: Vec<Duration>,
     /// When the cooldown under way began (the failure decided), on the engine's timers.
     cooling_since: Option<Mark>,
-    /// Each pause between an attempt's end and the next one's start.
+    /// Each pause between an attempt's end and the next one's start: the latest
+    /// [`FAILURES_KEPT`] - 1.
     pauses: Vec<Duration>,
     scope: Option<Arc<Scope>>,
     reply: Option<oneshot::Sender<DeliveryReport>>,
@@ -232,11 +234,11 @@ impl DeliverySupervisor {
             .bump(Counter::Attempts);
         if attempt > 1 {
             let timers = &self.worker.shared.timers;
-            self.retry_offsets.push(timers.since(self.started_at));
+            push_latest(&mut self.retry_offsets, timers.since(self.started_at));
             // A resumed delivery's cooldown began in the runtime that stopped: what was left of
             // it ran from this supervisor's start.
             let cooled_from = self.cooling_since.take().unwrap_or(self.started_at);
-            self.pauses.push(timers.since(cooled_from));
+            push_latest(&mut self.pauses, timers.since(cooled_from));
         }
         if !self.span.is_disabled() {
             self.span.record("dacapo.attempt", attempt);
@@ -767,5 +769,14 @@ impl actix::Handler<RetryDue> for DeliverySupervisor {
             // Handed back by a shutdown while cooling down: the report owns it now.
             ctx.stop();
         }
+    }
+}
+
+/// Pushes `item`, keeping the latest [`FAILURES_KEPT`] - 1 only: a delivery retried without end
+/// would otherwise grow the list by one per attempt for as long as it keeps failing.
+fn push_latest(list: &mut Vec<Duration>, item: Duration) {
+    list.push(item);
+    if let Some(excess) = list.len().checked_sub(FAILURES_KEPT - 1).filter(|n| *n > 0) {
+        list.drain(..excess);
     }
 }
