@@ -591,3 +591,82 @@ async fn a_heartbeat_is_stamped_when_it_writes_and_never_moves_back_sqlite() {
     tokio::time::timeout(WAIT, runtime.idle()).await.unwrap();
     runtime.shutdown().await;
 }
+
+/// Runs until its gate opens, telling `started` once it runs.
+struct WaitsAtTheGate {
+    started: std::sync::Arc<tokio::sync::Notify>,
+    gate: std::sync::Arc<tokio::sync::Semaphore>,
+}
+
+impl Handler<support::MemberRemoved> for WaitsAtTheGate {
+    async fn handle(
+        &self,
+        _: &support::MemberRemoved,
+        _: &MessageContext,
+    ) -> Result<(), HandlerError> {
+        self.started.notify_one();
+        self.gate.acquire().await?.forget();
+        Ok(())
+    }
+}
+
+/// A node beats on through its shutdown's drain, while a handler still runs: lapsed, another
+/// node would take the delivery (and its claims) for a dead node's and run it beside the
+/// handler. The beats end before the node is released, so the stopped node leaves no row that
+/// would make it look alive.
+async fn a_node_keeps_its_heartbeat_through_a_shutdowns_drain(db: TestDatabase) {
+    const HEARTBEAT: &str =
+        "SELECT coalesce(max(heartbeat_at), 0) FROM dacapo_nodes WHERE id = 'orders-1'";
+    let node_timeout = Duration::from_millis(300);
+    let started = std::sync::Arc::new(tokio::sync::Notify::new());
+    let gate = std::sync::Arc::new(tokio::sync::Semaphore::new(0));
+    let builder = Runtime::builder().drain_timeout(WAIT).module(
+        Module::new("m").handle_named::<support::MemberRemoved, _>(
+            "waits",
+            WaitsAtTheGate {
+                started: std::sync::Arc::clone(&started),
+                gate: std::sync::Arc::clone(&gate),
+            },
+        ),
+    );
+    let runtime = db.store(builder, NODE, node_timeout).await.build().unwrap();
+    runtime.publish(&member_removed()).await.unwrap();
+    tokio::time::timeout(WAIT, started.notified())
+        .await
+        .expect("the handler started");
+
+    let mut shutdown = Box::pin(runtime.shutdown());
+    assert!(
+        futures::poll!(&mut shutdown).is_pending(),
+        "the drain waits for the handler"
+    );
+    assert!(
+        runtime.publish(&member_removed()).await.is_err(),
+        "the shutdown began"
+    );
+    let closed_at = db.scalar(HEARTBEAT).await;
+    assert!(closed_at > 0, "the node beat before its shutdown");
+    let lapse = i64::try_from(node_timeout.as_millis()).unwrap();
+    tokio::time::timeout(WAIT, async {
+        while db.scalar(HEARTBEAT).await <= closed_at + lapse {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    })
+    .await
+    .expect("the node's heartbeat went on past a node timeout into the drain");
+
+    gate.add_permits(1);
+    let report = tokio::time::timeout(WAIT, shutdown).await.unwrap();
+    assert!(report.still_running.is_empty(), "{report:?}");
+    assert_eq!(
+        db.scalar(HEARTBEAT).await,
+        0,
+        "the stopped node is forgotten"
+    );
+}
+
+on_both_backends!(
+    a_node_keeps_its_heartbeat_through_a_shutdowns_drain_sqlite,
+    a_node_keeps_its_heartbeat_through_a_shutdowns_drain_postgres,
+    |db| a_node_keeps_its_heartbeat_through_a_shutdowns_drain(db).await
+);

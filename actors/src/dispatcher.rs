@@ -49,6 +49,9 @@ pub(crate) struct Shared {
     /// Held by a recovery round while it claims; a shutdown takes it before releasing this
     /// node's rows, so that no round still in flight claims them again behind the release.
     pub(crate) recovering: tokio::sync::Mutex<()>,
+    /// This node's heartbeats, to its durable store and to a claims store apart: a shutdown
+    /// ends them before it releases the node.
+    pub(crate) heartbeats: Arc<crate::recovery::Heartbeats>,
     /// Set once a shutdown's drain is over: cascades that get room from then on do not start.
     pub(crate) drain_over: std::sync::atomic::AtomicBool,
     /// Cascaded messages whose delivery never started, the engine stopping while they waited

@@ -224,6 +224,7 @@ impl Engine {
                         retry_scope: config.retry_scope,
                         outbox_enlisted: tokio::sync::Notify::new(),
                         recovering: tokio::sync::Mutex::new(()),
+                        heartbeats: Arc::default(),
                         drain_over: std::sync::atomic::AtomicBool::new(false),
                         unstarted_cascades: std::sync::Mutex::default(),
                         unstarted_resumes: std::sync::Mutex::default(),
@@ -255,6 +256,7 @@ impl Engine {
                         ReaperActor::new(
                             Arc::clone(claims),
                             Arc::clone(&dispatcher.shared.clock),
+                            Arc::clone(&dispatcher.shared.heartbeats),
                             config.deduplication_reap_interval,
                             config.deduplication_reap_batch,
                             config.timers.clone(),
@@ -382,15 +384,23 @@ impl Engine {
             );
         }
         // A recovery round that started before the close would claim rows again behind the
-        // release, leaving them owned by a node that is gone; one stuck on the store is not
-        // waited for past the drain — a second at least, as the runtime's transports may have
-        // taken all of it, and a round in flight takes milliseconds.
-        let recovering = tokio::time::timeout(
-            drain.max(Duration::from_secs(1)),
-            self.dispatcher.shared.recovering.lock(),
-        )
-        .await
-        .ok();
+        // release, leaving them owned by a node that is gone, and a heartbeat written after it
+        // would make the node look alive; one stuck on the store is not waited for past the
+        // drain — a second at least, as the runtime's transports may have taken all of it, and
+        // a round in flight takes milliseconds.
+        let shared = &self.dispatcher.shared;
+        let until = tokio::time::Instant::now() + drain.max(Duration::from_secs(1));
+        let recovering = tokio::time::timeout_at(until, shared.recovering.lock())
+            .await
+            .ok();
+        if tokio::time::timeout_at(until, shared.heartbeats.end())
+            .await
+            .is_err()
+        {
+            tracing::warn!(
+                "a heartbeat still waits on the store: it may be written after the release, and this node look alive for one node timeout more"
+            );
+        }
         // Hand this node's unsettled deliveries (the retries above) to whoever starts next,
         // while the workers, whose runtimes some of the store's connections belong to, still
         // run. Not those still running: released, another node would claim one at once and run

@@ -5,6 +5,7 @@ use actix::{Actor, ActorFutureExt, AsyncContext, Context, WrapFuture};
 
 use crate::batches::delete_in_batches;
 use crate::ports::{Claims, Clock};
+use crate::recovery::Heartbeats;
 
 /// Provisions the deduplication claims when the runtime starts, then deletes expired claims on
 /// its own timer, in bounded batches, each in its own transaction, and logs how many it
@@ -13,6 +14,7 @@ use crate::ports::{Claims, Clock};
 pub struct ReaperActor {
     claims: Arc<dyn Claims>,
     clock: Arc<dyn Clock>,
+    heartbeats: Arc<Heartbeats>,
     interval: Duration,
     batch: usize,
     /// The engine's timers, which its rounds run on.
@@ -40,6 +42,7 @@ impl ReaperActor {
     pub(crate) fn new(
         claims: Arc<dyn Claims>,
         clock: Arc<dyn Clock>,
+        heartbeats: Arc<Heartbeats>,
         interval: Duration,
         batch: usize,
         timers: crate::Timers,
@@ -48,6 +51,7 @@ impl ReaperActor {
         Self {
             claims,
             clock,
+            heartbeats,
             interval,
             batch,
             busy: false,
@@ -63,10 +67,15 @@ impl ReaperActor {
         }
         self.beating = true;
         let claims = Arc::clone(&self.claims);
+        let heartbeats = Arc::clone(&self.heartbeats);
         let beat = async move {
-            if let Err(error) = claims.keep_alive().await {
-                tracing::warn!(%error, "the deduplication claims' heartbeat failed; retrying at the next");
-            }
+            heartbeats
+                .beat(async {
+                    if let Err(error) = claims.keep_alive().await {
+                        tracing::warn!(%error, "the deduplication claims' heartbeat failed; retrying at the next");
+                    }
+                })
+                .await;
         };
         let busy = self.timers.busy();
         ctx.spawn(beat.into_actor(self).map(move |(), actor, _| {
@@ -176,6 +185,7 @@ mod tests {
             let _reaper = ReaperActor::new(
                 Arc::new(claims),
                 Arc::new(crate::ports::SystemClock),
+                Arc::default(),
                 Duration::from_secs(3600),
                 10,
                 crate::Timers::Real,

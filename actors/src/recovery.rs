@@ -125,6 +125,36 @@ impl Liveness {
 /// A [`Liveness`] shared by the rounds and the heartbeat's timer.
 type SharedLiveness = Arc<std::sync::Mutex<Liveness>>;
 
+/// Where a node's heartbeats end: they go on through a shutdown's drain, since a node whose
+/// heartbeat lapses while its handlers still run has its deliveries and claims taken over by
+/// another, and stop before the shutdown releases the node, since a beat written after that
+/// makes the stopped node look alive for a node timeout.
+#[derive(Debug, Default)]
+pub(crate) struct Heartbeats {
+    /// Whether they ended; read by each beat for as long as it writes, so that the end waits
+    /// for the beats under way. Beats share it, so one store that hangs holds up no other's.
+    over: tokio::sync::RwLock<bool>,
+}
+
+impl Heartbeats {
+    /// Runs `beat` unless the heartbeats ended.
+    pub(crate) async fn beat(&self, beat: impl std::future::Future<Output = ()>) {
+        let over = self.over.read().await;
+        if !*over {
+            beat.await;
+        }
+    }
+
+    /// Ends them, once the beats under way are written.
+    ///
+    /// # Cancel safety
+    ///
+    /// Cancel safe: dropped while it waits, the heartbeats go on.
+    pub(crate) async fn end(&self) {
+        *self.over.write().await = true;
+    }
+}
+
 /// Writes this node's heartbeat and notes it in `liveness`; whether it was written.
 async fn heartbeat(
     inbox: &dyn DurableInbox,
@@ -345,15 +375,16 @@ impl RecoveryActor {
     }
 
     fn beat(&mut self, ctx: &mut Context<Self>) {
-        if self.beating || self.dispatcher.shared.tracker.is_closing() {
+        if self.beating {
             return;
         }
         self.beating = true;
         let inbox = Arc::clone(&self.inbox);
         let liveness = Arc::clone(&self.liveness);
-        let clock = Arc::clone(&self.dispatcher.shared.clock);
+        let shared = Arc::clone(&self.dispatcher.shared);
         let beat = async move {
-            heartbeat(&*inbox, &liveness, clock.as_ref()).await;
+            let beat = heartbeat(&*inbox, &liveness, shared.clock.as_ref());
+            shared.heartbeats.beat(async { _ = beat.await }).await;
         };
         ctx.spawn(
             beat.into_actor(self)
