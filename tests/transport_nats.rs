@@ -601,3 +601,124 @@ async fn refused_credentials_stop_listening_with_a_clear_error() {
     let runtime = store.runtime(module(&seen, "a"), server.transport(&wrong));
     stops_listening(runtime, "refused").await;
 }
+
+/// `len` bytes of `a`, as a type name.
+const fn a_name<const LEN: usize>() -> &'static str {
+    match std::str::from_utf8(&[b'a'; LEN]) {
+        Ok(name) => name,
+        Err(_) => panic!("ASCII"),
+    }
+}
+
+/// A type whose name, the longest a module registers, is too long for a JetStream consumer's
+/// beside the service's (255 bytes for both).
+#[derive(Clone, Debug, serde::Serialize, serde::Deserialize)]
+struct LongNamed {
+    n: u32,
+}
+
+impl dacapo::Message for LongNamed {
+    const TYPE: &'static str = a_name::<{ dacapo::MAX_MESSAGE_TYPE_LEN }>();
+}
+
+/// A type whose subject is longer than a NATS server reads in a line (4 KiB by default): it
+/// cannot be registered, but it can be sent.
+#[derive(Clone, Debug, serde::Serialize, serde::Deserialize)]
+struct Oversized {
+    n: u32,
+}
+
+impl dacapo::Message for Oversized {
+    const TYPE: &'static str = a_name::<5000>();
+}
+
+/// Tells the test each message it handled.
+struct Tells<M>(tokio::sync::mpsc::UnboundedSender<M>);
+
+impl<M: dacapo::Message + Clone> dacapo::Handler<M> for Tells<M> {
+    async fn handle(
+        &self,
+        message: &M,
+        _: &dacapo::MessageContext,
+    ) -> Result<(), dacapo::HandlerError> {
+        let _ = self.0.send(message.clone());
+        Ok(())
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_type_too_long_for_a_consumer_name_crosses_jetstream() {
+    let server = Server::new().await;
+    let store = TestStore::sqlite().await;
+    let (told, mut handled) = tokio::sync::mpsc::unbounded_channel();
+    let runtime = store.runtime(
+        dacapo::Module::new("long").handle::<LongNamed, _>(Tells(told)),
+        server.transport(&url()).route::<LongNamed>(),
+    );
+    listening(&runtime).await;
+    runtime.publish(&LongNamed { n: 7 }).await.unwrap();
+    let message = tokio::time::timeout(WAIT, handled.recv())
+        .await
+        .expect("handled within the wait")
+        .unwrap();
+    assert_eq!(message.n, 7);
+    let names: Vec<String> = server
+        .consumers()
+        .await
+        .into_iter()
+        .map(|info| info.name)
+        .collect();
+    assert!(
+        names.iter().any(|name| name.len() == 255),
+        "the consumer's name is cut to JetStream's limit: {names:?}"
+    );
+    assert!(runtime.shutdown().await.is_clean());
+    server.remove().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_subject_prefix_too_long_for_the_servers_line_stops_listening_with_a_clear_error() {
+    let server = Server::new().await;
+    let store = TestStore::sqlite().await;
+    let seen = Seen::default();
+    let runtime = store.runtime(
+        module(&seen, "a"),
+        server
+            .transport(&url())
+            .subject_prefix(format!("{}.{}", server.prefix, "p".repeat(3100))),
+    );
+    stops_listening(runtime, "a NATS subject may have").await;
+    server.remove().await;
+}
+
+/// Published, it is dead-lettered at once, and the connection stays up for the rest (a server
+/// closes the connection on a line that long).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_type_whose_subject_passes_the_servers_line_is_dead_lettered_where_it_is_sent() {
+    let server = Server::new().await;
+    let store = TestStore::sqlite().await;
+    let seen = Seen::default();
+    let runtime = store.runtime(
+        module(&seen, "a"),
+        server.transport(&url()).route::<Oversized>(),
+    );
+    listening(&runtime).await;
+    let oversized = runtime.send(&Oversized { n: 1 }).await.unwrap();
+    let fine = runtime.publish(&Ping { n: 2 }).await.unwrap();
+    let calls = seen.wait_for(1, WAIT).await;
+    assert_eq!(calls[0].id, fine);
+    let letters = dead_letters(&runtime, 1).await;
+    assert_eq!(letters[0].envelope.id, oversized);
+    assert!(
+        letters[0]
+            .reason
+            .to_string()
+            .contains("a NATS subject may have"),
+        "{}",
+        letters[0].reason
+    );
+    runtime.idle().await;
+    assert_eq!(runtime.outbox_backlog().await.unwrap().unwrap().depth, 0);
+    assert!(runtime.shutdown().await.is_clean());
+    server.remove().await;
+}

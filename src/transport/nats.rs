@@ -28,8 +28,14 @@ const LONGEST: Duration = Duration::from_nanos(i64::MAX.unsigned_abs());
 /// A consumer is named `<service>_<type>_<hash>`: the service name given to [`Nats::new`],
 /// the message type with each character other than an ASCII letter, digit or `-` replaced by
 /// `_` (JetStream names allow no `.`), and the first 8 hex digits of the type's SHA-256, which
-/// keeps apart two types that read alike once replaced. With [`declare(false)`](Nats::declare)
-/// those are the consumers to create beforehand.
+/// keeps apart two types that read alike once replaced. Where that would pass JetStream's
+/// 255 bytes, the type is cut and the hash is 16 hex digits. With
+/// [`declare(false)`](Nats::declare) those are the consumers to create beforehand. A subject
+/// over 3 KiB (prefix and type) is refused: a NATS server closes the connection on a protocol
+/// line over 4 KiB by default. Sent, such a message is dead-lettered; listened to, the node
+/// stops listening with [`Error::Configuration`](crate::Error::Configuration), as it does for a
+/// service name that cannot name a consumer (empty, with `.`, `*`, `>`, a slash or whitespace,
+/// or too long to leave room for a type).
 ///
 /// Each publication carries `Nats-Msg-Id` set to the envelope id, so JetStream's duplicate
 /// window drops a republication before the inbox has to. A node acknowledges a message once
@@ -208,10 +214,36 @@ fn subject(prefix: &str, message_type: &str) -> String {
     format!("{prefix}.{message_type}")
 }
 
+/// The longest consumer name JetStream takes.
+const MAX_CONSUMER_NAME: usize = 255;
+
+/// The longest subject this transport publishes to or listens on. A NATS server reads protocol
+/// lines of 4 KiB by default and closes the connection on a longer one; the longest line a
+/// subject goes into is the request that creates its consumer, beside the stream's name and
+/// the consumer's (255 bytes each at most).
+const MAX_SUBJECT: usize = 3 * 1024;
+
 /// The durable consumer of `service` for `message_type`: JetStream names allow no `.`, `*`,
-/// `>` or whitespace, so those become `_`, and a hash of the type keeps two types apart.
-fn consumer_name(service: &str, message_type: &str) -> String {
+/// `>` or whitespace, so those become `_`, and a hash of the type keeps two types apart. A
+/// type too long for the name is cut, with a longer hash.
+///
+/// # Errors
+///
+/// [`Error::Configuration`] for a service name no consumer can carry.
+fn consumer_name(service: &str, message_type: &str) -> Result<String, Error> {
     use sha2::Digest;
+    let unfit = |why: &str| {
+        Err(Error::Configuration(format!(
+            "the NATS service name {service:?} cannot name a JetStream consumer: {why}"
+        )))
+    };
+    if service.is_empty()
+        || service.chars().any(|c| {
+            matches!(c, '.' | '*' | '>' | '/' | '\\') || c.is_whitespace() || c.is_control()
+        })
+    {
+        return unfit("it must be a non-empty name without '.', '*', '>', slashes or whitespace");
+    }
     let plain: String = message_type
         .chars()
         .map(|c| {
@@ -223,10 +255,21 @@ fn consumer_name(service: &str, message_type: &str) -> String {
         })
         .collect();
     let hash = sha2::Sha256::digest(message_type.as_bytes());
-    format!(
-        "{service}_{plain}_{:02x}{:02x}{:02x}{:02x}",
-        hash[0], hash[1], hash[2], hash[3]
-    )
+    let hex = |bytes: &[u8]| bytes.iter().map(|b| format!("{b:02x}")).collect::<String>();
+    let name = format!("{service}_{plain}_{}", hex(&hash[..4]));
+    if name.len() <= MAX_CONSUMER_NAME {
+        return Ok(name);
+    }
+    // Names that fit stay as they were: a consumer renamed would start over on its stream.
+    let tail = hex(&hash[..8]);
+    match MAX_CONSUMER_NAME.checked_sub(service.len() + tail.len() + 2) {
+        // `plain` is ASCII: any byte is a character's end.
+        Some(room) if room > 0 => Ok(format!("{service}_{}_{tail}", &plain[..room])),
+        _ => unfit(&format!(
+            "over {} bytes",
+            MAX_CONSUMER_NAME - tail.len() - 3
+        )),
+    }
 }
 
 async fn connect(settings: &Settings) -> Result<jetstream::Context, Error> {
@@ -418,8 +461,16 @@ fn never_passes(kind: jetstream::context::PublishErrorKind) -> Option<&'static s
     }
 }
 
-/// Why `subject` is no subject to publish to: empty tokens, wildcards, whitespace.
+/// Why `subject` is no subject to publish to: empty tokens, wildcards, whitespace, a length
+/// the server would close the connection on.
 fn unpublishable(subject: &str) -> Option<String> {
+    if subject.len() > MAX_SUBJECT {
+        let start: String = subject.chars().take(64).collect();
+        return Some(format!(
+            "the subject {start:?}… is {} bytes long, over the {MAX_SUBJECT} a NATS subject may have",
+            subject.len()
+        ));
+    }
     let bad = subject.is_empty()
         || subject
             .split('.')
@@ -490,12 +541,18 @@ impl Subscribe for Subscriber {
         // several subjects needs a 2.10 server, and a server before it would ignore it.
         let mut streams = Vec::with_capacity(self.listened.len());
         for message_type in &self.listened {
-            let name = consumer_name(&settings.consumer, message_type);
+            let filter_subject = subject(&settings.prefix, message_type);
+            if let Some(why) = unpublishable(&filter_subject) {
+                return Err(Error::Configuration(format!(
+                    "cannot listen to {message_type:?} on NATS: {why}"
+                )));
+            }
+            let name = consumer_name(&settings.consumer, message_type)?;
             let consumer: jetstream::consumer::PullConsumer = if settings.declare {
                 stream
                     .create_consumer(pull::Config {
                         durable_name: Some(name),
-                        filter_subject: subject(&settings.prefix, message_type),
+                        filter_subject,
                         ack_policy: jetstream::consumer::AckPolicy::Explicit,
                         ack_wait: settings.ack_wait,
                         ..pull::Config::default()
@@ -649,13 +706,49 @@ mod tests {
     #[test]
     fn a_consumer_is_named_after_its_service_its_type_and_the_types_hash() {
         assert_eq!(
-            consumer_name("billing", "orders.placed"),
+            consumer_name("billing", "orders.placed").unwrap(),
             "billing_orders_placed_456a4dba"
         );
         // Alike once `.` is replaced, kept apart by the hash.
         assert_eq!(
-            consumer_name("billing", "orders_placed"),
+            consumer_name("billing", "orders_placed").unwrap(),
             "billing_orders_placed_abc363bf"
         );
+    }
+
+    #[test]
+    fn a_type_too_long_for_a_consumer_name_is_cut_and_kept_apart_by_a_longer_hash() {
+        let long = "a".repeat(300);
+        let cut = consumer_name("billing", &format!("{long}.x")).unwrap();
+        let other = consumer_name("billing", &format!("{long}.y")).unwrap();
+        assert_eq!(cut.len(), 255);
+        assert_eq!(other.len(), 255);
+        assert_ne!(cut, other);
+        assert!(cut.starts_with("billing_aaaa"), "{cut}");
+        // 16 hex digits of the hash, where a name that fits has 8.
+        assert_eq!(cut.rsplit_once('_').unwrap().1.len(), 16);
+        // The longest name that fits is not cut.
+        let fits = "b".repeat(255 - "billing__12345678".len());
+        assert_eq!(consumer_name("billing", &fits).unwrap().len(), 255);
+    }
+
+    #[test]
+    fn a_service_name_no_consumer_can_carry_is_a_configuration_error() {
+        for service in [
+            "",
+            "bill.ing",
+            "bill ing",
+            "bill>",
+            "bill/ing",
+            &"s".repeat(240),
+        ] {
+            assert!(
+                matches!(
+                    consumer_name(service, "orders.placed"),
+                    Err(crate::Error::Configuration(_))
+                ),
+                "{service:?}"
+            );
+        }
     }
 }
