@@ -8,6 +8,8 @@
 mod support;
 #[path = "support/stores.rs"]
 mod support_stores;
+#[path = "support/warnings.rs"]
+mod support_warnings;
 
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -1070,3 +1072,168 @@ on_both_backends!(
         assert!(restarted.shutdown().await.is_clean());
     }
 );
+
+/// Tells which member each call is for, then waits for its gate.
+struct TellsAndWaits {
+    started: tokio::sync::mpsc::UnboundedSender<u64>,
+    gate: Arc<tokio::sync::Semaphore>,
+}
+
+impl Handler<MemberRemoved> for TellsAndWaits {
+    async fn handle(
+        &self,
+        removed: &MemberRemoved,
+        _: &MessageContext,
+    ) -> Result<(), HandlerError> {
+        let _ = self.started.send(removed.member_id);
+        self.gate.acquire().await?.forget();
+        Ok(())
+    }
+}
+
+/// A delivery that gets its room only after a shutdown's drain — a batch waiting behind a
+/// handler that outlasted the drain and then finished — does not start: the shutdown is
+/// releasing this node's rows, and another node may claim it at once and run it beside this
+/// one. It is handed back in the report, and its row waits, released, for the next node.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_delivery_given_room_after_the_drain_does_not_start_while_the_node_is_released() {
+    use sqlx::{Connection, Executor};
+    let warned = |text: &str| {
+        support_warnings::warnings()
+            .lock()
+            .unwrap()
+            .iter()
+            .any(|warning| warning.contains(text))
+    };
+    warned("");
+    let db = support_stores::TestDatabase::new(Backend::Postgres).await;
+    let (started, mut starts) = tokio::sync::mpsc::unbounded_channel();
+    let gate = Arc::new(tokio::sync::Semaphore::new(0));
+    let runtime = Arc::new(
+        Runtime::builder()
+            .store(
+                db.postgres()
+                    .await
+                    .node_id("a")
+                    .node_timeout(Duration::from_millis(300)),
+            )
+            .max_in_flight(1)
+            // Past the drain, the shutdown waits as long again for the heartbeat the test
+            // holds up: the window in which the second gets its room.
+            .drain_timeout(Duration::from_secs(3))
+            .module(Module::new("m").handle_named::<MemberRemoved, _>(
+                "h",
+                TellsAndWaits {
+                    started,
+                    gate: Arc::clone(&gate),
+                },
+            ))
+            .build()
+            .unwrap(),
+    );
+    let member = |member_id| MemberRemoved {
+        organization_id: 1,
+        member_id,
+    };
+    runtime.publish(&member(1)).await.unwrap();
+    assert_eq!(starts.recv().await, Some(1));
+    // Persisted, both waiting for the room the first holds.
+    let batch = tokio::spawn({
+        let runtime = Arc::clone(&runtime);
+        async move { runtime.publish_batch(&[member(2), member(3)]).await }
+    });
+    wait_for(
+        || async { db.inbox_rows().await == 3 },
+        "the batch is persisted",
+    )
+    .await;
+    let mut locker = sqlx::PgConnection::connect(&db.url).await.unwrap();
+    locker.execute("BEGIN").await.unwrap();
+    locker
+        .execute("SELECT id FROM dacapo_nodes WHERE id = 'a' FOR UPDATE")
+        .await
+        .unwrap();
+    wait_for(
+        || async {
+            db.scalar("SELECT count(*) FROM pg_locks WHERE NOT granted")
+                .await
+                > 0
+        },
+        "a heartbeat waits for the locked row",
+    )
+    .await;
+
+    let shutdown = tokio::spawn({
+        let runtime = Arc::clone(&runtime);
+        async move { runtime.shutdown().await }
+    });
+    wait_for(
+        || async { warned("still running after the drain") },
+        "the drain ends",
+    )
+    .await;
+    gate.add_permits(1);
+    // The first settles, and the second gets its room: it starts, or hands itself back.
+    let mut started_late = None;
+    wait_for(
+        || {
+            started_late = started_late.or(starts.try_recv().ok());
+            let over = started_late.is_some() || warned("did not start");
+            async move { over }
+        },
+        "the second got its room",
+    )
+    .await;
+    assert_eq!(started_late, None, "started once the drain was over");
+    locker.execute("ROLLBACK").await.unwrap();
+
+    let report = tokio::time::timeout(WAIT, shutdown).await.unwrap().unwrap();
+    batch.abort();
+    assert!(starts.try_recv().is_err(), "nothing more started");
+    let ids = batch_ids(&db).await;
+    assert!(
+        report
+            .pending_retries
+            .iter()
+            .any(|pending| pending.envelope.id == ids[0]),
+        "the second is handed back: {report:?}"
+    );
+    assert_eq!(
+        db.scalar("SELECT count(*) FROM dacapo_inbox WHERE status = 'incoming' AND owner IS NULL")
+            .await,
+        2,
+        "both wait, released, for the next node"
+    );
+}
+
+/// Waits, at most `WAIT`, until `condition` holds.
+async fn wait_for<F: std::future::Future<Output = bool>>(
+    mut condition: impl FnMut() -> F,
+    what: &str,
+) {
+    tokio::time::timeout(WAIT, async {
+        while !condition().await {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    })
+    .await
+    .unwrap_or_else(|_| panic!("not within {WAIT:?}: {what}"));
+}
+
+/// The ids of the second and the third member's envelopes, in that order.
+async fn batch_ids(db: &support_stores::TestDatabase) -> Vec<uuid::Uuid> {
+    let store = db.postgres().await;
+    let mut ids = Vec::new();
+    for member_id in [2, 3] {
+        let (id,): (String,) = sqlx::query_as(
+            "SELECT id FROM dacapo_inbox \
+             WHERE convert_from(payload, 'UTF8') LIKE '%\"member_id\":' || $1 || '}'",
+        )
+        .bind(member_id.to_string())
+        .fetch_one(store.pool())
+        .await
+        .unwrap();
+        ids.push(id.parse().unwrap());
+    }
+    ids
+}

@@ -57,8 +57,9 @@ pub(crate) struct Shared {
     /// Cascaded messages whose delivery never started, the engine stopping while they waited
     /// for room: handed back in the shutdown report.
     pub(crate) unstarted_cascades: std::sync::Mutex<Vec<Envelope>>,
-    /// Resumed deliveries (a replayed dead letter) that a shutdown found waiting for room:
-    /// handed back in the shutdown report, as due now.
+    /// Resumed deliveries (a replayed dead letter) that a shutdown found waiting for room, and
+    /// deliveries that got their room only after its drain: handed back in the shutdown report,
+    /// as due now.
     pub(crate) unstarted_resumes: std::sync::Mutex<Vec<crate::PendingRetry>>,
     /// The runtime's store, which handlers may open transactions on.
     pub(crate) store: Option<Arc<dyn std::any::Any + Send + Sync>>,

@@ -361,6 +361,9 @@ impl Engine {
             .shared
             .drain_over
             .store(true, std::sync::atomic::Ordering::SeqCst);
+        // No delivery starts from here (one that got room late, after the drain, hands itself
+        // back): those listed now are all that may run while the rest is released.
+        tracker.freeze();
         // Active ones first: a delivery that starts cooling down in between is then in one
         // list or both (kept in the retries), never in neither.
         let mut still_running = if drained {
@@ -370,6 +373,12 @@ impl Engine {
         };
         let pending_retries = tracker.take_cooling();
         still_running.retain(|id| !pending_retries.iter().any(|p| p.envelope.id == *id));
+        if !still_running.is_empty() {
+            tracing::warn!(
+                deliveries = still_running.len(),
+                "shutdown: deliveries still running after the drain; they stay this node's until its heartbeat expires"
+            );
+        }
         let mut report = ShutdownReport {
             pending_retries,
             still_running,

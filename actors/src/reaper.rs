@@ -69,13 +69,10 @@ impl ReaperActor {
         let claims = Arc::clone(&self.claims);
         let heartbeats = Arc::clone(&self.heartbeats);
         let beat = async move {
-            heartbeats
-                .beat(async {
-                    if let Err(error) = claims.keep_alive().await {
-                        tracing::warn!(%error, "the deduplication claims' heartbeat failed; retrying at the next");
-                    }
-                })
-                .await;
+            let written = heartbeats.beat(claims.keep_alive()).await;
+            if let Some(Err(error)) = written {
+                tracing::warn!(%error, "the deduplication claims' heartbeat failed; retrying at the next");
+            }
         };
         let busy = self.timers.busy();
         ctx.spawn(beat.into_actor(self).map(move |(), actor, _| {

@@ -69,10 +69,11 @@ async fn resume_orphaned(dispatcher: &Dispatcher, inbox: &dyn DurableInbox, batc
     }
 }
 
-/// What this node knows of its own heartbeat. After a gap in it longer than the node timeout
-/// (the store unreachable, the process paused), the other nodes' heartbeats may be as old as
-/// its own through no death of theirs — an outage stops theirs too — so it claims none of
-/// their rows until they have had a node timeout to beat again.
+/// What this node knows of its own heartbeat. After a gap in it longer than two thirds of the
+/// node timeout (the store unreachable, the process paused), the other nodes' heartbeats may
+/// have lapsed through no death of theirs — an outage stops theirs too, and theirs may have
+/// been a beat older than its own when it began — so it claims none of their rows until they
+/// have had a node timeout to beat again.
 #[derive(Debug, Default)]
 struct Liveness {
     /// When its last heartbeat was written.
@@ -91,9 +92,16 @@ impl Liveness {
             return;
         }
         let timeout = chrono::Duration::from_std(timeout).unwrap_or(chrono::TimeDelta::MAX);
+        // Another node's last beat may be up to a beat's interval (a third of the timeout)
+        // older than this node's was when the outage began: a gap of two thirds of the timeout
+        // may have let theirs lapse.
+        let interrupted_after = timeout - timeout / 3;
         let gap = self
             .last_beat
-            .and_then(|last| now.signed_duration_since(last).checked_sub(&timeout))
+            .and_then(|last| {
+                now.signed_duration_since(last)
+                    .checked_sub(&interrupted_after)
+            })
             .is_some_and(|over| over > chrono::TimeDelta::zero());
         if self.failed || gap {
             tracing::warn!(
@@ -131,27 +139,31 @@ type SharedLiveness = Arc<std::sync::Mutex<Liveness>>;
 /// makes the stopped node look alive for a node timeout.
 #[derive(Debug, Default)]
 pub(crate) struct Heartbeats {
-    /// Whether they ended; read by each beat for as long as it writes, so that the end waits
-    /// for the beats under way. Beats share it, so one store that hangs holds up no other's.
-    over: tokio::sync::RwLock<bool>,
+    over: std::sync::atomic::AtomicBool,
+    /// Held, shared, by each beat for as long as it writes, so that the end can wait for the
+    /// beats under way; one store that hangs holds up no other's beats.
+    writing: tokio::sync::RwLock<()>,
 }
 
 impl Heartbeats {
-    /// Runs `beat` unless the heartbeats ended.
-    pub(crate) async fn beat(&self, beat: impl std::future::Future<Output = ()>) {
-        let over = self.over.read().await;
-        if !*over {
-            beat.await;
+    /// Runs `beat` unless the heartbeats ended: its output, or `None`.
+    pub(crate) async fn beat<T>(&self, beat: impl std::future::Future<Output = T>) -> Option<T> {
+        let _writing = self.writing.read().await;
+        if self.over.load(std::sync::atomic::Ordering::SeqCst) {
+            return None;
         }
+        Some(beat.await)
     }
 
-    /// Ends them, once the beats under way are written.
+    /// Ends them, then waits for the beats under way to be written.
     ///
     /// # Cancel safety
     ///
-    /// Cancel safe: dropped while it waits, the heartbeats go on.
+    /// Cancel safe: dropped while it waits, the heartbeats are ended all the same, and only
+    /// a beat already under way may still be written.
     pub(crate) async fn end(&self) {
-        *self.over.write().await = true;
+        self.over.store(true, std::sync::atomic::Ordering::SeqCst);
+        drop(self.writing.write().await);
     }
 }
 
@@ -277,7 +289,10 @@ impl RecoveryActor {
             }
             if full {
                 // Without a fresh heartbeat this node could look dead to itself: claim nothing.
-                if !heartbeat(&*inbox, &liveness, shared.clock.as_ref()).await {
+                // Gated like the timer's beats: a round the shutdown stopped waiting for must
+                // not make the released node look alive.
+                let beat = heartbeat(&*inbox, &liveness, shared.clock.as_ref());
+                if shared.heartbeats.beat(beat).await != Some(true) {
                     return Round::failed(true);
                 }
                 resume_orphaned(&dispatcher, &*inbox, batch).await;
@@ -384,7 +399,7 @@ impl RecoveryActor {
         let shared = Arc::clone(&self.dispatcher.shared);
         let beat = async move {
             let beat = heartbeat(&*inbox, &liveness, shared.clock.as_ref());
-            shared.heartbeats.beat(async { _ = beat.await }).await;
+            shared.heartbeats.beat(beat).await;
         };
         ctx.spawn(
             beat.into_actor(self)
@@ -419,6 +434,22 @@ mod tests {
     }
 
     #[test]
+    fn a_gap_of_two_thirds_of_the_timeout_holds_claims_back() {
+        // Another node beat last 8 s before this one's outage of 25 s began: by now its beat
+        // is 33 s old, though it beats again as soon as the store is back.
+        let mut liveness = Liveness::default();
+        liveness.beat(true, at(0), TIMEOUT);
+        liveness.beat(true, at(25), TIMEOUT);
+        assert!(!liveness.may_claim(at(25), TIMEOUT));
+        assert!(liveness.may_claim(at(55), TIMEOUT));
+        // A gap of a beat's interval and a little more is no outage.
+        let mut liveness = Liveness::default();
+        liveness.beat(true, at(0), TIMEOUT);
+        liveness.beat(true, at(19), TIMEOUT);
+        assert!(liveness.may_claim(at(19), TIMEOUT));
+    }
+
+    #[test]
     fn heartbeats_within_the_node_timeout_leave_claims_free() {
         let mut liveness = Liveness::default();
         for second in [0, 10, 20, 30, 40] {
@@ -438,7 +469,9 @@ mod tests {
         assert!(!liveness.may_claim(at(41), TIMEOUT));
         assert!(liveness.may_claim(at(42), TIMEOUT));
         // Beats on time after that hold nothing back again.
-        liveness.beat(true, at(40), TIMEOUT);
+        for second in [22, 32, 42] {
+            liveness.beat(true, at(second), TIMEOUT);
+        }
         assert!(liveness.may_claim(at(42), TIMEOUT));
     }
 

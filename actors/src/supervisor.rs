@@ -173,6 +173,32 @@ impl DeliverySupervisor {
         self.worker.shared.clock.now()
     }
 
+    /// Gives up a delivery that got its room only once a shutdown's drain was over: the
+    /// shutdown releases this node's rows, and another node may claim it and run it at once.
+    /// It is handed back in the shutdown report, due now, and stays in a durable store.
+    fn hand_back_unstarted(&mut self, ctx: &mut Context<Self>) {
+        let shared = &*self.worker.shared;
+        let envelope = self.delivery.envelope.clone();
+        tracing::warn!(
+            messaging.message.id = %envelope.id,
+            "shutdown: a delivery that got room after the drain did not start; handed back in the shutdown report"
+        );
+        shared
+            .unstarted_resumes
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .push(PendingRetry {
+                envelope,
+                due_at: self.now(),
+                failures: std::mem::take(&mut self.delivery.failures),
+            });
+        self.permit.take();
+        self.me = None;
+        self.busy = None;
+        shared.tracker.release();
+        ctx.stop();
+    }
+
     /// Moves the delivery on by `event` and runs what it decides.
     fn apply(&mut self, event: Event, ctx: &mut Context<Self>) {
         let route = self.route.clone();
@@ -711,12 +737,14 @@ impl Actor for DeliverySupervisor {
         self.started_at = self.worker.shared.timers.mark();
         self.me = Some(ctx.address());
         let shared = &*self.worker.shared;
-        self.ticket = Some(
-            shared
-                .tracker
-                .supervise(self.worker.index, self.delivery.envelope.id),
-        );
+        self.ticket = shared
+            .tracker
+            .supervise(self.worker.index, self.delivery.envelope.id);
         shared.unlist_starting(self.delivery.envelope.id);
+        if self.ticket.is_none() {
+            self.hand_back_unstarted(ctx);
+            return;
+        }
         // The check runs the application's code (the payload's deserializer, deduplication key
         // functions): a panic there must not unwind through the supervisor, which would leave
         // its delivery unsettled for good. No retry reads the message differently.

@@ -105,6 +105,9 @@ pub(crate) struct Ticket {
 #[derive(Debug)]
 pub(crate) struct Tracker {
     closing: AtomicBool,
+    /// Set by a shutdown before it lists the deliveries still running, which it keeps as this
+    /// node's while it releases the others: a supervisor that starts later runs nothing.
+    frozen: AtomicBool,
     /// Deliveries not settled (high 32 bits) and, among them, those active (low 32 bits), in
     /// one word so that admitting or settling a delivery is a single atomic operation.
     counts: AtomicU64,
@@ -116,6 +119,7 @@ impl Tracker {
     pub(crate) fn new(workers: usize) -> Self {
         Self {
             closing: AtomicBool::new(false),
+            frozen: AtomicBool::new(false),
             counts: AtomicU64::new(0),
             workers: (0..workers.max(1)).map(|_| Mutex::default()).collect(),
             changed: Notify::new(),
@@ -161,12 +165,28 @@ impl Tracker {
     }
 
     /// Records that `worker` supervises the admitted delivery of envelope `id`.
-    pub(crate) fn supervise(&self, worker: usize, id: Uuid) -> Ticket {
-        let (slot, generation) = self.worker(worker).insert(Live::Active(id));
-        Ticket {
+    /// `None` once the tracker is [frozen](Self::freeze): the delivery must not start.
+    pub(crate) fn supervise(&self, worker: usize, id: Uuid) -> Option<Ticket> {
+        let mut supervised = self.worker(worker);
+        // Read under the worker's lock, which `freeze` passes through after setting it: a
+        // supervisor is either listed before the shutdown looks, or sees the freeze.
+        if self.frozen.load(Ordering::Acquire) {
+            return None;
+        }
+        let (slot, generation) = supervised.insert(Live::Active(id));
+        Some(Ticket {
             worker,
             slot,
             generation,
+        })
+    }
+
+    /// Lets no more deliveries start: those [`still_active`](Self::still_active) lists from
+    /// now on are all that run.
+    pub(crate) fn freeze(&self) {
+        self.frozen.store(true, Ordering::Release);
+        for worker in 0..self.workers.len() {
+            drop(self.worker(worker));
         }
     }
 
