@@ -670,3 +670,96 @@ on_both_backends!(
     a_node_keeps_its_heartbeat_through_a_shutdowns_drain_postgres,
     |db| a_node_keeps_its_heartbeat_through_a_shutdowns_drain(db).await
 );
+
+/// The store of `node` on `db`, with its own `node_timeout` and clock.
+async fn timed_store(
+    db: &TestDatabase,
+    node: &str,
+    node_timeout: Duration,
+    clock: &support_clock::ManualClock,
+) -> Box<dyn TimedStore> {
+    let clock = std::sync::Arc::new(clock.clone());
+    match db.backend {
+        Backend::Sqlite => Box::new(
+            db.sqlite()
+                .await
+                .node_id(node)
+                .node_timeout(node_timeout)
+                .clock(clock),
+        ),
+        Backend::Postgres => Box::new(
+            db.postgres()
+                .await
+                .node_id(node)
+                .node_timeout(node_timeout)
+                .clock(clock),
+        ),
+    }
+}
+
+trait TimedStore: DurableInbox + Claims {}
+impl<S: DurableInbox + Claims> TimedStore for S {}
+
+/// A node is taken for alive for its own `node_timeout` after each beat, whatever the node
+/// judging it was given: a node with a shorter timeout took a live node, beating on time for
+/// its longer one, for dead, and ran its deliveries and claims beside it.
+async fn a_node_is_alive_for_its_own_node_timeout(db: TestDatabase) {
+    let (clock_a, clock_b) = (
+        support_clock::ManualClock::default(),
+        support_clock::ManualClock::default(),
+    );
+    let start = dacapo::ports::Clock::now(&clock_a);
+    clock_b.set(start);
+    let a = timed_store(&db, "a", Duration::from_secs(60), &clock_a).await;
+    let b = timed_store(&db, "b", Duration::from_secs(1), &clock_b).await;
+    let envelope = dacapo::Envelope::for_message(&member_removed()).unwrap();
+    a.receive(&envelope).await.unwrap();
+    a.heartbeat().await.unwrap();
+    let claim = |now| {
+        dacapo::ports::Claim::new(
+            "m/h".to_owned(),
+            "order-1".to_owned(),
+            envelope.id,
+            &envelope.payload,
+            now,
+            Duration::from_secs(3600),
+        )
+    };
+    assert_eq!(
+        a.claim(&claim(start)).await.unwrap(),
+        dacapo::ports::ClaimOutcome::Claimed
+    );
+    // Older than `b`'s timeout, the delivery and the claim alike.
+    db.execute("UPDATE dacapo_inbox SET received_at = 0").await;
+    let never = chrono::DateTime::<chrono::Utc>::MAX_UTC;
+
+    // 30 s on: past `b`'s timeout of 1 s, within `a`'s own 60 s.
+    let within = start + chrono::Duration::seconds(30);
+    clock_b.set(within);
+    assert!(
+        b.recover(10, never, true).await.unwrap().is_empty(),
+        "a's delivery stays a's"
+    );
+    let refused = b.claim(&claim(within)).await.unwrap_err();
+    assert!(
+        refused.to_string().contains("still running on node a"),
+        "a's claim stays a's: {refused}"
+    );
+
+    // Past a's own timeout too.
+    let past = start + chrono::Duration::seconds(61);
+    clock_b.set(past);
+    let taken = b.recover(10, never, true).await.unwrap();
+    assert_eq!(taken.len(), 1, "a's delivery is taken over");
+    assert_eq!(
+        b.claim(&claim(past)).await.unwrap(),
+        dacapo::ports::ClaimOutcome::Claimed,
+        "a's claim is taken over"
+    );
+}
+
+on_both_backends!(
+    a_node_is_alive_for_its_own_node_timeout_sqlite,
+    a_node_is_alive_for_its_own_node_timeout_postgres,
+    |db| a_node_is_alive_for_its_own_node_timeout(db).await
+);

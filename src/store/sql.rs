@@ -112,6 +112,15 @@ macro_rules! migrations {
                     "/0007_http_keys.sql"
                 )),
             },
+            $crate::store::sql::Migration {
+                version: 8,
+                description: "each node's own expiry",
+                sql: include_str!(concat!(
+                    "../../migrations/",
+                    $backend,
+                    "/0008_node_expiry.sql"
+                )),
+            },
         ]
     };
 }

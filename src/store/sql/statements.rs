@@ -187,12 +187,18 @@ pub(crate) const RELEASE_ENVELOPE_CLAIMS: &str = "DELETE FROM dacapo_deduplicati
 /// Moves a heartbeat back by no less than `$3`: two beats of one node (a round's and the
 /// timer's) may commit in the other order than they were stamped, but a clock stepped back
 /// (NTP, a restored snapshot) must not leave a stamp in the future, which would keep the node
-/// alive to the others for as long after it stopped.
-pub(crate) const HEARTBEAT: &str = "INSERT INTO dacapo_nodes (id, heartbeat_at) VALUES ($1, $2) \
+/// alive to the others for as long after it stopped. `$4` is when the node is to be taken for
+/// dead without another beat: the stamp plus its own node timeout, moved with the stamp.
+pub(crate) const HEARTBEAT: &str = "INSERT INTO dacapo_nodes (id, heartbeat_at, alive_until) \
+    VALUES ($1, $2, $4) \
     ON CONFLICT (id) DO UPDATE SET heartbeat_at = CASE \
     WHEN excluded.heartbeat_at > dacapo_nodes.heartbeat_at \
         OR excluded.heartbeat_at < dacapo_nodes.heartbeat_at - $3 THEN excluded.heartbeat_at \
-    ELSE dacapo_nodes.heartbeat_at END";
+    ELSE dacapo_nodes.heartbeat_at END, \
+    alive_until = CASE \
+    WHEN excluded.heartbeat_at > dacapo_nodes.heartbeat_at \
+        OR excluded.heartbeat_at < dacapo_nodes.heartbeat_at - $3 THEN excluded.alive_until \
+    ELSE dacapo_nodes.alive_until END";
 
 pub(crate) const RELEASE: &str = "UPDATE dacapo_inbox SET owner = NULL \
     WHERE owner = $1 AND status IN ('incoming', 'scheduled')";
@@ -202,7 +208,9 @@ pub(crate) const RELEASE_BEFORE: &str = "UPDATE dacapo_inbox SET owner = NULL \
 
 pub(crate) const FORGET_NODE: &str = "DELETE FROM dacapo_nodes WHERE id = $1";
 
-pub(crate) const FORGET_SILENT_NODES: &str = "DELETE FROM dacapo_nodes WHERE heartbeat_at < $1";
+/// Nodes silent since `$1`, whose own expiry (if they gave one) passed by then as well.
+pub(crate) const FORGET_SILENT_NODES: &str = "DELETE FROM dacapo_nodes WHERE heartbeat_at < $1 \
+    AND (alive_until IS NULL OR alive_until < $1)";
 
 /// Takes back a row [`RELEASE`] gave up whose delivery still runs on this node.
 pub(crate) const KEEP_RUNNING: &str = "UPDATE dacapo_inbox SET owner = $1 \
@@ -302,7 +310,7 @@ pub(crate) const CLAIM: &str = "INSERT INTO dacapo_deduplication \
         AND dacapo_deduplication.completed = 0 \
         AND (dacapo_deduplication.node = excluded.node \
             OR dacapo_deduplication.node NOT IN \
-                (SELECT id FROM dacapo_nodes WHERE heartbeat_at >= $9)))";
+                (SELECT id FROM dacapo_nodes WHERE heartbeat_at >= $9 OR alive_until >= $10)))";
 
 pub(crate) const CLAIM_HOLDER: &str = "SELECT fingerprint, envelope_id, completed, node \
     FROM dacapo_deduplication WHERE handler = $1 AND key_hash = $2";
@@ -439,7 +447,7 @@ pub(crate) const RECORD_MIGRATION: &str =
 pub(crate) const CLAIM_SQLITE: &str = "UPDATE dacapo_inbox SET owner = $1 WHERE id IN (\
     SELECT id FROM dacapo_inbox WHERE status IN ('incoming', 'scheduled') \
     AND (owner IS NULL OR ($5 = 1 AND owner <> $1 AND received_at < $2 \
-    AND owner NOT IN (SELECT id FROM dacapo_nodes WHERE heartbeat_at >= $2))) \
+    AND owner NOT IN (SELECT id FROM dacapo_nodes WHERE heartbeat_at >= $2 OR alive_until >= $6))) \
     AND (execute_at IS NULL OR execute_at < $4) \
     ORDER BY received_at LIMIT $3) \
     RETURNING id, message_type, payload, headers, deduplication_id, correlation_id, causation_id, \
@@ -450,7 +458,7 @@ pub(crate) const CLAIM_SQLITE: &str = "UPDATE dacapo_inbox SET owner = $1 WHERE 
 pub(crate) const CLAIM_POSTGRES: &str = "UPDATE dacapo_inbox SET owner = $1 WHERE id IN (\
     SELECT id FROM dacapo_inbox WHERE status IN ('incoming', 'scheduled') \
     AND (owner IS NULL OR ($5 = 1 AND owner <> $1 AND received_at < $2 \
-    AND owner NOT IN (SELECT id FROM dacapo_nodes WHERE heartbeat_at >= $2))) \
+    AND owner NOT IN (SELECT id FROM dacapo_nodes WHERE heartbeat_at >= $2 OR alive_until >= $6))) \
     AND (execute_at IS NULL OR execute_at < $4) \
     ORDER BY received_at LIMIT $3 FOR UPDATE SKIP LOCKED) \
     RETURNING id, message_type, payload, headers, deduplication_id, correlation_id, causation_id, \

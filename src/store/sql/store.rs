@@ -294,9 +294,10 @@ impl<D: Dialect> SqlStore<D> {
     }
 
     /// How long a node may miss heartbeats before other nodes take over its unsettled
-    /// deliveries (default 30 s), and how long a process waits for a node another process
-    /// holds. Keep it well above the runtime's recovery interval (default 10 s), which is how
-    /// often a node heartbeats.
+    /// deliveries and claims (default 30 s), and how long a process waits for a node another
+    /// process holds. Each heartbeat carries it: another node takes this one for dead only once
+    /// both this timeout and its own have passed since the last beat. A node heartbeats every
+    /// recovery interval (default 10 s) or third of this timeout, whichever is shorter.
     #[must_use]
     pub fn node_timeout(mut self, timeout: Duration) -> Self {
         self.node_timeout = timeout;
@@ -413,7 +414,16 @@ impl<D: Dialect> SqlStore<D> {
         self.clock.now()
     }
 
-    /// A node that heartbeat since then is alive; others are taken for dead.
+    /// Until when this node, beating at `now`, asks to be taken for alive.
+    fn alive_until(&self, now: DateTime<Utc>) -> DateTime<Utc> {
+        chrono::Duration::from_std(self.node_timeout)
+            .ok()
+            .and_then(|timeout| now.checked_add_signed(timeout))
+            .unwrap_or(DateTime::<Utc>::MAX_UTC)
+    }
+
+    /// A node that heartbeat since then is alive, as is one whose own expiry has not passed;
+    /// others are taken for dead.
     fn alive_since(&self) -> DateTime<Utc> {
         chrono::Duration::from_std(self.node_timeout)
             .ok()
@@ -791,6 +801,7 @@ impl<D: Dialect> DurableInbox for SqlStore<D> {
             Self::limit(limit),
             Value::Int64(millis(due_before)),
             Value::Int64(i64::from(lapsed)),
+            Value::Int64(millis(self.now())),
         ];
         let mut tx = self.db.begin().await?;
         let rows = tx.fetch_all(self.db.claim_statement(), &values).await?;
@@ -848,10 +859,12 @@ impl<D: Dialect> DurableInbox for SqlStore<D> {
         // dead while it works.
         self.db
             .execute_made(HEARTBEAT, || {
+                let now = self.now();
                 [
                     Value::Text(&self.node),
-                    Value::Int64(millis(self.now())),
+                    Value::Int64(millis(now)),
                     Value::Int64(out_of_order),
+                    Value::Int64(millis(self.alive_until(now))),
                 ]
             })
             .await?;
@@ -978,6 +991,7 @@ impl<D: Dialect> Claims for SqlStore<D> {
             Value::Int64(millis(claim.expires_at)),
             Value::Text(&self.node),
             Value::Int64(millis(self.alive_since())),
+            Value::Int64(millis(self.now())),
         ];
         let holder = [Value::Text(&claim.handler), Value::Text(&claim.key_hash)];
         // A claim released between the insert and the read is free: claim again.
