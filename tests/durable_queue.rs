@@ -258,8 +258,10 @@ on_both_backends!(
             .await;
         tokio::time::timeout(WAIT, async {
             while calls.count() < 30 {
-                db.execute("UPDATE dacapo_nodes SET heartbeat_at = 0 WHERE id = 'dead'")
-                    .await;
+                db.execute(
+                    "UPDATE dacapo_nodes SET heartbeat_at = 0, alive_until = 0 WHERE id = 'dead'",
+                )
+                .await;
                 tokio::time::sleep(Duration::from_millis(100)).await;
             }
         })

@@ -466,7 +466,7 @@ impl Handler<MemberRemoved> for Gate {
 }
 
 /// Node a starts a delivery with `stale` (which reports on `started`, then waits); node b,
-/// which takes a node silent for 300 ms for dead, takes it over and runs it (and waits too).
+/// to which node a looks silent, takes it over and runs it (and waits too).
 /// Returns node a, the report of node a's delivery, node b, and the envelope id.
 async fn taken_over<H: Handler<MemberRemoved>>(
     db: &support_stores::TestDatabase,
@@ -501,10 +501,23 @@ async fn taken_over<H: Handler<MemberRemoved>>(
         ))
         .build()
         .unwrap();
-    tokio::time::timeout(WAIT, b_started_rx)
-        .await
-        .unwrap()
-        .unwrap();
+    // To node b, node a stops beating (as if paused): its heartbeat is made old, again until
+    // node b runs the delivery, should a beat of node a's land in between.
+    let mut b_started_rx = b_started_rx;
+    tokio::time::timeout(WAIT, async {
+        loop {
+            db.execute(
+                "UPDATE dacapo_nodes SET heartbeat_at = 0, alive_until = 0 WHERE id = 'node-a'",
+            )
+            .await;
+            tokio::select! {
+                started = &mut b_started_rx => break started.unwrap(),
+                () = tokio::time::sleep(Duration::from_millis(50)) => {}
+            }
+        }
+    })
+    .await
+    .expect("node b takes the delivery over");
     (slow, report, new_owner, id)
 }
 
@@ -747,7 +760,7 @@ on_both_backends!(
         );
 
         // Node a stops heartbeating: it is taken for dead, and its claim taken over.
-        db.execute("UPDATE dacapo_nodes SET heartbeat_at = 0 WHERE id = 'node-a'")
+        db.execute("UPDATE dacapo_nodes SET heartbeat_at = 0, alive_until = 0 WHERE id = 'node-a'")
             .await;
         assert_eq!(
             b_claims.claim(&claim_for(&envelope)).await.unwrap(),
@@ -1203,6 +1216,15 @@ async fn a_delivery_given_room_after_the_drain_does_not_start_while_the_node_is_
             .await,
         2,
         "both wait, released, for the next node"
+    );
+    assert_eq!(
+        db.scalar(
+            "SELECT attempts::bigint FROM dacapo_inbox \
+             WHERE convert_from(payload, 'UTF8') LIKE '%\"member_id\":2}'"
+        )
+        .await,
+        0,
+        "the second's first attempt, which never ran, is taken back: the next node runs it as new"
     );
 }
 

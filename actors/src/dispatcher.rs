@@ -61,6 +61,9 @@ pub(crate) struct Shared {
     /// deliveries that got their room only after its drain: handed back in the shutdown report,
     /// as due now.
     pub(crate) unstarted_resumes: std::sync::Mutex<Vec<crate::PendingRetry>>,
+    /// Among those, the received ones whose first attempt (counted by their receive) never
+    /// ran: the shutdown takes that attempt back before it releases them.
+    pub(crate) unstarted_fresh: std::sync::Mutex<Vec<uuid::Uuid>>,
     /// The runtime's store, which handlers may open transactions on.
     pub(crate) store: Option<Arc<dyn std::any::Any + Send + Sync>>,
     /// Whether the deduplication claims live in that store.

@@ -128,7 +128,9 @@ impl Default for EngineConfig {
 #[derive(Debug, Default)]
 #[non_exhaustive]
 pub struct ShutdownReport {
-    /// Deliveries that were waiting for a cooldown.
+    /// Deliveries that were waiting for a cooldown, and, as due at the shutdown, those that
+    /// were waiting for room: a replayed dead letter, or a delivery that got its room only
+    /// once the drain was over (a durable store also keeps them, released to the next node).
     pub pending_retries: Vec<PendingRetry>,
     /// Deliveries still running when the drain timed out.
     pub still_running: Vec<Uuid>,
@@ -228,6 +230,7 @@ impl Engine {
                         drain_over: std::sync::atomic::AtomicBool::new(false),
                         unstarted_cascades: std::sync::Mutex::default(),
                         unstarted_resumes: std::sync::Mutex::default(),
+                        unstarted_fresh: std::sync::Mutex::default(),
                         store: parts.store.clone(),
                         claims_in_store: parts.claims_in_store,
                         starting: std::sync::Mutex::default(),
@@ -415,6 +418,18 @@ impl Engine {
         // run. Not those still running: released, another node would claim one at once and run
         // it beside this one's handlers; they wait for this node's heartbeat to expire, as
         // after a crash.
+        let unstarted = std::mem::take(
+            &mut *shared
+                .unstarted_fresh
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner),
+        );
+        if let Some(durable) = &shared.durable
+            && !unstarted.is_empty()
+            && let Err(error) = durable.never_started(&unstarted).await
+        {
+            tracing::warn!(%error, deliveries = unstarted.len(), "could not take back the first attempt of deliveries that did not start; they resume as interrupted attempts");
+        }
         if let Some(durable) = &self.dispatcher.shared.durable
             && let Err(error) = durable.release(&report.still_running).await
         {

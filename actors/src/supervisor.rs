@@ -179,6 +179,19 @@ impl DeliverySupervisor {
     fn hand_back_unstarted(&mut self, ctx: &mut Context<Self>) {
         let shared = &*self.worker.shared;
         let envelope = self.delivery.envelope.clone();
+        let due_at = match self.resume {
+            Some(Resume::Due(at)) => at,
+            _ => self.now(),
+        };
+        if !self.recovered {
+            // Its receive counted the first attempt, which never ran: taken back before the
+            // release, or the next node would record it as interrupted.
+            shared
+                .unstarted_fresh
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner)
+                .push(envelope.id);
+        }
         tracing::warn!(
             messaging.message.id = %envelope.id,
             "shutdown: a delivery that got room after the drain did not start; handed back in the shutdown report"
@@ -189,7 +202,7 @@ impl DeliverySupervisor {
             .unwrap_or_else(std::sync::PoisonError::into_inner)
             .push(PendingRetry {
                 envelope,
-                due_at: self.now(),
+                due_at,
                 failures: std::mem::take(&mut self.delivery.failures),
             });
         self.permit.take();
