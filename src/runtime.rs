@@ -149,8 +149,10 @@ impl Runtime {
 
     /// Publishes every message of `messages` in one store transaction, all or nothing — one
     /// commit (one fsync on SQLite) for the lot — and starts their deliveries; returns their
-    /// envelope ids, in order, once every one is persisted. On an error none of them is
-    /// recorded. Without a durable store they are accepted one by one.
+    /// envelope ids, in order, once every one is persisted and on its way: started, or, with
+    /// the engine full until a shutdown's drain ended, handed back in the shutdown's report
+    /// (and left to the next node in a durable store). On an error none of them is recorded.
+    /// Without a durable store they are accepted one by one.
     ///
     /// # Errors
     ///

@@ -338,3 +338,66 @@ async fn a_replay_waiting_for_room_when_the_shutdown_begins_is_handed_back() {
     );
     assert!(report.still_running.is_empty());
 }
+
+#[tokio::test]
+async fn a_batch_still_waiting_for_room_when_the_drain_ends_is_handed_back() {
+    a_batch_waits_for_room_past_the_drain(failing_an_hour_apart()).await;
+}
+
+/// On SQLite, the batch's rows stay, their first attempt, which never ran, taken back: the
+/// next node runs them as new.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_batch_still_waiting_for_room_when_the_drain_ends_stays_in_the_store_unattempted() {
+    let db = dacapo::testing::ScratchDatabase::sqlite();
+    let store = db.sqlite_store().await.unwrap();
+    let ids =
+        a_batch_waits_for_room_past_the_drain(failing_an_hour_apart().store(store.clone())).await;
+    for id in ids {
+        let (attempts, owner): (i64, Option<String>) =
+            dacapo::sqlx::query_as("SELECT attempts, owner FROM dacapo_inbox WHERE id = $1")
+                .bind(id.simple().to_string())
+                .fetch_one(store.pool())
+                .await
+                .unwrap();
+        assert_eq!((attempts, owner), (0, None), "{id}");
+    }
+}
+
+/// Publishes a batch behind a delivery that holds the only slot for an hour, shuts down, and
+/// checks the batch is answered and handed back; returns the batch's ids.
+async fn a_batch_waits_for_room_past_the_drain(builder: dacapo::RuntimeBuilder) -> Vec<uuid::Uuid> {
+    // The only slot goes to a delivery whose retry cools down for an hour: nothing frees it
+    // before the shutdown hands that retry back.
+    let runtime = builder
+        .max_in_flight(1)
+        .drain_timeout(Duration::from_millis(200))
+        .build()
+        .unwrap();
+    let first = runtime.publish(&member_removed()).await.unwrap();
+    let batch = [member_removed(), member_removed()];
+    let mut waiting = Box::pin(runtime.publish_batch(&batch));
+    assert!(
+        futures::poll!(&mut waiting).is_pending(),
+        "the first delivery holds the only slot"
+    );
+
+    let (report, waited) = tokio::time::timeout(Duration::from_secs(10), async {
+        tokio::join!(runtime.shutdown(), waiting)
+    })
+    .await
+    .expect("the shutdown and the waiting batch end");
+
+    // Accepted (persisted) before it waited: answered as such, and handed back unstarted.
+    let ids = waited.unwrap();
+    let mut pending: Vec<_> = report
+        .pending_retries
+        .iter()
+        .map(|p| p.envelope.id)
+        .collect();
+    pending.sort_unstable();
+    let mut expected = vec![first, ids[0], ids[1]];
+    expected.sort_unstable();
+    assert_eq!(pending, expected, "{report:?}");
+    assert!(report.still_running.is_empty(), "{report:?}");
+    ids
+}

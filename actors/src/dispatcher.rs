@@ -54,6 +54,8 @@ pub(crate) struct Shared {
     pub(crate) heartbeats: Arc<crate::recovery::Heartbeats>,
     /// Set once a shutdown's drain is over: cascades that get room from then on do not start.
     pub(crate) drain_over: std::sync::atomic::AtomicBool,
+    /// Told once `drain_over` is set.
+    pub(crate) drain_ends: tokio::sync::Notify,
     /// Cascaded messages whose delivery never started, the engine stopping while they waited
     /// for room: handed back in the shutdown report.
     pub(crate) unstarted_cascades: std::sync::Mutex<Vec<Envelope>>,
@@ -94,6 +96,23 @@ impl Shared {
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner)
             .insert(id);
+    }
+
+    /// Returns once a shutdown's drain is over.
+    ///
+    /// # Cancel safety
+    ///
+    /// Cancel safe.
+    pub(crate) async fn drain_ended(&self) {
+        loop {
+            let ends = self.drain_ends.notified();
+            tokio::pin!(ends);
+            ends.as_mut().enable();
+            if self.drain_over.load(std::sync::atomic::Ordering::SeqCst) {
+                return;
+            }
+            ends.await;
+        }
     }
 
     /// Takes a delivery off the starting list: its supervisor started, or never will here.
@@ -507,7 +526,14 @@ impl Persisted {
     pub async fn start(&mut self) {
         let shared = Arc::clone(&self.dispatcher.shared);
         while !self.to_start.is_empty() {
-            let permit = shared.capacity.acquire().await;
+            let permit = tokio::select! {
+                permit = shared.capacity.acquire() => permit,
+                // No room came before a shutdown's drain ended: none starts here any more.
+                () = shared.drain_ended() => {
+                    self.hand_back().await;
+                    return;
+                }
+            };
             let Some((envelope, receipt)) = self.to_start.pop_front() else {
                 break;
             };
@@ -521,6 +547,46 @@ impl Persisted {
             if new {
                 self.waiting.started += 1;
             }
+        }
+    }
+
+    /// Hands back the deliveries not started when a shutdown's drain ended: in the shutdown's
+    /// report, as due now, and left in a durable inbox with their first attempt taken back,
+    /// as [`leave`](Self::leave) does.
+    async fn hand_back(&mut self) {
+        let shared = Arc::clone(&self.dispatcher.shared);
+        let rest: Vec<(Envelope, Receipt)> = self.to_start.drain(..).collect();
+        let now = shared.clock.now();
+        let mut ids = Vec::new();
+        {
+            let mut handed_back = shared
+                .unstarted_resumes
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner);
+            for (envelope, receipt) in rest {
+                // Its admission, held since the batch was persisted.
+                shared.tracker.release();
+                if receipt == Receipt::New {
+                    ids.push(envelope.id);
+                    handed_back.push(crate::PendingRetry {
+                        envelope,
+                        due_at: now,
+                        failures: Vec::new(),
+                    });
+                }
+            }
+        }
+        if ids.is_empty() {
+            return;
+        }
+        tracing::warn!(
+            deliveries = ids.len(),
+            "shutdown: deliveries of a batch still waiting for room when the drain ended did not start; handed back in the shutdown report"
+        );
+        // Still listed as starting meanwhile: this node's orphan sweep leaves them alone.
+        let inbox = Arc::clone(&self.dispatcher.next_worker().inbox);
+        if let Err(error) = inbox.never_started(&ids).await {
+            tracing::warn!(%error, deliveries = ids.len(), "could not take back the first attempt of deliveries left unstarted; they resume as interrupted attempts");
         }
     }
 
@@ -668,7 +734,8 @@ impl Dispatcher {
 
     /// Accepts every envelope of `envelopes` in one store transaction, all or nothing, then
     /// starts their deliveries, each once the engine has room for it: returns once every one
-    /// is persisted and started (or reported, for a duplicate or a scheduled one).
+    /// is persisted and started (or reported, for a duplicate or a scheduled one, or handed
+    /// back in the shutdown's report when a shutdown's drain ended before it had room).
     ///
     /// # Errors
     ///

@@ -228,6 +228,7 @@ impl Engine {
                         recovering: tokio::sync::Mutex::new(()),
                         heartbeats: Arc::default(),
                         drain_over: std::sync::atomic::AtomicBool::new(false),
+                        drain_ends: tokio::sync::Notify::new(),
                         unstarted_cascades: std::sync::Mutex::default(),
                         unstarted_resumes: std::sync::Mutex::default(),
                         unstarted_fresh: std::sync::Mutex::default(),
@@ -364,6 +365,7 @@ impl Engine {
             .shared
             .drain_over
             .store(true, std::sync::atomic::Ordering::SeqCst);
+        self.dispatcher.shared.drain_ends.notify_waiters();
         // No delivery starts from here (one that got room late, after the drain, hands itself
         // back): those listed now are all that may run while the rest is released.
         tracker.freeze();

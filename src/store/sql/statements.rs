@@ -123,9 +123,12 @@ pub(crate) const BEGIN_ATTEMPT: &str = "UPDATE dacapo_inbox \
     SET status = 'incoming', attempts = $2, execute_at = NULL \
     WHERE id = $1 AND status <> 'handled' AND owner = $3 AND attempts = $4";
 
-/// Takes back the first attempt a receive counted, for a delivery its owner never started.
+/// Takes back the first attempt a receive counted, for a delivery its owner never started —
+/// released by its owner's shutdown meanwhile, too (no owner then), but not once another node
+/// claimed it or recorded a failure of it.
 pub(crate) const NEVER_STARTED: &str = "UPDATE dacapo_inbox SET attempts = 0 \
-    WHERE id = $1 AND status = 'incoming' AND owner = $2 AND attempts = 1";
+    WHERE id = $1 AND status = 'incoming' AND (owner = $2 OR owner IS NULL) AND attempts = 1 \
+    AND failures IS NULL";
 
 /// Many deliveries of one owner begin the same attempt in one statement (`$1`, after `$3`);
 /// the ids it answers are those it began.
