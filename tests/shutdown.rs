@@ -127,17 +127,7 @@ async fn a_publish_waiting_for_room_when_the_shutdown_begins_is_handed_back() {
         .unwrap();
     let first = runtime.publish(&member_removed()).await.unwrap();
     let message = member_removed();
-    let mut waiting = Box::pin(runtime.publish(&message));
-    assert!(
-        futures::poll!(&mut waiting).is_pending(),
-        "the first delivery holds the only slot"
-    );
-
-    let (report, waited) = tokio::time::timeout(Duration::from_secs(10), async {
-        tokio::join!(runtime.shutdown(), waiting)
-    })
-    .await
-    .expect("the shutdown and the waiting publish end");
+    let (report, waited) = shut_down_beside(&runtime, runtime.publish(&message)).await;
 
     // Accepted, it would have started on a worker that had stopped, and been lost unreported.
     let Err(Error::ShuttingDown(envelope)) = waited else {
@@ -375,17 +365,7 @@ async fn a_batch_waits_for_room_past_the_drain(builder: dacapo::RuntimeBuilder) 
         .unwrap();
     let first = runtime.publish(&member_removed()).await.unwrap();
     let batch = [member_removed(), member_removed()];
-    let mut waiting = Box::pin(runtime.publish_batch(&batch));
-    assert!(
-        futures::poll!(&mut waiting).is_pending(),
-        "the first delivery holds the only slot"
-    );
-
-    let (report, waited) = tokio::time::timeout(Duration::from_secs(10), async {
-        tokio::join!(runtime.shutdown(), waiting)
-    })
-    .await
-    .expect("the shutdown and the waiting batch end");
+    let (report, waited) = shut_down_beside(&runtime, runtime.publish_batch(&batch)).await;
 
     // Accepted (persisted) before it waited: answered as such, and handed back unstarted.
     let ids = waited.unwrap();
@@ -400,4 +380,22 @@ async fn a_batch_waits_for_room_past_the_drain(builder: dacapo::RuntimeBuilder) 
     assert_eq!(pending, expected, "{report:?}");
     assert!(report.still_running.is_empty(), "{report:?}");
     ids
+}
+
+/// Shuts `runtime` down beside `waiting`, a publication that waits for the only slot (checked
+/// by polling it once first); both end within 10 s.
+async fn shut_down_beside<F: std::future::Future>(
+    runtime: &Runtime,
+    waiting: F,
+) -> (dacapo::ShutdownReport, F::Output) {
+    let mut waiting = Box::pin(waiting);
+    assert!(
+        futures::poll!(&mut waiting).is_pending(),
+        "the first delivery holds the only slot"
+    );
+    tokio::time::timeout(Duration::from_secs(10), async {
+        tokio::join!(runtime.shutdown(), waiting)
+    })
+    .await
+    .expect("the shutdown and the waiting publication end")
 }
