@@ -585,9 +585,7 @@ impl Persisted {
         );
         // Still listed as starting meanwhile: this node's orphan sweep leaves them alone.
         let inbox = Arc::clone(&self.dispatcher.next_worker().inbox);
-        if let Err(error) = inbox.never_started(&ids).await {
-            tracing::warn!(%error, deliveries = ids.len(), "could not take back the first attempt of deliveries left unstarted; they resume as interrupted attempts");
-        }
+        take_back_first_attempts(&*inbox, &ids).await;
     }
 
     /// Leaves the deliveries not started yet in the inbox, for whoever resumes it next (this
@@ -602,14 +600,24 @@ impl Persisted {
             .filter(|(_, receipt)| *receipt == Receipt::New)
             .map(|(envelope, _)| envelope.id)
             .collect();
-        if ids.is_empty() {
-            return;
-        }
         // Still listed as starting meanwhile: this node's orphan sweep leaves them alone.
         let inbox = Arc::clone(&self.dispatcher.next_worker().inbox);
-        if let Err(error) = inbox.never_started(&ids).await {
-            tracing::warn!(%error, deliveries = ids.len(), "could not take back the first attempt of deliveries left unstarted; they resume as interrupted attempts");
-        }
+        take_back_first_attempts(&*inbox, &ids).await;
+    }
+}
+
+/// Takes back the first attempt their receive counted of deliveries that never started
+/// ([`Inbox::never_started`](crate::ports::Inbox::never_started)); a store that cannot is
+/// logged, and they resume as interrupted attempts.
+pub(crate) async fn take_back_first_attempts<I: crate::ports::Inbox + ?Sized>(
+    inbox: &I,
+    ids: &[uuid::Uuid],
+) {
+    if ids.is_empty() {
+        return;
+    }
+    if let Err(error) = inbox.never_started(ids).await {
+        tracing::warn!(%error, deliveries = ids.len(), "could not take back the first attempt of deliveries that did not start; they resume as interrupted attempts");
     }
 }
 

@@ -426,11 +426,8 @@ impl Engine {
                 .lock()
                 .unwrap_or_else(std::sync::PoisonError::into_inner),
         );
-        if let Some(durable) = &shared.durable
-            && !unstarted.is_empty()
-            && let Err(error) = durable.never_started(&unstarted).await
-        {
-            tracing::warn!(%error, deliveries = unstarted.len(), "could not take back the first attempt of deliveries that did not start; they resume as interrupted attempts");
+        if let Some(durable) = &shared.durable {
+            crate::dispatcher::take_back_first_attempts(&**durable, &unstarted).await;
         }
         if let Some(durable) = &self.dispatcher.shared.durable
             && let Err(error) = durable.release(&report.still_running).await
