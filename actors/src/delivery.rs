@@ -105,13 +105,30 @@ pub(crate) enum Effect {
 
 /// What the machine needs from outside to decide, read when an event arrives.
 pub(crate) struct Rules<'a> {
-    /// The current time.
-    pub(crate) now: DateTime<Utc>,
+    /// Reads the current time. Only failures and rejections need it, so it is read at most
+    /// once per step, and only by a step that asks: a handled delivery's steps never do.
+    pub(crate) clock: &'a dyn Fn() -> DateTime<Utc>,
     /// Whether the store recorded the first attempt with the envelope (a fresh receive), so
     /// that attempt starts without a write of its own.
     pub(crate) first_attempt_recorded: bool,
     /// The retry policy for a failed attempt.
     pub(crate) policy: &'a dyn Fn(&AggregateError) -> RetryPolicy,
+    /// The time this step read, once it read it.
+    pub(crate) read: std::cell::Cell<Option<DateTime<Utc>>>,
+}
+
+impl Rules<'_> {
+    /// The current time, the same for the whole step.
+    pub(crate) fn now(&self) -> DateTime<Utc> {
+        match self.read.get() {
+            Some(now) => now,
+            None => {
+                let now = (self.clock)();
+                self.read.set(Some(now));
+                now
+            }
+        }
+    }
 }
 
 /// A delivery's whole state.
@@ -216,8 +233,11 @@ impl Delivery {
                     // The letter with its failures was refused: try the bare envelope once.
                     Err(error) if !bare => {
                         let reason = DeadLetterReason::StoreRejected(error.to_string());
-                        let mut letter =
-                            DeadLetter::rejected(self.envelope.clone(), reason.clone(), rules.now);
+                        let mut letter = DeadLetter::rejected(
+                            self.envelope.clone(),
+                            reason.clone(),
+                            rules.now(),
+                        );
                         letter.attempts = self.envelope.attempts;
                         self.phase = P::DeadLettering { reason, bare: true };
                         Effect::RecordDeadLetter(Box::new(letter))
@@ -254,12 +274,12 @@ impl Delivery {
                         error: "the runtime stopped while this attempt ran".into(),
                         kind: FailureKind::Error,
                     }],
-                    failed_at: rules.now,
+                    failed_at: rules.now(),
                 };
                 self.attempt_failed(failure, rules)
             }
             Start::Reject(reason) => {
-                let letter = DeadLetter::rejected(self.envelope.clone(), reason, rules.now);
+                let letter = DeadLetter::rejected(self.envelope.clone(), reason, rules.now());
                 self.dead_letter(letter)
             }
             Start::Discard => {
@@ -323,7 +343,7 @@ impl Delivery {
             message_id: self.envelope.id,
             attempt: self.envelope.attempts,
             failures,
-            failed_at: rules.now,
+            failed_at: rules.now(),
         };
         self.attempt_failed(failure, rules)
     }
@@ -383,8 +403,8 @@ impl Delivery {
             self.envelope.clone(),
             DeadLetterReason::StoreRejected(error.to_string()),
             self.failures.clone(),
-            self.first_failure_at.unwrap_or(rules.now),
-            rules.now,
+            self.first_failure_at.unwrap_or(rules.now()),
+            rules.now(),
         );
         self.cascaded.clear();
         self.dead_letter(letter)
@@ -463,10 +483,13 @@ mod tests {
         fn step(&mut self, event: Event) -> Option<Effect> {
             let policy = self.policy;
             let decide = move |_: &AggregateError| policy;
+            let now = self.now;
+            let clock = move || now;
             let rules = Rules {
-                now: self.now,
+                clock: &clock,
                 first_attempt_recorded: self.fresh,
                 policy: &decide,
+                read: std::cell::Cell::new(None),
             };
             self.delivery.step(event, &rules)
         }

@@ -222,14 +222,19 @@ impl DeliverySupervisor {
                 None => registry.default_policy(),
             }
         };
-        let now = self.now();
-        self.stepped_at = (now, self.worker.shared.timers.mark());
+        let clock = || self.worker.shared.clock.now();
         let rules = Rules {
-            now,
+            clock: &clock,
             first_attempt_recorded: !self.recovered,
             policy: &policy,
+            read: std::cell::Cell::new(None),
         };
-        if let Some(effect) = self.delivery.step(event, &rules) {
+        let effect = self.delivery.step(event, &rules);
+        // A cooldown counts from the step that decided it; no other step needs the time.
+        if let Some(Effect::RecordRetry { .. } | Effect::Wait { .. }) = effect {
+            self.stepped_at = (rules.now(), self.worker.shared.timers.mark());
+        }
+        if let Some(effect) = effect {
             self.run(effect, ctx);
         }
     }
