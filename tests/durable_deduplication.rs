@@ -453,6 +453,56 @@ on_both_backends!(
 );
 
 on_both_backends!(
+    a_key_the_store_cannot_hold_is_dead_lettered_at_once_not_retried_sqlite,
+    a_key_the_store_cannot_hold_is_dead_lettered_at_once_not_retried_postgres,
+    |db| {
+        let revoke = Counter::default();
+        let runtime = db
+            .store(Runtime::builder(), "local", Duration::from_secs(30))
+            .await
+            .enable_deduplication()
+            .retry_policy(quick_retries())
+            .module(
+                Module::new("workspaces")
+                    .handle_named::<MemberRemoved, _>("revoke", revoke.clone())
+                    .deduplicate(
+                        "revoke",
+                        // PostgreSQL's text holds no NUL; SQLite's does.
+                        Deduplication::by_key(|m: &MemberRemoved| {
+                            Some(format!("member\0{}", m.member_id))
+                        }),
+                    ),
+            )
+            .build()
+            .unwrap();
+        runtime.publish(&member_removed()).await.unwrap();
+        tokio::time::timeout(WAIT, runtime.idle()).await.unwrap();
+        match db.backend {
+            support_stores::Backend::Sqlite => {
+                assert_eq!(revoke.count(), 1, "SQLite keeps the key");
+                assert_eq!(
+                    db.scalar("SELECT count(*) FROM dacapo_dead_letters").await,
+                    0
+                );
+            }
+            support_stores::Backend::Postgres => {
+                assert_eq!(revoke.count(), 0, "the claim comes before the handler");
+                let letters = runtime.dead_letters().list().await.unwrap();
+                assert_eq!(letters.len(), 1);
+                assert_eq!(
+                    (letters[0].attempts, &letters[0].reason),
+                    (1, &DeadLetterReason::Permanent),
+                    "dead-lettered after its first attempt: every retry would be refused alike"
+                );
+                let failures = format!("{:?}", letters[0].failures);
+                assert!(failures.contains("refused by the store"), "{failures}");
+            }
+        }
+        runtime.shutdown().await;
+    }
+);
+
+on_both_backends!(
     a_dead_lettered_message_releases_its_claim_for_a_new_delivery_sqlite,
     a_dead_lettered_message_releases_its_claim_for_a_new_delivery_postgres,
     |db| {

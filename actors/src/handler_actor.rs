@@ -138,6 +138,12 @@ impl HandlerActor {
                 ));
             };
             match claims.claim(&claim).await {
+                // The store refused the claim's data (a key PostgreSQL's text cannot hold):
+                // every retry would meet the same refusal.
+                Err(error @ crate::Error::Rejected(_)) => Some((
+                    FailureKind::Permanent,
+                    format!("deduplication claim refused by the store: {error}"),
+                )),
                 Err(error) => Some((
                     FailureKind::Error,
                     format!("deduplication claim failed: {error}"),
