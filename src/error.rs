@@ -102,6 +102,15 @@ pub enum Error {
     /// the same dead letter runs). Nothing changed.
     #[error("envelope {0} is being delivered right now (replayed already); nothing was replayed")]
     ReplayInProgress(Uuid),
+    /// A replay was refused: the dead letter keeps a message from a broker that could not be
+    /// read as an envelope ([`DeadLetterReason::Unreadable`](crate::DeadLetterReason::Unreadable)),
+    /// which no handler can take as it is. The letter stays; have its sender send it again, or
+    /// purge it.
+    #[error(
+        "dead letter {0} is a message that could not be read as an envelope; it stays, as it \
+         arrived: have its sender send it again, or purge it"
+    )]
+    UnreadableReplay(Uuid),
     /// A tracked delivery did not settle within the wait allowed.
     #[error("delivery of envelope {envelope_id} did not settle within {waited:?}")]
     NotSettled {

@@ -527,6 +527,88 @@ on_both_backends!(
 );
 
 /// How many rows `args` list, as JSON.
+/// Keeps a dead letter as a listener keeps a broker message it could not read; its id.
+async fn unreadable_dead_letter(db: &support_stores::TestDatabase) -> uuid::Uuid {
+    use dacapo::ports::DeadLetterStore;
+    let envelope = Envelope::new("unknown", b"\x00\x01 not an envelope".to_vec());
+    let letter = dacapo::DeadLetter::rejected(
+        envelope.clone(),
+        dacapo::DeadLetterReason::Unreadable("no message-id header".into()),
+        chrono::Utc::now(),
+    );
+    match db.backend {
+        support_stores::Backend::Sqlite => db.sqlite().await.put(letter).await.unwrap(),
+        support_stores::Backend::Postgres => db.postgres().await.put(letter).await.unwrap(),
+    }
+    envelope.id
+}
+
+on_both_backends!(
+    an_unreadable_dead_letter_is_kept_not_replayed_sqlite,
+    an_unreadable_dead_letter_is_kept_not_replayed_postgres,
+    |db| {
+        dead_letters_of_two_types(&db, 1, 0).await;
+        let unreadable = unreadable_dead_letter(&db).await;
+        let url = db.url.clone();
+        assert_eq!(count(&url, &["dead-letters", "list"]).await, 2);
+
+        let one = run_tool(
+            &[
+                "dead-letters",
+                "replay",
+                &unreadable.to_string(),
+                "--database",
+                &url,
+            ],
+            &[],
+        )
+        .await;
+        assert!(!one.status.success());
+        let said = String::from_utf8_lossy(&one.stderr);
+        assert!(said.contains("could not be read as an envelope"), "{said}");
+        assert_eq!(count(&url, &["dead-letters", "list"]).await, 2, "kept");
+
+        let all: serde_json::Value = serde_json::from_str(
+            &dacapo(&[
+                "dead-letters",
+                "replay",
+                "--all",
+                "--json",
+                "--database",
+                &url,
+            ])
+            .await,
+        )
+        .unwrap();
+        assert_eq!(all["replayed"], 1, "{all}");
+        assert_eq!(all["unreadable"], serde_json::json!([unreadable]), "{all}");
+        let left: serde_json::Value = serde_json::from_str(
+            &dacapo(&["dead-letters", "list", "--json", "--database", &url]).await,
+        )
+        .unwrap();
+        assert_eq!(left.as_array().unwrap().len(), 1);
+        assert_eq!(
+            db.scalar("SELECT count(*) FROM dacapo_inbox WHERE status = 'incoming'")
+                .await,
+            1,
+            "only the readable one went back to the inbox"
+        );
+
+        // A runtime's own replay refuses it alike.
+        let runtime = db
+            .store(Runtime::builder(), "node-a", Duration::from_secs(30))
+            .await
+            .build()
+            .unwrap();
+        assert!(matches!(
+            runtime.dead_letters().replay(unreadable).await,
+            Err(dacapo::Error::UnreadableReplay(id)) if id == unreadable
+        ));
+        runtime.dead_letters().inspect(unreadable).await.unwrap();
+        runtime.shutdown().await;
+    }
+);
+
 async fn count(url: &str, args: &[&str]) -> usize {
     let mut args = args.to_vec();
     args.extend(["--json", "--database", url]);

@@ -6,6 +6,7 @@ mod support;
 use dacapo::prelude::*;
 use dacapo::testing::{Fault, Recorder, TestHarness};
 use dacapo::{DeadLetterReason, DiscardReason, Error, Outcome};
+use std::sync::Arc;
 use std::time::Duration;
 use support::{MemberRemoved, member_removed};
 use uuid::Uuid;
@@ -310,4 +311,29 @@ async fn a_letter_that_cannot_be_read_is_left_out_of_the_listing() {
     let ids: Vec<Uuid> = listed.iter().map(|letter| letter.envelope.id).collect();
     assert_eq!(ids, [readable]);
     harness.shutdown().await;
+}
+
+#[tokio::test]
+async fn an_unreadable_dead_letter_stays_in_an_inbox_in_memory() {
+    use dacapo::ports::{DeadLetterStore, Inbox, Replay, ReplayTo, SystemClock};
+    let inbox = dacapo::store::MemoryInbox::new(Duration::from_secs(60), Arc::new(SystemClock));
+    let envelope = dacapo::Envelope::new("unknown", b"not an envelope".to_vec());
+    let letter = dacapo::DeadLetter::rejected(
+        envelope.clone(),
+        DeadLetterReason::Unreadable("no message-id header".into()),
+        chrono::Utc::now(),
+    );
+    inbox.dead_letters().put(letter).await.unwrap();
+    assert!(matches!(
+        inbox.replay(envelope.id, ReplayTo::ThisNode).await.unwrap(),
+        Replay::Unreadable
+    ));
+    assert!(
+        inbox
+            .dead_letters()
+            .get(envelope.id)
+            .await
+            .unwrap()
+            .is_some()
+    );
 }

@@ -157,6 +157,12 @@ pub enum Replay {
     NotFound,
     /// The envelope is being delivered right now (an earlier replay of it runs): refused.
     InProgress,
+    /// The dead letter keeps a message from a broker that could not be read as an envelope
+    /// ([`DeadLetterReason::Unreadable`](crate::DeadLetterReason::Unreadable)): refused, and
+    /// the letter stays. Its bytes are kept for an operator as they arrived; run as an
+    /// envelope, they would be dead-lettered again for a reason that hides the first, or
+    /// discarded as an unknown type.
+    Unreadable,
 }
 
 /// Remembers envelope ids so that a redelivered envelope is discarded, not handled again, and

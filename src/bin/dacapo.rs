@@ -322,7 +322,7 @@ async fn dead_letters(
             };
             let single = id.is_some();
             let listed = ids.len();
-            let (mut replayed, mut skipped) = (Vec::new(), Vec::new());
+            let (mut replayed, mut skipped, mut unreadable) = (Vec::new(), Vec::new(), Vec::new());
             // The replay that failed, which ends a bulk replay: what moved before it is still
             // reported, so that a script knows what left the dead letters.
             let mut stopped = None;
@@ -347,6 +347,14 @@ async fn dead_letters(
                              was replayed"
                         )));
                     }
+                    Replay::Unreadable if single => {
+                        return Err(Failure(format!(
+                            "{id} is a message that could not be read as an envelope; it stays \
+                             a dead letter, as it arrived: have its sender send it again, or \
+                             purge it"
+                        )));
+                    }
+                    Replay::Unreadable => unreadable.push(id),
                     _ if single => {
                         return Err(Failure(format!("no dead letter with id {id}")));
                     }
@@ -362,6 +370,7 @@ async fn dead_letters(
                         "replayed": replayed.len(),
                         "ids": replayed,
                         "skipped": skipped,
+                        "unreadable": unreadable,
                         "failed": stopped.as_ref().map(|(id, _)| id),
                     })
                 );
@@ -376,6 +385,14 @@ async fn dead_letters(
                         id.simple()
                     );
                 }
+                for id in &unreadable {
+                    say!(
+                        out,
+                        "kept {}: unreadable as it arrived, not replayable (purge it, or have \
+                         its sender send it again)",
+                        id.simple()
+                    );
+                }
                 say!(
                     out,
                     "replayed {} dead letter(s): back in the inbox for a running node, \
@@ -384,7 +401,7 @@ async fn dead_letters(
                 );
             }
             if let Some((id, error)) = stopped {
-                let left = listed - replayed.len() - skipped.len();
+                let left = listed - replayed.len() - skipped.len() - unreadable.len();
                 return Err(Failure(format!(
                     "replaying {} failed, and the {left} dead letter(s) from it on were not \
                      replayed (they are still dead letters): {error}",

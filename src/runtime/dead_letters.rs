@@ -71,7 +71,8 @@ impl<'a> DeadLetters<'a> {
     ///
     /// # Errors
     ///
-    /// [`Error::DeadLetterNotFound`], [`Error::ReplayInProgress`], or the store's failure, in
+    /// [`Error::DeadLetterNotFound`], [`Error::ReplayInProgress`],
+    /// [`Error::UnreadableReplay`] (the letter stays), or the store's failure, in
     /// which case the dead letter stays: nothing is lost. [`Error::ShuttingDown`] when the
     /// runtime is closing: before the move the dead letter stays; if the shutdown began while
     /// the move committed, the envelope is in the inbox, this node's, and runs at its next
@@ -101,6 +102,7 @@ impl<'a> DeadLetters<'a> {
             ))?,
             Replay::Enlisted(_) => dispatcher.wake_outbox(),
             Replay::InProgress => return Err(Error::ReplayInProgress(id)),
+            Replay::Unreadable => return Err(Error::UnreadableReplay(id)),
             _ => return Err(Error::DeadLetterNotFound(id)),
         }
         tracing::info!(messaging.message.id = %id, "dead letter replayed");

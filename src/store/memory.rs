@@ -9,7 +9,7 @@ use dacapo_actors::ports::{
     Claim, ClaimOutcome, Claims, Clock, DeadLetterStore, Fenced, Handled, Inbox, Receipt, Replay,
     ReplayTo, RetryRecord, ScheduledEnvelope,
 };
-use dacapo_actors::{DeadLetter, DeadLetterFilter, Envelope, Error};
+use dacapo_actors::{DeadLetter, DeadLetterFilter, DeadLetterReason, Envelope, Error};
 use uuid::Uuid;
 
 fn lock<T>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -161,15 +161,13 @@ impl Inbox for MemoryInbox {
         if state.known.get(&id) == Some(&None) {
             return Ok(Replay::InProgress);
         }
-        let Some(letter) = self.dead_letters.take(id) else {
-            return Ok(Replay::NotFound);
-        };
-        // Known again as incoming, under the same lock: the engine runs it next.
-        state.known.insert(id, None);
-        state.dead_lettered.remove(&id);
-        let mut envelope = letter.envelope;
-        envelope.attempts = 0;
-        Ok(Replay::Replayed(envelope))
+        let replay = self.dead_letters.take_for_replay(id);
+        if let Replay::Replayed(_) = replay {
+            // Known again as incoming, under the same lock: the engine runs it next.
+            state.known.insert(id, None);
+            state.dead_lettered.remove(&id);
+        }
+        Ok(replay)
     }
 
     async fn scheduled(&self, _: usize) -> Result<Vec<ScheduledEnvelope>, Error> {
@@ -236,6 +234,21 @@ impl MemoryDeadLetters {
 
     fn holds(&self, id: Uuid) -> bool {
         lock(&self.letters).iter().any(|l| l.envelope.id == id)
+    }
+
+    /// Takes letter `id` out to replay it, its attempt count reset; leaves an unreadable one
+    /// where it is.
+    fn take_for_replay(&self, id: Uuid) -> Replay {
+        let mut letters = lock(&self.letters);
+        let Some(index) = letters.iter().position(|l| l.envelope.id == id) else {
+            return Replay::NotFound;
+        };
+        if matches!(letters[index].reason, DeadLetterReason::Unreadable(_)) {
+            return Replay::Unreadable;
+        }
+        let mut envelope = letters.remove(index).envelope;
+        envelope.attempts = 0;
+        Replay::Replayed(envelope)
     }
 
     fn take(&self, id: Uuid) -> Option<DeadLetter> {

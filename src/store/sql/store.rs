@@ -731,6 +731,10 @@ impl<D: Dialect> Inbox for SqlStore<D> {
             });
         };
         let letter = Self::dead_letter_row(&row)?;
+        if matches!(letter.reason, DeadLetterReason::Unreadable(_)) {
+            tx.rollback().await?;
+            return Ok(Replay::Unreadable);
+        }
         let mut envelope = letter.envelope;
         envelope.attempts = 0;
         if matches!(letter.reason, DeadLetterReason::Undeliverable(_)) {
