@@ -608,7 +608,12 @@ impl Subscribe for Subscriber {
             })?;
         self.cut_short = gathered.cut_short.map(failed);
         self.batch = gathered.taken;
-        Ok(self.batch.iter().map(read).collect())
+        let prefix = &self.settings.prefix;
+        Ok(self
+            .batch
+            .iter()
+            .map(|message| read(message, prefix))
+            .collect())
     }
 
     async fn ack(&mut self) -> Result<(), Error> {
@@ -647,8 +652,9 @@ impl Subscribe for Subscriber {
     }
 }
 
-/// A JetStream message as an envelope; `Nats-Msg-Id` stands in for a missing id header.
-fn read(message: &jetstream::Message) -> Received {
+/// A JetStream message as an envelope; `Nats-Msg-Id` stands in for a missing id header. Its
+/// type is the one its subject (`<prefix>.<type>`) names.
+fn read(message: &jetstream::Message, prefix: &str) -> Received {
     let mut headers = BTreeMap::new();
     let mut msg_id = None;
     let mut more = Vec::new();
@@ -666,10 +672,17 @@ fn read(message: &jetstream::Message) -> Received {
             }
         }
     }
+    let addressed_type = message
+        .subject
+        .as_str()
+        .strip_prefix(prefix)
+        .and_then(|rest| rest.strip_prefix('.'))
+        .map(str::to_owned);
     let fallback = Fallback {
         id: msg_id,
         in_headers: true,
         more,
+        addressed_type,
         ..Fallback::default()
     };
     wire::decode(headers, message.payload.to_vec(), fallback)

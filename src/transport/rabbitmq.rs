@@ -734,7 +734,11 @@ impl Subscribe for Subscriber {
         self.cut_short = gathered.cut_short.map(failed);
         let deliveries = gathered.taken;
         self.last_tag = deliveries.last().map(|delivery| delivery.delivery_tag);
-        Ok(deliveries.into_iter().map(read).collect())
+        let exchange = &self.settings.exchange;
+        Ok(deliveries
+            .into_iter()
+            .map(|delivery| read(delivery, exchange))
+            .collect())
     }
 
     async fn ack(&mut self) -> Result<(), Error> {
@@ -766,8 +770,10 @@ impl Subscribe for Subscriber {
     }
 }
 
-/// A delivery as an envelope, reading the AMQP properties where a header is missing.
-fn read(delivery: Delivery) -> Received {
+/// A delivery as an envelope, reading the AMQP properties where a header is missing. One that
+/// came through the transport's own exchange has the type its routing key names; one sent to
+/// the queue itself (through the default exchange) has the type its headers say.
+fn read(delivery: Delivery, exchange: &str) -> Received {
     let properties = &delivery.properties;
     let mut headers = BTreeMap::new();
     let mut more = other_properties(properties);
@@ -799,6 +805,8 @@ fn read(delivery: Delivery) -> Received {
             .and_then(|seconds| chrono::DateTime::from_timestamp(seconds, 0)),
         in_headers: false,
         more,
+        addressed_type: (delivery.exchange.as_str() == exchange)
+            .then(|| delivery.routing_key.to_string()),
     };
     wire::decode(headers, delivery.data, fallback)
 }

@@ -181,6 +181,11 @@ pub(crate) struct Fallback {
     /// types, a header's earlier values — by name: an unreadable message's dead letter keeps
     /// it, and two messages told apart only by it keep a dead letter each.
     pub(crate) more: Vec<(String, String)>,
+    /// The type the message's address names — the type in its JetStream subject, its routing
+    /// key on the transport's own exchange — where it names one. The broker's permissions
+    /// judged the address, not the headers: a type header that says another type is refused,
+    /// or a publisher allowed one type's subject could have any other type's handlers run.
+    pub(crate) addressed_type: Option<String>,
 }
 
 /// A message that could not be read as an envelope, as it arrived: it becomes a dead letter.
@@ -382,6 +387,14 @@ fn read(headers: &BTreeMap<String, String>, fallback: &Fallback) -> Result<Field
         }
     };
     no_nul(&message_type_header, &message_type)?;
+    if let Some(addressed) = &fallback.addressed_type
+        && *addressed != message_type
+    {
+        return Err(format!(
+            "{message_type_header} header says {message_type:?}, but the message was \
+             addressed to {addressed:?}"
+        ));
+    }
     let time = |name: &str| -> Result<Option<DateTime<Utc>>, String> {
         get(name)
             .map(|text| {
@@ -533,6 +546,30 @@ mod tests {
         )
         .unwrap_err();
         assert!(bad_time.why.contains("RFC 3339"), "{}", bad_time.why);
+    }
+
+    #[test]
+    fn a_type_header_other_than_the_addressed_type_is_unreadable() {
+        let headers = || {
+            map(vec![
+                (ID.into(), Uuid::new_v4().to_string()),
+                (TYPE.into(), "admin.purge_tenant".into()),
+            ])
+        };
+        let addressed = |to: &str| Fallback {
+            addressed_type: Some(to.to_owned()),
+            ..Fallback::default()
+        };
+        let forged = decode(headers(), b"{}".to_vec(), addressed("orders.placed")).unwrap_err();
+        assert!(
+            forged.why.contains("addressed to \"orders.placed\""),
+            "{}",
+            forged.why
+        );
+        let honest = decode(headers(), b"{}".to_vec(), addressed("admin.purge_tenant")).unwrap();
+        assert_eq!(honest.message_type, "admin.purge_tenant");
+        let unaddressed = decode(headers(), b"{}".to_vec(), Fallback::default()).unwrap();
+        assert_eq!(unaddressed.message_type, "admin.purge_tenant");
     }
 
     #[test]

@@ -485,8 +485,9 @@ pub async fn a_foreign_service_reaches_the_handler<P: RawPublisher>(raw: &P, tra
     assert!(runtime.shutdown().await.is_clean());
 }
 
-/// No id, an unknown type, a body that is not JSON and an oversized one: four dead letters,
-/// the unreadable one kept as it arrived, nothing handled. The caller checks they were
+/// No id, a type header naming another handled type than the message's address, a body that is not
+/// JSON and an oversized one: four dead letters, the unreadable ones kept as they arrived,
+/// nothing handled. The caller checks they were
 /// acknowledged.
 pub async fn bad_input_from_the_wire_is_dead_lettered<P: RawPublisher>(
     raw: &P,
@@ -512,7 +513,8 @@ pub async fn bad_input_from_the_wire_is_dead_lettered<P: RawPublisher>(
         ]
     };
     for (id, message_type, body) in [
-        (&ids[0], "tests.nobody", b"{}".to_vec()),
+        // A node-local type's handler, reached through a type's address it may publish to.
+        (&ids[0], "tests.local", br#"{"n":1}"#.to_vec()),
         (&ids[1], "tests.ping", b"not json".to_vec()),
         (&ids[2], "tests.ping", vec![b' '; 4096]),
     ] {
@@ -527,8 +529,14 @@ pub async fn bad_input_from_the_wire_is_dead_lettered<P: RawPublisher>(
         has(&|r| matches!(r, DeadLetterReason::Unreadable(why) if why.contains("message-id"))),
         "{reasons:?}"
     );
+    // Addressed as tests.ping, which the broker's permissions judge: its type header may not
+    // name another type.
     assert!(
-        has(&|r| matches!(r, DeadLetterReason::NoHandler(t) if t == "tests.nobody")),
+        has(&|r| matches!(
+            r,
+            DeadLetterReason::Unreadable(why)
+                if why.contains("\"tests.local\"") && why.contains("addressed to \"tests.ping\"")
+        )),
         "{reasons:?}"
     );
     assert!(
