@@ -371,6 +371,11 @@ fn read(headers: &BTreeMap<String, String>, fallback: &Fallback) -> Result<Field
         Some(source) if Uuid::parse_str(&id).is_err() => foreign_id(&format!("{source}\n{id}")),
         _ => foreign_id(&id),
     };
+    // Every message a sender stamps with the nil UUID (an unset GUID) would share one id, and
+    // the inbox would discard all but the first as redeliveries.
+    if id.is_nil() {
+        return Err("the message's id is the nil UUID, which cannot tell it from another".into());
+    }
     let message_type_header = message_type;
     let message_type = get(&message_type_header)
         .or_else(|| fallback.message_type.clone())
@@ -546,6 +551,31 @@ mod tests {
         )
         .unwrap_err();
         assert!(bad_time.why.contains("RFC 3339"), "{}", bad_time.why);
+    }
+
+    #[test]
+    fn a_nil_id_is_unreadable() {
+        let nil = decode(
+            map(vec![
+                (ID.into(), Uuid::nil().to_string()),
+                (TYPE.into(), "orders.placed".into()),
+            ]),
+            b"{}".to_vec(),
+            Fallback::default(),
+        )
+        .unwrap_err();
+        assert!(nil.why.contains("nil UUID"), "{}", nil.why);
+        let from_the_client = decode(
+            BTreeMap::new(),
+            b"{}".to_vec(),
+            Fallback {
+                id: Some(Uuid::nil().to_string()),
+                message_type: Some("orders.placed".into()),
+                ..Fallback::default()
+            },
+        )
+        .unwrap_err();
+        assert!(from_the_client.why.contains("nil UUID"));
     }
 
     #[test]
