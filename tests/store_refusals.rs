@@ -197,3 +197,35 @@ on_both_backends!(
         runtime.shutdown().await;
     }
 );
+
+/// A database whose encoding lacks characters is refused when the store opens: a message type
+/// or a header with one of them (`€` in LATIN1) would be refused with its dead letter.
+#[tokio::test]
+async fn a_postgres_database_that_cannot_hold_every_character_is_refused_at_open() {
+    use sqlx::Connection;
+    let admin = std::env::var("DACAPO_TEST_POSTGRES")
+        .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/postgres".to_owned());
+    let name = format!("dacapo_test_latin1_{}", uuid::Uuid::new_v4().simple());
+    let mut connection = sqlx::PgConnection::connect(&admin).await.unwrap();
+    sqlx::query(sqlx::AssertSqlSafe(format!(
+        "CREATE DATABASE {name} ENCODING 'LATIN1' LC_COLLATE 'C' LC_CTYPE 'C' \
+         TEMPLATE template0"
+    )))
+    .execute(&mut connection)
+    .await
+    .unwrap();
+    let (base, _) = admin.rsplit_once('/').unwrap();
+    let opened = dacapo::store::PostgresStore::connect(&format!("{base}/{name}")).await;
+    sqlx::query(sqlx::AssertSqlSafe(format!(
+        "DROP DATABASE {name} WITH (FORCE)"
+    )))
+    .execute(&mut connection)
+    .await
+    .unwrap();
+    match opened {
+        Err(dacapo::Error::Configuration(why)) => {
+            assert!(why.contains("LATIN1") && why.contains("UTF8"), "{why}");
+        }
+        other => panic!("opened a LATIN1 database: {:?}", other.err()),
+    }
+}

@@ -61,7 +61,9 @@ impl SqlStore<sqlx::Postgres> {
     ///
     /// # Errors
     ///
-    /// The database's error when the schema cannot be applied.
+    /// [`Error::Configuration`](crate::Error::Configuration) for a database whose encoding
+    /// cannot hold every character (anything but `UTF8` and `SQL_ASCII`); the database's error
+    /// when the schema cannot be applied.
     pub async fn with_pool(pool: PgPool) -> Result<Self, crate::Error> {
         // The connections of the runtime's pools opened now are used by the runtime's threads
         // for as long as the store lives, and need a runtime that drives them as long: not
@@ -76,6 +78,7 @@ impl SqlStore<sqlx::Postgres> {
             let _on_opener = opener.runtime().enter();
             engine_pool(&pool)
         };
+        holds_any_text(&pool).await?;
         let handlers = handler_pool(&pool, &engine, &opener).await?;
         let store = Self::open_on(pool, engine.clone(), Database::postgres).await?;
         opener.run(async move { opened_ahead(&engine).await }).await;
@@ -92,7 +95,8 @@ impl SqlStore<sqlx::Postgres> {
     /// # Errors
     ///
     /// [`Error::Configuration`](crate::Error::Configuration) for a URL of another kind or one
-    /// that does not parse; [`Error::Store`](crate::Error::Store) naming the server (the URL
+    /// that does not parse, or a database in an encoding that cannot hold every character (see
+    /// [`with_pool`](Self::with_pool)); [`Error::Store`](crate::Error::Store) naming the server (the URL
     /// without its password) and the cause when it cannot be reached within 5 seconds, or
     /// when the schema cannot be applied.
     pub async fn connect(url: &str) -> Result<Self, crate::Error> {
@@ -112,6 +116,25 @@ impl SqlStore<sqlx::Postgres> {
         let engine = engine_pool(&pool);
         Self::existing_on(pool, engine, Database::postgres, redacted(url)).await
     }
+}
+
+/// Refuses a database whose encoding cannot hold every character: message types, headers and
+/// deduplication keys are text from anywhere, and one with a character the encoding lacks
+/// (`€` in LATIN1) would be refused, with its dead letter, on its way in, and lost.
+/// `SQL_ASCII` keeps whatever bytes it is given.
+async fn holds_any_text(pool: &PgPool) -> Result<(), crate::Error> {
+    let encoding: String = sqlx::query_scalar("SHOW server_encoding")
+        .fetch_one(pool)
+        .await
+        .map_err(crate::store::sql::db_error)?;
+    if ["UTF8", "SQL_ASCII"].contains(&encoding.to_ascii_uppercase().as_str()) {
+        return Ok(());
+    }
+    Err(crate::Error::Configuration(format!(
+        "the database's encoding is {encoding}, which cannot hold every character of the text \
+         dacapo keeps (message types, headers, keys from other services): create it with \
+         ENCODING 'UTF8'"
+    )))
 }
 
 /// The application's pool for `url`, after one connection proved the server is there: a
