@@ -479,6 +479,24 @@ on_both_backends!(
         )
         .await;
         assert_eq!(bad.status.code(), Some(2), "a usage error");
+        let bad_json = run_tool(
+            &[
+                "dead-letters",
+                "list",
+                "--since",
+                "yesterday",
+                "--json",
+                "--database",
+                &url,
+            ],
+            &[],
+        )
+        .await;
+        assert_eq!(bad_json.status.code(), Some(2), "a usage error");
+        let said: serde_json::Value = serde_json::from_slice(&bad_json.stderr)
+            .unwrap_or_else(|_| panic!("{}", String::from_utf8_lossy(&bad_json.stderr)));
+        let error = said["error"].as_str().unwrap();
+        assert!(error.contains("yesterday"), "{said}");
 
         let replayed: serde_json::Value = serde_json::from_str(
             &dacapo(&[

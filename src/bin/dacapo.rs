@@ -199,9 +199,36 @@ impl Store {
     }
 }
 
+/// Says what was wrong with the command line (or prints the help or version asked for), as
+/// JSON when `--json` was among the arguments: a script that asked for JSON reads its errors
+/// as JSON too, usage errors included.
+fn usage(error: &clap::Error) -> ExitCode {
+    let asked = matches!(
+        error.kind(),
+        clap::error::ErrorKind::DisplayHelp
+            | clap::error::ErrorKind::DisplayVersion
+            | clap::error::ErrorKind::DisplayHelpOnMissingArgumentOrSubcommand
+    );
+    if asked || !std::env::args_os().any(|arg| arg == "--json") {
+        let _ = error.print();
+    } else {
+        let rendered = error.render().to_string();
+        let first = rendered.lines().next().unwrap_or_default();
+        let message = first.strip_prefix("error: ").unwrap_or(first);
+        eprintln!(
+            "{}",
+            serde_json::json!({ "error": message, "usage": rendered.trim_end() })
+        );
+    }
+    ExitCode::from(u8::try_from(error.exit_code()).unwrap_or(2))
+}
+
 #[tokio::main(flavor = "current_thread")]
 async fn main() -> ExitCode {
-    let cli = Cli::parse();
+    let cli = match Cli::try_parse() {
+        Ok(cli) => cli,
+        Err(error) => return usage(&error),
+    };
     // What the store warns of (a dead letter this build cannot read, left out of a listing)
     // reaches the operator, beside the output: as JSON lines under --json.
     // The store's own, not its driver's: sqlx warns of slow statements with their text.
