@@ -15,7 +15,7 @@
 //! | the same key and fingerprint, answered before | the kept answer, byte for byte, with `Idempotent-Replayed: true`; the endpoint does not run |
 //! | the same key while its first request runs | 409, problem `idempotency-key-in-flight`, `Retry-After: 1` |
 //! | the same key, another fingerprint | 422, problem `idempotency-key-reused` |
-//! | the store unreachable | 503, problem `idempotency-store-unavailable`, `Retry-After: 1`; nothing ran or was kept |
+//! | the store unreachable | 503, problem `idempotency-store-unavailable`, `Retry-After: 1`; nothing was kept (the endpoint ran if the store failed as its answer was kept: its database work was rolled back, unless the commit itself failed on its way, when it may have landed — the retry then replays it or runs) |
 //! | a request body that cannot be read | 400, problem `request-unreadable` |
 //! | an endpoint answer that fails midway | 502, problem `response-unreadable`; nothing kept |
 //! | an answer after a failed statement, on PostgreSQL (the transaction is aborted) | 500, problem `endpoint-transaction-aborted`; nothing kept, the work rolled back |

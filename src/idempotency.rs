@@ -143,7 +143,10 @@ where
 /// cleanup goes by; in a transaction of your own, on the system's clock.
 ///
 /// On PostgreSQL a concurrent transaction recording the same key waits for the first to
-/// finish: it then sees `false` if that one committed, `true` if it rolled back.
+/// finish: it then sees `false` if that one committed, `true` if it rolled back — under
+/// `READ COMMITTED`. Under `REPEATABLE READ` or `SERIALIZABLE` it fails instead with a
+/// serialization failure (SQLSTATE 40001) when the first committed: roll back and run it
+/// again, to see `false`.
 ///
 /// # Errors
 ///

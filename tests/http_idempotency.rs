@@ -108,6 +108,13 @@ async fn big(State(app): State<App>) -> impl axum::response::IntoResponse {
     )
 }
 
+/// An order read with axum's JSON extractor, which refuses a request without a JSON media type
+/// (415) or with a body that is not JSON (400) before this runs.
+async fn json_order(State(app): State<App>, _: axum::Json<serde_json::Value>) -> StatusCode {
+    app.runs.fetch_add(1, Ordering::SeqCst);
+    StatusCode::CREATED
+}
+
 async fn listing(State(app): State<App>) -> String {
     app.runs.fetch_add(1, Ordering::SeqCst);
     "[]".to_owned()
@@ -237,7 +244,7 @@ macro_rules! endpoints {
                 }
             }
 
-            /// Enlists, then a statement fails (a duplicate key): answers 400. On PostgreSQL
+            /// Enlists, then a statement fails (a duplicate key): answers 410. On PostgreSQL
             /// the failed statement aborts the transaction the answer is kept in.
             async fn rejects_after_a_failed_statement(
                 State(app): State<App>,
@@ -263,7 +270,7 @@ macro_rules! endpoints {
                     .execute(&mut **tx)
                     .await;
                     if inserted.is_err() {
-                        return StatusCode::BAD_REQUEST;
+                        return StatusCode::GONE;
                     }
                 }
                 StatusCode::CREATED
@@ -427,6 +434,7 @@ macro_rules! endpoints {
                     .route("/keyed", post(enlists_keyed))
                     .route("/writes-then-claims", post(writes_then_claims))
                     .route("/unauthorized-first", post(unauthorized_first))
+                    .route("/json", post(json_order))
                     .route_layer(layer)
                     .merge(
                         Router::new()
@@ -574,6 +582,7 @@ on_both!(
     a_kept_4xx_is_kept_without_the_endpoints_work_even_after_a_failed_statement,
     an_endpoint_writes_then_claims_and_a_second_borrow_is_refused,
     a_401_is_not_kept,
+    a_request_refused_as_sent_is_not_kept_and_its_mended_retry_runs,
     a_kept_answer_damaged_in_the_store_is_500_and_the_endpoint_does_not_run_again,
     an_endpoint_that_answers_after_a_failed_statement_is_never_told_to_retry_the_store,
     a_message_enlisted_by_an_endpoint_carries_its_types_deduplication_id,
@@ -753,10 +762,10 @@ async fn a_kept_4xx_is_kept_without_the_endpoints_work_even_after_a_failed_state
     let client = reqwest::Client::new();
     let url = format!("{base}/rejects");
     let first = post_with(&client, &url, Some("k-21"), "", &[]).await;
-    assert_eq!(first.status(), 400, "kept, not a 503");
+    assert_eq!(first.status(), 410, "kept, not a 503");
     assert!(!replayed(first.headers()));
     let again = post_with(&client, &url, Some("k-21"), "", &[]).await;
-    assert_eq!(again.status(), 400);
+    assert_eq!(again.status(), 410);
     assert!(replayed(again.headers()));
     assert_eq!(app.runs.load(Ordering::SeqCst), 1);
     assert_eq!(
@@ -803,6 +812,29 @@ async fn a_401_is_not_kept(db: &TestDatabase) {
     let retried = post_with(&client, &url, Some("k-23"), "", &[]).await;
     assert_eq!(retried.status(), 201);
     assert!(!replayed(retried.headers()));
+    assert_eq!(app.runs.load(Ordering::SeqCst), 2);
+}
+
+/// Refused as sent before the endpoint ran, a request is not kept: the retry that mends its
+/// header, or its body, under the same key runs.
+async fn a_request_refused_as_sent_is_not_kept_and_its_mended_retry_runs(db: &TestDatabase) {
+    let (base, app) = serve(db).await;
+    let client = reqwest::Client::new();
+    let url = format!("{base}/json");
+    let json = [("content-type", "application/json")];
+    let unlabelled = post_with(&client, &url, Some("k-50"), r#"{"n":1}"#, &[]).await;
+    assert_eq!(unlabelled.status(), 415);
+    let labelled = post_with(&client, &url, Some("k-50"), r#"{"n":1}"#, &json).await;
+    assert_eq!(labelled.status(), 201, "the 415 was not replayed");
+    assert!(!replayed(labelled.headers()));
+
+    let broken = post_with(&client, &url, Some("k-51"), r#"{"n":"#, &json).await;
+    assert_eq!(broken.status(), 400);
+    let mended = post_with(&client, &url, Some("k-51"), r#"{"n":2}"#, &json).await;
+    assert_eq!(mended.status(), 201, "not a 422 for the mended body");
+    assert_eq!(app.runs.load(Ordering::SeqCst), 2);
+    let again = post_with(&client, &url, Some("k-51"), r#"{"n":2}"#, &json).await;
+    assert!(replayed(again.headers()), "the 201 is kept");
     assert_eq!(app.runs.load(Ordering::SeqCst), 2);
 }
 

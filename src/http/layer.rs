@@ -30,11 +30,20 @@ type Scope = Arc<dyn Fn(&Parts) -> String + Send + Sync>;
 type Fingerprint = Arc<dyn Fn(&Parts, &[u8]) -> String + Send + Sync>;
 type Keep = Arc<dyn Fn(StatusCode) -> bool + Send + Sync>;
 
-/// The default of [`IdempotencyLayer::keep`]: every answer but a server error and the client
+/// The default of [`IdempotencyLayer::keep`]: every answer but a server error, the client
 /// errors that say "not now" or "not you" rather than "never" (401, 403, 408, 409, 425, 429),
-/// which a retry may pass.
+/// which a retry may pass, and those that refuse the request as it was sent before anything
+/// was done (400, 406, 412, 413, 415, 422, 428: malformed, unacceptable, a failed
+/// precondition, too large, an unsupported media type, unprocessable), which a corrected
+/// retry under the same key must pass: kept, such an answer was replayed to a retry whose
+/// headers were mended (none of them is in the fingerprint), and a retry whose body was
+/// mended met a 422 for reusing its key.
 pub fn keeps_by_default(status: StatusCode) -> bool {
-    !status.is_server_error() && !matches!(status.as_u16(), 401 | 403 | 408 | 409 | 425 | 429)
+    !status.is_server_error()
+        && !matches!(
+            status.as_u16(),
+            400 | 401 | 403 | 406 | 408 | 409 | 412 | 413 | 415 | 422 | 425 | 428 | 429
+        )
 }
 
 /// The layer's settings, shared by every clone of its service.
@@ -82,16 +91,30 @@ const CREDENTIALS: [header::HeaderName; 2] = [header::AUTHORIZATION, header::COO
 /// The default fingerprint: [`request_fingerprint`] with the request's `Authorization` and
 /// `Cookie` headers. A key another caller sent first answers this one 422 instead of replaying
 /// the other's answer to it (a check in the endpoint itself, such as an axum extractor, does
-/// not run for a replay), whatever the scope names.
+/// not run for a replay), whatever the scope names — where callers are told apart by those
+/// two headers only.
 fn request_and_credentials_digest(parts: &Parts, body: &[u8]) -> String {
     let mut digest = Sha256::new();
     digest.update(request_fingerprint(parts, body).as_bytes());
     for name in &CREDENTIALS {
-        for value in parts.headers.get_all(name) {
+        let mut fields: Vec<&[u8]> = parts
+            .headers
+            .get_all(name)
+            .iter()
+            .map(|value| value.as_bytes())
+            .collect();
+        // Cookies sent as several fields (HTTP/2 lets a client or a proxy split them) are
+        // the same cookies as one field joined by "; ": one retry may come either way.
+        let joined;
+        if name == header::COOKIE && fields.len() > 1 {
+            joined = fields.join(&b"; "[..]);
+            fields = vec![&joined];
+        }
+        for value in fields {
             digest.update(b"\n");
             digest.update(name.as_str().as_bytes());
             digest.update(b": ");
-            digest.update(value.as_bytes());
+            digest.update(value);
         }
     }
     hex(&digest.finalize())
@@ -665,8 +688,9 @@ fn answer_kept(kept: Record, fingerprint: &str) -> Response<ResponseBody> {
     } else {
         problem(
             Problem::KeyReused,
-            "this Idempotency-Key was used for a different request (method, path or body); use \
-             a new key for a new operation",
+            "this Idempotency-Key was used for a different request (its method, path, query or \
+             body, or, under the default fingerprint, its credentials); use a new key for a new \
+             operation",
         )
     }
 }
@@ -835,6 +859,40 @@ fn unavailable(error: &dyn std::fmt::Display) -> Response<ResponseBody> {
 mod tests {
     use super::*;
     use crate::store::SqliteStore;
+
+    fn parts_with(headers: &[(&str, &str)]) -> Parts {
+        let mut request = http::Request::post("/orders");
+        for (name, value) in headers {
+            request = request.header(*name, *value);
+        }
+        request.body(()).unwrap().into_parts().0
+    }
+
+    #[test]
+    fn cookies_split_over_fields_fingerprint_as_one_field() {
+        let digest =
+            |headers: &[(&str, &str)]| request_and_credentials_digest(&parts_with(headers), b"{}");
+        let one = digest(&[("cookie", "a=1; b=2")]);
+        assert_eq!(one, digest(&[("cookie", "a=1"), ("cookie", "b=2")]));
+        assert_ne!(one, digest(&[("cookie", "a=1; b=3")]));
+        assert_ne!(one, digest(&[]));
+        // As before for one cookie field and any Authorization fields: the fingerprints of
+        // answers kept by an earlier build still match.
+        let before = |lines: &str| {
+            let mut digest = Sha256::new();
+            digest.update(request_fingerprint(&parts_with(&[]), b"{}").as_bytes());
+            digest.update(lines.as_bytes());
+            hex(&digest.finalize())
+        };
+        assert_eq!(
+            digest(&[
+                ("authorization", "a"),
+                ("authorization", "b"),
+                ("cookie", "c=1")
+            ]),
+            before("\nauthorization: a\nauthorization: b\ncookie: c=1")
+        );
+    }
 
     /// A request under way on a fresh SQLite file with a `rows` table, its key not entered.
     struct Request {

@@ -26,7 +26,10 @@ pub enum Problem {
     /// 409: the intent was carried out already (its deduplication id was claimed by an
     /// earlier request); the client should not retry it.
     DuplicateIntent,
-    /// 503: the store could not be reached; nothing was done, retry with the same key.
+    /// 503: the store could not be reached; nothing was kept, retry with the same key. The
+    /// endpoint ran if the store failed as its answer was kept: its database work was rolled
+    /// back — unless the commit itself failed on its way, when it may have landed, and the
+    /// retry is replayed its answer.
     StoreUnavailable,
     /// 500: an answer is kept for the key but cannot be read back (its row was damaged); the
     /// request is not run again, and retrying gets the same answer until an operator acts or
