@@ -722,3 +722,86 @@ async fn a_type_whose_subject_passes_the_servers_line_is_dead_lettered_where_it_
     assert!(runtime.shutdown().await.is_clean());
     server.remove().await;
 }
+
+/// Publishes on `subject` a message whose header block is `headers` as they are, bytes the
+/// NATS client itself may not read, through a connection of the test's own; returns once the
+/// stream acknowledged it.
+async fn publish_raw_bytes(subject: &str, headers: &[u8], body: &[u8]) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let address = url().trim_start_matches("nats://").to_owned();
+    let mut socket = tokio::net::TcpStream::connect(address).await.unwrap();
+    let mut block = b"NATS/1.0\r\n".to_vec();
+    block.extend_from_slice(headers);
+    block.extend_from_slice(b"\r\n");
+    let mut frame = format!(
+        "CONNECT {{\"verbose\":false,\"pedantic\":false,\"headers\":true}}\r\n\
+         SUB _INBOX.raw 1\r\nHPUB {subject} _INBOX.raw {} {}\r\n",
+        block.len(),
+        block.len() + body.len()
+    )
+    .into_bytes();
+    frame.extend_from_slice(&block);
+    frame.extend_from_slice(body);
+    frame.extend_from_slice(b"\r\n");
+    socket.write_all(&frame).await.unwrap();
+    let mut answer = Vec::new();
+    while !String::from_utf8_lossy(&answer).contains("\"seq\"") {
+        let mut chunk = vec![0; 4096];
+        let read = tokio::time::timeout(WAIT, socket.read(&mut chunk))
+            .await
+            .expect("the stream's acknowledgement")
+            .unwrap();
+        assert!(read > 0, "closed: {}", String::from_utf8_lossy(&answer));
+        answer.extend_from_slice(&chunk[..read]);
+    }
+}
+
+/// A message whose headers the NATS client cannot read ends the client's connection at each
+/// delivery, before the transport sees it, with the batch delivered beside it: found through
+/// the stream's own API, it is dead-lettered and deleted from the stream, and the message
+/// delivered with it is handled.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_message_whose_headers_the_client_cannot_read_is_dead_lettered_and_blocks_nothing() {
+    let server = Server::new().await;
+    let store = TestStore::sqlite().await;
+    let seen = Seen::default();
+    let transport = server
+        .transport(&url())
+        .ack_wait(std::time::Duration::from_secs(2));
+    let runtime = store.runtime(module(&seen, "a"), transport);
+    listening(&runtime).await;
+    let id = Uuid::new_v4();
+    let headers = format!("message-id: {id}\r\nmessage-type: tests.ping\r\nno colon here\r\n");
+    publish_raw_bytes(
+        &format!("{}.tests.ping", server.prefix),
+        headers.as_bytes(),
+        br#"{"n":1}"#,
+    )
+    .await;
+    let good = Uuid::new_v4().to_string();
+    let good = [
+        ("message-id", good.as_str()),
+        ("message-type", "tests.ping"),
+    ];
+    server.publish_raw("tests.ping", &good, br#"{"n":2}"#).await;
+
+    let calls = seen.wait_for(1, WAIT).await;
+    assert_eq!(calls[0].n, 2);
+    let letters = dead_letters(&runtime, 1).await;
+    let dacapo::DeadLetterReason::Unreadable(why) = &letters[0].reason else {
+        panic!("{:?}", letters[0].reason);
+    };
+    assert!(why.contains("cannot read its headers"), "{why}");
+    assert_eq!(
+        letters[0].envelope.payload, br#"{"n":1}"#,
+        "kept as it arrived"
+    );
+    assert!(
+        letters[0].envelope.headers["nats-header-block"].contains("no colon here"),
+        "{:?}",
+        letters[0].envelope.headers
+    );
+    wait_until_async(|| async { server.kept().await == 1 }).await;
+    assert!(runtime.shutdown().await.is_clean());
+    server.remove().await;
+}

@@ -2,6 +2,7 @@
 
 use std::collections::BTreeMap;
 use std::str::FromStr;
+use std::sync::Arc;
 use std::time::Duration;
 
 use async_nats::HeaderMap;
@@ -14,6 +15,8 @@ use super::host::{GatherError, Publish, Received, Sent, Subscribe, Transport, ga
 use super::routes::{Routes, routing};
 use super::wire::{self, Binding, Fallback, WireFormat};
 use crate::Error;
+
+mod unreadable;
 
 const NAME: &str = "nats";
 
@@ -199,6 +202,9 @@ impl From<Nats> for Transport {
                     client: None,
                     batch: Vec::new(),
                     cut_short: None,
+                    held: None,
+                    disconnected: Arc::default(),
+                    found: Vec::new(),
                 };
                 (Box::new(publisher), Box::new(subscriber))
             }),
@@ -272,8 +278,21 @@ fn consumer_name(service: &str, message_type: &str) -> Result<String, Error> {
     }
 }
 
-async fn connect(settings: &Settings) -> Result<jetstream::Context, Error> {
-    let client = async_nats::connect(settings.url.as_str())
+/// Connects to the server; `disconnected` is told of each connection the client loses.
+async fn connect(
+    settings: &Settings,
+    disconnected: Option<Arc<tokio::sync::Notify>>,
+) -> Result<jetstream::Context, Error> {
+    let options = async_nats::ConnectOptions::new().event_callback(move |event| {
+        let disconnected = disconnected.clone();
+        async move {
+            if let (async_nats::Event::Disconnected, Some(disconnected)) = (event, disconnected) {
+                disconnected.notify_one();
+            }
+        }
+    });
+    let client = options
+        .connect(settings.url.as_str())
         .await
         .map_err(|error| match error.kind() {
             // No retry changes refused credentials: a consumer that never listened stops
@@ -369,7 +388,7 @@ struct Publisher {
 impl Publisher {
     async fn send(&mut self, envelopes: &[Envelope]) -> Result<Sent, Error> {
         if self.context.is_none() {
-            let context = connect(&self.settings).await?;
+            let context = connect(&self.settings, None).await?;
             stream(&context, &self.settings).await?;
             self.context = Some(context);
         }
@@ -513,6 +532,13 @@ impl Publish for Publisher {
 /// How often an idle server tells a pull stream that it is still there.
 const IDLE_HEARTBEAT: Duration = Duration::from_secs(5);
 
+/// The stream a subscription pulls from, and each consumer with the subject it filters on.
+struct Held {
+    context: jetstream::Context,
+    stream: stream::Stream,
+    consumers: Vec<(String, jetstream::consumer::PullConsumer)>,
+}
+
 struct Subscriber {
     settings: Settings,
     listened: Vec<String>,
@@ -523,6 +549,14 @@ struct Subscriber {
     batch: Vec<jetstream::Message>,
     /// The error that ended the last batch early: the answer to the next call.
     cut_short: Option<Error>,
+    /// Where to look for what the client cannot read.
+    held: Option<Held>,
+    /// Told of each lost connection, after which a message the client cannot read may hold
+    /// the consumers up.
+    disconnected: Arc<tokio::sync::Notify>,
+    /// The stream sequences of the unreadable messages the last batch brought, deleted from
+    /// the stream once their dead letters are kept.
+    found: Vec<u64>,
 }
 
 #[async_trait]
@@ -533,10 +567,12 @@ impl Subscribe for Subscriber {
             self.release().await;
         }
         self.cut_short = None;
+        self.found.clear();
         let settings = &self.settings;
-        let context = connect(settings).await?;
+        let context = connect(settings, Some(Arc::clone(&self.disconnected))).await?;
         self.client = Some(context.client());
         let stream = stream(&context, settings).await?;
+        let mut consumers = Vec::with_capacity(self.listened.len());
         // One durable consumer per message type, each filtered on its subject: a filter of
         // several subjects needs a 2.10 server, and a server before it would ignore it.
         let mut streams = Vec::with_capacity(self.listened.len());
@@ -552,7 +588,7 @@ impl Subscribe for Subscriber {
                 stream
                     .create_consumer(pull::Config {
                         durable_name: Some(name),
-                        filter_subject,
+                        filter_subject: filter_subject.clone(),
                         ack_policy: jetstream::consumer::AckPolicy::Explicit,
                         ack_wait: settings.ack_wait,
                         ..pull::Config::default()
@@ -586,9 +622,15 @@ impl Subscribe for Subscriber {
                     .await
                     .map_err(failed)?,
             );
+            consumers.push((filter_subject, consumer));
         }
         let messages = futures::stream::select_all(streams);
         self.messages = Some(messages);
+        self.held = Some(Held {
+            context,
+            stream,
+            consumers,
+        });
         Ok(())
     }
 
@@ -600,12 +642,26 @@ impl Subscribe for Subscriber {
         if let Some(error) = self.cut_short.take() {
             return Err(error);
         }
-        let gathered = gather(messages, prefetch)
-            .await
-            .map_err(|error| match error {
-                GatherError::Ended => failed("the consumer's message stream ended"),
-                GatherError::Failed(error) => failed(error),
-            })?;
+        let disconnected = Arc::clone(&self.disconnected);
+        let gathered = loop {
+            tokio::select! {
+                gathered = gather(&mut *messages, prefetch) => break gathered,
+                // A batch cut off here was delivered on the connection that went: it comes
+                // again after its ack wait, whatever happens to it now.
+                () = disconnected.notified() => {
+                    let found =
+                        find_unreadable(self.held.as_ref(), &self.settings.stream).await;
+                    if !found.is_empty() {
+                        self.found = found.iter().map(|found| found.sequence).collect();
+                        return Ok(found.into_iter().map(|found| Err(found.unreadable)).collect());
+                    }
+                }
+            }
+        }
+        .map_err(|error| match error {
+            GatherError::Ended => failed("the consumer's message stream ended"),
+            GatherError::Failed(error) => failed(error),
+        })?;
         self.cut_short = gathered.cut_short.map(failed);
         self.batch = gathered.taken;
         let prefix = &self.settings.prefix;
@@ -620,10 +676,24 @@ impl Subscribe for Subscriber {
         for message in std::mem::take(&mut self.batch) {
             message.ack().await.map_err(failed)?;
         }
+        // Their dead letters are kept: the stream lets them go, or they would stop this
+        // consumer again at their next delivery. Deleted, they are gone for every consumer of
+        // the stream, which would stop on them alike.
+        for sequence in std::mem::take(&mut self.found) {
+            if let Some(held) = &self.held
+                && let Err(error) = held.stream.delete_message(sequence).await
+            {
+                // Deleted by another node that found it too, or not now: still there, it is
+                // found again at the next lost connection, under the dead letter it has.
+                tracing::warn!(transport = NAME, %error, sequence, "could not delete a message the NATS client cannot read from the stream");
+            }
+        }
         Ok(())
     }
 
     async fn release(&mut self) {
+        // Found again at the next lost connection: their dead letters keep one id.
+        self.found.clear();
         // What the pull streams hold beyond the batch goes back too, not after the ack wait.
         let mut held = std::mem::take(&mut self.batch);
         if let Some(messages) = self.messages.as_mut() {
@@ -650,6 +720,29 @@ impl Subscribe for Subscriber {
             }
         }
     }
+}
+
+/// The messages the consumers hold that the client cannot read; none when the server cannot
+/// be asked (the next lost connection asks again).
+async fn find_unreadable(held: Option<&Held>, stream_name: &str) -> Vec<unreadable::Found> {
+    let Some(held) = held else {
+        return Vec::new();
+    };
+    let mut found = Vec::new();
+    for (subject, consumer) in &held.consumers {
+        match unreadable::held_by(&held.context, stream_name, consumer, subject).await {
+            Ok(more) => found.extend(more),
+            Err(error) => {
+                // The server is likely gone: the other consumers would each wait for it too.
+                tracing::warn!(transport = NAME, %error, subject, "could not look for a message the NATS client cannot read");
+                break;
+            }
+        }
+    }
+    for found in &found {
+        tracing::warn!(transport = NAME, sequence = found.sequence, why = %found.unreadable.why, "a message the NATS client cannot read goes to the dead letters");
+    }
+    found
 }
 
 /// A JetStream message as an envelope; `Nats-Msg-Id` stands in for a missing id header. Its
@@ -704,7 +797,11 @@ mod tests {
         let settings = &nats.settings;
         let mut contexts = Vec::new();
         for _ in 0..8 {
-            contexts.push(connect(settings).await.expect("NATS runs for the tests"));
+            contexts.push(
+                connect(settings, None)
+                    .await
+                    .expect("NATS runs for the tests"),
+            );
         }
         // Each looks, finds nothing and creates, at the same moment.
         let created =
