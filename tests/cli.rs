@@ -497,6 +497,11 @@ on_both_backends!(
             .unwrap_or_else(|_| panic!("{}", String::from_utf8_lossy(&bad_json.stderr)));
         let error = said["error"].as_str().unwrap();
         assert!(error.contains("yesterday"), "{said}");
+        let no_subcommand = run_tool(&["--json", "dead-letters"], &[]).await;
+        assert_eq!(no_subcommand.status.code(), Some(2), "a usage error");
+        let said: serde_json::Value = serde_json::from_slice(&no_subcommand.stderr)
+            .unwrap_or_else(|_| panic!("{}", String::from_utf8_lossy(&no_subcommand.stderr)));
+        assert!(said["usage"].as_str().unwrap().contains("replay"), "{said}");
 
         let replayed: serde_json::Value = serde_json::from_str(
             &dacapo(&[

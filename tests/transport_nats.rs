@@ -758,10 +758,29 @@ async fn publish_raw_bytes(subject: &str, headers: &[u8], body: &[u8]) {
 
 /// A message whose headers the NATS client cannot read ends the client's connection at each
 /// delivery, before the transport sees it, with the batch delivered beside it: found through
-/// the stream's own API, it is dead-lettered and deleted from the stream, and the message
-/// delivered with it is handled.
+/// the stream's own API, it is dead-lettered, its header block kept exactly, and deleted from
+/// the stream, and the message delivered with it is handled.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_message_whose_headers_the_client_cannot_read_is_dead_lettered_and_blocks_nothing() {
+    unreadable_headers_are_dead_lettered(&["no colon here"]).await;
+}
+
+/// A value with a carriage return in it makes the client panic, not end its connection: the
+/// consumer subscribes again, and looks there.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_header_value_on_which_the_client_panics_is_dead_lettered_and_blocks_nothing() {
+    unreadable_headers_are_dead_lettered(&["carriage: a\rb"]).await;
+}
+
+/// Both in one batch.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_kinds_of_unreadable_headers_in_one_batch_are_both_dead_lettered() {
+    unreadable_headers_are_dead_lettered(&["no colon here", "carriage: a\rb"]).await;
+}
+
+/// Publishes a message with each header `line` the client cannot read, then a readable one;
+/// checks the readable one is handled and the others dead-lettered, kept exactly, and deleted.
+async fn unreadable_headers_are_dead_lettered(lines: &[&str]) {
     let server = Server::new().await;
     let store = TestStore::sqlite().await;
     let seen = Seen::default();
@@ -770,14 +789,18 @@ async fn a_message_whose_headers_the_client_cannot_read_is_dead_lettered_and_blo
         .ack_wait(std::time::Duration::from_secs(2));
     let runtime = store.runtime(module(&seen, "a"), transport);
     listening(&runtime).await;
-    let id = Uuid::new_v4();
-    let headers = format!("message-id: {id}\r\nmessage-type: tests.ping\r\nno colon here\r\n");
-    publish_raw_bytes(
-        &format!("{}.tests.ping", server.prefix),
-        headers.as_bytes(),
-        br#"{"n":1}"#,
-    )
-    .await;
+    for (n, line) in (10..).zip(lines) {
+        let headers = format!(
+            "message-id: {}\r\nmessage-type: tests.ping\r\n{line}\r\n",
+            Uuid::new_v4()
+        );
+        publish_raw_bytes(
+            &format!("{}.tests.ping", server.prefix),
+            headers.as_bytes(),
+            format!(r#"{{"n":{n}}}"#).as_bytes(),
+        )
+        .await;
+    }
     let good = Uuid::new_v4().to_string();
     let good = [
         ("message-id", good.as_str()),
@@ -787,21 +810,47 @@ async fn a_message_whose_headers_the_client_cannot_read_is_dead_lettered_and_blo
 
     let calls = seen.wait_for(1, WAIT).await;
     assert_eq!(calls[0].n, 2);
-    let letters = dead_letters(&runtime, 1).await;
-    let dacapo::DeadLetterReason::Unreadable(why) = &letters[0].reason else {
-        panic!("{:?}", letters[0].reason);
-    };
-    assert!(why.contains("cannot read its headers"), "{why}");
-    assert_eq!(
-        letters[0].envelope.payload, br#"{"n":1}"#,
-        "kept as it arrived"
-    );
-    assert!(
-        letters[0].envelope.headers["nats-header-block"].contains("no colon here"),
-        "{:?}",
-        letters[0].envelope.headers
-    );
+    let letters = dead_letters(&runtime, lines.len()).await;
+    let mut kept = Vec::new();
+    for letter in &letters {
+        let dacapo::DeadLetterReason::Unreadable(why) = &letter.reason else {
+            panic!("{:?}", letter.reason);
+        };
+        assert!(why.contains("cannot read its headers"), "{why}");
+        let block = base64_decoded(&letter.envelope.headers["nats-header-block-base64"]);
+        let (n, line) = (10..)
+            .zip(lines)
+            .find(|(_, line)| block.windows(line.len()).any(|w| w == line.as_bytes()))
+            .unwrap_or_else(|| panic!("{:?}", String::from_utf8_lossy(&block)));
+        assert_eq!(
+            letter.envelope.payload,
+            format!(r#"{{"n":{n}}}"#).as_bytes(),
+            "{line:?} kept as it arrived"
+        );
+        kept.push(n);
+    }
+    kept.sort_unstable();
+    assert_eq!(kept, (10..10 + lines.len()).collect::<Vec<_>>());
     wait_until_async(|| async { server.kept().await == 1 }).await;
     assert!(runtime.shutdown().await.is_clean());
     server.remove().await;
+}
+
+/// Standard base64, decoded (the test's own reader, to check what a dead letter kept).
+fn base64_decoded(text: &str) -> Vec<u8> {
+    const ALPHABET: &[u8] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
+    let mut bits = 0u32;
+    let mut count = 0;
+    let mut out = Vec::new();
+    for byte in text.bytes().filter(|b| *b != b'=') {
+        let value = ALPHABET.iter().position(|a| *a == byte).expect("base64") as u32;
+        bits = (bits << 6) | value;
+        count += 6;
+        if count >= 8 {
+            count -= 8;
+            out.push((bits >> count) as u8);
+            bits &= (1 << count) - 1;
+        }
+    }
+    out
 }

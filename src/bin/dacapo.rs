@@ -205,9 +205,7 @@ impl Store {
 fn usage(error: &clap::Error) -> ExitCode {
     let asked = matches!(
         error.kind(),
-        clap::error::ErrorKind::DisplayHelp
-            | clap::error::ErrorKind::DisplayVersion
-            | clap::error::ErrorKind::DisplayHelpOnMissingArgumentOrSubcommand
+        clap::error::ErrorKind::DisplayHelp | clap::error::ErrorKind::DisplayVersion
     );
     if asked || !std::env::args_os().any(|arg| arg == "--json") {
         let _ = error.print();

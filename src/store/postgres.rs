@@ -123,10 +123,19 @@ impl SqlStore<sqlx::Postgres> {
 /// (`€` in LATIN1) would be refused, with its dead letter, on its way in, and lost.
 /// `SQL_ASCII` keeps whatever bytes it is given.
 async fn holds_any_text(pool: &PgPool) -> Result<(), crate::Error> {
-    let encoding: String = sqlx::query_scalar("SHOW server_encoding")
+    let encoding: String = match sqlx::query_scalar("SHOW server_encoding")
         .fetch_one(pool)
         .await
-        .map_err(crate::store::sql::db_error)?;
+    {
+        Ok(encoding) => encoding,
+        // A server that keeps no such setting (one only speaking PostgreSQL's protocol) is
+        // not refused for it; a lost connection is met again by the next statement.
+        Err(sqlx::Error::Database(error)) => {
+            tracing::warn!(%error, "the database's encoding could not be read; dacapo needs one that holds every character (UTF8)");
+            return Ok(());
+        }
+        Err(error) => return Err(crate::store::sql::db_error(error).into()),
+    };
     if ["UTF8", "SQL_ASCII"].contains(&encoding.to_ascii_uppercase().as_str()) {
         return Ok(());
     }

@@ -75,9 +75,23 @@ where
     S: futures::Stream<Item = Result<T, E>> + Unpin,
 {
     use futures::StreamExt;
-    let first = stream
-        .next()
-        .await
+    let first = stream.next().await;
+    gather_from(first, stream, max).await
+}
+
+/// [`gather`], its first message (or the end or error in its place) already taken from
+/// `stream`.
+#[cfg(any(feature = "rabbitmq", feature = "nats"))]
+pub(crate) async fn gather_from<S, T, E>(
+    first: Option<Result<T, E>>,
+    stream: &mut S,
+    max: usize,
+) -> Result<Gathered<T, E>, GatherError<E>>
+where
+    S: futures::Stream<Item = Result<T, E>> + Unpin,
+{
+    use futures::StreamExt;
+    let first = first
         .ok_or(GatherError::Ended)?
         .map_err(GatherError::Failed)?;
     let mut taken = vec![first];

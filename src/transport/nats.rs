@@ -11,7 +11,7 @@ use async_trait::async_trait;
 use dacapo_actors::Envelope;
 use futures::{FutureExt, StreamExt};
 
-use super::host::{GatherError, Publish, Received, Sent, Subscribe, Transport, gather};
+use super::host::{GatherError, Publish, Received, Sent, Subscribe, Transport, gather_from};
 use super::routes::{Routes, routing};
 use super::wire::{self, Binding, Fallback, WireFormat};
 use crate::Error;
@@ -568,6 +568,8 @@ impl Subscribe for Subscriber {
         }
         self.cut_short = None;
         self.found.clear();
+        // A lost client's callback tells no longer: its permit would search for nothing.
+        self.disconnected = Arc::default();
         let settings = &self.settings;
         let context = connect(settings, Some(Arc::clone(&self.disconnected))).await?;
         self.client = Some(context.client());
@@ -631,6 +633,10 @@ impl Subscribe for Subscriber {
             stream,
             consumers,
         });
+        // Searched once now too: a message the client cannot read may also make it panic, on
+        // a connection that then goes without a word (its values with a carriage return), and
+        // the consumer comes back here.
+        self.disconnected.notify_one();
         Ok(())
     }
 
@@ -643,11 +649,12 @@ impl Subscribe for Subscriber {
             return Err(error);
         }
         let disconnected = Arc::clone(&self.disconnected);
-        let gathered = loop {
+        // The first message, or a lost connection (or a fresh subscription) first: then the
+        // consumers may hold a message the client cannot read, which would stop them. Only
+        // the wait for the first message is cut short, which takes nothing.
+        let first = loop {
             tokio::select! {
-                gathered = gather(&mut *messages, prefetch) => break gathered,
-                // A batch cut off here was delivered on the connection that went: it comes
-                // again after its ack wait, whatever happens to it now.
+                biased;
                 () = disconnected.notified() => {
                     let found =
                         find_unreadable(self.held.as_ref(), &self.settings.stream).await;
@@ -656,19 +663,27 @@ impl Subscribe for Subscriber {
                         return Ok(found.into_iter().map(|found| Err(found.unreadable)).collect());
                     }
                 }
+                first = messages.next() => break first,
             }
-        }
-        .map_err(|error| match error {
-            GatherError::Ended => failed("the consumer's message stream ended"),
-            GatherError::Failed(error) => failed(error),
-        })?;
+        };
+        let gathered =
+            gather_from(first, messages, prefetch)
+                .await
+                .map_err(|error| match error {
+                    GatherError::Ended => failed("the consumer's message stream ended"),
+                    GatherError::Failed(error) => failed(error),
+                })?;
         self.cut_short = gathered.cut_short.map(failed);
         self.batch = gathered.taken;
-        let prefix = &self.settings.prefix;
+        // A topology of the operator's own (declare(false)) may filter wider than a type.
+        let addressed = self
+            .settings
+            .declare
+            .then_some(self.settings.prefix.as_str());
         Ok(self
             .batch
             .iter()
-            .map(|message| read(message, prefix))
+            .map(|message| read(message, addressed))
             .collect())
     }
 
@@ -708,6 +723,7 @@ impl Subscribe for Subscriber {
             }
         }
         self.messages = None;
+        self.held = None;
         // The negative acknowledgements are buffered: they must leave before the connection.
         if let Some(client) = self.client.take() {
             match tokio::time::timeout(Duration::from_secs(1), client.flush()).await {
@@ -745,9 +761,10 @@ async fn find_unreadable(held: Option<&Held>, stream_name: &str) -> Vec<unreadab
     found
 }
 
-/// A JetStream message as an envelope; `Nats-Msg-Id` stands in for a missing id header. Its
-/// type is the one its subject (`<prefix>.<type>`) names.
-fn read(message: &jetstream::Message, prefix: &str) -> Received {
+/// A JetStream message as an envelope; `Nats-Msg-Id` stands in for a missing id header. Under
+/// `prefix` (the transport's own consumers, each filtered on one type's subject), its type is
+/// the one its subject (`<prefix>.<type>`) names.
+fn read(message: &jetstream::Message, prefix: Option<&str>) -> Received {
     let mut headers = BTreeMap::new();
     let mut msg_id = None;
     let mut more = Vec::new();
@@ -765,10 +782,8 @@ fn read(message: &jetstream::Message, prefix: &str) -> Received {
             }
         }
     }
-    let addressed_type = message
-        .subject
-        .as_str()
-        .strip_prefix(prefix)
+    let addressed_type = prefix
+        .and_then(|prefix| message.subject.as_str().strip_prefix(prefix))
         .and_then(|rest| rest.strip_prefix('.'))
         .map(str::to_owned);
     let fallback = Fallback {

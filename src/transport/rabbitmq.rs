@@ -734,7 +734,11 @@ impl Subscribe for Subscriber {
         self.cut_short = gathered.cut_short.map(failed);
         let deliveries = gathered.taken;
         self.last_tag = deliveries.last().map(|delivery| delivery.delivery_tag);
-        let exchange = &self.settings.exchange;
+        // A topology of the operator's own (declare(false)) may bind wider than a type.
+        let exchange = self
+            .settings
+            .declare
+            .then_some(self.settings.exchange.as_str());
         Ok(deliveries
             .into_iter()
             .map(|delivery| read(delivery, exchange))
@@ -771,9 +775,10 @@ impl Subscribe for Subscriber {
 }
 
 /// A delivery as an envelope, reading the AMQP properties where a header is missing. One that
-/// came through the transport's own exchange has the type its routing key names; one sent to
-/// the queue itself (through the default exchange) has the type its headers say.
-fn read(delivery: Delivery, exchange: &str) -> Received {
+/// came through `exchange` (the transport's own, whose bindings it declared: one per type) has
+/// the type its routing key names; one sent to the queue itself (through the default
+/// exchange) has the type its headers say.
+fn read(delivery: Delivery, exchange: Option<&str>) -> Received {
     let properties = &delivery.properties;
     let mut headers = BTreeMap::new();
     let mut more = other_properties(properties);
@@ -805,7 +810,7 @@ fn read(delivery: Delivery, exchange: &str) -> Received {
             .and_then(|seconds| chrono::DateTime::from_timestamp(seconds, 0)),
         in_headers: false,
         more,
-        addressed_type: (delivery.exchange.as_str() == exchange)
+        addressed_type: (Some(delivery.exchange.as_str()) == exchange)
             .then(|| delivery.routing_key.to_string()),
     };
     wire::decode(headers, delivery.data, fallback)

@@ -2,7 +2,8 @@
 //!
 //! The client reads a delivery's header block as it arrives, and a block it cannot read (not
 //! UTF-8, a line without a colon, a name with a space) ends its connection before the message
-//! reaches the transport. JetStream then delivers the message again after its ack wait, with
+//! reaches the transport; a value with a carriage return in it makes the client panic, and
+//! a status on the first line makes it take the message for one of the server's own. JetStream then delivers the message again after its ack wait, with
 //! the batch it came in, and the connection ends again: the consumer, and every message
 //! delivered beside it, would wait for ever. Such a message is found here through the stream's
 //! JSON API, which carries the headers as base64 and so never meets the client's reader.
@@ -17,8 +18,8 @@ use crate::transport::wire::Unreadable;
 
 /// How many messages one search reads past a consumer's acknowledged floor, at most: the
 /// unreadable one is among the first a consumer holds unacknowledged, since it stops
-/// everything delivered with it.
-const SEARCHED: usize = 512;
+/// everything delivered with it, and each read brings a whole message.
+const SEARCHED: usize = 128;
 
 /// A stream message the client cannot read, as the dead letter that keeps it.
 #[derive(Debug)]
@@ -72,6 +73,11 @@ pub(super) async fn held_by(
             break;
         }
         next = message.sequence.saturating_add(1);
+        // A server before 2.9 reads no `next_by_subj`, and answers the sequence whatever
+        // its subject: another consumer's message, not this one's to take.
+        if message.subject != subject {
+            continue;
+        }
         let headers = match &message.headers {
             Some(encoded) => base64::engine::general_purpose::STANDARD
                 .decode(encoded)
@@ -100,22 +106,16 @@ pub(super) fn client_reads(block: &[u8]) -> Result<(), String> {
     let Some(status) = version.strip_prefix("NATS/1.0").map(str::trim) else {
         return Err("their first line is not NATS/1.0".into());
     };
-    let status = status
-        .split_once(' ')
-        .map_or(status, |(code, _)| code.trim());
-    let code = |digits: &[u8]| {
-        digits.len() == 3
-            && (b'1'..=b'9').contains(&digits[0])
-            && digits[1..].iter().all(u8::is_ascii_digit)
-    };
-    if !status.is_empty() && !code(status.as_bytes()) {
-        return Err(format!("their status {status:?} is not a status code"));
+    // A message published with one is taken for the server's own (a 408, a 503) and never
+    // reaches the transport.
+    if !status.is_empty() {
+        return Err(format!("their first line holds a status, {status:?}"));
     }
     while let Some(line) = lines.next() {
         if line.is_empty() {
             continue;
         }
-        let Some((name, _)) = line.split_once(':') else {
+        let Some((name, value)) = line.split_once(':') else {
             return Err(format!("the line {line:?} has no colon"));
         };
         if name.contains(|c: char| !c.is_ascii_graphic()) {
@@ -123,16 +123,20 @@ pub(super) fn client_reads(block: &[u8]) -> Result<(), String> {
                 "the name {name:?} is not printable ASCII without spaces"
             ));
         }
-        while lines
-            .next_if(|next| next.starts_with(char::is_whitespace))
-            .is_some()
-        {}
+        let mut value = value.trim_start().to_owned();
+        while let Some(more) = lines.next_if(|next| next.starts_with(char::is_whitespace)) {
+            value.push_str(more);
+        }
+        if value.trim_end().contains(['\r', '\n']) {
+            return Err(format!("the value of {name:?} holds a carriage return"));
+        }
     }
     Ok(())
 }
 
 /// The dead letter of `message`: its headers as far as they read (lossily), its payload, and
-/// its whole header block as text beside them.
+/// its whole header block beside them, as text and, exactly, in base64: the message is
+/// deleted from the stream once its dead letter is kept.
 fn unreadable(message: &RawMessage, block: &[u8], body: Vec<u8>, why: &str) -> Unreadable {
     let text = String::from_utf8_lossy(block);
     let headers: BTreeMap<String, String> = text
@@ -152,6 +156,10 @@ fn unreadable(message: &RawMessage, block: &[u8], body: Vec<u8>, why: &str) -> U
         properties: vec![
             ("nats-subject".to_owned(), message.subject.clone()),
             ("nats-header-block".to_owned(), text.into_owned()),
+            (
+                "nats-header-block-base64".to_owned(),
+                base64::engine::general_purpose::STANDARD.encode(block),
+            ),
         ],
     }
 }
@@ -165,8 +173,8 @@ mod tests {
         for readable in [
             &b"NATS/1.0\r\nmessage-id: 1\r\nmessage-type: a.b\r\n\r\n"[..],
             b"NATS/1.0\r\n\r\n",
-            b"NATS/1.0 503\r\n\r\n",
             b"NATS/1.0\r\nfolded: a\r\n  b\r\n\r\n",
+            b"NATS/1.0\r\ntrailing: a \r\n\r\n",
         ] {
             assert_eq!(client_reads(readable), Ok(()), "{readable:?}");
         }
@@ -175,7 +183,10 @@ mod tests {
             b"NATS/1.0\r\nbad name: x\r\n\r\n",
             b"NATS/1.0\r\nna\xffme: x\r\n\r\n",
             b"NATS/1.1\r\n\r\n",
+            b"NATS/1.0 503\r\n\r\n",
             b"NATS/1.0 5x3\r\n\r\n",
+            b"NATS/1.0\r\ncarriage: a\rb\r\n\r\n",
+            b"NATS/1.0\r\nfolded: a\r\n b\rc\r\n\r\n",
         ] {
             assert!(client_reads(unreadable).is_err(), "{unreadable:?}");
         }
