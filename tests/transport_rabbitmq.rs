@@ -815,3 +815,167 @@ async fn a_binding_removed_under_the_service_is_made_again_and_its_message_goes_
     assert!(runtime.shutdown().await.is_clean());
     broker.remove().await;
 }
+
+/// Publishes through `exchange` under `routing_key` a message whose headers table holds the
+/// entries `headers` as they are, names that lapin cannot read among them, over a connection
+/// of the test's own that speaks AMQP 0-9-1 frames by hand; returns once it was sent and the
+/// connection closed.
+async fn publish_raw_frames(
+    exchange: &str,
+    routing_key: &str,
+    headers: &[(&[u8], &str)],
+    body: &[u8],
+) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    fn short(into: &mut Vec<u8>, bytes: &[u8]) {
+        into.push(u8::try_from(bytes.len()).unwrap());
+        into.extend_from_slice(bytes);
+    }
+    fn frame(kind: u8, channel: u16, payload: &[u8]) -> Vec<u8> {
+        let mut frame = vec![kind];
+        frame.extend_from_slice(&channel.to_be_bytes());
+        frame.extend_from_slice(&u32::try_from(payload.len()).unwrap().to_be_bytes());
+        frame.extend_from_slice(payload);
+        frame.push(0xCE);
+        frame
+    }
+    fn method(channel: u16, class: u16, id: u16, arguments: &[u8]) -> Vec<u8> {
+        let mut payload = class.to_be_bytes().to_vec();
+        payload.extend_from_slice(&id.to_be_bytes());
+        payload.extend_from_slice(arguments);
+        frame(1, channel, &payload)
+    }
+    /// Reads frames until a method of `class` and `id`; its payload.
+    async fn until(socket: &mut tokio::net::TcpStream, class: u16, id: u16) -> Vec<u8> {
+        loop {
+            let mut head = [0u8; 7];
+            socket.read_exact(&mut head).await.unwrap();
+            let size = u32::from_be_bytes([head[3], head[4], head[5], head[6]]) as usize;
+            let mut payload = vec![0; size + 1];
+            socket.read_exact(&mut payload).await.unwrap();
+            payload.pop();
+            if head[0] == 1 && payload[..4] == [class.to_be_bytes(), id.to_be_bytes()].concat()[..]
+            {
+                return payload;
+            }
+            assert!(
+                !(head[0] == 1
+                    && payload[..2] == 10u16.to_be_bytes()
+                    && payload[2..4] == 50u16.to_be_bytes()),
+                "RabbitMQ closed the connection: {}",
+                String::from_utf8_lossy(&payload)
+            );
+        }
+    }
+    let mut socket = tokio::net::TcpStream::connect("127.0.0.1:5672")
+        .await
+        .unwrap();
+    socket.write_all(b"AMQP\x00\x00\x09\x01").await.unwrap();
+    until(&mut socket, 10, 10).await;
+    let mut start_ok = 0u32.to_be_bytes().to_vec();
+    short(&mut start_ok, b"PLAIN");
+    start_ok.extend_from_slice(&12u32.to_be_bytes());
+    start_ok.extend_from_slice(b"\0guest\0guest");
+    short(&mut start_ok, b"en_US");
+    socket
+        .write_all(&method(0, 10, 11, &start_ok))
+        .await
+        .unwrap();
+    let tune = until(&mut socket, 10, 30).await;
+    let mut tune_ok = tune[4..10].to_vec();
+    tune_ok.extend_from_slice(&[0, 0]);
+    socket
+        .write_all(&method(0, 10, 31, &tune_ok))
+        .await
+        .unwrap();
+    socket
+        .write_all(&method(0, 10, 40, &[1, b'/', 0, 0]))
+        .await
+        .unwrap();
+    until(&mut socket, 10, 41).await;
+    socket.write_all(&method(1, 20, 10, &[0])).await.unwrap();
+    until(&mut socket, 20, 11).await;
+    // Publisher confirms, so that the message is in the queue when this returns.
+    socket.write_all(&method(1, 85, 10, &[0])).await.unwrap();
+    until(&mut socket, 85, 11).await;
+    let mut publish = vec![0, 0];
+    short(&mut publish, exchange.as_bytes());
+    short(&mut publish, routing_key.as_bytes());
+    publish.push(0);
+    let mut table = Vec::new();
+    for (name, value) in headers {
+        short(&mut table, name);
+        table.push(b'S');
+        table.extend_from_slice(&u32::try_from(value.len()).unwrap().to_be_bytes());
+        table.extend_from_slice(value.as_bytes());
+    }
+    let mut header = 60u16.to_be_bytes().to_vec();
+    header.extend_from_slice(&[0, 0]);
+    header.extend_from_slice(&(body.len() as u64).to_be_bytes());
+    header.extend_from_slice(&(1u16 << 13).to_be_bytes());
+    header.extend_from_slice(&u32::try_from(table.len()).unwrap().to_be_bytes());
+    header.extend_from_slice(&table);
+    let mut message = method(1, 60, 40, &publish);
+    message.extend(frame(2, 1, &header));
+    message.extend(frame(3, 1, body));
+    socket.write_all(&message).await.unwrap();
+    until(&mut socket, 60, 80).await;
+    let _ = socket.shutdown().await;
+}
+
+/// A message whose headers lapin cannot read (a name that is not UTF-8) ends lapin's
+/// connection as it is delivered, before the transport sees it, and RabbitMQ puts it back at
+/// the head of the queue: found there as the next subscription begins, it is dead-lettered,
+/// kept exactly, and acknowledged, and the message behind it is handled.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_message_whose_headers_lapin_cannot_read_is_dead_lettered_and_blocks_nothing() {
+    let broker = Broker::new().await;
+    let store = TestStore::sqlite().await;
+    let seen = Seen::default();
+    let runtime = store.runtime(module(&seen, "a"), broker.transport(&url()));
+    listening(&runtime).await;
+    let id = Uuid::new_v4().to_string();
+    publish_raw_frames(
+        &broker.exchange,
+        "tests.ping",
+        &[
+            (b"message-id", &id),
+            (b"message-type", "tests.ping"),
+            (b"bad\xffname", "x"),
+        ],
+        br#"{"n":1}"#,
+    )
+    .await;
+    let good = Uuid::new_v4().to_string();
+    broker
+        .publish_raw(
+            "tests.ping",
+            &[("message-id", &good), ("message-type", "tests.ping")],
+            br#"{"n":2}"#,
+        )
+        .await;
+
+    let calls = seen.wait_for(1, WAIT).await;
+    assert_eq!(calls[0].n, 2);
+    let letters = dead_letters(&runtime, 1).await;
+    let dacapo::DeadLetterReason::Unreadable(why) = &letters[0].reason else {
+        panic!("{:?}", letters[0].reason);
+    };
+    assert!(why.contains("lapin cannot read"), "{why}");
+    assert_eq!(
+        letters[0].envelope.payload, br#"{"n":1}"#,
+        "kept as it arrived"
+    );
+    assert_eq!(
+        letters[0]
+            .envelope
+            .headers
+            .get("bad\u{fffd}name")
+            .map(String::as_str),
+        Some("x")
+    );
+    assert!(letters[0].envelope.headers["amqp-properties-hex"].contains("ff"));
+    assert!(runtime.shutdown().await.is_clean());
+    assert_eq!(broker.ready().await, 0, "acknowledged, not put back");
+    broker.remove().await;
+}

@@ -18,6 +18,8 @@ use super::routes::{Routes, routing};
 use super::wire::{self, Binding, Fallback, WireFormat};
 use crate::Error;
 
+mod unreadable;
+
 const NAME: &str = "rabbitmq";
 
 /// The kind of queue a node listens on.
@@ -178,6 +180,7 @@ impl From<RabbitMq> for Transport {
                     consuming: None,
                     last_tag: None,
                     cut_short: None,
+                    head: None,
                 };
                 (Box::new(publisher), Box::new(subscriber))
             }),
@@ -689,6 +692,9 @@ struct Subscriber {
     last_tag: Option<u64>,
     /// The error that ended the last batch early: the answer to the next call.
     cut_short: Option<Error>,
+    /// Messages lapin cannot read, found at the head of the queue as the subscription began,
+    /// held on a connection of their own; and whether the last batch handed them over.
+    head: Option<(unreadable::Held, bool)>,
 }
 
 #[async_trait]
@@ -700,6 +706,15 @@ impl Subscribe for Subscriber {
         let settings = &self.settings;
         let (connection, channel) = connect(settings).await?;
         let queue = home_queue(&channel, settings, &self.listened).await?;
+        // Before anything is consumed: such a message would end this connection at once.
+        let count = usize::from(settings.prefetch).max(1);
+        self.head = match unreadable::at_head(&settings.url, queue.as_str(), count).await {
+            Ok(held) => held.map(|held| (held, false)),
+            Err(error) => {
+                tracing::warn!(transport = NAME, %error, "could not look at the head of the queue for a message lapin cannot read");
+                None
+            }
+        };
         channel
             .basic_qos(settings.prefetch, BasicQosOptions::default())
             .await
@@ -718,6 +733,19 @@ impl Subscribe for Subscriber {
     }
 
     async fn next(&mut self) -> Result<Vec<Received>, Error> {
+        if let Some((held, handed)) = &mut self.head
+            && !*handed
+        {
+            *handed = true;
+            for (_, found) in &held.found {
+                tracing::warn!(transport = NAME, why = %found.why, "a message lapin cannot read goes to the dead letters");
+            }
+            return Ok(held
+                .found
+                .iter()
+                .map(|(_, found)| Err(found.clone()))
+                .collect());
+        }
         let prefetch = usize::from(self.settings.prefetch);
         let Some((_, _, consumer)) = self.consuming.as_mut() else {
             return Err(failed("not subscribed"));
@@ -746,6 +774,10 @@ impl Subscribe for Subscriber {
     }
 
     async fn ack(&mut self) -> Result<(), Error> {
+        // Their dead letters are kept: acknowledged on the connection that holds them.
+        if let Some((held, true)) = self.head.take() {
+            return held.acknowledge().await.map_err(failed);
+        }
         let (Some(tag), Some((_, channel, _))) = (self.last_tag.take(), self.consuming.as_ref())
         else {
             return Ok(());
@@ -757,6 +789,8 @@ impl Subscribe for Subscriber {
     }
 
     async fn release(&mut self) {
+        // Its connection closed, what it held goes back to the head of the queue.
+        self.head = None;
         if let (Some(tag), Some((_, channel, _))) = (self.last_tag.take(), self.consuming.as_ref())
         {
             let requeue = BasicNackOptions {
