@@ -684,6 +684,10 @@ fn properties(
     Ok(properties)
 }
 
+/// How long the look at the head of the queue, and the acknowledgement of what it found, may
+/// take before the subscription goes on without them.
+const HEAD_LOOK: std::time::Duration = std::time::Duration::from_secs(10);
+
 struct Subscriber {
     settings: Arc<Settings>,
     listened: Vec<String>,
@@ -708,10 +712,15 @@ impl Subscribe for Subscriber {
         let queue = home_queue(&channel, settings, &self.listened).await?;
         // Before anything is consumed: such a message would end this connection at once.
         let count = usize::from(settings.prefetch).max(1);
-        self.head = match unreadable::at_head(&settings.url, queue.as_str(), count).await {
-            Ok(held) => held.map(|held| (held, false)),
-            Err(error) => {
+        let looking = unreadable::at_head(&settings.url, queue.as_str(), count);
+        self.head = match tokio::time::timeout(HEAD_LOOK, looking).await {
+            Ok(Ok(held)) => held.map(|held| (held, false)),
+            Ok(Err(error)) => {
                 tracing::warn!(transport = NAME, %error, "could not look at the head of the queue for a message lapin cannot read");
+                None
+            }
+            Err(_) => {
+                tracing::warn!(transport = NAME, waited = ?HEAD_LOOK, "could not look at the head of the queue for a message lapin cannot read: no answer");
                 None
             }
         };
@@ -776,7 +785,14 @@ impl Subscribe for Subscriber {
     async fn ack(&mut self) -> Result<(), Error> {
         // Their dead letters are kept: acknowledged on the connection that holds them.
         if let Some((held, true)) = self.head.take() {
-            return held.acknowledge().await.map_err(failed);
+            return match tokio::time::timeout(HEAD_LOOK, held.acknowledge()).await {
+                Ok(acknowledged) => acknowledged.map_err(failed),
+                // Unacknowledged, they go back to the queue: found again, under the dead
+                // letters they have.
+                Err(_) => Err(failed(
+                    "no answer to the acknowledgement of unreadable messages",
+                )),
+            };
         }
         let (Some(tag), Some((_, channel, _))) = (self.last_tag.take(), self.consuming.as_ref())
         else {

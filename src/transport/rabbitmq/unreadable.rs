@@ -125,8 +125,10 @@ pub(super) async fn at_head(url: &str, queue: &str, count: usize) -> Result<Opti
     Ok(Some(Held { socket, found }))
 }
 
-/// The dead letter of a message lapin cannot read: its body exactly, its properties as far as
-/// they read (lossily), and the raw `get-ok` and properties beside them in hexadecimal.
+/// The dead letter of a message lapin cannot read: its body exactly, its headers as far as they
+/// read (lossily), its exchange and routing key, and its properties exactly, in hexadecimal.
+/// Nothing of the delivery itself (its tag, the queue's count): the message found again after
+/// a crash keeps the dead letter it has.
 fn unreadable(method: &[u8], properties: &[u8], body: Vec<u8>, why: &str) -> Unreadable {
     let mut headers = BTreeMap::new();
     // Names and text values of the headers table, lossily, where the table is laid out as
@@ -134,6 +136,7 @@ fn unreadable(method: &[u8], properties: &[u8], body: Vec<u8>, why: &str) -> Unr
     for (name, value) in lossy_headers(properties) {
         headers.insert(name, value);
     }
+    let (exchange, routing_key) = address(method);
     Unreadable {
         headers,
         body,
@@ -142,10 +145,26 @@ fn unreadable(method: &[u8], properties: &[u8], body: Vec<u8>, why: &str) -> Unr
              the queue by a reader of the transport's own"
         ),
         properties: vec![
-            ("amqp-get-ok-hex".to_owned(), hex(method)),
+            ("amqp-exchange".to_owned(), exchange),
+            ("amqp-routing-key".to_owned(), routing_key),
             ("amqp-properties-hex".to_owned(), hex(properties)),
         ],
     }
+}
+
+/// A `get-ok`'s exchange and routing key, read lossily.
+fn address(method: &[u8]) -> (String, String) {
+    // Class and method ids, the delivery tag and the redelivered flag come first.
+    let mut at = 13usize;
+    let mut short = || {
+        let len = usize::from(*method.get(at)?);
+        let text = method.get(at + 1..at + 1 + len)?;
+        at += 1 + len;
+        Some(String::from_utf8_lossy(text).into_owned())
+    };
+    let exchange = short().unwrap_or_default();
+    let routing_key = short().unwrap_or_default();
+    (exchange, routing_key)
 }
 
 fn hex(bytes: &[u8]) -> String {
@@ -373,7 +392,33 @@ async fn close(socket: &mut TcpStream) {
 
 #[cfg(test)]
 mod tests {
-    use super::lossy_headers;
+    use super::{lossy_headers, unreadable};
+
+    #[test]
+    fn the_same_message_fetched_twice_keeps_one_dead_letter() {
+        // A get-ok: ids, delivery tag, redelivered, exchange, routing key, message count.
+        let get_ok = |tag: u64, redelivered: u8, count: u32| {
+            let mut method = vec![0, 60, 0, 71];
+            method.extend_from_slice(&tag.to_be_bytes());
+            method.push(redelivered);
+            method.extend_from_slice(&[2, b'e', b'x', 5]);
+            method.extend_from_slice(b"a.b\xffc");
+            method.extend_from_slice(&count.to_be_bytes());
+            method
+        };
+        // A content type of one byte that is not UTF-8.
+        let mut properties = (1u16 << 15).to_be_bytes().to_vec();
+        properties.extend_from_slice(&[1, 0xff]);
+        let letter = |method: &[u8]| {
+            unreadable(method, &properties, b"{}".to_vec(), "its properties")
+                .into_envelope(chrono::Utc::now())
+        };
+        let first = letter(&get_ok(1, 0, 7));
+        let again = letter(&get_ok(9, 1, 3));
+        assert_eq!(first.id, again.id);
+        assert_eq!(first.headers["amqp-routing-key"], "a.b\u{fffd}c");
+        assert_eq!(first.headers["amqp-exchange"], "ex");
+    }
 
     #[test]
     fn reads_the_text_headers_of_a_properties_block_lossily() {
