@@ -158,6 +158,36 @@ async fn the_default_handler_timeout_is_thirty_seconds() {
     assert_eq!(report.attempt_offsets[1], Duration::from_secs(31));
 }
 
+/// One fault given to two handlers counts for each alone: its clones share one count.
+#[tokio::test]
+async fn one_counted_fault_given_to_two_handlers_strikes_each() {
+    let fault = Fault::fail_times(1);
+    let harness = TestHarness::builder()
+        .module(
+            Module::new("m")
+                .handle_named::<MemberRemoved, _>("a", Recorder::new())
+                .handle_named::<MemberRemoved, _>("b", Recorder::new()),
+        )
+        .fault("m", "a", fault.clone())
+        .fault("m", "b", fault)
+        .retry_policy(RetryPolicy {
+            retry_limit: 3,
+            ..RetryPolicy::default()
+        })
+        .build()
+        .unwrap();
+    let report = harness.publish(&member_removed()).await.unwrap();
+    assert!(report.is_handled());
+    assert_eq!(report.attempts, 2);
+    let mut failed: Vec<String> = report.failures[0]
+        .failures
+        .iter()
+        .map(|f| f.handler.clone())
+        .collect();
+    failed.sort();
+    assert_eq!(failed, ["a", "b"], "each handler's first attempt failed");
+}
+
 #[tokio::test]
 async fn a_fault_can_strike_only_matching_messages() {
     let calls = Recorder::<MemberRemoved>::new();

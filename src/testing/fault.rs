@@ -47,6 +47,12 @@ impl Fault {
         }
     }
 
+    /// This fault with a count of its own: a clone shares its count with the original.
+    pub(crate) fn counted_afresh(mut self) -> Self {
+        self.struck = Arc::default();
+        self
+    }
+
     /// Fails the first `n` attempts of each message with a retryable error.
     pub fn fail_times(n: u32) -> Self {
         Self::new(Effect::Fail, Some(n))

@@ -153,14 +153,15 @@ impl TestHarnessBuilder {
         self.store_faults.clone()
     }
 
-    /// Injects `fault` in front of the handler `name` of `module`.
+    /// Injects `fault` in front of the handler `name` of `module`. A counted fault counts
+    /// for this handler alone, even where one `Fault` (or its clones) is given to several.
     #[must_use]
     pub fn fault(mut self, module: &str, name: &str, fault: Fault) -> Self {
         let id = HandlerId {
             module: module.into(),
             name: name.into(),
         };
-        self.faults.push((id, fault));
+        self.faults.push((id, fault.counted_afresh()));
         self
     }
 
