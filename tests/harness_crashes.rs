@@ -411,6 +411,10 @@ async fn crash_during_cooldown(backend: Backend) {
     assert_eq!(report.attempts, 2);
     let failures: Vec<_> = report.failures().map(|(attempt, _)| attempt).collect();
     assert_eq!(failures, [1]);
+    // The first cooldown (1 s) was due a second after the first attempt; the restart came a
+    // millisecond after it. The store keeps whole milliseconds, and the virtual clock starts on
+    // one: the rest of the cooldown is the same in every run.
+    assert_eq!(report.cooldowns(), [Duration::from_millis(999)]);
 }
 
 on_both_backends!(
