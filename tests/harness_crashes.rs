@@ -1070,3 +1070,50 @@ async fn an_advance_that_runs_into_a_crash_returns_it() {
         Failpoint::BeforeSettle,
     );
 }
+
+/// A restart cannot open a transport again: it says so, rather than starting a runtime that
+/// delivers in-process what was routed to a broker and listens nowhere.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_harness_whose_runtime_has_transports_refuses_to_restart() {
+    let db = ScratchDatabase::postgres(&admin_url()).await.unwrap();
+    let store = db.postgres_store().await.unwrap();
+    let queue = dacapo::transport::PostgresQueue::connect(db.url(), "restarted").unwrap();
+    let mut harness = builder()
+        .store(store)
+        .module(Module::new("m").handle_named::<MemberRemoved, _>("h", Recorder::new()))
+        .configure(|runtime| runtime.transport(queue))
+        .build()
+        .unwrap();
+    match harness.restart().await {
+        Err(Error::Configuration(why)) => assert!(why.contains("transports"), "{why}"),
+        other => panic!("restarted without its transports: {other:?}"),
+    }
+}
+
+/// A listener's accept caught by the crash at its failpoint holds the virtual clock in the
+/// caller's task, which the crash does not stop: the restart's first step on that clock is
+/// bounded by the settle timeout, and says so, instead of waiting for ever.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_restart_behind_an_accept_the_crash_caught_ends_within_the_settle_timeout() {
+    let db = ScratchDatabase::sqlite();
+    let store = db.sqlite_store().await.unwrap();
+    let mut harness = TestHarness::builder()
+        .settle_timeout(Duration::from_secs(2))
+        .store(store)
+        .module(Module::new("m").handle_named::<MemberRemoved, _>("h", Recorder::new()))
+        .build()
+        .unwrap();
+    harness.crash_at(Failpoint::BeforeAcknowledge).unwrap();
+    let listener = harness.runtime().listener();
+    let envelope = Envelope::for_message(&MemberRemoved { member_id: 7 }).unwrap();
+    let accepting = tokio::spawn(async move { listener.accept(envelope).await });
+    crashed_at(harness.idle().await, Failpoint::BeforeAcknowledge);
+    let restarted = tokio::time::timeout(Duration::from_secs(30), harness.restart())
+        .await
+        .expect("the restart ends");
+    assert!(
+        matches!(restarted, Ok(()) | Err(Error::NotSettled { .. })),
+        "{restarted:?}"
+    );
+    accepting.abort();
+}

@@ -385,6 +385,13 @@ impl RuntimeBuilder {
         self
     }
 
+    /// Whether transports were given: they open once, with the runtime that takes them, and
+    /// [`restartable`](Self::restartable) cannot carry them.
+    #[cfg(feature = "testing")]
+    pub(crate) fn has_transports(&self) -> bool {
+        !self.transports.is_empty()
+    }
+
     /// What [`into_parts`](Self::into_parts) left, again: the settings to start another
     /// runtime (a restart under the test harness), to which the store is given again.
     #[cfg(feature = "testing")]

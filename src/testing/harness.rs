@@ -242,7 +242,9 @@ impl TestHarnessBuilder {
             .store
             .as_ref()
             .map_or_else(|| Arc::from(""), |store| Arc::clone(&store.node));
+        let transports = runtime.has_transports();
         let restart = self.store.map(|store| Restart {
+            transports,
             runtime: runtime.restartable(),
             registry: registry.replicate(),
             store,
@@ -301,6 +303,8 @@ fn fenced(inner: Invoke, failpoints: Arc<Failpoints>) -> Invoke {
 /// What a restart starts again: the runtime's settings on the same store, and its handlers.
 struct Restart {
     runtime: RuntimeBuilder,
+    /// Whether the runtime had transports, which a restart cannot open again.
+    transports: bool,
     registry: Registry,
     store: PendingStore,
     /// The live run's hooks on its store's statements.
@@ -421,16 +425,29 @@ impl TestHarness {
     ///
     /// # Errors
     ///
-    /// [`Error::Configuration`] without a store given to [`TestHarnessBuilder::store`], the
-    /// runtime's start errors, and [`Error::NotSettled`] (nil envelope id) when a write the
-    /// killed runtime had begun (on SQLite, one holding the write lock), or then the first
-    /// recovery round, does not end within the settle timeout (each waits up to it).
+    /// [`Error::Configuration`] without a store given to [`TestHarnessBuilder::store`], or
+    /// for a runtime given transports (each opens once; restarted without them, the runtime
+    /// would deliver in-process what was routed to a broker); the runtime's start errors; and
+    /// [`Error::NotSettled`] (nil envelope id) when a write the killed runtime had begun (on
+    /// SQLite, one holding the write lock), a call into it that holds the virtual clock (a
+    /// listener's accept caught at a failpoint), or then the first recovery round, does not end
+    /// within the settle timeout (each waits up to it).
     pub async fn restart(&mut self) -> Result<(), Error> {
         let Some(restart) = &mut self.restart else {
             return Err(Error::Configuration(
                 "restart needs a store given to TestHarnessBuilder::store".into(),
             ));
         };
+        if restart.transports {
+            // Restarted without them, its relay would deliver in-process what was routed to a
+            // broker, and it would no longer listen there.
+            return Err(Error::Configuration(
+                "restart cannot open the runtime's transports again (a transport opens once, \
+                 with the runtime that takes it): crash a node with transports as a process of \
+                 its own, and start another"
+                    .into(),
+            ));
+        }
         if let Some(killer) = self.killer.take() {
             killer.abort();
         }
@@ -452,7 +469,17 @@ impl TestHarness {
             })?;
         // The next run takes back what this node's earlier run held, by received time in
         // milliseconds: it starts a millisecond after the crash, as a real one would.
-        self.clock.advance(Duration::from_millis(1)).await;
+        // Bounded: a call into the killed runtime that a crash caught holding the clock (a
+        // listener's accept at its failpoint) would hold it for ever.
+        tokio::time::timeout(
+            self.settle_timeout,
+            self.clock.advance(Duration::from_millis(1)),
+        )
+        .await
+        .map_err(|_| Error::NotSettled {
+            envelope_id: uuid::Uuid::nil(),
+            waited: self.settle_timeout,
+        })?;
         restart.hooks = Arc::new(StoreHooks::of_the_live_run(
             &self.failpoints,
             &self.store_faults,
