@@ -52,7 +52,11 @@ pub struct DeliveryReport {
     /// When each attempt started, measured from the first attempt's start on the engine's
     /// clock (virtual under the test harness, so cooldowns can be checked exactly); the first
     /// entry is therefore zero. Of a delivery of more than 100 attempts, the first and the
-    /// latest 99 are kept, as with [`failures`](Self::failures).
+    /// latest 99 are kept, as with [`failures`](Self::failures). A delivery resumed after a
+    /// restart counts from the resuming runtime's start instead (zero), and lists only the
+    /// attempts that runtime made: the earlier ones ran in the runtime that stopped, whose
+    /// clock this one does not share, while [`attempts`](Self::attempts) and
+    /// [`failures`](Self::failures) cover the whole delivery.
     pub attempt_offsets: Vec<Duration>,
     /// The messages its handlers cascaded that settled with it (sent only when it was
     /// handled). Those a handler's work recorded on its own — a handler transaction's commit,
