@@ -371,13 +371,15 @@ impl Runtime {
     /// messages deliveries cascaded through it have been published and settled too. A message
     /// routed to a broker counts as done here once the broker confirmed it: its handling,
     /// wherever it is consumed, is not waited for. An envelope that stays in the outbox — one
-    /// no broker queue takes yet, or a row that cannot be read — keeps it waiting: bound it
-    /// with a timeout where that can happen.
+    /// no broker queue takes yet, or a row that cannot be read — keeps it waiting, and so does
+    /// a store that cannot say what waits there (an outage): bound it with a timeout where
+    /// that can happen.
     ///
     /// # Cancel safety
     ///
     /// Cancel safe: it only observes.
     pub async fn idle(&self) {
+        let mut unknown = false;
         loop {
             self.engine.dispatcher().idle().await;
             let Some(outbox) = &self.outbox else { return };
@@ -390,11 +392,19 @@ impl Runtime {
                         return;
                     }
                 }
-                Ok(_) => tokio::time::sleep(Duration::from_millis(10)).await,
-                // A store that cannot answer cannot be waited on: report idle as far as known.
+                // Rows another writer enlisted (`Outbox::enlist` in the application's own
+                // transaction) wake no relay on SQLite, which has no notifications: woken here,
+                // it does not wait for its next poll (which a virtual clock may never reach).
+                Ok(_) => {
+                    self.engine.dispatcher().wake_outbox();
+                    tokio::time::sleep(Duration::from_millis(10)).await;
+                }
+                // Not idle as far as known: what waits there is still to be published.
                 Err(error) => {
-                    tracing::warn!(%error, "idle: the outbox backlog is unknown");
-                    return;
+                    if !std::mem::replace(&mut unknown, true) {
+                        tracing::warn!(%error, "idle: the outbox backlog is unknown; waiting for the store");
+                    }
+                    tokio::time::sleep(Duration::from_millis(10)).await;
                 }
             }
         }

@@ -636,6 +636,13 @@ impl TestHarness {
         self.clock.elapsed()
     }
 
+    /// The runtime's time now, on its virtual clock: the time to schedule against
+    /// (`SendOptions::deliver_at(harness.now() + …)`), where the system's clock would be as
+    /// far behind as the virtual one was advanced.
+    pub fn now(&self) -> chrono::DateTime<chrono::Utc> {
+        dacapo_actors::ports::Clock::now(&*self.clock)
+    }
+
     /// Publishes `message` and waits until its delivery settles.
     ///
     /// # Errors
