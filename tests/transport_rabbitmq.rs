@@ -859,6 +859,10 @@ async fn publish_raw_frames(
                 return payload;
             }
             assert!(
+                !(head[0] == 1 && payload[..4] == [0, 60, 0, 120]),
+                "RabbitMQ refused the publication"
+            );
+            assert!(
                 !(head[0] == 1
                     && payload[..2] == 10u16.to_be_bytes()
                     && payload[2..4] == 50u16.to_be_bytes()),
@@ -867,15 +871,19 @@ async fn publish_raw_frames(
             );
         }
     }
-    let mut socket = tokio::net::TcpStream::connect("127.0.0.1:5672")
-        .await
-        .unwrap();
+    let uri: lapin::uri::AMQPUri = url().parse().unwrap();
+    let mut socket =
+        tokio::net::TcpStream::connect((uri.authority.host.as_str(), uri.authority.port))
+            .await
+            .unwrap();
     socket.write_all(b"AMQP\x00\x00\x09\x01").await.unwrap();
     until(&mut socket, 10, 10).await;
+    let user = &uri.authority.userinfo;
+    let credentials = format!("\0{}\0{}", user.username, user.password);
     let mut start_ok = 0u32.to_be_bytes().to_vec();
     short(&mut start_ok, b"PLAIN");
-    start_ok.extend_from_slice(&12u32.to_be_bytes());
-    start_ok.extend_from_slice(b"\0guest\0guest");
+    start_ok.extend_from_slice(&u32::try_from(credentials.len()).unwrap().to_be_bytes());
+    start_ok.extend_from_slice(credentials.as_bytes());
     short(&mut start_ok, b"en_US");
     socket
         .write_all(&method(0, 10, 11, &start_ok))
@@ -888,10 +896,10 @@ async fn publish_raw_frames(
         .write_all(&method(0, 10, 31, &tune_ok))
         .await
         .unwrap();
-    socket
-        .write_all(&method(0, 10, 40, &[1, b'/', 0, 0]))
-        .await
-        .unwrap();
+    let mut open = Vec::new();
+    short(&mut open, uri.vhost.as_bytes());
+    open.extend_from_slice(&[0, 0]);
+    socket.write_all(&method(0, 10, 40, &open)).await.unwrap();
     until(&mut socket, 10, 41).await;
     socket.write_all(&method(1, 20, 10, &[0])).await.unwrap();
     until(&mut socket, 20, 11).await;

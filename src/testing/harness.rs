@@ -431,7 +431,8 @@ impl TestHarness {
     /// [`Error::NotSettled`] (nil envelope id) when a write the killed runtime had begun (on
     /// SQLite, one holding the write lock), a call into it that holds the virtual clock (a
     /// listener's accept caught at a failpoint), or then the first recovery round, does not end
-    /// within the settle timeout (each waits up to it).
+    /// within the settle timeout (each waits up to it). After the accept's case, end the task
+    /// that called it (it waits at its failpoint for good) before restarting again.
     pub async fn restart(&mut self) -> Result<(), Error> {
         let Some(restart) = &mut self.restart else {
             return Err(Error::Configuration(

@@ -181,6 +181,7 @@ impl From<RabbitMq> for Transport {
                     last_tag: None,
                     cut_short: None,
                     head: None,
+                    subscribed: false,
                 };
                 (Box::new(publisher), Box::new(subscriber))
             }),
@@ -699,6 +700,8 @@ struct Subscriber {
     /// Messages lapin cannot read, found at the head of the queue as the subscription began,
     /// held on a connection of their own; and whether the last batch handed them over.
     head: Option<(unreadable::Held, bool)>,
+    /// Whether a subscription was made before: each one after it follows a lost connection.
+    subscribed: bool,
 }
 
 #[async_trait]
@@ -710,9 +713,19 @@ impl Subscribe for Subscriber {
         let settings = &self.settings;
         let (connection, channel) = connect(settings).await?;
         let queue = home_queue(&channel, settings, &self.listened).await?;
-        // Before anything is consumed: such a message would end this connection at once.
+        // Before anything is consumed: such a message would end this connection at once. Only
+        // after a lost connection (which such a message causes): each look returns the
+        // readable messages it took, and a quorum queue counts each return.
+        self.head = None;
+        let looked_for = std::mem::replace(&mut self.subscribed, true);
         let count = usize::from(settings.prefetch).max(1);
-        let looking = unreadable::at_head(&settings.url, queue.as_str(), count);
+        let looking = async {
+            if looked_for {
+                unreadable::at_head(&settings.url, queue.as_str(), count).await
+            } else {
+                Ok(None)
+            }
+        };
         self.head = match tokio::time::timeout(HEAD_LOOK, looking).await {
             Ok(Ok(held)) => held.map(|held| (held, false)),
             Ok(Err(error)) => {

@@ -41,6 +41,19 @@ impl Held {
             arguments.push(0);
             send_method(&mut self.socket, CHANNEL, 60, 80, &arguments).await?;
         }
+        // The channel's close is answered after the acknowledgements before it: its answer
+        // says they were taken (a channel the server had closed answers otherwise).
+        let mut arguments = 200u16.to_be_bytes().to_vec();
+        push_short(&mut arguments, "done")?;
+        arguments.extend_from_slice(&[0, 0, 0, 0]);
+        send_method(&mut self.socket, CHANNEL, 20, 40, &arguments).await?;
+        let closed = expect_method(&mut self.socket).await?;
+        if (closed.class, closed.method) != (20, 41) {
+            return Err(format!(
+                "the acknowledgements were answered {:?}",
+                (closed.class, closed.method)
+            ));
+        }
         close(&mut self.socket).await;
         Ok(())
     }
@@ -95,9 +108,15 @@ pub(super) async fn at_head(url: &str, queue: &str, count: usize) -> Result<Opti
             }
             body.extend_from_slice(&frame.payload);
         }
-        let method_read = lapin::protocol::parse_class(&method.payload[..]).is_ok();
-        let properties_read =
-            lapin::protocol::basic::parse_properties(&header.payload[12..]).is_ok();
+        // Whole, as lapin parses a frame: a part left over fails it too.
+        let method_read = matches!(
+            lapin::protocol::parse_class(&method.payload[..]),
+            Ok((rest, _)) if rest.is_empty()
+        );
+        let properties_read = matches!(
+            lapin::protocol::basic::parse_properties(&header.payload[12..]),
+            Ok((rest, _)) if rest.is_empty()
+        );
         if method_read && properties_read {
             readable.push(tag);
         } else {
@@ -112,11 +131,14 @@ pub(super) async fn at_head(url: &str, queue: &str, count: usize) -> Result<Opti
             ));
         }
     }
-    // Back to the head of the queue, before anything else of it is consumed.
+    // Back to the head of the queue, before anything else of it is consumed: a negative
+    // acknowledgement, which a quorum queue too returns to its place (a rejection it may
+    // send to the back).
     for tag in readable {
         let mut arguments = tag.to_be_bytes().to_vec();
-        arguments.push(1);
-        send_method(&mut socket, CHANNEL, 60, 90, &arguments).await?;
+        // Not `multiple`; `requeue`.
+        arguments.push(0b10);
+        send_method(&mut socket, CHANNEL, 60, 120, &arguments).await?;
     }
     if found.is_empty() {
         close(&mut socket).await;
@@ -210,33 +232,35 @@ fn lossy_headers(properties: &[u8]) -> Vec<(String, String)> {
         at += 1 + usize::from(len);
         let Some(&kind) = table.get(at) else { break };
         at += 1;
-        let value = match kind {
-            b'S' => {
-                let Some(len) = table.get(at..at + 4) else {
-                    break;
-                };
-                let len = u32::from_be_bytes([len[0], len[1], len[2], len[3]]) as usize;
-                let Some(value) = table.get(at + 4..at + 4 + len) else {
-                    break;
-                };
-                at += 4 + len;
-                value
-            }
-            b's' => {
-                let Some(&len) = table.get(at) else { break };
-                let Some(value) = table.get(at + 1..at + 1 + usize::from(len)) else {
-                    break;
-                };
-                at += 1 + usize::from(len);
-                value
-            }
-            // Anything else is kept in the hexadecimal properties only.
+        let long = |at: usize| {
+            table
+                .get(at..at + 4)
+                .map(|len| u32::from_be_bytes([len[0], len[1], len[2], len[3]]) as usize)
+        };
+        // Each value's length by its type, as RabbitMQ lays them out ('s' a short integer).
+        let size = match kind {
+            b'V' => 0,
+            b't' | b'b' | b'B' => 1,
+            b's' | b'U' | b'u' => 2,
+            b'I' | b'i' | b'f' => 4,
+            b'D' => 5,
+            b'L' | b'l' | b'd' | b'T' => 8,
+            b'S' | b'A' | b'F' | b'x' => match long(at) {
+                Some(len) => 4 + len,
+                None => break,
+            },
+            // A type no one lays out: the rest is kept in the hexadecimal properties only.
             _ => break,
         };
-        entries.push((
-            String::from_utf8_lossy(name).into_owned(),
-            String::from_utf8_lossy(value).into_owned(),
-        ));
+        let Some(value) = table.get(at..at + size) else {
+            break;
+        };
+        at += size;
+        let name = String::from_utf8_lossy(name).into_owned();
+        // Text only, and none of the broker's own, which it rewrites at each return.
+        if kind == b'S' && !super::is_the_brokers(&name) {
+            entries.push((name, String::from_utf8_lossy(&value[4..]).into_owned()));
+        }
     }
     entries
 }
@@ -424,13 +448,23 @@ mod tests {
     fn reads_the_text_headers_of_a_properties_block_lossily() {
         // Flags: headers only; a table of `ok` = "1" (long string) and a name not UTF-8.
         let mut table = vec![2, b'o', b'k', b'S', 0, 0, 0, 1, b'1'];
-        table.extend_from_slice(&[3, b'b', 0xff, b'd', b's', 1, b'x']);
+        // A short integer (RabbitMQ's 's'), skipped; the broker's count, left out.
+        table.extend_from_slice(&[1, b'n', b's', 0, 7]);
+        table.extend_from_slice(&[16]);
+        table.extend_from_slice(b"x-delivery-count");
+        table.extend_from_slice(&[b'l', 0, 0, 0, 0, 0, 0, 0, 2]);
+        table.extend_from_slice(&[3, b'b', 0xff, b'd', b'S', 0, 0, 0, 1, b'x']);
         let mut properties = (1u16 << 13).to_be_bytes().to_vec();
         properties.extend_from_slice(&(table.len() as u32).to_be_bytes());
         properties.extend_from_slice(&table);
         let entries = lossy_headers(&properties);
-        assert_eq!(entries[0], ("ok".to_owned(), "1".to_owned()));
-        assert_eq!(entries[1], ("b\u{fffd}d".to_owned(), "x".to_owned()));
+        assert_eq!(
+            entries,
+            [
+                ("ok".to_owned(), "1".to_owned()),
+                ("b\u{fffd}d".to_owned(), "x".to_owned())
+            ]
+        );
         assert!(lapin::protocol::basic::parse_properties(&properties[..]).is_err());
     }
 }
