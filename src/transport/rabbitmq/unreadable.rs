@@ -22,6 +22,9 @@ const FRAME_BODY: u8 = 3;
 const FRAME_END: u8 = 0xCE;
 /// The one channel this reader opens.
 const CHANNEL: u16 = 1;
+/// The arguments of a channel's or the connection's close: reply code 200, reply text
+/// `done`, no failed method.
+const CLOSE: [u8; 11] = [0, 200, 4, b'd', b'o', b'n', b'e', 0, 0, 0, 0];
 
 /// Messages lapin cannot read, taken from the head of a queue and held unacknowledged on a
 /// connection of this reader's own: acknowledged once their dead letters are kept, or put back
@@ -43,10 +46,7 @@ impl Held {
         }
         // The channel's close is answered after the acknowledgements before it: its answer
         // says they were taken (a channel the server had closed answers otherwise).
-        let mut arguments = 200u16.to_be_bytes().to_vec();
-        push_short(&mut arguments, "done")?;
-        arguments.extend_from_slice(&[0, 0, 0, 0]);
-        send_method(&mut self.socket, CHANNEL, 20, 40, &arguments).await?;
+        send_method(&mut self.socket, CHANNEL, 20, 40, &CLOSE).await?;
         let closed = expect_method(&mut self.socket).await?;
         if (closed.class, closed.method) != (20, 41) {
             return Err(format!(
@@ -404,10 +404,7 @@ async fn open(socket: &mut TcpStream, uri: &AMQPUri) -> Result<(), String> {
 
 /// Closes the connection; what it held unacknowledged goes back to the queue.
 async fn close(socket: &mut TcpStream) {
-    let mut arguments = 200u16.to_be_bytes().to_vec();
-    let _ = push_short(&mut arguments, "done");
-    arguments.extend_from_slice(&[0, 0, 0, 0]);
-    if send_method(socket, 0, 10, 50, &arguments).await.is_ok() {
+    if send_method(socket, 0, 10, 50, &CLOSE).await.is_ok() {
         // Close-ok, or the end of the connection: either way it is closed.
         let _ = tokio::time::timeout(std::time::Duration::from_secs(1), read_frame(socket)).await;
     }
