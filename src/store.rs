@@ -13,6 +13,8 @@ pub use memory::{MemoryClaims, MemoryDeadLetters, MemoryInbox};
 #[cfg(feature = "postgres")]
 #[cfg_attr(docsrs, doc(cfg(feature = "postgres")))]
 pub use postgres::PostgresStore;
+#[cfg(feature = "postgres")]
+pub(crate) use postgres::holds_any_text;
 #[cfg(any(feature = "sqlite", feature = "postgres"))]
 #[cfg_attr(docsrs, doc(cfg(any(feature = "sqlite", feature = "postgres"))))]
 pub use sql::{Dialect, SqlStore};

@@ -174,11 +174,16 @@ async fn a_row_that_is_no_envelope_is_dead_lettered_and_taken_off_the_queue() {
     let seen = Seen::default();
     let runtime = store.runtime(module(&seen, "a"), queue_on(&store, "pings"));
     listening(&runtime).await;
-    // Another writer's row: its id is no UUID.
+    // Another writer's rows: an id that is no UUID; two with the nil UUID, which a writer
+    // that never sets its ids gives every row (all but the first would be discarded as
+    // redeliveries); and one without a type.
     let pool = dacapo::sqlx::PgPool::connect(store.url()).await.unwrap();
     dacapo::sqlx::query(
         "INSERT INTO dacapo_queue (queue, id, message_type, payload, headers, sent_at, \
-         enqueued_at) VALUES ('pings', 'not-a-uuid', 'tests.ping', '\\x7b7d', '{}', 0, 0)",
+         enqueued_at) VALUES ('pings', 'not-a-uuid', 'tests.ping', '\\x7b7d', '{}', 0, 0), \
+         ('pings', '00000000-0000-0000-0000-000000000000', 'tests.ping', '\\x7b7d', '{}', 0, 0), \
+         ('pings', '00000000-0000-0000-0000-000000000000', 'tests.ping', '\\x7b7e', '{}', 0, 0), \
+         ('pings', '0195e3f4-1c4a-7c3e-8d2b-5a6f7e8d9c0b', '', '\\x7b7d', '{}', 0, 0)",
     )
     .execute(&pool)
     .await
@@ -187,12 +192,20 @@ async fn a_row_that_is_no_envelope_is_dead_lettered_and_taken_off_the_queue() {
         .execute(&pool)
         .await
         .unwrap();
-    let letters = dead_letters(&runtime, 1).await;
-    assert!(
-        matches!(&letters[0].reason, DeadLetterReason::Unreadable(why) if why.contains("not-a-uuid")),
-        "{:?}",
-        letters[0].reason
-    );
+    let letters = dead_letters(&runtime, 4).await;
+    let mut reasons: Vec<String> = letters
+        .iter()
+        .map(|letter| match &letter.reason {
+            DeadLetterReason::Unreadable(why) => why.clone(),
+            other => panic!("not unreadable: {other:?}"),
+        })
+        .collect();
+    reasons.sort();
+    assert!(reasons[0].contains("not-a-uuid"), "{reasons:?}");
+    assert!(reasons[1].contains("nil UUID"), "{reasons:?}");
+    assert!(reasons[2].contains("nil UUID"), "{reasons:?}");
+    assert!(reasons[3].contains("message type is empty"), "{reasons:?}");
+    assert!(seen.counts().is_empty(), "no handler ran");
     assert!(runtime.shutdown().await.is_clean());
     assert_eq!(
         rows_left(store.url()).await,
@@ -511,6 +524,129 @@ async fn a_queue_in_a_database_that_does_not_exist_stops_listening_with_a_clear_
             .route::<Ping>(),
     );
     stops_listening(runtime, "refused").await;
+}
+
+/// A queue in a database whose encoding lacks characters (WIN1252 here) is refused before any
+/// row is taken: one row holding a byte WIN1252 has no character for fails every take there
+/// (each node would reconnect for ever), and a header with a character it lacks fails every
+/// publication of its batch.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_queue_in_a_database_that_cannot_hold_every_character_stops_listening() {
+    use dacapo::sqlx::Connection;
+    let store = TestStore::sqlite().await;
+    let admin = admin_url();
+    let (server, _) = admin.rsplit_once('/').expect("a database in the admin URL");
+    let name = unique("dacapo_win1252_");
+    let mut connection = dacapo::sqlx::PgConnection::connect(&admin).await.unwrap();
+    dacapo::sqlx::query(dacapo::sqlx::AssertSqlSafe(format!(
+        "CREATE DATABASE {name} ENCODING 'WIN1252' LC_COLLATE 'C' LC_CTYPE 'C' \
+         TEMPLATE template0"
+    )))
+    .execute(&mut connection)
+    .await
+    .unwrap();
+    let seen = Seen::default();
+    let runtime = store.runtime(
+        module(&seen, "a"),
+        PostgresQueue::connect(&format!("{server}/{name}"), "pings")
+            .unwrap()
+            .route::<Ping>(),
+    );
+    stops_listening(runtime, "WIN1252").await;
+    dacapo::sqlx::query(dacapo::sqlx::AssertSqlSafe(format!(
+        "DROP DATABASE {name} WITH (FORCE)"
+    )))
+    .execute(&mut connection)
+    .await
+    .unwrap();
+}
+
+/// A role that may read the queue's rows but not delete them stops listening with the grant
+/// it lacks: it would take the same batch after each failed acknowledgement, and run its
+/// handlers again once the inbox forgot it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_role_that_may_not_delete_the_queues_rows_stops_listening() {
+    let queue_database = TestStore::postgres().await;
+    let pool = dacapo::sqlx::PgPool::connect(queue_database.url())
+        .await
+        .unwrap();
+    // The table, made as the owner would.
+    let store = TestStore::sqlite().await;
+    let seen = Seen::default();
+    let owner = store.runtime(module(&seen, "a"), queue_on(&queue_database, "pings"));
+    listening(&owner).await;
+    owner.shutdown().await;
+    let role = unique("dacapo_reader_");
+    for statement in [
+        format!("CREATE ROLE {role} LOGIN"),
+        format!("GRANT SELECT, UPDATE ON dacapo_queue TO {role}"),
+    ] {
+        dacapo::sqlx::query(dacapo::sqlx::AssertSqlSafe(statement))
+            .execute(&pool)
+            .await
+            .unwrap();
+    }
+    // The queue database's URL, as the role (trust authentication: no password).
+    let (scheme, rest) = queue_database.url().split_once("://").unwrap();
+    let server = rest.rsplit_once('@').map_or(rest, |(_, server)| server);
+    let as_role = format!("{scheme}://{role}@{server}");
+    let store = TestStore::sqlite().await;
+    let runtime = store.runtime(
+        module(&seen, "a"),
+        PostgresQueue::connect(&as_role, "pings")
+            .unwrap()
+            .declare(false)
+            .route::<Ping>(),
+    );
+    stops_listening(runtime, "GRANT SELECT, UPDATE, DELETE").await;
+    for statement in [
+        format!("REVOKE ALL ON dacapo_queue FROM {role}"),
+        format!("DROP ROLE {role}"),
+    ] {
+        dacapo::sqlx::query(dacapo::sqlx::AssertSqlSafe(statement))
+            .execute(&pool)
+            .await
+            .unwrap();
+    }
+    pool.close().await;
+}
+
+/// A delete that leaves the acknowledged rows (a trigger that keeps them) is a failed
+/// acknowledgement, told as such, not one that worked: before, the node took the same rows
+/// again at once, without a pause, for ever.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_acknowledgement_that_deletes_nothing_is_a_failure_not_a_success() {
+    let store = TestStore::postgres().await;
+    let seen = Seen::default();
+    let runtime = store.runtime(module(&seen, "a"), queue_on(&store, "pings"));
+    listening(&runtime).await;
+    let pool = dacapo::sqlx::PgPool::connect(store.url()).await.unwrap();
+    for statement in [
+        "CREATE FUNCTION keep_rows() RETURNS trigger LANGUAGE plpgsql AS \
+         $$ BEGIN RETURN NULL; END $$",
+        "CREATE TRIGGER keep_rows BEFORE DELETE ON dacapo_queue \
+         FOR EACH ROW EXECUTE FUNCTION keep_rows()",
+    ] {
+        dacapo::sqlx::query(statement).execute(&pool).await.unwrap();
+    }
+    let ids = publish_pings(&runtime, 0, 1).await;
+    seen.wait_for(1, WAIT).await;
+    let told = || {
+        runtime.transports().iter().any(|(_, state)| {
+            matches!(state, dacapo::transport::TransportState::Connecting { last_error: Some(why) }
+                if why.contains("deleted 0 of the 1 rows"))
+        })
+    };
+    wait_until(WAIT, told).await;
+    dacapo::sqlx::query("DROP TRIGGER keep_rows ON dacapo_queue")
+        .execute(&pool)
+        .await
+        .unwrap();
+    // Taken again once the node connected again, discarded by the inbox, deleted this time.
+    until_rows(store.url(), 0).await;
+    assert_eq!(seen.counts().get(&ids[0]), Some(&1), "handled once");
+    assert!(runtime.shutdown().await.is_clean());
+    pool.close().await;
 }
 
 /// Rows in the queue table of the database at `url`; none while it does not exist.

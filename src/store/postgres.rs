@@ -122,7 +122,7 @@ impl SqlStore<sqlx::Postgres> {
 /// deduplication keys are text from anywhere, and one with a character the encoding lacks
 /// (`€` in LATIN1) would be refused, with its dead letter, on its way in, and lost.
 /// `SQL_ASCII` keeps whatever bytes it is given.
-async fn holds_any_text(pool: &PgPool) -> Result<(), crate::Error> {
+pub(crate) async fn holds_any_text(pool: &PgPool) -> Result<(), crate::Error> {
     let encoding: String = match sqlx::query_scalar("SHOW server_encoding")
         .fetch_one(pool)
         .await

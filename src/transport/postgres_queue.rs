@@ -264,8 +264,23 @@ const TAKE: &str = "SELECT seq, id, message_type, payload, headers, deduplicatio
 
 const DELETE: &str = "DELETE FROM dacapo_queue WHERE seq = ANY($1)";
 
-/// Creates the queue's table, or checks it is there.
+/// Whether this role may take rows (`FOR UPDATE`) and delete them once recorded.
+const MAY_TAKE: &str = "SELECT has_table_privilege('dacapo_queue', 'UPDATE') \
+    AND has_table_privilege('dacapo_queue', 'DELETE') AS may_take";
+
+/// Creates the queue's table, or checks it is there, in a database that holds any text: in
+/// another encoding, one row with a character it lacks would fail every take, and every node
+/// would stop taking from the queue.
 async fn declare(pool: &PgPool, create: bool) -> Result<(), Error> {
+    match crate::store::holds_any_text(pool).await {
+        Ok(()) => {}
+        Err(Error::Configuration(why)) => {
+            return Err(Error::Configuration(format!(
+                "the PostgreSQL queue's {why}"
+            )));
+        }
+        Err(other) => return Err(failed(other)),
+    }
     if create {
         let mut tx = pool.begin().await.map_err(refused)?;
         for statement in DECLARE {
@@ -323,7 +338,11 @@ impl Publisher {
                 .await;
             match oldest {
                 Ok(Some(row)) => {
-                    let enqueued_at: i64 = row.get("enqueued_at");
+                    // Not `get`: a table of the operator's (`declare(false)`) may let it be
+                    // NULL, and a panic here would report a committed publication as failed.
+                    let Ok(enqueued_at) = row.try_get::<i64, _>("enqueued_at") else {
+                        continue;
+                    };
                     let waited = Duration::from_millis(
                         u64::try_from(now.saturating_sub(enqueued_at)).unwrap_or(0),
                     );
@@ -445,6 +464,23 @@ impl Subscribe for Subscriber {
     async fn subscribe(&mut self) -> Result<(), Error> {
         self.taken = None;
         declare(&self.pool, self.declare).await?;
+        // A role that may read the rows but not delete them would take the same batch after
+        // every failed acknowledgement, and run its handlers again each time the inbox forgot
+        // it (past `keep_after_handling`).
+        let may_take: bool = sqlx::query(MAY_TAKE)
+            .fetch_one(&self.pool)
+            .await
+            .map_err(refused)?
+            .try_get("may_take")
+            .map_err(failed)?;
+        if !may_take {
+            return Err(Error::Configuration(
+                "the PostgreSQL queue's role may not update and delete rows of dacapo_queue, \
+                 which taking a row and acknowledging it need: GRANT SELECT, UPDATE, DELETE \
+                 ON dacapo_queue"
+                    .into(),
+            ));
+        }
         let mut listener = PgListener::connect_with(&self.pool)
             .await
             .map_err(refused)?;
@@ -485,13 +521,26 @@ impl Subscribe for Subscriber {
             return Ok(());
         };
         let acknowledge = async {
-            sqlx::query(DELETE)
+            let deleted = sqlx::query(DELETE)
                 .bind(&positions)
                 .execute(&mut *tx)
-                .await?;
-            tx.commit().await
+                .await?
+                .rows_affected();
+            tx.commit().await?;
+            Ok(deleted)
         };
-        answered_within(self.reply_timeout, "an acknowledgement", acknowledge).await
+        let deleted =
+            answered_within(self.reply_timeout, "an acknowledgement", acknowledge).await?;
+        // The rows are locked by this transaction: a delete that left some (a trigger, row
+        // security) left them to be taken again at once, again and again.
+        if deleted < positions.len() as u64 {
+            return Err(failed(format!(
+                "the acknowledgement deleted {deleted} of the {} rows taken: a trigger or a \
+                 row security policy on dacapo_queue keeps them",
+                positions.len()
+            )));
+        }
+        Ok(())
     }
 
     async fn release(&mut self) {
@@ -561,7 +610,23 @@ impl Subscriber {
             Ok(columns) => {
                 let body = columns.payload.clone();
                 let (id, message_type) = (columns.id.clone(), columns.message_type.clone());
-                columns.into_envelope(0).map_err(|error| {
+                let envelope = columns.into_envelope(0).map_err(|error| error.to_string());
+                // As on the brokers' wire: every row of a writer that never sets its ids would
+                // share the nil one, and the inbox would discard all but the first as
+                // redeliveries; a row without a type has no handler to run.
+                let envelope = envelope.and_then(|envelope| {
+                    if envelope.id.is_nil() {
+                        Err(
+                            "the row's id is the nil UUID, which cannot tell it from another"
+                                .to_owned(),
+                        )
+                    } else if envelope.message_type.is_empty() {
+                        Err("the row's message type is empty".to_owned())
+                    } else {
+                        Ok(envelope)
+                    }
+                });
+                envelope.map_err(|error| {
                     let mut unreadable = unreadable(format!("queue row: {error}"), body);
                     unreadable.headers.insert("message-id".into(), id);
                     unreadable
