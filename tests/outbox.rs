@@ -504,6 +504,9 @@ struct Observed {
     fail_first_mark: bool,
     /// The positions of each mark asked for, in order, failed or not.
     marks: Arc<std::sync::Mutex<Vec<Vec<i64>>>>,
+    /// The first read of a batch that finds rows tells `.0` once it read them, then waits for
+    /// a permit of `.1` before returning them: a relay paused between reading and publishing.
+    paused_after_read: Option<(Arc<tokio::sync::Notify>, Arc<tokio::sync::Semaphore>)>,
 }
 
 impl Observed {
@@ -517,6 +520,7 @@ impl Observed {
             slow_read: None,
             fail_first_mark: false,
             marks: Arc::default(),
+            paused_after_read: None,
         }
     }
 }
@@ -544,7 +548,18 @@ impl dacapo::ports::OutboxStore for Observed {
         if let Some((_, pause)) = self.slow_read.filter(|(slow, _)| *slow == read) {
             tokio::time::sleep(pause).await;
         }
-        self.inner.unpublished(after, limit).await
+        let rows = self.inner.unpublished(after, limit).await?;
+        if let Some((read, gate)) = &self.paused_after_read
+            && limit > 1
+            && !rows.is_empty()
+            && !gate.is_closed()
+        {
+            read.notify_one();
+            gate.acquire().await.unwrap().forget();
+            // Once only.
+            gate.close();
+        }
+        Ok(rows)
     }
     async fn backlog(&self) -> Result<dacapo::ports::OutboxBacklog, dacapo::EngineError> {
         self.inner.backlog().await
@@ -573,6 +588,9 @@ impl dacapo::ports::OutboxStore for Observed {
     }
     async fn sync(&self) -> Result<(), dacapo::EngineError> {
         self.inner.sync().await
+    }
+    async fn enlist(&self, envelopes: &[dacapo::Envelope]) -> Result<(), dacapo::EngineError> {
+        self.inner.enlist(envelopes).await
     }
     fn enlisted(
         &self,
@@ -1138,4 +1156,70 @@ async fn a_harness_schedules_against_its_virtual_now() {
         matches!(report.outcome, Outcome::Scheduled(_)),
         "{report:?}"
     );
+}
+
+/// A relay paused between reading a batch for the broker and sending it — past its lease,
+/// while another node took the lease and published those rows — reads the outbox again once
+/// it took the lease back, and sends nothing it read before: the rows' receivers may have
+/// forgotten them past their retention and would run them again. Before, it sent its stale
+/// copy (only rows for the engine were read again).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_relay_paused_past_its_lease_sends_no_row_it_read_before_to_the_broker() {
+    let clock = support_clock::ManualClock::default();
+    let db = support_stores::TestDatabase::new(support_stores::Backend::Postgres).await;
+    let (read, gate) = (
+        Arc::new(tokio::sync::Notify::new()),
+        Arc::new(tokio::sync::Semaphore::new(0)),
+    );
+    let mut outbox = Observed::new(db.sqlite_or_postgres_outbox().await);
+    outbox.paused_after_read = Some((Arc::clone(&read), Arc::clone(&gate)));
+    // Routed to a queue in the same database; nothing takes from it.
+    let queue = dacapo::transport::PostgresQueue::connect(&db.url, "hooks")
+        .unwrap()
+        .route::<support::WebhookQueued>();
+    let runtime = db
+        .store(Runtime::builder(), "paused", Duration::from_secs(30))
+        .await
+        .outbox_store(Arc::new(outbox))
+        .clock(Arc::new(clock.clone()))
+        .relay_interval(Duration::from_secs(3600))
+        .transport(queue)
+        .build()
+        .unwrap();
+    let hook = |id: &str| support::WebhookQueued {
+        delivery_id: id.into(),
+    };
+    runtime
+        .publish(&hook("read before the pause"))
+        .await
+        .unwrap();
+    tokio::time::timeout(WAIT, read.notified())
+        .await
+        .expect("the relay read its batch");
+    // Meanwhile another node took the lease, published the row and marked it; its lease of
+    // ten polls ran out, and so did this one's.
+    db.execute("UPDATE dacapo_outbox SET published_at = 1")
+        .await;
+    clock.advance(chrono::Duration::hours(11));
+    gate.add_permits(1);
+    // A later row, sent by the round after the paused one: once it is in the queue, the
+    // paused round is over.
+    runtime.publish(&hook("after")).await.unwrap();
+    tokio::time::timeout(WAIT, async {
+        while db
+            .scalar("SELECT count(*) FROM dacapo_queue WHERE payload = convert_to('{\"delivery_id\":\"after\"}', 'UTF8')")
+            .await
+            == 0
+        {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    })
+    .await
+    .expect("the later row reached the queue");
+    assert_eq!(
+        db.scalar("SELECT count(*) FROM dacapo_queue").await,
+        1,
+        "the row read before the pause was not sent again"
+    );
+    runtime.shutdown().await;
 }

@@ -207,6 +207,8 @@ impl RelayActor {
                     }
                 }
             }
+            // Nothing was read before it: the round's rows are read under this lease.
+            lease.rows_may_be_stale();
             let mut published = 0usize;
             let mut lost = false;
             // The broker failed this round: its rows wait for the next, the local ones go on.
@@ -248,6 +250,11 @@ impl RelayActor {
                     _ => None,
                 };
                 if broker.is_some() && lease.half_gone() && !renewed(&mut lease, &mut lost).await {
+                    break;
+                }
+                // This batch was read before the lease ran out (the node paused, say): read
+                // again on the next round, under the lease taken now, what is still to send.
+                if lease.rows_may_be_stale() {
                     break;
                 }
                 let this_batch = async {
@@ -295,17 +302,22 @@ impl RelayActor {
                         if busy.is_none() {
                             busy = Some(dispatcher.shared.timers.busy());
                         }
-                        // A lease that ran out while the engine had no room is taken again,
-                        // and this row published only if no other node published it meanwhile;
-                        // the rest of the batch is read again on the next round. Not dropped
-                        // with its room: an engine full for longer than a lease would otherwise
+                        // Renewed once half of it has passed, checked before each publication:
+                        // a long round keeps the lease, a relay paused past it learns it lost
+                        // it before publishing more, and two nodes never publish the same rows
+                        // side by side.
+                        if lease.half_gone() && !renewed(&mut lease, &mut lost).await {
+                            sent_all = false;
+                            break;
+                        }
+                        // A lease that ran out (while the engine had no room, while the broker
+                        // confirmed, while the node was paused) and was taken again: this row
+                        // is published only if no other node published it meanwhile, and the
+                        // rest of the batch is read again on the next round. Not dropped with
+                        // its room: an engine full for longer than a lease would otherwise
                         // keep every row of the outbox waiting.
                         let mut last_of_round = false;
-                        if lease.left().is_zero() {
-                            if !renewed(&mut lease, &mut lost).await {
-                                sent_all = false;
-                                break;
-                            }
+                        if lease.rows_may_be_stale() {
                             match outbox.unpublished(position.saturating_sub(1), 1).await {
                                 Ok(next) if next.first().is_some_and(|(at, _)| *at == position) => {
                                     last_of_round = true;
@@ -320,14 +332,6 @@ impl RelayActor {
                                     break;
                                 }
                             }
-                        }
-                        // Renewed once half of it has passed, checked before each publication:
-                        // a long round keeps the lease, a relay paused past it learns it lost
-                        // it before publishing more, and two nodes never publish the same rows
-                        // side by side.
-                        if lease.half_gone() && !renewed(&mut lease, &mut lost).await {
-                            sent_all = false;
-                            break;
                         }
                         let id = envelope.id;
                         // Not cut short: a publication cancelled inside the inbox's write could
@@ -640,6 +644,9 @@ struct Lease {
     clock: Arc<dyn crate::ports::Clock>,
     length: Duration,
     taken_at: Option<TakenAt>,
+    /// Taken again after it ran out, since [`rows_may_be_stale`](Self::rows_may_be_stale)
+    /// last looked: another node may have held it meanwhile.
+    retaken: bool,
 }
 
 /// When the lease was taken, on both clocks: the store expires it on the engine's (virtual
@@ -657,6 +664,7 @@ impl Lease {
             clock: Arc::clone(&dispatcher.shared.clock),
             length,
             taken_at: None,
+            retaken: false,
         }
     }
 
@@ -672,11 +680,21 @@ impl Lease {
             instant: tokio::time::Instant::now(),
             wall: now,
         };
+        let ran_out = self.taken_at.is_some() && self.left().is_zero();
         let taken = self.outbox.lease(now, until).await?;
         if taken {
             self.taken_at = Some(asked_at);
+            self.retaken |= ran_out;
         }
         Ok(taken)
+    }
+
+    /// Whether the lease ran out and was taken again since this was last asked: rows read
+    /// before then may have been published meanwhile by the node that held it (and handled,
+    /// and forgotten by their inbox past its retention), so they are read again before they
+    /// are published.
+    fn rows_may_be_stale(&mut self) -> bool {
+        std::mem::take(&mut self.retaken)
     }
 
     /// How long the lease has been held, by whichever clock says longer.
@@ -973,6 +991,7 @@ mod tests {
             clock: Arc::clone(&clock) as Arc<dyn crate::ports::Clock>,
             length: Duration::from_secs(2),
             taken_at: None,
+            retaken: false,
         };
         assert!(lease.take().await.unwrap());
         if jumped {
