@@ -64,6 +64,18 @@ pub(crate) const RECORD_COMPLETION: &str = "INSERT INTO dacapo_handler_completio
     (envelope_id, handler, completed_at) VALUES ($1, $2, $3) \
     ON CONFLICT (envelope_id, handler) DO NOTHING";
 
+/// Whether the attempt a handler transaction is opened for still runs here: its delivery not
+/// settled, at this attempt, owned by this node (or by none, while this node's shutdown gave it
+/// up for the moment). A node paused past its heartbeat finds another node took the delivery
+/// over, or settled it and — past the retention — forgot its completion records; without this,
+/// its handler's effect would commit a second time.
+macro_rules! attempt_still_runs {
+    () => {
+        "SELECT 1 AS runs FROM dacapo_inbox WHERE id = $1 AND status <> 'handled' \
+         AND attempts = $2 AND (owner = $3 OR owner IS NULL)"
+    };
+}
+
 /// Completions older than the retention of envelopes neither unsettled in the inbox nor
 /// dead-lettered: no attempt can run them again. A dead letter keeps its completions, so that
 /// its replay does not redo the work its handlers committed.
@@ -636,6 +648,7 @@ macro_rules! backend {
         $db:ty,
         $store:ty,
         $begin:expr,
+        still_runs = $still_runs:expr,
         parked = |$parked_store:ident| $parked:expr,
         end_left_open = |$connection:ident| $end_left_open:expr
     ) => {
@@ -672,6 +685,25 @@ macro_rules! backend {
                     turn,
                     clock: dacapo_actors::ports::DurableInbox::stamping_clock(store),
                 };
+                if store.deliveries_here() {
+                    let runs = sqlx::query($still_runs)
+                        .bind(id_text(message_id))
+                        .bind(crate::store::sql::stored_attempts(context.attempt()))
+                        .bind(store.node())
+                        .fetch_optional(&mut **transaction)
+                        .await
+                        .map_err(crate::store::sql::db_error)?;
+                    if runs.is_none() {
+                        tracing::warn!(
+                            messaging.message.id = %message_id,
+                            dacapo.handler = %transaction.handler,
+                            attempt = context.attempt(),
+                            "the delivery was taken over or settled elsewhere while this attempt ran (was this node paused?); its handler transaction is not opened"
+                        );
+                        transaction.rollback().await?;
+                        return Err(dacapo_actors::Error::Detached.into());
+                    }
+                }
                 let recorded = sqlx::query(RECORD_COMPLETION)
                     .bind(id_text(message_id))
                     .bind(&transaction.handler)
@@ -794,6 +826,8 @@ backend!(
     sqlx::Sqlite,
     crate::store::SqliteStore,
     "BEGIN IMMEDIATE",
+    // `BEGIN IMMEDIATE` keeps every other writer out until the commit.
+    still_runs = attempt_still_runs!(),
     parked = |store| store.parked_handler_turn().await?,
     end_left_open = |connection| crate::store::sql::end_on_sqlite(
         connection,
@@ -806,6 +840,10 @@ backend!(
     sqlx::Postgres,
     crate::store::PostgresStore,
     "BEGIN",
+    // Held until the commit: a node taking the delivery over skips it meanwhile (its claim
+    // locks `FOR UPDATE SKIP LOCKED`) instead of running it beside this attempt; this node's
+    // own settle, which changes no key, is not held back.
+    still_runs = concat!(attempt_still_runs!(), " FOR KEY SHARE"),
     parked = |_store| None::<ParkedTurn<Self>>,
     end_left_open = |connection| crate::store::sql::end_on_postgres(connection)
 );

@@ -768,3 +768,106 @@ async fn a_runtime_stopped_under_open_handler_connections_ends_them_postgres() {
     )
     .await;
 }
+
+/// Waits at its gate before it opens its transaction — a node paused there — then writes a
+/// ledger row in it; tells what opening it gave.
+#[derive(Clone)]
+struct PausedBeforeItsTransaction {
+    backend: Backend,
+    started: Arc<tokio::sync::Notify>,
+    gate: Arc<tokio::sync::Semaphore>,
+    opened: Arc<Mutex<Option<Result<bool, String>>>>,
+    done: Arc<tokio::sync::Notify>,
+}
+
+macro_rules! paused_work {
+    ($self:ident, $ctx:ident, $db:ty) => {{
+        $self.started.notify_one();
+        $self.gate.acquire().await?.forget();
+        let opened = $ctx.transaction::<$db>().await;
+        *$self.opened.lock().unwrap() = Some(match &opened {
+            Ok(tx) => Ok(tx.is_some()),
+            Err(error) => Err(error.to_string()),
+        });
+        $self.done.notify_one();
+        let Some(mut tx) = opened? else {
+            return Ok(());
+        };
+        sqlx::query("INSERT INTO ledger (entry) VALUES ($1)")
+            .bind(dacapo::ids::derive(tx.message_id(), "ledger"))
+            .execute(&mut **tx)
+            .await?;
+        tx.commit().await?;
+        Ok(())
+    }};
+}
+
+impl Handler<MemberRemoved> for PausedBeforeItsTransaction {
+    async fn handle(&self, _: &MemberRemoved, ctx: &MessageContext) -> Result<(), HandlerError> {
+        match self.backend {
+            Backend::Sqlite => paused_work!(self, ctx, sqlx::Sqlite),
+            Backend::Postgres => paused_work!(self, ctx, sqlx::Postgres),
+        }
+    }
+}
+
+on_both_backends!(
+    a_handler_paused_while_its_delivery_went_elsewhere_opens_no_transaction_sqlite,
+    a_handler_paused_while_its_delivery_went_elsewhere_opens_no_transaction_postgres,
+    |db| {
+        db.execute("CREATE TABLE IF NOT EXISTS ledger (entry TEXT NOT NULL)")
+            .await;
+        // What another node did while this one was paused: took the delivery over (and runs
+        // it), or ran and settled it — and, past the retention, its cleanup deleted the
+        // completion records that would have told this attempt the work was done.
+        for taken in [
+            "UPDATE dacapo_inbox SET owner = 'the-node-that-took-over'",
+            "UPDATE dacapo_inbox SET status = 'handled', owner = NULL",
+        ] {
+            db.execute("DELETE FROM dacapo_inbox").await;
+            let handler = PausedBeforeItsTransaction {
+                backend: db.backend,
+                started: Arc::default(),
+                gate: Arc::new(tokio::sync::Semaphore::new(0)),
+                opened: Arc::default(),
+                done: Arc::default(),
+            };
+            let runtime = db
+                .store(Runtime::builder(), "paused", Duration::from_secs(30))
+                .await
+                .module(
+                    Module::new("billing")
+                        .handle_named::<MemberRemoved, _>("ledger", handler.clone()),
+                )
+                .build()
+                .unwrap();
+            runtime.publish(&member_removed()).await.unwrap();
+            tokio::time::timeout(WAIT, handler.started.notified())
+                .await
+                .expect("the handler started");
+            db.execute(taken).await;
+            let done = handler.done.notified();
+            handler.gate.add_permits(1);
+            tokio::time::timeout(WAIT, done)
+                .await
+                .expect("the handler tried to open its transaction");
+            let opened = handler.opened.lock().unwrap().clone();
+            assert!(
+                matches!(&opened, Some(Err(why)) if why.contains("detached")),
+                "{taken}: {opened:?}"
+            );
+            assert_eq!(
+                db.scalar("SELECT count(*) FROM ledger").await,
+                0,
+                "{taken}: no effect"
+            );
+            assert_eq!(
+                db.scalar("SELECT count(*) FROM dacapo_handler_completions")
+                    .await,
+                0,
+                "{taken}: no completion"
+            );
+            runtime.shutdown().await;
+        }
+    }
+);

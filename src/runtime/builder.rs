@@ -661,7 +661,7 @@ fn handlers_on_the_runtimes_pool<D: crate::store::sql::Dialect>(
     let on_its_pool = store
         .as_deref()
         .and_then(|store| store.downcast_ref::<crate::store::sql::SqlStore<D>>())
-        .map(|store| store.clone().without_handler_pool());
+        .map(|store| store.clone().beside_another_inbox());
     if let Some(on_its_pool) = on_its_pool {
         *store = Some(Arc::new(on_its_pool));
     }

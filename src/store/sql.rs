@@ -21,7 +21,7 @@ mod parking;
 mod statements;
 mod store;
 
-pub(crate) use columns::{EnvelopeColumns, id_text, millis};
+pub(crate) use columns::{EnvelopeColumns, id_text, millis, stored_attempts};
 pub(crate) use database::{Database, Value, bind, to_the_end};
 pub use dialect::Dialect;
 #[cfg(feature = "postgres")]

@@ -60,6 +60,9 @@ pub struct SqlStore<D: Dialect> {
     clock: Arc<dyn Clock>,
     /// Set once the claims table exists, so a claim never meets a missing table.
     claims_ready: Arc<tokio::sync::OnceCell<()>>,
+    /// Whether the runtime's deliveries are rows of this store's inbox (not of an inbox of
+    /// their own, beside which this store only serves handler transactions).
+    deliveries_here: bool,
     /// Idempotency keys of this process's HTTP requests in progress, shared by every layer
     /// on this store.
     #[cfg(feature = "http")]
@@ -84,6 +87,7 @@ impl<D: Dialect> Clone for SqlStore<D> {
             node_timeout: self.node_timeout,
             clock: Arc::clone(&self.clock),
             claims_ready: Arc::clone(&self.claims_ready),
+            deliveries_here: self.deliveries_here,
             #[cfg(feature = "http")]
             http_in_flight: Arc::clone(&self.http_in_flight),
             dialect: PhantomData,
@@ -167,6 +171,7 @@ impl<D: Dialect> SqlStore<D> {
             node_timeout: Duration::from_secs(30),
             clock: Arc::new(SystemClock),
             claims_ready: Arc::default(),
+            deliveries_here: true,
             #[cfg(feature = "http")]
             http_in_flight: Arc::default(),
             dialect: PhantomData,
@@ -403,10 +408,17 @@ impl<D: Dialect> SqlStore<D> {
         self
     }
 
-    /// This store with handler connections from the runtime's own pool.
-    pub(crate) fn without_handler_pool(mut self) -> Self {
+    /// This store beside an inbox of the runtime's own: its deliveries are no rows here, and
+    /// handler connections come from the runtime's own pool.
+    pub(crate) fn beside_another_inbox(mut self) -> Self {
         self.handlers = None;
+        self.deliveries_here = false;
         self
+    }
+
+    /// Whether the runtime's deliveries are rows of this store's inbox.
+    pub(crate) fn deliveries_here(&self) -> bool {
+        self.deliveries_here
     }
 
     /// The current time on the store's clock.
