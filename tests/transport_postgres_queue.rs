@@ -750,3 +750,59 @@ async fn rows_no_node_takes_are_warned_of() {
     .expect("the hour-old row is warned of");
     assert!(second.shutdown().await.is_clean());
 }
+
+/// A row the queue can never take is dead-lettered and marked sent in one transaction: when
+/// the mark fails (a trigger here; a crash between the two in life), no letter is left beside
+/// a row still to send — which a later round could send after all, and a replay of the letter
+/// send again. Once the mark can be written, the next round keeps both.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_row_the_queue_refuses_is_dead_lettered_and_marked_together() {
+    let _ = support_warnings::warnings();
+    let queue_database = TestStore::postgres().await;
+    let store = TestStore::sqlite().await;
+    let seen = Seen::default();
+    let runtime = store.runtime(module(&seen, "a"), queue_on(&queue_database, "pings"));
+    listening(&runtime).await;
+    let TestStore::Sqlite(sqlite, _) = &store else {
+        unreachable!("made on SQLite")
+    };
+    let refusal = unique("the_mark_fails_");
+    dacapo::sqlx::query(dacapo::sqlx::AssertSqlSafe(format!(
+        "CREATE TRIGGER refuse_marks BEFORE UPDATE ON dacapo_outbox \
+         BEGIN SELECT RAISE(ABORT, '{refusal}'); END"
+    )))
+    .execute(sqlite.pool())
+    .await
+    .unwrap();
+    // PostgreSQL's text holds no NUL: the queue can never take this one.
+    let broken = runtime
+        .publish_with(
+            &Ping { n: 1 },
+            dacapo::SendOptions::new().deduplication_id("nul\0inside"),
+        )
+        .await
+        .unwrap();
+    let refused = || {
+        support_warnings::warnings()
+            .lock()
+            .unwrap()
+            .iter()
+            .any(|warning| warning.contains(&refusal))
+    };
+    wait_until(WAIT, refused).await;
+    let letters: i64 = dacapo::sqlx::query_scalar("SELECT count(*) FROM dacapo_dead_letters")
+        .fetch_one(sqlite.pool())
+        .await
+        .unwrap();
+    assert_eq!(letters, 0, "the letter went with the mark that failed");
+    dacapo::sqlx::query("DROP TRIGGER refuse_marks")
+        .execute(sqlite.pool())
+        .await
+        .unwrap();
+    let letters = dead_letters(&runtime, 1).await;
+    assert_eq!(letters[0].envelope.id, broken);
+    tokio::time::timeout(WAIT, runtime.idle()).await.unwrap();
+    assert_eq!(runtime.outbox_backlog().await.unwrap().unwrap().depth, 0);
+    assert!(runtime.shutdown().await.is_clean());
+    assert!(seen.calls().is_empty());
+}

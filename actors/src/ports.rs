@@ -754,6 +754,29 @@ pub trait OutboxStore: Send + Sync + 'static {
     /// [`Error::Store`] when it cannot be recorded.
     async fn mark_published(&self, positions: &[i64], at: DateTime<Utc>) -> Result<(), Error>;
 
+    /// Keeps `letter`, the dead letter of the envelope at `position` that the broker can
+    /// never take, and marks that envelope published, in one transaction: a crash between the
+    /// two would leave the letter beside a row still to send, which a later round may send
+    /// after all (the broker's limit raised) and a replay of the letter would send again. The
+    /// relay asks only an outbox that is also the runtime's dead-letter store.
+    ///
+    /// `false` (the default) when this store keeps no dead letters with its outbox: the relay
+    /// then keeps the letter in the dead-letter store, and marks the row once it is kept.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Store`] when the transaction fails (neither was written), [`Error::Rejected`]
+    /// for a letter the store cannot hold.
+    async fn dead_letter_unsent(
+        &self,
+        position: i64,
+        letter: &DeadLetter,
+        at: DateTime<Utc>,
+    ) -> Result<bool, Error> {
+        let _ = (position, letter, at);
+        Ok(false)
+    }
+
     /// Makes every commit so far durable. The relay calls it before it sends what it read to
     /// a broker, which acts on what it receives at once: a store whose commits can be read
     /// before they are durable (SQLite's handler connections commit without an fsync of their

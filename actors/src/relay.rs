@@ -18,6 +18,9 @@ pub struct RelayActor {
     outbound: Option<Arc<dyn Outbound>>,
     /// Where an envelope the broker can never take is kept instead.
     dead_letters: Option<Arc<dyn DeadLetterStore>>,
+    /// Whether `outbox` is the dead-letter store too, and keeps a letter in the transaction
+    /// that marks its row.
+    letters_with_outbox: bool,
     dispatcher: Dispatcher,
     interval: Duration,
     batch: usize,
@@ -65,10 +68,14 @@ impl RelayActor {
         dispatcher: Dispatcher,
         settings: Durability,
     ) -> Self {
+        let letters_with_outbox = dead_letters
+            .as_ref()
+            .is_some_and(|letters| std::ptr::addr_eq(Arc::as_ptr(letters), Arc::as_ptr(&outbox)));
         Self {
             outbox,
             outbound,
             dead_letters,
+            letters_with_outbox,
             dispatcher,
             interval: settings.relay_interval,
             batch: settings.relay_batch.max(1),
@@ -153,6 +160,7 @@ impl RelayActor {
         let (outbox, dispatcher) = (Arc::clone(&self.outbox), self.dispatcher.clone());
         let outbound = self.outbound.clone();
         let dead_letters = self.dead_letters.clone();
+        let letters_with_outbox = self.letters_with_outbox;
         let lease_taken_at = self.lease_taken_at;
         let (batch, interval) = (self.batch, self.interval);
         let unreadable = Arc::clone(&self.unreadable);
@@ -265,7 +273,10 @@ impl RelayActor {
                             outbox.as_ref(),
                             outbound,
                             away,
-                            dead_letters.as_deref(),
+                            Letters {
+                                store: dead_letters.as_deref(),
+                                with_outbox: letters_with_outbox,
+                            },
                             dispatcher.shared.clock.as_ref(),
                         );
                         match lease.kept_while(sending).await {
@@ -465,7 +476,7 @@ async fn send_away(
     outbox: &dyn OutboxStore,
     outbound: &dyn Outbound,
     away: Rows,
-    dead_letters: Option<&dyn DeadLetterStore>,
+    letters: Letters<'_>,
     clock: &dyn crate::ports::Clock,
 ) -> Option<(Vec<i64>, Vec<i64>)> {
     if let Err(error) = outbox.sync().await {
@@ -498,22 +509,41 @@ async fn send_away(
             continue;
         };
         tracing::error!(messaging.message.id = %envelope.id, %why, "the broker can never take this envelope; it goes to the dead letters");
-        let Some(dead_letters) = dead_letters else {
+        let Some(dead_letters) = letters.store else {
             continue;
         };
-        let letter = DeadLetter::rejected(
-            envelope,
-            DeadLetterReason::Undeliverable(why.clone()),
-            clock.now(),
-        );
-        match dead_letters.put(letter).await {
-            Ok(()) => marked.push(position),
-            Err(error) => {
-                tracing::warn!(%error, "keeping an undeliverable envelope failed; retrying on the next round");
-            }
+        let now = clock.now();
+        let letter =
+            DeadLetter::rejected(envelope, DeadLetterReason::Undeliverable(why.clone()), now);
+        let kept = if letters.with_outbox {
+            outbox.dead_letter_unsent(position, &letter, now).await
+        } else {
+            Ok(false)
+        };
+        // Kept and marked together, or kept first and marked with the batch.
+        let kept = match kept {
+            Ok(true) => Ok(()),
+            Ok(false) => dead_letters
+                .put(letter)
+                .await
+                .map(|()| marked.push(position)),
+            Err(error) => Err(error),
+        };
+        if let Err(error) = kept {
+            tracing::warn!(%error, "keeping an undeliverable envelope failed; retrying on the next round");
         }
     }
     Some((marked, kept_back))
+}
+
+/// Where the relay keeps the dead letters of rows no broker takes.
+#[derive(Clone, Copy)]
+struct Letters<'a> {
+    /// The runtime's dead-letter store; none keeps nothing (the row stays, and is sent again).
+    store: Option<&'a dyn DeadLetterStore>,
+    /// Whether that store is the outbox itself, which keeps a letter and marks its row in one
+    /// transaction.
+    with_outbox: bool,
 }
 
 /// Outbox rows: each envelope with its position.
@@ -952,7 +982,18 @@ mod tests {
         let rows = (1..=3)
             .map(|position| (position, Envelope::new("orders.placed", b"{}".to_vec())))
             .collect();
-        let sent = send_away(&outbox, &Broker(Arc::clone(&log)), rows, None, &SystemClock).await;
+        let letters = super::Letters {
+            store: None,
+            with_outbox: false,
+        };
+        let sent = send_away(
+            &outbox,
+            &Broker(Arc::clone(&log)),
+            rows,
+            letters,
+            &SystemClock,
+        )
+        .await;
         let happened = log.lock().unwrap().clone();
         (sent, happened)
     }

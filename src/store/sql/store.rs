@@ -1210,6 +1210,24 @@ impl<D: Dialect> OutboxStore for SqlStore<D> {
         tx.commit().await
     }
 
+    async fn dead_letter_unsent(
+        &self,
+        position: i64,
+        letter: &DeadLetter,
+        at: DateTime<Utc>,
+    ) -> Result<bool, Error> {
+        let columns = DeadLetterColumns::of(letter)?;
+        let mut tx = self.db.begin().await?;
+        tx.execute(PUT_DEAD_LETTER, &columns.values()).await?;
+        tx.execute_built(
+            mark_published(1),
+            &[Value::Int64(millis(at)), Value::Int64(position)],
+        )
+        .await?;
+        tx.commit().await?;
+        Ok(true)
+    }
+
     async fn sync(&self) -> Result<(), Error> {
         // Only handler connections commit without a sync of their own.
         match &self.handlers {
