@@ -213,3 +213,46 @@ impl<'a> RuntimeOutbox<'a> {
         Ok(())
     }
 }
+
+/// How a runtime makes the envelopes its outbox takes — its deduplication rules and its size
+/// limit — and a wake for its relay; from [`Runtime::enlisting`], for code that enlists
+/// outside the runtime (the HTTP layer's request transactions). Cheap to clone.
+#[derive(Clone)]
+pub struct Enlisting {
+    pub(crate) dispatcher: dacapo_actors::Dispatcher,
+    pub(crate) max_envelope_size: usize,
+}
+
+impl std::fmt::Debug for Enlisting {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Enlisting")
+            .field("max_envelope_size", &self.max_envelope_size)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Enlisting {
+    /// The envelope `message` travels in, as [`Runtime::envelope`] makes it.
+    ///
+    /// # Errors
+    ///
+    /// A serialization failure, or an envelope over the runtime's size limit (handed back).
+    pub fn envelope<M: Message>(
+        &self,
+        message: &M,
+        options: SendOptions,
+    ) -> Result<Envelope, Error> {
+        crate::runtime::envelope_under(
+            self.dispatcher.deduplication_rules(),
+            self.max_envelope_size,
+            message,
+            options,
+        )
+    }
+
+    /// Tells the runtime's relay that envelopes were just committed to its outbox, so that
+    /// it publishes them now rather than at its next poll.
+    pub fn wake_relay(&self) {
+        self.dispatcher.wake_outbox();
+    }
+}

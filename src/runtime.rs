@@ -293,22 +293,24 @@ impl Runtime {
         message: &M,
         options: SendOptions,
     ) -> Result<Envelope, Error> {
-        let mut envelope = Envelope::for_message(message).map_err(dacapo_actors::Error::from)?;
-        options.apply(&mut envelope);
-        self.engine
-            .dispatcher()
-            .deduplication_rules()
-            .apply(message, &mut envelope);
-        let size = envelope.size();
-        if size > self.max_envelope_size {
-            return Err(dacapo_actors::Error::TooLarge {
-                envelope: Box::new(envelope),
-                size,
-                limit: self.max_envelope_size,
-            }
-            .into());
+        envelope_under(
+            self.engine.dispatcher().deduplication_rules(),
+            self.max_envelope_size,
+            message,
+            options,
+        )
+    }
+
+    /// How this runtime makes the envelopes its outbox takes, for code that enlists outside
+    /// it: the HTTP layer's request transactions
+    /// ([`IdempotencyLayer::runtime`](crate::http::IdempotencyLayer::runtime)).
+    #[cfg(any(feature = "sqlite", feature = "postgres"))]
+    #[cfg_attr(docsrs, doc(cfg(any(feature = "sqlite", feature = "postgres"))))]
+    pub fn enlisting(&self) -> crate::outbox::Enlisting {
+        crate::outbox::Enlisting {
+            dispatcher: self.engine.dispatcher().clone(),
+            max_envelope_size: self.max_envelope_size,
         }
-        Ok(envelope)
     }
 
     /// The outbox as this runtime sees it: enlisting applies the runtime's deduplication
@@ -540,4 +542,26 @@ impl Scheduled<'_> {
     pub async fn cancel(&self, id: Uuid) -> Result<bool, Error> {
         Ok(self.runtime.inbox.cancel_scheduled(id).await?)
     }
+}
+
+/// The envelope `message` travels in under a runtime's deduplication `rules` and size limit.
+pub(crate) fn envelope_under<M: Message>(
+    rules: &dacapo_actors::DeduplicationRules,
+    max_envelope_size: usize,
+    message: &M,
+    options: SendOptions,
+) -> Result<Envelope, Error> {
+    let mut envelope = Envelope::for_message(message).map_err(dacapo_actors::Error::from)?;
+    options.apply(&mut envelope);
+    rules.apply(message, &mut envelope);
+    let size = envelope.size();
+    if size > max_envelope_size {
+        return Err(dacapo_actors::Error::TooLarge {
+            envelope: Box::new(envelope),
+            size,
+            limit: max_envelope_size,
+        }
+        .into());
+    }
+    Ok(envelope)
 }

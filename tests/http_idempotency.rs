@@ -1831,3 +1831,80 @@ fn a_request_dropped_on_a_runtime_left_idle_leaves_the_write_lock_free() {
     });
     drop(application);
 }
+
+/// Counts the orders it handles.
+#[derive(Clone, Default)]
+struct HandledOrders {
+    count: Arc<AtomicUsize>,
+    changed: Arc<Notify>,
+}
+
+impl dacapo::Handler<OrderPlaced> for HandledOrders {
+    async fn handle(
+        &self,
+        _: &OrderPlaced,
+        _: &dacapo::MessageContext,
+    ) -> Result<(), dacapo::HandlerError> {
+        self.count.fetch_add(1, Ordering::SeqCst);
+        self.changed.notify_waiters();
+        Ok(())
+    }
+}
+
+/// Enlists an order for its body; the enlist's error as a 500 whose body says why.
+async fn order_for_the_runtime(
+    Extension(request): Extension<RequestTransaction<sqlx::Sqlite>>,
+    body: String,
+) -> axum::response::Response {
+    match request.enlist(&OrderPlaced { reference: body }).await {
+        Ok(_) => StatusCode::CREATED.into_response(),
+        Err(error) => (StatusCode::INTERNAL_SERVER_ERROR, error.to_string()).into_response(),
+    }
+}
+
+/// A layer given the runtime enlists as the runtime's own outbox does: under its
+/// deduplication rules and its envelope size limit (an envelope over it fails the endpoint's
+/// enlist instead of being dead-lettered by every receiver), and a committed request wakes the
+/// relay (a SQLite store tells it of no commit; it polls once an hour here). Before, the rules
+/// and the limit were not applied, and the message waited for the poll.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_layer_given_the_runtime_enlists_under_its_rules_and_limit_and_wakes_its_relay() {
+    let db = TestDatabase::new(Which::Sqlite).await;
+    let store = db.sqlite().await;
+    let handled = HandledOrders::default();
+    let runtime = dacapo::Runtime::builder()
+        .store(store.clone())
+        .relay_interval(Duration::from_secs(3600))
+        .max_envelope_size(512)
+        .deduplicate_by::<OrderPlaced>(|order| Some(format!("rule:{}", order.reference)))
+        .module(dacapo::Module::new("orders").handle::<OrderPlaced, _>(handled.clone()))
+        .build()
+        .unwrap();
+    let router = Router::new()
+        .route("/orders", post(order_for_the_runtime))
+        .route_layer(IdempotencyLayer::new(store).runtime(&runtime));
+    let url = format!("{}/orders", serve_router(router).await);
+    let client = reqwest::Client::new();
+
+    let handled_one = handled.changed.notified();
+    let response = post_with(&client, &url, Some("k-1"), "A-1", &[]).await;
+    assert_eq!(response.status(), 201);
+    tokio::time::timeout(Duration::from_secs(20), handled_one)
+        .await
+        .expect("published at once, not at the relay's hourly poll");
+    let id: Option<String> = db
+        .value_for(
+            "SELECT deduplication_id FROM dacapo_outbox WHERE message_type = $1",
+            "orders.placed".to_owned(),
+        )
+        .await;
+    assert_eq!(id.as_deref(), Some("rule:A-1"), "the runtime's rule");
+
+    let response = post_with(&client, &url, Some("k-2"), &"x".repeat(1000), &[]).await;
+    assert_eq!(response.status(), 500);
+    let why = response.text().await.unwrap();
+    assert!(why.contains("over the limit of 512"), "{why}");
+    assert_eq!(db.scalar("SELECT count(*) FROM dacapo_outbox").await, 1);
+    assert_eq!(handled.count.load(Ordering::SeqCst), 1);
+    runtime.shutdown().await;
+}

@@ -59,6 +59,8 @@ struct Settings {
     keep_sensitive_headers: bool,
     scope: Scope,
     fingerprint: Fingerprint,
+    /// The runtime whose rules, size limit and relay the request transactions' enlists use.
+    enlisting: Option<crate::outbox::Enlisting>,
 }
 
 /// Idempotency-Key for the routes it wraps: a request retried with the same key gets the
@@ -158,8 +160,21 @@ impl<DB: Backend> IdempotencyLayer<DB> {
                 keep_sensitive_headers: false,
                 scope: Arc::new(route),
                 fingerprint: Arc::new(request_and_credentials_digest),
+                enlisting: None,
             },
         }
+    }
+
+    /// The runtime the endpoints' messages are for: [`RequestTransaction::enlist`] then applies
+    /// its deduplication rules and its envelope size limit (an envelope over it fails the
+    /// enlist, instead of being dead-lettered by every receiver), and a committed request wakes
+    /// its relay, which publishes what the request enlisted at once instead of at its next
+    /// poll. Without it, enlists take the message types' own deduplication ids only, check no
+    /// size, and wait for the poll (on SQLite; PostgreSQL's notification wakes the relay).
+    #[must_use]
+    pub fn runtime(mut self, runtime: &crate::Runtime) -> Self {
+        self.settings.enlisting = Some(runtime.enlisting());
+        self
     }
 
     /// Whether a request without a key is refused with 400 (default) or passed through
@@ -550,7 +565,12 @@ where
         return Ok(unavailable(&error));
     }
 
-    let transaction = RequestTransaction::new(slot, store.clone(), settings.retention);
+    let transaction = RequestTransaction::new(
+        slot,
+        store.clone(),
+        settings.retention,
+        settings.enlisting.clone(),
+    );
     let _unanswered = Unanswered {
         slot: Arc::clone(transaction.slot()),
         in_flight: Some(entered),
@@ -630,6 +650,9 @@ where
     };
     release(&mut slot).await;
     drop(slot);
+    if let (Ok(()), Some(enlisting)) = (&committed, &settings.enlisting) {
+        enlisting.wake_relay();
+    }
     if let Err(error) = committed {
         if aborted(&error) {
             tracing::warn!(%error, status = %head.status, "the endpoint answered, but one of its statements had failed and its transaction cannot commit; it is rolled back and its answer not kept");
@@ -925,7 +948,8 @@ mod tests {
                 ended: false,
                 fresh_reads: None,
             };
-            let transaction = RequestTransaction::new(slot, store.clone(), Duration::from_secs(60));
+            let transaction =
+                RequestTransaction::new(slot, store.clone(), Duration::from_secs(60), None);
             Self {
                 directory,
                 store,

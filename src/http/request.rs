@@ -10,6 +10,7 @@ use uuid::Uuid;
 
 use super::backend::{Backend, IntentClaim, Slot};
 use crate::Error;
+use crate::outbox::Enlisting;
 use crate::store::sql::{SqlStore, db_error, millis};
 
 /// The store transaction of one request under the Idempotency-Key layer, found in the
@@ -30,6 +31,7 @@ pub struct RequestTransaction<DB: Backend> {
     slot: Arc<Mutex<Slot<DB>>>,
     store: SqlStore<DB>,
     retention: Duration,
+    enlisting: Option<Enlisting>,
 }
 
 impl<DB: Backend> Clone for RequestTransaction<DB> {
@@ -38,6 +40,7 @@ impl<DB: Backend> Clone for RequestTransaction<DB> {
             slot: Arc::clone(&self.slot),
             store: self.store.clone(),
             retention: self.retention,
+            enlisting: self.enlisting.clone(),
         }
     }
 }
@@ -94,12 +97,30 @@ pub enum Intent {
 }
 
 impl<DB: Backend> RequestTransaction<DB> {
-    pub(crate) fn new(slot: Slot<DB>, store: SqlStore<DB>, retention: Duration) -> Self {
+    pub(crate) fn new(
+        slot: Slot<DB>,
+        store: SqlStore<DB>,
+        retention: Duration,
+        enlisting: Option<Enlisting>,
+    ) -> Self {
         Self {
             slot: Arc::new(Mutex::new(slot)),
             store,
             retention,
+            enlisting,
         }
+    }
+
+    /// The envelope `message` travels in: under the layer's runtime's deduplication rules and
+    /// size limit, or — without one — the message type's own deduplication id.
+    fn envelope<M: Message>(&self, message: &M, options: SendOptions) -> Result<Envelope, Error> {
+        if let Some(enlisting) = &self.enlisting {
+            return enlisting.envelope(message, options);
+        }
+        let mut envelope = Envelope::for_message(message)?;
+        options.apply(&mut envelope);
+        DeduplicationRules::default().apply(message, &mut envelope);
+        Ok(envelope)
     }
 
     pub(crate) fn slot(&self) -> &Arc<Mutex<Slot<DB>>> {
@@ -172,11 +193,7 @@ impl<DB: Backend> RequestTransaction<DB> {
         message: &M,
         options: SendOptions,
     ) -> Result<Uuid, Error> {
-        let mut envelope = Envelope::for_message(message)?;
-        options.apply(&mut envelope);
-        // As the application's outbox: the message type's own declaration gives the logical
-        // id, so that a receiver that requires one finds it.
-        DeduplicationRules::default().apply(message, &mut envelope);
+        let envelope = self.envelope(message, options)?;
         let mut slot = self.borrow()?;
         DB::begin(&mut slot).await.map_err(db_error)?;
         let tx = slot.tx.as_mut().ok_or_else(ended)?;
@@ -207,10 +224,10 @@ impl<DB: Backend> RequestTransaction<DB> {
         deduplication_id: impl Into<String>,
     ) -> Result<Intent, Error> {
         let deduplication_id = deduplication_id.into();
-        let mut envelope = Envelope::for_message(message)?;
-        SendOptions::new()
-            .deduplication_id(deduplication_id.clone())
-            .apply(&mut envelope);
+        let envelope = self.envelope(
+            message,
+            SendOptions::new().deduplication_id(deduplication_id.clone()),
+        )?;
         let now = self.store.now();
         let expires = super::layer::expiry(now, self.retention);
         let handler = format!("http:{}", M::TYPE);
