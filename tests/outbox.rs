@@ -1206,9 +1206,11 @@ async fn a_relay_paused_past_its_lease_sends_no_row_it_read_before_to_the_broker
     // paused round is over.
     runtime.publish(&hook("after")).await.unwrap();
     tokio::time::timeout(WAIT, async {
-        while db
-            .scalar("SELECT count(*) FROM dacapo_queue WHERE payload = convert_to('{\"delivery_id\":\"after\"}', 'UTF8')")
-            .await
+        while queued(
+            &db,
+            "payload = convert_to('{\"delivery_id\":\"after\"}', 'UTF8')",
+        )
+        .await
             == 0
         {
             tokio::time::sleep(Duration::from_millis(20)).await;
@@ -1217,9 +1219,97 @@ async fn a_relay_paused_past_its_lease_sends_no_row_it_read_before_to_the_broker
     .await
     .expect("the later row reached the queue");
     assert_eq!(
-        db.scalar("SELECT count(*) FROM dacapo_queue").await,
+        queued(&db, "TRUE").await,
         1,
         "the row read before the pause was not sent again"
     );
     runtime.shutdown().await;
+}
+
+/// An engine full for longer than a poll (its one slot held here) holds back no row for a
+/// broker behind rows waiting for room: the round sends the broker's rows of its later
+/// batches and leaves the local ones for a later round. Before, every row after a batch of
+/// local rows waited for room, however long the engine stayed full (its deliveries cooling
+/// down through an outage, say).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_full_engine_holds_back_no_row_for_a_broker() {
+    let db = support_stores::TestDatabase::new(support_stores::Backend::Postgres).await;
+    let (started, gate) = (
+        Arc::new(tokio::sync::Notify::new()),
+        Arc::new(tokio::sync::Semaphore::new(0)),
+    );
+    // Routed to a queue in the same database; nothing takes from it.
+    let queue = dacapo::transport::PostgresQueue::connect(&db.url, "hooks")
+        .unwrap()
+        .route::<support::WebhookQueued>();
+    let runtime = db
+        .store(Runtime::builder(), "full", Duration::from_secs(30))
+        .await
+        .max_in_flight(1)
+        .relay_interval(Duration::from_millis(50))
+        .relay_batch(2)
+        .transport(queue)
+        .module(Module::new("m").handle_named::<MemberRemoved, _>(
+            "holds",
+            HoldsTheSlot {
+                started: Arc::clone(&started),
+                gate: Arc::clone(&gate),
+            },
+        ))
+        .build()
+        .unwrap();
+    runtime.publish(&removed(1)).await.unwrap();
+    tokio::time::timeout(WAIT, started.notified())
+        .await
+        .expect("the slot is held");
+    // More local rows than a batch, then one for the broker.
+    db.outbox_transaction(&[removed(2), removed(3), removed(4)], true)
+        .await;
+    runtime
+        .publish(&support::WebhookQueued {
+            delivery_id: "behind".into(),
+        })
+        .await
+        .unwrap();
+    tokio::time::timeout(WAIT, async {
+        while queued(&db, "TRUE").await == 0 {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    })
+    .await
+    .expect("the broker's row left while the engine stayed full");
+    assert_eq!(
+        db.scalar("SELECT count(*) FROM dacapo_outbox WHERE published_at IS NULL")
+            .await,
+        3,
+        "the local rows wait for room"
+    );
+    gate.add_permits(4);
+    tokio::time::timeout(WAIT, runtime.idle())
+        .await
+        .expect("the local rows were handled once room came");
+    runtime.shutdown().await;
+}
+
+/// Rows in the PostgreSQL queue table of `db` matching `condition` (`TRUE` for all); none
+/// while the publisher has not made the table yet.
+async fn queued(db: &support_stores::TestDatabase, condition: &str) -> i64 {
+    let pool = dacapo::sqlx::PgPool::connect(&db.url).await.unwrap();
+    let (present,): (bool,) =
+        dacapo::sqlx::query_as("SELECT to_regclass('dacapo_queue') IS NOT NULL")
+            .fetch_one(&pool)
+            .await
+            .unwrap();
+    let count = if present {
+        dacapo::sqlx::query_scalar(dacapo::sqlx::AssertSqlSafe(format!(
+            "SELECT count(*) FROM dacapo_queue WHERE {condition}"
+        )))
+        .fetch_one(&pool)
+        .await
+        .unwrap()
+    } else {
+        0
+    };
+    pool.close().await;
+    count
 }

@@ -221,6 +221,9 @@ impl RelayActor {
             let mut lost = false;
             // The broker failed this round: its rows wait for the next, the local ones go on.
             let mut broker_failed = false;
+            // The engine had no room for a local row within a poll: the round's later batches
+            // send only their broker rows, and the local ones wait for the next round.
+            let mut local_blocked = false;
             // The last batch's positions, marked while the next batch is published and the
             // one after it read: the broker's confirms, the mark's commit and the read overlap.
             let mut unmarked: Vec<i64> = Vec::new();
@@ -300,11 +303,33 @@ impl RelayActor {
                         }
                     }
                     for (position, envelope) in rows {
+                        if local_blocked {
+                            break;
+                        }
                         // Room first, then the lease: a wait for room can outlast the lease,
                         // and rows read under a lease that ran out may have been published
                         // (and handled, and forgotten past the inbox's retention) by the node
                         // that took it next; they are read again on the next round.
-                        let Some(room) = dispatcher.room(&mut busy).await else {
+                        let room = if outbound.is_some() && !broker_failed {
+                            // Rows for a broker may come in later batches: an engine that
+                            // stays full (its deliveries cooling down through an outage) holds
+                            // them back no longer than a poll.
+                            tokio::time::timeout(interval, dispatcher.room(&mut busy))
+                                .await
+                                .unwrap_or_else(|_| {
+                                    local_blocked = true;
+                                    None
+                                })
+                        } else {
+                            dispatcher.room(&mut busy).await
+                        };
+                        if local_blocked {
+                            if busy.is_none() {
+                                busy = Some(dispatcher.shared.timers.busy());
+                            }
+                            break;
+                        }
+                        let Some(room) = room else {
                             sent_all = false;
                             break;
                         };
@@ -393,9 +418,10 @@ impl RelayActor {
                         break;
                     }
                 }
-                // A full batch whose local rows all went out: read on.
+                // A full batch whose local rows all went out, or were left for the next round
+                // while a broker may take the rows after them: read on.
                 match read {
-                    Some(read) if sent_all => next = read,
+                    Some(read) if sent_all && !(local_blocked && broker_failed) => next = read,
                     _ => break,
                 }
             }
