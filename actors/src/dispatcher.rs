@@ -56,6 +56,9 @@ pub(crate) struct Shared {
     pub(crate) drain_over: std::sync::atomic::AtomicBool,
     /// Told once `drain_over` is set.
     pub(crate) drain_ends: tokio::sync::Notify,
+    /// Persisted batches whose deliveries wait for room, on their callers' tasks: a shutdown
+    /// waits for them to hand back what did not start before it reports.
+    pub(crate) batches_waiting: BatchesWaiting,
     /// Cascaded messages whose delivery never started, the engine stopping while they waited
     /// for room: handed back in the shutdown report.
     pub(crate) unstarted_cascades: std::sync::Mutex<Vec<Envelope>>,
@@ -498,6 +501,44 @@ pub struct Persisted {
     waiting: Waiting,
     /// In the batch's order, each with its receipt; each holds an admission until started.
     to_start: std::collections::VecDeque<(Envelope, Receipt)>,
+    /// Counted in [`Shared::batches_waiting`] until it started or handed back its deliveries.
+    counted: bool,
+}
+
+/// How many persisted batches wait for room; told when none does.
+#[derive(Debug, Default)]
+pub(crate) struct BatchesWaiting {
+    count: AtomicUsize,
+    none_left: tokio::sync::Notify,
+}
+
+impl BatchesWaiting {
+    fn enter(&self) {
+        self.count.fetch_add(1, Ordering::SeqCst);
+    }
+
+    fn leave(&self) {
+        if self.count.fetch_sub(1, Ordering::SeqCst) == 1 {
+            self.none_left.notify_waiters();
+        }
+    }
+
+    /// Returns once no batch waits.
+    ///
+    /// # Cancel safety
+    ///
+    /// Cancel safe: it only observes.
+    pub(crate) async fn none(&self) {
+        loop {
+            let told = self.none_left.notified();
+            tokio::pin!(told);
+            told.as_mut().enable();
+            if self.count.load(Ordering::SeqCst) == 0 {
+                return;
+            }
+            told.await;
+        }
+    }
 }
 
 impl std::fmt::Debug for Persisted {
@@ -513,6 +554,7 @@ impl Drop for Persisted {
         for _ in &self.to_start {
             self.dispatcher.shared.tracker.release();
         }
+        self.counted_out();
     }
 }
 
@@ -525,14 +567,21 @@ impl Persisted {
     /// Cancel safe: those not started yet stay, to start (or [`leave`](Self::leave)) later.
     pub async fn start(&mut self) {
         let shared = Arc::clone(&self.dispatcher.shared);
+        if self.to_start.is_empty() {
+            self.counted_out();
+        }
         while !self.to_start.is_empty() {
             let permit = tokio::select! {
-                permit = shared.capacity.acquire() => permit,
+                // Looked at first: the shutdown frees the slots of the retries it hands back,
+                // and a delivery started on that room after the drain would go with the
+                // stopping workers, in no report.
+                biased;
                 // No room came before a shutdown's drain ended: none starts here any more.
                 () = shared.drain_ended() => {
                     self.hand_back().await;
                     return;
                 }
+                permit = shared.capacity.acquire() => permit,
             };
             let Some((envelope, receipt)) = self.to_start.pop_front() else {
                 break;
@@ -547,6 +596,16 @@ impl Persisted {
             if new {
                 self.waiting.started += 1;
             }
+            if self.to_start.is_empty() {
+                self.counted_out();
+            }
+        }
+    }
+
+    /// No longer waiting for room: every delivery started, or went back.
+    fn counted_out(&mut self) {
+        if std::mem::take(&mut self.counted) {
+            self.dispatcher.shared.batches_waiting.leave();
         }
     }
 
@@ -577,6 +636,7 @@ impl Persisted {
             }
         }
         if ids.is_empty() {
+            self.counted_out();
             return;
         }
         tracing::warn!(
@@ -586,6 +646,7 @@ impl Persisted {
         // Still listed as starting meanwhile: this node's orphan sweep leaves them alone.
         let inbox = Arc::clone(&self.dispatcher.next_worker().inbox);
         take_back_first_attempts(&*inbox, &ids).await;
+        self.counted_out();
     }
 
     /// Leaves the deliveries not started yet in the inbox, for whoever resumes it next (this
@@ -828,10 +889,15 @@ impl Dispatcher {
             std::mem::forget(admission);
             to_start.push_back((envelope, receipt));
         }
+        let counted = !to_start.is_empty();
+        if counted {
+            self.shared.batches_waiting.enter();
+        }
         Ok(Persisted {
             dispatcher: self.clone(),
             waiting,
             to_start,
+            counted,
         })
     }
 

@@ -229,6 +229,7 @@ impl Engine {
                         heartbeats: Arc::default(),
                         drain_over: std::sync::atomic::AtomicBool::new(false),
                         drain_ends: tokio::sync::Notify::new(),
+                        batches_waiting: crate::dispatcher::BatchesWaiting::default(),
                         unstarted_cascades: std::sync::Mutex::default(),
                         unstarted_resumes: std::sync::Mutex::default(),
                         unstarted_fresh: std::sync::Mutex::default(),
@@ -366,6 +367,18 @@ impl Engine {
             .drain_over
             .store(true, std::sync::atomic::Ordering::SeqCst);
         self.dispatcher.shared.drain_ends.notify_waiters();
+        // Batches still waiting for room hand back what did not start, on their callers'
+        // tasks (this one's, it may be): waited for, a bounded while, so that the report
+        // names them — a thread paused here could otherwise read it before they did.
+        let handed_back = tokio::time::timeout(
+            drain.max(Duration::from_secs(1)),
+            self.dispatcher.shared.batches_waiting.none(),
+        );
+        if handed_back.await.is_err() {
+            tracing::warn!(
+                "shutdown: a batch waiting for room did not hand its deliveries back; they resume from the store at the next start"
+            );
+        }
         // No delivery starts from here (one that got room late, after the drain, hands itself
         // back): those listed now are all that may run while the rest is released.
         tracker.freeze();
