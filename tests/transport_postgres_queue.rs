@@ -188,11 +188,21 @@ async fn a_row_that_is_no_envelope_is_dead_lettered_and_taken_off_the_queue() {
     .execute(&pool)
     .await
     .unwrap();
+    // And one whose correlation id is no UUID: its dead letter keeps the rest of the row.
+    dacapo::sqlx::query(
+        "INSERT INTO dacapo_queue (queue, id, message_type, payload, headers, deduplication_id, \
+         correlation_id, sent_at, enqueued_at) VALUES ('pings', \
+         '0195e3f4-1c4a-7c3e-8d2b-5a6f7e8d9c0c', 'tests.ping', '\\x7b226e223a317d', \
+         '{\"tenant\":\"t-1\"}', 'order-7', 'not-a-correlation', 1700000000000, 0)",
+    )
+    .execute(&pool)
+    .await
+    .unwrap();
     dacapo::sqlx::query("SELECT pg_notify('dacapo_queue', 'pings')")
         .execute(&pool)
         .await
         .unwrap();
-    let letters = dead_letters(&runtime, 4).await;
+    let letters = dead_letters(&runtime, 5).await;
     let mut reasons: Vec<String> = letters
         .iter()
         .map(|letter| match &letter.reason {
@@ -201,10 +211,29 @@ async fn a_row_that_is_no_envelope_is_dead_lettered_and_taken_off_the_queue() {
         })
         .collect();
     reasons.sort();
-    assert!(reasons[0].contains("not-a-uuid"), "{reasons:?}");
-    assert!(reasons[1].contains("nil UUID"), "{reasons:?}");
+    assert!(reasons[0].contains("not-a-correlation"), "{reasons:?}");
+    assert!(reasons[1].contains("not-a-uuid"), "{reasons:?}");
     assert!(reasons[2].contains("nil UUID"), "{reasons:?}");
-    assert!(reasons[3].contains("message type is empty"), "{reasons:?}");
+    assert!(reasons[3].contains("nil UUID"), "{reasons:?}");
+    assert!(reasons[4].contains("message type is empty"), "{reasons:?}");
+    let kept = letters
+        .iter()
+        .find(|letter| letter.reason.to_string().contains("not-a-correlation"))
+        .unwrap();
+    assert_eq!(kept.envelope.payload, br#"{"n":1}"#, "its payload");
+    assert_eq!(kept.envelope.message_type, "tests.ping");
+    let header = |name: &str| kept.envelope.headers.get(name).map(String::as_str);
+    assert_eq!(header("queue-row-headers"), Some(r#"{"tenant":"t-1"}"#));
+    assert_eq!(header("queue-row-deduplication-id"), Some("order-7"));
+    assert_eq!(
+        header("queue-row-correlation-id"),
+        Some("not-a-correlation")
+    );
+    assert_eq!(header("queue-row-sent-at"), Some("1700000000000"));
+    assert_eq!(
+        header("message-id"),
+        Some("0195e3f4-1c4a-7c3e-8d2b-5a6f7e8d9c0c")
+    );
     assert!(seen.counts().is_empty(), "no handler ran");
     assert!(runtime.shutdown().await.is_clean());
     assert_eq!(

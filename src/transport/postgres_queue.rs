@@ -264,6 +264,23 @@ const TAKE: &str = "SELECT seq, id, message_type, payload, headers, deduplicatio
 
 const DELETE: &str = "DELETE FROM dacapo_queue WHERE seq = ANY($1)";
 
+/// The columns of a row [`TAKE`] reads as text, and the headers that keep them in an
+/// unreadable row's dead letter (its type under the header a dead letter takes its type from).
+const TEXT_COLUMNS: [(&str, &str); 6] = [
+    ("id", "message-id"),
+    ("message_type", "message-type"),
+    ("headers", "queue-row-headers"),
+    ("deduplication_id", "queue-row-deduplication-id"),
+    ("correlation_id", "queue-row-correlation-id"),
+    ("causation_id", "queue-row-causation-id"),
+];
+
+/// Those it reads as numbers.
+const NUMBER_COLUMNS: [(&str, &str); 2] = [
+    ("sent_at", "queue-row-sent-at"),
+    ("scheduled_for", "queue-row-scheduled-for"),
+];
+
 /// Whether this role may take rows (`FOR UPDATE`) and delete them once recorded.
 const MAY_TAKE: &str = "SELECT has_table_privilege('dacapo_queue', 'UPDATE') \
     AND has_table_privilege('dacapo_queue', 'DELETE') AS may_take";
@@ -595,21 +612,34 @@ impl Subscriber {
                 scheduled_for: row.try_get("scheduled_for")?,
             })
         };
-        // The queue and the row's position: two broken rows are two dead letters.
-        let unreadable = |why: String, body: Vec<u8>| Unreadable {
-            headers: [
+        // The row as it was — its payload, each column that can be read as text, the queue and
+        // the row's position (two broken rows are two dead letters, and a row at a position a
+        // re-created table gives again keeps a letter of its own unless it is the same row).
+        let unreadable = |why: String| {
+            let mut headers: std::collections::BTreeMap<String, String> = [
                 ("queue".to_owned(), self.queue.clone()),
                 ("queue-position".to_owned(), position.to_string()),
             ]
-            .into(),
-            body,
-            why,
-            properties: Vec::new(),
+            .into();
+            for (column, header) in TEXT_COLUMNS {
+                if let Ok(Some(value)) = row.try_get::<Option<String>, _>(column) {
+                    headers.insert(header.to_owned(), value);
+                }
+            }
+            for (column, header) in NUMBER_COLUMNS {
+                if let Ok(Some(value)) = row.try_get::<Option<i64>, _>(column) {
+                    headers.insert(header.to_owned(), value.to_string());
+                }
+            }
+            Unreadable {
+                headers,
+                body: row.try_get("payload").unwrap_or_default(),
+                why,
+                properties: Vec::new(),
+            }
         };
         match columns() {
             Ok(columns) => {
-                let body = columns.payload.clone();
-                let (id, message_type) = (columns.id.clone(), columns.message_type.clone());
                 let envelope = columns.into_envelope(0).map_err(|error| error.to_string());
                 // As on the brokers' wire: every row of a writer that never sets its ids would
                 // share the nil one, and the inbox would discard all but the first as
@@ -626,16 +656,9 @@ impl Subscriber {
                         Ok(envelope)
                     }
                 });
-                envelope.map_err(|error| {
-                    let mut unreadable = unreadable(format!("queue row: {error}"), body);
-                    unreadable.headers.insert("message-id".into(), id);
-                    unreadable
-                        .headers
-                        .insert("message-type".into(), message_type);
-                    unreadable
-                })
+                envelope.map_err(|error| unreadable(format!("queue row: {error}")))
             }
-            Err(error) => Err(unreadable(format!("queue row: {error}"), Vec::new())),
+            Err(error) => Err(unreadable(format!("queue row: {error}"))),
         }
     }
 }
