@@ -628,8 +628,36 @@ async fn a_role_that_may_not_delete_the_queues_rows_stops_listening() {
             .route::<Ping>(),
     );
     stops_listening(runtime, "GRANT SELECT, UPDATE, DELETE").await;
+    // Taking needs UPDATE on one column only, and deleting DELETE: such a role listens.
+    for statement in [
+        format!("REVOKE UPDATE ON dacapo_queue FROM {role}"),
+        format!("GRANT UPDATE (seq), DELETE ON dacapo_queue TO {role}"),
+        // And publishing, for the test's own message.
+        format!("GRANT INSERT ON dacapo_queue TO {role}"),
+        format!("GRANT USAGE ON SEQUENCE dacapo_queue_seq_seq TO {role}"),
+    ] {
+        dacapo::sqlx::query(dacapo::sqlx::AssertSqlSafe(statement))
+            .execute(&pool)
+            .await
+            .unwrap();
+    }
+    let store = TestStore::sqlite().await;
+    let runtime = store.runtime(
+        module(&seen, "a"),
+        PostgresQueue::connect(&as_role, "pings")
+            .unwrap()
+            .declare(false)
+            .route::<Ping>(),
+    );
+    listening(&runtime).await;
+    let id = publish_pings(&runtime, 0, 1).await[0];
+    seen.wait_for(1, WAIT).await;
+    until_rows(queue_database.url(), 0).await;
+    assert_eq!(seen.counts().get(&id), Some(&1));
+    assert!(runtime.shutdown().await.is_clean());
     for statement in [
         format!("REVOKE ALL ON dacapo_queue FROM {role}"),
+        format!("REVOKE ALL ON SEQUENCE dacapo_queue_seq_seq FROM {role}"),
         format!("DROP ROLE {role}"),
     ] {
         dacapo::sqlx::query(dacapo::sqlx::AssertSqlSafe(statement))
@@ -640,11 +668,11 @@ async fn a_role_that_may_not_delete_the_queues_rows_stops_listening() {
     pool.close().await;
 }
 
-/// A delete that leaves the acknowledged rows (a trigger that keeps them) is a failed
-/// acknowledgement, told as such, not one that worked: before, the node took the same rows
-/// again at once, without a pause, for ever.
+/// A delete that leaves the acknowledged rows (a trigger that keeps them) stops the consumer
+/// with the reason: before, it counted as done, and the node took the same rows again at
+/// once, for ever, running them again each time its inbox had forgotten them.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn an_acknowledgement_that_deletes_nothing_is_a_failure_not_a_success() {
+async fn an_acknowledgement_that_deletes_nothing_stops_listening_with_the_reason() {
     let store = TestStore::postgres().await;
     let seen = Seen::default();
     let runtime = store.runtime(module(&seen, "a"), queue_on(&store, "pings"));
@@ -660,20 +688,15 @@ async fn an_acknowledgement_that_deletes_nothing_is_a_failure_not_a_success() {
     }
     let ids = publish_pings(&runtime, 0, 1).await;
     seen.wait_for(1, WAIT).await;
-    let told = || {
+    let stopped = || {
         runtime.transports().iter().any(|(_, state)| {
-            matches!(state, dacapo::transport::TransportState::Connecting { last_error: Some(why) }
+            matches!(state, dacapo::transport::TransportState::Failed(why)
                 if why.contains("deleted 0 of the 1 rows"))
         })
     };
-    wait_until(WAIT, told).await;
-    dacapo::sqlx::query("DROP TRIGGER keep_rows ON dacapo_queue")
-        .execute(&pool)
-        .await
-        .unwrap();
-    // Taken again once the node connected again, discarded by the inbox, deleted this time.
-    until_rows(store.url(), 0).await;
+    wait_until(WAIT, stopped).await;
     assert_eq!(seen.counts().get(&ids[0]), Some(&1), "handled once");
+    assert_eq!(rows_left(store.url()).await, 1, "kept by the trigger");
     assert!(runtime.shutdown().await.is_clean());
     pool.close().await;
 }

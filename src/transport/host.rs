@@ -573,6 +573,12 @@ impl Consumer {
             }
             match self.consume().await {
                 Consumed::Stopped => break,
+                Consumed::Refused(error) => {
+                    tracing::error!(transport = self.name, %error, "the broker refuses this consumer's acknowledgements; it stops listening");
+                    self.subscriber.release().await;
+                    let _ = self.state.send(TransportState::Failed(error.to_string()));
+                    return;
+                }
                 Consumed::Lost { error, worked } => {
                     // A subscription that failed before it worked counts as one more failure
                     // in a row: one that keeps failing so is not made again ten times a
@@ -682,6 +688,9 @@ impl Consumer {
                 }
             }
             if let Err(error) = acked {
+                if matches!(error, Error::Configuration(_)) {
+                    return Consumed::Refused(error);
+                }
                 // In the store already: the broker's redelivery is discarded by the inbox.
                 return Consumed::Lost {
                     error,
@@ -794,6 +803,10 @@ enum Consumed {
         error: Error,
         worked: bool,
     },
+    /// The broker refused an acknowledgement for a cause no retry cures (a privilege it lacks,
+    /// rows a trigger keeps): consuming on would take the same messages again and again, and
+    /// run them again once the inbox forgot them.
+    Refused(Error),
 }
 
 #[cfg(test)]

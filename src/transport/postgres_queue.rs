@@ -282,7 +282,7 @@ const NUMBER_COLUMNS: [(&str, &str); 2] = [
 ];
 
 /// Whether this role may take rows (`FOR UPDATE`) and delete them once recorded.
-const MAY_TAKE: &str = "SELECT has_table_privilege('dacapo_queue', 'UPDATE') \
+const MAY_TAKE: &str = "SELECT has_any_column_privilege('dacapo_queue', 'UPDATE') \
     AND has_table_privilege('dacapo_queue', 'DELETE') AS may_take";
 
 /// Creates the queue's table, or checks it is there, in a database that holds any text: in
@@ -546,14 +546,23 @@ impl Subscribe for Subscriber {
             tx.commit().await?;
             Ok(deleted)
         };
-        let deleted =
-            answered_within(self.reply_timeout, "an acknowledgement", acknowledge).await?;
+        // A privilege the role lacks is refused for good, as at the start.
+        let deleted = match tokio::time::timeout(self.reply_timeout, acknowledge).await {
+            Ok(deleted) => deleted.map_err(refused)?,
+            Err(_) => {
+                return Err(failed(format!(
+                    "the server did not answer an acknowledgement within {:?}",
+                    self.reply_timeout
+                )));
+            }
+        };
         // The rows are locked by this transaction: a delete that left some (a trigger, row
-        // security) left them to be taken again at once, again and again.
+        // security) would leave them to be taken again, again and again — and run again once
+        // the inbox forgot them.
         if deleted < positions.len() as u64 {
-            return Err(failed(format!(
-                "the acknowledgement deleted {deleted} of the {} rows taken: a trigger or a \
-                 row security policy on dacapo_queue keeps them",
+            return Err(Error::Configuration(format!(
+                "the PostgreSQL queue's acknowledgement deleted {deleted} of the {} rows taken: \
+                 a trigger or a row security policy on dacapo_queue keeps them",
                 positions.len()
             )));
         }
