@@ -1228,7 +1228,8 @@ async fn a_relay_paused_past_its_lease_sends_no_row_it_read_before_to_the_broker
 
 /// An engine full for longer than a poll (its one slot held here) holds back no row for a
 /// broker behind rows waiting for room: the round sends the broker's rows of its later
-/// batches and leaves the local ones for a later round. Before, every row after a batch of
+/// batches (ten at most, the next round going on from there) and leaves the local ones for a
+/// later round. Before, every row after a batch of
 /// local rows waited for room, however long the engine stayed full (its deliveries cooling
 /// down through an outage, say).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -1262,9 +1263,10 @@ async fn a_full_engine_holds_back_no_row_for_a_broker() {
     tokio::time::timeout(WAIT, started.notified())
         .await
         .expect("the slot is held");
-    // More local rows than a batch, then one for the broker.
-    db.outbox_transaction(&[removed(2), removed(3), removed(4)], true)
-        .await;
+    // More batches of local rows than a round reads on for the broker's (ten), then a row
+    // for the broker: the rounds go on from where the last one stopped.
+    let local: Vec<MemberRemoved> = (2..=26).map(removed).collect();
+    db.outbox_transaction(&local, true).await;
     runtime
         .publish(&support::WebhookQueued {
             delivery_id: "behind".into(),
@@ -1281,10 +1283,10 @@ async fn a_full_engine_holds_back_no_row_for_a_broker() {
     assert_eq!(
         db.scalar("SELECT count(*) FROM dacapo_outbox WHERE published_at IS NULL")
             .await,
-        3,
+        25,
         "the local rows wait for room"
     );
-    gate.add_permits(4);
+    gate.add_permits(26);
     tokio::time::timeout(WAIT, runtime.idle())
         .await
         .expect("the local rows were handled once room came");

@@ -44,6 +44,10 @@ pub struct RelayActor {
     unreadable: Arc<Mutex<HashSet<i64>>>,
     /// Rows the broker could not take lately, waiting out a backoff before they are sent again.
     held_back: Arc<Mutex<HeldBack>>,
+    /// Where a round whose local rows wait for room goes on looking for the broker's rows:
+    /// after the batches the last such round read (each reads a bounded number); none once one
+    /// read to the end.
+    broker_scan_from: Arc<Mutex<Option<i64>>>,
 }
 
 /// How often the relay measures its backlog and removes old published rows.
@@ -88,6 +92,7 @@ impl RelayActor {
             wakes_during_round: 0,
             unreadable: Arc::default(),
             held_back: Arc::default(),
+            broker_scan_from: Arc::default(),
         }
     }
 
@@ -165,6 +170,7 @@ impl RelayActor {
         let (batch, interval) = (self.batch, self.interval);
         let unreadable = Arc::clone(&self.unreadable);
         let held_back = Arc::clone(&self.held_back);
+        let broker_scan_from = Arc::clone(&self.broker_scan_from);
         // The round holds a virtual clock until it is done (the token goes with the round's
         // future, in the same poll as the map below marks it over): an `advance` past its tick
         // returns with what it published sent and marked. It gives the token up while an
@@ -224,6 +230,8 @@ impl RelayActor {
             // The engine had no room for a local row within a poll: the round's later batches
             // send only their broker rows, and the local ones wait for the next round.
             let mut local_blocked = false;
+            // Batches read on since, for the broker's rows alone.
+            let mut blocked_batches = 0usize;
             // The last batch's positions, marked while the next batch is published and the
             // one after it read: the broker's confirms, the mark's commit and the read overlap.
             let mut unmarked: Vec<i64> = Vec::new();
@@ -310,25 +318,32 @@ impl RelayActor {
                         // and rows read under a lease that ran out may have been published
                         // (and handled, and forgotten past the inbox's retention) by the node
                         // that took it next; they are read again on the next round.
-                        let room = if outbound.is_some() && !broker_failed {
+                        let room = if let Some(room) = dispatcher.shared.capacity.try_acquire() {
+                            Some(room)
+                        } else if outbound.is_some() && !broker_failed {
                             // Rows for a broker may come in later batches: an engine that
                             // stays full (its deliveries cooling down through an outage) holds
-                            // them back no longer than a poll.
-                            tokio::time::timeout(interval, dispatcher.room(&mut busy))
-                                .await
-                                .unwrap_or_else(|_| {
-                                    local_blocked = true;
+                            // them back no longer than a poll — on the engine's clock, whose
+                            // wake hands the round a token of its own under a harness.
+                            let poll = dispatcher.shared.timers.sleep_for(interval, None);
+                            let mut woke = None;
+                            let room = tokio::select! {
+                                biased;
+                                room = dispatcher.room(&mut busy) => room,
+                                token = poll => {
+                                    woke = Some(token);
                                     None
-                                })
+                                }
+                            };
+                            if let Some(token) = woke {
+                                local_blocked = true;
+                                busy.get_or_insert(token);
+                                break;
+                            }
+                            room
                         } else {
                             dispatcher.room(&mut busy).await
                         };
-                        if local_blocked {
-                            if busy.is_none() {
-                                busy = Some(dispatcher.shared.timers.busy());
-                            }
-                            break;
-                        }
                         let Some(room) = room else {
                             sent_all = false;
                             break;
@@ -421,9 +436,45 @@ impl RelayActor {
                 // A full batch whose local rows all went out, or were left for the next round
                 // while a broker may take the rows after them: read on.
                 match read {
-                    Some(read) if sent_all && !(local_blocked && broker_failed) => next = read,
-                    _ => break,
+                    Some(read) if sent_all && !(local_blocked && broker_failed) => {
+                        next = read;
+                        if local_blocked {
+                            blocked_batches += 1;
+                            let mut scan_from = broker_scan_from
+                                .lock()
+                                .unwrap_or_else(PoisonError::into_inner);
+                            if blocked_batches > BLOCKED_SCAN_BATCHES {
+                                // The next such round goes on from here.
+                                *scan_from = read_after;
+                                break;
+                            }
+                            // Where the last such round stopped, past what it read.
+                            let ahead = scan_from
+                                .filter(|from| read_after.is_some_and(|after| *from > after));
+                            drop(scan_from);
+                            if blocked_batches == 1
+                                && let Some(from) = ahead
+                            {
+                                next = outbox.unpublished(from, batch).await;
+                            }
+                        }
+                    }
+                    _ => {
+                        if local_blocked {
+                            // Read to the end (or stopped): the next such round reads from
+                            // the start.
+                            *broker_scan_from
+                                .lock()
+                                .unwrap_or_else(PoisonError::into_inner) = None;
+                        }
+                        break;
+                    }
                 }
+            }
+            if !local_blocked {
+                *broker_scan_from
+                    .lock()
+                    .unwrap_or_else(PoisonError::into_inner) = None;
             }
             // What was published is marked even after the lease was lost: the new holder then
             // does not publish it again.
@@ -664,6 +715,10 @@ impl HeldBack {
         self.rows.len()
     }
 }
+
+/// How many batches a round whose local rows wait for room reads on for the broker's rows
+/// alone; the next such round goes on from there.
+const BLOCKED_SCAN_BATCHES: usize = 10;
 
 /// How long after its pause ended a held row this relay has not seen again is forgotten.
 const STALE_HELD_BACK: Duration = Duration::from_secs(300);
