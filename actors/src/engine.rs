@@ -361,6 +361,7 @@ impl Engine {
         let Some(stopped) = stopped.take() else {
             return ShutdownReport::default();
         };
+        let draining_since = tokio::time::Instant::now();
         let drained = tokio::time::timeout(drain, tracker.drained()).await.is_ok();
         self.dispatcher
             .shared
@@ -371,7 +372,9 @@ impl Engine {
         // tasks (this one's, it may be): waited for, a bounded while, so that the report
         // names them — a thread paused here could otherwise read it before they did.
         let handed_back = tokio::time::timeout(
-            drain.max(Duration::from_secs(1)),
+            drain
+                .saturating_sub(draining_since.elapsed())
+                .max(Duration::from_secs(1)),
             self.dispatcher.shared.batches_waiting.none(),
         );
         if handed_back.await.is_err() {
