@@ -61,6 +61,8 @@ pub struct Slot<DB: sqlx::Database> {
     /// request that held the lock just before kept: the runtime's own pool, so that a request
     /// never waits for a second connection of the pool its transaction holds one of.
     pub(crate) fresh_reads: Option<sqlx::Pool<DB>>,
+    /// Whether the endpoint enlisted a message: its commit then wakes the runtime's relay.
+    pub(crate) enlisted: bool,
 }
 
 /// A row of the key table to write.
@@ -300,6 +302,7 @@ backend!(
         tx: None,
         ended: false,
         fresh_reads: None,
+        enlisted: false,
     })),
     // The endpoint's transaction is the request's only one: undoing its work is rolling it
     // back, and the answer is kept in a new one.
@@ -329,6 +332,7 @@ backend!(
             tx: Some(tx),
             ended: false,
             fresh_reads: snapshot_before_lock.then(|| store.engine_pool().clone()),
+            enlisted: false,
         }))
     },
     // A savepoint keeps the key's lock while the endpoint's work (even a failed statement,

@@ -648,9 +648,10 @@ where
         }
         Err(error) => Err(error),
     };
+    let enlisted = slot.enlisted;
     release(&mut slot).await;
     drop(slot);
-    if let (Ok(()), Some(enlisting)) = (&committed, &settings.enlisting) {
+    if let (Ok(()), true, Some(enlisting)) = (&committed, enlisted, &settings.enlisting) {
         enlisting.wake_relay();
     }
     if let Err(error) = committed {
@@ -730,6 +731,7 @@ async fn answer_kept_since<DB: Backend>(
         tx: None,
         ended: true,
         fresh_reads: None,
+        enlisted: false,
     };
     match DB::lookup(&mut slot, id, millis(store.now())).await {
         Ok(Some(kept)) => answer_kept(kept, fingerprint),
@@ -947,6 +949,7 @@ mod tests {
                 tx: None,
                 ended: false,
                 fresh_reads: None,
+                enlisted: false,
             };
             let transaction =
                 RequestTransaction::new(slot, store.clone(), Duration::from_secs(60), None);

@@ -198,6 +198,7 @@ impl<DB: Backend> RequestTransaction<DB> {
         DB::begin(&mut slot).await.map_err(db_error)?;
         let tx = slot.tx.as_mut().ok_or_else(ended)?;
         DB::enlist(tx, &envelope).await?;
+        slot.enlisted = true;
         Ok(envelope.id)
     }
 
@@ -254,6 +255,7 @@ impl<DB: Backend> RequestTransaction<DB> {
         }
         let tx = slot.tx.as_mut().ok_or_else(ended)?;
         DB::enlist(tx, &envelope).await?;
+        slot.enlisted = true;
         Ok(Intent::New(envelope.id))
     }
 }
