@@ -440,18 +440,24 @@ impl RelayActor {
                         next = read;
                         if local_blocked {
                             blocked_batches += 1;
-                            let mut scan_from = broker_scan_from
-                                .lock()
-                                .unwrap_or_else(PoisonError::into_inner);
+                            // Where the last such round stopped, past what this one read; or,
+                            // past the bound, where the next one goes on from.
+                            let ahead = {
+                                let mut scan_from = broker_scan_from
+                                    .lock()
+                                    .unwrap_or_else(PoisonError::into_inner);
+                                if blocked_batches > BLOCKED_SCAN_BATCHES {
+                                    *scan_from = read_after;
+                                    None
+                                } else {
+                                    scan_from.filter(|from| {
+                                        read_after.is_some_and(|after| *from > after)
+                                    })
+                                }
+                            };
                             if blocked_batches > BLOCKED_SCAN_BATCHES {
-                                // The next such round goes on from here.
-                                *scan_from = read_after;
                                 break;
                             }
-                            // Where the last such round stopped, past what it read.
-                            let ahead = scan_from
-                                .filter(|from| read_after.is_some_and(|after| *from > after));
-                            drop(scan_from);
                             if blocked_batches == 1
                                 && let Some(from) = ahead
                             {
