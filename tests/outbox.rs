@@ -1315,3 +1315,25 @@ async fn queued(db: &support_stores::TestDatabase, condition: &str) -> i64 {
     pool.close().await;
     count
 }
+
+on_both_backends!(
+    an_envelope_enlisted_again_is_kept_once_sqlite,
+    an_envelope_enlisted_again_is_kept_once_postgres,
+    |db| {
+        // As a handler's cascades are enlisted again by its rerun after a crash, with the ids
+        // of its first run (before, the second enlist failed on the outbox's key, and was
+        // logged as an error of the store).
+        let envelope = dacapo::Envelope::for_message(&removed(5)).unwrap();
+        let outbox = db.sqlite_or_postgres_outbox().await;
+        outbox
+            .enlist(std::slice::from_ref(&envelope))
+            .await
+            .unwrap();
+        let again = dacapo::Envelope::for_message(&removed(6)).unwrap();
+        outbox
+            .enlist(&[envelope.clone(), again])
+            .await
+            .expect("enlisted again, beside a new one");
+        assert_eq!(db.scalar("SELECT count(*) FROM dacapo_outbox").await, 2);
+    }
+);

@@ -734,7 +734,9 @@ pub trait OutboxStore: Send + Sync + 'static {
 
     /// Writes `envelopes` to the outbox in one transaction of their own, all or nothing, for
     /// the relay to publish: how a message routed to a broker is published from outside any
-    /// delivery or application transaction.
+    /// delivery or application transaction. An envelope whose id the outbox holds already is
+    /// kept once: a handler's cascades, enlisted again by its rerun after a crash, carry the
+    /// ids of the first run.
     ///
     /// # Errors
     ///
