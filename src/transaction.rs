@@ -649,6 +649,7 @@ macro_rules! backend {
         $store:ty,
         $begin:expr,
         still_runs = $still_runs:expr,
+        alive_at_commit = $alive_at_commit:expr,
         parked = |$parked_store:ident| $parked:expr,
         end_left_open = |$connection:ident| $end_left_open:expr
     ) => {
@@ -802,6 +803,17 @@ macro_rules! backend {
                         return Err(claim_lost(claim).into());
                     }
                 }
+                if let Some(alive) = $alive_at_commit {
+                    let tx = transaction.tx.as_mut().ok_or_else(|| {
+                        dacapo_actors::Error::store("the transaction already ended")
+                    })?;
+                    sqlx::query(alive)
+                        .bind(id_text(transaction.message_id))
+                        .bind(&transaction.handler)
+                        .execute(&mut **tx)
+                        .await
+                        .map_err(crate::store::sql::db_error)?;
+                }
                 Ok(())
             }
 
@@ -828,6 +840,8 @@ backend!(
     "BEGIN IMMEDIATE",
     // `BEGIN IMMEDIATE` keeps every other writer out until the commit.
     still_runs = attempt_still_runs!(),
+    // A failed statement leaves SQLite's transaction as it was, but for that statement.
+    alive_at_commit = None::<&'static str>,
     parked = |store| store.parked_handler_turn().await?,
     end_left_open = |connection| crate::store::sql::end_on_sqlite(
         connection,
@@ -844,6 +858,12 @@ backend!(
     // locks `FOR UPDATE SKIP LOCKED`) instead of running it beside this attempt; this node's
     // own settle, which changes no key, is not held back.
     still_runs = concat!(attempt_still_runs!(), " FOR KEY SHARE"),
+    // A statement that failed aborts a PostgreSQL transaction, whose COMMIT then answers
+    // ROLLBACK with no error (sqlx reports it as committed): the handler that went on past the
+    // failure would see its work, and its completion record, gone, and its delivery settled.
+    // Any statement in an aborted transaction fails, so one goes before the COMMIT.
+    alive_at_commit =
+        Some("SELECT 1 FROM dacapo_handler_completions WHERE envelope_id = $1 AND handler = $2"),
     parked = |_store| None::<ParkedTurn<Self>>,
     end_left_open = |connection| crate::store::sql::end_on_postgres(connection)
 );
