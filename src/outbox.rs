@@ -42,7 +42,7 @@ pub trait Enlist: sealed::Sealed + Send {
 }
 
 macro_rules! enlist_in {
-    ($db:ty) => {
+    ($db:ty, $alive_at_commit:expr) => {
         impl sealed::Sealed for sqlx::Transaction<'_, $db> {}
 
         impl Enlist for sqlx::Transaction<'_, $db> {
@@ -56,7 +56,13 @@ macro_rules! enlist_in {
                 Ok(())
             }
 
-            async fn commit_now(self) -> Result<(), Error> {
+            async fn commit_now(mut self) -> Result<(), Error> {
+                if let Some(alive) = $alive_at_commit {
+                    sqlx::query(alive)
+                        .execute(&mut *self)
+                        .await
+                        .map_err(crate::store::sql::db_error)?;
+                }
                 self.commit().await.map_err(crate::store::sql::db_error)?;
                 Ok(())
             }
@@ -65,9 +71,12 @@ macro_rules! enlist_in {
 }
 
 #[cfg(feature = "sqlite")]
-enlist_in!(sqlx::Sqlite);
+enlist_in!(sqlx::Sqlite, None::<&'static str>);
+// A statement that failed aborts a PostgreSQL transaction, whose COMMIT then answers ROLLBACK
+// with no error: told committed, the caller would take its messages for sent. Any statement
+// in an aborted transaction fails, so one goes before the COMMIT.
 #[cfg(feature = "postgres")]
-enlist_in!(sqlx::Postgres);
+enlist_in!(sqlx::Postgres, Some("SELECT 1"));
 
 /// Enlists outgoing messages in the caller's transaction.
 #[derive(Debug)]
@@ -202,7 +211,9 @@ impl<'a> RuntimeOutbox<'a> {
     ///
     /// # Errors
     ///
-    /// The database's error; nothing of `tx` took effect.
+    /// The database's error; nothing of `tx` took effect. On PostgreSQL that includes a
+    /// transaction a failed statement aborted, whose `COMMIT` the server answers with a
+    /// rollback (sqlx's own `commit` reports it as done).
     ///
     /// # Cancel safety
     ///

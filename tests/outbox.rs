@@ -1337,3 +1337,22 @@ on_both_backends!(
         assert_eq!(db.scalar("SELECT count(*) FROM dacapo_outbox").await, 2);
     }
 );
+
+/// An application's PostgreSQL transaction that a failed statement aborted is refused by
+/// `runtime.outbox().commit`: the server answers its COMMIT with a rollback, which sqlx reports
+/// as done, and the caller took its enlisted messages for sent. Nothing was enlisted.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn committing_an_aborted_postgres_transaction_through_the_runtime_fails() {
+    let db = support_stores::TestDatabase::new(support_stores::Backend::Postgres).await;
+    let calls = Recorder::<MemberRemoved>::new();
+    let runtime = recording(&db, &calls).await.build().unwrap();
+    let store = db.postgres().await;
+    let mut tx = store.pool().begin().await.unwrap();
+    runtime.outbox().enlist(&mut tx, &removed(1)).await.unwrap();
+    // Failed, and carried on past.
+    let _ = dacapo::sqlx::query("SELECT 1 / 0").execute(&mut *tx).await;
+    let error = runtime.outbox().commit(tx).await.unwrap_err();
+    assert!(error.to_string().contains("aborted"), "{error}");
+    assert_eq!(db.scalar("SELECT count(*) FROM dacapo_outbox").await, 0);
+    runtime.shutdown().await;
+}
