@@ -807,12 +807,22 @@ macro_rules! backend {
                     let tx = transaction.tx.as_mut().ok_or_else(|| {
                         dacapo_actors::Error::store("the transaction already ended")
                     })?;
-                    sqlx::query(alive)
+                    // Its own completion record, written as it opened: gone, the transaction
+                    // was ended under it (a `ROLLBACK` the handler sent itself), and the
+                    // `COMMIT` would commit nothing.
+                    let recorded = sqlx::query(alive)
                         .bind(id_text(transaction.message_id))
                         .bind(&transaction.handler)
-                        .execute(&mut **tx)
+                        .fetch_optional(&mut **tx)
                         .await
                         .map_err(crate::store::sql::db_error)?;
+                    if recorded.is_none() {
+                        return Err(dacapo_actors::Error::store(
+                            "the handler transaction was ended before its commit (a ROLLBACK \
+                             or COMMIT sent on it): its work is not committed",
+                        )
+                        .into());
+                    }
                 }
                 Ok(())
             }
@@ -840,7 +850,8 @@ backend!(
     "BEGIN IMMEDIATE",
     // `BEGIN IMMEDIATE` keeps every other writer out until the commit.
     still_runs = attempt_still_runs!(),
-    // A failed statement leaves SQLite's transaction as it was, but for that statement.
+    // A statement that fails on its data leaves SQLite's transaction as it was, but for that
+    // statement; one that ends it (a full disk, an I/O error) makes the COMMIT fail.
     alive_at_commit = None::<&'static str>,
     parked = |store| store.parked_handler_turn().await?,
     end_left_open = |connection| crate::store::sql::end_on_sqlite(

@@ -872,10 +872,11 @@ on_both_backends!(
     }
 );
 
-/// Writes a ledger row, then — on its first attempt only — runs a statement that fails and
-/// goes on past it; tells what each commit gave.
-#[derive(Clone, Default)]
+/// Writes a ledger row, then — on its first attempt only — runs `breaking` (a statement that
+/// fails, or one that ends the transaction) and goes on past it; tells what each commit gave.
+#[derive(Clone)]
 struct GoesOnPastAFailedStatement {
+    breaking: &'static str,
     commits: Arc<Mutex<Vec<Result<(), String>>>>,
 }
 
@@ -890,7 +891,7 @@ impl Handler<MemberRemoved> for GoesOnPastAFailedStatement {
             .await?;
         if ctx.attempt() == 1 {
             // "Already there" and carried on: the error is dropped.
-            let _ = sqlx::query("SELECT 1 / 0").execute(&mut **tx).await;
+            let _ = sqlx::query(self.breaking).execute(&mut **tx).await;
         }
         let committed = tx.commit().await;
         self.commits
@@ -906,27 +907,42 @@ impl Handler<MemberRemoved> for GoesOnPastAFailedStatement {
 /// ROLLBACK with no error: a handler that went on past the failure was told its work
 /// committed, and its delivery settled with the work gone. The commit now fails, the attempt
 /// is retried, and the row is written once.
+/// The same for a transaction the handler ended itself with a `ROLLBACK` sent on it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_commit_after_a_failed_statement_fails_on_postgres_instead_of_losing_the_work() {
-    let db = support_stores::TestDatabase::new(Backend::Postgres).await;
-    db.execute("CREATE TABLE ledger (entry TEXT NOT NULL)")
-        .await;
-    let handler = GoesOnPastAFailedStatement::default();
-    let runtime = db
-        .store(Runtime::builder(), "local", Duration::from_secs(30))
-        .await
-        .retry_policy(quick_retries())
-        .module(Module::new("billing").handle_named::<MemberRemoved, _>("ledger", handler.clone()))
-        .build()
-        .unwrap();
-    let report = tracked(&runtime).await;
-    assert!(report.is_handled(), "{report:?}");
-    assert_eq!(report.attempts, 2, "the first attempt's commit failed");
-    let commits = handler.commits.lock().unwrap().clone();
-    assert!(
-        matches!(&commits[..], [Err(why), Ok(())] if why.contains("aborted")),
-        "{commits:?}"
-    );
-    assert_eq!(db.scalar("SELECT count(*) FROM ledger").await, 1);
-    runtime.shutdown().await;
+    for (breaking, said) in [("SELECT 1 / 0", "aborted"), ("ROLLBACK", "was ended")] {
+        let db = support_stores::TestDatabase::new(Backend::Postgres).await;
+        db.execute("CREATE TABLE ledger (entry TEXT NOT NULL)")
+            .await;
+        let handler = GoesOnPastAFailedStatement {
+            breaking,
+            commits: Arc::default(),
+        };
+        let runtime = db
+            .store(Runtime::builder(), "local", Duration::from_secs(30))
+            .await
+            .retry_policy(quick_retries())
+            .module(
+                Module::new("billing").handle_named::<MemberRemoved, _>("ledger", handler.clone()),
+            )
+            .build()
+            .unwrap();
+        let report = tracked(&runtime).await;
+        assert!(report.is_handled(), "{breaking}: {report:?}");
+        assert_eq!(
+            report.attempts, 2,
+            "{breaking}: the first attempt's commit failed"
+        );
+        let commits = handler.commits.lock().unwrap().clone();
+        assert!(
+            matches!(&commits[..], [Err(why), Ok(())] if why.contains(said)),
+            "{breaking}: {commits:?}"
+        );
+        assert_eq!(
+            db.scalar("SELECT count(*) FROM ledger").await,
+            1,
+            "{breaking}"
+        );
+        runtime.shutdown().await;
+    }
 }
