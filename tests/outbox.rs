@@ -1173,10 +1173,7 @@ async fn a_relay_paused_past_its_lease_sends_no_row_it_read_before_to_the_broker
     );
     let mut outbox = Observed::new(db.sqlite_or_postgres_outbox().await);
     outbox.paused_after_read = Some((Arc::clone(&read), Arc::clone(&gate)));
-    // Routed to a queue in the same database; nothing takes from it.
-    let queue = dacapo::transport::PostgresQueue::connect(&db.url, "hooks")
-        .unwrap()
-        .route::<support::WebhookQueued>();
+    let queue = hooks_queue(&db);
     let runtime = db
         .store(Runtime::builder(), "paused", Duration::from_secs(30))
         .await
@@ -1239,10 +1236,7 @@ async fn a_full_engine_holds_back_no_row_for_a_broker() {
         Arc::new(tokio::sync::Notify::new()),
         Arc::new(tokio::sync::Semaphore::new(0)),
     );
-    // Routed to a queue in the same database; nothing takes from it.
-    let queue = dacapo::transport::PostgresQueue::connect(&db.url, "hooks")
-        .unwrap()
-        .route::<support::WebhookQueued>();
+    let queue = hooks_queue(&db);
     let runtime = db
         .store(Runtime::builder(), "full", Duration::from_secs(30))
         .await
@@ -1355,4 +1349,11 @@ async fn committing_an_aborted_postgres_transaction_through_the_runtime_fails() 
     assert!(error.to_string().contains("aborted"), "{error}");
     assert_eq!(db.scalar("SELECT count(*) FROM dacapo_outbox").await, 0);
     runtime.shutdown().await;
+}
+
+/// `WebhookQueued` routed to a PostgreSQL queue in `db`'s database, which nothing takes from.
+fn hooks_queue(db: &support_stores::TestDatabase) -> dacapo::transport::PostgresQueue {
+    dacapo::transport::PostgresQueue::connect(&db.url, "hooks")
+        .unwrap()
+        .route::<support::WebhookQueued>()
 }

@@ -606,65 +606,65 @@ async fn a_role_that_may_not_delete_the_queues_rows_stops_listening() {
     listening(&owner).await;
     owner.shutdown().await;
     let role = unique("dacapo_reader_");
-    for statement in [
+    let run = |statements: Vec<String>| {
+        let pool = pool.clone();
+        async move {
+            for statement in statements {
+                dacapo::sqlx::query(dacapo::sqlx::AssertSqlSafe(statement))
+                    .execute(&pool)
+                    .await
+                    .unwrap();
+            }
+        }
+    };
+    run(vec![
         format!("CREATE ROLE {role} LOGIN"),
         format!("GRANT SELECT, UPDATE ON dacapo_queue TO {role}"),
-    ] {
-        dacapo::sqlx::query(dacapo::sqlx::AssertSqlSafe(statement))
-            .execute(&pool)
-            .await
-            .unwrap();
-    }
+    ])
+    .await;
     // The queue database's URL, as the role (trust authentication: no password).
     let (scheme, rest) = queue_database.url().split_once("://").unwrap();
     let server = rest.rsplit_once('@').map_or(rest, |(_, server)| server);
     let as_role = format!("{scheme}://{role}@{server}");
-    let store = TestStore::sqlite().await;
-    let runtime = store.runtime(
-        module(&seen, "a"),
-        PostgresQueue::connect(&as_role, "pings")
-            .unwrap()
-            .declare(false)
-            .route::<Ping>(),
-    );
+    let node_as_role = || {
+        let seen = seen.clone();
+        let as_role = as_role.clone();
+        async move {
+            let store = TestStore::sqlite().await;
+            let runtime = store.runtime(
+                module(&seen, "a"),
+                PostgresQueue::connect(&as_role, "pings")
+                    .unwrap()
+                    .declare(false)
+                    .route::<Ping>(),
+            );
+            (store, runtime)
+        }
+    };
+    let (_store, runtime) = node_as_role().await;
     stops_listening(runtime, "GRANT SELECT, UPDATE, DELETE").await;
     // Taking needs UPDATE on one column only, and deleting DELETE: such a role listens.
-    for statement in [
+    run(vec![
         format!("REVOKE UPDATE ON dacapo_queue FROM {role}"),
         format!("GRANT UPDATE (seq), DELETE ON dacapo_queue TO {role}"),
         // And publishing, for the test's own message.
         format!("GRANT INSERT ON dacapo_queue TO {role}"),
         format!("GRANT USAGE ON SEQUENCE dacapo_queue_seq_seq TO {role}"),
-    ] {
-        dacapo::sqlx::query(dacapo::sqlx::AssertSqlSafe(statement))
-            .execute(&pool)
-            .await
-            .unwrap();
-    }
-    let store = TestStore::sqlite().await;
-    let runtime = store.runtime(
-        module(&seen, "a"),
-        PostgresQueue::connect(&as_role, "pings")
-            .unwrap()
-            .declare(false)
-            .route::<Ping>(),
-    );
+    ])
+    .await;
+    let (_store, runtime) = node_as_role().await;
     listening(&runtime).await;
     let id = publish_pings(&runtime, 0, 1).await[0];
     seen.wait_for(1, WAIT).await;
     until_rows(queue_database.url(), 0).await;
     assert_eq!(seen.counts().get(&id), Some(&1));
     assert!(runtime.shutdown().await.is_clean());
-    for statement in [
+    run(vec![
         format!("REVOKE ALL ON dacapo_queue FROM {role}"),
         format!("REVOKE ALL ON SEQUENCE dacapo_queue_seq_seq FROM {role}"),
         format!("DROP ROLE {role}"),
-    ] {
-        dacapo::sqlx::query(dacapo::sqlx::AssertSqlSafe(statement))
-            .execute(&pool)
-            .await
-            .unwrap();
-    }
+    ])
+    .await;
     pool.close().await;
 }
 
