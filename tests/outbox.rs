@@ -1357,3 +1357,51 @@ fn hooks_queue(db: &support_stores::TestDatabase) -> dacapo::transport::Postgres
         .unwrap()
         .route::<support::WebhookQueued>()
 }
+
+/// A node that shuts down gives up its relay lease: the next node's relay publishes at its
+/// next poll, not once the lease ran out — ten of the stopped node's polls, ten hours here.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_node_that_shuts_down_gives_up_its_relay_lease() {
+    let db = support_stores::TestDatabase::new(support_stores::Backend::Postgres).await;
+    let calls = Recorder::<MemberRemoved>::new();
+    let node = |name: &'static str, poll: Duration| {
+        let (db, calls) = (&db, calls.clone());
+        async move {
+            db.store(Runtime::builder(), name, Duration::from_secs(30))
+                .await
+                .relay_interval(poll)
+                .module(Module::new("webhooks").handle_named::<MemberRemoved, _>("queue", calls))
+                .build()
+                .unwrap()
+        }
+    };
+    let first = node("polls-hourly", Duration::from_secs(3600)).await;
+    // Published by the first node (its store's notification wakes it), under its lease.
+    tokio::time::timeout(WAIT, async {
+        while db
+            .scalar(
+                "SELECT count(*) FROM pg_stat_activity \
+                 WHERE datname = current_database() AND query LIKE 'LISTEN %dacapo_outbox%'",
+            )
+            .await
+            == 0
+        {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    })
+    .await
+    .expect("the first node's relay listens");
+    db.outbox_transaction(&[removed(1)], true).await;
+    until(|| calls.count() == 1).await;
+    assert_eq!(
+        db.scalar("SELECT count(*) FROM dacapo_outbox_lease WHERE owner = 'polls-hourly'")
+            .await,
+        1
+    );
+    first.shutdown().await;
+
+    let second = node("polls-often", Duration::from_millis(50)).await;
+    db.outbox_transaction(&[removed(2)], true).await;
+    until(|| calls.count() == 2).await;
+    second.shutdown().await;
+}

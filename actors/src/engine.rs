@@ -450,6 +450,21 @@ impl Engine {
         {
             tracing::warn!(%error, "could not release unsettled deliveries; they resume once this node's heartbeat expires");
         }
+        // The relay takes the lease no more (the drain is over): given up, another node's relay
+        // publishes at its next poll, not ten of this one's later.
+        if let Some(outbox) = &shared.outbox {
+            match tokio::time::timeout_at(until, outbox.release_lease()).await {
+                Ok(Ok(())) => {}
+                Ok(Err(error)) => {
+                    tracing::warn!(%error, "could not give up the outbox lease; it runs out by itself");
+                }
+                Err(_) => {
+                    tracing::warn!(
+                        "giving up the outbox lease took too long; it runs out by itself"
+                    );
+                }
+            }
+        }
         drop(recovering);
         self.system.stop();
         let _ = stopped.await;

@@ -756,6 +756,17 @@ pub trait OutboxStore: Send + Sync + 'static {
     /// [`Error::Store`] when it cannot be recorded.
     async fn mark_published(&self, positions: &[i64], at: DateTime<Utc>) -> Result<(), Error>;
 
+    /// Gives up this node's relay lease, if it holds it: another node's relay takes it at its
+    /// next poll instead of once it runs out (ten of this node's polls). A shutdown calls it
+    /// once its relay takes the lease no more. The default does nothing.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Store`] when the store cannot answer; the lease then runs out by itself.
+    async fn release_lease(&self) -> Result<(), Error> {
+        Ok(())
+    }
+
     /// Keeps `letter`, the dead letter of the envelope at `position` that the broker can
     /// never take, and marks that envelope published, in one transaction: a crash between the
     /// two would leave the letter beside a row still to send, which a later round may send

@@ -205,6 +205,14 @@ impl RelayActor {
                     return (None, lease_taken_at);
                 }
             }
+            // Once a shutdown's drain is over the lease is given up, and not taken again.
+            if dispatcher
+                .shared
+                .drain_over
+                .load(std::sync::atomic::Ordering::SeqCst)
+            {
+                return (None, None);
+            }
             let mut lease = Lease::new(
                 Arc::clone(&outbox),
                 &dispatcher,

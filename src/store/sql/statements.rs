@@ -404,6 +404,10 @@ pub(crate) const LEASE: &str = "INSERT INTO dacapo_outbox_lease (id, owner, expi
     expires_at = excluded.expires_at \
     WHERE dacapo_outbox_lease.owner = excluded.owner OR dacapo_outbox_lease.expires_at <= $2";
 
+/// Ends this node's relay lease at once.
+pub(crate) const RELEASE_LEASE: &str =
+    "UPDATE dacapo_outbox_lease SET expires_at = 0 WHERE owner = $1";
+
 pub(crate) const UNPUBLISHED: &str = "SELECT seq, id, message_type, payload, headers, \
     deduplication_id, correlation_id, causation_id, sent_at, scheduled_for \
     FROM dacapo_outbox WHERE published_at IS NULL AND seq > $2 ORDER BY seq LIMIT $1";

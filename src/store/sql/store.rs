@@ -1133,6 +1133,13 @@ impl<D: Dialect> OutboxStore for SqlStore<D> {
         self.db.enlisted_signals()
     }
 
+    async fn release_lease(&self) -> Result<(), Error> {
+        self.db
+            .execute(RELEASE_LEASE, &[Value::Text(&self.node)])
+            .await?;
+        Ok(())
+    }
+
     async fn unpublished(&self, after: i64, limit: usize) -> Result<Vec<OutboxRow>, Error> {
         let values = [Self::limit(limit), Value::Int64(after)];
         let rows = self.db.fetch_all(UNPUBLISHED, &values).await?;
