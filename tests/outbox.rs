@@ -409,14 +409,7 @@ async fn postgres_wakes_the_relay_for_enlists_made_elsewhere() {
     let runtime = relay_past_its_first_round(&db, &calls).await;
     // Enlist only once the relay listens: a commit before would wait for the hourly poll.
     tokio::time::timeout(WAIT, async {
-        while db
-            .scalar(
-                "SELECT count(*) FROM pg_stat_activity \
-                 WHERE datname = current_database() AND query LIKE 'LISTEN %dacapo_outbox%'",
-            )
-            .await
-            == 0
-        {
+        while relays_listening(&db).await == 0 {
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
     })
@@ -629,15 +622,7 @@ async fn a_relay_without_the_lease_does_not_contend_for_it_on_every_wake() {
         .build()
         .unwrap();
     tokio::time::timeout(WAIT, async {
-        while leases.load(Ordering::SeqCst) == 0
-            || db
-                .scalar(
-                    "SELECT count(*) FROM pg_stat_activity \
-                     WHERE datname = current_database() AND query LIKE 'LISTEN %dacapo_outbox%'",
-                )
-                .await
-                == 0
-        {
+        while leases.load(Ordering::SeqCst) == 0 || relays_listening(&db).await == 0 {
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
     })
@@ -1378,14 +1363,7 @@ async fn a_node_that_shuts_down_gives_up_its_relay_lease() {
     let first = node("polls-hourly", Duration::from_secs(3600)).await;
     // Published by the first node (its store's notification wakes it), under its lease.
     tokio::time::timeout(WAIT, async {
-        while db
-            .scalar(
-                "SELECT count(*) FROM pg_stat_activity \
-                 WHERE datname = current_database() AND query LIKE 'LISTEN %dacapo_outbox%'",
-            )
-            .await
-            == 0
-        {
+        while relays_listening(&db).await == 0 {
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
     })
@@ -1404,4 +1382,13 @@ async fn a_node_that_shuts_down_gives_up_its_relay_lease() {
     db.outbox_transaction(&[removed(2)], true).await;
     until(|| calls.count() == 2).await;
     second.shutdown().await;
+}
+
+/// How many relays listen for the enlists of `db`'s PostgreSQL database.
+async fn relays_listening(db: &support_stores::TestDatabase) -> i64 {
+    db.scalar(
+        "SELECT count(*) FROM pg_stat_activity \
+         WHERE datname = current_database() AND query LIKE 'LISTEN %dacapo_outbox%'",
+    )
+    .await
 }

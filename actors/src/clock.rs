@@ -367,15 +367,7 @@ impl VirtualClock {
 
     /// Returns once nothing in the engine works.
     async fn until_idle(&self) {
-        loop {
-            let notified = self.idle.notified();
-            let mut notified = std::pin::pin!(notified);
-            notified.as_mut().enable();
-            if self.state().busy == 0 {
-                return;
-            }
-            notified.await;
-        }
+        crate::told::until(&self.idle, || self.state().busy == 0).await;
     }
 
     fn sleep(self: &Arc<Self>, delay: Duration, tie: Option<u64>) -> Sleep {

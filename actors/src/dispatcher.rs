@@ -107,15 +107,10 @@ impl Shared {
     ///
     /// Cancel safe.
     pub(crate) async fn drain_ended(&self) {
-        loop {
-            let ends = self.drain_ends.notified();
-            tokio::pin!(ends);
-            ends.as_mut().enable();
-            if self.drain_over.load(std::sync::atomic::Ordering::SeqCst) {
-                return;
-            }
-            ends.await;
-        }
+        crate::told::until(&self.drain_ends, || {
+            self.drain_over.load(std::sync::atomic::Ordering::SeqCst)
+        })
+        .await;
     }
 
     /// Takes a delivery off the starting list: its supervisor started, or never will here.
@@ -529,15 +524,7 @@ impl BatchesWaiting {
     ///
     /// Cancel safe: it only observes.
     pub(crate) async fn none(&self) {
-        loop {
-            let told = self.none_left.notified();
-            tokio::pin!(told);
-            told.as_mut().enable();
-            if self.count.load(Ordering::SeqCst) == 0 {
-                return;
-            }
-            told.await;
-        }
+        crate::told::until(&self.none_left, || self.count.load(Ordering::SeqCst) == 0).await;
     }
 }
 

@@ -41,6 +41,7 @@ mod retry;
 mod stats;
 mod supervisor;
 mod timer;
+mod told;
 mod tracker;
 
 pub use aggregate::AggregateError;

@@ -252,27 +252,14 @@ impl Tracker {
     ///
     /// Cancel safe: it only observes.
     pub(crate) async fn closed(&self) {
-        loop {
-            let notified = self.changed.notified();
-            tokio::pin!(notified);
-            notified.as_mut().enable();
-            if self.is_closing() {
-                return;
-            }
-            notified.await;
-        }
+        crate::told::until(&self.changed, || self.is_closing()).await;
     }
 
     async fn wait_until_zero(&self, mask: u64) {
-        loop {
-            let notified = self.changed.notified();
-            tokio::pin!(notified);
-            notified.as_mut().enable();
-            if self.counts.load(Ordering::SeqCst) & mask == 0 {
-                return;
-            }
-            notified.await;
-        }
+        crate::told::until(&self.changed, || {
+            self.counts.load(Ordering::SeqCst) & mask == 0
+        })
+        .await;
     }
 
     /// Waits until no delivery is active (cooling ones may remain).
