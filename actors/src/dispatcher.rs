@@ -73,10 +73,13 @@ pub(crate) struct Shared {
     pub(crate) store: Option<Arc<dyn std::any::Any + Send + Sync>>,
     /// Whether the deduplication claims live in that store.
     pub(crate) claims_in_store: bool,
-    /// Deliveries recorded as this node's whose supervisor has not started yet (recovered,
-    /// replayed, or received and waiting for room or for their worker): running, for the
-    /// orphan sweep, though the tracker does not list them yet.
-    pub(crate) starting: std::sync::Mutex<std::collections::HashSet<uuid::Uuid>>,
+    /// Deliveries recorded, or being recorded, as this node's whose supervisor has not
+    /// started yet (recovered, replayed, or received — from before the write, which can wait
+    /// longer than the node timeout for its commit — and waiting for room or for their
+    /// worker): running, for the orphan sweep, though the tracker does not list them yet.
+    /// Counted per id: two receives of one envelope may overlap, and the duplicate's end
+    /// must not unlist the other.
+    pub(crate) starting: std::sync::Mutex<std::collections::HashMap<uuid::Uuid, usize>>,
     /// The outbox the relay publishes from, if any: cascades that cannot wait for their
     /// delivery to settle are enlisted there on their own.
     pub(crate) outbox: Option<Arc<dyn crate::ports::OutboxStore>>,
@@ -95,10 +98,22 @@ impl Shared {
         if self.durable.is_none() {
             return;
         }
-        self.starting
+        *self
+            .starting
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner)
-            .insert(id);
+            .entry(id)
+            .or_default() += 1;
+    }
+
+    /// Lists a delivery as starting until the returned guard is dropped, or handed on with
+    /// [`Starting::keep`].
+    fn listed_starting(self: &Arc<Self>, id: uuid::Uuid) -> Starting {
+        self.list_starting(id);
+        Starting {
+            shared: Some(Arc::clone(self)),
+            id,
+        }
     }
 
     /// Returns once a shutdown's drain is over.
@@ -118,10 +133,16 @@ impl Shared {
         if self.durable.is_none() {
             return;
         }
-        self.starting
+        let mut starting = self
+            .starting
             .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
-            .remove(&id);
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        if let std::collections::hash_map::Entry::Occupied(mut listed) = starting.entry(id) {
+            *listed.get_mut() -= 1;
+            if *listed.get() == 0 {
+                listed.remove();
+            }
+        }
     }
 
     /// Whether the engine crashes at `point` (or crashed before): the caller stops there.
@@ -206,6 +227,41 @@ impl Drop for Unstarted {
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner)
             .extend(current.into_iter().chain(waiting));
+    }
+}
+
+/// A delivery listed as starting from before its row is written as this node's (a receive, a
+/// replay): this node's orphan sweep leaves the row alone, however long its commit waited,
+/// until the guard is dropped — the envelope was a duplicate, scheduled, refused, or its
+/// caller gave up, and a row committed all the same is then the sweep's — or, kept, until its
+/// supervisor starts.
+#[must_use = "the delivery is listed only while the guard lives"]
+pub struct Starting {
+    shared: Option<Arc<Shared>>,
+    id: uuid::Uuid,
+}
+
+impl std::fmt::Debug for Starting {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Starting")
+            .field("id", &self.id)
+            .field("kept", &self.shared.is_none())
+            .finish()
+    }
+}
+
+impl Starting {
+    /// Leaves the delivery listed: the supervisor started for it unlists it as it starts.
+    fn keep(mut self) {
+        self.shared = None;
+    }
+}
+
+impl Drop for Starting {
+    fn drop(&mut self) {
+        if let Some(shared) = self.shared.take() {
+            shared.unlist_starting(self.id);
+        }
     }
 }
 
@@ -316,6 +372,9 @@ impl Worker {
         // starts its own count here.
         let mut envelope = envelope;
         envelope.attempts = 0;
+        // Listed before the write: its commit may wait longer than the node timeout, and the
+        // row it writes must not look orphaned to this node's sweep before the delivery starts.
+        let starting = self.shared.listed_starting(envelope.id);
         let receipt = match self.inbox.receive_now(&envelope) {
             Some(receipt) => receipt?,
             None => self.inbox.receive(&envelope).await?,
@@ -329,7 +388,9 @@ impl Worker {
         // A cascade (from no caller) whose worker stops before its supervisor starts is
         // handed back for the shutdown's report; a caller's is answered by its dropped reply.
         let hand_back = (!from_caller).then(|| Arc::clone(&self.shared));
-        self.start_received(admission, envelope, receipt, permit, busy, reply, hand_back);
+        if self.start_received(admission, envelope, receipt, permit, busy, reply, hand_back) {
+            starting.keep();
+        }
         Ok(())
     }
 
@@ -376,6 +437,8 @@ impl Worker {
     /// Starts the delivery of an envelope the inbox answered for with `receipt`: reports a
     /// scheduled or duplicate one, and starts a supervisor for a new one — handing its
     /// envelope to `hand_back`'s report if the worker stops before the supervisor starts.
+    /// Returns whether it started one, which takes the delivery off the starting list (the
+    /// caller listed it) as it starts.
     #[allow(clippy::too_many_arguments)]
     fn start_received(
         self: &Arc<Self>,
@@ -386,15 +449,13 @@ impl Worker {
         busy: crate::Busy,
         reply: Option<oneshot::Sender<DeliveryReport>>,
         hand_back: Option<Arc<Shared>>,
-    ) {
-        let shared = &self.shared;
+    ) -> bool {
         let mut reply = reply;
         if self.answered_without_starting(&envelope, receipt, &mut reply) {
-            return;
+            return false;
         }
         // From here the supervisor accounts for the delivery.
         std::mem::forget(admission);
-        shared.list_starting(envelope.id);
         let worker = Arc::clone(self);
         let queued = Queued {
             envelope: Some(envelope),
@@ -404,6 +465,7 @@ impl Worker {
         DeliverySupervisor::start_in_arbiter(&self.arbiter, move |_| {
             DeliverySupervisor::new(worker, queued.start(), permit, reply, busy)
         });
+        true
     }
 
     /// Delivers the messages cascaded by a successful delivery, on this worker, in the
@@ -576,11 +638,12 @@ impl Persisted {
             // Its admission, held since the batch was persisted.
             let admission = Admission(&shared.tracker);
             let busy = shared.timers.busy();
-            let new = receipt == Receipt::New;
-            self.dispatcher
+            // Listed since the batch was persisted: the supervisor unlists it as it starts.
+            if self
+                .dispatcher
                 .next_worker()
-                .start_received(admission, envelope, receipt, permit, busy, None, None);
-            if new {
+                .start_received(admission, envelope, receipt, permit, busy, None, None)
+            {
                 self.waiting.started += 1;
             }
             if self.to_start.is_empty() {
@@ -835,26 +898,32 @@ impl Dispatcher {
             // The attempts another system counted are not this runtime's.
             envelope.attempts = 0;
         }
-        let receipts = {
-            // Persisting is work: the virtual clock waits for it.
-            let _busy = self.shared.timers.busy();
-            self.next_worker().inbox.receive_batch(&envelopes).await?
-        };
-        // Waiting for room can take longer than the node timeout: listed meanwhile, these
-        // are not taken for orphans and run a second time.
-        let waiting = Waiting {
+        // Listed from before the write, whose commit can wait longer than the node timeout,
+        // until each starts (waiting for room can take as long): none is taken for an orphan
+        // and run a second time. Dropped on an error, the listing goes with it.
+        let mut waiting = Waiting {
             shared: Arc::clone(&self.shared),
-            ids: envelopes
-                .iter()
-                .zip(&receipts)
-                .filter(|(_, receipt)| **receipt == Receipt::New)
-                .map(|(envelope, _)| envelope.id)
-                .collect(),
+            ids: envelopes.iter().map(|envelope| envelope.id).collect(),
             started: 0,
         };
         for id in &waiting.ids {
             self.shared.list_starting(*id);
         }
+        let receipts = {
+            // Persisting is work: the virtual clock waits for it.
+            let _busy = self.shared.timers.busy();
+            self.next_worker().inbox.receive_batch(&envelopes).await?
+        };
+        // Only new deliveries start; the rest are answered for below, listed no more.
+        let mut ids = Vec::with_capacity(waiting.ids.len());
+        for (id, receipt) in std::mem::take(&mut waiting.ids).into_iter().zip(&receipts) {
+            if *receipt == Receipt::New {
+                ids.push(id);
+            } else {
+                self.shared.unlist_starting(id);
+            }
+        }
+        waiting.ids = ids;
         self.shared
             .pass(crate::Failpoint::BeforeAcknowledge, None)
             .await;
@@ -945,6 +1014,13 @@ impl Dispatcher {
         }
         self.shared.list_starting(id);
         Some(Arc::clone(self.next_worker()))
+    }
+
+    /// Lists the delivery of `id` as starting on this node, before a write that records it as
+    /// this node's (a replay) and until the returned guard is dropped: a resume started
+    /// meanwhile lists it on its own.
+    pub fn starting(&self, id: uuid::Uuid) -> Starting {
+        self.shared.listed_starting(id)
     }
 
     /// Whether the runtime is shutting down (it accepts nothing more).

@@ -193,7 +193,9 @@ fn running_here(dispatcher: &Dispatcher) -> std::collections::HashSet<uuid::Uuid
         .starting
         .lock()
         .unwrap_or_else(std::sync::PoisonError::into_inner)
-        .clone();
+        .keys()
+        .copied()
+        .collect();
     running.extend(shared.tracker.supervised());
     running
 }

@@ -90,6 +90,9 @@ impl<'a> DeadLetters<'a> {
             let letter = letter.ok_or(Error::DeadLetterNotFound(id))?;
             return Err(Error::ShuttingDown(Box::new(letter.envelope)));
         }
+        // From before the write, which may wait longer than the node timeout to commit: the
+        // row it makes this node's must not look orphaned until its resume lists it.
+        let _starting = dispatcher.starting(id);
         match runtime.inbox.replay(id, ReplayTo::ThisNode).await? {
             // Refused only by a shutdown that began meanwhile: the row is this node's, and its
             // next start runs it.
