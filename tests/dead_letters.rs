@@ -337,3 +337,143 @@ async fn an_unreadable_dead_letter_stays_in_an_inbox_in_memory() {
             .is_some()
     );
 }
+
+/// A purge removes the letter the operator looked at, not one written since under the same id
+/// (the envelope replayed and failed again while the question waited): `letters` is the
+/// harness's dead-letter store.
+async fn only_the_letter_looked_at_is_removed(
+    builder: dacapo::testing::TestHarnessBuilder,
+    letters: &dyn dacapo::ports::DeadLetterStore,
+) {
+    let harness = builder
+        .retry_policy(RetryPolicy::no_retries())
+        .module(
+            Module::new("workspaces")
+                .handle_named::<MemberRemoved, _>("revoke", Recorder::<MemberRemoved>::new()),
+        )
+        .fault("workspaces", "revoke", Fault::always_fail())
+        .build()
+        .unwrap();
+    let id = harness
+        .publish(&member_removed())
+        .await
+        .unwrap()
+        .envelope_id;
+    let seen = letters.get(id).await.unwrap().expect("dead-lettered");
+    let mut again = seen.clone();
+    again.last_failure_at += chrono::Duration::seconds(1);
+    letters.put(again.clone()).await.unwrap();
+
+    let removed = letters.remove_if_unchanged(id, seen.last_failure_at).await;
+    assert!(!removed.unwrap(), "the letter changed since it was seen");
+    assert_eq!(letters.get(id).await.unwrap(), Some(again.clone()));
+    let removed = letters.remove_if_unchanged(id, again.last_failure_at).await;
+    assert!(removed.unwrap(), "the letter seen is removed");
+    assert_eq!(letters.get(id).await.unwrap(), None);
+}
+
+#[cfg(all(feature = "sqlite", feature = "postgres"))]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn only_the_letter_looked_at_is_removed_sqlite() {
+    let db = dacapo::testing::ScratchDatabase::sqlite();
+    let store = db.sqlite_store().await.unwrap();
+    let builder = TestHarness::builder().store(store.clone());
+    only_the_letter_looked_at_is_removed(builder, &store).await;
+}
+
+#[cfg(all(feature = "sqlite", feature = "postgres"))]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn only_the_letter_looked_at_is_removed_postgres() {
+    let admin = std::env::var("DACAPO_TEST_POSTGRES")
+        .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/postgres".to_owned());
+    let db = dacapo::testing::ScratchDatabase::postgres(&admin)
+        .await
+        .unwrap();
+    let store = db.postgres_store().await.unwrap();
+    let builder = TestHarness::builder().store(store.clone());
+    only_the_letter_looked_at_is_removed(builder, &store).await;
+}
+
+#[tokio::test]
+async fn only_the_letter_looked_at_is_removed_in_memory() {
+    let inbox = Arc::new(dacapo::store::MemoryInbox::new(
+        Duration::from_secs(300),
+        Arc::new(dacapo::ports::SystemClock),
+    ));
+    let builder = TestHarness::builder().configure({
+        let inbox = Arc::clone(&inbox);
+        move |runtime| runtime.inbox(inbox)
+    });
+    only_the_letter_looked_at_is_removed(builder, &*inbox).await;
+}
+
+/// The trait's own way, for a store that does not override it: look, remove, and put back a
+/// letter that changed in between. This store's removal lands a newer letter first, as a
+/// replay that failed again between the look and the removal would.
+#[tokio::test]
+async fn only_the_letter_looked_at_is_removed_by_a_store_that_leaves_it_to_the_trait() {
+    use dacapo::ports::DeadLetterStore;
+    use dacapo::{DeadLetter, DeadLetterFilter};
+
+    struct Plain(Arc<dacapo::store::MemoryInbox>);
+
+    #[async_trait::async_trait]
+    impl DeadLetterStore for Plain {
+        async fn put(&self, letter: DeadLetter) -> Result<(), dacapo::EngineError> {
+            self.0.put(letter).await
+        }
+        async fn list(
+            &self,
+            filter: &DeadLetterFilter,
+        ) -> Result<Vec<DeadLetter>, dacapo::EngineError> {
+            self.0.list(filter).await
+        }
+        async fn get(&self, id: Uuid) -> Result<Option<DeadLetter>, dacapo::EngineError> {
+            self.0.get(id).await
+        }
+        async fn remove(&self, id: Uuid) -> Result<Option<DeadLetter>, dacapo::EngineError> {
+            if let Some(mut newer) = self.0.get(id).await? {
+                newer.last_failure_at += chrono::Duration::minutes(1);
+                self.0.put(newer).await?;
+            }
+            self.0.remove(id).await
+        }
+        async fn purge(&self, filter: &DeadLetterFilter) -> Result<u64, dacapo::EngineError> {
+            self.0.purge(filter).await
+        }
+    }
+
+    let inbox = Arc::new(dacapo::store::MemoryInbox::new(
+        Duration::from_secs(300),
+        Arc::new(dacapo::ports::SystemClock),
+    ));
+    let builder = TestHarness::builder().configure({
+        let inbox = Arc::clone(&inbox);
+        move |runtime| runtime.inbox(inbox)
+    });
+    let harness = builder
+        .retry_policy(RetryPolicy::no_retries())
+        .module(
+            Module::new("workspaces")
+                .handle_named::<MemberRemoved, _>("revoke", Recorder::<MemberRemoved>::new()),
+        )
+        .fault("workspaces", "revoke", Fault::always_fail())
+        .build()
+        .unwrap();
+    let id = harness
+        .publish(&member_removed())
+        .await
+        .unwrap()
+        .envelope_id;
+    let letters = Plain(inbox);
+    let seen = letters.get(id).await.unwrap().expect("dead-lettered");
+
+    let removed = letters.remove_if_unchanged(id, seen.last_failure_at).await;
+    assert!(!removed.unwrap(), "the letter changed before its removal");
+    let kept = letters.get(id).await.unwrap().expect("put back");
+    assert_eq!(
+        kept.last_failure_at,
+        seen.last_failure_at + chrono::Duration::minutes(1),
+        "the newer letter is the one put back"
+    );
+}

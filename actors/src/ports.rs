@@ -472,6 +472,39 @@ pub trait DeadLetterStore: Send + Sync + 'static {
     /// [`Error::Store`] when the store cannot answer.
     async fn remove(&self, id: Uuid) -> Result<Option<DeadLetter>, Error>;
 
+    /// Removes the dead letter of envelope `id` if its last failure is still
+    /// `last_failure_at` — the letter someone looked at, not one written since under the same
+    /// id (replayed, and failed again) — and says whether it did.
+    ///
+    /// The default looks, removes, and puts back a letter that changed in between: a crash
+    /// between the last two loses that letter. The durable stores remove it in one statement.
+    ///
+    /// # Errors
+    ///
+    /// [`Error::Store`] when the store cannot answer.
+    async fn remove_if_unchanged(
+        &self,
+        id: Uuid,
+        last_failure_at: DateTime<Utc>,
+    ) -> Result<bool, Error> {
+        let unchanged = |letter: &Option<DeadLetter>| {
+            letter
+                .as_ref()
+                .is_some_and(|letter| letter.last_failure_at == last_failure_at)
+        };
+        if !unchanged(&self.get(id).await?) {
+            return Ok(false);
+        }
+        let letter = self.remove(id).await?;
+        if unchanged(&letter) {
+            return Ok(true);
+        }
+        if let Some(letter) = letter {
+            self.put(letter).await?;
+        }
+        Ok(false)
+    }
+
     /// Removes the dead letters `filter` takes and says how many there were.
     ///
     /// # Errors

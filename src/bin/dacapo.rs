@@ -447,20 +447,12 @@ async fn dead_letters(
                     // Gone meanwhile (replayed or purged by someone else), or replayed and
                     // failed again while the question waited (a letter the operator never
                     // saw, under the same id): not theirs to remove.
-                    let shown = |letter: &Option<DeadLetter>| {
-                        letter
-                            .as_ref()
-                            .is_some_and(|letter| letter.last_failure_at == last_failure_at)
-                    };
-                    if !shown(&store.dead_letters().get(id).await?) {
-                        continue;
-                    }
-                    let letter = store.dead_letters().remove(id).await?;
-                    if shown(&letter) {
+                    if store
+                        .dead_letters()
+                        .remove_if_unchanged(id, last_failure_at)
+                        .await?
+                    {
                         removed += 1;
-                    } else if let Some(letter) = letter {
-                        // Failed again between the look and the removal: it goes back.
-                        store.dead_letters().put(letter).await?;
                     }
                 }
                 removed

@@ -214,6 +214,16 @@ impl DeadLetterStore for MemoryInbox {
         self.dead_letters.remove(id).await
     }
 
+    async fn remove_if_unchanged(
+        &self,
+        id: Uuid,
+        last_failure_at: DateTime<Utc>,
+    ) -> Result<bool, Error> {
+        self.dead_letters
+            .remove_if_unchanged(id, last_failure_at)
+            .await
+    }
+
     async fn purge(&self, filter: &DeadLetterFilter) -> Result<u64, Error> {
         self.dead_letters.purge(filter).await
     }
@@ -285,6 +295,17 @@ impl DeadLetterStore for MemoryDeadLetters {
 
     async fn remove(&self, id: Uuid) -> Result<Option<DeadLetter>, Error> {
         Ok(self.take(id))
+    }
+
+    async fn remove_if_unchanged(
+        &self,
+        id: Uuid,
+        last_failure_at: DateTime<Utc>,
+    ) -> Result<bool, Error> {
+        let mut letters = lock(&self.letters);
+        let before = letters.len();
+        letters.retain(|l| !(l.envelope.id == id && l.last_failure_at == last_failure_at));
+        Ok(letters.len() < before)
     }
 
     async fn purge(&self, filter: &DeadLetterFilter) -> Result<u64, Error> {

@@ -256,6 +256,10 @@ pub(crate) const REMOVE_DEAD_LETTER: &str = "DELETE FROM dacapo_dead_letters WHE
     RETURNING id, message_type, payload, headers, deduplication_id, correlation_id, causation_id, \
     sent_at, scheduled_for, reason, failures, attempts, first_failure_at, last_failure_at";
 
+/// The letter someone looked at, by its last failure's time: not one written since.
+pub(crate) const REMOVE_UNCHANGED_DEAD_LETTER: &str =
+    "DELETE FROM dacapo_dead_letters WHERE id = $1 AND last_failure_at = $2";
+
 pub(crate) const PURGE_DEAD_LETTERS: &str = "DELETE FROM dacapo_dead_letters WHERE id IN (\
     SELECT id FROM dacapo_dead_letters \
     WHERE ($1 IS NULL OR message_type = $1) AND ($2 IS NULL OR last_failure_at >= $2) \

@@ -1293,6 +1293,20 @@ impl<D: Dialect> DeadLetterStore for SqlStore<D> {
         row.as_ref().map(Self::dead_letter_row).transpose()
     }
 
+    async fn remove_if_unchanged(
+        &self,
+        id: Uuid,
+        last_failure_at: DateTime<Utc>,
+    ) -> Result<bool, Error> {
+        let id = id_text(id);
+        let values = [Value::Text(&id), Value::Int64(millis(last_failure_at))];
+        Ok(self
+            .db
+            .execute(REMOVE_UNCHANGED_DEAD_LETTER, &values)
+            .await?
+            > 0)
+    }
+
     async fn purge(&self, filter: &DeadLetterFilter) -> Result<u64, Error> {
         self.db
             .execute(PURGE_DEAD_LETTERS, &filter_values(filter))
