@@ -98,9 +98,13 @@ pub enum Error {
     /// No dead letter has this id.
     #[error("no dead letter with id {0}")]
     DeadLetterNotFound(Uuid),
-    /// A replay was refused: the envelope is being delivered right now (an earlier replay of
-    /// the same dead letter runs). Nothing changed.
-    #[error("envelope {0} is being delivered right now (replayed already); nothing was replayed")]
+    /// A replay was refused: the envelope has no dead letter but is in the inbox, unsettled —
+    /// being delivered (an earlier replay of the same dead letter runs) or scheduled for
+    /// later. Nothing changed.
+    #[error(
+        "envelope {0} has no dead letter: it is being delivered (replayed already) or scheduled; \
+         nothing was replayed"
+    )]
     ReplayInProgress(Uuid),
     /// A replay was refused: the dead letter keeps a message from a broker that could not be
     /// read as an envelope ([`DeadLetterReason::Unreadable`](crate::DeadLetterReason::Unreadable)),

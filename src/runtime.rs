@@ -519,7 +519,7 @@ impl Scheduled<'_> {
     ///
     /// # Errors
     ///
-    /// The store's failure, or an inbox that keeps no schedule (in memory).
+    /// The store's failure, or an inbox that keeps no schedule (in memory; not retryable).
     ///
     /// # Cancel safety
     ///
@@ -534,7 +534,7 @@ impl Scheduled<'_> {
     ///
     /// # Errors
     ///
-    /// The store's failure, or an inbox that keeps no schedule (in memory).
+    /// The store's failure, or an inbox that keeps no schedule (in memory; not retryable).
     ///
     /// # Cancel safety
     ///

@@ -16,6 +16,7 @@ use dacapo::Outcome;
 use dacapo::prelude::*;
 use serde::{Deserialize, Serialize};
 use support::{MemberRemoved, member_removed};
+use uuid::Uuid;
 
 const WAIT: Duration = Duration::from_secs(20);
 
@@ -168,6 +169,14 @@ on_both_backends!(
             next_year.timestamp_millis()
         );
         assert_eq!(db.inbox_status(id).await.as_deref(), Some("scheduled"));
+        // No dead letter to replay: refused, and it stays scheduled.
+        let refused = runtime.dead_letters().replay(id).await.unwrap_err();
+        assert!(
+            matches!(refused, dacapo::Error::ReplayInProgress(e) if e == id),
+            "{refused}"
+        );
+        assert!(refused.to_string().contains("scheduled"), "{refused}");
+        assert_eq!(db.inbox_status(id).await.as_deref(), Some("scheduled"));
 
         assert!(runtime.scheduled().cancel(id).await.unwrap());
         assert!(runtime.scheduled().list(10).await.unwrap().is_empty());
@@ -185,6 +194,45 @@ on_both_backends!(
             Outcome::Discarded(dacapo::DiscardReason::DuplicateEnvelope)
         );
         assert!(timed.calls().is_empty(), "never run");
+        runtime.shutdown().await;
+    }
+);
+
+on_both_backends!(
+    a_scheduled_envelope_that_cannot_be_read_is_left_out_of_the_listing_sqlite,
+    a_scheduled_envelope_that_cannot_be_read_is_left_out_of_the_listing_postgres,
+    |db| {
+        let runtime = db
+            .store(Runtime::builder(), "local", Duration::from_secs(30))
+            .await
+            .module(
+                Module::new("reports")
+                    .handle_named::<MemberRemoved, _>("rebuild", Timed::default()),
+            )
+            .build()
+            .unwrap();
+        let next_year = Utc::now() + chrono::Duration::days(365);
+        let readable = runtime
+            .publish_at(&member_removed(), next_year)
+            .await
+            .unwrap();
+        let unreadable = runtime
+            .publish_at(&member_removed(), next_year)
+            .await
+            .unwrap();
+        db.value_for::<i64>(
+            "UPDATE dacapo_inbox SET headers = 'not json' WHERE id = $1 \
+             RETURNING CAST(1 AS BIGINT)",
+            unreadable.simple().to_string(),
+        )
+        .await;
+        let listed = runtime.scheduled().list(10).await.unwrap();
+        let ids: Vec<Uuid> = listed.iter().map(|s| s.envelope.id).collect();
+        assert_eq!(
+            ids,
+            [readable],
+            "the unreadable one is left out, not the listing"
+        );
         runtime.shutdown().await;
     }
 );
@@ -259,6 +307,13 @@ async fn in_memory_a_scheduled_envelope_waits_on_its_timer_and_is_not_listable()
     assert!(not_before(timed.calls()[0], due_at));
     let error = runtime.scheduled().list(10).await.unwrap_err();
     assert!(error.to_string().contains("keeps no schedule"), "{error}");
+    assert!(!error.is_retryable(), "no retry makes it keep one: {error}");
+    let error = runtime
+        .scheduled()
+        .cancel(Uuid::new_v4())
+        .await
+        .unwrap_err();
+    assert!(!error.is_retryable(), "{error}");
     runtime.shutdown().await;
 }
 

@@ -368,8 +368,8 @@ async fn dead_letters(
                     Replay::Replayed(_) | Replay::Enlisted(_) => replayed.push(id),
                     Replay::InProgress if single => {
                         return Err(Failure(format!(
-                            "{id} is being delivered right now (replayed already); nothing \
-                             was replayed"
+                            "{id} has no dead letter: it is being delivered (replayed \
+                             already) or scheduled; nothing was replayed"
                         )));
                     }
                     Replay::Unreadable if single => {

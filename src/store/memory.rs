@@ -188,8 +188,9 @@ impl Inbox for MemoryInbox {
     }
 }
 
+/// Refused for good: no retry makes an inbox in memory keep a schedule.
 fn no_schedule() -> Error {
-    Error::store(
+    Error::rejected(
         "an inbox in memory keeps no schedule: a scheduled envelope waits in its delivery's \
          timer; use a durable store to list or cancel scheduled envelopes",
     )

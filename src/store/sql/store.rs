@@ -782,13 +782,28 @@ impl<D: Dialect> Inbox for SqlStore<D> {
             .db
             .fetch_all(LIST_SCHEDULED, &[Self::limit(limit)])
             .await?;
-        rows.iter()
-            .map(|row| {
-                let due_at: i64 = row.get("execute_at")?;
-                let envelope = EnvelopeColumns::read(row)?.into_envelope(0)?;
-                Ok(ScheduledEnvelope::new(envelope, time(due_at)?))
+        let read = |row: &Row| -> Result<ScheduledEnvelope, Error> {
+            let due_at: i64 = row.get("execute_at")?;
+            let envelope = EnvelopeColumns::read(row)?.into_envelope(0)?;
+            Ok(ScheduledEnvelope::new(envelope, time(due_at)?))
+        };
+        // A row this build cannot read is left out, and said so, rather than failing the whole
+        // listing, and with it every operator's look at the schedule.
+        Ok(rows
+            .iter()
+            .filter_map(|row| {
+                read(row)
+                    .inspect_err(|error| {
+                        let id: Option<String> = row.get("id").ok();
+                        tracing::warn!(
+                            messaging.message.id = ?id,
+                            %error,
+                            "a scheduled envelope cannot be read; left out of the listing"
+                        );
+                    })
+                    .ok()
             })
-            .collect()
+            .collect())
     }
 
     fn durable(self: Arc<Self>) -> Option<Arc<dyn DurableInbox>> {
