@@ -214,10 +214,13 @@ on_both_backends!(
             ),
             (
                 "SELECT id FROM dacapo_inbox WHERE status IN ('incoming', 'scheduled') \
-                 ORDER BY received_at LIMIT 10",
-                // Both partial indexes hold exactly the pending rows; on an empty table
-                // PostgreSQL may pick either.
-                "dacapo_inbox_pending|dacapo_inbox_unsettled",
+                 AND execute_at IS NULL ORDER BY received_at LIMIT 10",
+                "dacapo_inbox_ready",
+            ),
+            (
+                "SELECT id FROM dacapo_inbox WHERE status IN ('incoming', 'scheduled') \
+                 AND execute_at IS NOT NULL AND execute_at < 1 ORDER BY execute_at LIMIT 10",
+                "dacapo_inbox_due",
             ),
         ] {
             let plan = plan(&db, query).await;

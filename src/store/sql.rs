@@ -121,6 +121,15 @@ macro_rules! migrations {
                     "/0008_node_expiry.sql"
                 )),
             },
+            $crate::store::sql::Migration {
+                version: 9,
+                description: "claim indexes: ready rows by age, due rows by time",
+                sql: include_str!(concat!(
+                    "../../migrations/",
+                    $backend,
+                    "/0009_claim_indexes.sql"
+                )),
+            },
         ]
     };
 }

@@ -99,10 +99,12 @@ pub(crate) const RECEIVE_SCHEDULED: &str = "INSERT INTO dacapo_inbox \
     VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, 'scheduled', 0, $10, NULL, $11) \
     ON CONFLICT (id) DO NOTHING";
 
-/// Envelopes scheduled for later and not started, soonest first.
+/// Envelopes scheduled for later and not started, soonest first. The index of due rows
+/// holds them in that order; its condition is repeated for SQLite to see it applies.
 pub(crate) const LIST_SCHEDULED: &str = "SELECT id, message_type, payload, headers, \
     deduplication_id, correlation_id, causation_id, sent_at, scheduled_for, execute_at \
-    FROM dacapo_inbox WHERE status = 'scheduled' AND attempts = 0 \
+    FROM dacapo_inbox WHERE status IN ('incoming', 'scheduled') AND execute_at IS NOT NULL \
+    AND status = 'scheduled' AND attempts = 0 \
     ORDER BY execute_at, id LIMIT $1";
 
 /// Settles a scheduled envelope that has not started; its row stays for the retention, so a
@@ -449,36 +451,140 @@ pub(crate) const HAS_SCHEMA_POSTGRES: &str = "SELECT count(*) AS present \
 pub(crate) const RECORD_MIGRATION: &str =
     "INSERT INTO dacapo_migrations (version, description, applied_at) VALUES ($1, $2, $3)";
 
+/// The rows a claim may take: released (no owner), or, when `$5` is 1, owned by a node that
+/// has not heartbeaten within the node timeout *and* older than that — a node that just
+/// started may receive before its first heartbeat is written, and its fresh rows must not
+/// look orphaned.
+macro_rules! claimable {
+    () => {
+        "(owner IS NULL OR ($5 = 1 AND owner <> $1 AND received_at < $2 \
+         AND owner NOT IN (SELECT id FROM dacapo_nodes WHERE heartbeat_at >= $2 \
+         OR alive_until >= $6)))"
+    };
+}
+
+/// A claim's candidates: ready rows (no time to wait for) oldest first, and rows due before
+/// `$4` (scheduled, or a retry's cooldown) soonest first, each read from its own index — so
+/// that rows due far ahead are never walked — then the oldest `$3` of both. `$lock` locks
+/// each candidate (PostgreSQL: skipping those another node is claiming at this moment).
+macro_rules! claim {
+    ($lock:literal) => {
+        concat!(
+            "UPDATE dacapo_inbox SET owner = $1 WHERE id IN (SELECT id FROM (\
+             SELECT id, received_at FROM (SELECT id, received_at FROM dacapo_inbox \
+             WHERE status IN ('incoming', 'scheduled') AND execute_at IS NULL AND ",
+            claimable!(),
+            " ORDER BY received_at LIMIT $3",
+            $lock,
+            ") AS ready UNION ALL \
+             SELECT id, received_at FROM (SELECT id, received_at FROM dacapo_inbox \
+             WHERE status IN ('incoming', 'scheduled') AND execute_at IS NOT NULL \
+             AND execute_at < $4 AND ",
+            claimable!(),
+            " ORDER BY execute_at LIMIT $3",
+            $lock,
+            ") AS due) AS claimable ORDER BY received_at LIMIT $3) \
+             RETURNING id, message_type, payload, headers, deduplication_id, correlation_id, \
+             causation_id, sent_at, scheduled_for, attempts, execute_at, failures, succeeded, \
+             cascaded"
+        )
+    };
+}
+
 /// Claims unsettled rows with plain `UPDATE … RETURNING`; the caller's `BEGIN IMMEDIATE`
 /// already holds SQLite's single write lock.
-///
-/// A row is claimable when released (no owner), or, when `$5` is 1, when its owner has not
-/// heartbeaten within the node timeout *and* the row is older than that: a node that just started may receive
-/// before its first heartbeat is written, and its fresh rows must not look orphaned.
 #[cfg(feature = "sqlite")]
-pub(crate) const CLAIM_SQLITE: &str = "UPDATE dacapo_inbox SET owner = $1 WHERE id IN (\
-    SELECT id FROM dacapo_inbox WHERE status IN ('incoming', 'scheduled') \
-    AND (owner IS NULL OR ($5 = 1 AND owner <> $1 AND received_at < $2 \
-    AND owner NOT IN (SELECT id FROM dacapo_nodes WHERE heartbeat_at >= $2 OR alive_until >= $6))) \
-    AND (execute_at IS NULL OR execute_at < $4) \
-    ORDER BY received_at LIMIT $3) \
-    RETURNING id, message_type, payload, headers, deduplication_id, correlation_id, causation_id, \
-    sent_at, scheduled_for, attempts, execute_at, failures, succeeded, cascaded";
+pub(crate) const CLAIM_SQLITE: &str = claim!("");
 
 /// Claims unsettled rows, skipping those another node is claiming at this moment.
 #[cfg(feature = "postgres")]
-pub(crate) const CLAIM_POSTGRES: &str = "UPDATE dacapo_inbox SET owner = $1 WHERE id IN (\
-    SELECT id FROM dacapo_inbox WHERE status IN ('incoming', 'scheduled') \
-    AND (owner IS NULL OR ($5 = 1 AND owner <> $1 AND received_at < $2 \
-    AND owner NOT IN (SELECT id FROM dacapo_nodes WHERE heartbeat_at >= $2 OR alive_until >= $6))) \
-    AND (execute_at IS NULL OR execute_at < $4) \
-    ORDER BY received_at LIMIT $3 FOR UPDATE SKIP LOCKED) \
-    RETURNING id, message_type, payload, headers, deduplication_id, correlation_id, causation_id, \
-    sent_at, scheduled_for, attempts, execute_at, failures, succeeded, cascaded";
+pub(crate) const CLAIM_POSTGRES: &str = claim!(" FOR UPDATE SKIP LOCKED");
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The lines of `plan` that read `dacapo_inbox` whole or by an index in full, except the
+    /// ready rows' index, which a claim reads oldest first and stops at its limit.
+    #[cfg(feature = "testing")]
+    fn walks(plan: &str) -> Vec<&str> {
+        plan.lines()
+            .filter(|line| {
+                let line = line.trim();
+                (line.starts_with("SCAN dacapo_inbox") || line.contains("Seq Scan on dacapo_inbox"))
+                    && !line.contains("dacapo_inbox_ready")
+            })
+            .collect()
+    }
+
+    /// A claim and the schedule's listing read rows due later by their time, from the index
+    /// of due rows: a backlog scheduled far ahead is never walked, on SQLite under its write
+    /// lock, to find that none of it is due.
+    #[cfg(all(feature = "sqlite", feature = "testing"))]
+    #[tokio::test]
+    async fn due_rows_are_read_by_their_time_on_sqlite() {
+        use sqlx::Row as _;
+        let db = crate::testing::ScratchDatabase::sqlite();
+        let store = db.sqlite_store().await.unwrap();
+        for statement in [CLAIM_SQLITE, LIST_SCHEDULED] {
+            let rows = sqlx::query(sqlx::AssertSqlSafe(format!(
+                "EXPLAIN QUERY PLAN {statement}"
+            )))
+            .fetch_all(store.pool())
+            .await
+            .unwrap();
+            let plan: String = rows
+                .iter()
+                .map(|row| row.get::<String, _>(3) + "\n")
+                .collect();
+            assert!(
+                plan.contains("SEARCH dacapo_inbox USING INDEX dacapo_inbox_due (execute_at"),
+                "{statement}\n{plan}"
+            );
+            assert!(walks(&plan).is_empty(), "{statement}\n{plan}");
+        }
+    }
+
+    /// As on SQLite, with sequential scans discouraged so that the indexes show on an empty
+    /// table.
+    #[cfg(all(feature = "postgres", feature = "testing"))]
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn due_rows_are_read_by_their_time_on_postgres() {
+        let admin = std::env::var("DACAPO_TEST_POSTGRES")
+            .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/postgres".to_owned());
+        let db = crate::testing::ScratchDatabase::postgres(&admin)
+            .await
+            .unwrap();
+        let store = db.postgres_store().await.unwrap();
+        let mut tx = store.pool().begin().await.unwrap();
+        sqlx::query("SET LOCAL enable_seqscan = off")
+            .execute(&mut *tx)
+            .await
+            .unwrap();
+        let claim = sqlx::query_scalar(sqlx::AssertSqlSafe(format!("EXPLAIN {CLAIM_POSTGRES}")))
+            .bind("node")
+            .bind(0_i64)
+            .bind(10_i64)
+            .bind(0_i64)
+            .bind(1_i64)
+            .bind(0_i64)
+            .fetch_all(&mut *tx)
+            .await
+            .unwrap();
+        let list = sqlx::query_scalar(sqlx::AssertSqlSafe(format!("EXPLAIN {LIST_SCHEDULED}")))
+            .bind(10_i64)
+            .fetch_all(&mut *tx)
+            .await
+            .unwrap();
+        for (statement, plan) in [(CLAIM_POSTGRES, claim), (LIST_SCHEDULED, list)] {
+            let plan: String = plan
+                .iter()
+                .map(|line: &String| line.clone() + "\n")
+                .collect();
+            assert!(plan.contains("dacapo_inbox_due"), "{statement}\n{plan}");
+            assert!(walks(&plan).is_empty(), "{statement}\n{plan}");
+        }
+    }
 
     #[test]
     fn rows_are_numbered_after_the_head_and_the_rows_before() {
