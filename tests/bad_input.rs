@@ -203,6 +203,40 @@ fn a_handler_timeout_of_zero_is_refused() {
     assert!(module_decides.is_ok());
 }
 
+/// A deduplication window no longer than a handler's timeout would let a claim expire while
+/// its handler runs, and the same logical id run again beside it: refused at build.
+#[test]
+fn a_deduplication_window_within_a_handler_timeout_is_refused() {
+    let with_window = |window, module_timeout: Option<Duration>| {
+        let module = Module::new("m").handle_named::<MemberRemoved, _>("h", Counter::default());
+        Runtime::builder()
+            .enable_deduplication()
+            .deduplication_window(window)
+            .module(match module_timeout {
+                Some(timeout) => module.handler_timeout(timeout),
+                None => module,
+            })
+            .build()
+    };
+    for (window, module_timeout) in [
+        (Duration::ZERO, None),
+        (Duration::from_secs(30), None),
+        (Duration::from_secs(3600), Some(Duration::from_secs(7200))),
+    ] {
+        let Err(Error::Configuration(error)) = with_window(window, module_timeout) else {
+            panic!("a window of {window:?} is refused");
+        };
+        assert!(error.contains("m/h's is"), "{error}");
+    }
+    assert!(with_window(Duration::from_secs(31), None).is_ok());
+    // Without deduplication the window is not used.
+    let unused = Runtime::builder()
+        .deduplication_window(Duration::ZERO)
+        .module(Module::new("m").handle_named::<MemberRemoved, _>("h", Counter::default()))
+        .build();
+    assert!(unused.is_ok());
+}
+
 #[derive(Clone, Debug, serde::Serialize, serde::Deserialize)]
 struct SameNameOtherShape {
     member: String,

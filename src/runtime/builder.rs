@@ -451,7 +451,8 @@ impl RuntimeBuilder {
     }
 
     /// How long a claim holds (default 24 h). This *is* the guarantee: past it, the same
-    /// logical id is accepted again. Size it against how late a duplicate could arrive.
+    /// logical id is accepted again. Size it against how late a duplicate could arrive; it
+    /// must be longer than every handler's timeout, or [`build`](Self::build) refuses it.
     #[must_use]
     pub fn deduplication_window(mut self, window: Duration) -> Self {
         self.engine.deduplication_window = window;
@@ -566,7 +567,29 @@ impl RuntimeBuilder {
                 &deduplication,
             );
         }
+        if this.deduplication {
+            this.check_deduplication_window(&registry)?;
+        }
         Ok((registry, this))
+    }
+
+    /// A claim must outlast its handler's run: one that expires while its handler still runs
+    /// is taken by the next envelope with the same logical id, whose handler then runs beside
+    /// it.
+    fn check_deduplication_window(&self, registry: &Registry) -> Result<(), Error> {
+        let window = self.engine.deduplication_window;
+        let longest = registry
+            .entries()
+            .map(|entry| (registry.timeout_of(entry), &entry.id))
+            .max_by_key(|(timeout, _)| *timeout);
+        match longest {
+            Some((timeout, handler)) if window <= timeout => Err(Error::Configuration(format!(
+                "the deduplication window ({window:?}) must be longer than every handler's \
+                 timeout ({handler}'s is {timeout:?}): a claim that expires while its handler \
+                 runs lets the same logical id run again beside it"
+            ))),
+            _ => Ok(()),
+        }
     }
 
     /// Starts the runtime's threads.
@@ -575,8 +598,9 @@ impl RuntimeBuilder {
     ///
     /// [`Error::Registry`] for inconsistent registrations (a handler registered twice, a
     /// policy for a type nobody handles), [`Error::Configuration`] for a durable store given to
-    /// [`inbox`](Self::inbox) or an interval of zero (recovery, relay, cleanup, reaping, the
-    /// store's node timeout), and [`Error::Startup`] if threads cannot start.
+    /// [`inbox`](Self::inbox), an interval of zero (recovery, relay, cleanup, reaping, the
+    /// store's node timeout) or a deduplication window no longer than a handler's timeout, and
+    /// [`Error::Startup`] if threads cannot start.
     pub fn build(self) -> Result<Runtime, Error> {
         let (registry, this) = self.into_parts()?;
         this.start(registry)

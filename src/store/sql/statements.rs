@@ -466,7 +466,10 @@ macro_rules! claimable {
 /// A claim's candidates: ready rows (no time to wait for) oldest first, and rows due before
 /// `$4` (scheduled, or a retry's cooldown) soonest first, each read from its own index — so
 /// that rows due far ahead are never walked — then the oldest `$3` of both. `$lock` locks
-/// each candidate (PostgreSQL: skipping those another node is claiming at this moment).
+/// each candidate (PostgreSQL: skipping those another node is claiming at this moment), so
+/// that a row another node locked does not count against a branch's limit; the candidates
+/// of the branch left out stay locked until the claim commits, a moment, in which another
+/// node's claim passes over them too.
 macro_rules! claim {
     ($lock:literal) => {
         concat!(

@@ -788,7 +788,8 @@ impl<D: Dialect> Inbox for SqlStore<D> {
             Ok(ScheduledEnvelope::new(envelope, time(due_at)?))
         };
         // A row this build cannot read is left out, and said so, rather than failing the whole
-        // listing, and with it every operator's look at the schedule.
+        // listing, and with it every operator's look at the schedule (it still counts against
+        // `limit`: a listing may then hold fewer than there are).
         Ok(rows
             .iter()
             .filter_map(|row| {
