@@ -543,6 +543,47 @@ on_both_backends!(
     }
 );
 
+on_both_backends!(
+    a_claim_a_dead_node_never_completed_is_taken_over_by_a_new_delivery_sqlite,
+    a_claim_a_dead_node_never_completed_is_taken_over_by_a_new_delivery_postgres,
+    |db| {
+        let effects = Counter::default();
+        let runtime = db
+            .store(Runtime::builder(), "node-b", Duration::from_secs(30))
+            .await
+            .enable_deduplication()
+            .module(deduplicated(&effects))
+            .build()
+            .unwrap();
+        runtime
+            .publish_with(&member_removed(), keyed("remove-7"))
+            .await
+            .unwrap();
+        tokio::time::timeout(WAIT, runtime.idle()).await.unwrap();
+        // As a node that died while its handler ran leaves it: claimed, never completed, by a
+        // node with no heartbeat. Its envelope may never come back (acknowledged, in an inbox
+        // of that node's own), so the intent, sent again, must get through.
+        db.execute("UPDATE dacapo_deduplication SET completed = 0, node = 'gone'")
+            .await;
+        runtime
+            .publish_with(&member_removed(), keyed("remove-7"))
+            .await
+            .unwrap();
+        tokio::time::timeout(WAIT, runtime.idle()).await.unwrap();
+        assert_eq!(effects.count(), 2, "the intent sent again ran");
+        assert_eq!(runtime.stats().duplicate_intents, 0);
+        // Now held by a live node: the next copy is a duplicate.
+        runtime
+            .publish_with(&member_removed(), keyed("remove-7"))
+            .await
+            .unwrap();
+        tokio::time::timeout(WAIT, runtime.idle()).await.unwrap();
+        assert_eq!(effects.count(), 2);
+        assert_eq!(runtime.stats().duplicate_intents, 1);
+        runtime.shutdown().await;
+    }
+);
+
 /// A claim taken over (it had expired, and another message claims its id anew) while the
 /// reaper waits for that row's lock: the reaper, on PostgreSQL, checks the row again and
 /// leaves the new claim, which keeps stopping the intent's duplicates. (It chose the row while

@@ -303,10 +303,13 @@ pub(crate) const PROVISION_CLAIMS: [&str; 3] = [
 ];
 
 /// A claim is this one insert: the primary key rejects a held id. The same statement takes
-/// over, atomically, a claim whose window ended, or one the same envelope made and never
-/// completed in an attempt that certainly ended: this node's own earlier attempt (a node runs a
-/// delivery once at a time), or one of a node whose heartbeat expired — the rule by which the
-/// delivery itself was taken over. A live node's running attempt keeps its claim.
+/// over, atomically, a claim whose window ended, or one never completed in an attempt that
+/// certainly ended: this node's own earlier attempt of the same envelope (a node runs a
+/// delivery once at a time), or any attempt of a node whose heartbeat expired — the rule by
+/// which a delivery itself is taken over. That node's envelope may never come back (it was
+/// acknowledged into an inbox of that node's own), so a new envelope of the same intent takes
+/// the claim too; should the dead node's delivery be resumed after all, it finds the claim
+/// held, and the intent ran once. A live node's running attempt keeps its claim.
 pub(crate) const CLAIM: &str = "INSERT INTO dacapo_deduplication \
     (handler, key_hash, key, fingerprint, envelope_id, node, completed, claimed_at, expires_at) \
     VALUES ($1, $2, $3, $4, $5, $8, 0, $6, $7) \
@@ -315,9 +318,9 @@ pub(crate) const CLAIM: &str = "INSERT INTO dacapo_deduplication \
     node = excluded.node, completed = 0, \
     claimed_at = excluded.claimed_at, expires_at = excluded.expires_at \
     WHERE dacapo_deduplication.expires_at <= excluded.claimed_at \
-    OR (dacapo_deduplication.envelope_id = excluded.envelope_id \
-        AND dacapo_deduplication.completed = 0 \
-        AND (dacapo_deduplication.node = excluded.node \
+    OR (dacapo_deduplication.completed = 0 \
+        AND ((dacapo_deduplication.envelope_id = excluded.envelope_id \
+                AND dacapo_deduplication.node = excluded.node) \
             OR dacapo_deduplication.node NOT IN \
                 (SELECT id FROM dacapo_nodes WHERE heartbeat_at >= $9 OR alive_until >= $10)))";
 
