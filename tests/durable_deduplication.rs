@@ -10,6 +10,8 @@ mod support;
 mod support_clock;
 #[path = "support/stores.rs"]
 mod support_stores;
+#[path = "support/warnings.rs"]
+mod support_warnings;
 
 use support_clock::ManualClock;
 
@@ -658,6 +660,8 @@ impl Handler<MemberRemoved> for FirstHeldOpen {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_claim_in_a_shared_store_is_not_taken_over_from_a_node_still_running_it() {
     use dacapo::ports::Claims;
+    // Installed first: it hears what the engine logs from now on.
+    support_warnings::warnings();
     let shared = support_stores::TestDatabase::new(support_stores::Backend::Postgres).await;
     let (a_inbox, b_inbox) = (
         support_stores::TestDatabase::new(support_stores::Backend::Sqlite).await,
@@ -704,12 +708,19 @@ async fn a_claim_in_a_shared_store_is_not_taken_over_from_a_node_still_running_i
         .await
         .expect("node a runs the handler");
     // The broker delivers it to node b too (a redelivery after its ack wait, say). Its
-    // attempt either finds the claim held, fails and waits for a retry, or takes the claim
-    // over and runs the handler beside node a's.
+    // attempt either finds the claim held and asks again until node a's attempt ends (no
+    // attempt of its own spent on it), or takes the claim over and runs the handler beside
+    // node a's.
+    let told_held = || {
+        support_warnings::warnings()
+            .lock()
+            .unwrap()
+            .iter()
+            .any(|warning| warning.contains("still running on node node-a"))
+    };
     b.receive(envelope).await.unwrap();
     tokio::time::timeout(WAIT, async {
-        while b.stats().retried == 0 && handler.calls.load(std::sync::atomic::Ordering::SeqCst) < 2
-        {
+        while !told_held() && handler.calls.load(std::sync::atomic::Ordering::SeqCst) < 2 {
             tokio::time::sleep(Duration::from_millis(10)).await;
         }
     })
@@ -728,6 +739,7 @@ async fn a_claim_in_a_shared_store_is_not_taken_over_from_a_node_still_running_i
         1,
         "one effect of one intent"
     );
+    assert_eq!(b.stats().retried, 0, "waiting for the claim spent no attempt");
     a.shutdown().await;
     b.shutdown().await;
 }

@@ -137,7 +137,11 @@ impl HandlerActor {
                     ),
                 ));
             };
-            match claims.claim(&claim).await {
+            // Tried again while the store cannot answer (unreachable, failing over, or this
+            // delivery's claim still held by its attempt on a live node), as the delivery's
+            // own writes are: no handler ran, so no attempt is spent, and an outage longer
+            // than the retry policy's budget does not dead-letter the intent.
+            match persist("deduplication claim", message_id, || claims.claim(&claim)).await {
                 // The store refused the claim's data (a key PostgreSQL's text cannot hold):
                 // every retry would meet the same refusal.
                 Err(error @ crate::Error::Rejected(_)) => Some((

@@ -441,6 +441,11 @@ pub trait DurableInbox: Inbox {
     ) -> Result<u64, Error>;
 }
 
+/// What a store that cannot enforce claims answers: for good, not to be tried again.
+fn cannot_enforce() -> Error {
+    Error::rejected("this store cannot enforce deduplication claims")
+}
+
 /// Keeps messages the runtime gave up on.
 #[async_trait]
 pub trait DeadLetterStore: Send + Sync + 'static {
@@ -607,11 +612,10 @@ pub trait Claims: Send + Sync + 'static {
     ///
     /// # Errors
     ///
-    /// [`Error::Store`] when it cannot, or when this store cannot enforce claims.
+    /// [`Error::Store`] when it cannot, [`Error::Rejected`] when this store cannot enforce
+    /// claims.
     async fn provision(&self) -> Result<(), Error> {
-        Err(Error::store(
-            "this store cannot enforce deduplication claims",
-        ))
+        Err(cannot_enforce())
     }
 
     /// Claims `claim.key` for `claim.handler`, taking over a claim whose window ended, or one
@@ -619,12 +623,11 @@ pub trait Claims: Send + Sync + 'static {
     ///
     /// # Errors
     ///
-    /// [`Error::Store`] when the store cannot answer, or cannot enforce claims.
+    /// [`Error::Store`] when the store cannot answer (tried again), [`Error::Rejected`] when
+    /// it cannot enforce claims.
     async fn claim(&self, claim: &Claim) -> Result<ClaimOutcome, Error> {
         let _ = claim;
-        Err(Error::store(
-            "this store cannot enforce deduplication claims",
-        ))
+        Err(cannot_enforce())
     }
 
     /// Releases this envelope's claim, so that a retry of a failed handler gets through; a
@@ -636,9 +639,7 @@ pub trait Claims: Send + Sync + 'static {
     /// [`Error::Store`] when it cannot be released.
     async fn release(&self, claim: &Claim) -> Result<(), Error> {
         let _ = claim;
-        Err(Error::store(
-            "this store cannot enforce deduplication claims",
-        ))
+        Err(cannot_enforce())
     }
 
     /// Records that the handler holding the claim succeeded: from now on only the window
@@ -653,9 +654,7 @@ pub trait Claims: Send + Sync + 'static {
     /// [`Error::Store`] when it cannot be recorded; nothing was then enlisted either.
     async fn complete(&self, claim: &Claim, cascaded: &[Envelope]) -> Result<bool, Error> {
         let _ = (claim, cascaded);
-        Err(Error::store(
-            "this store cannot enforce deduplication claims",
-        ))
+        Err(cannot_enforce())
     }
 
     /// Deletes at most `limit` claims whose window ended by `now`, in one transaction; returns
