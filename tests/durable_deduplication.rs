@@ -739,7 +739,11 @@ async fn a_claim_in_a_shared_store_is_not_taken_over_from_a_node_still_running_i
         1,
         "one effect of one intent"
     );
-    assert_eq!(b.stats().retried, 0, "waiting for the claim spent no attempt");
+    assert_eq!(
+        b.stats().retried,
+        0,
+        "waiting for the claim spent no attempt"
+    );
     a.shutdown().await;
     b.shutdown().await;
 }

@@ -92,8 +92,10 @@ struct Stalled {
 
 impl Stalled {
     /// Receives `envelope` while another process holds SQLite's write lock, so that its commit
-    /// waits; blocks the receiver's thread once it waits, then lets the commit go through.
+    /// waits; blocks the receiver's thread once it waits, then lets the commit go through, and
+    /// returns once the envelope's row is there (at once, if it was before).
     async fn receive(runtime: &Arc<Runtime>, db: &ScratchDatabase, envelope: Envelope) -> Self {
+        let id = envelope.id;
         let mut holder = sqlx::SqliteConnection::connect(db.url()).await.unwrap();
         sqlx::query("BEGIN IMMEDIATE")
             .execute(&mut holder)
@@ -129,8 +131,9 @@ impl Stalled {
             .expect("the receiver's thread blocks")
             .unwrap();
         sqlx::query("ROLLBACK").execute(&mut holder).await.unwrap();
-        until("the receive commits", async || {
-            sqlx::query_scalar::<_, i64>("SELECT count(*) FROM dacapo_inbox")
+        until("the envelope's row is there", async || {
+            sqlx::query_scalar::<_, i64>("SELECT count(*) FROM dacapo_inbox WHERE id = $1")
+                .bind(id.simple().to_string())
                 .fetch_one(&mut holder)
                 .await
                 .unwrap()
@@ -216,5 +219,47 @@ async fn a_duplicate_received_meanwhile_leaves_the_first_receive_listed() {
         .await
         .expect("every delivery settles");
     assert_eq!(runs(&recorder, envelope.id), 1, "the ticket ran once");
+    runtime.shutdown().await;
+}
+
+/// A row recovery claims while an envelope of the same id is being received here — the
+/// receive then finds the row there, a duplicate — is run by the claim: a receive keeps its
+/// envelope off this node's orphan sweep, not off recovery, or nothing would run the row.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_row_recovery_claims_while_its_envelope_is_being_received_runs_once() {
+    let (db, clock, recorder) = (
+        ScratchDatabase::sqlite(),
+        ManualClock::default(),
+        Recorder::new(),
+    );
+    let runtime = runtime(&db, &clock, &recorder).await;
+    // Rows of another node's, released as its shutdown releases them: any node's to claim.
+    let other = db
+        .sqlite_store()
+        .await
+        .unwrap()
+        .node_id("other")
+        .clock(Arc::new(clock.clone()));
+    let envelope = Envelope::for_message(&TicketIssued { number: 1 }).unwrap();
+    let control = Envelope::for_message(&TicketIssued { number: 2 }).unwrap();
+    for held in [&envelope, &control] {
+        dacapo::ports::Inbox::receive(&other, held).await.unwrap();
+    }
+
+    let stalled = Stalled::receive(&runtime, &db, envelope.clone()).await;
+    dacapo::ports::DurableInbox::release(&other, &[])
+        .await
+        .unwrap();
+    // The claim that takes the control takes the envelope's row with it.
+    until("recovery claims and runs the control", async || {
+        runs(&recorder, control.id) == 1
+    })
+    .await;
+    stalled.go();
+
+    tokio::time::timeout(WAIT, runtime.idle())
+        .await
+        .expect("every delivery settles");
+    assert_eq!(runs(&recorder, envelope.id), 1, "the claimed row ran, once");
     runtime.shutdown().await;
 }

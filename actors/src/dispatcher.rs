@@ -73,13 +73,19 @@ pub(crate) struct Shared {
     pub(crate) store: Option<Arc<dyn std::any::Any + Send + Sync>>,
     /// Whether the deduplication claims live in that store.
     pub(crate) claims_in_store: bool,
-    /// Deliveries recorded, or being recorded, as this node's whose supervisor has not
-    /// started yet (recovered, replayed, or received — from before the write, which can wait
-    /// longer than the node timeout for its commit — and waiting for room or for their
-    /// worker): running, for the orphan sweep, though the tracker does not list them yet.
-    /// Counted per id: two receives of one envelope may overlap, and the duplicate's end
-    /// must not unlist the other.
+    /// Deliveries recorded as this node's whose supervisor has not started yet (recovered,
+    /// replayed, or received and waiting for room or for their worker): running, for the
+    /// orphan sweep and for recovery, though the tracker does not list them yet. Counted per
+    /// id: a replay's resume may overlap a batch's wait.
     pub(crate) starting: std::sync::Mutex<std::collections::HashMap<uuid::Uuid, usize>>,
+    /// Envelopes whose write as this node's is under way (a receive, a replay), from before
+    /// the write — whose commit can wait longer than the node timeout — until their delivery
+    /// is listed as starting, or turned out to start none: kept off the orphan sweep, which
+    /// would take the row for one nothing runs. Not off recovery: a row it claims existed
+    /// before (released, or a dead node's), so such a receive finds a duplicate, and the
+    /// claim is what runs it. Counted per id: two receives of one envelope may overlap, and
+    /// the duplicate's end must not unlist the other.
+    pub(crate) receiving: std::sync::Mutex<std::collections::HashMap<uuid::Uuid, usize>>,
     /// The outbox the relay publishes from, if any: cascades that cannot wait for their
     /// delivery to settle are enlisted there on their own.
     pub(crate) outbox: Option<Arc<dyn crate::ports::OutboxStore>>,
@@ -95,24 +101,26 @@ impl Shared {
     /// Lists a delivery as starting, until its supervisor starts. Only a durable inbox has
     /// an orphan sweep to keep off it.
     pub(crate) fn list_starting(&self, id: uuid::Uuid) {
-        if self.durable.is_none() {
-            return;
+        if self.durable.is_some() {
+            count_in(&self.starting, id);
         }
-        *self
-            .starting
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
-            .entry(id)
-            .or_default() += 1;
     }
 
-    /// Lists a delivery as starting until the returned guard is dropped, or handed on with
-    /// [`Starting::keep`].
-    fn listed_starting(self: &Arc<Self>, id: uuid::Uuid) -> Starting {
-        self.list_starting(id);
-        Starting {
+    /// Lists `ids` as being received until the returned guard is dropped. Only a durable
+    /// inbox has an orphan sweep to keep off them.
+    fn receiving(self: &Arc<Self>, ids: Vec<uuid::Uuid>) -> Receiving {
+        if self.durable.is_none() {
+            return Receiving {
+                shared: None,
+                ids: Vec::new(),
+            };
+        }
+        for id in &ids {
+            count_in(&self.receiving, *id);
+        }
+        Receiving {
             shared: Some(Arc::clone(self)),
-            id,
+            ids,
         }
     }
 
@@ -130,18 +138,8 @@ impl Shared {
 
     /// Takes a delivery off the starting list: its supervisor started, or never will here.
     pub(crate) fn unlist_starting(&self, id: uuid::Uuid) {
-        if self.durable.is_none() {
-            return;
-        }
-        let mut starting = self
-            .starting
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner);
-        if let std::collections::hash_map::Entry::Occupied(mut listed) = starting.entry(id) {
-            *listed.get_mut() -= 1;
-            if *listed.get() == 0 {
-                listed.remove();
-            }
+        if self.durable.is_some() {
+            count_out(&self.starting, id);
         }
     }
 
@@ -230,37 +228,51 @@ impl Drop for Unstarted {
     }
 }
 
-/// A delivery listed as starting from before its row is written as this node's (a receive, a
-/// replay): this node's orphan sweep leaves the row alone, however long its commit waited,
-/// until the guard is dropped — the envelope was a duplicate, scheduled, refused, or its
-/// caller gave up, and a row committed all the same is then the sweep's — or, kept, until its
-/// supervisor starts.
-#[must_use = "the delivery is listed only while the guard lives"]
-pub struct Starting {
+type Counted = std::sync::Mutex<std::collections::HashMap<uuid::Uuid, usize>>;
+
+fn count_in(listed: &Counted, id: uuid::Uuid) {
+    *listed
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+        .entry(id)
+        .or_default() += 1;
+}
+
+fn count_out(listed: &Counted, id: uuid::Uuid) {
+    let mut listed = listed
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner);
+    if let std::collections::hash_map::Entry::Occupied(mut count) = listed.entry(id) {
+        *count.get_mut() -= 1;
+        if *count.get() == 0 {
+            count.remove();
+        }
+    }
+}
+
+/// Envelopes listed as being received, from before their write as this node's (a receive, a
+/// replay): this node's orphan sweep leaves their rows alone, however long the commit waited,
+/// until the guard is dropped — once a delivery that starts is listed as starting, or the
+/// envelope turned out a duplicate, scheduled, refused, or its caller gave up (a row
+/// committed all the same is then the sweep's).
+#[must_use = "the envelopes are listed only while the guard lives"]
+pub struct Receiving {
     shared: Option<Arc<Shared>>,
-    id: uuid::Uuid,
+    ids: Vec<uuid::Uuid>,
 }
 
-impl std::fmt::Debug for Starting {
+impl std::fmt::Debug for Receiving {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Starting")
-            .field("id", &self.id)
-            .field("kept", &self.shared.is_none())
-            .finish()
+        f.debug_struct("Receiving").field("ids", &self.ids).finish()
     }
 }
 
-impl Starting {
-    /// Leaves the delivery listed: the supervisor started for it unlists it as it starts.
-    fn keep(mut self) {
-        self.shared = None;
-    }
-}
-
-impl Drop for Starting {
+impl Drop for Receiving {
     fn drop(&mut self) {
         if let Some(shared) = self.shared.take() {
-            shared.unlist_starting(self.id);
+            for id in &self.ids {
+                count_out(&shared.receiving, *id);
+            }
         }
     }
 }
@@ -374,7 +386,7 @@ impl Worker {
         envelope.attempts = 0;
         // Listed before the write: its commit may wait longer than the node timeout, and the
         // row it writes must not look orphaned to this node's sweep before the delivery starts.
-        let starting = self.shared.listed_starting(envelope.id);
+        let receiving = self.shared.receiving(vec![envelope.id]);
         let receipt = match self.inbox.receive_now(&envelope) {
             Some(receipt) => receipt?,
             None => self.inbox.receive(&envelope).await?,
@@ -385,12 +397,15 @@ impl Worker {
                 Some(&envelope.message_type),
             )
             .await;
+        // Listed as starting before it leaves the receiving list: its supervisor unlists it.
+        if receipt == Receipt::New {
+            shared.list_starting(envelope.id);
+        }
+        drop(receiving);
         // A cascade (from no caller) whose worker stops before its supervisor starts is
         // handed back for the shutdown's report; a caller's is answered by its dropped reply.
         let hand_back = (!from_caller).then(|| Arc::clone(&self.shared));
-        if self.start_received(admission, envelope, receipt, permit, busy, reply, hand_back) {
-            starting.keep();
-        }
+        self.start_received(admission, envelope, receipt, permit, busy, reply, hand_back);
         Ok(())
     }
 
@@ -436,9 +451,8 @@ impl Worker {
 
     /// Starts the delivery of an envelope the inbox answered for with `receipt`: reports a
     /// scheduled or duplicate one, and starts a supervisor for a new one — handing its
-    /// envelope to `hand_back`'s report if the worker stops before the supervisor starts.
-    /// Returns whether it started one, which takes the delivery off the starting list (the
-    /// caller listed it) as it starts.
+    /// envelope to `hand_back`'s report if the worker stops before the supervisor starts. A
+    /// new one is listed as starting by the caller; its supervisor unlists it as it starts.
     #[allow(clippy::too_many_arguments)]
     fn start_received(
         self: &Arc<Self>,
@@ -449,10 +463,10 @@ impl Worker {
         busy: crate::Busy,
         reply: Option<oneshot::Sender<DeliveryReport>>,
         hand_back: Option<Arc<Shared>>,
-    ) -> bool {
+    ) {
         let mut reply = reply;
         if self.answered_without_starting(&envelope, receipt, &mut reply) {
-            return false;
+            return;
         }
         // From here the supervisor accounts for the delivery.
         std::mem::forget(admission);
@@ -465,7 +479,6 @@ impl Worker {
         DeliverySupervisor::start_in_arbiter(&self.arbiter, move |_| {
             DeliverySupervisor::new(worker, queued.start(), permit, reply, busy)
         });
-        true
     }
 
     /// Delivers the messages cascaded by a successful delivery, on this worker, in the
@@ -638,12 +651,12 @@ impl Persisted {
             // Its admission, held since the batch was persisted.
             let admission = Admission(&shared.tracker);
             let busy = shared.timers.busy();
-            // Listed since the batch was persisted: the supervisor unlists it as it starts.
-            if self
-                .dispatcher
+            let new = receipt == Receipt::New;
+            // Listed as starting since the batch was persisted: the supervisor unlists it.
+            self.dispatcher
                 .next_worker()
-                .start_received(admission, envelope, receipt, permit, busy, None, None)
-            {
+                .start_received(admission, envelope, receipt, permit, busy, None, None);
+            if new {
                 self.waiting.started += 1;
             }
             if self.to_start.is_empty() {
@@ -899,31 +912,30 @@ impl Dispatcher {
             envelope.attempts = 0;
         }
         // Listed from before the write, whose commit can wait longer than the node timeout,
-        // until each starts (waiting for room can take as long): none is taken for an orphan
-        // and run a second time. Dropped on an error, the listing goes with it.
-        let mut waiting = Waiting {
-            shared: Arc::clone(&self.shared),
-            ids: envelopes.iter().map(|envelope| envelope.id).collect(),
-            started: 0,
-        };
-        for id in &waiting.ids {
-            self.shared.list_starting(*id);
-        }
+        // and then, the new ones, as starting until each starts (waiting for room can take as
+        // long): none is taken for an orphan and run a second time.
+        let receiving = self
+            .shared
+            .receiving(envelopes.iter().map(|envelope| envelope.id).collect());
         let receipts = {
             // Persisting is work: the virtual clock waits for it.
             let _busy = self.shared.timers.busy();
             self.next_worker().inbox.receive_batch(&envelopes).await?
         };
-        // Only new deliveries start; the rest are answered for below, listed no more.
-        let mut ids = Vec::with_capacity(waiting.ids.len());
-        for (id, receipt) in std::mem::take(&mut waiting.ids).into_iter().zip(&receipts) {
-            if *receipt == Receipt::New {
-                ids.push(id);
-            } else {
-                self.shared.unlist_starting(id);
-            }
+        let waiting = Waiting {
+            shared: Arc::clone(&self.shared),
+            ids: envelopes
+                .iter()
+                .zip(&receipts)
+                .filter(|(_, receipt)| **receipt == Receipt::New)
+                .map(|(envelope, _)| envelope.id)
+                .collect(),
+            started: 0,
+        };
+        for id in &waiting.ids {
+            self.shared.list_starting(*id);
         }
-        waiting.ids = ids;
+        drop(receiving);
         self.shared
             .pass(crate::Failpoint::BeforeAcknowledge, None)
             .await;
@@ -1016,11 +1028,11 @@ impl Dispatcher {
         Some(Arc::clone(self.next_worker()))
     }
 
-    /// Lists the delivery of `id` as starting on this node, before a write that records it as
-    /// this node's (a replay) and until the returned guard is dropped: a resume started
-    /// meanwhile lists it on its own.
-    pub fn starting(&self, id: uuid::Uuid) -> Starting {
-        self.shared.listed_starting(id)
+    /// Lists `id` as being received on this node, before a write that records it as this
+    /// node's (a replay) and until the returned guard is dropped: this node's orphan sweep
+    /// leaves the row alone meanwhile. A resume started meanwhile lists it as starting.
+    pub fn receiving(&self, id: uuid::Uuid) -> Receiving {
+        self.shared.receiving(vec![id])
     }
 
     /// Whether the runtime is shutting down (it accepts nothing more).

@@ -236,6 +236,7 @@ impl Engine {
                         store: parts.store.clone(),
                         claims_in_store: parts.claims_in_store,
                         starting: std::sync::Mutex::default(),
+                        receiving: std::sync::Mutex::default(),
                         // Only an outbox a relay publishes from.
                         outbox: config.durability.as_ref().and(parts.outbox.clone()),
                         outbound: parts.outbound.clone(),

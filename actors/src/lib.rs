@@ -59,7 +59,7 @@ pub use deduplication::DeduplicationRules;
 pub use deduplication::{Conflicts, Deduplication};
 pub use dispatcher::UnknownMessageTypes;
 #[doc(hidden)]
-pub use dispatcher::{Dispatcher, Persisted, Starting};
+pub use dispatcher::{Dispatcher, Persisted, Receiving};
 pub use engine::ShutdownReport;
 #[doc(hidden)]
 pub use engine::{Durability, Engine, EngineConfig, EngineParts, ReportSink};

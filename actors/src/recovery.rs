@@ -52,7 +52,7 @@ async fn resume_orphaned(dispatcher: &Dispatcher, inbox: &dyn DurableInbox, batc
     if slots.is_empty() {
         return;
     }
-    let running = running_here(dispatcher);
+    let running = running_or_received_here(dispatcher);
     match inbox.orphaned(before, &running, slots.len()).await {
         Ok(orphans) => {
             if !orphans.is_empty() {
@@ -189,15 +189,30 @@ fn running_here(dispatcher: &Dispatcher) -> std::collections::HashSet<uuid::Uuid
     let shared = &dispatcher.shared;
     // `starting` first: a supervisor moves from it to the tracker (listed there before it
     // leaves `starting`), so read in this order it is in one set or the other, never neither.
-    let mut running: std::collections::HashSet<uuid::Uuid> = shared
-        .starting
+    let mut running = listed(&shared.starting);
+    running.extend(shared.tracker.supervised());
+    running
+}
+
+/// The deliveries this node runs, and the envelopes whose write as this node's is under way:
+/// what its own unsettled rows may belong to without being orphans.
+fn running_or_received_here(dispatcher: &Dispatcher) -> std::collections::HashSet<uuid::Uuid> {
+    // `receiving` first, for the same reason: a new delivery is listed as starting before it
+    // leaves `receiving`.
+    let mut running = listed(&dispatcher.shared.receiving);
+    running.extend(running_here(dispatcher));
+    running
+}
+
+fn listed(
+    counted: &std::sync::Mutex<std::collections::HashMap<uuid::Uuid, usize>>,
+) -> std::collections::HashSet<uuid::Uuid> {
+    counted
         .lock()
         .unwrap_or_else(std::sync::PoisonError::into_inner)
         .keys()
         .copied()
-        .collect();
-    running.extend(shared.tracker.supervised());
-    running
+        .collect()
 }
 
 /// Keeps this node's heartbeat, and resumes the deliveries a stopped runtime left unsettled in

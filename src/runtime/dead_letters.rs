@@ -92,7 +92,7 @@ impl<'a> DeadLetters<'a> {
         }
         // From before the write, which may wait longer than the node timeout to commit: the
         // row it makes this node's must not look orphaned until its resume lists it.
-        let _starting = dispatcher.starting(id);
+        let _receiving = dispatcher.receiving(id);
         match runtime.inbox.replay(id, ReplayTo::ThisNode).await? {
             // Refused only by a shutdown that began meanwhile: the row is this node's, and its
             // next start runs it.
