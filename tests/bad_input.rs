@@ -208,7 +208,9 @@ fn a_handler_timeout_of_zero_is_refused() {
 #[test]
 fn a_deduplication_window_within_a_handler_timeout_is_refused() {
     let with_window = |window, module_timeout: Option<Duration>| {
-        let module = Module::new("m").handle_named::<MemberRemoved, _>("h", Counter::default());
+        let module = Module::new("m")
+            .handle_named::<MemberRemoved, _>("h", Counter::default())
+            .deduplicate("h", Deduplication::from_envelope());
         Runtime::builder()
             .enable_deduplication()
             .deduplication_window(window)
@@ -229,6 +231,22 @@ fn a_deduplication_window_within_a_handler_timeout_is_refused() {
         assert!(error.contains("m/h's is"), "{error}");
     }
     assert!(with_window(Duration::from_secs(31), None).is_ok());
+    // A handler that does not deduplicate holds no claim: its timeout does not count.
+    let other_handler = Runtime::builder()
+        .enable_deduplication()
+        .deduplication_window(Duration::from_secs(3600))
+        .module(
+            Module::new("m")
+                .handle_named::<MemberRemoved, _>("h", Counter::default())
+                .deduplicate("h", Deduplication::from_envelope()),
+        )
+        .module(
+            Module::new("reports")
+                .handle_named::<MemberRemoved, _>("nightly", Counter::default())
+                .handler_timeout(Duration::from_secs(7200)),
+        )
+        .build();
+    assert!(other_handler.is_ok(), "{other_handler:?}");
     // Without deduplication the window is not used.
     let unused = Runtime::builder()
         .deduplication_window(Duration::ZERO)

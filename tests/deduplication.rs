@@ -829,3 +829,129 @@ async fn a_claim_the_store_cannot_take_yet_is_tried_again_without_spending_an_at
         "the store was asked again"
     );
 }
+
+/// Claims whose store is down while `down` is set; counts the claims it refused.
+struct DownAtFirst {
+    down: std::sync::atomic::AtomicBool,
+    refused: std::sync::atomic::AtomicUsize,
+    inner: MemoryClaims,
+}
+
+#[async_trait]
+impl Claims for DownAtFirst {
+    async fn provision(&self) -> Result<(), dacapo::EngineError> {
+        self.inner.provision().await
+    }
+    async fn claim(&self, claim: &Claim) -> Result<ClaimOutcome, dacapo::EngineError> {
+        if self.down.load(Ordering::SeqCst) {
+            self.refused.fetch_add(1, Ordering::SeqCst);
+            return Err(dacapo::EngineError::store("the claims' store is down"));
+        }
+        self.inner.claim(claim).await
+    }
+    async fn release(&self, claim: &Claim) -> Result<(), dacapo::EngineError> {
+        self.inner.release(claim).await
+    }
+    async fn complete(
+        &self,
+        claim: &Claim,
+        cascaded: &[dacapo::Envelope],
+    ) -> Result<bool, dacapo::EngineError> {
+        self.inner.complete(claim, cascaded).await
+    }
+}
+
+/// A handler whose first call waits for `gate`; counts its calls.
+#[derive(Clone)]
+struct FirstWaits {
+    calls: Arc<std::sync::atomic::AtomicUsize>,
+    gate: Arc<tokio::sync::Semaphore>,
+}
+
+impl Default for FirstWaits {
+    fn default() -> Self {
+        Self {
+            calls: Arc::default(),
+            gate: Arc::new(tokio::sync::Semaphore::new(0)),
+        }
+    }
+}
+
+impl Handler<RebuildProjection> for FirstWaits {
+    async fn handle(&self, _: &RebuildProjection, _: &MessageContext) -> Result<(), HandlerError> {
+        if self.calls.fetch_add(1, Ordering::SeqCst) == 0 {
+            self.gate.acquire().await?.forget();
+        }
+        Ok(())
+    }
+}
+
+/// A claim that lands after an outage holds its whole window from then. Stamped at its first
+/// try, it landed already old, and a duplicate arriving while its handler ran found it
+/// expired and ran beside it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_claim_that_lands_after_an_outage_holds_its_whole_window_from_then() {
+    let clock = ManualClock(Arc::new(Mutex::new(Utc::now())));
+    let claims = Arc::new(DownAtFirst {
+        down: true.into(),
+        refused: 0.into(),
+        inner: MemoryClaims::default(),
+    });
+    let handler = FirstWaits::default();
+    let runtime = Runtime::builder()
+        .clock(Arc::new(clock.clone()))
+        .enable_deduplication()
+        .deduplication_window(Duration::from_secs(60))
+        .claims(Arc::clone(&claims) as Arc<dyn Claims>)
+        .module(
+            Module::new("orders")
+                .handle_named::<RebuildProjection, _>("create", handler.clone())
+                .deduplicate("create", Deduplication::from_envelope()),
+        )
+        .build()
+        .unwrap();
+    let until = async |what: &str, done: &dyn Fn() -> bool| {
+        tokio::time::timeout(Duration::from_secs(20), async {
+            while !done() {
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            }
+        })
+        .await
+        .unwrap_or_else(|_| panic!("{what} within 20 s"));
+    };
+    runtime
+        .publish_with(&rebuild("orders"), keyed("k"))
+        .await
+        .unwrap();
+    until("the store refuses a claim", &|| {
+        claims.refused.load(Ordering::SeqCst) > 0
+    })
+    .await;
+    // The outage outlasts the window; the claim lands as it ends.
+    *clock.0.lock().unwrap() += chrono::Duration::seconds(61);
+    claims.down.store(false, Ordering::SeqCst);
+    until("the handler runs", &|| {
+        handler.calls.load(Ordering::SeqCst) == 1
+    })
+    .await;
+
+    runtime
+        .publish_with(&rebuild("orders"), keyed("k"))
+        .await
+        .unwrap();
+    until("the second copy is told apart", &|| {
+        runtime.stats().duplicate_intents == 1 || handler.calls.load(Ordering::SeqCst) == 2
+    })
+    .await;
+    handler.gate.add_permits(1);
+    tokio::time::timeout(Duration::from_secs(20), runtime.idle())
+        .await
+        .expect("both settle");
+    assert_eq!(
+        handler.calls.load(Ordering::SeqCst),
+        1,
+        "one effect of one intent"
+    );
+    assert_eq!(runtime.stats().duplicate_intents, 1);
+    runtime.shutdown().await;
+}

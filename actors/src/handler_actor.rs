@@ -40,6 +40,9 @@ pub struct HandlerActor {
 /// A deduplicated handler's claim, and where to make it.
 pub(crate) struct PendingClaim {
     pub(crate) claim: Claim,
+    /// What a claim tried again is stamped with: it holds for `window` from when it lands.
+    pub(crate) clock: Arc<dyn crate::ports::Clock>,
+    pub(crate) window: Duration,
     /// `None` when the runtime has not enabled deduplication: the handler then fails.
     pub(crate) claims: Option<Arc<dyn Claims>>,
     pub(crate) conflicts: Conflicts,
@@ -119,6 +122,8 @@ impl HandlerActor {
         let work = async move {
             let PendingClaim {
                 claim,
+                clock,
+                window,
                 claims,
                 conflicts,
                 stats: (stats, writer),
@@ -137,11 +142,16 @@ impl HandlerActor {
                     ),
                 ));
             };
-            // Tried again while the store cannot answer (unreachable, failing over, or this
-            // delivery's claim still held by its attempt on a live node), as the delivery's
-            // own writes are: no handler ran, so no attempt is spent, and an outage longer
-            // than the retry policy's budget does not dead-letter the intent.
-            match persist("deduplication claim", message_id, || claims.claim(&claim)).await {
+            // Tried again while the store cannot answer (unreachable, failing over), as the
+            // delivery's own writes are: no handler ran, so no attempt is spent, and an outage
+            // longer than the retry policy's budget does not dead-letter the intent. Each try
+            // is stamped anew: one that lands after an outage holds its whole window.
+            let claimed = persist("deduplication claim", message_id, || {
+                let (claims, stamped) = (Arc::clone(&claims), claim.stamped(clock.now(), window));
+                async move { claims.claim(&stamped).await }
+            })
+            .await;
+            match claimed {
                 // The store refused the claim's data (a key PostgreSQL's text cannot hold):
                 // every retry would meet the same refusal.
                 Err(error @ crate::Error::Rejected(_)) => Some((
@@ -151,6 +161,17 @@ impl HandlerActor {
                 Err(error) => Some((
                     FailureKind::Error,
                     format!("deduplication claim failed: {error}"),
+                )),
+                // Not waited for here: that node's attempt may have ended without completing
+                // or releasing the claim (its store refused it), and would hold this one for as
+                // long as the node lives. The retry policy paces it instead.
+                Ok(ClaimOutcome::RunningElsewhere) => Some((
+                    FailureKind::Error,
+                    format!(
+                        "the deduplication claim of {} on {:?} is held by an attempt of this \
+                         delivery still running on another node",
+                        claim.handler, claim.key
+                    ),
                 )),
                 Ok(ClaimOutcome::Completed) => {
                     tracing::debug!(parent: &span, dacapo.deduplication_id = %claim.key, "an earlier attempt completed this handler's work");

@@ -581,6 +581,20 @@ impl Claim {
     }
 }
 
+impl Claim {
+    /// This claim made at `now`, holding for `window` from then: a claim tried again after an
+    /// outage holds its whole window from when it lands, not from its first try.
+    pub(crate) fn stamped(&self, now: DateTime<Utc>, window: std::time::Duration) -> Self {
+        let mut stamped = self.clone();
+        stamped.claimed_at = now;
+        stamped.expires_at = chrono::Duration::from_std(window)
+            .ok()
+            .and_then(|w| now.checked_add_signed(w))
+            .unwrap_or(DateTime::<Utc>::MAX_UTC);
+        stamped
+    }
+}
+
 /// What a store says of a claim.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 #[non_exhaustive]
@@ -597,6 +611,11 @@ pub enum ClaimOutcome {
     /// work (in a handler transaction) and the attempt failed after. Not a duplicate intent:
     /// the work is done, so the handler does not run again.
     Completed,
+    /// Held, not completed, by this very envelope's attempt on another node that is alive (a
+    /// broker delivered it to both): that attempt may still run the handler. This attempt
+    /// fails, and its retry finds the claim completed, released, or taken over once that node
+    /// is taken for dead.
+    RunningElsewhere,
 }
 
 /// Logical deduplication claims: one per handler and logical id, within a window.

@@ -367,6 +367,8 @@ impl DeliverySupervisor {
         );
         Some(Box::new(PendingClaim {
             claim,
+            clock: Arc::clone(&self.worker.shared.clock),
+            window: self.worker.deduplication_window,
             claims: self.worker.claims.clone(),
             conflicts: deduplication.conflicts(),
             stats: (Arc::clone(&self.worker.shared.stats), self.worker.index),

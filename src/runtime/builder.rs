@@ -452,7 +452,8 @@ impl RuntimeBuilder {
 
     /// How long a claim holds (default 24 h). This *is* the guarantee: past it, the same
     /// logical id is accepted again. Size it against how late a duplicate could arrive; it
-    /// must be longer than every handler's timeout, or [`build`](Self::build) refuses it.
+    /// must be longer than every deduplicating handler's timeout, or [`build`](Self::build)
+    /// refuses it.
     #[must_use]
     pub fn deduplication_window(mut self, window: Duration) -> Self {
         self.engine.deduplication_window = window;
@@ -580,13 +581,14 @@ impl RuntimeBuilder {
         let window = self.engine.deduplication_window;
         let longest = registry
             .entries()
+            .filter(|entry| entry.deduplication.is_some())
             .map(|entry| (registry.timeout_of(entry), &entry.id))
             .max_by_key(|(timeout, _)| *timeout);
         match longest {
             Some((timeout, handler)) if window <= timeout => Err(Error::Configuration(format!(
-                "the deduplication window ({window:?}) must be longer than every handler's \
-                 timeout ({handler}'s is {timeout:?}): a claim that expires while its handler \
-                 runs lets the same logical id run again beside it"
+                "the deduplication window ({window:?}) must be longer than every deduplicating \
+                 handler's timeout ({handler}'s is {timeout:?}): a claim that expires while its \
+                 handler runs lets the same logical id run again beside it"
             ))),
             _ => Ok(()),
         }

@@ -309,7 +309,11 @@ pub(crate) const PROVISION_CLAIMS: [&str; 3] = [
 /// which a delivery itself is taken over. That node's envelope may never come back (it was
 /// acknowledged into an inbox of that node's own), so a new envelope of the same intent takes
 /// the claim too; should the dead node's delivery be resumed after all, it finds the claim
-/// held, and the intent ran once. A live node's running attempt keeps its claim.
+/// held, and the intent ran once (a node only paused past its heartbeat may run it a second
+/// time, as it may its own delivery taken over: a handler transaction's completion of the
+/// lost claim fails instead). A claim of a version before the `node` column (node `''`)
+/// names no node to judge: only its own envelope takes it over, as that version did. A live
+/// node's running attempt keeps its claim.
 pub(crate) const CLAIM: &str = "INSERT INTO dacapo_deduplication \
     (handler, key_hash, key, fingerprint, envelope_id, node, completed, claimed_at, expires_at) \
     VALUES ($1, $2, $3, $4, $5, $8, 0, $6, $7) \
@@ -321,8 +325,10 @@ pub(crate) const CLAIM: &str = "INSERT INTO dacapo_deduplication \
     OR (dacapo_deduplication.completed = 0 \
         AND ((dacapo_deduplication.envelope_id = excluded.envelope_id \
                 AND dacapo_deduplication.node = excluded.node) \
-            OR dacapo_deduplication.node NOT IN \
-                (SELECT id FROM dacapo_nodes WHERE heartbeat_at >= $9 OR alive_until >= $10)))";
+            OR (dacapo_deduplication.node NOT IN \
+                (SELECT id FROM dacapo_nodes WHERE heartbeat_at >= $9 OR alive_until >= $10) \
+                AND (dacapo_deduplication.node <> '' \
+                    OR dacapo_deduplication.envelope_id = excluded.envelope_id))))";
 
 pub(crate) const CLAIM_HOLDER: &str = "SELECT fingerprint, envelope_id, completed, node \
     FROM dacapo_deduplication WHERE handler = $1 AND key_hash = $2";

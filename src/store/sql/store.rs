@@ -1046,11 +1046,8 @@ impl<D: Dialect> Claims for SqlStore<D> {
                 // may still run it. This attempt fails and retries until that one ends (it
                 // completes or releases the claim) or its node is taken for dead.
                 let node: String = row.get("node")?;
-                return Err(Error::store(format!(
-                    "the deduplication claim of {} on {:?} is held by an attempt of this \
-                     delivery still running on node {node}",
-                    claim.handler, claim.key
-                )));
+                tracing::info!(messaging.message.id = %claim.envelope_id, dacapo.deduplication_id = %claim.key, node, "the deduplication claim is held by an attempt of this delivery on another node");
+                return Ok(ClaimOutcome::RunningElsewhere);
             }
             let fingerprint: String = row.get("fingerprint")?;
             return Ok(ClaimOutcome::Held {
