@@ -270,21 +270,7 @@ async fn a_redelivery_past_the_retention_is_discarded_while_the_letter_is_kept_p
 async fn a_letter_that_cannot_be_read_is_left_out_of_the_listing() {
     let db = dacapo::testing::ScratchDatabase::sqlite();
     let store = db.sqlite_store().await.unwrap();
-    let harness = TestHarness::builder()
-        .store(store.clone())
-        .retry_policy(RetryPolicy::no_retries())
-        .module(
-            Module::new("workspaces")
-                .handle_named::<MemberRemoved, _>("revoke", Recorder::<MemberRemoved>::new()),
-        )
-        .fault("workspaces", "revoke", Fault::always_fail())
-        .build()
-        .unwrap();
-    let readable = harness
-        .publish(&member_removed())
-        .await
-        .unwrap()
-        .envelope_id;
+    let (harness, readable) = one_dead_letter(TestHarness::builder().store(store.clone())).await;
     let unreadable = harness
         .publish(&member_removed())
         .await
@@ -338,13 +324,9 @@ async fn an_unreadable_dead_letter_stays_in_an_inbox_in_memory() {
     );
 }
 
-/// A purge removes the letter the operator looked at, not one written since under the same id
-/// (the envelope replayed and failed again while the question waited): `letters` is the
-/// harness's dead-letter store.
-async fn only_the_letter_looked_at_is_removed(
-    builder: dacapo::testing::TestHarnessBuilder,
-    letters: &dyn dacapo::ports::DeadLetterStore,
-) {
+/// A harness from `builder` whose handler always fails, with no retries, and the id of the
+/// message it dead-lettered first.
+async fn one_dead_letter(builder: dacapo::testing::TestHarnessBuilder) -> (TestHarness, Uuid) {
     let harness = builder
         .retry_policy(RetryPolicy::no_retries())
         .module(
@@ -359,6 +341,17 @@ async fn only_the_letter_looked_at_is_removed(
         .await
         .unwrap()
         .envelope_id;
+    (harness, id)
+}
+
+/// A purge removes the letter the operator looked at, not one written since under the same id
+/// (the envelope replayed and failed again while the question waited): `letters` is the
+/// harness's dead-letter store.
+async fn only_the_letter_looked_at_is_removed(
+    builder: dacapo::testing::TestHarnessBuilder,
+    letters: &dyn dacapo::ports::DeadLetterStore,
+) {
+    let (_harness, id) = one_dead_letter(builder).await;
     let seen = letters.get(id).await.unwrap().expect("dead-lettered");
     let mut again = seen.clone();
     again.last_failure_at += chrono::Duration::seconds(1);
@@ -394,8 +387,11 @@ async fn only_the_letter_looked_at_is_removed_postgres() {
     only_the_letter_looked_at_is_removed(builder, &store).await;
 }
 
-#[tokio::test]
-async fn only_the_letter_looked_at_is_removed_in_memory() {
+/// An inbox in memory, and a harness builder on it.
+fn on_an_inbox_in_memory() -> (
+    Arc<dacapo::store::MemoryInbox>,
+    dacapo::testing::TestHarnessBuilder,
+) {
     let inbox = Arc::new(dacapo::store::MemoryInbox::new(
         Duration::from_secs(300),
         Arc::new(dacapo::ports::SystemClock),
@@ -404,6 +400,12 @@ async fn only_the_letter_looked_at_is_removed_in_memory() {
         let inbox = Arc::clone(&inbox);
         move |runtime| runtime.inbox(inbox)
     });
+    (inbox, builder)
+}
+
+#[tokio::test]
+async fn only_the_letter_looked_at_is_removed_in_memory() {
+    let (inbox, builder) = on_an_inbox_in_memory();
     only_the_letter_looked_at_is_removed(builder, &*inbox).await;
 }
 
@@ -443,28 +445,8 @@ async fn only_the_letter_looked_at_is_removed_by_a_store_that_leaves_it_to_the_t
         }
     }
 
-    let inbox = Arc::new(dacapo::store::MemoryInbox::new(
-        Duration::from_secs(300),
-        Arc::new(dacapo::ports::SystemClock),
-    ));
-    let builder = TestHarness::builder().configure({
-        let inbox = Arc::clone(&inbox);
-        move |runtime| runtime.inbox(inbox)
-    });
-    let harness = builder
-        .retry_policy(RetryPolicy::no_retries())
-        .module(
-            Module::new("workspaces")
-                .handle_named::<MemberRemoved, _>("revoke", Recorder::<MemberRemoved>::new()),
-        )
-        .fault("workspaces", "revoke", Fault::always_fail())
-        .build()
-        .unwrap();
-    let id = harness
-        .publish(&member_removed())
-        .await
-        .unwrap()
-        .envelope_id;
+    let (inbox, builder) = on_an_inbox_in_memory();
+    let (_harness, id) = one_dead_letter(builder).await;
     let letters = Plain(inbox);
     let seen = letters.get(id).await.unwrap().expect("dead-lettered");
 

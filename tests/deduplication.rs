@@ -755,81 +755,6 @@ async fn a_key_function_that_panics_dead_letters_its_message_and_the_runtime_goe
     assert!(runtime.shutdown().await.is_clean());
 }
 
-/// Claims whose store fails the first `failing` claims, as one unreachable for a while.
-struct UnreachableAtFirst {
-    failing: std::sync::atomic::AtomicUsize,
-    inner: MemoryClaims,
-}
-
-#[async_trait]
-impl Claims for UnreachableAtFirst {
-    async fn provision(&self) -> Result<(), dacapo::EngineError> {
-        self.inner.provision().await
-    }
-    async fn claim(&self, claim: &Claim) -> Result<ClaimOutcome, dacapo::EngineError> {
-        let fail = self
-            .failing
-            .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |left| {
-                left.checked_sub(1)
-            })
-            .is_ok();
-        if fail {
-            return Err(dacapo::EngineError::store(
-                "the claims' store is unreachable",
-            ));
-        }
-        self.inner.claim(claim).await
-    }
-    async fn release(&self, claim: &Claim) -> Result<(), dacapo::EngineError> {
-        self.inner.release(claim).await
-    }
-    async fn complete(
-        &self,
-        claim: &Claim,
-        cascaded: &[dacapo::Envelope],
-    ) -> Result<bool, dacapo::EngineError> {
-        self.inner.complete(claim, cascaded).await
-    }
-}
-
-/// A claim the store cannot take yet (unreachable, a failover) is tried again within the
-/// attempt, as the delivery's own writes are: no handler ran, so no attempt is spent on it,
-/// and an outage longer than the retry policy's budget does not dead-letter the intent.
-#[tokio::test]
-async fn a_claim_the_store_cannot_take_yet_is_tried_again_without_spending_an_attempt() {
-    let claims = Arc::new(UnreachableAtFirst {
-        failing: 3.into(),
-        inner: MemoryClaims::default(),
-    });
-    let effects = Counter::default();
-    let harness = TestHarness::builder()
-        .retry_policy(RetryPolicy::no_retries())
-        .configure(|runtime| {
-            runtime
-                .enable_deduplication()
-                .claims(Arc::clone(&claims) as Arc<dyn Claims>)
-        })
-        .module(
-            Module::new("orders")
-                .handle_named::<RebuildProjection, _>("create", effects.clone())
-                .deduplicate("create", Deduplication::from_envelope()),
-        )
-        .build()
-        .unwrap();
-    let report = harness
-        .publish_with(&rebuild("keyed"), keyed("k"))
-        .await
-        .unwrap();
-    assert!(report.is_handled(), "{:?}", report.outcome);
-    assert_eq!(report.attempts, 1);
-    assert_eq!(effects.count(), 1);
-    assert_eq!(
-        claims.failing.load(Ordering::SeqCst),
-        0,
-        "the store was asked again"
-    );
-}
-
 /// Claims whose store is down while `down` is set; counts the claims it refused.
 struct DownAtFirst {
     down: std::sync::atomic::AtomicBool,
@@ -859,6 +784,50 @@ impl Claims for DownAtFirst {
     ) -> Result<bool, dacapo::EngineError> {
         self.inner.complete(claim, cascaded).await
     }
+}
+
+/// A claim the store cannot take yet (unreachable, a failover) is tried again within the
+/// attempt, as the delivery's own writes are: no handler ran, so no attempt is spent on it,
+/// and an outage longer than the retry policy's budget does not dead-letter the intent.
+#[tokio::test]
+async fn a_claim_the_store_cannot_take_yet_is_tried_again_without_spending_an_attempt() {
+    let claims = Arc::new(DownAtFirst {
+        down: true.into(),
+        refused: 0.into(),
+        inner: MemoryClaims::default(),
+    });
+    let effects = Counter::default();
+    let harness = TestHarness::builder()
+        .retry_policy(RetryPolicy::no_retries())
+        .configure(|runtime| {
+            runtime
+                .enable_deduplication()
+                .claims(Arc::clone(&claims) as Arc<dyn Claims>)
+        })
+        .module(
+            Module::new("orders")
+                .handle_named::<RebuildProjection, _>("create", effects.clone())
+                .deduplicate("create", Deduplication::from_envelope()),
+        )
+        .build()
+        .unwrap();
+    // The store comes back once it refused three claims.
+    let back = async {
+        tokio::time::timeout(Duration::from_secs(20), async {
+            while claims.refused.load(Ordering::SeqCst) < 3 {
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            }
+        })
+        .await
+        .expect("the claim is asked again while the store is down");
+        claims.down.store(false, Ordering::SeqCst);
+    };
+    let message = rebuild("keyed");
+    let (report, ()) = tokio::join!(harness.publish_with(&message, keyed("k")), back);
+    let report = report.unwrap();
+    assert!(report.is_handled(), "{:?}", report.outcome);
+    assert_eq!(report.attempts, 1);
+    assert_eq!(effects.count(), 1);
 }
 
 /// A handler whose first call waits for `gate`; counts its calls.
