@@ -738,6 +738,52 @@ fn claim_for(envelope: &Envelope) -> dacapo::ports::Claim {
 }
 
 on_both_backends!(
+    a_dead_letter_leaves_a_claim_a_live_node_holds_for_its_envelope_sqlite,
+    a_dead_letter_leaves_a_claim_a_live_node_holds_for_its_envelope_postgres,
+    |db| {
+        use dacapo::ports::ClaimOutcome;
+        let envelope = Envelope::for_message(&member_removed()).unwrap();
+        let (a_inbox, a_claims) = node_store(&db, "node-a").await;
+        let (b_inbox, _) = node_store(&db, "node-b").await;
+        a_inbox.heartbeat().await.unwrap();
+        b_inbox.heartbeat().await.unwrap();
+        // Node b holds the delivery; node a, alive, runs an attempt of the same envelope (a
+        // broker delivered it to both) and holds its claim.
+        b_inbox.receive(&envelope).await.unwrap();
+        assert_eq!(
+            a_claims.claim(&claim_for(&envelope)).await.unwrap(),
+            ClaimOutcome::Claimed
+        );
+        // Node b gives up on it: its dead letter frees what its own or a dead node's attempt
+        // left, not the claim of an attempt still running elsewhere, which a new envelope of
+        // the same intent would otherwise take and run beside it.
+        let letter = dacapo::DeadLetter::rejected(
+            envelope.clone(),
+            dacapo::DeadLetterReason::Permanent,
+            chrono::Utc::now(),
+        );
+        b_inbox.dead_letter(&letter, true).await.unwrap();
+        assert_eq!(
+            db.scalar("SELECT count(*) FROM dacapo_deduplication WHERE node = 'node-a'")
+                .await,
+            1,
+            "node a's claim stands"
+        );
+        // Node a is taken for dead: a dead letter of the envelope frees its claim.
+        db.execute("UPDATE dacapo_nodes SET heartbeat_at = 0, alive_until = 0 WHERE id = 'node-a'")
+            .await;
+        db.execute("UPDATE dacapo_inbox SET status = 'incoming', owner = 'node-b'")
+            .await;
+        b_inbox.dead_letter(&letter, true).await.unwrap();
+        assert_eq!(
+            db.scalar("SELECT count(*) FROM dacapo_deduplication").await,
+            0,
+            "a dead node's claim is freed"
+        );
+    }
+);
+
+on_both_backends!(
     a_claim_a_live_node_holds_for_the_same_delivery_is_neither_taken_nor_reported_done_sqlite,
     a_claim_a_live_node_holds_for_the_same_delivery_is_neither_taken_nor_reported_done_postgres,
     |db| {

@@ -184,10 +184,13 @@ pub(crate) const REPLAY: &str = "INSERT INTO dacapo_inbox \
     received_at = excluded.received_at, handled_at = NULL \
     WHERE dacapo_inbox.status = 'handled'";
 
-/// Releases the uncompleted claims of a dead-lettered envelope, whichever node made them: the
-/// work never happened, so the logical id must be free for a message that will do it.
+/// Releases the uncompleted claims of a dead-lettered envelope that this node or a dead one
+/// made: the work never happened, so the logical id must be free for a message that will do
+/// it. A live node's claim stays: its attempt of the same envelope (a broker delivered it to
+/// both) may still run the handler, and completes or releases the claim as it ends.
 pub(crate) const RELEASE_ENVELOPE_CLAIMS: &str = "DELETE FROM dacapo_deduplication \
-    WHERE envelope_id = $1 AND completed = 0";
+    WHERE envelope_id = $1 AND completed = 0 AND (node = $2 OR node NOT IN \
+    (SELECT id FROM dacapo_nodes WHERE heartbeat_at >= $3 OR alive_until >= $4))";
 
 /// Moves a heartbeat back by no less than `$3`: two beats of one node (a round's and the
 /// timer's) may commit in the other order than they were stamped, but a clock stepped back

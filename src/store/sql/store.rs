@@ -711,8 +711,13 @@ impl<D: Dialect> Inbox for SqlStore<D> {
         let values = columns.values();
         tx.execute(PUT_DEAD_LETTER, &values).await?;
         if release_claims {
-            tx.execute(RELEASE_ENVELOPE_CLAIMS, &[Value::Text(&id)])
-                .await?;
+            let values = [
+                Value::Text(&id),
+                Value::Text(&self.node),
+                Value::Int64(millis(self.alive_since())),
+                Value::Int64(millis(self.now())),
+            ];
+            tx.execute(RELEASE_ENVELOPE_CLAIMS, &values).await?;
         }
         self.db
             .pass(
