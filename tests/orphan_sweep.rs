@@ -59,28 +59,54 @@ async fn until(what: &str, mut done: impl AsyncFnMut() -> bool) {
     .unwrap_or_else(|_| panic!("{what} within {WAIT:?}"));
 }
 
-/// A runtime on a SQLite file whose node stamps its rows on `clock`, sweeping every 20 ms.
-async fn runtime(
-    db: &ScratchDatabase,
-    clock: &ManualClock,
-    recorder: &Recorder<TicketIssued>,
-) -> Arc<Runtime> {
-    let runtime = Runtime::builder()
-        .store(store(db, clock).await)
-        .recovery_interval(Duration::from_millis(20))
-        // An orphan resumes as an interrupted attempt: retried at once, on no clock.
-        .retry_policy(RetryPolicy {
-            min_retry_interval: Duration::ZERO,
-            retry_interval_delta: Duration::ZERO,
-            ..RetryPolicy::default()
-        })
-        .module(
-            Module::new("box_office").handle_named::<TicketIssued, _>("print", recorder.clone()),
-        )
-        .build()
-        .unwrap();
-    runtime.first_recovery().await;
-    Arc::new(runtime)
+/// A runtime on a SQLite file of its own, whose node stamps its rows on `clock` and sweeps
+/// every 20 ms, with the recorder its handler is.
+struct Node {
+    db: ScratchDatabase,
+    clock: ManualClock,
+    recorder: Recorder<TicketIssued>,
+    runtime: Arc<Runtime>,
+}
+
+impl Node {
+    async fn start() -> Self {
+        let (db, clock, recorder) = (
+            ScratchDatabase::sqlite(),
+            ManualClock::default(),
+            Recorder::new(),
+        );
+        let runtime = Runtime::builder()
+            .store(store(&db, &clock).await)
+            .recovery_interval(Duration::from_millis(20))
+            // An orphan resumes as an interrupted attempt: retried at once, on no clock.
+            .retry_policy(RetryPolicy {
+                min_retry_interval: Duration::ZERO,
+                retry_interval_delta: Duration::ZERO,
+                ..RetryPolicy::default()
+            })
+            .module(
+                Module::new("box_office")
+                    .handle_named::<TicketIssued, _>("print", recorder.clone()),
+            )
+            .build()
+            .unwrap();
+        runtime.first_recovery().await;
+        Self {
+            db,
+            clock,
+            recorder,
+            runtime: Arc::new(runtime),
+        }
+    }
+
+    /// Waits for every delivery to settle, checks that `id` ran once, and stops.
+    async fn ran_once(self, id: Uuid) {
+        tokio::time::timeout(WAIT, self.runtime.idle())
+            .await
+            .expect("every delivery settles");
+        assert_eq!(runs(&self.recorder, id), 1, "the ticket ran once");
+        self.runtime.shutdown().await;
+    }
 }
 
 /// A receive of `envelope` on a thread of its own, blocked between the commit of its row and
@@ -152,14 +178,15 @@ impl Stalled {
 
 /// Ages every row of the node past the node timeout, and waits for the node's sweep to run:
 /// a real orphan of the node's — received by it, run by nothing — resumed by it shows it did.
-async fn sweep(db: &ScratchDatabase, clock: &ManualClock, recorder: &Recorder<TicketIssued>) {
+async fn sweep(node: &Node) {
     let orphan = Envelope::for_message(&TicketIssued { number: 0 }).unwrap();
-    dacapo::ports::Inbox::receive(&store(db, clock).await, &orphan)
+    dacapo::ports::Inbox::receive(&store(&node.db, &node.clock).await, &orphan)
         .await
         .unwrap();
-    clock.advance(chrono::Duration::from_std(NODE_TIMEOUT * 2).unwrap());
+    node.clock
+        .advance(chrono::Duration::from_std(NODE_TIMEOUT * 2).unwrap());
     until("the sweep resumes the orphan", async || {
-        runs(recorder, orphan.id) == 1
+        runs(&node.recorder, orphan.id) == 1
     })
     .await;
 }
@@ -169,39 +196,25 @@ async fn sweep(db: &ScratchDatabase, clock: &ManualClock, recorder: &Recorder<Ti
 /// the row to the receiver, whose delivery then runs it once.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_receive_whose_commit_waited_past_the_node_timeout_is_not_taken_for_an_orphan() {
-    let (db, clock, recorder) = (
-        ScratchDatabase::sqlite(),
-        ManualClock::default(),
-        Recorder::new(),
-    );
-    let runtime = runtime(&db, &clock, &recorder).await;
+    let node = Node::start().await;
     let envelope = Envelope::for_message(&TicketIssued { number: 1 }).unwrap();
 
-    let stalled = Stalled::receive(&runtime, &db, envelope.clone()).await;
-    sweep(&db, &clock, &recorder).await;
+    let stalled = Stalled::receive(&node.runtime, &node.db, envelope.clone()).await;
+    sweep(&node).await;
     stalled.go();
-
-    tokio::time::timeout(WAIT, runtime.idle())
-        .await
-        .expect("every delivery settles");
-    assert_eq!(runs(&recorder, envelope.id), 1, "the ticket ran once");
-    runtime.shutdown().await;
+    node.ran_once(envelope.id).await;
 }
 
 /// A second copy of the envelope, received and discarded as a duplicate while the first waits
 /// to start, leaves the first listed as starting: the sweep leaves its row alone.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_duplicate_received_meanwhile_leaves_the_first_receive_listed() {
-    let (db, clock, recorder) = (
-        ScratchDatabase::sqlite(),
-        ManualClock::default(),
-        Recorder::new(),
-    );
-    let runtime = runtime(&db, &clock, &recorder).await;
+    let node = Node::start().await;
     let envelope = Envelope::for_message(&TicketIssued { number: 1 }).unwrap();
 
-    let stalled = Stalled::receive(&runtime, &db, envelope.clone()).await;
-    let report = runtime
+    let stalled = Stalled::receive(&node.runtime, &node.db, envelope.clone()).await;
+    let report = node
+        .runtime
         .receive_tracked(envelope.clone())
         .await
         .unwrap()
@@ -212,14 +225,9 @@ async fn a_duplicate_received_meanwhile_leaves_the_first_receive_listed() {
         Outcome::Discarded(DiscardReason::DuplicateEnvelope),
         "the second copy is a duplicate"
     );
-    sweep(&db, &clock, &recorder).await;
+    sweep(&node).await;
     stalled.go();
-
-    tokio::time::timeout(WAIT, runtime.idle())
-        .await
-        .expect("every delivery settles");
-    assert_eq!(runs(&recorder, envelope.id), 1, "the ticket ran once");
-    runtime.shutdown().await;
+    node.ran_once(envelope.id).await;
 }
 
 /// A row recovery claims while an envelope of the same id is being received here — the
@@ -227,39 +235,30 @@ async fn a_duplicate_received_meanwhile_leaves_the_first_receive_listed() {
 /// envelope off this node's orphan sweep, not off recovery, or nothing would run the row.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_row_recovery_claims_while_its_envelope_is_being_received_runs_once() {
-    let (db, clock, recorder) = (
-        ScratchDatabase::sqlite(),
-        ManualClock::default(),
-        Recorder::new(),
-    );
-    let runtime = runtime(&db, &clock, &recorder).await;
+    let node = Node::start().await;
     // Rows of another node's, released as its shutdown releases them: any node's to claim.
-    let other = db
+    let other = node
+        .db
         .sqlite_store()
         .await
         .unwrap()
         .node_id("other")
-        .clock(Arc::new(clock.clone()));
+        .clock(Arc::new(node.clock.clone()));
     let envelope = Envelope::for_message(&TicketIssued { number: 1 }).unwrap();
     let control = Envelope::for_message(&TicketIssued { number: 2 }).unwrap();
     for held in [&envelope, &control] {
         dacapo::ports::Inbox::receive(&other, held).await.unwrap();
     }
 
-    let stalled = Stalled::receive(&runtime, &db, envelope.clone()).await;
+    let stalled = Stalled::receive(&node.runtime, &node.db, envelope.clone()).await;
     dacapo::ports::DurableInbox::release(&other, &[])
         .await
         .unwrap();
     // The claim that takes the control takes the envelope's row with it.
     until("recovery claims and runs the control", async || {
-        runs(&recorder, control.id) == 1
+        runs(&node.recorder, control.id) == 1
     })
     .await;
     stalled.go();
-
-    tokio::time::timeout(WAIT, runtime.idle())
-        .await
-        .expect("every delivery settles");
-    assert_eq!(runs(&recorder, envelope.id), 1, "the claimed row ran, once");
-    runtime.shutdown().await;
+    node.ran_once(envelope.id).await;
 }
